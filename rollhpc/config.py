@@ -1,0 +1,228 @@
+"""Typed experiment configuration, validated when it is loaded.
+
+Hydra composes YAML and applies overrides at the CLI boundary; what reaches the library is a plain
+dict, turned here into dataclasses. Every mistake is reported before any process starts, naming
+the dotted key: unknown keys list the valid ones, wrong types say what was expected.
+Components (the pipeline, each role's worker) are named by import path and carry an ``options``
+mapping that is validated against the component's own ``Options`` dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollhpc.parallel import ParallelLayout
+
+CONTROLLER_ROLE = "controller"
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, with the dotted path of the offending key."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+
+@dataclass(kw_only=True)
+class RoleConfig:
+    worker: str  # "package.module:Class", a subclass of rollhpc.workers.base.Worker
+    procs: int = 1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def layout(self) -> ParallelLayout:
+        p = self.parallel
+        return ParallelLayout(world=self.procs, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    entry: str  # "package.module:Class" with __init__(controller, options) and run()
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class ControllerConfig:
+    call_timeout_s: float = 900.0  # default limit on every wait for workers; per call overridable
+    startup_timeout_s: float = 180.0  # all ranks connected and their workers constructed
+    stack_dump_timeout_s: float = 10.0  # how long to wait for stacks after a timeout
+    shutdown_timeout_s: float = 30.0
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str
+    output_dir: str = "runs"
+    seed: int = 0
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    mpiexec: str = "auto"  # "auto": the venv's mpiexec (mpich wheel), else the one on PATH
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class ExperimentConfig:
+    run: RunConfig
+    pipeline: PipelineConfig
+    roles: dict[str, RoleConfig]
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def world_size(self) -> int:
+        return 1 + sum(r.procs for r in self.roles.values())
+
+
+def import_object(path: str, where: str) -> Any:
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{where}: {path!r} is not an import path of the form 'package.module:Name'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{where}: cannot import {path!r}: {e}") from e
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for alt in typing.get_args(tp):
+            if alt is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _convert(value, alt, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: {value!r} does not match {_type_name(tp)}")
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{where}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _convert(v, vt, f"{where}.{k}") for k, v in value.items()}
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+        (et, *_) = typing.get_args(tp) or (Any,)
+        items = [_convert(v, et, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: Any, where: str = "config") -> Any:
+    """Build dataclass ``cls`` from ``data``, recursively, rejecting unknown and missing keys."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+            + f"; valid keys: {', '.join(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _convert(data[name], hints[name], f"{where}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing required key {name!r}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def component_options(component: Any, options: dict[str, Any], where: str) -> Any:
+    """Validate a component's options against its ``Options`` dataclass (a dict if it has none)."""
+    opts_cls = getattr(component, "Options", None)
+    if opts_cls is None:
+        if options:
+            raise ConfigError(f"{where}: {component.__name__} takes no options, got {sorted(options)}")
+        return {}
+    return from_dict(opts_cls, options, where)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cross-field checks and component resolution: everything that can fail before launch."""
+    if not cfg.roles:
+        raise ConfigError("roles: an experiment needs at least one worker role")
+    if CONTROLLER_ROLE in cfg.roles:
+        raise ConfigError(f"roles.{CONTROLLER_ROLE}: the name is reserved for rank 0")
+    from rollhpc.workers.base import Worker
+
+    for name, role in cfg.roles.items():
+        where = f"roles.{name}"
+        if not name.isidentifier():
+            raise ConfigError(f"{where}: role names must be identifiers")
+        if role.procs < 1:
+            raise ConfigError(f"{where}.procs: must be >= 1, got {role.procs}")
+        try:
+            role.layout()
+        except ValueError as e:
+            raise ConfigError(f"{where}.parallel: {e}") from e
+        cls = import_object(role.worker, f"{where}.worker")
+        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+            raise ConfigError(f"{where}.worker: {role.worker} is not a rollhpc Worker subclass")
+        component_options(cls, role.options, f"{where}.options")
+    pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
+    component_options(pipeline, cfg.pipeline.options, "pipeline.options")
+    for role in getattr(pipeline, "required_roles", ()):
+        if role not in cfg.roles:
+            raise ConfigError(
+                f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
+            )
+    if cfg.controller.call_timeout_s <= 0:
+        raise ConfigError("controller.call_timeout_s: must be positive")
+
+
+def load(data: dict[str, Any]) -> ExperimentConfig:
+    cfg = from_dict(ExperimentConfig, data, "config")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

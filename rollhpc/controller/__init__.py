@@ -1,0 +1,1 @@
+"""Rank 0: the pipeline and the proxies through which it calls the worker groups."""

@@ -1,0 +1,120 @@
+"""The distribution contract of a worker method: how a call's arguments are dispatched to the
+ranks of a group and how their results are collected.
+
+The contract sits on the worker method (``@register``), so the controller's pipeline reads like
+single-process code: ``train.train_step(batch)`` splits the batch by data-parallel rank and
+concatenates what the data-parallel leaders return. Pure logic: no MPI here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from rollhpc.batch import Batch
+from rollhpc.parallel import RankCoords
+
+
+class Dispatch(enum.Enum):
+    ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments
+    DP_SPLIT = "dp_split"  # Batch/list arguments cut into dp_size chunks; rank gets its dp chunk
+    RANK_ZERO = "rank_zero"  # only group rank 0 is called
+
+
+class Collect(enum.Enum):
+    ALL = "all"  # list of every called rank's result, in group-rank order
+    DP_LEADERS = "dp_leaders"  # results of the dp leaders in dp order, concatenated when possible
+    RANK_ZERO = "rank_zero"  # the result of group rank 0
+
+
+@dataclass(frozen=True)
+class Contract:
+    dispatch: Dispatch
+    collect: Collect
+
+
+_DEFAULT_COLLECT = {
+    Dispatch.ONE_TO_ALL: Collect.ALL,
+    Dispatch.DP_SPLIT: Collect.DP_LEADERS,
+    Dispatch.RANK_ZERO: Collect.RANK_ZERO,
+}
+_ATTR = "__rollhpc_contract__"
+
+
+def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect | None = None) -> Callable:
+    """Mark a worker method as callable from the controller, with its dispatch and collect modes."""
+    if dispatch is Dispatch.RANK_ZERO and collect not in (None, Collect.RANK_ZERO):
+        raise ValueError("a rank-zero call can only collect rank zero's result")
+    contract = Contract(dispatch, collect or _DEFAULT_COLLECT[dispatch])
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _ATTR, contract)
+        return fn
+
+    return mark
+
+
+def remote_methods(worker_cls: type) -> dict[str, Contract]:
+    return {
+        name: getattr(fn, _ATTR)
+        for name in dir(worker_cls)
+        if callable(fn := getattr(worker_cls, name, None)) and hasattr(fn, _ATTR)
+    }
+
+
+def contract_of(worker_cls: type, method: str) -> Contract:
+    fn = getattr(worker_cls, method, None)
+    if fn is None or not hasattr(fn, _ATTR):
+        known = ", ".join(sorted(remote_methods(worker_cls))) or "none"
+        raise AttributeError(f"{worker_cls.__name__} has no remote method {method!r}; remote methods: {known}")
+    return getattr(fn, _ATTR)
+
+
+def _split_value(value: Any, n: int) -> list[Any]:
+    if isinstance(value, Batch):
+        return value.split(n)
+    if isinstance(value, list):
+        size, rest = divmod(len(value), n)
+        out, start = [], 0
+        for i in range(n):
+            end = start + size + (1 if i < rest else 0)
+            out.append(value[start:end])
+            start = end
+        return out
+    return [value] * n
+
+
+def split_arguments(args: tuple, kwargs: dict, dp_size: int) -> list[tuple[tuple, dict]]:
+    """Per dp rank, the (args, kwargs) it receives: Batch and list values are cut, others replicated."""
+    cut_args = [_split_value(a, dp_size) for a in args]
+    cut_kwargs = {k: _split_value(v, dp_size) for k, v in kwargs.items()}
+    return [
+        (tuple(c[i] for c in cut_args), {k: c[i] for k, c in cut_kwargs.items()}) for i in range(dp_size)
+    ]
+
+
+def targets(contract: Contract, coords: Sequence[RankCoords]) -> list[int]:
+    """Group ranks that receive the call."""
+    if contract.dispatch is Dispatch.RANK_ZERO:
+        return [0]
+    return [c.group_rank for c in coords]
+
+
+def merge(results: list[Any]) -> Any:
+    """Concatenate dp shards of the same kind; otherwise keep the list."""
+    if results and all(isinstance(r, Batch) for r in results):
+        return Batch.concat(results)
+    if results and all(isinstance(r, list) for r in results):
+        return [x for r in results for x in r]
+    return results
+
+
+def collect(contract: Contract, by_rank: dict[int, Any], coords: Sequence[RankCoords]) -> Any:
+    """Turn {group_rank: result} into what the controller's caller receives."""
+    if contract.collect is Collect.RANK_ZERO:
+        return by_rank[0]
+    if contract.collect is Collect.ALL:
+        return [by_rank[r] for r in sorted(by_rank)]
+    leaders = sorted((c for c in coords if c.is_dp_leader), key=lambda c: c.dp_rank)
+    return merge([by_rank[c.group_rank] for c in leaders])

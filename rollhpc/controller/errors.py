@@ -1,0 +1,27 @@
+"""Why a run stops: each error names the rank, role and call it concerns."""
+
+from __future__ import annotations
+
+
+class RunFailed(RuntimeError):
+    """Base of the failures that end a run; ``summary`` is the one line shown to the user."""
+
+    summary: str = ""
+    details: str = ""
+
+    def __init__(self, summary: str, details: str = ""):
+        super().__init__(summary)
+        self.summary = summary
+        self.details = details
+
+
+class WorkerError(RunFailed):
+    """A worker raised inside a call; ``details`` holds its traceback."""
+
+
+class WorkerDied(RunFailed):
+    """A worker process disappeared (killed, crashed in native code, node lost)."""
+
+
+class CallTimeout(RunFailed):
+    """A wait for workers ran past its limit; stacks of all ranks were dumped."""

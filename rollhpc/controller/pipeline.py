@@ -1,0 +1,30 @@
+"""Base of the programs the controller runs: a pipeline gets the worker groups and drives them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from rollhpc.controller.worker_group import WorkerGroup
+
+
+@dataclass
+class RunContext:
+    run_dir: Path
+    seed: int
+    config: Any  # the whole ExperimentConfig, for pipelines that need more than their options
+
+
+class Pipeline:
+    """Subclasses set ``required_roles`` (checked at config load), an ``Options`` dataclass, and ``run``."""
+
+    required_roles: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Any):
+        self.groups = groups
+        self.run_ctx = run
+        self.options = options
+
+    def run(self) -> None:
+        raise NotImplementedError

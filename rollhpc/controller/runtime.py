@@ -1,0 +1,159 @@
+"""The controller's side of the MPI world: sends calls, gathers replies, watches the workers.
+
+Everything the pipeline does with workers goes through ``Controller.submit`` and
+``Controller.wait``. Waiting is where failures surface: an error reply from any worker (not only
+the awaited ones), a worker whose sideband connection dropped, or a wait past its time limit,
+which first dumps the stacks of all ranks to the run's logs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
+from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
+from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
+
+log = logging.getLogger("rollhpc.controller")
+
+_LIVENESS_CHECK_S = 0.02
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    role: str
+    group_rank: int
+    host: str
+    pid: int
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (role {self.role!r}, group rank {self.group_rank}, pid {self.pid} on {self.host})"
+
+
+@dataclass
+class _Outstanding:
+    method: str
+    sent_at: float
+
+
+class Controller:
+    def __init__(self, channel: MpiChannel, sideband: ControllerSideband, ranks: dict[int, RankInfo],
+                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float):
+        self.channel = channel
+        self.sideband = sideband
+        self.ranks = ranks
+        self.run_dir = run_dir
+        self.call_timeout_s = call_timeout_s
+        self.stack_dump_timeout_s = stack_dump_timeout_s
+        self._ids = itertools.count(1)
+        self._inbox: dict[tuple[int, int], Any] = {}
+        self._outstanding: dict[tuple[int, int], _Outstanding] = {}
+        self._next_liveness = 0.0
+
+    def log_path(self, rank: int) -> Path:
+        return self.run_dir / "logs" / f"rank{rank}-{self.ranks[rank].role}.log"
+
+    # -- sending -----------------------------------------------------------------------------
+    def submit(self, method: str, payloads: dict[int, Encoded]) -> list[tuple[int, int]]:
+        """Send ``method`` to each rank with its encoded (args, kwargs); returns the reply keys."""
+        call_id = next(self._ids)
+        now = time.monotonic()
+        keys = []
+        for rank, enc in payloads.items():
+            self.channel.send_encoded(rank, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
+            self._outstanding[(rank, call_id)] = _Outstanding(method, now)
+            keys.append((rank, call_id))
+        return keys
+
+    # -- receiving ---------------------------------------------------------------------------
+    def _raise_worker_error(self, rank: int, err: dict[str, Any]) -> None:
+        info = self.ranks[rank]
+        summary = (f"worker {info.describe()} raised {err['type']} in {err['method']!r}: {err['message']}"
+                   f" (log: {self.log_path(rank)})")
+        raise WorkerError(summary, err["traceback"])
+
+    def _check_liveness(self) -> None:
+        for rank in self.sideband.dead_ranks():
+            info = self.ranks[rank]
+            running = [(k, o) for k, o in self._outstanding.items() if k[0] == rank]
+            if running:
+                (_, cid), o = running[0]
+                doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
+            else:
+                doing = "while idle"
+            raise WorkerDied(
+                f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
+                f"or its node was lost); see {self.log_path(rank)}"
+            )
+
+    def pump(self) -> bool:
+        """Move messages once: returns True if any reply arrived. Raises on any worker failure."""
+        self.channel.progress()
+        got = False
+        while (msg := self.channel.poll(TAG_REPLY)) is not None:
+            got = True
+            env = msg.envelope
+            if "error" in env:
+                self._raise_worker_error(msg.source, env["error"])
+            key = (msg.source, env.get("call_id", 0))
+            self._outstanding.pop(key, None)
+            self._inbox[key] = msg.payload if env["kind"] == "result" else env
+        now = time.monotonic()
+        if now >= self._next_liveness:
+            self._next_liveness = now + _LIVENESS_CHECK_S
+            self._check_liveness()
+        return got
+
+    def ready(self, keys: list[tuple[int, int]]) -> bool:
+        self.pump()
+        return all(k in self._inbox for k in keys)
+
+    def wait(self, keys: list[tuple[int, int]], what: str, timeout_s: float | None = None) -> dict[int, Any]:
+        """Block until every key has its reply; returns {rank: payload}."""
+        limit = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        backoff = Backoff(spin=2000, max_sleep_s=0.001)
+        while not all(k in self._inbox for k in keys):
+            if self.pump():
+                backoff.reset()
+                continue
+            if time.monotonic() > deadline:
+                missing = sorted(r for r, c in keys if (r, c) not in self._inbox)
+                self._timeout(what, missing, limit)
+            backoff.wait()
+        return {rank: self._inbox.pop((rank, cid)) for rank, cid in keys}
+
+    def _timeout(self, what: str, missing: list[int], limit: float) -> None:
+        stacks = self.sideband.collect_stacks(self.stack_dump_timeout_s)
+        path = self.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        parts = [f"=== rank 0 (controller) ===\n{format_all_stacks()}"]
+        for rank in sorted(stacks):
+            parts.append(f"=== {self.ranks[rank].describe()} ===\n{stacks[rank]}")
+        path.write_text("\n".join(parts))
+        who = ", ".join(self.ranks[r].describe() for r in missing)
+        raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}; stacks of all ranks: {path}")
+
+    # -- ending ------------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float) -> None:
+        """Normal end: every worker closes its role and leaves its loop."""
+        keys = []
+        for rank in self.ranks:
+            self.channel.send(rank, TAG_CALL, {"kind": "shutdown"})
+            keys.append((rank, 0))
+        self.wait(keys, "shutdown", timeout_s)
+        self.channel.flush(timeout_s)
+        self.sideband.close()
+
+    def release(self, wait_s: float = 3.0) -> bool:
+        """Failure end: make every worker exit now; True if all connections closed in time."""
+        try:
+            return self.sideband.release_workers(wait_s)
+        finally:
+            self.sideband.close()

@@ -1,0 +1,85 @@
+"""Proxies for a role's ranks: ``group.method(...)`` dispatches by the method's contract.
+
+``group.train_step(batch)`` blocks and returns the collected result;
+``group.train_step.submit(batch)`` returns a ``GroupFuture`` at once, so calls on several groups
+overlap. Attribute access is checked against the worker class's registered methods, so a typo
+fails on the controller with the list of remote methods instead of on a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollhpc.controller.dispatch import Contract, Dispatch, collect, contract_of, split_arguments, targets
+from rollhpc.controller.runtime import Controller
+from rollhpc.parallel import ParallelLayout
+from rollhpc.transport.mpi_channel import Encoded
+
+
+class GroupFuture:
+    """A call in flight on a group; ``result()`` waits (with the run's timeout unless given)."""
+
+    def __init__(self, group: "WorkerGroup", method: str, contract: Contract, keys: list[tuple[int, int]]):
+        self._group = group
+        self._method = method
+        self._contract = contract
+        self._keys = keys
+        self._value: Any = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or self._group.controller.ready(self._keys)
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        if not self._done:
+            what = f"call {self._method!r} on role {self._group.role!r}"
+            replies = self._group.controller.wait(self._keys, what, timeout_s)
+            by_group_rank = {self._group.group_rank_of[r]: v for r, v in replies.items()}
+            self._value = collect(self._contract, by_group_rank, self._group.layout.all_coords())
+            self._done = True
+        return self._value
+
+
+class RemoteMethod:
+    def __init__(self, group: "WorkerGroup", name: str, contract: Contract):
+        self._group = group
+        self._name = name
+        self.contract = contract
+
+    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        return self._group.submit(self._name, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(*args, **kwargs).result()
+
+
+class WorkerGroup:
+    def __init__(self, controller: Controller, role: str, worker_cls: type, world_ranks: list[int],
+                 layout: ParallelLayout):
+        self.controller = controller
+        self.role = role
+        self.worker_cls = worker_cls
+        self.world_ranks = world_ranks  # index = group rank
+        self.group_rank_of = {r: i for i, r in enumerate(world_ranks)}
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.world_ranks)
+
+    def __getattr__(self, name: str) -> RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return RemoteMethod(self, name, contract_of(self.worker_cls, name))
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        contract = contract_of(self.worker_cls, method)
+        coords = self.layout.all_coords()
+        called = targets(contract, coords)
+        if contract.dispatch is Dispatch.DP_SPLIT:
+            chunks = [Encoded.of(p) for p in split_arguments(args, kwargs, self.layout.dp)]
+            payloads = {self.world_ranks[g]: chunks[coords[g].dp_rank] for g in called}
+        else:
+            enc = Encoded.of((args, kwargs))
+            payloads = {self.world_ranks[g]: enc for g in called}
+        keys = self.controller.submit(method, payloads)
+        return GroupFuture(self, method, contract, keys)

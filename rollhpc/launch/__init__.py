@@ -1,0 +1,1 @@
+"""From a config to running processes: locally with mpiexec; on Slurm with srun (see slurm/)."""

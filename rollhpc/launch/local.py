@@ -1,0 +1,85 @@
+"""Local launch: one ``mpiexec`` MPMD command, rank 0 the controller, then each role's ranks.
+
+mpiexec runs in its own session so that, whatever happens (worker crash, Ctrl-C, a failing
+controller), everything it started is swept when it returns: no orphan processes.
+Hydra's auto-cleanup is turned off so that a dead worker does not take the controller with it
+before the controller has said which worker died and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+
+
+def find_mpiexec(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("no mpiexec found: install the `mpich` wheel in this environment or set launch.mpiexec")
+    return found
+
+
+def build_command(cfg: ExperimentConfig, run_dir: Path) -> list[str]:
+    mpiexec = find_mpiexec(cfg.launch.mpiexec)
+    cmd = [mpiexec]
+    if "hydra" in os.path.realpath(mpiexec) or Path(mpiexec).parent == Path(sys.executable).parent:
+        cmd.append("-disable-auto-cleanup")
+    cmd += cfg.launch.extra_args
+    parts = [(CONTROLLER_ROLE, 1)] + [(name, r.procs) for name, r in cfg.roles.items()]
+    for i, (role, n) in enumerate(parts):
+        if i:
+            cmd.append(":")
+        cmd += ["-n", str(n), sys.executable, "-m", "rollhpc.rank", str(run_dir), role]
+    return cmd
+
+
+def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    # Share the cores: N ranks each starting a full-size OpenMP/torch pool would thrash.
+    threads = max(1, (os.cpu_count() or 1) // cfg.world_size())
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("MKL_NUM_THREADS", env["OMP_NUM_THREADS"])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_local(cfg: ExperimentConfig, run_dir: Path) -> int:
+    """Run the world to completion; returns its exit status (0 = success)."""
+    cmd = build_command(cfg, run_dir)
+    (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
+    proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            rc = -signal.SIGKILL
+        rc = rc or 130
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return rc
+
+
+def failure_summary(run_dir: Path, rc: int) -> str:
+    err = run_dir / "error.json"
+    if err.exists():
+        return json.loads(err.read_text())["summary"]
+    return (f"the MPI world exited with status {rc} before the controller could report a cause; "
+            f"see the rank logs in {run_dir / 'logs'}")

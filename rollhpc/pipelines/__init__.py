@@ -1,0 +1,1 @@
+"""Controller programs: the loops that drive the worker groups."""

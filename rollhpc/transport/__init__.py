@@ -1,0 +1,1 @@
+"""How the controller and the workers talk: MPI for calls and data, a TCP sideband for liveness."""

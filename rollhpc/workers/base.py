@@ -1,0 +1,51 @@
+"""What every worker is given, and the base class of all roles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollhpc.controller.dispatch import Collect, Dispatch, register
+from rollhpc.parallel import RankCoords
+
+__all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]
+
+
+@dataclass
+class WorkerContext:
+    role: str
+    world_rank: int
+    coords: RankCoords  # position in the role's parallel layout (group rank, tp/dp/pp ranks)
+    group_size: int
+    role_comm: Any  # mpi4py communicator over this role's ranks only (for collectives inside the role)
+    run_dir: Path
+    seed: int
+
+    @property
+    def group_rank(self) -> int:
+        return self.coords.group_rank
+
+
+class Worker:
+    """Base of every role. Methods marked ``@register(...)`` are callable from the controller.
+
+    Subclasses may declare a nested ``Options`` dataclass; the role's ``options`` in the config are
+    validated against it at load and passed to ``__init__``.
+    """
+
+    def __init__(self, ctx: WorkerContext, options: Any = None):
+        self.ctx = ctx
+        self.options = options
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> dict[str, Any]:
+        """Liveness and placement of each rank, for logs and tests."""
+        import os
+        import socket
+
+        return {"role": self.ctx.role, "rank": self.ctx.world_rank, "group_rank": self.ctx.group_rank,
+                "host": socket.gethostname(), "pid": os.getpid()}
+
+    def close(self) -> None:
+        """Called once at a normal shutdown: release engines, flush files."""

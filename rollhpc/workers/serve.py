@@ -1,0 +1,74 @@
+"""A worker rank's life: build the role's worker, then execute the controller's calls in order.
+
+Exceptions in a call do not end the loop: they go back to the controller as an error reply with
+the rank, role and traceback, and the controller decides (by default it ends the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
+from rollhpc.transport.sideband import WorkerSideband
+from rollhpc.workers.base import Worker, WorkerContext
+
+log = logging.getLogger("rollhpc.worker")
+
+CONTROLLER_RANK = 0
+
+
+def _error(exc: BaseException, ctx: WorkerContext, method: str) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "method": method,
+        "role": ctx.role,
+        "group_rank": ctx.group_rank,
+    }
+
+
+def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
+          options: Any) -> None:
+    try:
+        worker = worker_cls(ctx, options)
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready"})
+    except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run
+        log.exception("constructing %s failed", worker_cls.__name__)
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "error": _error(e, ctx, "__init__")})
+        channel.flush(60)
+        return
+    backoff = Backoff()
+    while True:
+        msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
+        if msg is None:
+            channel.progress()
+            backoff.wait()
+            continue
+        backoff.reset()
+        env = msg.envelope
+        if env["kind"] == "shutdown":
+            sideband.closing = True
+            try:
+                worker.close()
+                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
+            except BaseException as e:  # noqa: BLE001
+                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye", "error": _error(e, ctx, "close")})
+            channel.flush(60)
+            return
+        args, kwargs = msg.payload
+        reply: dict[str, Any] = {"kind": "result", "call_id": env["call_id"]}
+        try:
+            result = getattr(worker, env["method"])(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001
+            log.exception("call %s failed", env["method"])
+            reply["error"] = _error(e, ctx, env["method"])
+            result = None
+        try:
+            encoded = Encoded.of(result)
+        except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
+            reply["error"] = _error(TypeError(f"the result of {env['method']} cannot be sent: {e}"), ctx, env["method"])
+            encoded = Encoded.of(None)
+        channel.send_encoded(CONTROLLER_RANK, TAG_REPLY, reply, encoded)
