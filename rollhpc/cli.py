@@ -135,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray and args.command not in ("submit", "convert", "ckpt"):
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except ConfigError as e:

@@ -1,0 +1,1 @@
+"""Advantages and losses: small pure functions, each unit-tested against hand-computed values."""

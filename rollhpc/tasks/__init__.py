@@ -1,0 +1,1 @@
+"""Synthetic tasks with verifiable answers, generated locally (nothing is downloaded)."""

@@ -1,0 +1,74 @@
+"""Controller programs used by the MPI tests: each drives a real world and records what it saw."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from rollhpc.batch import Batch
+from rollhpc.controller.pipeline import Pipeline
+
+
+class DispatchScenario(Pipeline):
+    """Every dispatch/collect mode, futures, and payload kinds; results go to RUN_DIR/scenario.json."""
+
+    def run(self) -> None:
+        import torch
+
+        g = self.groups["probe"]
+        out: dict = {}
+        out["ping"] = g.ping()
+        out["echo"] = g.echo({"a": 1})
+        out["whoami"] = g.whoami()
+        rows = Batch({"x": np.arange(11), "y": torch.arange(11.0)}, meta={"step": 3})
+        tagged = g.tag_rows(rows)
+        out["tagged_x"] = tagged["x"].tolist()
+        out["tagged_y"] = tagged["y"].tolist()
+        out["tagged_dp"] = tagged["dp_rank"].tolist()
+        out["tagged_meta"] = tagged.meta
+        out["count_items"] = g.count_items(list(range(10)), scale=2)
+        out["leaders"] = g.echo_from_leaders("hi")
+        out["allreduce"] = g.role_allreduce(3)
+        big = np.random.default_rng(1).integers(0, 255, 64 << 20, dtype=np.uint8)
+        out["checksum_ok"] = all(s == int(big.sum(dtype=np.uint64)) for s in g.checksum(big))
+        t = torch.randn(300, 300, dtype=torch.bfloat16)
+        back = g.echo(t)
+        out["bf16_ok"] = all(torch.equal(b, t) for b in back)
+        # non-blocking: two sleeps submitted together finish in about the time of one
+        import time
+
+        start = time.perf_counter()
+        futs = [g.sleep.submit(0.5), self.groups["other"].sleep.submit(0.5)]
+        out["sleep_results"] = [f.result() for f in futs]
+        out["overlap_s"] = time.perf_counter() - start
+        try:
+            g.no_such_method
+        except AttributeError as e:
+            out["typo_error"] = str(e)
+        (self.run_ctx.run_dir / "scenario.json").write_text(json.dumps(out))
+
+
+class FailScenario(Pipeline):
+    """Make one worker fail in the chosen way while a call is in flight on the whole group."""
+
+    required_roles = ("probe",)
+
+    @dataclass(kw_only=True)
+    class Options:
+        how: str  # raise | crash | hang
+        rank: int = 1
+        timeout_s: float = 3.0
+
+    def run(self) -> None:
+        g = self.groups["probe"]
+        g.ping()
+        (self.run_ctx.run_dir / "pids.json").write_text(json.dumps([p["pid"] for p in g.ping()]))
+        if self.options.how == "raise":
+            g.fail_on(self.options.rank, "deliberate failure for the test")
+        elif self.options.how == "crash":
+            g.crash_on(self.options.rank, 0.3)
+        elif self.options.how == "hang":
+            g.hang_on.submit(self.options.rank).result(timeout_s=self.options.timeout_s)
+        raise AssertionError("the failure did not stop the run")
