@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = _prepare_run_dir(cfg, args.overwrite)
     print(f"rollhpc: run {cfg.run.name}: {cfg.world_size()} MPI ranks, output in {run_dir}", file=sys.stderr)
     rc = run_local(cfg, run_dir)
-    if rc != 0:
+    if rc != 0 or (run_dir / "error.json").exists():
         print(f"rollhpc: run failed: {failure_summary(run_dir, rc)}", file=sys.stderr)
         return 1
     print(f"rollhpc: run {cfg.run.name} finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)

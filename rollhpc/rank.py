@@ -29,6 +29,8 @@ log = logging.getLogger("rollhpc")
 
 def _die_with_parent() -> None:
     """Linux: if our parent (mpiexec's proxy, srun's stepd) dies, so do we: no orphans."""
+    if os.environ.get("ROLLHPC_NO_PDEATHSIG"):
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     hosts = {e[1] for e in everyone}
     if rank == 0:
         return _run_controller(comm, cfg, run_dir, everyone, hosts)
+    # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
+    # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     return _run_worker(comm, role_comm, cfg, run_dir, my_role, rank, everyone)
 
 
@@ -131,6 +136,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str
 
 
 def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts: set[str]) -> int:
+    from rollhpc.controller.errors import RunFailed
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
@@ -163,6 +169,8 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
         log.info("run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
+        if not isinstance(e, RunFailed):
+            e = ctl.root_cause(e)
         summary = _write_error(run_dir, e)
         log.error("run failed: %s", summary)
         if getattr(e, "details", ""):

@@ -9,6 +9,7 @@ import numpy as np
 
 from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
+from rollhpc.workers.base import Worker
 
 
 class DispatchScenario(Pipeline):
@@ -72,3 +73,15 @@ class FailScenario(Pipeline):
         elif self.options.how == "hang":
             g.hang_on.submit(self.options.rank).result(timeout_s=self.options.timeout_s)
         raise AssertionError("the failure did not stop the run")
+
+
+class BrokenWorker(Worker):
+    """A role whose construction fails, as a worker with a bad model path would."""
+
+    def __init__(self, ctx, options=None):
+        raise FileNotFoundError("model weights not found at /nonexistent")
+
+
+class SleepScenario(Pipeline):
+    def run(self) -> None:
+        self.groups["probe"].sleep(600)

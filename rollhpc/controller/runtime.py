@@ -140,6 +140,19 @@ class Controller:
         who = ", ".join(self.ranks[r].describe() for r in missing)
         raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}; stacks of all ranks: {path}")
 
+    def root_cause(self, exc: BaseException, settle_s: float = 1.0) -> BaseException:
+        """An interrupt or odd error on the controller is often the echo of a worker's death (some
+        launchers interrupt every rank when one dies): if a worker is gone, that is the cause."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            try:
+                self._check_liveness()
+            except WorkerDied as died:
+                return died
+            if time.monotonic() > deadline:
+                return exc
+            time.sleep(0.05)
+
     # -- ending ------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float) -> None:
         """Normal end: every worker closes its role and leaves its loop."""

@@ -2,8 +2,10 @@
 
 mpiexec runs in its own session so that, whatever happens (worker crash, Ctrl-C, a failing
 controller), everything it started is swept when it returns: no orphan processes.
-Hydra's auto-cleanup is turned off so that a dead worker does not take the controller with it
-before the controller has said which worker died and why.
+MPICH's hydra launcher is avoided when the single-host ``mpiexec.gforker`` is there: when a rank is
+SIGKILLed mid-run, hydra's proxy can crash on the dead rank's PMI socket and take every rank down
+with it, so the controller never gets to say which worker died. gforker instead interrupts the
+other ranks, which the controller turns into a report naming the dead worker (see rollhpc.rank).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 def find_mpiexec(setting: str) -> str:
     if setting != "auto":
         return setting
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
+    for name in ("mpiexec.gforker", "mpiexec"):
+        beside = Path(sys.executable).parent / name
+        if beside.exists():
+            return str(beside)
     found = shutil.which("mpiexec")
     if not found:
         raise FileNotFoundError("no mpiexec found: install the `mpich` wheel in this environment or set launch.mpiexec")
@@ -34,7 +37,7 @@ def find_mpiexec(setting: str) -> str:
 def build_command(cfg: ExperimentConfig, run_dir: Path) -> list[str]:
     mpiexec = find_mpiexec(cfg.launch.mpiexec)
     cmd = [mpiexec]
-    if "hydra" in os.path.realpath(mpiexec) or Path(mpiexec).parent == Path(sys.executable).parent:
+    if os.path.basename(os.path.realpath(mpiexec)) in ("mpiexec.hydra", "mpiexec", "mpirun"):
         cmd.append("-disable-auto-cleanup")
     cmd += cfg.launch.extra_args
     parts = [(CONTROLLER_ROLE, 1)] + [(name, r.procs) for name, r in cfg.roles.items()]

@@ -1,0 +1,58 @@
+"""Helpers to run real MPI worlds through the real CLI, and to check nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def rank_processes(run_dir: Path) -> list[psutil.Process]:
+    """Live processes started for this run (every rank has the run directory on its command line)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def assert_no_orphans(run_dir: Path, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while (left := rank_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {[p.info['cmdline'] for p in left]}"
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
+def rollhpc(*args: str, cwd: Path, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollhpc.cli", *args], cwd=cwd, env=cli_env(), text=True,
+                          capture_output=True, timeout=timeout, **kw)
+
+
+@pytest.fixture
+def experiment(tmp_path: Path):
+    """Write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""
+
+    def make(data: dict, name: str = "t") -> tuple[Path, Path]:
+        data = {**data, "run": {"name": name, "output_dir": str(tmp_path / "runs"), **data.get("run", {})}}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path, tmp_path / "runs" / name
+
+    return make

@@ -1,0 +1,143 @@
+"""Real MPI worlds started through `rollhpc train`: dispatch modes and every kind of failure."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import assert_no_orphans, cli_env, rank_processes, rollhpc
+
+PROBE = "rollhpc.workers.diagnostic:DiagnosticWorker"
+
+
+def fail_world(how: str, **extra) -> dict:
+    return {
+        "pipeline": {"entry": "tests.scenarios:FailScenario", "options": {"how": how, **extra}},
+        "roles": {"probe": {"worker": PROBE, "procs": 3}},
+        "controller": {"call_timeout_s": 60.0, "stack_dump_timeout_s": 5.0},
+    }
+
+
+def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
+        "roles": {"probe": {"worker": PROBE, "procs": 4, "parallel": {"tp": 2}},
+                  "other": {"worker": PROBE, "procs": 1}},
+    })
+    res = rollhpc("train", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((run_dir / "scenario.json").read_text())
+    assert [p["rank"] for p in out["ping"]] == [1, 2, 3, 4]
+    assert len({p["pid"] for p in out["ping"]}) == 4  # separate processes
+    assert out["echo"] == [{"a": 1}] * 4  # one-to-all, collect all
+    assert out["whoami"] == 0  # rank-zero only
+    # split by dp rank (tp=2 -> dp=2): rows keep their order, first half on dp 0
+    assert out["tagged_x"] == list(range(11))
+    assert out["tagged_y"] == [float(i) for i in range(11)]
+    assert out["tagged_dp"] == [0] * 6 + [1] * 5
+    assert out["tagged_meta"] == {"step": 3}
+    assert out["count_items"] == [[0, 10], [1, 10]]  # lists split, scalars replicated, leaders gathered
+    assert out["leaders"] == [[0, "hi"], [1, "hi"]]
+    assert out["allreduce"] == [12] * 4  # the role communicator spans the role's ranks only
+    assert out["checksum_ok"] and out["bf16_ok"]  # 64 MiB numpy and bf16 torch payloads intact
+    assert out["sleep_results"] == [[0.5] * 4, [0.5]]
+    assert out["overlap_s"] < 0.95  # two groups' non-blocking calls ran concurrently
+    assert "no remote method 'no_such_method'" in out["typo_error"] and "echo" in out["typo_error"]
+    assert_no_orphans(run_dir)
+
+
+def test_worker_exception_reaches_controller_with_rank_role_traceback(experiment, tmp_path):
+    path, run_dir = experiment(fail_world("raise", rank=1))
+    start = time.monotonic()
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    assert time.monotonic() - start < 30
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("rollhpc: run failed: worker rank 2 (role 'probe', group rank 1")
+    assert "RuntimeError in 'fail_on': deliberate failure for the test" in last
+    assert 'raise RuntimeError(message)' in res.stderr  # the worker's traceback is shown
+    err = json.loads((run_dir / "error.json").read_text())
+    assert err["type"] == "WorkerError" and "diagnostic.py" in err["details"]
+    assert_no_orphans(run_dir)
+
+
+def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path):
+    path, run_dir = experiment(fail_world("crash", rank=2))
+    start = time.monotonic()
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1
+    assert elapsed < 30, f"took {elapsed:.1f} s to notice a dead worker"
+    last = res.stderr.strip().splitlines()[-1]
+    assert "worker rank 3 (role 'probe', group rank 2" in last
+    assert "died while running 'crash_on'" in last
+    assert json.loads((run_dir / "error.json").read_text())["type"] == "WorkerDied"
+    assert_no_orphans(run_dir)
+
+
+def test_hung_call_times_out_with_stacks_of_every_rank(experiment, tmp_path):
+    path, run_dir = experiment(fail_world("hang", rank=0, timeout_s=2.0))
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "call 'hang_on' on role 'probe': no reply within 2 s from rank 1 (role 'probe', group rank 0" in last
+    (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
+    text = stacks.read_text()
+    for rank in (1, 2, 3):
+        assert f"=== rank {rank} (role 'probe'" in text
+    assert "in hang_on" in text  # the hung rank's main thread is caught in the act
+    assert_no_orphans(run_dir)
+
+
+def test_worker_that_cannot_start_is_reported(experiment, tmp_path):
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+        "roles": {"probe": {"worker": PROBE, "procs": 1}, "broken": {"worker": "tests.scenarios:BrokenWorker"}},
+    })
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    assert "role 'broken'" in res.stderr and "FileNotFoundError in '__init__'" in res.stderr
+    assert_no_orphans(run_dir)
+
+
+def test_interrupting_the_launcher_leaves_no_process(experiment, tmp_path):
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+        "roles": {"probe": {"worker": PROBE, "procs": 2}},
+    })
+    proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(rank_processes(run_dir)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(rank_processes(run_dir)) >= 3, "world did not start"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert_no_orphans(run_dir)
+
+
+@pytest.mark.parametrize("how", ["crash"])
+def test_world_with_killed_controller_cleans_up(experiment, tmp_path, how):
+    """If the controller itself dies, every worker notices through the sideband and exits."""
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+        "roles": {"probe": {"worker": PROBE, "procs": 2}},
+    })
+    proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    controller = []
+    while not controller and time.monotonic() < deadline:
+        controller = [p for p in rank_processes(run_dir) if p.info["cmdline"][-1] == "controller"]
+        time.sleep(0.2)
+    time.sleep(1.0)
+    controller[0].kill()
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert_no_orphans(run_dir)
