@@ -38,6 +38,10 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
         if not (config_dir / f"{name}.yaml").exists():
             known = sorted(p.stem for p in config_dir.glob("*.yaml"))
             raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml)")
+    # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
+    # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
+    # rollhpc.config then rejects keys that exist nowhere, naming the valid ones.
+    overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
             composed = hydra_compose(config_name=name, overrides=overrides)

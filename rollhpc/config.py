@@ -39,7 +39,7 @@ class RoleConfig:
     worker: str  # "package.module:Class", a subclass of rollhpc.workers.base.Worker
     procs: int = 1
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: Any = field(default_factory=dict)  # a mapping; after load, the worker's Options instance
 
     def layout(self) -> ParallelLayout:
         p = self.parallel
@@ -48,8 +48,8 @@ class RoleConfig:
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    entry: str  # "package.module:Class" with __init__(controller, options) and run()
-    options: dict[str, Any] = field(default_factory=dict)
+    entry: str  # "package.module:Class", a subclass of rollhpc.controller.pipeline.Pipeline
+    options: Any = field(default_factory=dict)  # a mapping; after load, the pipeline's Options instance
 
 
 @dataclass(kw_only=True)
@@ -178,6 +178,8 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
 def component_options(component: Any, options: dict[str, Any], where: str) -> Any:
     """Validate a component's options against its ``Options`` dataclass (a dict if it has none)."""
     opts_cls = getattr(component, "Options", None)
+    if not isinstance(options, dict) and not (opts_cls and isinstance(options, opts_cls)):
+        raise ConfigError(f"{where}: expected a mapping, got {options!r}")
     if opts_cls is None:
         if options:
             raise ConfigError(f"{where}: {component.__name__} takes no options, got {sorted(options)}")
@@ -206,9 +208,9 @@ def validate(cfg: ExperimentConfig) -> None:
         cls = import_object(role.worker, f"{where}.worker")
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise ConfigError(f"{where}.worker: {role.worker} is not a rollhpc Worker subclass")
-        component_options(cls, role.options, f"{where}.options")
+        role.options = component_options(cls, role.options, f"{where}.options")
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
-    component_options(pipeline, cfg.pipeline.options, "pipeline.options")
+    cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
     for role in getattr(pipeline, "required_roles", ()):
         if role not in cfg.roles:
             raise ConfigError(

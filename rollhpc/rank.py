@@ -127,8 +127,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str
     ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(group_rank), group_size=rc.procs,
                         role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed)
     worker_cls = config_mod.import_object(rc.worker, f"roles.{role}.worker")
-    options = config_mod.component_options(worker_cls, rc.options, f"roles.{role}.options")
-    serve(MpiChannel(comm), sideband, worker_cls, ctx, options)
+    serve(MpiChannel(comm), sideband, worker_cls, ctx, rc.options)
     from mpi4py import MPI
 
     MPI.Finalize()
@@ -164,8 +163,7 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-        options = config_mod.component_options(pipeline_cls, cfg.pipeline.options, "pipeline.options")
-        pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), options).run()
+        pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options).run()
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
         log.info("run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message

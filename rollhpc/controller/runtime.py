@@ -118,7 +118,7 @@ class Controller:
         """Block until every key has its reply; returns {rank: payload}."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        backoff = Backoff(spin=2000, max_sleep_s=0.001)
+        backoff = Backoff(hot_s=0.002, max_sleep_s=0.001)
         while not all(k in self._inbox for k in keys):
             if self.pump():
                 backoff.reset()

@@ -9,6 +9,7 @@ receive busy-waits, which halves the speed of a trainer sharing a CPU with an id
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -95,18 +96,23 @@ class MpiChannel:
 
 
 class Backoff:
-    """Polling pace: spin briefly after activity (low latency), then sleep longer and longer (low CPU)."""
+    """Polling pace: right after activity, poll hot but yield the core to others (low latency for
+    back-to-back calls); once idle for ``hot_s``, sleep longer and longer up to ``max_sleep_s``
+    (an idle role must not steal CPU from a busy one on the same cores)."""
 
-    def __init__(self, spin: int = 200, max_sleep_s: float = 0.002):
-        self.spin = spin
+    def __init__(self, hot_s: float = 0.002, max_sleep_s: float = 0.002):
+        self.hot_s = hot_s
         self.max_sleep_s = max_sleep_s
-        self.idle = 0
+        self._since = time.monotonic()
+        self._sleep = 0.0
 
     def reset(self) -> None:
-        self.idle = 0
+        self._since = time.monotonic()
+        self._sleep = 0.0
 
     def wait(self) -> None:
-        self.idle += 1
-        if self.idle <= self.spin:
+        if time.monotonic() - self._since < self.hot_s:
+            os.sched_yield()
             return
-        time.sleep(min(self.max_sleep_s, 2e-5 * (self.idle - self.spin)))
+        self._sleep = min(self.max_sleep_s, self._sleep * 2 if self._sleep else 2e-5)
+        time.sleep(self._sleep)

@@ -1,0 +1,28 @@
+# The two commands of the README. Both build .venv first if it is missing or out of date.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.rollhpc-stamp
+PYTEST_ARGS ?=
+
+.PHONY: run test venv bench clean
+
+$(STAMP): requirements/cpu.txt requirements/test.txt pyproject.toml tools/setup_venv.sh
+	bash tools/setup_venv.sh $(VENV)
+
+venv: $(STAMP)
+
+## command 1: the quickstart job on this machine (a tiny policy, CPU, local mpiexec)
+run: $(STAMP)
+	$(VENV)/bin/rollhpc train quickstart --overwrite
+
+## command 2: the whole test suite (real MPI processes)
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+## benchmarks (install the comparison baselines, e.g. Ray, into the venv first)
+bench: $(STAMP)
+	bash tools/setup_venv.sh $(VENV) --bench
+	$(PY) bench/dispatch.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,62 @@
+import numpy as np
+import pytest
+import torch
+
+from rollhpc.batch import Batch
+from rollhpc.controller.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
+from rollhpc.parallel import ParallelLayout
+from rollhpc.workers.diagnostic import DiagnosticWorker
+
+
+def test_batch_split_sizes_and_concat_restore_order():
+    b = Batch({"x": np.arange(7), "t": torch.arange(7)}, meta={"v": 1})
+    parts = b.split(3)
+    assert [len(p) for p in parts] == [3, 2, 2]
+    assert all(p.meta == {"v": 1} for p in parts)
+    back = Batch.concat(parts)
+    assert back["x"].tolist() == list(range(7)) and back["t"].tolist() == list(range(7))
+
+
+def test_batch_rejects_ragged_fields_and_mismatched_concat():
+    with pytest.raises(ValueError, match="differ in leading size"):
+        Batch({"a": np.zeros(3), "b": np.zeros(4)})
+    with pytest.raises(ValueError, match="different fields"):
+        Batch.concat([Batch({"a": np.zeros(1)}), Batch({"b": np.zeros(1)})])
+
+
+def test_split_arguments_cuts_batches_and_lists_and_replicates_the_rest():
+    per_rank = split_arguments((Batch({"x": np.arange(4)}), [1, 2, 3], 5), {"scale": 2, "items": ["a", "b"]}, 2)
+    (a0, k0), (a1, k1) = per_rank
+    assert a0[0]["x"].tolist() == [0, 1] and a1[0]["x"].tolist() == [2, 3]
+    assert a0[1] == [1, 2] and a1[1] == [3]
+    assert a0[2] == a1[2] == 5
+    assert k0 == {"scale": 2, "items": ["a"]} and k1 == {"scale": 2, "items": ["b"]}
+
+
+def test_collect_modes_against_a_tp2_pp2_layout():
+    layout = ParallelLayout(world=8, tp=2, pp=2)  # dp = 2; leaders: tp rank 0 on the last stage
+    coords = layout.all_coords()
+    by_rank = {r: [r] for r in range(8)}
+    all_contract = contract_of(DiagnosticWorker, "echo")
+    assert collect(all_contract, by_rank, coords) == [[r] for r in range(8)]
+    dp_contract = contract_of(DiagnosticWorker, "count_items")
+    assert collect(dp_contract, by_rank, coords) == [4, 6]  # group ranks of (dp0, pp1, tp0), (dp1, pp1, tp0)
+    zero = contract_of(DiagnosticWorker, "whoami")
+    assert targets(zero, coords) == [0]
+    assert collect(zero, {0: "me"}, coords) == "me"
+
+
+def test_leader_batches_are_concatenated_in_dp_order():
+    layout = ParallelLayout(world=4, tp=2)
+    res = {0: Batch({"x": np.array([0, 1])}), 1: Batch({"x": np.array([9, 9])}), 2: Batch({"x": np.array([2])}),
+           3: Batch({"x": np.array([9])})}
+    out = collect(contract_of(DiagnosticWorker, "tag_rows"), res, layout.all_coords())
+    assert out["x"].tolist() == [0, 1, 2]
+
+
+def test_register_contract_and_typos():
+    assert contract_of(DiagnosticWorker, "tag_rows").dispatch is Dispatch.DP_SPLIT
+    with pytest.raises(AttributeError, match="no remote method 'tag_row'.*tag_rows"):
+        contract_of(DiagnosticWorker, "tag_row")
+    with pytest.raises(ValueError, match="rank-zero call"):
+        register(Dispatch.RANK_ZERO, Collect.ALL)

@@ -1,0 +1,77 @@
+"""The command line as a user meets it, and the quickstart job end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rollhpc.observability.metrics import read_metrics
+from tests.conftest import REPO, assert_no_orphans, rollhpc
+
+
+def test_help_lists_every_command(tmp_path):
+    res = rollhpc("--help", cwd=tmp_path)
+    assert res.returncode == 0
+    for cmd in ("train", "plan", "submit", "convert", "ckpt"):
+        assert cmd in res.stdout
+    assert "--dry-run" in rollhpc("train", "--help", cwd=tmp_path).stdout
+
+
+def test_plan_prints_every_rank(tmp_path):
+    res = rollhpc("plan", "quickstart", "roles.train.procs=4", "roles.train.parallel.tp=2", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "experiment quickstart: 7 MPI ranks"
+    train_rows = [line.split() for line in lines if " train " in line]
+    assert [(r[0], r[3], r[5]) for r in train_rows] == [("1", "0", "0"), ("2", "1", "0"), ("3", "0", "1"), ("4", "1", "1")]
+
+
+def test_dry_run_prints_the_mpmd_command(tmp_path):
+    res = rollhpc("train", "quickstart", "--dry-run", cwd=tmp_path)
+    assert res.returncode == 0
+    cmd = res.stdout.split()
+    assert cmd[0].endswith(("mpiexec", "mpiexec.gforker")) and cmd.count(":") == 3
+    assert cmd[cmd.index("-n") + 1] == "1" and "controller" in cmd
+
+
+def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
+    res = rollhpc("train", "quickstart", "+roles.train.parallel.tpp=2", cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("rollhpc: config error: config.roles.train.parallel: unknown key 'tpp'; "
+                                  "valid keys: tp, pp, cp, ep")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_existing_run_directory_is_not_overwritten_by_accident(tmp_path):
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
+    res = rollhpc("train", "quickstart", cwd=tmp_path)
+    assert res.returncode == 2 and "pass --overwrite" in res.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_learns(tmp_path):
+    res = rollhpc("train", "quickstart", cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "quickstart"
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    evals = [m["accuracy"] for m in metrics if "accuracy" in m]
+    assert metrics[-1]["step"] == 200 and metrics[-1]["policy_version"] == 200
+    assert evals[-1] >= 2 * evals[0] and evals[-1] >= 0.5, evals
+    assert {"reward_mean", "generate_s", "train_s", "weight_sync_s"} <= set(metrics[-1])
+    assert json.loads((run_dir / "launch.json").read_text())["command"]
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
+        "rank0-controller.log", "rank1-train.log", "rank2-train.log", "rank3-generate.log", "rank4-reward.log"]
+    assert_no_orphans(run_dir)
+
+
+def test_selfcheck_runs(tmp_path):
+    res = rollhpc("train", "selfcheck", cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "all checksums match" in res.stderr
+
+
+def test_repo_layout_is_complete():
+    for name in ("rollhpc", "slurm", "configs", "tools", "tests", "bench", "pyproject.toml", "README.md",
+                 "INSTALL.md", "Makefile", ".ci/run"):
+        assert (REPO / name).exists(), name
