@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -72,12 +73,21 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
     return summary
 
 
+def _startup_timed_out(run_dir: Path, rank: int, role: str, limit: float) -> None:
+    msg = (f"start-up did not complete within {limit:g} s (controller.startup_timeout_s): some rank never "
+           f"joined the MPI world; see the logs in {run_dir / 'logs'}")
+    if rank == 0:
+        _write_error(run_dir, RuntimeError(msg))
+    print(f"rollhpc: rank {rank} ({role}): {msg}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
 class _Terminated(Exception):
     pass
 
 
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    raise _Terminated(f"the controller received signal {signal.Signals(signum).name}")
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     rank = comm.Get_rank()
     _setup_logging(run_dir, rank, my_role)
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    # MPI collectives cannot time out: if a rank never arrives, the others would wait forever.
+    watchdog = threading.Timer(cfg.controller.startup_timeout_s, _startup_timed_out,
+                               (run_dir, rank, my_role, cfg.controller.startup_timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
     everyone = comm.allgather((my_role, socket.gethostname(), os.getpid()))
     expected = [CONTROLLER_ROLE] + [name for name, r in cfg.roles.items() for _ in range(r.procs)]
     got = [e[0] for e in everyone]
@@ -103,18 +118,19 @@ def main(argv: list[str] | None = None) -> int:
     role_comm = comm.Split(color=role_names.index(my_role), key=rank)
     hosts = {e[1] for e in everyone}
     if rank == 0:
-        return _run_controller(comm, cfg, run_dir, everyone, hosts)
+        return _run_controller(comm, cfg, run_dir, everyone, hosts, watchdog)
     # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
     # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return _run_worker(comm, role_comm, cfg, run_dir, my_role, rank, everyone)
+    return _run_worker(comm, role_comm, cfg, run_dir, my_role, rank, everyone, watchdog)
 
 
 def _group_ranks(everyone: list[tuple[str, str, int]], role: str) -> list[int]:
     return [r for r, e in enumerate(everyone) if e[0] == role]
 
 
-def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str, rank: int, everyone) -> int:
+def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str, rank: int, everyone,
+                watchdog: threading.Timer) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
     from rollhpc.workers.base import WorkerContext
@@ -122,6 +138,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str
 
     address = comm.bcast(None, root=0)
     sideband = WorkerSideband(address, rank)
+    watchdog.cancel()  # from here the sideband ends this process if the controller goes
     rc = cfg.roles[role]
     group_rank = _group_ranks(everyone, role).index(rank)
     ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(group_rank), group_size=rc.procs,
@@ -134,7 +151,8 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str
     return 0
 
 
-def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts: set[str]) -> int:
+def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts: set[str],
+                    watchdog: threading.Timer) -> int:
     from rollhpc.controller.errors import RunFailed
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
@@ -142,10 +160,12 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import ControllerSideband
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     bind = "127.0.0.1" if hosts == {socket.gethostname()} else socket.gethostbyname(socket.gethostname())
     sideband = ControllerSideband(bind)
     comm.bcast(sideband.address, root=0)
+    watchdog.cancel()  # the remaining start-up waits have their own time limits
     ranks = {}
     for role in cfg.roles:
         for g, r in enumerate(_group_ranks(everyone, role)):
@@ -167,6 +187,8 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
         log.info("run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
+            signal.signal(sig, signal.SIG_IGN)
         if not isinstance(e, RunFailed):
             e = ctl.root_cause(e)
         summary = _write_error(run_dir, e)

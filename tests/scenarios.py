@@ -85,3 +85,12 @@ class BrokenWorker(Worker):
 class SleepScenario(Pipeline):
     def run(self) -> None:
         self.groups["probe"].sleep(600)
+
+
+class SlowStartWorker(Worker):
+    """A role whose construction never finishes, as a worker stuck loading a model would."""
+
+    def __init__(self, ctx, options=None):
+        import time
+
+        time.sleep(3600)

@@ -7,8 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-
-import pytest
+from pathlib import Path
 
 from tests.conftest import assert_no_orphans, cli_env, rank_processes, rollhpc
 
@@ -105,39 +104,59 @@ def test_worker_that_cannot_start_is_reported(experiment, tmp_path):
     assert_no_orphans(run_dir)
 
 
-def test_interrupting_the_launcher_leaves_no_process(experiment, tmp_path):
+def start_sleeping_world(experiment, tmp_path) -> tuple[subprocess.Popen, Path, list]:
+    """Launch a 3-rank world whose controller sleeps inside a call; return once it is running."""
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 2}},
     })
     proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = run_dir / "logs" / "rank0-controller.log"
     deadline = time.monotonic() + 60
-    while len(rank_processes(run_dir)) < 3 and time.monotonic() < deadline:
+    while not (log.exists() and "world of 3 ranks up" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert len(rank_processes(run_dir)) >= 3, "world did not start"
+    ranks = rank_processes(run_dir)
+    assert len(ranks) >= 3, "world did not start"
+    return proc, run_dir, ranks
+
+
+def test_interrupting_the_launcher_ends_the_run_cleanly(experiment, tmp_path):
+    proc, run_dir, _ = start_sleeping_world(experiment, tmp_path)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "run interrupted: the controller received signal SIGINT" in err.strip().splitlines()[-1]
+    assert_no_orphans(run_dir)
+
+
+def test_killing_the_launcher_takes_the_world_with_it(experiment, tmp_path):
+    proc, run_dir, _ = start_sleeping_world(experiment, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    assert_no_orphans(run_dir)
+
+
+def test_world_with_killed_controller_cleans_up(experiment, tmp_path):
+    """If the controller itself dies, every worker notices through the sideband and exits."""
+    proc, run_dir, ranks = start_sleeping_world(experiment, tmp_path)
+    (controller,) = [p for p in ranks if p.info["cmdline"][-1] == "controller"]
+    controller.kill()
+    proc.communicate(timeout=30)
     assert proc.returncode != 0
     assert_no_orphans(run_dir)
 
 
-@pytest.mark.parametrize("how", ["crash"])
-def test_world_with_killed_controller_cleans_up(experiment, tmp_path, how):
-    """If the controller itself dies, every worker notices through the sideband and exits."""
+def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path):
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 2}},
+        "roles": {"probe": {"worker": PROBE, "procs": 1}, "slow": {"worker": "tests.scenarios:SlowStartWorker"}},
+        "controller": {"startup_timeout_s": 4.0, "stack_dump_timeout_s": 3.0},
     })
-    proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    controller = []
-    while not controller and time.monotonic() < deadline:
-        controller = [p for p in rank_processes(run_dir) if p.info["cmdline"][-1] == "controller"]
-        time.sleep(0.2)
-    time.sleep(1.0)
-    controller[0].kill()
-    proc.communicate(timeout=30)
-    assert proc.returncode != 0
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "worker start-up: no reply within 4 s from rank 2 (role 'slow'" in last
+    (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
+    assert "in __init__" in stacks.read_text() and "time.sleep(3600)" in stacks.read_text()
     assert_no_orphans(run_dir)

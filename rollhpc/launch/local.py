@@ -58,15 +58,24 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the mpiexec child: if this launcher is killed outright, mpiexec goes too (and with it, through
+    their own parent-death signal, every rank)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def run_local(cfg: ExperimentConfig, run_dir: Path) -> int:
     """Run the world to completion; returns its exit status (0 = success)."""
     cmd = build_command(cfg, run_dir)
     (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
-    proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True)
+    proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
     try:
         rc = proc.wait()
     except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
+        # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             rc = proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

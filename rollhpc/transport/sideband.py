@@ -20,6 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+_HELLO_BYTES = 64
 _DUMP = b"DUMP\n"
 _EXIT = b"EXIT\n"
 
@@ -30,6 +31,16 @@ def _keepalive(sock: socket.socket) -> None:
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def format_all_stacks() -> str:
@@ -70,7 +81,7 @@ class ControllerSideband:
             except socket.timeout:
                 continue
             conn.settimeout(timeout_s)
-            hello = conn.recv(64).decode().split()
+            hello = _recv_exact(conn, _HELLO_BYTES).decode(errors="replace").split()
             if len(hello) != 3 or hello[0] != "HELLO" or hello[2] != self.address.token:
                 conn.close()
                 continue
@@ -157,7 +168,7 @@ class WorkerSideband:
     def __init__(self, address: Address, rank: int, on_controller_lost_exit_code: int = 70):
         self._sock = socket.create_connection((address.host, address.port), timeout=30)
         _keepalive(self._sock)
-        self._sock.sendall(f"HELLO {rank} {address.token}".ljust(64).encode())
+        self._sock.sendall(f"HELLO {rank} {address.token}".ljust(_HELLO_BYTES).encode())
         self._sock.settimeout(None)
         self._exit_code = on_controller_lost_exit_code
         self.closing = False  # set by a normal shutdown, so a closed socket is then expected
