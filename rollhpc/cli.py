@@ -54,7 +54,7 @@ def load_experiment(experiment: str, overrides: list[str]) -> ExperimentConfig:
     return config_mod.load(compose(experiment, overrides))
 
 
-def _prepare_run_dir(cfg: ExperimentConfig, overwrite: bool) -> Path:
+def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool) -> Path:
     run_dir = cfg.run.run_dir.resolve()
     if run_dir.exists():
         if not overwrite:
@@ -62,19 +62,21 @@ def _prepare_run_dir(cfg: ExperimentConfig, overwrite: bool) -> Path:
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
+    plan.save(run_dir / "plan.json")
     return run_dir
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rollhpc.launch.local import build_command, failure_summary, run_local
+    from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
 
     cfg = load_experiment(args.experiment, args.overrides)
+    plan = local_plan(cfg)
     if args.dry_run:
-        print(" ".join(build_command(cfg, cfg.run.run_dir.resolve())))
+        print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
         return 0
-    run_dir = _prepare_run_dir(cfg, args.overwrite)
+    run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
     print(f"rollhpc: run {cfg.run.name}: {cfg.world_size()} MPI ranks, output in {run_dir}", file=sys.stderr)
-    rc = run_local(cfg, run_dir)
+    rc = run_local(cfg, plan, run_dir)
     if rc != 0 or (run_dir / "error.json").exists():
         print(f"rollhpc: run failed: {failure_summary(run_dir, rc)}", file=sys.stderr)
         return 1
@@ -83,16 +85,45 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.launch.plan_report import render
+
     cfg = load_experiment(args.experiment, args.overrides)
-    print(f"experiment {cfg.run.name}: {cfg.world_size()} MPI ranks")
-    print(f"{'rank':>5}  {'role':<12} {'group':>5}  {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}  dp-leader")
-    print(f"{0:>5}  {'controller':<12} {0:>5}")
-    rank = 1
-    for name, role in cfg.roles.items():
-        for c in role.layout().all_coords():
-            print(f"{rank:>5}  {name:<12} {c.group_rank:>5}  {c.tp_rank:>3} {c.cp_rank:>3} {c.dp_rank:>3} "
-                  f"{c.pp_rank:>3}  {'yes' if c.is_dp_leader else ''}")
-            rank += 1
+    plan = plan_world(cfg)
+    if args.json:
+        print(plan.to_json())
+        return 0
+    for line in render(cfg, plan, ranks=not args.no_ranks, groups=args.groups, max_groups=args.max_groups):
+        print(line)
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    import time
+
+    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.launch.local import failure_summary
+    from rollhpc.launch.slurm import render_sbatch, submit
+
+    cfg = load_experiment(args.experiment, args.overrides)
+    plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
+    if args.dry_run:
+        print(render_sbatch(cfg, plan, cfg.run.run_dir.resolve()))
+        return 0
+    run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
+    job = submit(cfg, plan, run_dir)
+    (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")
+    print(f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
+          f"output in {run_dir}", file=sys.stderr)
+    if not args.wait:
+        return 0
+    while not job.done():
+        time.sleep(2)
+    state = job.state
+    if state != "COMPLETED" or (run_dir / "error.json").exists():
+        print(f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}", file=sys.stderr)
+        return 1
+    print(f"rollhpc: job {job.job_id} completed; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
     return 0
 
 
@@ -124,13 +155,29 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
     t.set_defaults(func=cmd_train)
 
-    pl = sub.add_parser("plan", help="print which MPI rank serves which role, and its parallel coordinates",
-                        description="Validate an experiment and print its rank layout without starting anything.")
+    pl = sub.add_parser("plan", help="print where every rank of every role runs (node, GPUs, het group) and its "
+                        "parallel groups", description="Validate an experiment's device mapping against its cluster "
+                        "description (cluster.nodes, cluster.gpus_per_node, ...) and print the plan, without "
+                        "starting or submitting anything. Impossible mappings fail with one message.")
     experiment_args(pl)
+    pl.add_argument("--groups", action="store_true", help="also print each role's parallel groups (tp, cp, dp, pp, ...)")
+    pl.add_argument("--max-groups", type=int, default=4, help="groups shown per kind (0 = all; default 4)")
+    pl.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)
 
-    for name, text in (("submit", "submit an experiment to Slurm as one heterogeneous job"),
-                       ("convert", "convert checkpoints between Megatron and Hugging Face formats"),
+    sb = sub.add_parser("submit", help="submit an experiment to Slurm as one heterogeneous job",
+                        description="Plan the experiment on cluster.* (nodes, GPUs per node, partition...), then "
+                        "submit one heterogeneous Slurm job (one component per placement group) whose single MPMD "
+                        "srun starts the controller and every worker in one MPI world. Run from a login node; "
+                        "runs/NAME must be on a filesystem the compute nodes share.")
+    experiment_args(sb)
+    sb.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
+    sb.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 only if the run succeeded")
+    sb.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
+    sb.set_defaults(func=cmd_submit)
+
+    for name, text in (("convert", "convert checkpoints between Megatron and Hugging Face formats"),
                        ("ckpt", "list, inspect and verify checkpoints")):
         sp = sub.add_parser(name, help=f"{text} (not implemented yet)")
         sp.add_argument("rest", nargs=argparse.REMAINDER)
@@ -143,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
-    if stray and args.command not in ("submit", "convert", "ckpt"):
+    if stray and args.command not in ("convert", "ckpt"):
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]

@@ -37,8 +37,13 @@ class ParallelConfig:
 @dataclass(kw_only=True)
 class RoleConfig:
     worker: str  # "package.module:Class", a subclass of rollhpc.workers.base.Worker
-    procs: int = 1
+    procs: int = 1  # MPI ranks of this role
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    gpus_per_proc: int = 0  # GPUs each rank drives (0: a CPU role; a vLLM engine with TP 4: 4)
+    cpus_per_proc: int = 1
+    # Explicit global GPU ids (node * gpus_per_node + local id), procs * gpus_per_proc of them. Roles
+    # given the same list share those GPUs (colocated); roles without a list get GPUs of their own.
+    devices: list[int] | None = None
     options: Any = field(default_factory=dict)  # a mapping; after load, the worker's Options instance
 
     def layout(self) -> ParallelLayout:
@@ -72,6 +77,23 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class ClusterConfig:
+    """The Slurm cluster a plan targets (``rollhpc plan`` and ``rollhpc submit``)."""
+
+    nodes: int = 1  # nodes the job may use at most
+    gpus_per_node: int = 0
+    cpus_per_node: int = 8
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    time_limit: str = "01:00:00"
+    mem_per_node: str = ""  # e.g. "256G"; empty: the partition's default
+    srun_mpi: str = "pmi2"  # srun --mpi=... (pmi2 for MPICH, pmix for Open MPI)
+    sbatch_extra: list[str] = field(default_factory=list)  # more "--key=value" options for every component
+    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
+
+
+@dataclass(kw_only=True)
 class LaunchConfig:
     mpiexec: str = "auto"  # "auto": the venv's mpiexec (mpich wheel), else the one on PATH
     extra_args: list[str] = field(default_factory=list)
@@ -84,6 +106,7 @@ class ExperimentConfig:
     roles: dict[str, RoleConfig]
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def world_size(self) -> int:
         return 1 + sum(r.procs for r in self.roles.values())

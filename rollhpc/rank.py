@@ -90,58 +90,74 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
 
 
+def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
+    """Point CUDA_VISIBLE_DEVICES at this rank's GPUs, chosen among those Slurm allocated to the step
+    (never assumed to start at 0). Must run before anything initializes CUDA."""
+    if not local_gpus:
+        return None
+    allocated = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = allocated.split(",") if allocated else [str(i) for i in range(max(local_gpus) + 1)]
+    if max(local_gpus) >= len(ids):
+        raise RuntimeError(f"the plan gives this rank GPUs {list(local_gpus)} of its node, but only {len(ids)} were "
+                           f"allocated (CUDA_VISIBLE_DEVICES={allocated!r})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in local_gpus)
+    return os.environ["CUDA_VISIBLE_DEVICES"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    run_dir_s, my_role = (argv or sys.argv[1:])[:2]
-    run_dir = Path(run_dir_s)
+    args = argv if argv is not None else sys.argv[1:]
+    return run_rank(Path(args[0]), args[1] if len(args) > 1 else None)
+
+
+def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
+    """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
+    from rollhpc.launch.device_mapping import WorldPlan
+
     _die_with_parent()
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    plan = WorldPlan.load(run_dir / "plan.json")
+    me = plan.ranks[rank] if rank < plan.world_size else None
+    my_role = me.role if me else "unplanned"
     _setup_logging(run_dir, rank, my_role)
+    if comm.Get_size() != plan.world_size or (expected_role and expected_role != my_role):
+        print(f"rollhpc: rank {rank}: the MPI world ({comm.Get_size()} ranks, this one started as "
+              f"{expected_role!r}) does not match the plan ({plan.world_size} ranks, rank {rank} = {my_role!r})",
+              file=sys.stderr, flush=True)
+        comm.Abort(2)
+    gpus = bind_gpus(me.gpus)
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever.
     watchdog = threading.Timer(cfg.controller.startup_timeout_s, _startup_timed_out,
                                (run_dir, rank, my_role, cfg.controller.startup_timeout_s))
     watchdog.daemon = True
     watchdog.start()
-    everyone = comm.allgather((my_role, socket.gethostname(), os.getpid()))
-    expected = [CONTROLLER_ROLE] + [name for name, r in cfg.roles.items() for _ in range(r.procs)]
-    got = [e[0] for e in everyone]
-    if got != expected:
-        if rank == 0:
-            print(f"rollhpc: the MPI world does not match the config: ranks have roles {got}, "
-                  f"the config asks for {expected}", file=sys.stderr, flush=True)
-            comm.Abort(2)
-        time.sleep(60)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # simulated Slurm nodes share a hostname
+    everyone = comm.allgather((my_role, host, os.getpid(), gpus, socket.gethostname()))
     role_names = [CONTROLLER_ROLE, *cfg.roles]
-    role_comm = comm.Split(color=role_names.index(my_role), key=rank)
-    hosts = {e[1] for e in everyone}
+    role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)
     if rank == 0:
-        return _run_controller(comm, cfg, run_dir, everyone, hosts, watchdog)
+        return _run_controller(comm, cfg, plan, run_dir, everyone, watchdog)
     # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
     # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return _run_worker(comm, role_comm, cfg, run_dir, my_role, rank, everyone, watchdog)
+    return _run_worker(comm, role_comm, cfg, run_dir, me, watchdog)
 
 
-def _group_ranks(everyone: list[tuple[str, str, int]], role: str) -> list[int]:
-    return [r for r, e in enumerate(everyone) if e[0] == role]
-
-
-def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str, rank: int, everyone,
-                watchdog: threading.Timer) -> int:
+def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watchdog: threading.Timer) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
     from rollhpc.workers.base import WorkerContext
     from rollhpc.workers.serve import serve
 
+    role, rank = me.role, me.rank
     address = comm.bcast(None, root=0)
     sideband = WorkerSideband(address, rank)
     watchdog.cancel()  # from here the sideband ends this process if the controller goes
     rc = cfg.roles[role]
-    group_rank = _group_ranks(everyone, role).index(rank)
-    ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(group_rank), group_size=rc.procs,
+    ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(me.group_rank), group_size=rc.procs,
                         role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed)
     worker_cls = config_mod.import_object(rc.worker, f"roles.{role}.worker")
     serve(MpiChannel(comm), sideband, worker_cls, ctx, rc.options)
@@ -151,8 +167,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, role: str
     return 0
 
 
-def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts: set[str],
-                    watchdog: threading.Timer) -> int:
+def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, watchdog: threading.Timer) -> int:
     from rollhpc.controller.errors import RunFailed
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
@@ -162,14 +177,17 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    bind = "127.0.0.1" if hosts == {socket.gethostname()} else socket.gethostbyname(socket.gethostname())
-    sideband = ControllerSideband(bind)
+    hosts = {e[1] for e in everyone}
+    (run_dir / "world.json").write_text(json.dumps(
+        [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)]))
+    if {e[4] for e in everyone} == {socket.gethostname()}:
+        sideband = ControllerSideband("127.0.0.1")
+    else:  # workers on other machines reach the controller by its host name
+        sideband = ControllerSideband("", advertise=socket.getfqdn())
     comm.bcast(sideband.address, root=0)
     watchdog.cancel()  # the remaining start-up waits have their own time limits
-    ranks = {}
-    for role in cfg.roles:
-        for g, r in enumerate(_group_ranks(everyone, role)):
-            ranks[r] = RankInfo(r, role, g, everyone[r][1], everyone[r][2])
+    ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
+             for p in plan.ranks if p.role != CONTROLLER_ROLE}
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
     try:
@@ -178,8 +196,7 @@ def _run_controller(comm, cfg: ExperimentConfig, run_dir: Path, everyone, hosts:
         log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
                  ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
         groups = {
-            role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), _group_ranks(everyone, role),
-                              rc.layout())
+            role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")

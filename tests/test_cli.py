@@ -22,9 +22,23 @@ def test_plan_prints_every_rank(tmp_path):
     res = rollhpc("plan", "quickstart", "roles.train.procs=4", "roles.train.parallel.tp=2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0] == "experiment quickstart: 7 MPI ranks"
+    assert lines[0].startswith("experiment quickstart: 7 MPI ranks, 0 GPUs; cluster: 1 nodes")
     train_rows = [line.split() for line in lines if " train " in line]
-    assert [(r[0], r[3], r[5]) for r in train_rows] == [("1", "0", "0"), ("2", "1", "0"), ("3", "0", "1"), ("4", "1", "1")]
+    # rank, role, group rank, het group, node, gpus, tp, cp, dp, pp
+    assert [(r[0], r[6], r[8]) for r in train_rows] == [("1", "0", "0"), ("2", "1", "0"), ("3", "0", "1"), ("4", "1", "1")]
+
+
+def test_plan_places_gpu_roles_and_refuses_impossible_mappings(tmp_path):
+    gpu = ["roles.train.gpus_per_proc=1", "roles.train.procs=8", "roles.generate.gpus_per_proc=2",
+           "roles.generate.procs=2", "cluster.nodes=3", "cluster.gpus_per_node=4"]
+    res = rollhpc("plan", "quickstart", *gpu, "--no-ranks", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "het group 1: train | 2 node(s), 8 tasks (4/node), 4 GPUs/node" in res.stdout
+    assert "het group 2: generate | 1 node(s), 2 tasks (2/node), 4 GPUs/node" in res.stdout
+    res = rollhpc("plan", "quickstart", *gpu, "cluster.nodes=2", cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip() == ("rollhpc: config error: roles.generate: needs 4 GPUs but the cluster has no 4 free "
+                                  "GPUs left (8 in all: 2 nodes x 4; the roles ask for 12, colocated ones counted once)")
 
 
 def test_dry_run_prints_the_mpmd_command(tmp_path):

@@ -18,7 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
+from rollhpc.launch.device_mapping import WorldPlan, plan_world
 
 
 def find_mpiexec(setting: str) -> str:
@@ -34,14 +35,41 @@ def find_mpiexec(setting: str) -> str:
     return found
 
 
-def build_command(cfg: ExperimentConfig, run_dir: Path) -> list[str]:
+def local_gpu_count() -> int:
+    """GPUs on this machine, without importing torch (nvidia-smi lists one per line)."""
+    if not shutil.which("nvidia-smi"):
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def local_plan(cfg: ExperimentConfig) -> WorldPlan:
+    """This machine as a one-node cluster; CPUs may be oversubscribed (ranks mostly wait on each other)."""
+    cluster = ClusterConfig(nodes=1, gpus_per_node=local_gpu_count(),
+                            cpus_per_node=max(os.cpu_count() or 1, sum(r.cpus_per_proc * r.procs for r in cfg.roles.values()) + 1))
+    try:
+        return plan_world(cfg, cluster)
+    except ConfigError as e:
+        raise ConfigError(f"cannot run on this machine ({cluster.gpus_per_node} GPUs): {e}") from e
+
+
+def build_command(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> list[str]:
+    """mpiexec MPMD: one segment per run of consecutive ranks of the same role, in plan order."""
     mpiexec = find_mpiexec(cfg.launch.mpiexec)
     cmd = [mpiexec]
     if os.path.basename(os.path.realpath(mpiexec)) in ("mpiexec.hydra", "mpiexec", "mpirun"):
         cmd.append("-disable-auto-cleanup")
     cmd += cfg.launch.extra_args
-    parts = [(CONTROLLER_ROLE, 1)] + [(name, r.procs) for name, r in cfg.roles.items()]
-    for i, (role, n) in enumerate(parts):
+    segments: list[tuple[str, int]] = []
+    for p in plan.ranks:
+        if segments and segments[-1][0] == p.role:
+            segments[-1] = (p.role, segments[-1][1] + 1)
+        else:
+            segments.append((p.role, 1))
+    for i, (role, n) in enumerate(segments):
         if i:
             cmd.append(":")
         cmd += ["-n", str(n), sys.executable, "-m", "rollhpc.rank", str(run_dir), role]
@@ -66,9 +94,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def run_local(cfg: ExperimentConfig, run_dir: Path) -> int:
+def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     """Run the world to completion; returns its exit status (0 = success)."""
-    cmd = build_command(cfg, run_dir)
+    cmd = build_command(cfg, plan, run_dir)
     (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
     proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
     try:

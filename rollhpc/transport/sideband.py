@@ -63,10 +63,10 @@ class Address:
 class ControllerSideband:
     """The controller's end: accepts one connection per worker rank and watches them."""
 
-    def __init__(self, bind_host: str):
+    def __init__(self, bind_host: str, advertise: str | None = None):
         self._server = socket.create_server((bind_host, 0))
         self._server.settimeout(1.0)
-        self.address = Address(bind_host, self._server.getsockname()[1], secrets.token_hex(8))
+        self.address = Address(advertise or bind_host, self._server.getsockname()[1], secrets.token_hex(8))
         self._socks: dict[int, socket.socket] = {}
         self._lost: set[int] = set()
 

@@ -1,0 +1,213 @@
+"""AutoDeviceMapping: which node and GPUs every rank of every role gets, and in which Slurm component.
+
+Rules (after ROLL's device_mapping):
+- a GPU role asks for ``procs * gpus_per_proc`` GPUs; with an explicit ``devices`` list it gets exactly
+  those global GPU ids (node * gpus_per_node + local id), otherwise fresh GPUs after the used ones;
+- roles with the same device list are colocated (they share GPUs and take turns, offloading between
+  stages); lists that overlap without being equal are refused;
+- the controller and CPU roles (reward, env, ...) share the first component, GPU placement groups get
+  one heterogeneous component each;
+- within a component, ranks are ordered node by node (every role's ranks of node 0, then node 1...),
+  which is the order Slurm's block distribution gives them, so MPI world rank = plan rank.
+Pure computation on plain values: plans for thousands of GPUs render in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rollhpc.config import CONTROLLER_ROLE, ClusterConfig, ConfigError, ExperimentConfig
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    rank: int  # MPI world rank
+    role: str
+    group_rank: int  # rank within its role
+    component: int  # heterogeneous job component (het group)
+    node: int  # node index within the component
+    gpus: tuple[int, ...]  # local GPU indices on that node (positions in the node's allocated GPUs)
+
+
+@dataclass
+class Component:
+    index: int
+    roles: list[str]
+    nodes: int
+    ntasks: int
+    ntasks_per_node: int
+    gpus_per_node: int
+    cpus_per_task: int
+
+
+@dataclass
+class WorldPlan:
+    ranks: list[RankPlacement]
+    components: list[Component]
+    gpus_total: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def ranks_of(self, role: str) -> list[int]:
+        """World ranks of a role, in group-rank order."""
+        return [p.rank for p in sorted((p for p in self.ranks if p.role == role), key=lambda p: p.group_rank)]
+
+    def to_json(self) -> str:
+        return json.dumps({"ranks": [asdict(r) for r in self.ranks], "components": [asdict(c) for c in self.components],
+                           "gpus_total": self.gpus_total, "notes": self.notes})
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorldPlan":
+        d = json.loads(text)
+        ranks = [RankPlacement(**{**r, "gpus": tuple(r["gpus"])}) for r in d["ranks"]]
+        return cls(ranks, [Component(**c) for c in d["components"]], d["gpus_total"], d["notes"])
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "WorldPlan":
+        return cls.from_json(Path(path).read_text())
+
+
+def _fmt_ids(ids: list[int]) -> str:
+    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
+
+
+def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[list[str], list[int]]]:
+    """Placement groups of GPU roles: (roles, global GPU ids), explicit lists first, then fresh GPUs."""
+    capacity = cluster.nodes * cluster.gpus_per_node
+    groups: dict[tuple[int, ...], list[str]] = {}
+    owner: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for name, role in cfg.roles.items():
+        need = role.procs * role.gpus_per_proc
+        if role.gpus_per_proc < 0:
+            raise ConfigError(f"roles.{name}.gpus_per_proc: must be >= 0")
+        if role.gpus_per_proc == 0:
+            if role.devices:
+                raise ConfigError(f"roles.{name}.devices: a CPU role (gpus_per_proc: 0) cannot have GPUs")
+            continue
+        if cluster.gpus_per_node == 0:
+            raise ConfigError(f"roles.{name}: asks for {role.gpus_per_proc} GPU(s) per rank but cluster.gpus_per_node is 0")
+        if role.gpus_per_proc > cluster.gpus_per_node:
+            raise ConfigError(f"roles.{name}.gpus_per_proc: {role.gpus_per_proc} GPUs per rank do not fit on a node "
+                              f"of {cluster.gpus_per_node}")
+        if role.devices is None:
+            continue
+        ids = tuple(role.devices)
+        if len(ids) != need:
+            raise ConfigError(f"roles.{name}.devices: {len(ids)} GPUs listed but procs x gpus_per_proc = "
+                              f"{role.procs} x {role.gpus_per_proc} = {need}")
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"roles.{name}.devices: GPU ids repeat")
+        bad = [i for i in ids if not 0 <= i < capacity]
+        if bad:
+            raise ConfigError(f"roles.{name}.devices: GPU ids {bad[:5]} outside the cluster's {capacity} GPUs "
+                              f"({cluster.nodes} nodes x {cluster.gpus_per_node})")
+        for i in ids:
+            if i in owner and owner[i][1] != ids:
+                other = owner[i][0]
+                raise ConfigError(f"roles.{name}.devices: shares GPU {i} with role {other!r} but not the same list: "
+                                  f"colocated roles must use identical device lists")
+            owner[i] = (name, ids)
+        groups.setdefault(ids, []).append(name)
+    used = set(owner)
+    out = [(roles, list(ids)) for ids, roles in groups.items()]
+    cursor = 0
+    for name, role in cfg.roles.items():
+        if role.gpus_per_proc == 0 or role.devices is not None:
+            continue
+        need = role.procs * role.gpus_per_proc
+        ids: list[int] = []
+        while len(ids) < need and cursor < capacity:
+            if cursor not in used:
+                # a rank's GPUs must sit on one node: skip to the next node if this one cannot hold them
+                room = cluster.gpus_per_node - cursor % cluster.gpus_per_node
+                if len(ids) % role.gpus_per_proc == 0 and room < role.gpus_per_proc:
+                    cursor += room
+                    continue
+                ids.append(cursor)
+            cursor += 1
+        if len(ids) < need:
+            total = sum(r.procs * r.gpus_per_proc for r in cfg.roles.values())
+            raise ConfigError(f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
+                              f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
+                              f"for {total}, colocated ones counted once)")
+        used.update(ids)
+        out.append(([name], ids))
+    return out
+
+
+def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> WorldPlan:
+    """Place every rank. Raises ConfigError naming the role and the numbers when it cannot."""
+    cluster = cluster or cfg.cluster
+    if cluster.nodes < 1:
+        raise ConfigError("cluster.nodes: must be >= 1")
+    ranks: list[RankPlacement] = []
+    components: list[Component] = []
+    notes: list[str] = []
+
+    # component 0: the controller and every CPU role
+    cpu_roles = [n for n, r in cfg.roles.items() if r.gpus_per_proc == 0]
+    members = [(CONTROLLER_ROLE, 0, 1)] + [(n, g, cfg.roles[n].cpus_per_proc) for n in cpu_roles
+                                             for g in range(cfg.roles[n].procs)]
+    cpus_per_task = max(c for _, _, c in members)
+    per_node = max(1, cluster.cpus_per_node // cpus_per_task)
+    nodes0 = math.ceil(len(members) / per_node)
+    for i, (role, g, _) in enumerate(members):
+        ranks.append(RankPlacement(len(ranks), role, g, 0, i // per_node, ()))
+    components.append(Component(0, [CONTROLLER_ROLE, *cpu_roles], nodes0, len(members),
+                                min(per_node, len(members)), 0, cpus_per_task))
+
+    gpu_total = 0
+    for roles, ids in _gpu_groups(cfg, cluster):
+        gpn = cluster.gpus_per_node
+        node_ids = sorted({i // gpn for i in ids})
+        local_of = {}  # global id -> (node index in component, position among the node's used GPUs)
+        per_node_gpus = 0
+        for k, node in enumerate(node_ids):
+            on_node = sorted(i for i in ids if i // gpn == node)
+            per_node_gpus = max(per_node_gpus, len(on_node))
+            for pos, i in enumerate(on_node):
+                local_of[i] = (k, pos)
+        comp = len(components)
+        tasks_on: list[list[RankPlacement]] = [[] for _ in node_ids]
+        for name in roles:
+            role = cfg.roles[name]
+            devs = role.devices if role.devices is not None else ids
+            for g in range(role.procs):
+                mine = devs[g * role.gpus_per_proc:(g + 1) * role.gpus_per_proc]
+                nodes = {local_of[i][0] for i in mine}
+                if len(nodes) > 1:
+                    raise ConfigError(f"roles.{name}: rank {g} would drive GPUs {mine} on {len(nodes)} nodes; "
+                                      f"a rank's GPUs must be on one node")
+                k = nodes.pop()
+                tasks_on[k].append(RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine)))
+        for node_tasks in tasks_on:
+            for p in node_tasks:
+                ranks.append(RankPlacement(len(ranks), p.role, p.group_rank, p.component, p.node, p.gpus))
+        ntasks = sum(len(t) for t in tasks_on)
+        per_node_tasks = max(len(t) for t in tasks_on)
+        if any(len(t) != per_node_tasks for t in tasks_on[:-1]):
+            raise ConfigError(f"roles {roles}: uneven ranks per node {[len(t) for t in tasks_on]}; only the last "
+                              f"node of a placement group may hold fewer")
+        cpt = max(cfg.roles[n].cpus_per_proc for n in roles)
+        if per_node_tasks * cpt > cluster.cpus_per_node:
+            raise ConfigError(f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
+                              f"cluster.cpus_per_node = {cluster.cpus_per_node}")
+        if len(roles) > 1:
+            notes.append(f"colocated on GPUs {_fmt_ids(ids)}: {', '.join(roles)}")
+        components.append(Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt))
+        gpu_total += len(ids)
+    if nodes0 > cluster.nodes:
+        raise ConfigError(f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
+                          f"node of {cluster.cpus_per_node} CPUs) but cluster.nodes is {cluster.nodes}")
+    return WorldPlan(ranks, components, gpu_total, notes)

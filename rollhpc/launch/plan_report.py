@@ -1,0 +1,56 @@
+"""Human-readable rendering of a WorldPlan: components, then one line per rank, then parallel groups."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.launch.device_mapping import WorldPlan
+
+GROUP_KINDS = ("tp", "cp", "dp", "pp")
+
+
+def _ids(ids) -> str:
+    ids = list(ids)
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids)) or "-"
+
+
+def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: bool = False,
+           max_groups: int = 4) -> Iterator[str]:
+    c = cfg.cluster
+    yield (f"experiment {cfg.run.name}: {plan.world_size} MPI ranks, {plan.gpus_total} GPUs; cluster: "
+           f"{c.nodes} nodes x {c.gpus_per_node} GPUs x {c.cpus_per_node} CPUs"
+           + (f", partition {c.partition}" if c.partition else ""))
+    yield "heterogeneous job components (one MPMD srun, world ranks in this order):"
+    for comp in plan.components:
+        yield (f"  het group {comp.index}: {', '.join(comp.roles)} | {comp.nodes} node(s), {comp.ntasks} tasks "
+               f"({comp.ntasks_per_node}/node), {comp.gpus_per_node} GPUs/node, {comp.cpus_per_task} CPUs/task")
+    for note in plan.notes:
+        yield f"  {note}"
+    layouts = {name: role.layout() for name, role in cfg.roles.items()}
+    if ranks:
+        yield f"{'rank':>6} {'role':<12} {'grank':>5} {'het':>3} {'node':>4} {'gpus':<7} {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}"
+        for p in plan.ranks:
+            if p.role == CONTROLLER_ROLE:
+                yield f"{p.rank:>6} {p.role:<12} {0:>5} {p.component:>3} {p.node:>4} {'-':<7}"
+                continue
+            k = layouts[p.role].coords(p.group_rank)
+            yield (f"{p.rank:>6} {p.role:<12} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
+                   f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}")
+    if groups:
+        for name, layout in layouts.items():
+            world_of = plan.ranks_of(name)
+            p = cfg.roles[name].parallel
+            yield f"role {name}: tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={layout.dp} (groups in world ranks)"
+            for kind in _group_kinds(layout):
+                gs = layout.groups(kind)
+                shown = gs if max_groups <= 0 else gs[:max_groups]
+                more = f" ... ({len(gs)} groups)" if len(shown) < len(gs) else ""
+                yield f"  {kind:<10} " + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown) + more
+
+
+def _group_kinds(layout) -> list[str]:
+    kinds = getattr(layout, "GROUP_KINDS", GROUP_KINDS)
+    return [k for k in kinds if layout.groups(k)]

@@ -1,0 +1,77 @@
+"""Slurm launch: a WorldPlan becomes one heterogeneous job whose components are the placement groups,
+started as one MPMD ``srun`` so that the controller and every worker share one MPI world.
+
+submitit builds and submits the job and watches it (its Slurm executor has no heterogeneous jobs, so
+``HetJobExecutor`` supplies the batch text); inside the job, each task runs ``python -m rollhpc.rank``
+directly and finds its role, node and GPUs in RUN_DIR/plan.json.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from rollhpc.config import ExperimentConfig
+from rollhpc.launch.device_mapping import Component, WorldPlan
+
+
+def _component_options(cfg: ExperimentConfig, comp: Component) -> list[str]:
+    c = cfg.cluster
+    opts = [f"--nodes={comp.nodes}", f"--ntasks={comp.ntasks}", f"--ntasks-per-node={comp.ntasks_per_node}",
+            f"--cpus-per-task={comp.cpus_per_task}"]
+    if comp.gpus_per_node:
+        opts.append(f"--gres=gpu:{comp.gpus_per_node}")
+    for key, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos), ("mem", c.mem_per_node)):
+        if value:
+            opts.append(f"--{key}={value}")
+    return opts + list(c.sbatch_extra)
+
+
+def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
+    """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun."""
+    python = python or shlex.quote(sys.executable)
+    run = shlex.quote(str(run_dir))
+    lines = [
+        "#!/bin/bash",
+        f"# rollhpc: experiment {cfg.run.name}, {plan.world_size} MPI ranks in {len(plan.components)} het group(s);",
+        f"# which rank runs which role on which node/GPU: {run_dir / 'plan.json'} (`rollhpc plan` prints it)",
+        f"#SBATCH --job-name=rollhpc-{cfg.run.name}",
+        f"#SBATCH --output={run_dir / 'slurm' / 'job-%j.out'}",
+        f"#SBATCH --time={cfg.cluster.time_limit}",
+    ]
+    for comp in plan.components:
+        if comp.index:
+            lines.append("#SBATCH hetjob")
+        lines.append(f"# het group {comp.index}: {', '.join(comp.roles)}")
+        lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp)]
+    lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1"]
+    lines += list(cfg.cluster.setup)
+    segments = []
+    for comp in plan.components:
+        segments.append(
+            f"--het-group={comp.index} --mpi={cfg.cluster.srun_mpi} --ntasks={comp.ntasks} --distribution=block "
+            f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
+        )
+    # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
+    lines += ["", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments), ""]
+    return "\n".join(lines)
+
+
+def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
+    """Submit through submitit; returns its SlurmJob (job_id, state, done())."""
+    import submitit
+
+    class HetJobExecutor(submitit.SlurmExecutor):
+        """submitit's Slurm executor with the batch text of a heterogeneous MPMD job."""
+
+        def _make_submission_file_text(self, command: str, uid: str) -> str:  # noqa: ARG002
+            return render_sbatch(cfg, plan, run_dir)
+
+        def _num_tasks(self) -> int:
+            return plan.world_size
+
+    folder = run_dir / "slurm"
+    folder.mkdir(parents=True, exist_ok=True)
+    executor = HetJobExecutor(folder=folder)
+    return executor._submit_command("rollhpc.rank")  # the command is in the batch text
