@@ -137,7 +137,7 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
                 ids.append(cursor)
             cursor += 1
         if len(ids) < need:
-            total = sum(r.procs * r.gpus_per_proc for r in cfg.roles.values())
+            total = len(owner) + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
             raise ConfigError(f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
                               f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
                               f"for {total}, colocated ones counted once)")

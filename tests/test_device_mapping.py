@@ -1,0 +1,89 @@
+import pytest
+
+from rollhpc import config
+from rollhpc.config import ClusterConfig, ConfigError
+from rollhpc.launch.device_mapping import WorldPlan, plan_world
+
+TOY = "rollhpc.workers.toy_policy"
+
+
+def experiment(roles: dict, **cluster) -> config.ExperimentConfig:
+    data = {"run": {"name": "p"}, "pipeline": {"entry": "rollhpc.pipelines.selfcheck:SelfCheck"},
+            "roles": {name: {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", **r} for name, r in roles.items()},
+            "cluster": {"nodes": 4, "gpus_per_node": 8, "cpus_per_node": 64, **cluster}}
+    return config.load(data)
+
+
+def test_colocated_roles_share_gpus_and_are_ordered_node_by_node():
+    all16 = list(range(16))
+    cfg = experiment({"train": {"procs": 16, "gpus_per_proc": 1, "devices": all16},
+                      "generate": {"procs": 8, "gpus_per_proc": 2, "devices": all16},
+                      "reward": {"procs": 2}})
+    plan = plan_world(cfg)
+    assert [c.roles for c in plan.components] == [["controller", "reward"], ["train", "generate"]]
+    comp = plan.components[1]
+    assert (comp.nodes, comp.ntasks, comp.ntasks_per_node, comp.gpus_per_node) == (2, 24, 12, 8)
+    node0 = [p for p in plan.ranks if p.component == 1 and p.node == 0]
+    assert [p.role for p in node0] == ["train"] * 8 + ["generate"] * 4
+    assert [p.gpus for p in node0 if p.role == "generate"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    gen5 = next(p for p in plan.ranks if p.role == "generate" and p.group_rank == 5)
+    assert (gen5.node, gen5.gpus) == (1, (2, 3))
+    assert plan.ranks_of("train")[8] == 15  # node 1 starts after node 0's 12 ranks and the 3 CPU ranks
+    assert plan.gpus_total == 16 and plan.notes == ["colocated on GPUs 0-15: train, generate"]
+    assert [p.rank for p in plan.ranks] == list(range(plan.world_size))
+
+
+def test_disaggregated_roles_get_their_own_gpus_without_splitting_a_rank_across_nodes():
+    cfg = experiment({"train": {"procs": 3, "gpus_per_proc": 1}, "generate": {"procs": 3, "gpus_per_proc": 2}},
+                     nodes=3, gpus_per_node=4)
+    plan = plan_world(cfg)
+    gen = [p for p in plan.ranks if p.role == "generate"]
+    # train takes GPUs 0-2; generate's first rank cannot use GPU 3 alone, so it starts on node 1
+    assert [(p.node, p.gpus) for p in gen] == [(0, (0, 1)), (0, (2, 3)), (1, (0, 1))]
+    assert plan.components[2].nodes == 2 and plan.components[2].ntasks_per_node == 2
+
+
+@pytest.mark.parametrize("roles,cluster,msg", [
+    ({"train": {"procs": 2, "gpus_per_proc": 1}}, {"gpus_per_node": 0}, "asks for 1 GPU(s) per rank but cluster.gpus_per_node is 0"),
+    ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 1, 2]}}, {}, "3 GPUs listed but procs x gpus_per_proc = 2 x 1 = 2"),
+    ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 40]}}, {}, "GPU ids [40] outside the cluster's 32 GPUs"),
+    ({"a": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 1]}, "b": {"procs": 2, "gpus_per_proc": 1, "devices": [1, 2]}},
+     {}, "roles.b.devices: shares GPU 1 with role 'a' but not the same list"),
+    ({"train": {"procs": 1, "gpus_per_proc": 16}}, {}, "16 GPUs per rank do not fit on a node of 8"),
+    ({"train": {"procs": 40, "gpus_per_proc": 1}}, {}, "needs 40 GPUs but the cluster has no 40 free GPUs left (32 in all"),
+    ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [7, 8]}}, {}, "rank 0 would drive GPUs"),
+    ({"reward": {"procs": 200}}, {"nodes": 2, "cpus_per_node": 64}, "the controller and CPU roles need 4 nodes"),
+])
+def test_impossible_mappings_fail_with_one_message(roles, cluster, msg):
+    if roles.get("train", {}).get("devices") == [7, 8]:
+        roles["train"]["gpus_per_proc"] = 2
+        roles["train"]["procs"] = 1
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        plan_world(experiment(roles, **cluster))
+
+
+def test_plan_round_trips_through_json(tmp_path):
+    cfg = experiment({"train": {"procs": 4, "gpus_per_proc": 1}, "reward": {"procs": 1}})
+    plan = plan_world(cfg)
+    plan.save(tmp_path / "plan.json")
+    assert WorldPlan.load(tmp_path / "plan.json") == plan
+
+
+def test_4096_gpu_plan_is_complete():
+    cfg = experiment({"train": {"procs": 4096, "gpus_per_proc": 1, "parallel": {"tp": 8, "pp": 4}},
+                      "generate": {"procs": 512, "gpus_per_proc": 8, "devices": None}},
+                     nodes=1100, gpus_per_node=8)
+    plan = plan_world(cfg)
+    assert plan.world_size == 1 + 4096 + 512 and plan.gpus_total == 8192
+    assert plan.components[1].nodes == 512 and plan.components[2].nodes == 512
+
+
+def test_local_plan_keeps_everything_on_this_machine():
+    from rollhpc.cli import load_experiment
+    from rollhpc.launch.local import local_plan
+
+    plan = local_plan(load_experiment("quickstart", []))
+    assert len(plan.components) == 1 and plan.components[0].nodes == 1
+    assert [p.role for p in plan.ranks] == ["controller", "train", "train", "generate", "reward"]
+    with pytest.raises(ConfigError, match=r"cannot run on this machine \(0 GPUs\)"):
+        local_plan(load_experiment("quickstart", ["roles.train.gpus_per_proc=1"]))
