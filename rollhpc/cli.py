@@ -42,6 +42,8 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
     # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
     # rollhpc.config then rejects keys that exist nowhere, naming the valid ones.
     overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
+    # ${range:a,b} -> [a, ..., b-1]: device lists of thousands of GPUs without writing them out
+    OmegaConf.register_new_resolver("range", lambda a, b: list(range(int(a), int(b))), replace=True)
     try:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
             composed = hydra_compose(config_name=name, overrides=overrides)
