@@ -28,10 +28,15 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True)
 class ParallelConfig:
+    """Megatron 5D layout of a role's ranks (dp is what remains: procs / (tp * cp * pp))."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor parallel size; None: same as tp
+    vpp: int | None = None  # virtual pipeline stages per rank (interleaved schedule)
+    order: str = "tp-cp-ep-dp-pp"  # megatron's rank order, fastest-varying first
 
 
 @dataclass(kw_only=True)
@@ -48,7 +53,8 @@ class RoleConfig:
 
     def layout(self) -> ParallelLayout:
         p = self.parallel
-        return ParallelLayout(world=self.procs, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        return ParallelLayout(world=self.procs, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                              order=p.order)
 
 
 @dataclass(kw_only=True)

@@ -6,8 +6,7 @@ from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.device_mapping import WorldPlan
-
-GROUP_KINDS = ("tp", "cp", "dp", "pp")
+from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout
 
 
 def _ids(ids) -> str:
@@ -43,14 +42,16 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
         for name, layout in layouts.items():
             world_of = plan.ranks_of(name)
             p = cfg.roles[name].parallel
-            yield f"role {name}: tp={p.tp} cp={p.cp} pp={p.pp} ep={p.ep} dp={layout.dp} (groups in world ranks)"
+            yield (f"role {name}: tp={p.tp} cp={p.cp} pp={p.pp} ep={layout.ep} etp={layout.etp} dp={layout.dp} "
+                   f"expert-dp={layout.edp}" + (f" vpp={p.vpp}" if p.vpp else "") + " (groups in world ranks)")
             for kind in _group_kinds(layout):
                 gs = layout.groups(kind)
                 shown = gs if max_groups <= 0 else gs[:max_groups]
                 more = f" ... ({len(gs)} groups)" if len(shown) < len(gs) else ""
-                yield f"  {kind:<10} " + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown) + more
+                yield f"  {kind:<16} " + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown) + more
 
 
-def _group_kinds(layout) -> list[str]:
-    kinds = getattr(layout, "GROUP_KINDS", GROUP_KINDS)
-    return [k for k in kinds if layout.groups(k)]
+def _group_kinds(layout: ParallelLayout) -> list[str]:
+    """Megatron's dense groups; expert groups only for MoE layouts (ep > 1 or a separate expert TP)."""
+    moe = layout.ep > 1 or layout.etp != layout.tp
+    return list(DENSE_GROUP_KINDS) + (list(EXPERT_GROUP_KINDS) if moe else [])
