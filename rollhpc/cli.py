@@ -101,11 +101,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    import time
-
     from rollhpc.launch.device_mapping import plan_world
     from rollhpc.launch.local import failure_summary
-    from rollhpc.launch.slurm import render_sbatch, submit
+    from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
@@ -119,9 +117,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
           f"output in {run_dir}", file=sys.stderr)
     if not args.wait:
         return 0
-    while not job.done():
-        time.sleep(2)
-    state = job.state
+    state = wait_for_job(job.job_id)
     if state != "COMPLETED" or (run_dir / "error.json").exists():
         print(f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+pytest_plugins = ["tests.slurm_cluster"]
 
 
 def rank_processes(run_dir: Path) -> list[psutil.Process]:

@@ -9,7 +9,9 @@ directly and finds its role, node and GPUs in RUN_DIR/plan.json.
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rollhpc.config import ExperimentConfig
@@ -48,9 +50,11 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1"]
     lines += list(cfg.cluster.setup)
     segments = []
+    het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:
         segments.append(
-            f"--het-group={comp.index} --mpi={cfg.cluster.srun_mpi} --ntasks={comp.ntasks} --distribution=block "
+            (f"--het-group={comp.index} " if het else "")
+            + f"--mpi={cfg.cluster.srun_mpi} --ntasks={comp.ntasks} --distribution=block "
             f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
         )
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
@@ -75,3 +79,36 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     folder.mkdir(parents=True, exist_ok=True)
     executor = HetJobExecutor(folder=folder)
     return executor._submit_command("rollhpc.rank")  # the command is in the batch text
+
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+            "OUT_OF_MEMORY"}
+
+
+def component_states(job_id: str) -> dict[str, str]:
+    """State of each heterogeneous component ("123+0" -> "RUNNING"), from sacct.
+
+    submitit's watcher looks the job up by its plain id, which sacct never lists for a heterogeneous
+    job (only "123+0", "123+1", ...), so it would wait forever; this reads the components instead.
+    """
+    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State"], capture_output=True,
+                         text=True, timeout=60).stdout
+    states = {}
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        if jid == job_id or jid.startswith(f"{job_id}+"):
+            states[jid] = state.split()[0] if state else "UNKNOWN"
+    return states
+
+
+def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
+    """Block until every component has ended; COMPLETED if all completed, else the first other state."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        states = component_states(job_id)
+        if states and all(st in TERMINAL for st in states.values()):
+            bad = [st for st in states.values() if st != "COMPLETED"]
+            return bad[0] if bad else "COMPLETED"
+        if deadline is not None and time.monotonic() > deadline:
+            return "WAIT_TIMEOUT"
+        time.sleep(poll_s)

@@ -1,0 +1,74 @@
+"""`rollhpc submit` against the real local Slurm cluster (slurm/local-cluster.sh, started by the fixture)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from rollhpc.launch.device_mapping import WorldPlan
+from rollhpc.observability.metrics import read_metrics
+
+pytestmark = pytest.mark.slurm
+
+
+def submit(slurm_cluster, tmp_path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "quickstart", "--wait",
+                           f"run.output_dir={tmp_path / 'runs'}", *overrides],
+                          cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=timeout)
+
+
+def test_training_run_through_submit_gets_the_planned_resources(slurm_cluster, tmp_path):
+    res = submit(
+        slurm_cluster, tmp_path,
+        "run.name=het", "pipeline.options.steps=20", "pipeline.options.eval_every=10",
+        # train and generate colocated on GPUs 0-1 of one node, a probe role on two GPUs of its own
+        "roles.train.gpus_per_proc=1", "roles.train.devices=[0,1]",
+        "roles.generate.gpus_per_proc=1", "roles.generate.procs=2", "roles.generate.devices=[0,1]",
+        "+roles.probe.worker=rollhpc.workers.diagnostic:DiagnosticWorker", "+roles.probe.procs=2",
+        "+roles.probe.gpus_per_proc=1",
+        f"cluster.nodes={slurm_cluster.nodes}", f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
+        f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}", "cluster.time_limit=00:10:00",
+    )
+    run_dir = tmp_path / "runs" / "het"
+    assert res.returncode == 0, res.stderr + "\n".join(p.read_text() for p in (run_dir / "slurm").glob("job-*.out"))
+    assert "completed" in res.stderr.splitlines()[-1]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert metrics[-1]["step"] == 20 and metrics[-1]["policy_version"] == 20
+
+    plan = WorldPlan.load(run_dir / "plan.json")
+    world = json.loads((run_dir / "world.json").read_text())
+    assert [w["role"] for w in world] == [p.role for p in plan.ranks]  # MPI rank == plan rank
+    assert [c.roles for c in plan.components] == [["controller", "reward"], ["train", "generate"], ["probe"]]
+    # ranks the plan puts on one node of one component ran on one Slurm node
+    hosts = defaultdict(set)
+    for p, w in zip(plan.ranks, world):
+        hosts[(p.component, p.node)].add(w["host"])
+    assert all(len(h) == 1 for h in hosts.values()), hosts
+    # every GPU rank sees exactly its GPUs, taken from Slurm's allocation
+    gpu_of = {}
+    for p, w in zip(plan.ranks, world):
+        if p.gpus:
+            ids = w["cuda_visible_devices"].split(",")
+            assert len(ids) == len(p.gpus)
+            gpu_of[(p.role, p.group_rank)] = (w["host"], ids[0])
+        else:
+            assert w["cuda_visible_devices"] is None
+    # colocated roles share their GPUs; the probe role has GPUs nobody else uses
+    assert {gpu_of[("train", g)] for g in range(2)} == {gpu_of[("generate", g)] for g in range(2)}
+    assert len({gpu_of[("train", 0)], gpu_of[("train", 1)]}) == 2
+    probe = {gpu_of[("probe", g)] for g in range(2)}
+    assert len(probe) == 2 and not probe & {gpu_of[("train", g)] for g in range(2)}
+    (job_out,) = (run_dir / "slurm").glob("job-*.out")
+    assert (run_dir / "slurm" / "job_id").read_text().strip() in job_out.name
+
+
+def test_failing_worker_on_slurm_is_reported_and_the_job_ends(slurm_cluster, tmp_path):
+    res = submit(slurm_cluster, tmp_path, "run.name=bad", "roles.train.options.lr=-1.0",
+                 f"cluster.nodes={slurm_cluster.nodes}", f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}")
+    assert res.returncode == 1
+    last = res.stderr.strip().splitlines()[-1]
+    assert "raised ValueError in '__init__'" in last and "role 'train'" in last
