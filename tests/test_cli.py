@@ -53,7 +53,7 @@ def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
     res = rollhpc("train", "quickstart", "+roles.train.parallel.tpp=2", cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip() == ("rollhpc: config error: config.roles.train.parallel: unknown key 'tpp'; "
-                                  "valid keys: tp, pp, cp, ep")
+                                  "valid keys: tp, pp, cp, ep, etp, vpp, order")
     assert not (tmp_path / "runs").exists()
 
 

@@ -23,7 +23,7 @@ def test_minimal_config_loads_with_defaults():
 def test_unknown_key_names_the_key_and_the_valid_ones():
     data = minimal()
     data["roles"]["probe"]["parallel"] = {"tpp": 2}
-    with pytest.raises(ConfigError, match=r"config.roles.probe.parallel: unknown key 'tpp'; valid keys: tp, pp, cp, ep"):
+    with pytest.raises(ConfigError, match=r"config.roles.probe.parallel: unknown key 'tpp'; valid keys: tp, pp, cp, ep, etp, vpp, order"):
         config.load(data)
 
 
