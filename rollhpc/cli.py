@@ -110,6 +110,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(render_sbatch(cfg, plan, cfg.run.run_dir.resolve()))
         return 0
+    missing = [tool for tool in ("sbatch", "srun", "sacct") if not shutil.which(tool)]
+    if missing:
+        print(f"rollhpc submit: {', '.join(missing)} not found: run it on a Slurm login node (or add --dry-run "
+              f"to see the batch script)", file=sys.stderr)
+        return 2
     run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
     job = submit(cfg, plan, run_dir)
     (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")

@@ -1,11 +1,16 @@
 """The batch script of a heterogeneous job, compared with a reviewed golden file."""
 
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from rollhpc.cli import load_experiment
 from rollhpc.launch.device_mapping import plan_world
 from rollhpc.launch.slurm import render_sbatch
-from tests.conftest import rollhpc
+from rollhpc.rank import bind_gpus
+from tests.conftest import cli_env, rollhpc
 
 GOLDEN = Path(__file__).parent / "golden" / "hetjob.sbatch"
 OVERRIDES = ["roles.train.gpus_per_proc=1", "roles.train.procs=8", "roles.train.devices=[0,1,2,3,4,5,6,7]",
@@ -38,3 +43,21 @@ def test_submit_refuses_an_impossible_mapping_before_slurm(tmp_path):
     res = rollhpc("submit", "quickstart", *OVERRIDES, "cluster.nodes=1", cwd=tmp_path)
     assert res.returncode == 2 and not (tmp_path / "runs").exists()
     assert "roles.train.devices: GPU ids [4, 5, 6, 7] outside the cluster's 4 GPUs" in res.stderr
+
+
+def test_submit_outside_slurm_says_so_before_touching_anything(tmp_path):
+    env_path = "/usr/local/nonexistent"  # no sbatch/srun/sacct on this PATH
+    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "quickstart"], cwd=tmp_path, text=True,
+                         capture_output=True, env={**cli_env(), "PATH": env_path})
+    assert res.returncode == 2
+    assert "sbatch, srun, sacct not found: run it on a Slurm login node" in res.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_gpus_come_from_slurms_allocation_not_from_zero(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert bind_gpus((1, 3)) == "5,7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(RuntimeError, match="only 2 were allocated"):
+        bind_gpus((2,))
+    assert bind_gpus(()) is None
