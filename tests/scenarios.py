@@ -23,6 +23,8 @@ class DispatchScenario(Pipeline):
         out["ping"] = g.ping()
         out["echo"] = g.echo({"a": 1})
         out["whoami"] = g.whoami()
+        out["whoami_at_2"] = g.at(2).whoami()  # one chosen rank, its dispatch mode bypassed
+        out["echo_at_3"] = g.at(3).echo.submit("x").result()
         rows = Batch({"x": np.arange(11), "y": torch.arange(11.0)}, meta={"step": 3})
         tagged = g.tag_rows(rows)
         out["tagged_x"] = tagged["x"].tolist()

@@ -35,6 +35,7 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     assert len({p["pid"] for p in out["ping"]}) == 4  # separate processes
     assert out["echo"] == [{"a": 1}] * 4  # one-to-all, collect all
     assert out["whoami"] == 0  # rank-zero only
+    assert out["whoami_at_2"] == 2 and out["echo_at_3"] == "x"  # a single chosen rank
     # split by dp rank (tp=2 -> dp=2): rows keep their order, first half on dp 0
     assert out["tagged_x"] == list(range(11))
     assert out["tagged_y"] == [float(i) for i in range(11)]

@@ -8,7 +8,7 @@ fails on the controller with the list of remote methods instead of on a worker.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rollhpc.controller.dispatch import Contract, Dispatch, collect, contract_of, split_arguments, targets
 from rollhpc.controller.runtime import Controller
@@ -19,11 +19,12 @@ from rollhpc.transport.mpi_channel import Encoded
 class GroupFuture:
     """A call in flight on a group; ``result()`` waits (with the run's timeout unless given)."""
 
-    def __init__(self, group: "WorkerGroup", method: str, contract: Contract, keys: list[tuple[int, int]]):
+    def __init__(self, group: "WorkerGroup", method: str, keys: list[tuple[int, int]],
+                 collect_fn: Callable[[dict[int, Any]], Any]):
         self._group = group
         self._method = method
-        self._contract = contract
         self._keys = keys
+        self._collect = collect_fn  # {group rank: reply} -> what the caller receives
         self._value: Any = None
         self._done = False
 
@@ -34,19 +35,21 @@ class GroupFuture:
         if not self._done:
             what = f"call {self._method!r} on role {self._group.role!r}"
             replies = self._group.controller.wait(self._keys, what, timeout_s)
-            by_group_rank = {self._group.group_rank_of[r]: v for r, v in replies.items()}
-            self._value = collect(self._contract, by_group_rank, self._group.layout.all_coords())
+            self._value = self._collect({self._group.group_rank_of[r]: v for r, v in replies.items()})
             self._done = True
         return self._value
 
 
 class RemoteMethod:
-    def __init__(self, group: "WorkerGroup", name: str, contract: Contract):
+    def __init__(self, group: "WorkerGroup", name: str, contract: Contract, only_rank: int | None = None):
         self._group = group
         self._name = name
         self.contract = contract
+        self._only_rank = only_rank
 
     def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        if self._only_rank is not None:
+            return self._group.submit_to(self._only_rank, self._name, *args, **kwargs)
         return self._group.submit(self._name, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -71,6 +74,18 @@ class WorkerGroup:
             raise AttributeError(name)
         return RemoteMethod(self, name, contract_of(self.worker_cls, name))
 
+    def at(self, group_rank: int) -> "RankProxy":
+        """One rank of the group, called with its arguments as given (no split, no collect): what a
+        sample-level scheduler needs to keep every generator busy on its own requests."""
+        if not 0 <= group_rank < len(self.world_ranks):
+            raise IndexError(f"role {self.role!r} has ranks 0..{len(self.world_ranks) - 1}, not {group_rank}")
+        return RankProxy(self, group_rank)
+
+    def submit_to(self, group_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        contract_of(self.worker_cls, method)  # the method must be remote; its dispatch mode does not apply
+        keys = self.controller.submit(method, {self.world_ranks[group_rank]: Encoded.of((args, kwargs))})
+        return GroupFuture(self, method, keys, lambda by_rank: by_rank[group_rank])
+
     def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
         contract = contract_of(self.worker_cls, method)
         coords = self.layout.all_coords()
@@ -82,4 +97,15 @@ class WorkerGroup:
             enc = Encoded.of((args, kwargs))
             payloads = {self.world_ranks[g]: enc for g in called}
         keys = self.controller.submit(method, payloads)
-        return GroupFuture(self, method, contract, keys)
+        return GroupFuture(self, method, keys, lambda by_rank: collect(contract, by_rank, coords))
+
+
+class RankProxy:
+    def __init__(self, group: WorkerGroup, group_rank: int):
+        self._group = group
+        self.group_rank = group_rank
+
+    def __getattr__(self, name: str) -> RemoteMethod:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return RemoteMethod(self._group, name, contract_of(self._group.worker_cls, name), only_rank=self.group_rank)
