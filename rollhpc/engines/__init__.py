@@ -1,0 +1,1 @@
+"""Inference and training engines behind small interfaces; heavy imports stay inside."""
