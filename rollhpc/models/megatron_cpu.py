@@ -1,0 +1,96 @@
+"""Run megatron-core on CPU (gloo): the few ``torch.cuda`` calls it hard-codes, pointed at the CPU.
+
+megatron-core 0.16 builds, trains and checkpoints a ``GPTModel`` (local, non-Transformer-Engine layer
+spec, ``use_cpu_initialization=True``, optimizer: a plain ``torch.optim`` one) on CPU once these calls
+stop asking for a CUDA device. Checked one at a time (megatron-core 0.16.1, torch 2.13 CPU): without
+``current_device``, ``get_rng_state``, ``_get_cuda_rng_state`` or ``get_default_causal_mask`` the seed
+or the forward raises "Torch not compiled with CUDA enabled"; without ``manual_seed`` or
+``_set_cuda_rng_state`` nothing raises (torch queues the call for a CUDA init that never comes) but the
+RNG tracker's streams are silently never seeded / never switched.
+
+* ``torch.cuda.current_device()`` -> ``torch.device("cpu")``. megatron passes it as ``device=`` when it
+  creates tensors at run time (rotary frequencies in every forward, vocab-parallel embedding and cross
+  entropy buffers, DDP gradient buffers).
+* ``torch.cuda.synchronize()`` -> no-op. Not needed by forward/backward/step; ``dist_checkpointing``
+  save/load and ``parallel_state`` timeout updates call it around collectives; CPU work is synchronous.
+* ``torch.cuda.get_rng_state()`` -> ``torch.get_rng_state()`` and ``torch.cuda.manual_seed(s)`` ->
+  ``torch.manual_seed(s)``: ``model_parallel_cuda_manual_seed`` seeds the "CUDA" generator and its RNG
+  tracker snapshots it once per tracked stream (data-, tensor- and expert-parallel). On CPU the CPU
+  generator is the one dropout draws from, so it stands in for the device generator.
+* ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> get/set the
+  CPU generator's state: the RNG tracker's ``fork()`` (entered by every forward around the embedding
+  and attention dropout) and activation recomputation swap streams through these two. With dropout > 0
+  inside a fork the tracker logs "CPU RNG state changed within GPU RNG context": expected on CPU,
+  where the CPU generator *is* the forked one.
+* ``megatron.core.fusions.fused_softmax.get_default_causal_mask(sq)`` -> the same upper-triangular mask
+  built on the CPU: the unfused softmax builds it with ``device="cuda"`` whenever the model is called
+  with ``attention_mask=None`` (plain causal attention).
+
+Not patched (GPU only): megatron's optimizers (``get_megatron_optimizer``: ``device='cuda'`` tensors,
+multi-tensor kernels, ``torch.cuda.FloatTensor`` type checks: use ``torch.optim`` on CPU), megatron's
+``clip_grad_norm_fp32``, pipeline-parallel schedules (``device="cuda"`` hard-coded), CUDA graphs,
+sliding-window attention masks, Transformer Engine / apex fused kernels (keep the ``*_fusion`` options
+off).
+
+``enable_cpu_megatron()`` is idempotent and does nothing where ``torch.cuda.is_available()``. Call it
+before ``model_parallel_cuda_manual_seed``; no other module needs to know about these patches.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_ENABLED = False
+
+
+def _current_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _synchronize(device: object = None) -> None:
+    return None
+
+
+def _get_rng_state(device: object = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+
+
+def _get_tracked_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_tracked_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+@functools.lru_cache(maxsize=32)
+def _default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def enable_cpu_megatron() -> bool:
+    """Patch megatron-core's hard-coded CUDA calls onto the CPU; True where the patches are in place
+    (now or from an earlier call), False on a CUDA machine, where nothing is touched."""
+    global _ENABLED
+    if _ENABLED:
+        return True
+    if torch.cuda.is_available():
+        return False
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = _current_device
+    torch.cuda.synchronize = _synchronize
+    torch.cuda.get_rng_state = _get_rng_state
+    torch.cuda.manual_seed = _manual_seed
+    mcore_random._get_cuda_rng_state = _get_tracked_rng_state
+    mcore_random._set_cuda_rng_state = _set_tracked_rng_state
+    fused_softmax.get_default_causal_mask = _default_causal_mask
+    _ENABLED = True
+    return True

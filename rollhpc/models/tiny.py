@@ -1,0 +1,168 @@
+"""Tiny Qwen2-style checkpoints (dense or MoE) with a locally trained tokenizer.
+
+The RLVR pipeline must run end to end on 2 CPU cores without downloading anything, so the policy
+is built here: a tokenizer trained on the task corpus and a randomly initialised decoder, written
+as an ordinary Hugging Face directory that transformers and vLLM load like any downloaded checkpoint.
+The architecture is a real one (Qwen2 / Qwen2-MoE) at toy sizes rather than a bespoke model, so
+the same code paths serve large checkpoints later; the sizes respect vLLM's limits (head_dim >= 32).
+
+Prompt format: no chat template. A prompt is the task's plain text; the completion follows it
+directly and ends with EOS, which transformers' ``generate`` and vLLM both stop on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+MIN_HEAD_DIM = 32  # vLLM's attention backends refuse smaller heads (16 is rejected on CPU)
+
+
+@dataclass(kw_only=True)
+class TinyModelSpec:
+    """Sizes of a Qwen2 decoder (or Qwen2-MoE when ``moe``); the vocabulary comes from the tokenizer."""
+
+    hidden_size: int = 128
+    num_attention_heads: int = 4  # head_dim = hidden_size / num_attention_heads = 32
+    num_key_value_heads: int = 2  # grouped-query attention, as in the real Qwen2 models
+    num_hidden_layers: int = 2
+    intermediate_size: int = 352  # dense MLP width (~2.75 x hidden, Qwen2's ratio)
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True  # halves the parameters spent on a small vocabulary
+    initializer_range: float = 0.02
+    # Mixture of experts (Qwen2-MoE: routed experts plus one always-on shared expert per layer).
+    moe: bool = False
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 128
+
+    def __post_init__(self) -> None:
+        positive = ["hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+                    "intermediate_size", "max_position_embeddings"]
+        if self.moe:
+            positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                         "shared_expert_intermediate_size"]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"TinyModelSpec.{name} must be a positive int, got {value!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.head_dim < MIN_HEAD_DIM:
+            raise ValueError(f"head_dim = hidden_size / num_attention_heads = {self.head_dim} but vLLM needs "
+                             f">= {MIN_HEAD_DIM}: use fewer heads or a larger hidden_size")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"num_key_value_heads {self.num_key_value_heads} (each KV head serves a whole group)")
+        if self.moe and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def hf_config(self, vocab_size: int, eos_token_id: int, pad_token_id: int):
+        """The transformers config (Qwen2Config, or Qwen2MoeConfig when ``moe``)."""
+        from transformers import Qwen2Config, Qwen2MoeConfig
+
+        common = dict(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+            # transformers 5 replaced the top-level rope_theta with rope_parameters.
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            bos_token_id=None, dtype="float32",
+        )
+        if not self.moe:
+            return Qwen2Config(**common)
+        return Qwen2MoeConfig(
+            **common, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        )
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts``; returns a Qwen2 tokenizer (a ``PreTrainedTokenizerFast``).
+
+    ``vocab_size`` is a ceiling: a small corpus runs out of merges first, so size models by ``len(tok)``.
+
+    Byte-level so that any text round-trips (no unknown token). The normaliser and pre-tokenizer are
+    Qwen2's own, taken from transformers rather than chosen here: transformers 5 rebuilds the
+    pre-tokenizer of any ``qwen2`` model directory from ``Qwen2Tokenizer`` whatever tokenizer.json
+    says, so training with a different one would make the loaded tokenizer disagree with this one.
+    Qwen2's regex isolates every digit, so numbers are never merged and arithmetic stays learnable
+    digit by digit. EOS and PAD are special tokens with ids 0 and 1; encoding adds neither
+    (prompts carry no EOS; the trainer appends it to completions).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    base = len(pre_tokenizers.ByteLevel.alphabet()) + 2  # 256 byte symbols plus EOS and PAD
+    if vocab_size < base:
+        raise ValueError(f"vocab_size {vocab_size} is below the {base} tokens a byte-level tokenizer needs")
+    reference = Qwen2Tokenizer().backend_tokenizer
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.normalizer = reference.normalizer
+    tok.pre_tokenizer = reference.pre_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    trained = json.loads(tok.to_str())["model"]
+    return Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]],
+                          eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
+                          clean_up_tokenization_spaces=False)
+
+
+def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+    """Write a randomly initialised model and ``tokenizer`` to ``out_dir``; returns ``out_dir``.
+
+    The directory is built beside the target and renamed into place, so a crash leaves either a
+    complete model or none. An existing ``out_dir`` is an error rather than silently replaced.
+    Initialisation is seeded without disturbing the caller's torch RNG.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; remove it or choose another directory")
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer needs eos and pad tokens (use build_tokenizer)")
+    config = spec.hf_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config = GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

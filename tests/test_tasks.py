@@ -1,0 +1,142 @@
+"""Synthetic verifiable tasks: splits are deterministic and disjoint, answers are extracted
+robustly, and the rule-based rewards pay only for correct answers (adversarial ones included)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollhpc.tasks import arithmetic, countdown
+from rollhpc.tasks.arithmetic import ArithmeticExample
+from rollhpc.tasks.countdown import CountdownExample
+
+
+@pytest.mark.parametrize("task, key", [
+    (arithmetic, lambda e: (e.a, e.op, e.b)),
+    (countdown, lambda e: (tuple(sorted(e.numbers)), e.target)),
+])
+def test_splits_are_deterministic_disjoint_and_solved_by_their_references(task, key):
+    train, heldout = task.make_splits(7, n_train=500, n_heldout=100)
+    assert (train, heldout) == task.make_splits(7, n_train=500, n_heldout=100)
+    assert (len(train), len(heldout)) == (500, 100)
+    keys = [key(e) for e in train + heldout]
+    assert len(set(keys)) == len(keys)  # unique within and across splits
+    assert task.make_splits(7, n_train=50, n_heldout=100)[1] == heldout  # held-out set independent of n_train
+    assert task.make_splits(8, n_train=500, n_heldout=100)[1] != heldout
+    texts = list(task.corpus(train[:50]))
+    assert all(text.startswith(e.prompt) for text, e in zip(texts, train))
+    assert all(task.score(e, task.completion(e)) == 1.0 for e in train + heldout)
+
+
+def test_arithmetic_options_and_exhausted_space():
+    train, heldout = arithmetic.make_splits(0, 300, 50, digits=2, ops=("*",))
+    assert all(e.op == "*" and e.a < 100 and e.b < 100 and e.answer == str(e.a * e.b) for e in train + heldout)
+    assert all(int(e.answer) >= 0 for e in arithmetic.make_splits(0, 300, 0, ops=("-",))[0])
+    assert any(int(e.answer) < 0 for e in arithmetic.make_splits(0, 300, 0, ops=("-",), allow_negative=True)[0])
+    with pytest.raises(ValueError, match="found only 155 distinct examples"):  # 100 sums + 55 differences a >= b
+        arithmetic.make_splits(0, 250, 0, digits=1)
+    with pytest.raises(ValueError, match="ops must be"):
+        arithmetic.make_splits(0, 10, 10, ops=("**",))
+    assert arithmetic.format_prompt(ArithmeticExample(a=12, op="+", b=30, answer="42")) == "12 + 30 ="
+
+
+@pytest.mark.parametrize("response, expected", [
+    (" 579", "579"),
+    ("579", "579"),
+    ("   579  \n", "579"),
+    ("123 + 456 = 579", "579"),  # restates the problem
+    ("Answer: 579.", "579"),
+    ("I think 12, no wait... = 579", "579"),  # final number after the marker
+    ("Answer: 100 then 579", "579"),
+    (" 0579", "579"),
+    (" -12", "-12"),
+    ("=-0", "0"),
+    (" 5-3", "3"),  # a minus after a digit is an operator, not a sign
+    ("", None),
+    (" the answer is unknown", None),
+    ("579 =", None),  # nothing after the last marker
+    (" ٥٧٩", None),  # non-ASCII digits are not accepted
+    (" " + "9" * 10_000, "9" * 10_000),  # huge numbers compare as text, never overflow int()
+])
+def test_arithmetic_extract_answer(response, expected):
+    assert arithmetic.extract_answer(response) == expected
+
+
+def test_arithmetic_score():
+    ex = ArithmeticExample(a=123, op="+", b=456, answer="579")
+    assert [arithmetic.score(ex, r) for r in (" 579", "123 + 456 = 579", " 578", " 5 7 9", " 579 = 580",
+                                              " 57", "", " -579", " 1" + "0" * 5000)] == [1, 1, 0, 0, 0, 0, 0, 0, 0]
+    negative = ArithmeticExample(a=3, op="-", b=15, answer="-12")
+    assert arithmetic.score(negative, " -12") == 1.0 and arithmetic.score(negative, " 12") == 0.0
+
+
+@pytest.mark.parametrize("response, expected", [
+    (" (50 - 25) + 3 * 7", "(50 - 25) + 3 * 7"),
+    ("Answer: 25+3*7", "25+3*7"),
+    (" 25 + 3 * 7 = 46", "25 + 3 * 7"),  # a trailing "= target" is dropped
+    (" 46 = 25 + 3 * 7", "25 + 3 * 7"),
+    (" 25 × 3 ÷ 5", "25 * 3 / 5"),
+    (" 25 + 21\nthen some rambling = 3", "25 + 21"),  # first line only
+    ("Answer: 7 + 3.", "7 + 3"),
+    (" 46", "46"),
+    ("", None),
+    ("Answer:   \n", None),
+])
+def test_countdown_extract_answer(response, expected):
+    assert countdown.extract_answer(response) == expected
+
+
+EX = CountdownExample(numbers=(3, 7, 25, 50), target=46, solution="25 + 3 * 7")
+
+
+@pytest.mark.parametrize("response, reward", [
+    (" 25 + 3 * 7", 1.0),
+    (" 3*7+25", 1.0),
+    (" (50 - 25) + 3 * 7", 1.0),  # every given number once
+    (" 50 - (25 - 3 * 7)", 1.0),  # 50 - 4 = 46
+    ("Answer: 50 - 7 + 3", 1.0),
+    (" ((25)) + (3 * 7) = 46", 1.0),
+    (" 50 / 25 * 23", 0.0),  # 23 is not a given number
+    (" 25 + 25 - 7 + 3", 0.0),  # 25 reused
+    (" 7 * 7 - 3", 0.0),  # 7 reused
+    (" 46", 0.0),  # the target itself is not a given number
+    (" 50 - 7 / 0", 0.0),  # division by zero
+    (" 50 / (7 - 7)", 0.0),
+    (" 50 - 25 / 7 * 3", 0.0),  # not an integer, target is one
+    (" 50 - 3 - 7 / 7", 0.0),  # reuses 7
+    (" 50 - 4", 0.0),  # 4 not given
+    (" 50 // 25 + 44", 0.0),  # floor division refused
+    (" 3 ** 7", 0.0),  # power refused
+    (" -3 + 50 - 7 + 6", 0.0),  # unary minus refused (and 6 not given)
+    (" 25.0 + 21", 0.0),  # floats refused
+    (" 0x19 + 3 * 7", 0.0),  # hex literal for 25 refused
+    (" 2_5 + 3 * 7", 0.0),  # underscore literal refused
+    (" __import__('os').system('true')", 0.0),  # names and calls never run
+    (" abs(25) + 3 * 7", 0.0),
+    (" [25][0] + 3 * 7", 0.0),
+    (" 25 + 3 * 7 if 1 else 0", 0.0),
+    (" 25 + (3 * 7", 0.0),  # syntax error
+    (" " + "(" * 150 + "46" + ")" * 150, 0.0),  # too long
+    (" 46 - 0", 0.0),
+    ("", 0.0),
+])
+def test_countdown_score(response, reward):
+    assert countdown.score(EX, response) == reward
+
+
+def test_countdown_adds_up_fractions_exactly_and_allows_repeated_given_numbers():
+    twice = CountdownExample(numbers=(5, 5, 2), target=20, solution="(5 + 5) * 2")
+    assert countdown.score(twice, " (5 + 5) * 2") == 1.0
+    assert countdown.score(twice, " 5 * 5 - 5") == 0.0  # only two fives given
+    thirds = CountdownExample(numbers=(1, 3, 9), target=27, solution="9 / (1 / 3)")
+    assert countdown.score(thirds, " 9 / (1 / 3)") == 1.0  # exact rational arithmetic, no float error
+    assert countdown.evaluate("7 / 2") == (countdown.Fraction(7, 2), [7, 2])
+
+
+def test_countdown_generation_options():
+    train, heldout = countdown.make_splits(1, 200, 20, num_numbers=3, max_number=10, max_target=30)
+    for e in train + heldout:
+        assert len(e.numbers) == 3 and all(1 <= n <= 10 for n in e.numbers)
+        assert 1 <= e.target <= 30 and e.target not in e.numbers
+    assert countdown.format_prompt(EX) == "Numbers: 3 7 25 50\nTarget: 46\nAnswer:"
+    with pytest.raises(ValueError, match="num_numbers must be >= 2"):
+        countdown.make_splits(0, 1, 1, num_numbers=1)
