@@ -125,6 +125,8 @@ write_config() {
   local nodes=$1 cpus=$2 gpus=$3 mem=$4 ctld_port=$5 port_base=$6 slurmd_timeout=$7
   local nodelist="node[1-$nodes]"; [ "$nodes" -eq 1 ] && nodelist=node1
   local gres_attr="" i
+  # a fresh cluster's first job id: different at every start (seconds since 2026, scaled), below MaxJobId
+  local FIRST_JOB_ID=$(( ($(date +%s) - 1767225600) % 600000 * 100 + 1000 ))
   if [ "$gpus" -gt 0 ]; then
     # gres/gpu wants File= to be a character/block device: clones of /dev/null (1,3), or symlinks to it
     for i in $(seq 0 $((gpus - 1))); do
@@ -184,6 +186,10 @@ KillWait=5
 Waittime=0
 MinJobAge=600
 JobRequeue=1
+# job ids must not restart at 1 with every fresh cluster: MPICH names its shared-memory segments after the
+# PMI job/step id, and a segment left in /dev/shm by a killed job 1.0 of an earlier cluster makes the next
+# job 1.0's MPI_Init spin forever
+FirstJobId=$FIRST_JOB_ID
 EOF
     [ "$gpus" -gt 0 ] && echo "GresTypes=gpu"
     for i in $(seq 1 "$nodes"); do
@@ -402,7 +408,16 @@ cmd_down() {
   if [ "${#orphans[@]}" -gt 0 ]; then
     log "killing leftover step/job processes of this cluster: ${orphans[*]}"
     kill -KILL "${orphans[@]}" 2>/dev/null || true
+    sleep 0.2
   fi
+  # 5. MPICH shared-memory segments of jobs that ended by a crash or an abort (MPI_Finalize would have
+  #    removed them); only those no live process maps (a real cluster's epilog cleans /dev/shm)
+  local seg mapped
+  mapped=$(grep -ho '/dev/shm/mpich_shm_[^ ]*' /proc/[0-9]*/maps 2>/dev/null | sort -u || true)
+  for seg in /dev/shm/mpich_shm_*; do
+    [ -e "$seg" ] || continue
+    grep -qxF "$seg" <<<"$mapped" || rm -f "$seg"
+  done
   log "cluster in $DIR stopped in $(since "$t0")s"
 }
 

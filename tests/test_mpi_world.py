@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import assert_no_orphans, cli_env, rank_processes, rollhpc
 
 PROBE = "rollhpc.workers.diagnostic:DiagnosticWorker"
@@ -131,11 +133,16 @@ def test_interrupting_the_launcher_ends_the_run_cleanly(experiment, tmp_path):
     assert_no_orphans(run_dir)
 
 
+@pytest.mark.leaves_shm  # a SIGKILLed launcher cannot clean up: the next launch sweeps what it left
 def test_killing_the_launcher_takes_the_world_with_it(experiment, tmp_path):
+    from rollhpc.launch.local import remove_leaked_segments, shm_segments
+
+    before = shm_segments()
     proc, run_dir, _ = start_sleeping_world(experiment, tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
     assert_no_orphans(run_dir)
+    remove_leaked_segments(before)
 
 
 def test_world_with_killed_controller_cleans_up(experiment, tmp_path):
@@ -161,3 +168,14 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
     (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
     assert "in __init__" in stacks.read_text() and "time.sleep(3600)" in stacks.read_text()
     assert_no_orphans(run_dir)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shared_memory(request):
+    """Every world above ends by a crash or an abort on purpose; none may leave MPICH segments in /dev/shm."""
+    from rollhpc.launch.local import shm_segments
+
+    before = shm_segments()
+    yield
+    if not request.node.get_closest_marker("leaves_shm"):
+        assert shm_segments() - before == set()

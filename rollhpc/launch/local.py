@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
@@ -94,9 +95,65 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "mpich_shm_"
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} if SHM_DIR.is_dir() else set()
+
+
+def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0) -> int:
+    """Delete MPICH shared-memory segments that appeared since ``existing_before``, are at least
+    ``min_age_s`` old and that no live process maps. MPI_Finalize removes them, but a world that ends by a
+    crash or a deliberate abort (every failure path) leaves them in /dev/shm, megabytes each, until reboot."""
+    now = time.time()
+    leaked = set()
+    for name in shm_segments() - existing_before:
+        try:
+            if now - (SHM_DIR / name).stat().st_mtime >= min_age_s:
+                leaked.add(name)
+        except OSError:
+            pass
+    if not leaked:
+        return 0
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        if SHM_PREFIX in text:
+            mapped.update(line.rsplit("/", 1)[-1] for line in text.splitlines() if "/dev/shm/" + SHM_PREFIX in line)
+    removed = 0
+    for name in leaked - mapped:
+        try:
+            (SHM_DIR / name).unlink()
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def _kill_group(pgid: int, wait_s: float = 5.0) -> None:
+    """SIGKILL whatever is left of the world's process group and wait until it is really gone (its
+    memory maps too: the shared-memory sweep must not see dying ranks as users)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.02)
+
+
 def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     """Run the world to completion; returns its exit status (0 = success)."""
     cmd = build_command(cfg, plan, run_dir)
+    # leftovers of earlier worlds that could not clean up (their launcher was SIGKILLed); the age keeps
+    # the segments of an MPI job that is starting right now, not yet mapped, out of the sweep
+    remove_leaked_segments(set(), min_age_s=120)
+    segments_before = shm_segments()
     (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
     proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
     try:
@@ -110,10 +167,8 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
             rc = -signal.SIGKILL
         rc = rc or 130
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_group(proc.pid)
+        remove_leaked_segments(segments_before)
     return rc
 
 
