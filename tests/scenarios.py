@@ -43,7 +43,7 @@ class DispatchScenario(Pipeline):
         import time
 
         start = time.perf_counter()
-        futs = [g.sleep.submit(0.5), self.groups["other"].sleep.submit(0.5)]
+        futs = [g.sleep.submit(1.5), self.groups["other"].sleep.submit(1.5)]
         out["sleep_results"] = [f.result() for f in futs]
         out["overlap_s"] = time.perf_counter() - start
         try:

@@ -4,6 +4,8 @@ Two tiny Qwen2 checkpoints (GQA, vocab 100: padded to 128 at TP=1 and 256 at TP=
 embeddings) are saved with transformers; two real processes (torch.multiprocessing.spawn, gloo) build
 the megatron model at TP=1 then TP=2, load the HF weights, and write logits and the loss before and
 after one AdamW step; the test compares them with the HF model's (and with one AdamW step on it).
+After the step, ``export_hf_weights`` gathers the trained weights back into HF tensors on TP rank 0;
+loaded into a fresh HF model (``strict=True``) they give the trained megatron model's logits.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _worker(rank: int, port: int, model_dirs: list[str], out_dir: str) -> None:
     from safetensors.torch import load_file
 
     from rollhpc.models import megatron_cpu
-    from rollhpc.models.megatron_gpt import build_gpt_model, load_hf_weights
+    from rollhpc.models.megatron_gpt import build_gpt_model, export_hf_weights, load_hf_weights
 
     # On a (pretend) CUDA machine enable_cpu_megatron touches nothing.
     real_available, current_device = torch.cuda.is_available, torch.cuda.current_device
@@ -80,10 +82,15 @@ def _worker(rank: int, port: int, model_dirs: list[str], out_dir: str) -> None:
             loss.backward()
             opt.step()
             with torch.no_grad():
-                loss_after = _loss(model(ids, positions, None), ids)
+                logits_after = model(ids, positions, None)
+                loss_after = _loss(logits_after, ids)
+            # Every rank iterates the export (it all-gathers); only TP rank 0 gets tensors.
+            exported = {name: t.clone() for name, t in export_hf_weights(model, VOCAB)}
+            assert bool(exported) == (tp_rank == 0), (rank, tp, sorted(exported)[:3])
             results[Path(model_dir).name, tp] = dict(
                 logits=logits.detach()[..., :VOCAB], loss=loss.item(), loss_after=loss_after.item(),
-                padded_logits=logits.detach()[..., VOCAB:].abs().max().item())
+                padded_logits=logits.detach()[..., VOCAB:].abs().max().item(),
+                logits_after=logits_after[..., :VOCAB], exported=exported)
             parallel_state.destroy_model_parallel()
     if rank == 0:
         torch.save(results, Path(out_dir) / "results.pt")
@@ -137,6 +144,17 @@ def test_megatron_gpt_matches_hf_qwen2_tp1_tp2(tmp_path: Path) -> None:
             assert r["loss"] == pytest.approx(loss.item(), abs=1e-5)
             assert r["loss_after"] == pytest.approx(loss_after, abs=1e-4)
             assert r["loss_after"] < r["loss"]
+            # The trained megatron weights, exported to HF names, are the trained megatron model.
+            exported = dict(r["exported"])
+            if hf.config.tie_word_embeddings:
+                assert "lm_head.weight" not in exported
+                exported["lm_head.weight"] = exported["model.embed_tokens.weight"]
+            fresh = transformers.Qwen2ForCausalLM(hf.config).float().eval()
+            fresh.load_state_dict(exported, strict=True)
+            with torch.no_grad():
+                diff = (fresh(ids).logits - r["logits_after"]).abs().max().item()
+            print(f"{name} tp={tp}: exported HF vs trained megatron max |logit diff| = {diff:.2e}")
+            assert diff < 1e-4, f"{name} tp={tp}: exported weights give logits off by {diff}"
         assert results[name, 2]["loss"] == pytest.approx(results[name, 1]["loss"], abs=1e-5)
         assert results[name, 2]["loss_after"] == pytest.approx(results[name, 1]["loss_after"], abs=1e-5)
 

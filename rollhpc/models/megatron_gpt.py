@@ -11,6 +11,10 @@ Three steps, each usable alone:
   ``model_parallel_cuda_manual_seed`` (on CPU, after ``megatron_cpu.enable_cpu_megatron()``).
 * ``load_hf_weights(model, hf_state_dict, tp_rank, tp_size)``: copies this rank's shard of every HF
   tensor into the model.
+* ``export_hf_weights(model, vocab_size)``: the inverse, for weight sync to an HF-named generator (vLLM)
+  and checkpoint conversion: inside the running TP group, all-gathers one parameter at a time and yields
+  ``(hf_name, full tensor)`` on TP rank 0 (``unshard_to_hf`` is the pure, per-parameter inverse of
+  ``shard_hf_weight``).
 
 The HF -> megatron map is plain data (``weight_map``: one ``WeightMapping`` per megatron parameter
 naming its HF source tensors and a layout) and ``shard_hf_weight`` cuts one rank's shard for a layout;
@@ -32,7 +36,7 @@ row            o_proj ``[H, nh*d]``, down_proj ``[H, F]``      columns ``[r*K/t,
 
 Left for later: MoE (Qwen2-MoE / Qwen3-MoE experts and router), Qwen3's q/k RMSNorm, sliding-window
 attention, rope scaling (rope_type other than "default"), pipeline parallelism (the map assumes one
-stage holds every layer), sequence parallelism, and megatron -> HF export (the inverse of the shards).
+stage holds every layer; export gathers over TP only), sequence parallelism.
 Padded vocab rows are zero: their logits (``[..., vocab_size:]``) are not part of the HF model and must
 be left out of comparisons and, for exact HF log-probs, out of the softmax.
 """
@@ -40,7 +44,7 @@ be left out of comparisons and, for exact HF log-probs, out of the softmax.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +128,51 @@ def shard_hf_weight(layout: str, tensors: list[torch.Tensor], tp_rank: int, tp_s
     rest = q.shape[1:]
     fused = torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1)
     return fused.chunk(tp_size, dim=0)[tp_rank].reshape(-1, *rest)
+
+
+def unshard_to_hf(layout: str, shards: list[torch.Tensor], hf_names: tuple[str, ...] | list[str], *,
+                  num_query_groups: int = 0, num_attention_heads: int = 0,
+                  vocab_size: int = 0) -> dict[str, torch.Tensor]:
+    """The inverse of ``shard_hf_weight``: the HF tensors ``{hf_name: tensor}`` of one megatron parameter,
+    from its shards on every TP rank (``shards[r]`` from rank r; ``hf_names``: the mapping's ``hf``).
+    ``qkv`` needs ``num_query_groups`` and ``num_attention_heads``; ``vocab`` needs ``vocab_size`` (the
+    unpadded HF size: padding rows are dropped). ``replicated`` raises if the shards differ."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; layouts are {', '.join(LAYOUTS)}")
+    names = tuple(hf_names)
+    expected = 3 if layout == "qkv" else 2 if layout == "gate_up" else 1
+    if len(names) != expected:
+        raise ValueError(f"layout {layout!r} has {expected} HF tensor(s), got names {names}")
+    if not shards:
+        raise ValueError("no shards")
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"shards differ in shape: {[tuple(s.shape) for s in shards]}")
+    if layout == "replicated":
+        if not all(torch.equal(shards[0], s) for s in shards[1:]):
+            raise ValueError(f"{names[0]}: replicated shards differ across TP ranks")
+        return {names[0]: shards[0]}
+    if layout == "row":
+        return {names[0]: torch.cat(shards, dim=1)}
+    if layout == "vocab":
+        full = torch.cat(shards, dim=0)
+        if not 0 < vocab_size <= full.shape[0]:
+            raise ValueError(f"vocab_size={vocab_size} must be in [1, padded vocab {full.shape[0]}]")
+        return {names[0]: full[:vocab_size]}
+    if layout == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return {names[0]: torch.cat([g for g, _ in halves]), names[1]: torch.cat([u for _, u in halves])}
+    ng, nh = num_query_groups, num_attention_heads
+    if ng < 1 or nh < 1 or nh % ng:
+        raise ValueError(f"num_attention_heads={nh} must be a positive multiple of num_query_groups={ng}")
+    full = torch.cat(shards, dim=0)  # per group [q heads; k; v], groups in order across ranks
+    rest = full.shape[1:]
+    if full.shape[0] % (nh + 2 * ng):
+        raise ValueError(f"fused qkv has {full.shape[0]} rows, not a multiple of nh + 2*ng = {nh + 2 * ng}")
+    d = full.shape[0] // (nh + 2 * ng)
+    grouped = full.reshape(ng, (nh // ng + 2) * d, *rest)
+    q, k, v = grouped.split([nh // ng * d, d, d], dim=1)
+    return {names[0]: q.reshape(nh * d, *rest), names[1]: k.reshape(ng * d, *rest),
+            names[2]: v.reshape(ng * d, *rest)}
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -236,3 +285,46 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
     unused = sorted(n for n in hf_state_dict if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise KeyError(f"HF tensors with no megatron parameter: {unused}")
+
+
+def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every HF tensor of ``model`` (built by ``build_gpt_model``), gathered
+    over the tensor-parallel group (default: megatron's ``parallel_state`` TP group; without an
+    initialized ``torch.distributed`` or at TP size 1 nothing is gathered). ``vocab_size``: the HF
+    (unpadded) vocab size, from ``config.json``.
+
+    Collective: every TP rank must iterate this generator to the end, in step (it all-gathers one
+    parameter per step); only TP rank 0 yields, the other ranks yield nothing. Memory stays bounded by
+    one parameter's full tensor(s): each is gathered, unsharded, yielded and dropped before the next.
+    Yielded tensors are detached, fresh (not views of the model's parameters when TP > 1; at TP 1 the
+    non-fused ones may share storage with them: copy before the next optimizer step if kept).
+    Tied embeddings: ``lm_head.weight`` is not yielded (HF ties it to ``model.embed_tokens.weight``)."""
+    import torch.distributed as dist
+
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        from megatron.core import parallel_state
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    distributed = dist.is_available() and dist.is_initialized()
+    tp_size = dist.get_world_size(tp_group) if distributed else 1
+    tp_rank = dist.get_rank(tp_group) if distributed else 0
+    config = model.config
+    tied = bool(model.share_embeddings_and_output_weights)
+    params = dict(model.named_parameters())
+    table = weight_map(config.num_layers, tied)
+    missing = set(params) - {w.megatron for w in table}
+    if missing:
+        raise KeyError(f"megatron parameters without an HF name: {sorted(missing)}")
+    for w in table:
+        local = params[w.megatron].detach()
+        if tp_size > 1:
+            local = local.contiguous()
+            shards = [torch.empty_like(local) for _ in range(tp_size)]
+            dist.all_gather(shards, local, group=tp_group)
+        else:
+            shards = [local]
+        if tp_rank == 0:
+            yield from unshard_to_hf(w.layout, shards, w.hf, num_query_groups=config.num_query_groups,
+                                     num_attention_heads=config.num_attention_heads,
+                                     vocab_size=vocab_size).items()
+        del shards, local
