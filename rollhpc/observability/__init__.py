@@ -1,1 +1,1 @@
-"""What a run leaves behind for people: metrics.jsonl, later TensorBoard and HDF5 rollouts."""
+"""What a run leaves behind for people: metrics.jsonl, TensorBoard scalars in tb/, HDF5 rollouts (RunLog owns all three)."""

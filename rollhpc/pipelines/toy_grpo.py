@@ -17,7 +17,8 @@ import numpy as np
 from rollhpc.algo.advantages import grpo_advantages
 from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
-from rollhpc.observability.metrics import MetricsLog
+from rollhpc.observability.rollouts import RolloutRecord
+from rollhpc.observability.run_log import RunLog
 from rollhpc.tasks import modsum
 
 log = logging.getLogger("rollhpc.toy_grpo")
@@ -33,6 +34,7 @@ class ToyGrpoPipeline(Pipeline):
         group_size: int = 8
         modulus: int = 10
         eval_every: int = 10
+        rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
 
     def evaluate(self) -> float:
         prompts = modsum.all_prompts(self.options.modulus)
@@ -43,11 +45,11 @@ class ToyGrpoPipeline(Pipeline):
         o = self.options
         train, gen, reward = self.groups["train"], self.groups["generate"], self.groups["reward"]
         rng = np.random.default_rng(self.run_ctx.seed)
-        metrics = MetricsLog(self.run_ctx.run_dir / "metrics.jsonl")
+        run_log = RunLog(self.run_ctx.run_dir)
         gen.set_weights(train.weights(), 0)
         accuracy = self.evaluate()
         log.info("step 0: greedy accuracy on all prompts %.3f", accuracy)
-        metrics.write({"step": 0, "accuracy": accuracy})
+        run_log.log_step(0, {"accuracy": accuracy})
         for step in range(1, o.steps + 1):
             times = {}
             t = time.perf_counter()
@@ -74,6 +76,16 @@ class ToyGrpoPipeline(Pipeline):
             }
             if step % o.eval_every == 0 or step == o.steps:
                 record["accuracy"] = accuracy = self.evaluate()
-            metrics.write(record)
+            run_log.log_step(step, record, self._rollout_record(scored) if self._keep_rollouts(step) else None)
             log.info("step %d/%d: reward %.3f, greedy accuracy %.3f", step, o.steps, record["reward_mean"], accuracy)
-        metrics.close()
+        run_log.close()
+
+    def _keep_rollouts(self, step: int) -> bool:
+        every = self.options.rollout_every
+        return every > 0 and (step % every == 0 or step == self.options.steps)
+
+    @staticmethod
+    def _rollout_record(scored: Batch) -> RolloutRecord:
+        """Prompts are (a, b) token pairs and responses one answer token, so every sequence has a fixed length."""
+        return RolloutRecord(prompt_tokens=scored["prompt"], response_tokens=scored["answer"][:, None],
+                             logprobs=scored["logprob"][:, None], reward=scored["reward"], version=scored["version"])

@@ -1,0 +1,41 @@
+"""RUN_DIR/tb/: scalars for TensorBoard, flushed every step so a live `tensorboard --logdir` sees them.
+
+Uses tensorboard's own event-file writer (imported on first use) rather than torch's SummaryWriter,
+so the controller does not need torch to log. Values that are not real numbers are skipped.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from pathlib import Path
+from typing import Any
+
+
+def numeric_scalars(values: dict[str, Any]) -> dict[str, float]:
+    """The entries TensorBoard can plot: real numbers (Python or numpy), bools excluded."""
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+
+
+class TensorBoardLog:
+    def __init__(self, log_dir: Path):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = EventFileWriter(str(self.log_dir))
+
+    def add_scalars(self, step: int, values: dict[str, Any]) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        scalars = numeric_scalars(values)
+        if not scalars:
+            return
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=v) for k, v in scalars.items()])
+        self._writer.add_event(Event(wall_time=time.time(), step=int(step), summary=summary))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
