@@ -2,7 +2,8 @@
 
 Two tiny random Qwen2 checkpoints (a, b) are written to a temporary folder; one subprocess
 (tests/vllm_engine_probe.py) starts a single engine on a, generates, swaps in b's weights, swaps
-back to a, and reports as JSON. Here the transformers models give the expected greedy tokens and
+back to a, drives the step API (add_request / step / abort, partial-rollout resume), and reports as
+JSON. Here the transformers models give the expected greedy tokens and
 log-probabilities. Throughput and update time are printed, not asserted.
 """
 
@@ -127,4 +128,45 @@ def test_sampling_n_and_seed(probe):
 def test_engine_reports(probe):
     res, _ = probe
     assert res["tokens_per_s"] > 0 and res["update_weights_s"] > 0
-    assert res["abort"] == "not implemented"
+
+
+def test_step_api_matches_generate(probe):
+    """Requests fed one by one and driven by step() give generate()'s greedy tokens and logprobs."""
+    res, refs = probe
+    step = res["step_api"]
+    assert_matches(step["greedy"], refs["a"])
+    assert [g["version"] for g in step["greedy"]] == [2] * len(PROMPTS)
+    for got, want in zip(step["greedy_eos"], res["greedy_eos"], strict=True):  # same EOS handling
+        assert (got["token_ids"], got["finish_reason"]) == (want["token_ids"], want["finish_reason"])
+    assert_matches(res["greedy_after_step_api"], refs["a"])
+
+
+def test_step_returns_requests_as_they_finish(probe):
+    step = probe[0]["step_api"]
+    assert step["unfinished_ids"] == ["short", "long"]
+    assert step["lengths"] == {"short": 2, "long": MAX_TOKENS}
+    assert step["finished_at"]["short"] < step["finished_at"]["long"]
+
+
+def test_abort_returns_partial_and_resume_continues(probe):
+    """Partial rollout: the aborted half (version 2) plus the resumed half (version 3, same weights)
+    equal the uninterrupted greedy completion."""
+    res, refs = probe
+    step = res["step_api"]
+    assert step["cut_before_abort"] == [] and step["aborted_ids"] == ["cut"] and step["abort_again"] == []
+    partial, resumed = step["partial"], step["resumed"]
+    assert 0 < len(partial["token_ids"]) < MAX_TOKENS and len(partial["logprobs"]) == len(partial["token_ids"])
+    assert partial["finish_reason"] == "abort"
+    assert step["unfinished_after_abort"] == [0, 0, False]
+    tokens, logprobs, _ = refs["a"][0]
+    assert partial["token_ids"] + resumed["token_ids"] == tokens
+    assert partial["logprobs"] + resumed["logprobs"] == pytest.approx(logprobs, abs=1e-3)
+    assert (partial["version"], resumed["version"], resumed["finish_reason"]) == (2, 3, "length")
+
+
+def test_step_api_refuses_misuse(probe):
+    step = probe[0]["step_api"]
+    assert step["errors"] == {"duplicate": "ValueError", "update_weights": "RuntimeError",
+                              "generate": "RuntimeError", "sleep": "RuntimeError"}
+    assert step["version_after_refused_update"] == 3
+    assert step["dup_aborted"] == ["dup"]

@@ -30,6 +30,77 @@ def greedy(engine, prompts, max_tokens):
             for c in out]
 
 
+def as_dict(c) -> dict:
+    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+            "version": c.version}
+
+
+def error(call) -> str:
+    """The exception type ``call()`` raises, or "none"."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test compares the type name
+        return type(e).__name__
+    return "none"
+
+
+def step_api(engine, prompts, max_tokens, weights_a) -> dict:
+    """add_request / step / abort on the engine holding a's weights (version 2)."""
+    res: dict = {}
+    greedy = {"temperature": 0.0, "max_tokens": max_tokens}
+
+    # Requests added one by one with a step after each (later ones join a running batch), then
+    # driven to the end with run_until; with and without EOS.
+    for key, ignore_eos in (("greedy", True), ("greedy_eos", False)):
+        done = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{key}-{i}", prompt, ignore_eos=ignore_eos, **greedy)
+            done.update(engine.step())
+        while engine.num_unfinished():
+            done.update(engine.run_until(min_finished=1))
+        res[key] = [as_dict(done[f"{key}-{i}"]) for i in range(len(prompts))]
+
+    # Each request comes back from the step it finishes in.
+    engine.add_request("short", prompts[0], temperature=0.0, max_tokens=2, ignore_eos=True)
+    engine.add_request("long", prompts[1], temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    res["unfinished_ids"] = engine.unfinished_ids()
+    finished_at, lengths, step = {}, {}, 0
+    while engine.num_unfinished() and step < 100:
+        for rid, c in engine.step():
+            finished_at[rid], lengths[rid] = step, len(c.token_ids)
+        step += 1
+    res["finished_at"], res["lengths"] = finished_at, lengths
+
+    # Abort mid-way, keep the partial, swap in (the same) weights as version 3, resume from the
+    # partial: a partial rollout whose two halves carry different versions.
+    engine.add_request("cut", prompts[0], ignore_eos=True, **greedy)
+    res["cut_before_abort"] = [rid for _ in range(4) for rid, _ in engine.step()]
+    aborted = engine.abort(["cut", "never-added"])
+    res["aborted_ids"] = [rid for rid, _ in aborted]
+    res["partial"] = as_dict(aborted[0][1])
+    res["abort_again"] = [rid for rid, _ in engine.abort(["cut"])]
+    res["unfinished_after_abort"] = [engine.num_unfinished(), engine.llm.llm_engine.get_num_unfinished_requests(),
+                                     engine.llm.llm_engine.has_unfinished_requests()]
+    engine.update_weights(weights_a, version=3)
+    partial = res["partial"]["token_ids"]
+    engine.add_request("resume", prompts[0] + partial, temperature=0.0, max_tokens=max_tokens - len(partial),
+                       ignore_eos=True)
+    (rid, resumed), = engine.run_until(min_finished=1)
+    res["resumed"] = as_dict(resumed)
+
+    # Misuse: a live id again, and calls that need an idle engine.
+    engine.add_request("dup", prompts[0], **greedy)
+    res["errors"] = {
+        "duplicate": error(lambda: engine.add_request("dup", prompts[1], **greedy)),
+        "update_weights": error(lambda: engine.update_weights(weights_a, version=4)),
+        "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2)),
+        "sleep": error(lambda: engine.sleep()),
+    }
+    res["version_after_refused_update"] = engine.version
+    res["dup_aborted"] = [rid for rid, _ in engine.abort(["dup"])]
+    return res
+
+
 def main(spec_path: str, result_path: str) -> None:
     from rollhpc.engines.vllm_engine import VllmGenerator
 
@@ -82,11 +153,9 @@ def main(spec_path: str, result_path: str) -> None:
     engine.sleep()
     engine.wake_up()
     res["greedy_after_wake"] = greedy(engine, prompts[:1], max_tokens)
-    try:
-        engine.abort(["x"])
-        res["abort"] = "ok"
-    except NotImplementedError:
-        res["abort"] = "not implemented"
+
+    res["step_api"] = step_api(engine, prompts, max_tokens, weights_a)
+    res["greedy_after_step_api"] = greedy(engine, prompts, max_tokens)  # generate() still works
 
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(res))

@@ -8,9 +8,13 @@ Contract with the trainer:
   sampled from (after temperature and top-p: vLLM's ``logprobs_mode="processed_logprobs"``);
 - ``update_weights`` takes tensors in Hugging Face naming, loads them in place (vLLM's
   ``reload_weights`` with a weights iterator, which also redoes CPU repacking), drops the prefix cache
-  and records ``version``.
+  and records ``version``;
+- a rollout scheduler that works sample by sample uses the step API instead of ``generate``:
+  ``add_request`` one prompt at a time, ``step`` to get the requests that finished in that engine step,
+  ``abort`` to stop requests and keep their partial tokens (a later request resumes from them).
 
-Left out: async engines and request abort (see ``abort``), LoRA, multimodal inputs.
+Left out: async engines (one thread drives the step API of the synchronous engine), LoRA, multimodal
+inputs.
 """
 
 from __future__ import annotations
@@ -30,8 +34,18 @@ __all__ = ["Completion", "VllmGenerator"]
 class Completion:
     token_ids: list[int]  # [T] generated tokens, prompt excluded
     logprobs: list[float]  # [T] log p(token_ids[t]) under the sampling distribution
-    finish_reason: str  # "stop" (EOS / stop token) or "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS / stop token), "length" (max_tokens) or "abort" (a partial)
     version: int = field(default=-1)  # weights version that generated it
+
+
+@dataclass
+class _Live:
+    """A step-API request between ``add_request`` and its finish or abort."""
+
+    engine_id: str  # vLLM's internal id (the caller's id plus a random suffix)
+    version: int  # weights version live when it was added
+    token_ids: list[int] = field(default_factory=list)  # generated so far
+    logprobs: list[float] = field(default_factory=list)
 
 
 class VllmGenerator:
@@ -76,6 +90,7 @@ class VllmGenerator:
         self.stop_token_ids = list(stop_token_ids)
         self.version = 0
         self.asleep = False
+        self._live: dict[str, _Live] = {}  # step-API requests in flight, by caller id, in add order
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
                  top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
@@ -85,34 +100,124 @@ class VllmGenerator:
         With ``seed`` set, prompt ``i`` samples from seed ``seed + i * n`` (vLLM gives its ``n``
         children ``+0 .. +n-1``), so every completion has its own stream and a call is reproducible.
         ``temperature=0`` is greedy; its logprobs are then the plain log-softmax of the logits.
-        """
-        from vllm import SamplingParams
 
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake_up() first")
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 seed=None if seed is None else seed + i * n, logprobs=0,
-                                 ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids,
-                                 detokenize=False)
+        Refused while step-API requests are in flight: ``LLM.generate`` steps the engine until no
+        request is left, so it would run theirs to the end and drop their outputs.
+        """
+        self._check_idle("generate()")
+        params = [self._sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                        seed=None if seed is None else seed + i * n, ignore_eos=ignore_eos)
                   for i in range(len(prompt_token_ids))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
+    def _sampling_params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
+                         seed: int | None, ignore_eos: bool) -> Any:
+        """The same stop tokens and logprobs (the sampled token's only) for ``generate`` and the step API."""
+        from vllm import SamplingParams
+
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                              logprobs=0, ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids,
+                              detokenize=False)
+
     def _completion(self, out: Any) -> Completion:
         token_ids = list(out.token_ids)
+        return Completion(token_ids, self._logprobs(token_ids, out.logprobs), str(out.finish_reason), self.version)
+
+    @staticmethod
+    def _logprobs(token_ids: list[int], per_position: Any) -> list[float]:
         # logprobs=0 returns, per position, a dict holding just the sampled token's entry.
-        logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, out.logprobs)]
-        return Completion(token_ids, logprobs, str(out.finish_reason), self.version)
+        return [float(step[tok].logprob) for tok, step in zip(token_ids, per_position)]
+
+    # Step API: one request at a time, one engine step at a time.
+    #
+    # A sample-level rollout scheduler keeps the engine full by adding a prompt whenever one finishes,
+    # takes each completion as soon as it is done, and before a weight update aborts the stragglers.
+    # An aborted request hands back what it generated so far: the scheduler resumes it later as a new
+    # request whose prompt is prompt + partial tokens, so no sampled token is thrown away. Outputs are
+    # requested in DELTA mode (only the new tokens of each step) and gathered here per request, because
+    # vLLM's abort returns nothing to a synchronous caller.
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], *, temperature: float = 1.0,
+                    top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
+                    ignore_eos: bool = False) -> None:
+        """Queue one completion of ``prompt_token_ids``; it starts at the next ``step``.
+
+        The weights version live now is recorded with the request and reported by its completion:
+        the completion belongs to the weights that sampled it, whenever the caller collects it.
+        """
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_awake()
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        params = self._sampling_params(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                       seed=seed, ignore_eos=ignore_eos)
+        params.output_kind = RequestOutputKind.DELTA
+        # Rendered as LLM.generate does (raw prompt dicts are deprecated input to the engine).
+        (prompt,) = self.llm.renderer.render_cmpl(
+            [parse_model_prompt(self.llm.model_config, {"prompt_token_ids": list(prompt_token_ids)})])
+        engine_id = self.llm.llm_engine.add_request(request_id, prompt, params)
+        self._live[request_id] = _Live(engine_id, self.version)
+
+    def step(self) -> list[tuple[str, Completion]]:
+        """Run one engine step; return the requests that finished in it, with all their tokens."""
+        if not self._live:
+            return []
+        finished = []
+        for out in self.llm.llm_engine.step():
+            live = self._live.get(out.request_id)  # the caller's id (vLLM reports the external one)
+            if live is None:
+                continue
+            delta = out.outputs[0]
+            new_tokens = list(delta.token_ids)
+            live.token_ids += new_tokens
+            live.logprobs += self._logprobs(new_tokens, delta.logprobs)
+            if out.finished:
+                del self._live[out.request_id]
+                finished.append((out.request_id, Completion(live.token_ids, live.logprobs,
+                                                            str(delta.finish_reason), live.version)))
+        return finished
+
+    def run_until(self, min_finished: int = 1, max_steps: int | None = None) -> list[tuple[str, Completion]]:
+        """Step until ``min_finished`` requests finished, none is left, or ``max_steps`` steps ran."""
+        finished: list[tuple[str, Completion]] = []
+        steps = 0
+        while self._live and len(finished) < min_finished and (max_steps is None or steps < max_steps):
+            finished += self.step()
+            steps += 1
+        return finished
+
+    def abort(self, request_ids: Iterable[str]) -> list[tuple[str, Completion]]:
+        """Stop the named requests still in flight; return each one's partial completion.
+
+        A partial has the tokens and logprobs generated so far and ``finish_reason="abort"``; the
+        caller may resume it with prompt + partial tokens. Unknown or finished ids are ignored.
+        """
+        if isinstance(request_ids, str):
+            raise TypeError("abort() takes a collection of ids, not one id string")
+        aborted = [(rid, self._live.pop(rid)) for rid in dict.fromkeys(request_ids) if rid in self._live]
+        if aborted:
+            self.llm.llm_engine.abort_request([live.engine_id for _, live in aborted], internal=True)
+        return [(rid, Completion(live.token_ids, live.logprobs, "abort", live.version)) for rid, live in aborted]
+
+    def num_unfinished(self) -> int:
+        return len(self._live)
+
+    def unfinished_ids(self) -> list[str]:
+        return list(self._live)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors into the running engine; names may be any subset of the model's.
 
         Tensors are copied in (the caller may reuse its buffers afterwards). Cached prefixes were
-        computed with the old weights, so the prefix cache is dropped.
+        computed with the old weights, so the prefix cache is dropped. Refused while step-API
+        requests are in flight: their tokens would mix two versions under one recorded version
+        (abort them first; the partials resume under the new weights).
         """
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake_up() first")
+        self._check_idle("update_weights()")
         # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
         # processes (TP > 1) need the list pickled.
         weights = named_tensors if self.tensor_parallel_size == 1 else list(named_tensors)
@@ -125,8 +230,10 @@ class VllmGenerator:
 
         vLLM has no sleep mode on CPU (its CPU worker ignores the call), so there this only marks the
         engine asleep and nothing is freed. After ``sleep(2)`` (weights discarded) call
-        ``update_weights`` right after ``wake_up``.
+        ``update_weights`` right after ``wake_up``. Refused while step-API requests are in flight
+        (vLLM's sleep would abort them without handing back their partials).
         """
+        self._check_idle("sleep()")
         if self.sleep_supported:
             self.llm.sleep(level=level)
         self.asleep = True
@@ -136,8 +243,12 @@ class VllmGenerator:
             self.llm.wake_up()
         self.asleep = False
 
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Not supported: the synchronous ``LLM.generate`` blocks until every request finishes, so no
-        other caller in this thread can name a running request. Stopping early needs vLLM's
-        ``AsyncLLM`` (``abort(request_id)``); bound the work with ``max_tokens`` instead."""
-        raise NotImplementedError("VllmGenerator.generate is synchronous; requests cannot be aborted")
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("engine is asleep: call wake_up() first")
+
+    def _check_idle(self, what: str) -> None:
+        self._check_awake()
+        if self._live:
+            raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
+                               "finish them (step/run_until) or abort them first")
