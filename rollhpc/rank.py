@@ -158,7 +158,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
     watchdog.cancel()  # from here the sideband ends this process if the controller goes
     rc = cfg.roles[role]
     ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(me.group_rank), group_size=rc.procs,
-                        role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed)
+                        role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed, layout=rc.layout())
     worker_cls = config_mod.import_object(rc.worker, f"roles.{role}.worker")
     serve(MpiChannel(comm), sideband, worker_cls, ctx, rc.options)
     from mpi4py import MPI

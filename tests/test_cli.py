@@ -19,10 +19,10 @@ def test_help_lists_every_command(tmp_path):
 
 
 def test_plan_prints_every_rank(tmp_path):
-    res = rollhpc("plan", "quickstart", "roles.train.procs=4", "roles.train.parallel.tp=2", cwd=tmp_path)
+    res = rollhpc("plan", "toy_grpo", "roles.train.procs=4", "roles.train.parallel.tp=2", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("experiment quickstart: 7 MPI ranks, 0 GPUs; cluster: 1 nodes")
+    assert lines[0].startswith("experiment toy_grpo: 7 MPI ranks, 0 GPUs; cluster: 1 nodes")
     train_rows = [line.split() for line in lines if " train " in line]
     # rank, role, group rank, het group, node, gpus, tp, cp, dp, pp
     assert [(r[0], r[6], r[8]) for r in train_rows] == [("1", "0", "0"), ("2", "1", "0"), ("3", "0", "1"), ("4", "1", "1")]
@@ -31,18 +31,18 @@ def test_plan_prints_every_rank(tmp_path):
 def test_plan_places_gpu_roles_and_refuses_impossible_mappings(tmp_path):
     gpu = ["roles.train.gpus_per_proc=1", "roles.train.procs=8", "roles.generate.gpus_per_proc=2",
            "roles.generate.procs=2", "cluster.nodes=3", "cluster.gpus_per_node=4"]
-    res = rollhpc("plan", "quickstart", *gpu, "--no-ranks", cwd=tmp_path)
+    res = rollhpc("plan", "toy_grpo", *gpu, "--no-ranks", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert "het group 1: train | 2 node(s), 8 tasks (4/node), 4 GPUs/node" in res.stdout
     assert "het group 2: generate | 1 node(s), 2 tasks (2/node), 4 GPUs/node" in res.stdout
-    res = rollhpc("plan", "quickstart", *gpu, "cluster.nodes=2", cwd=tmp_path)
+    res = rollhpc("plan", "toy_grpo", *gpu, "cluster.nodes=2", cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip() == ("rollhpc: config error: roles.generate: needs 4 GPUs but the cluster has no 4 free "
                                   "GPUs left (8 in all: 2 nodes x 4; the roles ask for 12, colocated ones counted once)")
 
 
 def test_dry_run_prints_the_mpmd_command(tmp_path):
-    res = rollhpc("train", "quickstart", "--dry-run", cwd=tmp_path)
+    res = rollhpc("train", "toy_grpo", "--dry-run", cwd=tmp_path)
     assert res.returncode == 0
     cmd = res.stdout.split()
     assert cmd[0].endswith(("mpiexec", "mpiexec.gforker")) and cmd.count(":") == 3
@@ -50,7 +50,7 @@ def test_dry_run_prints_the_mpmd_command(tmp_path):
 
 
 def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
-    res = rollhpc("train", "quickstart", "+roles.train.parallel.tpp=2", cwd=tmp_path)
+    res = rollhpc("train", "toy_grpo", "+roles.train.parallel.tpp=2", cwd=tmp_path)
     assert res.returncode == 2
     assert res.stderr.strip() == ("rollhpc: config error: config.roles.train.parallel: unknown key 'tpp'; "
                                   "valid keys: tp, pp, cp, ep, etp, vpp, order")
@@ -58,16 +58,16 @@ def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
 
 
 def test_existing_run_directory_is_not_overwritten_by_accident(tmp_path):
-    (tmp_path / "runs" / "quickstart").mkdir(parents=True)
-    res = rollhpc("train", "quickstart", cwd=tmp_path)
+    (tmp_path / "runs" / "toy_grpo").mkdir(parents=True)
+    res = rollhpc("train", "toy_grpo", cwd=tmp_path)
     assert res.returncode == 2 and "pass --overwrite" in res.stderr
 
 
 @pytest.mark.slow
 def test_quickstart_learns(tmp_path):
-    res = rollhpc("train", "quickstart", cwd=tmp_path, timeout=600)
+    res = rollhpc("train", "toy_grpo", cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "quickstart"
+    run_dir = tmp_path / "runs" / "toy_grpo"
     metrics = read_metrics(run_dir / "metrics.jsonl")
     evals = [m["accuracy"] for m in metrics if "accuracy" in m]
     assert metrics[-1]["step"] == 200 and metrics[-1]["policy_version"] == 200

@@ -69,7 +69,7 @@ def test_pipeline_declares_the_roles_it_needs():
 
 
 def test_quickstart_composes_with_overrides_and_interpolation():
-    cfg = load_experiment("quickstart", ["pipeline.options.modulus=7", "roles.train.procs=4"])
+    cfg = load_experiment("toy_grpo", ["pipeline.options.modulus=7", "roles.train.procs=4"])
     assert cfg.roles["train"].procs == 4
     assert cfg.roles["generate"].options.modulus == 7  # follows the pipeline's modulus
     assert cfg.roles["train"].options.lr == 0.005
@@ -77,10 +77,10 @@ def test_quickstart_composes_with_overrides_and_interpolation():
 
 def test_hydra_rejects_unknown_override_and_unknown_experiment():
     with pytest.raises(ConfigError, match=r"config.pipeline: unknown key 'optionz'; valid keys: entry, options"):
-        load_experiment("quickstart", ["pipeline.optionz.steps=3"])
+        load_experiment("toy_grpo", ["pipeline.optionz.steps=3"])
     with pytest.raises(ConfigError, match="cannot apply overrides"):
-        compose("quickstart", ["pipeline.options.steps=[unclosed"])
-    with pytest.raises(ConfigError, match="unknown experiment 'quickstrat'; known: .*quickstart"):
+        compose("toy_grpo", ["pipeline.options.steps=[unclosed"])
+    with pytest.raises(ConfigError, match="unknown experiment 'quickstrat'; known: .*toy_grpo"):
         compose("quickstrat", [])
     with pytest.raises(ConfigError, match=r"unknown key 'stepz'"):
-        load_experiment("quickstart", ["+pipeline.options.stepz=3"])
+        load_experiment("toy_grpo", ["+pipeline.options.stepz=3"])

@@ -82,8 +82,8 @@ def test_local_plan_keeps_everything_on_this_machine():
     from rollhpc.cli import load_experiment
     from rollhpc.launch.local import local_plan
 
-    plan = local_plan(load_experiment("quickstart", []))
+    plan = local_plan(load_experiment("toy_grpo", []))
     assert len(plan.components) == 1 and plan.components[0].nodes == 1
     assert [p.role for p in plan.ranks] == ["controller", "train", "train", "generate", "reward"]
     with pytest.raises(ConfigError, match=r"cannot run on this machine \(0 GPUs\)"):
-        local_plan(load_experiment("quickstart", ["roles.train.gpus_per_proc=1"]))
+        local_plan(load_experiment("toy_grpo", ["roles.train.gpus_per_proc=1"]))

@@ -20,7 +20,7 @@ OVERRIDES = ["roles.train.gpus_per_proc=1", "roles.train.procs=8", "roles.train.
 
 
 def render() -> str:
-    cfg = load_experiment("quickstart", OVERRIDES)
+    cfg = load_experiment("toy_grpo", OVERRIDES)
     return render_sbatch(cfg, plan_world(cfg), Path("/shared/runs/golden"), python="python")
 
 
@@ -33,21 +33,21 @@ def test_hetjob_batch_script_matches_golden_file():
 
 
 def test_submit_dry_run_prints_the_script_and_submits_nothing(tmp_path):
-    res = rollhpc("submit", "quickstart", *OVERRIDES, "--dry-run", cwd=tmp_path)
+    res = rollhpc("submit", "toy_grpo", *OVERRIDES, "--dry-run", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("#SBATCH hetjob") == 1 and "--gres=gpu:4" in res.stdout
     assert not (tmp_path / "runs").exists()
 
 
 def test_submit_refuses_an_impossible_mapping_before_slurm(tmp_path):
-    res = rollhpc("submit", "quickstart", *OVERRIDES, "cluster.nodes=1", cwd=tmp_path)
+    res = rollhpc("submit", "toy_grpo", *OVERRIDES, "cluster.nodes=1", cwd=tmp_path)
     assert res.returncode == 2 and not (tmp_path / "runs").exists()
     assert "roles.train.devices: GPU ids [4, 5, 6, 7] outside the cluster's 4 GPUs" in res.stderr
 
 
 def test_submit_outside_slurm_says_so_before_touching_anything(tmp_path):
     env_path = "/usr/local/nonexistent"  # no sbatch/srun/sacct on this PATH
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "quickstart"], cwd=tmp_path, text=True,
+    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "toy_grpo"], cwd=tmp_path, text=True,
                          capture_output=True, env={**cli_env(), "PATH": env_path})
     assert res.returncode == 2
     assert "sbatch, srun, sacct not found: run it on a Slurm login node" in res.stderr

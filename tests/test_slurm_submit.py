@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slurm
 
 
 def submit(slurm_cluster, tmp_path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "quickstart", "--wait",
+    return subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "toy_grpo", "--wait",
                            f"run.output_dir={tmp_path / 'runs'}", *overrides],
                           cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=timeout)
 

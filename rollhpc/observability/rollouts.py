@@ -95,7 +95,8 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
                                ("logprobs", logprobs), ("reward", reward), ("version", version)):
                 f.create_dataset(name, data=data)
             for k, v in texts.items():
-                f.create_dataset(k, data=list(v), dtype=h5py.string_dtype())
+                # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
+                f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

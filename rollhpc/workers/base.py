@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.controller.dispatch import Collect, Dispatch, register
-from rollhpc.parallel import RankCoords
+from rollhpc.parallel import ParallelLayout, RankCoords
 
 __all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]
 
@@ -21,6 +21,7 @@ class WorkerContext:
     role_comm: Any  # mpi4py communicator over this role's ranks only (for collectives inside the role)
     run_dir: Path
     seed: int
+    layout: ParallelLayout | None = None  # the role's whole layout (sizes of tp/pp/cp/ep/dp)
 
     @property
     def group_rank(self) -> int:

@@ -1,0 +1,1 @@
+"""Sample lifecycle: generate -> reward, per sample, with dynamic sampling, abort and async buffers."""

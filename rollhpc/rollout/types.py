@@ -1,0 +1,56 @@
+"""Records passed between the rollout stages (shapes in comments; token ids are plain ints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: int  # unique over the run: identifies the group of samples drawn from this prompt
+    tokens: tuple[int, ...]  # [P] prompt token ids
+    example: Any  # the task example (ground truth for the reward)
+    max_tokens: int | None = None  # response budget of this prompt (None: the scheduler's max_tokens)
+
+
+@dataclass
+class Sample:
+    prompt: Prompt
+    index: int  # position in its group, 0 .. group_size-1
+    response: list[int] = field(default_factory=list)  # [R] generated ids (EOS included when it stopped)
+    logprobs: list[float] = field(default_factory=list)  # [R] sampled-token log-probs from the generator
+    version: int = -1  # oldest policy version that produced any of its tokens (partial rollouts mix versions)
+    finish_reason: str = ""  # "stop", "length" or "abort" (a partial waiting to be resumed)
+    reward: float | None = None
+    resumes: int = 0  # times it was aborted and continued (partial rollout)
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.prompt.uid}.{self.index}.{self.resumes}"
+
+
+@dataclass
+class RolloutStats:
+    wall_s: float = 0.0
+    generator_busy_s: list[float] = field(default_factory=list)  # per generator: seconds inside engine steps
+    groups_started: int = 0
+    groups_dropped_uniform: int = 0  # dynamic sampling: all rewards equal, no learning signal
+    groups_dropped_stale: int = 0  # async: produced by a policy older than the staleness bound
+    groups_from_buffer: int = 0
+    samples_aborted: int = 0
+    samples_resumed: int = 0
+    tokens_generated: int = 0  # tokens of finished samples (aborted partials not counted until they finish)
+
+    @property
+    def generator_idle_fraction(self) -> float:
+        if not self.generator_busy_s or self.wall_s <= 0:
+            return 0.0
+        return 1.0 - sum(self.generator_busy_s) / (len(self.generator_busy_s) * self.wall_s)
+
+    def as_metrics(self) -> dict[str, float]:
+        return {"rollout_s": self.wall_s, "generator_idle_fraction": self.generator_idle_fraction,
+                "groups_started": self.groups_started, "groups_dropped_uniform": self.groups_dropped_uniform,
+                "groups_dropped_stale": self.groups_dropped_stale, "groups_from_buffer": self.groups_from_buffer,
+                "samples_aborted": self.samples_aborted, "samples_resumed": self.samples_resumed,
+                "tokens_generated": self.tokens_generated}

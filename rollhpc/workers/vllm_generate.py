@@ -1,0 +1,96 @@
+"""Generate role: one vLLM engine per rank, driven request by request by the rollout scheduler.
+
+``rollout`` is the scheduler's one call: it takes new requests and aborts, then steps the engine until
+at least one request finishes (or ``max_wait_s`` passes, so new work and aborts are never held up for
+long), and returns what finished. Between calls the engine holds its running requests, so continuous
+batching carries on across calls. ``generate`` is the batch path (evaluation, baselines).
+Weights arrive as Hugging Face-named buckets with a version; every completion records the version that
+was live when its request started.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+
+
+class VllmGenerateWorker(Worker):
+    @dataclass(kw_only=True)
+    class Options:
+        model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
+        max_model_len: int = 512
+        cpu_kv_cache_mb: int = 256  # KV cache on CPU
+        gpu_memory_utilization: float = 0.5  # on GPU (leave room for colocated roles)
+        tensor_parallel_size: int = 1  # vLLM's own TP (gpus_per_proc of the role should match)
+        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+        temperature: float = 1.0
+        top_p: float = 1.0
+        threads: int = 0  # torch intra-op threads on CPU (0: leave the default)
+        max_wait_s: float = 0.05  # longest a rollout call steps without any request finishing
+
+        def __post_init__(self) -> None:
+            if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_wait_s <= 0:
+                raise ValueError("temperature must be >= 0, top_p in (0, 1], max_wait_s > 0")
+
+    def __init__(self, ctx: WorkerContext, options: Options):
+        super().__init__(ctx, options)
+        import torch
+
+        if options.threads:
+            torch.set_num_threads(options.threads)
+        from rollhpc.engines.vllm_engine import VllmGenerator
+
+        self.engine = VllmGenerator(options.model_dir, seed=ctx.seed + ctx.group_rank, max_model_len=options.max_model_len,
+                                    cpu_kv_cache_bytes=options.cpu_kv_cache_mb << 20,
+                                    gpu_memory_utilization=options.gpu_memory_utilization,
+                                    tensor_parallel_size=options.tensor_parallel_size, dtype=options.dtype)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update_weights(self, buckets: list[Any], version: int) -> float:
+        """Load the trainer's bucketed weights in place; returns the seconds it took."""
+        from rollhpc.weight_sync.buckets import unpack_bucket
+
+        t = time.perf_counter()
+        self.engine.update_weights((item for b in buckets for item in unpack_bucket(b)), version)
+        return time.perf_counter() - t
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout(self, adds: list[dict[str, Any]], aborts: list[str]) -> dict[str, Any]:
+        """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
+        o = self.options
+        return drive_engine(self.engine, adds, aborts, temperature=o.temperature, top_p=o.top_p,
+                            max_wait_s=o.max_wait_s)
+
+    @register(Dispatch.DP_SPLIT)
+    def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64, temperature: float | None = None,
+                 seed: int | None = None) -> list[list[Any]]:
+        """Batch generation (every request to the end): evaluation and batch-barrier baselines."""
+        t = self.options.temperature if temperature is None else temperature
+        return self.engine.generate(prompts, n=n, temperature=t, top_p=self.options.top_p if t > 0 else 1.0,
+                                    max_tokens=max_tokens, seed=seed)
+
+    def close(self) -> None:
+        self.engine = None
+
+
+def drive_engine(engine: Any, adds: list[dict[str, Any]], aborts: list[str], *, temperature: float, top_p: float,
+                 max_wait_s: float, ignore_eos: bool = False) -> dict[str, Any]:
+    """One scheduler call on a ``VllmGenerator``: abort, add, then step until a request finishes or
+    ``max_wait_s`` passes. ``busy_s`` is the time spent inside engine steps (the rest is idle)."""
+    aborted = engine.abort(aborts) if aborts else []
+    for r in adds:
+        engine.add_request(r["id"], r["prompt"], temperature=temperature, top_p=top_p, max_tokens=r["max_tokens"],
+                           seed=r.get("seed"), ignore_eos=ignore_eos)
+    finished: list[tuple[str, Any]] = []
+    busy = 0.0
+    deadline = time.perf_counter() + max_wait_s
+    while engine.num_unfinished() and not finished:
+        t = time.perf_counter()
+        finished += engine.step()
+        busy += time.perf_counter() - t
+        if t > deadline:
+            break
+    return {"finished": finished, "aborted": aborted, "busy_s": busy}
