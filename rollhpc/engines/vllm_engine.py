@@ -19,8 +19,10 @@ inputs.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Iterable, Sequence
+from pathlib import Path
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +84,7 @@ class VllmGenerator:
         self.sleep_supported = current_platform.is_sleep_mode_available()
         memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)} if self.on_cpu
                   else {"gpu_memory_utilization": gpu_memory_utilization})
+        self.tied_embeddings = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings"))
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
@@ -220,7 +223,9 @@ class VllmGenerator:
         self._check_idle("update_weights()")
         # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
         # processes (TP > 1) need the list pickled.
-        weights = named_tensors if self.tensor_parallel_size == 1 else list(named_tensors)
+        weights = _with_tied_head(named_tensors) if self.tied_embeddings else iter(named_tensors)
+        if self.tensor_parallel_size > 1:
+            weights = list(weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()
         self.version = version
@@ -252,3 +257,20 @@ class VllmGenerator:
         if self._live:
             raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
                                "finish them (step/run_until) or abort them first")
+
+
+def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, plus ``lm_head.weight`` = the embedding when only the embedding is given.
+
+    A tied checkpoint has no lm_head tensor, but vLLM's ``reload_weights`` rebuilds every parameter it
+    is not handed: without this the output layer silently stops being the embedding (found by
+    comparing trainer and generator log-probs after a training step)."""
+    embedding = None
+    head_seen = False
+    for name, tensor in named_tensors:
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+        head_seen |= name == "lm_head.weight"
+        yield name, tensor
+    if embedding is not None and not head_seen:
+        yield "lm_head.weight", embedding

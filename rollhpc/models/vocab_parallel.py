@@ -3,7 +3,7 @@
 Megatron's output layer leaves each TP rank a slice of the (padded) vocabulary. Gathering the full
 logits would cost ``[b, s, V]`` per rank; instead the softmax statistics (max, sum of exp, the target's
 logit) are reduced across the TP group, which is all that log p(target) and the entropy need. The
-reductions are differentiable (``torch.distributed.nn``), so the same code trains. Padded vocabulary
+reductions are differentiable (see ``_SumOverRanks``), so the same code trains. Padded vocabulary
 columns (megatron pads V to a multiple of 128 * tp) are not part of the model's distribution: they are
 masked out here, otherwise their logits would take probability mass and training would push them.
 """
@@ -17,14 +17,33 @@ import torch
 _MASKED = -1e9  # finite, so exp() gives 0 and 0 * _MASKED stays 0 (−inf would make the entropy NaN)
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum) over the TP group. Backward: identity.
+
+    Every TP rank computes the same loss from the reduced value, so the gradient each rank needs for
+    its own term is the incoming one unchanged; summing it over ranks (what
+    ``torch.distributed.nn.all_reduce`` does) would multiply the gradients by the TP size."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        y = x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def _all_reduce(x: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
     import torch.distributed as dist
-    import torch.distributed.nn.functional as dist_fn
 
     if op == "max":  # not differentiated: the max only stabilises the exponentials
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
         return x
-    return dist_fn.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return _SumOverRanks.apply(x, group)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, tp_rank: int = 0,

@@ -213,6 +213,8 @@ class RlvrPipeline(Pipeline):
         t = time.perf_counter()
         if o.old_logprob_source == "trainer":
             data["old_logprob"] = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+            # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
+            times["logprob_abs_diff"] = float((np.abs(data["old_logprob"] - gen_logp) * mask).sum() / max(mask.sum(), 1))
         else:
             data["old_logprob"] = gen_logp
         times["old_logprob_s"] = time.perf_counter() - t
@@ -256,7 +258,7 @@ class RlvrPipeline(Pipeline):
             "tokens_per_s": tokens / max(rstats.wall_s, 1e-9),
             "policy_version": version,
             "sample_version_lag": float(np.mean([version - 1 - s.version for s in samples])),
-            **{k: round(v, 4) for k, v in times.items()},
+            **{k: round(v, 6) for k, v in times.items()},
             **rstats.as_metrics(),
         }
         for key in train_stats[0]:

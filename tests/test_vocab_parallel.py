@@ -1,0 +1,61 @@
+"""Log-probs and entropy from vocab-parallel logits: values and gradients equal the unsplit ones."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+from rollhpc.models.vocab_parallel import token_logprobs
+
+VOCAB, PADDED = 13, 16  # 3 padding columns, on the last rank's slice
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, PADDED, generator=g)
+    logits[..., VOCAB:] = 7.0  # padding columns must not count, whatever their value
+    targets = torch.randint(0, VOCAB, (2, 5), generator=g)
+    return logits, targets
+
+
+def _loss(logp, entropy):
+    return -(logp * torch.arange(1.0, 11.0).view(2, 5)).sum() + 0.3 * entropy.sum()
+
+
+def _rank(rank: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    logits, targets = _data()
+    local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
+    logp, entropy = token_logprobs(local, targets, VOCAB, tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD,
+                                   with_entropy=True)
+    _loss(logp, entropy).backward()
+    out[rank] = (logp.detach(), entropy.detach(), local.grad)
+    dist.destroy_process_group()
+
+
+def test_matches_log_softmax_and_tp2_gradients_equal_tp1():
+    logits, targets = _data()
+    full = logits.clone().requires_grad_()
+    logp, entropy = token_logprobs(full, targets, VOCAB, with_entropy=True)
+    ref = torch.log_softmax(logits[..., :VOCAB], -1)
+    torch.testing.assert_close(logp, ref.gather(-1, targets[..., None]).squeeze(-1))
+    torch.testing.assert_close(entropy, -(ref.exp() * ref).sum(-1))
+    _loss(logp, entropy).backward()
+    assert torch.all(full.grad[..., VOCAB:] == 0)  # padding columns get no gradient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.spawn(_rank, args=(port, out), nprocs=2, join=True)
+    for r in (0, 1):
+        torch.testing.assert_close(out[r][0], logp.detach())
+        torch.testing.assert_close(out[r][1], entropy.detach())
+    # each rank's gradient is its slice of the single-rank gradient (not TP times it)
+    torch.testing.assert_close(torch.cat([out[0][2], out[1][2]], dim=-1), full.grad)
