@@ -61,7 +61,9 @@ def main(model_dir: str) -> None:
     partial_lens = sorted(len(s.response) for s in sched.carry_partials)
     buffered = len(sched.buffer)  # short groups that finished after the batch was full
     sched.buffer = []
-    engine.update_weights([], version=1)
+    from safetensors.torch import load_file
+
+    engine.update_weights(load_file(str(Path(model_dir) / "model.safetensors")).items(), version=1)
     second, s2 = sched.collect(iter(()), 1, version=1)  # no new prompts: it must finish the carried group
     resumed = [s for g in second for s in g if s.resumes > 0]
     out["C"] = {"partial_lens": partial_lens, "buffered": buffered, "resumed": s2.samples_resumed,

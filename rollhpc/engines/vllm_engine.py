@@ -213,7 +213,9 @@ class VllmGenerator:
         return list(self._live)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Load HF-named tensors into the running engine; names may be any subset of the model's.
+        """Load HF-named tensors into the running engine: ALL of the checkpoint's tensors (vLLM's
+        ``reload_weights`` rebuilds every parameter, so one left out would be lost; a tied checkpoint's
+        ``lm_head.weight`` is added from the embedding here).
 
         Tensors are copied in (the caller may reuse its buffers afterwards). Cached prefixes were
         computed with the old weights, so the prefix cache is dropped. Refused while step-API
@@ -221,6 +223,8 @@ class VllmGenerator:
         (abort them first; the partials resume under the new weights).
         """
         self._check_idle("update_weights()")
+        if isinstance(named_tensors, (list, tuple)) and not named_tensors:
+            raise ValueError("update_weights() needs the model's tensors, got none")
         # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
         # processes (TP > 1) need the list pickled.
         weights = _with_tied_head(named_tensors) if self.tied_embeddings else iter(named_tensors)

@@ -249,10 +249,13 @@ class RolloutScheduler:
             for rid, comp in reply["aborted"]:
                 s = owner.pop(rid)[1]
                 stats.samples_aborted += 1
-                if c.partial_rollout:
+                if not c.partial_rollout:
+                    stats.tokens_discarded += len(s.response) + len(comp.token_ids)
+                else:
                     s.finish_reason = "abort"
                     self.carry_partials.append(_append(s, comp))
         if not c.partial_rollout:
+            stats.tokens_discarded += sum(len(s.response) for s in late)
             return
         if late:
             scoring.append((self.rewards[0].submit([(s.prompt.example, s.response) for s in late]), late))

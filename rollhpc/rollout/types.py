@@ -41,6 +41,7 @@ class RolloutStats:
     samples_aborted: int = 0
     samples_resumed: int = 0
     tokens_generated: int = 0  # tokens of finished samples (aborted partials not counted until they finish)
+    tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
 
     @property
     def generator_idle_fraction(self) -> float:
@@ -53,4 +54,4 @@ class RolloutStats:
                 "groups_started": self.groups_started, "groups_dropped_uniform": self.groups_dropped_uniform,
                 "groups_dropped_stale": self.groups_dropped_stale, "groups_from_buffer": self.groups_from_buffer,
                 "samples_aborted": self.samples_aborted, "samples_resumed": self.samples_resumed,
-                "tokens_generated": self.tokens_generated}
+                "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded}
