@@ -240,6 +240,12 @@ def validate(cfg: ExperimentConfig) -> None:
         role.options = component_options(cls, role.options, f"{where}.options")
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
+    check_roles = getattr(pipeline, "check_roles", None)
+    if check_roles is not None:
+        try:
+            check_roles(cfg.pipeline.options, cfg.roles)
+        except ValueError as e:
+            raise ConfigError(f"pipeline.options: {e}") from e
     for role in getattr(pipeline, "required_roles", ()):
         if role not in cfg.roles:
             raise ConfigError(

@@ -8,7 +8,8 @@ how the controller's DP split and megatron's gradient groups agree.
 The trainer takes batches of padded token rows (prompt + response) with a loss mask over response
 targets, runs the policy loss of ``rollhpc.algo.losses`` in micro-batches with gradients summed over
 data-parallel ranks (denominators are global, so DP=2 gives the DP=1 gradient), and exports its weights
-in Hugging Face names, bucketed, for the generators. The reference role is the same model frozen.
+in Hugging Face names, bucketed, for the generators. The reference role is the same model frozen; the critic
+(PPO) is the same trunk with a value head.
 
 Left out here: pipeline parallelism (needs megatron's pipeline schedules: refused with a clear error),
 context parallelism on CPU, megatron's distributed optimizer (torch AdamW is used; megatron's optimizer
@@ -173,11 +174,18 @@ class MegatronTrainWorker(MegatronPolicyWorker):
         super().__init__(ctx, options)
         import torch
 
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._add_modules()
+        self.params = [p for m in self._trained_modules() for p in m.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
                                            betas=options.betas)
         self.optimizer_steps = 0
         self.model.train()
+
+    def _add_modules(self) -> None:
+        """Hook for subclasses: modules trained next to the GPT model (the critic's value head)."""
+
+    def _trained_modules(self) -> list[Any]:
+        return [self.model]
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         import torch
@@ -226,18 +234,22 @@ class MegatronTrainWorker(MegatronPolicyWorker):
                 for k, v in stats.items():  # loss terms are already shares of the global loss; rates are local
                     share = weight if k.endswith(("_frac", "_mean")) else 1.0
                     sums[k] = sums.get(k, 0.0) + float(v) * share
-            keys = sorted(sums)
-            for k, v in zip(keys, self._dp_sum([sums[k] for k in keys])):
-                metrics.setdefault(k, []).append(v)
-            self._reduce_gradients()
-            metrics.setdefault("grad_norm", []).append(self._clip_gradients(o.grad_clip))
-            self._set_lr()
-            self.optimizer.step()
-            self.optimizer_steps += 1
+            self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
                    lr=self.optimizer.param_groups[0]["lr"])
         return [out]
+
+    def _finish_mini_batch(self, sums: dict[str, float], metrics: dict[str, list[float]]) -> None:
+        """Sum the metrics over DP ranks, reduce and clip the gradients, take the optimizer step."""
+        keys = sorted(sums)
+        for k, v in zip(keys, self._dp_sum([sums[k] for k in keys])):
+            metrics.setdefault(k, []).append(v)
+        self._reduce_gradients()
+        metrics.setdefault("grad_norm", []).append(self._clip_gradients(self.options.grad_clip))
+        self._set_lr()
+        self.optimizer.step()
+        self.optimizer_steps += 1
 
     def _set_lr(self) -> None:
         o = self.options
@@ -301,6 +313,74 @@ class MegatronTrainWorker(MegatronPolicyWorker):
         named = ((n, t.detach().cpu()) for n, t in export_hf_weights(self.model, self.vocab_size, self.tp_group))
         buckets = list(pack_buckets(named, int(bucket_mb * (1 << 20))))
         return buckets if self.ctx.group_rank == 0 else None
+
+
+class MegatronCriticWorker(MegatronTrainWorker):
+    """PPO's critic: the policy's GPT trunk (initialised from the same checkpoint) with a scalar value
+    head on the final-norm hidden states. The language-model head is computed but unused."""
+
+    def _add_modules(self) -> None:
+        import torch
+
+        hidden = self.model.config.hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1, device=self.device, dtype=next(self.model.parameters()).dtype)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.ctx.seed)  # same head on every rank (it is replicated over TP and DP)
+            torch.nn.init.normal_(self.value_head.weight, std=0.02)
+        torch.nn.init.zeros_(self.value_head.bias)
+        self._hidden: Any = None
+        self.model.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
+
+    def _trained_modules(self) -> list[Any]:
+        return [self.model, self.value_head]
+
+    def _values(self, tokens: Any):
+        """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions."""
+        import torch
+
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+        self.model(tokens, positions, None)
+        hidden = self._hidden.transpose(0, 1)  # [s, b, h] -> [b, s, h]
+        return self.value_head(hidden[:, :-1].float().to(self.value_head.weight.dtype)).squeeze(-1).float()
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch:
+        import torch
+
+        out = []
+        with torch.no_grad():
+            for start in range(0, len(batch), self.options.micro_batch_size):
+                out.append(self._values(batch["tokens"][start:start + self.options.micro_batch_size]).cpu().numpy())
+        return Batch({"values": np.concatenate(out).astype(np.float32)})
+
+    @register(Dispatch.DP_SPLIT)
+    def train_step(self, batch: Batch, value_clip: float | None = 0.2) -> list[dict[str, float]]:
+        """Clipped value regression on ``returns [B, L-1]`` with ``old_values``, token-mean over ``loss_mask``."""
+        import torch
+
+        from rollhpc.algo.losses import aggregate, value_loss
+
+        o = self.options
+        t0 = time.perf_counter()
+        rows = np.arange(len(batch))
+        metrics: dict[str, list[float]] = {}
+        for mini in np.array_split(rows, o.mini_batches):
+            (n_tokens,) = self._dp_sum([float(np.asarray(batch["loss_mask"])[mini].sum())])
+            self.optimizer.zero_grad(set_to_none=True)
+            sums: dict[str, float] = {}
+            for start in range(0, len(mini), o.micro_batch_size):
+                idx = mini[start:start + o.micro_batch_size]
+                part = {k: torch.as_tensor(np.asarray(v)[idx], device=self.device) for k, v in batch.data.items()}
+                values = self._values(part["tokens"])
+                per_token = value_loss(values, part["old_values"].float(), part["returns"].float(), clip=value_clip)
+                loss = aggregate(per_token, part["loss_mask"].float(), "token-mean", global_tokens=max(n_tokens, 1.0))
+                loss.backward()
+                sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss)
+            self._finish_mini_batch(sums, metrics)
+        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out["train_time_s"] = time.perf_counter() - t0
+        return [out]
 
 
 def _load_safetensors(model_dir: Path) -> dict[str, Any]:
