@@ -23,6 +23,8 @@ test: $(STAMP)
 bench: $(STAMP)
 	bash tools/setup_venv.sh $(VENV) --bench
 	$(PY) bench/dispatch.py
+	$(PY) bench/rollout_longtail.py
+	$(PY) bench/rlvr_vs_trl.py
 
 clean:
 	rm -rf runs .pytest_cache

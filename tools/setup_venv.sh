@@ -39,7 +39,7 @@ PY
   echo "$reqhash" > "$stamp"
 fi
 
-if [ "$want_bench" = 1 ] && ! "$venv/bin/python" -c "import ray" 2>/dev/null; then
+if [ "$want_bench" = 1 ] && ! "$venv/bin/python" -c "import ray, trl" 2>/dev/null; then
   echo "[setup_venv] installing benchmark-only baselines"
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -r "$here/requirements/bench.txt"
 fi

@@ -158,8 +158,15 @@ class RlvrPipeline(Pipeline):
             if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
                 log.warning("step %d: no group with differing rewards in %d started; no update this step",
                             step, rstats.groups_started)
-                run_log.log_step(step, {"reward_mean": float("nan"), "policy_version": version, "skipped": 1,
-                                        **rstats.as_metrics()})
+                stop = bool(o.max_wall_s) and time.perf_counter() - t_start > o.max_wall_s
+                record = {"reward_mean": float("nan"), "policy_version": version, "skipped": 1,
+                          **rstats.as_metrics()}
+                if stop or step == o.steps:
+                    record["accuracy"] = self.evaluate()
+                run_log.log_step(step, record)
+                if stop:
+                    log.info("stopping after step %d: max_wall_s=%.0f reached", step, o.max_wall_s)
+                    break
                 if step < o.steps:
                     groups, rstats = scheduler.collect(prompts, o.prompts_per_step, version)
                 continue
