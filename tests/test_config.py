@@ -84,3 +84,13 @@ def test_hydra_rejects_unknown_override_and_unknown_experiment():
         compose("quickstrat", [])
     with pytest.raises(ConfigError, match=r"unknown key 'stepz'"):
         load_experiment("toy_grpo", ["+pipeline.options.stepz=3"])
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (config.Path(__file__).parents[1] / "configs").glob("*.yaml")))
+def test_every_shipped_experiment_loads_and_plans(name):
+    """configs/ are documentation users copy from: each one must load and map onto its cluster."""
+    from rollhpc.launch.device_mapping import plan_world
+
+    cfg = load_experiment(name, [])
+    plan = plan_world(cfg)
+    assert plan.world_size == cfg.world_size()
