@@ -68,6 +68,18 @@ def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool) -> Path:
     return run_dir
 
 
+def _prepare_inputs(cfg: ExperimentConfig) -> None:
+    """Inputs the ranks load at start-up, made before any process starts (e.g. the quickstart's SFT
+    warm start): the pipeline's ``prepare`` classmethod, when it has one."""
+    pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+    prepare = getattr(pipeline_cls, "prepare", None)
+    if prepare is not None:
+        try:
+            prepare(cfg.pipeline.options, cfg.run.seed)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included
+            raise ConfigError(f"preparing the run's inputs: {e}") from e
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
 
@@ -76,6 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
         return 0
+    _prepare_inputs(cfg)
     run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
     print(f"rollhpc: run {cfg.run.name}: {cfg.world_size()} MPI ranks, output in {run_dir}", file=sys.stderr)
     rc = run_local(cfg, plan, run_dir)
@@ -115,6 +128,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"rollhpc submit: {', '.join(missing)} not found: run it on a Slurm login node (or add --dry-run "
               f"to see the batch script)", file=sys.stderr)
         return 2
+    _prepare_inputs(cfg)
     run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
     job = submit(cfg, plan, run_dir)
     (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")

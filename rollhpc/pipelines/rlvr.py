@@ -24,6 +24,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -46,7 +47,17 @@ class TaskConfig:
     options: dict[str, Any] = field(default_factory=dict)  # the task's make_splits keywords (digits, ops, ...)
     n_train: int = 20000
     n_heldout: int = 200
-    split_seed: int = 1234
+    split_seed: int = 1234  # ignored when model_dir has an sft_report.json (its splits are used)
+
+
+@dataclass(kw_only=True)
+class WarmStart:
+    """A tiny policy built and fine-tuned here (``rollhpc.models.policy_prep``), cached in model_dir."""
+
+    seed: int = 0  # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
+    vocab_size: int = 512
+    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
+    sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields
 
 
 class _GroupPort:
@@ -66,7 +77,7 @@ class RlvrPipeline(Pipeline):
     class Options:
         model_dir: str  # the starting policy (Hugging Face directory), e.g. the SFT warm start
         task: TaskConfig = field(default_factory=TaskConfig)
-        warm_start: dict[str, Any] | None = None  # prepare_policy options: build + SFT model_dir when absent
+        warm_start: WarmStart | None = None  # build the tiny model + SFT into model_dir when it is absent
         steps: int = 100
         prompts_per_step: int = 16  # groups per batch
         algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
@@ -80,6 +91,7 @@ class RlvrPipeline(Pipeline):
         old_logprob_source: Literal["trainer", "generator"] = "trainer"
         eval_every: int = 10
         eval_max_tokens: int = 16
+        weight_sync: Literal["broadcast", "relay"] = "broadcast"  # direct process group, or through the controller
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds of training (0: no limit)
@@ -102,11 +114,18 @@ class RlvrPipeline(Pipeline):
     @classmethod
     def prepare(cls, options: Options, seed: int) -> None:
         """Before any rank starts: build and SFT the starting policy when ``warm_start`` asks for it."""
-        if options.warm_start is None:
+        w = options.warm_start
+        if w is None:
             return
-        from rollhpc.models.sft import prepare_policy_from_options
+        from rollhpc.config import from_dict
+        from rollhpc.models.policy_prep import prepare_policy
+        from rollhpc.models.sft import SftOptions
+        from rollhpc.models.tiny import TinyModelSpec
 
-        prepare_policy_from_options(options.model_dir, options.task, options.warm_start, seed)
+        prepare_policy(options.model_dir, task=options.task.name, task_options=options.task.options,
+                       spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
+                       sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"), seed=w.seed,
+                       vocab_size=w.vocab_size)
 
     # ------------------------------------------------------------------ data
     def _setup(self) -> None:
@@ -118,8 +137,21 @@ class RlvrPipeline(Pipeline):
         self.tokenizer = AutoTokenizer.from_pretrained(o.model_dir)
         self.pad_id = self.tokenizer.pad_token_id
         task = task_module(o.task.name)
-        self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
-                                                        **o.task.options)
+        if (Path(o.model_dir) / "sft_report.json").is_file():  # the policy's own splits: held-out stays unseen
+            from rollhpc.models.policy_prep import policy_splits, read_report
+
+            sft_task = read_report(o.model_dir)["settings"]["task"]
+            if sft_task != o.task.name:
+                raise ValueError(f"{o.model_dir} was fine-tuned on task {sft_task!r}, the pipeline's task is "
+                                 f"{o.task.name!r}")
+            self.train_set, heldout = policy_splits(o.model_dir, n_train=o.task.n_train)
+            self.heldout = heldout[:o.task.n_heldout]
+            log.info("task %s: splits of the SFT warm start (%d train, %d held-out)", o.task.name,
+                     len(self.train_set), len(self.heldout))
+        else:
+            opts = {k: tuple(v) if isinstance(v, list) else v for k, v in o.task.options.items()}
+            self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
+                                                            **opts)
         self.task = task
         self._uid = itertools.count()
 
@@ -205,8 +237,21 @@ class RlvrPipeline(Pipeline):
         run_log.close()
 
     def _sync_weights(self, version: int) -> float:
-        buckets = self.groups["train"].export_weights(self.options.weight_sync_bucket_mb)
-        return max(self.groups["generate"].update_weights(buckets, version))
+        """Trainer -> generators; returns the generators' load time (the slowest)."""
+        train, gen = self.groups["train"], self.groups["generate"]
+        if self.options.weight_sync == "relay":  # via the controller, over MPI
+            buckets = train.export_weights(self.options.weight_sync_bucket_mb)
+            return max(gen.update_weights(buckets, version))
+        if not getattr(self, "_channel_open", False):
+            address = train.open_weight_channel()
+            joined = [train.join_weight_channel.submit(1 + len(gen)), gen.join_weight_channel.submit(address, 1 + len(gen))]
+            for f in joined:
+                f.result()
+            self._channel_open = True
+        sending = train.broadcast_weights.submit(self.options.weight_sync_bucket_mb)
+        loading = gen.receive_weights.submit(version)
+        sending.result()
+        return max(loading.result())
 
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out split (generators split the prompts)."""

@@ -51,7 +51,7 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
 
 def _flatten(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
-    bucket = Bucket(torch.cat([t.reshape(-1).cpu() for _, t in parts]))
+    bucket = Bucket(torch.cat([t.reshape(-1) for _, t in parts]))  # on the tensors' device (GPU for NCCL)
     offset = 0
     for name, t in parts:
         bucket.names.append(name)

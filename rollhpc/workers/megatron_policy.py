@@ -149,11 +149,43 @@ class MegatronPolicyWorker(Worker):
         return Batch({"logprob": np.concatenate(out) if out else np.zeros((0, width), np.float32)})
 
 
+class _WeightChannelMixin:
+    """The sending end of ``weight_sync.broadcast``: trainer rank 0 hosts the rendezvous and broadcasts."""
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_channel(self) -> tuple[str, int]:
+        from rollhpc.weight_sync.broadcast import open_store
+
+        self._store = open_store()
+        return os.environ.get("ROLLHPC_DIST_HOST") or socket.gethostname(), int(self._store.port)
+
+    @register(Dispatch.RANK_ZERO)
+    def join_weight_channel(self, world: int) -> None:
+        from rollhpc.weight_sync.broadcast import WeightBroadcast
+
+        self._channel = WeightBroadcast(0, world, "", 0, store=self._store, device=self.device)
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def broadcast_weights(self, bucket_mb: float = 64.0) -> int | None:
+        """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent."""
+        from rollhpc.models.megatron_gpt import export_hf_weights
+        from rollhpc.weight_sync.buckets import pack_buckets
+
+        if self.ctx.coords.dp_rank != 0:
+            return None
+        named = export_hf_weights(self.model, self.vocab_size, self.tp_group)
+        if self.ctx.group_rank != 0:
+            for _ in named:  # the other TP ranks take part in the gathers only
+                pass
+            return None
+        return self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))))
+
+
 class MegatronReferenceWorker(MegatronPolicyWorker):
     """The frozen initial policy: log-probabilities for the KL term."""
 
 
-class MegatronTrainWorker(MegatronPolicyWorker):
+class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
     trainable = True
 
     @dataclass(kw_only=True)

@@ -58,6 +58,20 @@ class VllmGenerateWorker(Worker):
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
+    def join_weight_channel(self, address: tuple[str, int], world: int) -> None:
+        """Join the trainer's broadcast group as rank 1 + group rank (see ``weight_sync.broadcast``)."""
+        from rollhpc.weight_sync.broadcast import WeightBroadcast
+
+        self._channel = WeightBroadcast(1 + self.ctx.group_rank, world, address[0], address[1])
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, version: int) -> float:
+        """Take the trainer's broadcast straight into the engine; returns the seconds it took."""
+        t = time.perf_counter()
+        self.engine.update_weights(self._channel.receive(), version)
+        return time.perf_counter() - t
+
+    @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[dict[str, Any]], aborts: list[str]) -> dict[str, Any]:
         """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
         o = self.options
