@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from rollhpc import config as config_mod
+from rollhpc.checkpoint import convert_cli
 from rollhpc.config import ConfigError, ExperimentConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -144,6 +145,93 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """KEY=VALUE (YAML values) -> (task options, spec.KEY fields, sft.KEY fields)."""
+    from dataclasses import fields
+
+    from rollhpc.models.sft import SftOptions
+    from rollhpc.models.tiny import TinyModelSpec
+
+    task: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {"spec": {}, "sft": {}}
+    allowed = {"spec": {f.name for f in fields(TinyModelSpec)}, "sft": {f.name for f in fields(SftOptions)}}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"expected KEY=VALUE, got {pair!r}")
+        value = yaml.safe_load(text)
+        group, dot, name = key.partition(".")
+        if not dot:
+            task[key] = value
+        elif group in nested and name in allowed[group]:
+            nested[group][name] = value
+        else:
+            hint = (f"{group}.* fields: {', '.join(sorted(allowed[group]))}" if group in allowed
+                    else "use KEY (task option), spec.KEY or sft.KEY")
+            raise ConfigError(f"unknown setting {key!r}; {hint}")
+    return task, nested["spec"], nested["sft"]
+
+
+def _accuracy_or_none(text: str) -> float | str:
+    try:
+        return text if text == "none" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] or 'none', got {text!r}") from None
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    import logging
+
+    from rollhpc.models.policy_prep import prepare_policy, read_report
+    from rollhpc.models.sft import SftOptions
+    from rollhpc.models.tiny import TinyModelSpec
+
+    logging.basicConfig(level=logging.INFO, format="rollhpc: %(message)s")
+    task_opts, spec_kw, sft_kw = _sft_settings(args.overrides)
+    flags = {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size}
+    sft_kw |= {k: v for k, v in flags.items() if v is not None}
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        if args.target_accuracy is not None:
+            sft_kw["target_accuracy"] = None if args.target_accuracy == "none" else args.target_accuracy
+        spec, sft = TinyModelSpec(**spec_kw), SftOptions(**sft_kw)
+        out = prepare_policy(args.out_dir, task=args.task, task_options=task_opts, spec=spec, sft=sft, seed=args.seed,
+                             vocab_size=args.vocab_size, progress=not args.quiet)
+    except (ValueError, TypeError, FileExistsError) as e:
+        raise ConfigError(str(e)) from e
+    report = read_report(out)
+    print(f"rollhpc: policy {out}: held-out greedy accuracy {report['heldout_accuracy']:.3f} after "
+          f"{report['steps']} SFT steps ({report['wall_s']:.0f} s to prepare)", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from rollhpc.checkpoint import report
+    from rollhpc.checkpoint.storage import CheckpointStorageError
+
+    good = True
+    try:
+        if args.ckpt_command == "list":
+            lines = report.list_lines(report.open_path(args.path)[0], args.deep)
+        elif args.ckpt_command == "inspect":
+            lines = report.inspect_lines(args.path, args.max_files)
+        else:
+            good, lines = report.verify_lines(args.path, args.deep)
+    except CheckpointStorageError as e:
+        print(f"rollhpc ckpt {args.ckpt_command}: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0 if good else 1
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    return convert_cli.run(args)
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     print(f"rollhpc {args.command}: not implemented in this version of rollhpc yet", file=sys.stderr)
     return 2
@@ -194,11 +282,70 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
     sb.set_defaults(func=cmd_submit)
 
-    for name, text in (("convert", "convert checkpoints between Megatron and Hugging Face formats"),
-                       ("ckpt", "list, inspect and verify checkpoints")):
-        sp = sub.add_parser(name, help=f"{text} (not implemented yet)")
-        sp.add_argument("rest", nargs=argparse.REMAINDER)
-        sp.set_defaults(func=cmd_not_yet)
+    from rollhpc.models.policy_prep import TASKS
+    from rollhpc.models.sft import SftOptions
+
+    sft = SftOptions()
+    sf = sub.add_parser("sft", help="prepare the RL starting policy: a tiny Qwen2 model fine-tuned on a task",
+                        description="Train a tokenizer on the task's train split, create a tiny Qwen2 model and "
+                        "fine-tune it until its greedy accuracy on training examples reaches sft.target_accuracy "
+                        "(or for --steps), then write OUT_DIR as a Hugging Face model directory with "
+                        "sft_report.json (steps, losses, held-out greedy accuracy, time, settings). OUT_DIR "
+                        "appears complete or not at all; if it exists with the same settings it is reused, with "
+                        "other settings it is an error.",
+                        epilog="Settings are KEY=VALUE (YAML values): a plain KEY is a task option (arithmetic: "
+                        "digits, ops, allow_negative; countdown: num_numbers, max_number, max_target), spec.KEY a "
+                        "model size (rollhpc.models.tiny.TinyModelSpec), sft.KEY an SFT option "
+                        "(rollhpc.models.sft.SftOptions). Example: `rollhpc sft policies/add3 digits=3 "
+                        "'ops=[+, -]' spec.num_hidden_layers=3 --steps 2000`.")
+    sf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write (or reuse)")
+    sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="task options, spec.KEY, sft.KEY")
+    sf.add_argument("--task", default="arithmetic", choices=TASKS, help="default: arithmetic")
+    sf.add_argument("--seed", type=int, default=0, help="seeds the splits, the initial weights and the batch order")
+    sf.add_argument("--steps", type=int, help=f"most SFT steps (default {sft.steps}; the target accuracy stops sooner)")
+    sf.add_argument("--lr", type=float, help=f"peak learning rate (default {sft.lr:g})")
+    sf.add_argument("--batch-size", type=int, help=f"examples per step (default {sft.batch_size})")
+    sf.add_argument("--target-accuracy", metavar="X", type=_accuracy_or_none, help="stop at this greedy accuracy on "
+                    f"training examples (default {sft.target_accuracy}; 'none' trains all --steps)")
+    sf.add_argument("--vocab-size", type=int, default=512, help="tokenizer size ceiling (default 512)")
+    sf.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sf.add_argument("--quiet", action="store_true", help="no progress bar")
+    sf.set_defaults(func=cmd_sft)
+
+    cv = sub.add_parser("convert", help="convert checkpoints between Hugging Face and Megatron formats",
+                        description="Convert a Hugging Face safetensors model to a megatron-core dist checkpoint "
+                        "(hf-to-mcore, at any TP/PP/EP layout) or back (mcore-to-hf). Runs here, in local worker "
+                        "processes; slurm/convert.sh runs it as a batch job.")
+    convert_cli.add_arguments(cv)
+    cv.set_defaults(func=cmd_convert)
+
+    ck = sub.add_parser("ckpt", help="list, inspect and verify a run's checkpoints",
+                        description="Read-only views of RUN_DIR/checkpoints/ (step_N/ directories with a "
+                        "manifest.json of every file's size and sha256, and a `latest` pointer). Safe to run "
+                        "while the run writes. PATH may be a run directory, its checkpoints/ folder or one "
+                        "checkpoint directory.")
+    cks = ck.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    c = cks.add_parser("list", help="one row per checkpoint: step, time, size, status, which is latest",
+                       description="Status: ok (files match the manifest), corrupt (a file is missing, resized, "
+                       "added, or with --deep has another sha256), partial (never committed: being written, or "
+                       "left by a crash; ignored on resume). The last line says which checkpoint a resume uses.")
+    c.add_argument("path", type=Path, metavar="PATH", help="run directory or checkpoints/ folder")
+    c.add_argument("--deep", action="store_true", help="also compare every file's sha256 (reads everything)")
+    c = cks.add_parser("inspect", help="one checkpoint: manifest summary, meta, files by size, tensor shapes",
+                       description="Print a checkpoint's step, time, size and status, its meta (JSON given at "
+                       "commit), its files largest first, and the tensor names, dtypes and shapes of its "
+                       ".safetensors (header only) and .pt files. A run directory shows the checkpoint `latest` "
+                       "names.")
+    c.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory (or run directory: latest)")
+    c.add_argument("--max-files", type=int, default=20, metavar="N", help="files listed (0 = all; default 20)")
+    c = cks.add_parser("verify", help="check files against manifests; exit 0 if good, 1 with one line per problem",
+                       description="Compare every file with its checkpoint's manifest (set of files, sizes; "
+                       "sha256 with --deep). A run directory or checkpoints/ folder checks every committed "
+                       "checkpoint and the `latest` pointer. Exit 0: good; 1: problems, one per line; 2: no "
+                       "such path.")
+    c.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory, run directory or checkpoints/")
+    c.add_argument("--deep", action="store_true", help="also compare every file's sha256 (reads everything)")
+    ck.set_defaults(func=cmd_ckpt)
     return p
 
 
@@ -207,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
-    if stray and args.command not in ("convert", "ckpt"):
+    if stray and args.command != "convert":
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]

@@ -1,0 +1,248 @@
+"""The RL pipeline's starting policy: a tiny Qwen2 model fine-tuned on a task, as a cached HF directory.
+
+``prepare_policy`` trains a tokenizer on the task's train split, creates the tiny model
+(``rollhpc.models.tiny``), runs SFT on the same split and writes an ordinary Hugging Face directory
+with ``sft_report.json`` beside the weights. The directory appears whole or not at all (built
+in a temp dir beside it, renamed into place). It doubles as a cache: asked again with the same
+settings it is returned untouched; asked with other settings it is refused, never overwritten.
+
+The held-out split is the task's own (``make_splits`` with the recorded seed and sizes), so the
+RL pipeline can measure improvement on exactly the examples the report measured: ``policy_splits``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollhpc.models.sft import SftOptions, greedy_responses, train_sft
+from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("rollhpc.sft")
+TASKS = ("arithmetic", "countdown")
+# Chosen by experiment: with the default SftOptions, 2-digit addition stops after 470-1240 steps
+# (20-60 s on one CPU thread) at 0.15-0.27 held-out greedy accuracy (seeds 0-7), just as the model
+# starts to read the units digits; more SFT takes the same model past 0.9, so RL has room to climb.
+# (3-digit addition is still at ~0.13 after 3000 steps: too far from its jump to be a good start.)
+DEFAULT_TASK_OPTIONS: dict[str, dict[str, Any]] = {
+    "arithmetic": {"digits": 2, "ops": ["+"]},
+}
+REPORT = "sft_report.json"
+FORMAT_VERSION = 1  # bump when a code change alters what the same settings produce (invalidates caches)
+
+
+def task_module(name: str) -> Any:
+    """The task's module (``make_splits``, ``format_prompt``, ``completion``, ``score``, ``corpus``)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}")
+    return importlib.import_module(f"rollhpc.tasks.{name}")
+
+
+def resolve_task_options(task: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The task's defaults overridden by ``options``; unknown keys raise with the allowed list.
+
+    Sequences become lists, so the result is JSON as it will be recorded (``task_splits`` turns
+    them back into the tuples ``make_splits`` takes).
+    """
+    allowed = [n for n in inspect.signature(task_module(task).make_splits).parameters
+               if n not in ("seed", "n_train", "n_heldout")]
+    unknown = sorted(set(options or {}) - set(allowed))
+    if unknown:
+        raise ValueError(f"unknown option(s) {', '.join(unknown)} for task {task!r}; allowed: {', '.join(allowed)}")
+    merged = {**DEFAULT_TASK_OPTIONS.get(task, {}), **(options or {})}
+    return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in sorted(merged.items())}
+
+
+def task_splits(task: str, options: dict[str, Any], seed: int, n_train: int, n_heldout: int) -> tuple[list, list]:
+    """(train, heldout) examples of ``task`` with resolved ``options`` (see ``resolve_task_options``)."""
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    return task_module(task).make_splits(seed, n_train, n_heldout, **kwargs)
+
+
+def policy_splits(model_dir: str | Path, n_train: int | None = None) -> tuple[list, list]:
+    """The (train, heldout) examples a prepared policy was fine-tuned and evaluated on.
+
+    The RL pipeline should evaluate on this held-out list (or a prefix of it): a larger held-out
+    count with the same seed would take examples that were in SFT's train split.
+    """
+    s = read_report(model_dir)["settings"]
+    return task_splits(s["task"], s["task_options"], s["seed"], n_train or s["sft"]["train_examples"],
+                       s["sft"]["eval_examples"])
+
+
+def read_report(model_dir: str | Path) -> dict[str, Any]:
+    return json.loads((Path(model_dir) / REPORT).read_text())
+
+
+def evaluate_greedy(model: PreTrainedModel | str | Path, examples: Sequence[Any], task: Any, *,
+                    tokenizer: PreTrainedTokenizerBase | None = None, max_new_tokens: int = 24,
+                    batch_size: int = 64) -> float:
+    """Fraction of ``examples`` whose greedy response the task's verifier scores 1.
+
+    ``model`` is a model directory (its tokenizer is loaded from it) or a loaded model with
+    ``tokenizer``; ``task`` is a task module (``format_prompt``, ``score``) or its name.
+    """
+    if isinstance(task, str):
+        task = task_module(task)
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        model = AutoModelForCausalLM.from_pretrained(model)
+    elif tokenizer is None:
+        raise ValueError("pass the tokenizer along with a loaded model (or pass a model directory)")
+    if not examples:
+        raise ValueError("no examples to evaluate")
+    was_training = model.training
+    model.eval()
+    responses = greedy_responses(model, tokenizer, [task.format_prompt(e) for e in examples],
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
+    model.train(was_training)
+    return sum(task.score(e, r) for e, r in zip(examples, responses)) / len(examples)
+
+
+def policy_settings(task: str, options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
+                    vocab_size: int) -> dict[str, Any]:
+    """Everything that determines the prepared weights; its hash is the cache key."""
+    return {"format_version": FORMAT_VERSION, "task": task, "task_options": options, "seed": seed,
+            "vocab_size": vocab_size, "spec": asdict(spec), "sft": asdict(sft)}
+
+
+def settings_hash(settings: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_options: dict[str, Any] | None = None,
+                   spec: TinyModelSpec | None = None, sft: SftOptions | None = None, seed: int = 0,
+                   vocab_size: int = 512, progress: bool = True) -> Path:
+    """Build, fine-tune and write the starting policy to ``out_dir``; returns ``out_dir``.
+
+    Reuses ``out_dir`` when it holds a policy prepared with the same settings; raises
+    FileExistsError when it holds anything else. Seeded: the same settings give the same weights
+    (on the same torch build and thread count), and the caller's torch RNG is left alone.
+    """
+    out_dir = Path(out_dir)
+    spec, sft = spec or TinyModelSpec(), sft or SftOptions()
+    options = resolve_task_options(task, task_options)
+    settings = policy_settings(task, options, spec, sft, seed, vocab_size)
+    key = settings_hash(settings)
+    if _reuse(out_dir, settings, key):
+        return out_dir
+    start = time.perf_counter()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        with _no_transformers_bars():
+            staged, report = _fine_tune(tmp, task, options, spec, sft, seed, vocab_size, progress)
+        report = {"settings_hash": key, "settings": settings, **report,
+                  "wall_s": round(time.perf_counter() - start, 2)}
+        (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        try:
+            staged.rename(out_dir)
+        except OSError:
+            # another process finished the same directory first: fine if its settings are ours
+            if out_dir.exists() and _reuse(out_dir, settings, key):
+                return out_dir
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
+             out_dir, report["wall_s"], report["steps"], report["heldout_accuracy"], report["train_accuracy"],
+             report["loss_first"], report["loss_final"])
+    return out_dir
+
+
+def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
+               vocab_size: int, progress: bool) -> tuple[Path, dict[str, Any]]:
+    """Tokenizer, initial model, SFT and evaluation inside ``work_dir``; returns (model dir, report)."""
+    from transformers import AutoModelForCausalLM
+
+    module = task_module(task)
+    train, heldout = task_splits(task, options, seed, sft.train_examples, sft.eval_examples)
+    tokenizer = build_tokenizer(module.corpus(train), vocab_size)
+    model = AutoModelForCausalLM.from_pretrained(create_tiny_model(work_dir / "init", spec, tokenizer, seed))
+    log.info("sft: %s %s, %d train examples, %d parameters, at most %d steps", task, options, len(train),
+             model.num_parameters(), sft.steps)
+    pairs = [(module.format_prompt(e), module.completion(e)) for e in train]
+    # Early stopping watches training examples, so the held-out accuracy is not selected on.
+    result = train_sft(model, tokenizer, pairs, sft, seed=seed, progress=progress,
+                       monitor_pairs=pairs[:sft.eval_examples])
+    if sft.target_accuracy is not None and not result.reached_target:
+        log.warning("sft: the target accuracy %.3f was not reached in %d steps", sft.target_accuracy, sft.steps)
+    eval_start = time.perf_counter()
+
+    def evaluate(examples: list) -> float:
+        return evaluate_greedy(model, examples, module, tokenizer=tokenizer, max_new_tokens=sft.max_new_tokens)
+
+    report = {
+        "parameters": model.num_parameters(), "steps": result.steps, "reached_target": result.reached_target,
+        "heldout_accuracy": evaluate(heldout), "train_accuracy": evaluate(train[:sft.eval_examples]),
+        "loss_first": result.loss_first, "loss_final": result.loss_final, "loss_curve": result.loss_curve,
+        "accuracy_curve": result.accuracy_curve, "train_s": round(result.wall_s, 2),
+        "eval_s": round(time.perf_counter() - eval_start, 2), "torch_threads": _torch_threads(),
+    }
+    model.save_pretrained(work_dir / "policy")
+    tokenizer.save_pretrained(work_dir / "policy")
+    return work_dir / "policy", report
+
+
+@contextmanager
+def _no_transformers_bars() -> Iterator[None]:
+    """Hide transformers' "Loading weights" / "Writing model shards" bars (noise for a 2 MB model)."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _reuse(out_dir: Path, settings: dict[str, Any], key: str) -> bool:
+    """True when ``out_dir`` is a policy prepared with ``settings``; False when it does not exist."""
+    if not out_dir.exists():
+        return False
+    report_path = out_dir / REPORT
+    if not report_path.exists():
+        raise FileExistsError(f"{out_dir} exists but is not a policy written by prepare_policy (no {REPORT}); "
+                              "remove it or choose another directory")
+    recorded = json.loads(report_path.read_text())
+    if recorded.get("settings_hash") == key:
+        log.info("sft: reusing %s (prepared with the same settings, hash %s)", out_dir, key)
+        return True
+    ours, theirs = _flat(settings), _flat(recorded.get("settings", {}))
+    changed = [k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)]
+    raise FileExistsError(f"{out_dir} holds a policy prepared with other settings (differing: {', '.join(changed)}); "
+                          "remove it or choose another directory")
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
