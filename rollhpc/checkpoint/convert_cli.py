@@ -1,0 +1,90 @@
+"""Arguments and entry of ``rollhpc convert`` (also tools/convert_checkpoint.py). Imports no torch until run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = ("Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
+          "rollhpc convert mcore-to-hf ckpt/qwen-mcore models/qwen-out. A megatron checkpoint saved at one "
+          "layout loads at any other (megatron reshards on load); --tp/--pp/--ep choose how it is written.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The two directions as sub-commands of ``parser``."""
+    directions = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    h2m = directions.add_parser(
+        "hf-to-mcore", help="Hugging Face safetensors directory -> megatron-core dist checkpoint",
+        description="Write a megatron-core dist checkpoint from a Hugging Face model directory, as a world of "
+        "pp x lcm(tp, etp x ep) local processes (one per rank of that layout), each holding only its shard.",
+        epilog=EPILOG)
+    h2m.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
+    h2m.add_argument("dst", help="checkpoint directory to create")
+    for name, text in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size"),
+                       ("ep", "expert-parallel size (MoE models)")):
+        h2m.add_argument(f"--{name}", type=int, default=1, help=f"{text} the checkpoint is written with (default 1)")
+    h2m.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp, as megatron)")
+    m2h = directions.add_parser(
+        "mcore-to-hf", help="megatron-core dist checkpoint (any layout) -> Hugging Face safetensors directory",
+        description="Write a Hugging Face model directory (config.json, safetensors, tokenizer files) from a "
+        "checkpoint written by `rollhpc convert hf-to-mcore` or by a training run, streaming one tensor at a time.",
+        epilog=EPILOG)
+    m2h.add_argument("src", help="megatron checkpoint directory (with rollhpc_checkpoint.json)")
+    m2h.add_argument("dst", help="Hugging Face model directory to create")
+    m2h.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
+    m2h.add_argument("--no-checksums", action="store_true",
+                     help="skip the sha256 check of the checkpoint files (sizes are still checked)")
+    for sp in (h2m, m2h):
+        sp.add_argument("--overwrite", action="store_true",
+                        help="replace DST if it exists (once the new one is complete)")
+        sp.add_argument("--verify", action="store_true",
+                        help="afterwards, compare the logits of the HF and the megatron model on a few prompts")
+        sp.add_argument("--json", action="store_true", help="print the conversion report as JSON on stdout")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
+        sp.add_argument("--check", action="store_true",
+                        help="only check the inputs (config, tensor names and shapes, layout, files) and exit")
+        sp.set_defaults(overrides=[])  # rollhpc.cli appends stray words here; run() refuses them
+
+
+def run(args: argparse.Namespace) -> int:
+    """0: converted (and verified); 1: the conversion or its verification failed; 2: bad arguments."""
+    if getattr(args, "overrides", None):
+        print(f"rollhpc convert: unrecognized arguments: {' '.join(args.overrides)}", file=sys.stderr)
+        return 2
+    from rollhpc.checkpoint.convert import (
+        ConversionError,
+        check_hf_to_mcore,
+        check_mcore_to_hf,
+        hf_to_mcore,
+        mcore_to_hf,
+        report_json,
+    )
+
+    common = dict(overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
+    try:
+        if args.check:
+            if args.direction == "hf-to-mcore":
+                world = check_hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
+                                          overwrite=args.overwrite)
+                print(f"rollhpc convert: {args.src} can be converted ({world} worker process(es))", file=sys.stderr)
+            else:
+                check_mcore_to_hf(args.src, args.dst, overwrite=args.overwrite)
+                print(f"rollhpc convert: {args.src} can be converted", file=sys.stderr)
+            return 0
+        if args.direction == "hf-to-mcore":
+            report = hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **common)
+        else:
+            report = mcore_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size,
+                                 checksums=not args.no_checksums, **common)
+    except (ConversionError, ValueError) as e:
+        print(f"rollhpc convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"rollhpc convert: {report.summary()}", file=sys.stderr)
+    print(f"rollhpc convert: wrote {report.dst}", file=sys.stderr)
+    if args.json:
+        print(report_json(report))
+    if report.verify is not None and not report.verify["ok"]:
+        print(f"rollhpc convert: verify FAILED: logits differ by {report.verify['max_abs_diff']:.3g} "
+              f"(> {report.verify['atol']:g})", file=sys.stderr)
+        return 1
+    return 0

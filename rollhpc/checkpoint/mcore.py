@@ -1,0 +1,355 @@
+"""Megatron-core distributed checkpoints of a ``GPTModel`` built by ``rollhpc.models.megatron_gpt``.
+
+A checkpoint directory is megatron's ``torch_dist`` format (``metadata.json``, ``common.pt``,
+``.metadata``, ``__R_T.distcp`` data files) plus two things of ours:
+
+* ``rollhpc_checkpoint.json``: format name and version, the Hugging Face ``config.json`` the model was
+  built from, the parallel layout it was saved with (tp/pp/ep/etp, world), the padded vocab size, the
+  parameter dtype, and a manifest of every file (size, and sha256 when computed) so that a missing or
+  truncated file is reported as such before megatron reads anything;
+* ``hf/``: the source Hugging Face directory's other files (tokenizer, generation config), copied so
+  that a conversion back to HF gives a complete model directory.
+
+The tensors are global (megatron stores each as its full shape, cut into chunks as the saving ranks
+held them), so a checkpoint saved at one TP/PP/EP layout loads at any other: megatron reads the chunks
+each rank needs. Vocab padding differs per TP size; megatron pads or trims the embedding rows on load.
+
+* ``save_mcore_checkpoint`` / ``load_mcore_checkpoint``: collective, from inside a running trainer
+  (every rank, torch.distributed and megatron's parallel state initialised). The save is atomic: the
+  ranks write a temporary directory beside the target, rank 0 renames it into place after a barrier.
+* ``McoreReader``: one process (a world of size 1), reads one parameter at a time, in the names of a
+  TP=1/PP=1/EP=1 model, without building the model's weights (a skeleton on the meta device gives
+  megatron's checkpoint keys and shapes). The converter streams megatron -> HF through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "rollhpc-mcore"
+FORMAT_VERSION = 1
+META_FILE = "rollhpc_checkpoint.json"
+HF_EXTRAS_DIR = "hf"
+# HF files never copied into hf/: weights (converted) and config.json (kept in the metadata json).
+_HF_SKIP = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+_HF_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written: missing, incomplete, corrupt or mismatched."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata")
+    return dtype
+
+
+def sha256_file(path: Path, block: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_manifest(ckpt_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size": bytes[, "sha256": hex]}} for megatron's files in ``ckpt_dir``."""
+    out = {}
+    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(ckpt_dir).as_posix()
+        if rel == META_FILE or rel.startswith(HF_EXTRAS_DIR + "/"):
+            continue
+        out[rel] = {"size": path.stat().st_size} | ({"sha256": sha256_file(path)} if checksums else {})
+    return out
+
+
+def parallel_layout() -> dict[str, int]:
+    """tp/pp/ep/etp/world of the initialised megatron parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
+                world=dist.get_world_size())
+
+
+def copy_hf_extras(src_dir: Path, dst_dir: Path) -> list[str]:
+    """Copy a Hugging Face directory's non-weight files (tokenizer, generation config, ...) from
+    ``src_dir`` into ``dst_dir``; returns their names. config.json and weights are left out."""
+    copied = []
+    for path in sorted(Path(src_dir).iterdir()):
+        if not path.is_file() or path.name in _HF_SKIP or path.suffix in _HF_SKIP_SUFFIXES:
+            continue
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dst_dir / path.name)
+        copied.append(path.name)
+    return copied
+
+
+def save_strategy():
+    """megatron's torch_dist save strategy, one data file per rank (thread_count=1: a rank's shard is
+    one file, so "largest shard" is the largest file)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config: Any,
+                          layout_info: Mapping[str, Any] | None = None, *, overwrite: bool = False,
+                          checksums: bool = False, sharded_state_dict: dict[str, Any] | None = None) -> Path:
+    """Save ``model`` (a megatron ``GPTModel`` from ``build_gpt_model``) as a dist checkpoint in
+    ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF config the model was built from
+    (dict, transformers config, config.json path, or the HF model directory: then its tokenizer and
+    other files go to ``hf/`` too). ``layout_info``: recorded in the metadata over the parallel state's
+    tp/pp/ep/etp/world (e.g. ``{"step": 100}``). An existing ``out_dir`` is an error unless
+    ``overwrite`` (replaced only once the new checkpoint is complete). ``checksums``: sha256 of every
+    file in the manifest (rank 0 reads the whole checkpoint back once). ``sharded_state_dict``: what to
+    write, when not ``model.sharded_state_dict()`` (the converter passes one that needs no copies)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from rollhpc.models.megatron_gpt import _hf_dict
+
+    out_dir = Path(out_dir).absolute()
+    rank = dist.get_rank()
+    tmp = out_dir.parent / f".{out_dir.name}.partial"
+    if out_dir.exists() and not overwrite:  # every rank sees the same (shared) filesystem: all raise
+        raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    if sharded_state_dict is None:
+        sharded_state_dict = model.sharded_state_dict()
+    dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=save_strategy())
+    dist.barrier()  # every rank's files are written (dist_checkpointing.save ends with one too)
+    if rank == 0:
+        cfg = _hf_dict(hf_config)
+        layout = {**parallel_layout(), **dict(layout_info or {})}
+        first = next(model.parameters())
+        meta = dict(format=FORMAT, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    hf_config=cfg, layout=layout, padded_vocab_size=int(model.vocab_size),
+                    params_dtype=_dtype_name(first.dtype), files=file_manifest(tmp, checksums))
+        if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
+            meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    dist.barrier()
+    return out_dir
+
+
+def read_metadata(ckpt_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """The checkpoint's metadata, after checking that it is ours, of a known version, and that every file
+    in its manifest is there with its size (and sha256, when recorded and ``checksums``)."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
+    path = ckpt_dir / META_FILE
+    if not path.is_file():
+        hint = (" (it looks like a Hugging Face directory: convert it with hf-to-mcore)"
+                if (ckpt_dir / "config.json").is_file() else "")
+        raise CheckpointError(f"{ckpt_dir} is not a rollhpc megatron checkpoint: {META_FILE} is missing{hint}")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable or corrupt: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {meta.get('format_version')!r}; this rollhpc reads "
+                              f"version {FORMAT_VERSION}")
+    for key in ("hf_config", "layout", "padded_vocab_size", "params_dtype", "files"):
+        if key not in meta:
+            raise CheckpointError(f"{path} lacks {key!r}")
+    problems = []
+    for rel, info in meta["files"].items():
+        f = ckpt_dir / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.stat().st_size != info["size"]:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, the manifest says {info['size']}")
+        elif checksums and "sha256" in info and sha256_file(f) != info["sha256"]:
+            problems.append(f"{rel} does not match its sha256 (corrupt)")
+    if problems:
+        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete or corrupt: {'; '.join(problems)}")
+    return meta
+
+
+def load_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, *, checksums: bool = False
+                          ) -> dict[str, Any]:
+    """Load a checkpoint saved by ``save_mcore_checkpoint`` (or the converter) into ``model``, whatever
+    TP/PP/EP layout it was saved with. Collective: every rank calls it. Returns the checkpoint's
+    metadata. Raises ``CheckpointError`` for a missing/corrupt checkpoint or one of another model."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    meta = read_metadata(ckpt_dir, checksums=checksums)
+    _check_model_matches(model, meta)
+    try:
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
+        model.load_state_dict(state, strict=True)
+    except (CheckpointingException, KeyError, RuntimeError, ValueError, OSError, EOFError) as e:
+        raise CheckpointError(f"cannot load {ckpt_dir} into the model: {type(e).__name__}: {e}") from e
+    return meta
+
+
+def _check_model_matches(model: torch.nn.Module, meta: dict[str, Any]) -> None:
+    cfg, c = meta["hf_config"], model.config
+    pairs = [("num_hidden_layers", cfg.get("num_hidden_layers"), c.num_layers),
+             ("hidden_size", cfg.get("hidden_size"), c.hidden_size),
+             ("num_attention_heads", cfg.get("num_attention_heads"), c.num_attention_heads),
+             ("num_experts", cfg.get("num_experts") or cfg.get("num_local_experts") or None, c.num_moe_experts)]
+    wrong = [f"{name}: checkpoint {a}, model {b}" for name, a, b in pairs if a != b]
+    if wrong:
+        raise CheckpointError(f"the checkpoint is of another model ({'; '.join(wrong)})")
+
+
+@contextlib.contextmanager
+def single_process_world() -> Iterator[None]:
+    """torch.distributed (gloo, an in-process store) and megatron's parallel state for a world of one
+    process: what megatron's dist_checkpointing needs to read a checkpoint offline."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rollhpc.models import megatron_cpu
+
+    if dist.is_initialized():
+        raise RuntimeError("single_process_world: torch.distributed is already initialised in this process")
+    megatron_cpu.enable_cpu_megatron()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _plain(piece: Any) -> Any:
+    """A ShardedTensor requesting the same chunk as ``piece`` with its prepended axes (layer, expert)
+    spelled out as size-1 dimensions and no fixed grid: megatron then loads it through DCP's plain chunk
+    reading, so one layer of a layer-stacked tensor can be read alone."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    shape = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
+    return ShardedTensor(key=piece.key, data=torch.empty(shape, dtype=piece.dtype),
+                         dtype=piece.dtype, local_shape=shape, global_shape=tuple(piece.global_shape),
+                         global_offset=tuple(piece.global_offset), axis_fragmentations=None, replica_id=0,
+                         prepend_axis_num=0, allow_shape_mismatch=piece.allow_shape_mismatch)
+
+
+class McoreReader:
+    """Reads a checkpoint's parameters one at a time, in the names of the TP=1/PP=1/EP=1 model (the full
+    tensors), in a ``single_process_world``. Construction checks the files (``read_metadata``) and that
+    the checkpoint holds every tensor the config implies, with the right global shape."""
+
+    def __init__(self, ckpt_dir: str | Path, *, checksums: bool = True):
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        from rollhpc.models.megatron_gpt import build_gpt_model
+
+        self.ckpt_dir = Path(ckpt_dir)
+        self.meta = read_metadata(self.ckpt_dir, checksums=checksums)
+        self.hf_config = self.meta["hf_config"]
+        self.dtype = dtype_from_name(self.meta["params_dtype"])
+        try:
+            stored = dist_checkpointing.load_tensors_metadata(str(self.ckpt_dir))
+        except Exception as e:  # noqa: BLE001 - megatron/torch raise many kinds for a damaged .metadata
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} is incomplete or corrupt: cannot read its tensor "
+                                  f"index ({type(e).__name__}: {e})") from e
+        emb = stored.get("embedding.word_embeddings.weight")
+        padded = tuple(emb.global_shape)[0] if emb is not None else self.meta["padded_vocab_size"]
+        with torch.device("meta"):
+            self.skeleton = build_gpt_model(self.hf_config, tp=1, params_dtype=self.dtype, padded_vocab=padded,
+                                            perform_initialization=False)
+        self.sharded = {k: v for k, v in self.skeleton.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
+        missing, wrong = [], []
+        for name, sh in self.sharded.items():
+            for piece in _pieces(sh):
+                if piece.key not in stored:
+                    missing.append(piece.key)
+                elif tuple(stored[piece.key].global_shape) != tuple(piece.global_shape):
+                    wrong.append(f"{piece.key}: checkpoint {tuple(stored[piece.key].global_shape)}, "
+                                 f"config implies {tuple(piece.global_shape)}")
+        if missing:
+            missing = sorted(set(missing))
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} lacks {len(missing)} tensor(s) its config.json implies: "
+                                  f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if wrong:
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} does not match its config.json (shape mismatch): "
+                                  f"{'; '.join(sorted(set(wrong))[:6])}")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The full (TP=1) tensors of megatron parameters ``names``."""
+        from megatron.core import dist_checkpointing
+
+        unknown = [n for n in names if n not in self.sharded]
+        if unknown:
+            raise KeyError(f"not parameters of this model: {unknown}")
+        request = {f"{n}#{i}": _plain(p) for n in names for i, p in enumerate(_pieces(self.sharded[n]))}
+        try:
+            state = dist_checkpointing.load(request, str(self.ckpt_dir), validate_access_integrity=False)
+        except Exception as e:  # noqa: BLE001 - any failure to read the data files is a damaged checkpoint
+            raise CheckpointError(f"checkpoint {self.ckpt_dir} is incomplete or corrupt: reading {names} failed "
+                                  f"({type(e).__name__}: {e})") from e
+        out = {}
+        for n in names:
+            sh = self.sharded[n]
+            loaded = [state[f"{n}#{i}"].reshape(p.local_shape) for i, p in enumerate(_pieces(sh))]
+            out[n] = sh.merge_fn(_like(sh.build(), loaded)) if isinstance(sh, _factory_type()) else loaded[0]
+        return out
+
+
+def _factory_type() -> type:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    return ShardedTensorFactory
+
+
+def _like(built: Any, tensors: list[torch.Tensor]) -> Any:
+    """``tensors`` (in ``_pieces`` order) in the container shape a factory's ``build()`` returned."""
+    if isinstance(built, dict):
+        return dict(zip(built, tensors))
+    if isinstance(built, list):
+        return list(tensors)
+    return tensors[0]
+
+
+def _pieces(sharded: Any) -> list[Any]:
+    """The ShardedTensors a (meta) ShardedTensor or ShardedTensorFactory stands for."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(sharded, ShardedTensorFactory):
+        built = sharded.build()
+        return list(built.values()) if isinstance(built, dict) else list(built) if isinstance(built, list) else [built]
+    return [sharded]
