@@ -93,12 +93,19 @@ def load_settings(cfg: dict, model_dir: Path, wall_s: float) -> Settings:
 def splits(s: Settings) -> tuple[list, list]:
     from rollhpc.tasks import arithmetic
 
+    from pathlib import Path
+
+    if (Path(s.model_dir) / "sft_report.json").is_file():  # the pipeline uses the warm start's own splits
+        from rollhpc.models.policy_prep import policy_splits
+
+        train, heldout = policy_splits(s.model_dir, n_train=s.n_train)
+        return train, heldout[:s.n_heldout]
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in s.task_options.items()}
     return arithmetic.make_splits(s.split_seed, s.n_train, s.n_heldout, **options)
 
 
 def heldout_accuracy(model, tokenizer, s: Settings) -> float:
-    from rollhpc.models.sft import evaluate_greedy
+    from rollhpc.models.policy_prep import evaluate_greedy
     from rollhpc.tasks import arithmetic
 
     return evaluate_greedy(model, splits(s)[1], arithmetic, tokenizer=tokenizer, max_new_tokens=s.eval_max_tokens)

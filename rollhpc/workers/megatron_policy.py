@@ -171,7 +171,7 @@ class _WeightChannelMixin:
         from rollhpc.models.megatron_gpt import export_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
-        if self.ctx.coords.dp_rank != 0:
+        if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
             return None
         named = export_hf_weights(self.model, self.vocab_size, self.tp_group)
         if self.ctx.group_rank != 0:
@@ -340,7 +340,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         from rollhpc.models.megatron_gpt import export_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
-        if self.ctx.coords.dp_rank != 0:
+        if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
             return None
         named = ((n, t.detach().cpu()) for n, t in export_hf_weights(self.model, self.vocab_size, self.tp_group))
         buckets = list(pack_buckets(named, int(bucket_mb * (1 << 20))))
