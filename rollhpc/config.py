@@ -139,6 +139,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None  # before the dataclass alternatives, which would read None as "all defaults"
         errors = []
         for alt in typing.get_args(tp):
             if alt is type(None):

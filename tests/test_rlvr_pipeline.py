@@ -23,7 +23,7 @@ def tiny_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
-    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.steps=3",
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null", "pipeline.options.steps=3",
                   "pipeline.options.eval_every=2", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.kl_in_reward=0.01",
                   "pipeline.options.loss.kl_coef=0.05", "pipeline.options.loss.entropy_coef=0.001",
@@ -56,7 +56,7 @@ def test_ppo_with_critic_async_partial_rollout(tmp_path, tiny_model):
     """PPO (critic + GAE) in async mode: the next batch is generated while the trainer works, partial
     responses resume under the new weights, and every sample stays within one version of the policy.
     Weights go through the controller (relay) here; the TP=2 test covers the direct broadcast."""
-    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.steps=4",
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null", "pipeline.options.steps=4",
                   "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.algorithm=ppo", "pipeline.options.rollout.dynamic_sampling=false",
                   "pipeline.options.rollout.max_staleness=1", "pipeline.options.rollout.partial_rollout=true",
