@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from rollhpc.checkpoint.mcore import HF_EXTRAS_DIR, CheckpointError, copy_hf_extras
+from rollhpc.checkpoint.mcore import HF_EXTRAS_DIR, CheckpointError, copy_hf_extras, replace_dir
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
 from rollhpc.models.megatron_gpt import _hf_dict, arch_weight_map, check_hf_config, padded_vocab_size
 
@@ -529,16 +529,9 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:
-    if dst.exists():
-        if not overwrite:
-            raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
-        old = dst.parent / f".{dst.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} exists; pass --overwrite to replace it")
+    replace_dir(tmp, dst)
 
 
 def _verify_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:

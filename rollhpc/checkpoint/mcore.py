@@ -109,6 +109,19 @@ def save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+def replace_dir(tmp: Path, dst: Path) -> None:
+    """Put the finished directory ``tmp`` at ``dst``, moving an existing ``dst`` aside first and
+    deleting it only once the new one is in place."""
+    if not dst.exists():
+        tmp.rename(dst)
+        return
+    old = dst.parent / f".{dst.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    dst.rename(old)
+    tmp.rename(dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config: Any,
                           layout_info: Mapping[str, Any] | None = None, *, overwrite: bool = False,
                           checksums: bool = False, sharded_state_dict: dict[str, Any] | None = None) -> Path:
@@ -148,14 +161,7 @@ def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config
         if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
             meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
+        replace_dir(tmp, out_dir)
     dist.barrier()
     return out_dir
 

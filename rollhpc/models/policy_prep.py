@@ -13,7 +13,6 @@ RL pipeline can measure improvement on exactly the examples the report measured:
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import logging
@@ -28,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from rollhpc.models.sft import SftOptions, greedy_responses, train_sft
 from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+from rollhpc.tasks import TASKS, task_module  # noqa: F401  (re-exported: callers import them from here)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("rollhpc.sft")
-TASKS = ("arithmetic", "countdown")
 # Chosen by experiment: with the default SftOptions, 2-digit addition stops after 470-1240 steps
 # (20-60 s on one CPU thread) at 0.15-0.27 held-out greedy accuracy (seeds 0-7), just as the model
 # starts to read the units digits; more SFT takes the same model past 0.9, so RL has room to climb.
@@ -43,13 +42,6 @@ DEFAULT_TASK_OPTIONS: dict[str, dict[str, Any]] = {
 }
 REPORT = "sft_report.json"
 FORMAT_VERSION = 1  # bump when a code change alters what the same settings produce (invalidates caches)
-
-
-def task_module(name: str) -> Any:
-    """The task's module (``make_splits``, ``format_prompt``, ``completion``, ``score``, ``corpus``)."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}")
-    return importlib.import_module(f"rollhpc.tasks.{name}")
 
 
 def resolve_task_options(task: str, options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -131,7 +131,7 @@ class RlvrPipeline(Pipeline):
     def _setup(self) -> None:
         from transformers import AutoTokenizer
 
-        from rollhpc.workers.math_reward import task_module
+        from rollhpc.tasks import task_module
 
         o = self.options
         self.tokenizer = AutoTokenizer.from_pretrained(o.model_dir)

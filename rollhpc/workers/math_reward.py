@@ -10,19 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rollhpc.tasks import task_module
 from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
-
-TASKS = ("arithmetic", "countdown")
-
-
-def task_module(name: str) -> Any:
-    """The task's module (``make_splits``, ``format_prompt``, ``score``) by name."""
-    import importlib
-
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; tasks are {', '.join(TASKS)}")
-    return importlib.import_module(f"rollhpc.tasks.{name}")
-
 
 class MathRewardWorker(Worker):
     @dataclass(kw_only=True)
