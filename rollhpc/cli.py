@@ -57,16 +57,45 @@ def load_experiment(experiment: str, overrides: list[str]) -> ExperimentConfig:
     return config_mod.load(compose(experiment, overrides))
 
 
-def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool) -> Path:
+def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool = False) -> Path:
     run_dir = cfg.run.run_dir.resolve()
+    if resume:
+        return _resume_run_dir(cfg, plan, run_dir)
     if run_dir.exists():
         if not overwrite:
-            raise ConfigError(f"run directory {run_dir} exists; pick another run.name=... or pass --overwrite")
+            raise ConfigError(f"run directory {run_dir} exists; pick another run.name=..., pass --resume to "
+                              "continue it from its checkpoint, or --overwrite to start again")
         shutil.rmtree(run_dir)
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
     plan.save(run_dir / "plan.json")
     return run_dir
+
+
+def _resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
+    """An existing run continues only with the configuration it was started with (its checkpoint's layout
+    and data cursor depend on it); the world's processes find its newest good checkpoint themselves."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume")
+    saved = yaml.safe_load(saved_path.read_text())
+    now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))  # as config.yaml holds it
+    differ = sorted(_differing_keys(saved, now))
+    if differ:
+        raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
+                          f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
+    (run_dir / "error.json").unlink(missing_ok=True)  # the last attempt's failure is history now
+    plan.save(run_dir / "plan.json")
+    return run_dir
+
+
+def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
 
 
 def _prepare_inputs(cfg: ExperimentConfig) -> None:
@@ -83,16 +112,23 @@ def _prepare_inputs(cfg: ExperimentConfig) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
+    from rollhpc.launch.requeue import EXIT_REQUEUE
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = local_plan(cfg)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
         return 0
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
     _prepare_inputs(cfg)
-    run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
+    run_dir = _prepare_run_dir(cfg, plan, args.overwrite, args.resume)
     print(f"rollhpc: run {cfg.run.name}: {cfg.world_size()} MPI ranks, output in {run_dir}", file=sys.stderr)
     rc = run_local(cfg, plan, run_dir)
+    if rc == EXIT_REQUEUE:
+        print(f"rollhpc: run {cfg.run.name} stopped after saving a checkpoint (stop request); continue it with the "
+              f"same command and --resume", file=sys.stderr)
+        return EXIT_REQUEUE
     if rc != 0 or (run_dir / "error.json").exists():
         print(f"rollhpc: run failed: {failure_summary(run_dir, rc)}", file=sys.stderr)
         return 1
@@ -258,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     experiment_args(t)
     t.add_argument("--dry-run", action="store_true", help="print the mpiexec command and exit")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
+    t.add_argument("--resume", action="store_true",
+                   help="continue an existing run directory (same configuration) from its newest good checkpoint; "
+                   "SIGUSR1 to this command makes the run checkpoint after its current step and stop (exit 75)")
     t.set_defaults(func=cmd_train)
 
     pl = sub.add_parser("plan", help="print where every rank of every role runs (node, GPUs, het group) and its "

@@ -97,6 +97,13 @@ class ClusterConfig:
     srun_mpi: str = "pmi2"  # srun --mpi=... (pmi2 for MPICH, pmix for Open MPI)
     sbatch_extra: list[str] = field(default_factory=list)  # more "--key=value" options for every component
     setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
+    requeue: bool = True  # Slurm requeues the job after a node failure; the run resumes from its checkpoint
+    max_restarts: int = 5  # requeues after a lost worker before the job gives up
+    stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0 or self.stop_before_limit_s < 0:
+            raise ValueError("cluster.max_restarts and cluster.stop_before_limit_s must be >= 0")
 
 
 @dataclass(kw_only=True)

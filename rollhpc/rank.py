@@ -168,7 +168,8 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
 
 
 def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, watchdog: threading.Timer) -> int:
-    from rollhpc.controller.errors import RunFailed
+    from rollhpc.controller.errors import RunFailed, WorkerDied
+    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, record_failed_node
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
@@ -200,9 +201,11 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-        pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options).run()
+        pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
+        pipeline.run()
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
-        log.info("run finished")
+        requeue = getattr(pipeline, "stopped_for_requeue", False)
+        log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
             signal.signal(sig, signal.SIG_IGN)
@@ -214,15 +217,19 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
             log.error("%s", e.details.rstrip())
         elif not hasattr(e, "summary"):
             log.error("%s", "".join(traceback.format_exception(e)).rstrip())
+        status = 1
+        if isinstance(e, WorkerDied):  # restartable: a requeue on other nodes may well succeed
+            status = EXIT_WORKER_LOST
+            record_failed_node(run_dir, e.host, e.summary)
         for h in logging.getLogger().handlers:
             h.flush()
         if not ctl.release():
-            comm.Abort(1)
-        os._exit(1)
+            comm.Abort(status)
+        os._exit(status)
     from mpi4py import MPI
 
     MPI.Finalize()
-    return 0
+    return EXIT_REQUEUE if requeue else 0
 
 
 if __name__ == "__main__":

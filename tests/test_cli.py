@@ -60,7 +60,23 @@ def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
 def test_existing_run_directory_is_not_overwritten_by_accident(tmp_path):
     (tmp_path / "runs" / "toy_grpo").mkdir(parents=True)
     res = rollhpc("train", "toy_grpo", cwd=tmp_path)
-    assert res.returncode == 2 and "pass --overwrite" in res.stderr
+    assert res.returncode == 2 and "--overwrite to start again" in res.stderr and "--resume" in res.stderr
+
+
+def test_resume_refuses_a_changed_configuration(tmp_path):
+    import yaml
+
+    from rollhpc.cli import load_experiment
+    from rollhpc.config import to_dict
+
+    run_dir = tmp_path / "runs" / "toy_grpo"
+    res = rollhpc("train", "toy_grpo", "--resume", cwd=tmp_path)
+    assert res.returncode == 2 and "is not a run directory" in res.stderr
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(load_experiment("toy_grpo", []))))
+    res = rollhpc("train", "toy_grpo", "--resume", "pipeline.options.steps=7", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "differs from the run's" in res.stderr and "pipeline.options.steps" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

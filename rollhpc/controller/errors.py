@@ -20,7 +20,12 @@ class WorkerError(RunFailed):
 
 
 class WorkerDied(RunFailed):
-    """A worker process disappeared (killed, crashed in native code, node lost)."""
+    """A worker process disappeared (killed, crashed in native code, node lost). ``host``: the node it ran
+    on (Slurm's node name under Slurm), which a requeue excludes."""
+
+    def __init__(self, summary: str, details: str = "", host: str = ""):
+        super().__init__(summary, details)
+        self.host = host
 
 
 class CallTimeout(RunFailed):

@@ -89,7 +89,7 @@ class Controller:
                 doing = "while idle"
             raise WorkerDied(
                 f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
-                f"or its node was lost); see {self.log_path(rank)}"
+                f"or its node was lost); see {self.log_path(rank)}", host=info.host
             )
 
     def pump(self) -> bool:

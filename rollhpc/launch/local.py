@@ -156,6 +156,9 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     segments_before = shm_segments()
     (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
     proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
+    # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: (run_dir / "stop-request").write_text(
+        f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
     try:
         rc = proc.wait()
     except KeyboardInterrupt:
@@ -167,6 +170,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
             rc = -signal.SIGKILL
         rc = rc or 130
     finally:
+        signal.signal(signal.SIGUSR1, previous)
         _kill_group(proc.pid)
         remove_leaked_segments(segments_before)
     return rc

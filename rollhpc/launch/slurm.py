@@ -42,6 +42,11 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         f"#SBATCH --output={run_dir / 'slurm' / 'job-%j.out'}",
         f"#SBATCH --time={cfg.cluster.time_limit}",
     ]
+    c = cfg.cluster
+    if c.requeue:  # node failure -> Slurm requeues; the log of every attempt goes to the same file
+        lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    if c.stop_before_limit_s:  # to the batch shell only (B:): its trap relays it to the controller
+        lines.append(f"#SBATCH --signal=B:USR1@{c.stop_before_limit_s}")
     for comp in plan.components:
         if comp.index:
             lines.append("#SBATCH hetjob")
@@ -49,6 +54,11 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp)]
     lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1"]
     lines += list(cfg.cluster.setup)
+    lines += ["", "# checkpoint-and-requeue (rollhpc.launch.requeue): record this attempt; at the time-limit warning",
+              "# ask the controller to checkpoint and stop; after srun, requeue if the run asked for it or lost a worker",
+              f"run_dir={run}",
+              f'{python} -m rollhpc.launch.requeue start "$run_dir"',
+              """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:
@@ -58,7 +68,11 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
             f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
         )
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
-    lines += ["", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments), ""]
+    lines += ["", "set +e", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
+              "srun_pid=$!",
+              "# wait returns early when the trap runs: wait again until srun itself has ended",
+              'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
+              f'exec {python} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}', ""]
     return "\n".join(lines)
 
 

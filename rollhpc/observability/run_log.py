@@ -10,17 +10,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollhpc.observability.metrics import MetricsLog
+from rollhpc.observability.metrics import MetricsLog, truncate_metrics
 from rollhpc.observability.rollouts import RolloutRecord, RolloutWriter
 from rollhpc.observability.tensorboard import TensorBoardLog
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True):
+    """``resume_step``: a run resumed from the checkpoint of that step; what an earlier session logged for
+    later steps is dropped (metrics lines, rollout files; TensorBoard is told to purge them), so the logs
+    read as one run."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            truncate_metrics(self.run_dir / "metrics.jsonl", resume_step)
+            for path in (self.run_dir / "rollouts").glob("step_*.h5"):
+                if path.stem.removeprefix("step_").isdigit() and int(path.stem.removeprefix("step_")) > resume_step:
+                    path.unlink()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.tensorboard = TensorBoardLog(self.run_dir / "tb") if tensorboard else None
+        self.tensorboard = (TensorBoardLog(self.run_dir / "tb", purge_from=None if resume_step is None else resume_step + 1)
+                            if tensorboard else None)
         self.rollouts = RolloutWriter(self.run_dir / "rollouts")
         self._closed = False
 

@@ -19,12 +19,21 @@ def numeric_scalars(values: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardLog:
-    def __init__(self, log_dir: Path):
+    """``purge_from``: a resumed run; TensorBoard drops the earlier files' points from that step on (the
+    steps the interrupted session logged after its last checkpoint), as torch's ``purge_step`` does."""
+
+    def __init__(self, log_dir: Path, purge_from: int | None = None):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(self.log_dir))
+        if purge_from is not None:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self._writer.add_event(Event(step=purge_from, file_version="brain.Event:2"))
+            self._writer.add_event(Event(step=purge_from, session_log=SessionLog(status=SessionLog.START)))
+            self._writer.flush()
 
     def add_scalars(self, step: int, values: dict[str, Any]) -> None:
         from tensorboard.compat.proto.event_pb2 import Event

@@ -13,13 +13,20 @@ the previous policy while the trainer works, and partial responses are resumed a
 
 Every step leaves a line in metrics.jsonl (reward, held-out accuracy on eval steps, tokens/s, seconds per
 stage), TensorBoard scalars and the step's samples in rollouts/step_N.h5. PPO adds a critic role (GAE on its
-values, trained next to the actor). Left out: multi-turn
-environments, checkpoints (resume starts from the policy checkpoint).
+values, trained next to the actor).
+
+Checkpoints (``options.checkpoint``) hold the whole run: the trainer's (and critic's) model and optimizer, and
+the controller's state (step, policy version, prompt cursor, scheduler buffers and partial samples, RNG).
+A run started in a RUN_DIR that has one resumes from the newest good checkpoint; sampling seeds derive
+from (run seed, prompt uid, sample index), so a resumed run repeats the uninterrupted one exactly when the
+rollout itself is deterministic (one generator, no oversampling or dynamic sampling: otherwise which groups
+fill a batch depends on timing, resumed or not). A stop request (SIGUSR1, or the Slurm batch script's
+``stop-request`` file at the time-limit warning) saves a checkpoint after the current step and leaves
+with the requeue exit status. Left out: multi-turn environments.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 import time
@@ -31,7 +38,10 @@ import numpy as np
 
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
+from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
+from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
 from rollhpc.controller.pipeline import Pipeline
+from rollhpc.controller.stop import StopRequest
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
@@ -58,6 +68,43 @@ class WarmStart:
     vocab_size: int = 512
     spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
     sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields
+
+
+class PromptStream:
+    """Endless pass over the training split, reshuffled every epoch (seeded). Its position is part of a
+    run checkpoint, so a resumed run draws the prompts the uninterrupted run would have drawn."""
+
+    def __init__(self, examples: list[Any], encode: Any, seed: int):
+        self.examples = examples
+        self.encode = encode
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self._pos = 0
+        self.drawn = 0  # prompts handed out so far (also the next prompt's uid)
+
+    def __iter__(self) -> PromptStream:
+        return self
+
+    def __next__(self) -> Prompt:
+        if self._pos >= len(self._order):
+            self._order = list(range(len(self.examples)))
+            self._rng.shuffle(self._order)
+            self._pos = 0
+        ex = self.examples[self._order[self._pos]]
+        self._pos += 1
+        self.drawn += 1
+        return Prompt(self.drawn - 1, tuple(self.encode(ex.prompt)), ex)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._rng.getstate(), "order": list(self._order), "pos": self._pos, "drawn": self.drawn,
+                "n_examples": len(self.examples)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["n_examples"] != len(self.examples):
+            raise ValueError(f"the checkpoint's prompt stream ran over {state['n_examples']} training examples, "
+                             f"this run has {len(self.examples)}: resume with the task settings it was saved with")
+        self._rng.setstate(state["rng"])
+        self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
 
 
 class _GroupPort:
@@ -95,6 +142,7 @@ class RlvrPipeline(Pipeline):
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds of training (0: no limit)
+        checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
 
         def __post_init__(self) -> None:
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
@@ -153,17 +201,6 @@ class RlvrPipeline(Pipeline):
             self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
                                                             **opts)
         self.task = task
-        self._uid = itertools.count()
-
-    def _prompts(self) -> Any:
-        """Endless stream over the training split, reshuffled every epoch (seeded)."""
-        rng = random.Random(self.run_ctx.seed)
-        while True:
-            order = list(range(len(self.train_set)))
-            rng.shuffle(order)
-            for i in order:
-                ex = self.train_set[i]
-                yield Prompt(next(self._uid), tuple(self.tokenizer.encode(ex.prompt)), ex)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -174,67 +211,112 @@ class RlvrPipeline(Pipeline):
         scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
                                      [_GroupPort(reward.at(i), "score") for i in range(len(reward))],
                                      o.rollout, seed=self.run_ctx.seed)
-        prompts = self._prompts()
-        run_log = RunLog(self.run_ctx.run_dir)
-        version = 0
-        self._sync_weights(version)  # the generators start from exactly the trainer's weights
-        accuracy = self.evaluate()
-        run_log.log_step(0, {"accuracy": accuracy, "policy_version": 0})
-        log.info("step 0: held-out accuracy %.3f", accuracy)
+        prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
+        checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, o.checkpoint)
+        stop_request = StopRequest(self.run_ctx.run_dir)
+        self.stopped_for_requeue = False
+        restored = checkpointer.restore()
         asynchronous = o.rollout.max_staleness >= 1
+        if restored is None:
+            start, version, restarts, pending = 0, 0, 0, None
+        else:
+            checkpoint, state = restored
+            start, version, restarts = state["step"], state["policy_version"], state["restarts"] + 1
+            prompts.load_state_dict(state["prompts"])
+            scheduler.load_state_dict(state["scheduler"])
+            restore_rng_states(state["rng"])
+            pending = state["pending"]
+            self._log_restart(checkpoint.path, start, restarts)
+        run_log = RunLog(self.run_ctx.run_dir, resume_step=None if restored is None else start)
+        self._sync_weights(version)  # the generators start from exactly the trainer's weights
+        if restored is None:
+            accuracy = self.evaluate()
+            run_log.log_step(0, {"accuracy": accuracy, "policy_version": 0})
+            log.info("step 0: held-out accuracy %.3f", accuracy)
+        else:
+            accuracy = state["accuracy"]
+        if start >= o.steps:
+            log.info("the checkpoint of step %d is already the run's last step (steps=%d): nothing to do", start,
+                     o.steps)
+            run_log.close()
+            return
         t_start = time.perf_counter()
-        groups, rstats = scheduler.collect(prompts, o.prompts_per_step, version)
-        for step in range(1, o.steps + 1):
+        groups, rstats = pending if pending is not None else scheduler.collect(prompts, o.prompts_per_step, version)
+        for step in range(start + 1, o.steps + 1):
             t_step = time.perf_counter()
             times = {"rollout_s": rstats.wall_s}
+            next_batch = None
             if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
                 log.warning("step %d: no group with differing rewards in %d started; no update this step",
                             step, rstats.groups_started)
-                stop = bool(o.max_wall_s) and time.perf_counter() - t_start > o.max_wall_s
                 record = {"reward_mean": float("nan"), "policy_version": version, "skipped": 1,
                           **rstats.as_metrics()}
-                if stop or step == o.steps:
-                    record["accuracy"] = self.evaluate()
-                run_log.log_step(step, record)
-                if stop:
-                    log.info("stopping after step %d: max_wall_s=%.0f reached", step, o.max_wall_s)
-                    break
-                if step < o.steps:
-                    groups, rstats = scheduler.collect(prompts, o.prompts_per_step, version)
-                continue
-            batch, samples = self._training_batch(groups, ref, times)
-            t = time.perf_counter()
-            pending = train.train_step.submit(batch, o.loss)
-            critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
-            if asynchronous and step < o.steps:  # generate the next batch with the current policy meanwhile
-                next_groups, next_stats = scheduler.collect(prompts, o.prompts_per_step, version + 1)
-            stats = pending.result()
-            if critic_pending is not None:
-                stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}}
-                         for a, b in zip(stats, critic_pending.result())]
-            times["train_s"] = time.perf_counter() - t
-            version += 1
-            t = time.perf_counter()
-            times["weight_sync_s"] = self._sync_weights(version)
-            times["weight_sync_total_s"] = time.perf_counter() - t
-            record = self._metrics(step, version, samples, rstats, stats, times)
+                samples = None
+            else:
+                batch, samples = self._training_batch(groups, ref, times)
+                t = time.perf_counter()
+                training = train.train_step.submit(batch, o.loss)
+                critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
+                if asynchronous and step < o.steps:  # generate the next batch with the current policy meanwhile
+                    next_batch = scheduler.collect(prompts, o.prompts_per_step, version + 1)
+                stats = training.result()
+                if critic_pending is not None:
+                    stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}}
+                             for a, b in zip(stats, critic_pending.result())]
+                times["train_s"] = time.perf_counter() - t
+                version += 1
+                t = time.perf_counter()
+                times["weight_sync_s"] = self._sync_weights(version)
+                times["weight_sync_total_s"] = time.perf_counter() - t
+                record = self._metrics(step, version, samples, rstats, stats, times)
             stop = bool(o.max_wall_s) and time.perf_counter() - t_start > o.max_wall_s
+            why_stop = stop_request.reason() if step < o.steps else None
             if (o.eval_every and step % o.eval_every == 0) or step == o.steps or stop:
                 record["accuracy"] = accuracy = self.evaluate()
-            record["step_s"] = time.perf_counter() - t_step + (0.0 if asynchronous else rstats.wall_s)
-            keep = o.rollout_every > 0 and (step % o.rollout_every == 0 or step == o.steps)
+            if samples is not None:
+                record["step_s"] = time.perf_counter() - t_step + (0.0 if asynchronous else rstats.wall_s)
+            if restarts and step == start + 1:
+                record["restarts"] = restarts
+            keep = samples is not None and o.rollout_every > 0 and (step % o.rollout_every == 0 or step == o.steps)
+            last = stop or why_stop is not None or step == o.steps
+            if step == o.steps or stop:
+                record["weights_sha256"] = train.weights_digest()
             run_log.log_step(step, record, self._record(samples) if keep else None)
-            log.info("step %d/%d: reward %.3f, held-out accuracy %.3f, %.0f tok/s", step, o.steps,
-                     record["reward_mean"], accuracy, record["tokens_per_s"])
+            if samples is not None:
+                log.info("step %d/%d: reward %.3f, held-out accuracy %.3f, %.0f tok/s", step, o.steps,
+                         record["reward_mean"], accuracy, record["tokens_per_s"])
+            if checkpointer.due(step, o.steps) or why_stop is not None or (stop and o.checkpoint.at_end):
+                state = {"step": step, "policy_version": version, "accuracy": accuracy, "restarts": restarts,
+                         "prompts": prompts.state_dict(), "scheduler": scheduler.state_dict(),
+                         "rng": save_rng_states(), "pending": None if last else next_batch}
+                checkpointer.save(step, state, {"step": step, "policy_version": version, "restarts": restarts,
+                                                "accuracy": accuracy, "prompts_drawn": prompts.drawn,
+                                                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+            if why_stop is not None:
+                log.warning("stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
+                            step, why_stop)
+                stop_request.clear()
+                self.stopped_for_requeue = True
+                break
             if stop:
                 log.info("stopping after step %d: max_wall_s=%.0f reached", step, o.max_wall_s)
                 break
             if step < o.steps:
-                if asynchronous:
-                    groups, rstats = next_groups, next_stats
+                if next_batch is not None:
+                    groups, rstats = next_batch
                 else:
                     groups, rstats = scheduler.collect(prompts, o.prompts_per_step, version)
         run_log.close()
+
+    def _log_restart(self, path: Path, step: int, restarts: int) -> None:
+        """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
+        import os
+
+        from rollhpc.launch.requeue import log_event
+
+        log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
+        log_event(self.run_ctx.run_dir, {"event": "resume", "checkpoint": str(path), "step": step,
+                                         "restarts": restarts, "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
 
     def _sync_weights(self, version: int) -> float:
         """Trainer -> generators; returns the generators' load time (the slowest)."""

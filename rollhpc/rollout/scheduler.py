@@ -210,7 +210,21 @@ class RolloutScheduler:
 
         self._stop(calls, scoring, owner, load, groups, version, stats)
         stats.wall_s = time.perf_counter() - t0
+        out.sort(key=lambda g: g[0].prompt.uid)  # the batch's order must not depend on which group finished first
         return out, stats
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """What carries over between batches (finished groups, open groups with their partials): part of a
+        run checkpoint, so a resumed run continues them as the uninterrupted run would have."""
+        return {"buffer": self.buffer, "carry": self.carry, "carry_partials": self.carry_partials,
+                "next_reward": self._next_reward}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer = list(state["buffer"])
+        self.carry = dict(state["carry"])
+        self.carry_partials = list(state["carry_partials"])
+        self._next_reward = int(state["next_reward"])
 
     # ------------------------------------------------------------------ helpers
     def _take_from_buffer(self, n_groups: int, version: int, stats: RolloutStats) -> list[list[Sample]]:

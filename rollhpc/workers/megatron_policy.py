@@ -219,6 +219,48 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
     def _trained_modules(self) -> list[Any]:
         return [self.model]
 
+    def extra_modules(self) -> dict[str, Any]:
+        """Trained modules outside the GPT model, by name (saved in the checkpoint's rank files)."""
+        return {}
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def save_checkpoint(self, role_dir: str) -> dict[str, Any]:
+        """Collective: model, optimizer, counters and RNG into ``role_dir`` (see ``checkpoint.trainer_state``)."""
+        from rollhpc.checkpoint.trainer_state import save_trainer_state
+
+        return save_trainer_state(self, Path(role_dir))
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def load_checkpoint(self, role_dir: str) -> dict[str, Any]:
+        """Collective: the state ``save_checkpoint`` wrote, back into this role."""
+        from rollhpc.checkpoint.trainer_state import load_trainer_state
+
+        return load_trainer_state(self, Path(role_dir))
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def weights_digest(self) -> str | None:
+        """sha256 over the full weights in Hugging Face names and bytes (name order): equal digests mean
+        bitwise-equal models whatever the layout. Collective like ``export_weights``."""
+        import hashlib
+
+        import torch
+
+        from rollhpc.models.megatron_gpt import export_hf_weights
+
+        if self.ctx.coords.edp_rank != 0:
+            return None
+        h = hashlib.sha256()
+        named = sorted(((n, t.detach().cpu().contiguous()) for n, t in
+                        export_hf_weights(self.model, self.vocab_size, self.tp_group)), key=lambda x: x[0])
+        for name, t in named:
+            h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+        for name, module in sorted(self.extra_modules().items()):
+            for key, t in sorted(module.state_dict().items()):
+                h.update(f"{name}.{key}".encode())
+                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest() if self.ctx.group_rank == 0 else None
+
     def _dp_sum(self, values: list[float]) -> list[float]:
         import torch
         import torch.distributed as dist
@@ -365,6 +407,9 @@ class MegatronCriticWorker(MegatronTrainWorker):
 
     def _trained_modules(self) -> list[Any]:
         return [self.model, self.value_head]
+
+    def extra_modules(self) -> dict[str, Any]:
+        return {"value_head": self.value_head}
 
     def _values(self, tokens: Any):
         """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions."""

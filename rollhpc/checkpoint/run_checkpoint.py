@@ -1,0 +1,122 @@
+"""The controller's side of run checkpoints: one call saves the whole run, one call finds and loads it.
+
+A run checkpoint (``RUN_DIR/checkpoints/step_N/``, committed by ``storage.CheckpointStore``)::
+
+    train/ ...           every role whose worker has ``save_checkpoint`` (trainer, critic) writes its
+    critic/ ...          part collectively (``checkpoint.trainer_state``)
+    controller/state.pkl the pipeline's own state: step, policy version, data cursor, rollout scheduler
+                         buffers and partial samples, RNG of the controller, restart count
+    controller/state.json a readable summary of it (for ``rollhpc ckpt inspect``)
+
+Roles without state of their own are rebuilt, not saved: the reference policy reloads its starting
+checkpoint, the generators receive the restored trainer's weights, reward workers are stateless.
+
+Resume takes ``latest_good``: the newest checkpoint whose files all match their manifest (sha256 by
+default), so a checkpoint cut short by a crash or damaged later is skipped with a warning and the
+previous good one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
+
+log = logging.getLogger("rollhpc.checkpoint")
+
+CONTROLLER_DIR = "controller"
+STATE_FILE = "state.pkl"
+SUMMARY_FILE = "state.json"
+# test hook: "STEP:SECONDS" holds the commit of checkpoint STEP back (its files written, not yet sealed),
+# so a test can kill the run while a checkpoint is being written
+DELAY_ENV = "ROLLHPC_TEST_CHECKPOINT_DELAY"
+
+
+@dataclass(kw_only=True)
+class CheckpointOptions:
+    every: int = 0  # save every this many steps (0: only at the end and when asked to stop)
+    keep_last: int = 2  # committed checkpoints kept (older ones are deleted after a commit)
+    resume: bool = True  # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
+    at_end: bool = True  # save after the last step
+    verify: Literal["sha256", "sizes"] = "sha256"  # how a checkpoint is checked before a resume uses it
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep_last < 1:
+            raise ValueError(f"checkpoint.every must be >= 0 and keep_last >= 1 (got {self.every}, {self.keep_last})")
+
+
+class RunCheckpointer:
+    """Saves and restores a run: the stateful worker groups' parts and the controller's state."""
+
+    def __init__(self, run_dir: Path, groups: dict[str, Any], options: CheckpointOptions):
+        self.options = options
+        self.store = CheckpointStore(Path(run_dir) / "checkpoints", keep_last=options.keep_last)
+        self.groups = groups
+        self.roles = sorted(r for r, g in groups.items() if hasattr(g.worker_cls, "save_checkpoint"))
+
+    def due(self, step: int, last_step: int) -> bool:
+        o = self.options
+        return bool(o.every and step % o.every == 0) or (o.at_end and step == last_step)
+
+    def save(self, step: int, state: dict[str, Any], summary: dict[str, Any]) -> Checkpoint:
+        """Write checkpoint ``step``: every stateful role at once, then the controller's ``state`` (pickled)
+        and ``summary`` (JSON, also the manifest's meta). Nothing is visible until the commit."""
+        t0 = time.perf_counter()
+        pending = self.store.begin(step)
+        try:
+            saving = [self.groups[r].save_checkpoint.submit(str(pending.path / r)) for r in self.roles]
+            ctl = pending.path / CONTROLLER_DIR
+            ctl.mkdir()
+            with open(ctl / STATE_FILE, "wb") as f:
+                pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+            role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
+            _test_delay(step)
+            checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
+        except BaseException:
+            self.store.abort(pending)
+            raise
+        seconds = time.perf_counter() - t0
+        log.info("checkpoint %s saved in %.2f s (%s; %s)", checkpoint.path, seconds,
+                 ", ".join(f"{r} {s['seconds']:.2f} s" for r, s in role_stats.items()) or "no stateful roles",
+                 human_bytes(checkpoint.manifest.nbytes))
+        return checkpoint
+
+    def restore(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Load the newest good checkpoint into the stateful roles; returns it and the controller's state,
+        or None when there is nothing to resume from (or ``resume`` is off)."""
+        if not self.options.resume:
+            return None
+        self.store.recover()  # half-written checkpoints of a killed run
+        checkpoint = self.store.latest_good(deep=self.options.verify == "sha256")
+        if checkpoint is None:
+            return None
+        saved_roles = checkpoint.meta.get("roles", [])
+        if sorted(saved_roles) != self.roles:
+            raise RuntimeError(f"{checkpoint.path} holds the state of roles {saved_roles}, this run has stateful "
+                               f"roles {self.roles}: resume with the configuration it was saved with")
+        t0 = time.perf_counter()
+        loading = [self.groups[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
+        with open(checkpoint.path / CONTROLLER_DIR / STATE_FILE, "rb") as f:
+            state = pickle.load(f)
+        for f in loading:
+            f.result()
+        log.info("resumed from %s (step %d) in %.2f s", checkpoint.path, checkpoint.step, time.perf_counter() - t0)
+        return checkpoint, state
+
+
+def _test_delay(step: int) -> None:
+    spec = os.environ.get(DELAY_ENV, "")
+    if not spec:
+        return
+    at, _, seconds = spec.partition(":")
+    if int(at) == step:
+        log.warning("%s: holding the commit of step %d back for %s s", DELAY_ENV, step, seconds)
+        time.sleep(float(seconds))

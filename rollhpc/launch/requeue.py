@@ -1,0 +1,175 @@
+"""The batch script's side of checkpoint-and-requeue: what happens around the ``srun`` of a Slurm run.
+
+    python -m rollhpc.launch.requeue start RUN_DIR                      before srun
+    python -m rollhpc.launch.requeue after RUN_DIR STATUS --max-restarts N   after srun, with its status
+
+``start`` records the attempt (job id, Slurm's restart count, nodes) in RUN_DIR/restarts.jsonl and
+removes a stale stop request. ``after`` decides from srun's status:
+
+* ``EXIT_REQUEUE`` (75): the run saved a checkpoint because the time-limit warning came
+  (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): requeue.
+* ``EXIT_WORKER_LOST`` (76): a worker process vanished (its node died, it was killed): the controller
+  wrote the node to RUN_DIR/failed-nodes.json; requeue with those nodes excluded
+  (``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release``: a running job's excluded nodes
+  cannot be changed, a held one's can), up to ``--max-restarts`` restarts.
+* anything else (0, a Python error in a worker, a bad config): no requeue; the job ends with it.
+
+When the node that dies is the batch host itself, this script dies with it: Slurm then requeues the job
+on its own (``--requeue``, node failure) and the dead node stays DOWN, so the next start avoids it.
+Either way the next start resumes from the newest good checkpoint (``pipelines.rlvr``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
+EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
+RESTARTS_LOG = "restarts.jsonl"
+FAILED_NODES = "failed-nodes.json"
+
+
+def log_event(run_dir: Path, event: dict[str, Any]) -> None:
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event}
+    with open(Path(run_dir) / RESTARTS_LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"rollhpc requeue: {json.dumps(record)}", file=sys.stderr, flush=True)
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / RESTARTS_LOG
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a kill
+    return out
+
+
+def record_failed_node(run_dir: Path, host: str, why: str) -> None:
+    """Called by the controller when a worker died: the node to keep away from on the next start."""
+    if not host:
+        return
+    path = Path(run_dir) / FAILED_NODES
+    try:
+        nodes = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        nodes = {}
+    nodes[host] = why
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(nodes, indent=1))
+    tmp.replace(path)
+
+
+def _scontrol(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+
+
+def _job_components(job_id: str) -> list[str]:
+    """"123" for a plain job, ["123+0", "123+1", ...] for a heterogeneous one."""
+    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
+    return [f"{job_id}+{i}" for i in range(n)] if n > 1 else [job_id]
+
+
+def _excluded_now(component: str) -> set[str]:
+    out = _scontrol("show", "job", "-o", component).stdout
+    for field in out.split():
+        if field.startswith("ExcNodeList="):
+            value = field.partition("=")[2]
+            if value and value != "(null)":
+                hosts = _scontrol("show", "hostnames", value).stdout.split()
+                return set(hosts or [value])
+    return set()
+
+
+def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str]) -> int:
+    """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requeuehold kills the batch script; finish the release first
+    log_event(run_dir, {"event": "requeue", "job_id": job_id, "reason": reason, "exclude": sorted(exclude),
+                        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)})
+    if not exclude:
+        res = _scontrol("requeue", job_id)
+        return 0 if res.returncode == 0 else _failed(res, "requeue")
+    res = _scontrol("requeuehold", job_id)
+    if res.returncode != 0:
+        return _failed(res, "requeuehold")
+    for comp in _job_components(job_id):
+        nodes = ",".join(sorted(_excluded_now(comp) | exclude))
+        upd = _scontrol("update", f"JobId={comp}", f"ExcNodeList={nodes}")
+        if upd.returncode != 0:
+            print(f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}", file=sys.stderr)
+    res = _scontrol("release", job_id)
+    return 0 if res.returncode == 0 else _failed(res, "release")
+
+
+def _failed(res: subprocess.CompletedProcess, what: str) -> int:
+    print(f"rollhpc requeue: scontrol {what} failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
+    return 1
+
+
+def cmd_start(run_dir: Path) -> int:
+    events = read_events(run_dir)
+    starts = [e for e in events if e.get("event") == "start"]
+    previous = None
+    if starts:
+        last = starts[-1]
+        later = events[events.index(last) + 1:]
+        ended = [e for e in later if e.get("event") in ("requeue", "end")]
+        previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
+    (Path(run_dir) / "stop-request").unlink(missing_ok=True)  # honoured or not, it was for the last attempt
+    log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
+                        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                        "nodes": os.environ.get("SLURM_JOB_NODELIST"), "batch_host": os.environ.get("SLURMD_NODENAME"),
+                        "previous_attempt": previous})
+    return 0
+
+
+def cmd_after(run_dir: Path, status: int, max_restarts: int) -> int:
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    if status == EXIT_REQUEUE and job_id:
+        return requeue(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
+    if status == EXIT_WORKER_LOST and job_id:
+        try:
+            failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
+        except (FileNotFoundError, ValueError):
+            failed = {}
+        if restarts >= max_restarts:
+            log_event(run_dir, {"event": "end", "status": status,
+                                "reason": f"a worker was lost and the job already restarted {restarts} times "
+                                          f"(max_restarts={max_restarts}): giving up"})
+            return status
+        return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
+                       set(failed))
+    log_event(run_dir, {"event": "end", "status": status})
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rollhpc.launch.requeue", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("start", help="record this attempt (before srun)")
+    s.add_argument("run_dir", type=Path)
+    a = sub.add_parser("after", help="requeue or end, from srun's exit status")
+    a.add_argument("run_dir", type=Path)
+    a.add_argument("status", type=int)
+    a.add_argument("--max-restarts", type=int, default=5)
+    args = p.parse_args(argv)
+    if args.cmd == "start":
+        return cmd_start(args.run_dir)
+    return cmd_after(args.run_dir, args.status, args.max_restarts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
