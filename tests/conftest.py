@@ -46,6 +46,17 @@ def rollhpc(*args: str, cwd: Path, timeout: float = 300, **kw) -> subprocess.Com
                           capture_output=True, timeout=timeout, **kw)
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny random Qwen2 (HF directory) with a tokenizer for 2-digit additions: the pipelines' test policy."""
+    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.tasks import arithmetic
+
+    train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
+    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelSpec(),
+                             build_tokenizer(list(arithmetic.corpus(train)), 300))
+
+
 @pytest.fixture
 def experiment(tmp_path: Path):
     """Write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""

@@ -11,16 +11,6 @@ import pytest
 from tests.conftest import assert_no_orphans, rollhpc
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
-    from rollhpc.tasks import arithmetic
-
-    train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelSpec(),
-                             build_tokenizer(list(arithmetic.corpus(train)), 300))
-
-
 @pytest.mark.slow
 def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null", "pipeline.options.steps=3",

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
+from rollhpc.controller.stop import STOP_FILE
 
 log = logging.getLogger("rollhpc.checkpoint")
 
@@ -35,7 +36,9 @@ CONTROLLER_DIR = "controller"
 STATE_FILE = "state.pkl"
 SUMMARY_FILE = "state.json"
 # test hook: "STEP:SECONDS" holds the commit of checkpoint STEP back (its files written, not yet sealed),
-# so a test can kill the run while a checkpoint is being written
+# so a test can kill the run while a checkpoint is being written, or have the time-limit warning arrive
+# (the hold ends early once RUN_DIR/stop-request exists); only before the run's first restart (a requeued
+# Slurm job inherits the variable)
 DELAY_ENV = "ROLLHPC_TEST_CHECKPOINT_DELAY"
 
 
@@ -78,7 +81,8 @@ class RunCheckpointer:
                 pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
             (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
-            _test_delay(step)
+            if not summary.get("restarts"):
+                _test_delay(step, self.store.root.parent / STOP_FILE)
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException:
             self.store.abort(pending)
@@ -112,11 +116,13 @@ class RunCheckpointer:
         return checkpoint, state
 
 
-def _test_delay(step: int) -> None:
+def _test_delay(step: int, stop_file: Path) -> None:
     spec = os.environ.get(DELAY_ENV, "")
     if not spec:
         return
     at, _, seconds = spec.partition(":")
     if int(at) == step:
         log.warning("%s: holding the commit of step %d back for %s s", DELAY_ENV, step, seconds)
-        time.sleep(float(seconds))
+        deadline = time.monotonic() + float(seconds)
+        while time.monotonic() < deadline and not stop_file.exists():
+            time.sleep(0.2)

@@ -3,8 +3,8 @@
     python -m rollhpc.launch.requeue start RUN_DIR                      before srun
     python -m rollhpc.launch.requeue after RUN_DIR STATUS --max-restarts N   after srun, with its status
 
-``start`` records the attempt (job id, Slurm's restart count, nodes) in RUN_DIR/restarts.jsonl and
-removes a stale stop request. ``after`` decides from srun's status:
+``start`` records the attempt (job id, Slurm's restart count, every het group's nodes) in
+RUN_DIR/restarts.jsonl. ``after`` decides from srun's status:
 
 * ``EXIT_REQUEUE`` (75): the run saved a checkpoint because the time-limit warning came
   (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): requeue.
@@ -127,12 +127,25 @@ def cmd_start(run_dir: Path) -> int:
         later = events[events.index(last) + 1:]
         ended = [e for e in later if e.get("event") in ("requeue", "end")]
         previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
-    (Path(run_dir) / "stop-request").unlink(missing_ok=True)  # honoured or not, it was for the last attempt
     log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
                         "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                        "nodes": os.environ.get("SLURM_JOB_NODELIST"), "batch_host": os.environ.get("SLURMD_NODENAME"),
+                        "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
                         "previous_attempt": previous})
     return 0
+
+
+def allocated_nodes() -> list[str]:
+    """This attempt's nodes, every het group's (a het job's SLURM_JOB_NODELIST names only group 0's)."""
+    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
+    lists = [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
+    hosts: list[str] = []
+    for nodelist in filter(None, lists):
+        res = _scontrol("show", "hostnames", nodelist)
+        for h in (res.stdout.split() if res.returncode == 0 else [nodelist]):
+            if h not in hosts:
+                hosts.append(h)
+    return hosts
 
 
 def cmd_after(run_dir: Path, status: int, max_restarts: int) -> int:

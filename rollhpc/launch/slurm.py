@@ -52,13 +52,15 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {comp.index}: {', '.join(comp.roles)}")
         lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp)]
-    lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1"]
-    lines += list(cfg.cluster.setup)
-    lines += ["", "# checkpoint-and-requeue (rollhpc.launch.requeue): record this attempt; at the time-limit warning",
-              "# ask the controller to checkpoint and stop; after srun, requeue if the run asked for it or lost a worker",
+    lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1",
+              "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
+              "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
+              "# attempt; after srun, requeue if the run asked for it or lost a worker",
               f"run_dir={run}",
-              f'{python} -m rollhpc.launch.requeue start "$run_dir"',
+              'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
+    lines += list(cfg.cluster.setup)
+    lines += [f'{python} -m rollhpc.launch.requeue start "$run_dir"']
     segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:

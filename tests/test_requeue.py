@@ -1,0 +1,211 @@
+"""Checkpoint-and-requeue on real processes: an RLVR run (Megatron trainer, vLLM generator) that is killed,
+loses a node or hits its time limit resumes from its newest good checkpoint and ends with exactly the
+weights of the same run left alone.
+
+The uninterrupted reference runs once (module fixture); every interrupted run is compared with it:
+the sha256 of the final weights (full HF-named tensors) and the loss of every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollhpc.checkpoint.run_checkpoint import DELAY_ENV
+from rollhpc.launch.requeue import read_events
+from rollhpc.observability.metrics import read_metrics
+from tests.conftest import REPO, assert_no_orphans, cli_env, rollhpc
+
+STEPS = 8
+EXIT_REQUEUE = 75
+
+
+def run_args(model: Path) -> list[str]:
+    """A short GRPO run with a checkpoint every 2 steps. With a random policy every reward is 0, so the
+    entropy bonus drives the updates: each step still depends on the sampled tokens, the optimizer moments
+    and every RNG, which is what an exact resume must restore."""
+    return [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
+            f"pipeline.options.steps={STEPS}", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
+            "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.rollout.oversample=0",
+            "pipeline.options.checkpoint.every=2", "pipeline.options.loss.entropy_coef=0.05",
+            "roles.train.options.lr=1e-3"]
+
+
+def losses(metrics: list[dict]) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in metrics if "train/loss" in m}
+
+
+def assert_same_as_uninterrupted(run_dir: Path, reference: list[dict]) -> list[dict]:
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(STEPS + 1)), "every step exactly once after the resume"
+    assert losses(metrics) == losses(reference)
+    assert metrics[-1]["weights_sha256"] == reference[-1]["weights_sha256"]
+    return metrics
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    metrics = read_metrics(path) if path.exists() else []
+    return metrics[-1]["step"] if metrics else -1
+
+
+def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{tail}")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model, tmp_path_factory) -> list[dict]:
+    cwd = tmp_path_factory.mktemp("uninterrupted")
+    res = rollhpc("train", "quickstart", *run_args(tiny_model), cwd=cwd, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = read_metrics(cwd / "runs" / "quickstart" / "metrics.jsonl")
+    assert metrics[-1]["step"] == STEPS and len(metrics[-1]["weights_sha256"]) == 64
+    return metrics
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, uninterrupted):
+    """SIGKILL of the whole local world after step 7; the newest checkpoint (step 6) is then damaged (a
+    truncated optimizer shard): --resume must notice, fall back to step 4, and still end bit-identical."""
+    run_dir = tmp_path / "runs" / "quickstart"
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model)],
+                                cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            wait_for("step 7", lambda: last_step(run_dir) >= 7, 300, proc, log)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert_no_orphans(run_dir)
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == 7
+    shard = max((run_dir / "checkpoints" / "step_000006" / "train" / "optimizer").glob("*.distcp"),
+                key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    verify = rollhpc("ckpt", "verify", str(run_dir), cwd=tmp_path)
+    assert verify.returncode == 1 and "step_000006" in verify.stdout + verify.stderr
+
+    res = rollhpc("train", "--resume", "quickstart", *run_args(tiny_model), cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step_000006" in res.stderr and "resum" in res.stderr
+    (resume,) = [e for e in read_events(run_dir) if e["event"] == "resume"]
+    assert resume["step"] == 4 and resume["restarts"] == 1
+    metrics = assert_same_as_uninterrupted(run_dir, uninterrupted)
+    assert metrics[5]["restarts"] == 1
+    assert_no_orphans(run_dir)
+
+
+# -- on the real local Slurm cluster --------------------------------------------------------------------
+
+def submit(slurm_cluster, tmp_path: Path, model: Path, *extra: str, env: dict[str, str] | None = None) -> str:
+    """`rollhpc submit quickstart` with the train rank alone in a het group of its own (a fake GPU), so it
+    runs on another node than the controller: a node of the job can die without the batch script."""
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "submit", "quickstart", *run_args(model), "run.name=rq",
+         f"run.output_dir={tmp_path / 'runs'}", "roles.train.gpus_per_proc=1", f"cluster.nodes={slurm_cluster.nodes}",
+         f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}",
+         f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}", *extra],
+        cwd=tmp_path, env={**slurm_cluster.env, **(env or {})}, text=True, capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return (tmp_path / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
+
+
+def job_output(run_dir: Path) -> str:
+    return "\n".join(p.read_text(errors="replace")[-4000:] for p in (run_dir / "slurm").glob("job-*.out"))
+
+
+def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> str:
+    """The job's state once it has ended for good (requeued jobs pass through PENDING again)."""
+    try:
+        return slurm_cluster.wait_job(job_id, timeout=timeout)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nrestarts: {read_events(run_dir)}\n{job_output(run_dir)}") from None
+
+
+def starts(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["event"] == "start"]
+
+
+def train_host(run_dir: Path) -> str:
+    world = json.loads((run_dir / "world.json").read_text())
+    (host,) = {w["host"] for w in world if w["role"] == "train"}
+    return host
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_node_lost_during_a_checkpoint_write_requeues_and_resumes_from_the_previous_one(
+        slurm_cluster, tmp_path, tiny_model, uninterrupted):
+    """Acceptance (1) and (3): the trainer's node dies (its slurmd and every process on it SIGKILLed) while
+    checkpoint 6 is being written (its files are written, the commit is held back by the test hook). Slurm
+    requeues the job, the next start avoids the dead node, resumes from checkpoint 4 and finishes."""
+    run_dir = tmp_path / "runs" / "rq"
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, env={DELAY_ENV: "6:600"})
+    ckpts = run_dir / "checkpoints"
+    wait_for("checkpoint 6 being written", lambda: (ckpts / "step_000004").is_dir() and any(
+        (p / "controller" / "state.json").exists() for p in ckpts.glob(".step_000006.tmp-*")), 300)
+    dead = train_host(run_dir)
+    first = starts(run_dir)[0]
+    assert dead in first["nodes"] and dead != first["batch_host"]
+    crashed = subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh"), "node-crash", str(slurm_cluster.dir),
+                              dead], env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    assert crashed.returncode == 0, crashed.stderr
+    state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
+    subprocess.run(["bash", str(REPO / "slurm" / "local-cluster.sh"), "node-start", str(slurm_cluster.dir), dead],
+                   env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    restarted = starts(run_dir)
+    assert len(restarted) == 2 and restarted[1]["slurm_restart_count"] == 1
+    assert dead not in restarted[1]["nodes"], restarted
+    (resume,) = [e for e in read_events(run_dir) if e["event"] == "resume"]
+    assert resume["step"] == 4, resume
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp_path, tiny_model, uninterrupted):
+    """Acceptance (2): Slurm's own time-limit warning (--signal=B:USR1@N, N=120 s before a 3 min limit)
+    reaches the batch shell, the controller checkpoints after its current step and leaves with 75, the batch
+    script requeues the job, and the next start resumes and finishes. The test hook holds checkpoint 6 of
+    the first attempt until the warning has come, so the warning always finds the run mid-way."""
+    run_dir = tmp_path / "runs" / "rq"
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, "cluster.time_limit=00:03:00",
+                    "cluster.stop_before_limit_s=120", env={DELAY_ENV: "6:170"})
+    requeued = wait_for("the requeue", lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"], 300)
+    # give the next attempts room: the warning would otherwise come again a minute after each start
+    for comp in [r["JobId"] for r in slurm_cluster.job_records(job_id)]:
+        slurm_cluster.run(["scontrol", "update", f"JobId={comp}", "TimeLimit=00:10:00"], check=False)
+    state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
+    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    assert requeued[0]["reason"].startswith("checkpoint saved at the time-limit warning"), requeued
+    (out,) = (run_dir / "slurm").glob("job-*.out")
+    assert re.search(r"stopping after step \d+ for a requeue \(stop-request: time-limit warning", out.read_text())
+    events = read_events(run_dir)
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert resumes and resumes[0]["step"] >= 1, events
+    assert [e["slurm_restart_count"] for e in starts(run_dir)] == list(range(len(resumes) + 1))
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
