@@ -80,11 +80,17 @@ def _resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
         raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume")
     saved = yaml.safe_load(saved_path.read_text())
     now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))  # as config.yaml holds it
-    differ = sorted(_differing_keys(saved, now))
+    # where the run directory is was settled by finding it (a relative output_dir depends on the cwd), and
+    # the machines (cluster.*: partition, time limit, nodes) do not change what a checkpoint holds
+    differ = sorted(k for k in _differing_keys(saved, now) if k != "run.output_dir" and not k.startswith("cluster."))
     if differ:
         raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
                           f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
     (run_dir / "error.json").unlink(missing_ok=True)  # the last attempt's failure is history now
+    if now != saved:
+        from rollhpc.checkpoint.storage import atomic_write_bytes
+
+        atomic_write_bytes(saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode())
     plan.save(run_dir / "plan.json")
     return run_dir
 
@@ -165,8 +171,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         print(f"rollhpc submit: {', '.join(missing)} not found: run it on a Slurm login node (or add --dry-run "
               f"to see the batch script)", file=sys.stderr)
         return 2
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if args.resume:
+        _refuse_if_job_active(cfg.run.run_dir.resolve())
     _prepare_inputs(cfg)
-    run_dir = _prepare_run_dir(cfg, plan, args.overwrite)
+    run_dir = _prepare_run_dir(cfg, plan, args.overwrite, args.resume)
     job = submit(cfg, plan, run_dir)
     (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")
     print(f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
@@ -179,6 +189,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 1
     print(f"rollhpc: job {job.job_id} completed; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
     return 0
+
+
+def _refuse_if_job_active(run_dir: Path) -> None:
+    """Two jobs must never write one run directory: a resubmission waits until the last job has ended."""
+    from rollhpc.launch.slurm import TERMINAL, component_states
+
+    id_file = run_dir / "slurm" / "job_id"
+    if not id_file.is_file():
+        return
+    job_id = id_file.read_text().strip()
+    active = {c: st for c, st in component_states(job_id).items() if st not in TERMINAL}
+    if active:
+        raise ConfigError(f"--resume: job {job_id} of {run_dir} is still {sorted(set(active.values()))[0]} (it "
+                          f"requeues and resumes by itself); wait for it to end or `scancel {job_id}` first")
 
 
 def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -319,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
     sb.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 only if the run succeeded")
     sb.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
+    sb.add_argument("--resume", action="store_true",
+                    help="submit a new job for an existing run directory (same configuration; its last job must have "
+                    "ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
+                    "node failure: the job requeues itself (cluster.requeue, cluster.max_restarts)")
     sb.set_defaults(func=cmd_submit)
 
     from rollhpc.models.policy_prep import TASKS

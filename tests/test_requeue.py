@@ -71,14 +71,131 @@ def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = N
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
 
 
+# -- the pieces, without a run -------------------------------------------------------------------------
+
+def test_prompt_stream_resumes_where_it_stopped():
+    from rollhpc.pipelines.rlvr import PromptStream
+    from rollhpc.tasks import arithmetic
+
+    train, _ = arithmetic.make_splits(0, 7, 3, digits=2, ops=("+",))
+    a = PromptStream(train, lambda s: [ord(c) for c in s], seed=3)
+    head = [next(a) for _ in range(10)]  # past the end of an epoch: a reshuffle happened
+    state = a.state_dict()
+    rest = [next(a) for _ in range(9)]
+    b = PromptStream(train, lambda s: [ord(c) for c in s], seed=99)
+    b.load_state_dict(state)
+    assert [p.uid for p in head] == list(range(10))
+    assert [(p.uid, p.tokens) for p in (next(b) for _ in range(9))] == [(p.uid, p.tokens) for p in rest]
+    with pytest.raises(ValueError, match="resume with the task settings"):
+        PromptStream(train[:5], str, seed=3).load_state_dict(state)
+
+
+def test_truncate_metrics_keeps_steps_up_to_the_checkpoint_and_drops_a_torn_line(tmp_path):
+    from rollhpc.observability.metrics import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": i, "x": i}) + "\n" for i in range(6)) + '{"step": 6, "x"')
+    assert truncate_metrics(path, 3) == 3
+    assert [m["step"] for m in read_metrics(path)] == [0, 1, 2, 3]
+    assert truncate_metrics(tmp_path / "missing.jsonl", 3) == 0
+
+
+def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
+    from rollhpc.launch import requeue
+
+    for var in ("SLURM_JOB_ID", "SLURM_HET_SIZE", "SLURM_JOB_NODELIST", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(var, raising=False)
+    assert requeue.main(["start", str(tmp_path)]) == 0
+    assert requeue.main(["start", str(tmp_path)]) == 0  # the first attempt ended without a word
+    with open(tmp_path / requeue.RESTARTS_LOG, "a") as f:
+        f.write('{"event": "requ')  # a line torn by a kill is skipped
+    starts_ = [e for e in read_events(tmp_path) if e["event"] == "start"]
+    assert starts_[0]["previous_attempt"] is None and "killed without a report" in starts_[1]["previous_attempt"]
+    requeue.record_failed_node(tmp_path, "node2", "rank 3 died")
+    requeue.record_failed_node(tmp_path, "node4", "rank 5 died")
+    assert set(json.loads((tmp_path / requeue.FAILED_NODES).read_text())) == {"node2", "node4"}
+    # outside a Slurm job nothing can be requeued: the status passes through and the end is logged
+    assert requeue.main(["after", str(tmp_path), "75"]) == 75
+    assert requeue.main(["after", str(tmp_path), "0"]) == 0
+    # a lost worker after max_restarts restarts: give up (no scontrol is called)
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert requeue.main(["after", str(tmp_path), str(requeue.EXIT_WORKER_LOST), "--max-restarts", "2"]) == 76
+    ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
+    assert [e["status"] for e in ends] == [75, 0, 76] and "giving up" in ends[-1]["reason"]
+    assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model, tmp_path_factory) -> list[dict]:
+def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("uninterrupted")
     res = rollhpc("train", "quickstart", *run_args(tiny_model), cwd=cwd, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    metrics = read_metrics(cwd / "runs" / "quickstart" / "metrics.jsonl")
+    return cwd / "runs" / "quickstart"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_run) -> list[dict]:
+    metrics = read_metrics(uninterrupted_run / "metrics.jsonl")
     assert metrics[-1]["step"] == STEPS and len(metrics[-1]["weights_sha256"]) == 64
     return metrics
+
+
+def hf_weights_digest(model_dir: Path) -> str:
+    """The trainer's ``weights_digest`` recomputed from safetensors files (same names, dtypes, bytes)."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    h = hashlib.sha256()
+    for name, t in sorted(tensors.items()):
+        h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+VLLM_GREEDY = """
+import json, sys
+from rollhpc.engines.vllm_engine import VllmGenerator
+if __name__ == "__main__":
+    engine = VllmGenerator(sys.argv[1], max_model_len=64, dtype="float32")
+    prompts = json.loads(sys.argv[2])
+    out = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=6, ignore_eos=True)
+    print("RESULT " + json.dumps([c[0].token_ids for c in out]))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, uninterrupted_run, uninterrupted):
+    """Issue 6: the trainer's part of a run checkpoint is a Megatron dist checkpoint that `rollhpc convert`
+    turns into HF safetensors holding exactly the run's final weights; transformers and vLLM load it and
+    agree on greedy continuations."""
+    import torch
+    import transformers
+
+    src = uninterrupted_run / "checkpoints" / f"step_{STEPS:06d}" / "train" / "model"
+    hf = tmp_path / "hf"
+    res = rollhpc("convert", "mcore-to-hf", str(src), str(hf), "--verify", cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert hf_weights_digest(hf) == uninterrupted[-1]["weights_sha256"]
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    prompts = [tokenizer.encode(text) for text in ("12+34=", "7+58=", "99+1=")]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    expected = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+        expected.append(out[0, len(p):].tolist())
+    gen = subprocess.run([sys.executable, "-c", VLLM_GREEDY, str(hf), json.dumps(prompts)], env=cli_env(),
+                         text=True, capture_output=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    (line,) = [x for x in gen.stdout.splitlines() if x.startswith("RESULT ")]
+    assert json.loads(line[len("RESULT "):]) == expected
 
 
 @pytest.mark.slow
@@ -209,3 +326,17 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     assert resumes and resumes[0]["step"] >= 1, events
     assert [e["slurm_restart_count"] for e in starts(run_dir)] == list(range(len(resumes) + 1))
     assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+    # a new job for the finished run: a changed setting is refused before anything reaches Slurm; with
+    # only the machines changed, it starts, finds the last step's checkpoint and has nothing left to do
+    resume = [str(REPO / "slurm" / "resume.sh"), str(run_dir)]
+    env = {**slurm_cluster.env, "ROLLHPC_VENV": str(Path(sys.executable).parents[1])}
+    refused = subprocess.run([*resume, "pipeline.options.steps=10"], env=env, text=True, capture_output=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "differs from the run's" in refused.stderr and "pipeline.options.steps" in \
+        refused.stderr
+    again = subprocess.run([*resume, "cluster.time_limit=00:05:00", "--wait"], env=env, text=True,
+                           capture_output=True, timeout=300)
+    assert again.returncode == 0, again.stderr + job_output(run_dir)
+    assert "already the run's last step" in job_output(run_dir)
+    assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == STEPS

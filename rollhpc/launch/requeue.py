@@ -39,8 +39,13 @@ FAILED_NODES = "failed-nodes.json"
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event}
-    with open(Path(run_dir) / RESTARTS_LOG, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    path = Path(run_dir) / RESTARTS_LOG
+    with open(path, "ab+") as f:
+        torn = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"  # the last writer was killed mid-line
+        f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
     print(f"rollhpc requeue: {json.dumps(record)}", file=sys.stderr, flush=True)
 
 

@@ -1,0 +1,269 @@
+"""Recovery time of checkpoint-and-requeue: from a failure to the first new training step.
+
+Three failures of the same RLVR run (tiny random Qwen2, Megatron trainer, vLLM generator, checkpoint every
+2 steps), each measured from the moment of the failure to the moment the first step after the resumed
+checkpoint is logged in metrics.jsonl (polled every 50 ms):
+
+  local-kill        the local world is SIGKILLed after step 5; `rollhpc train --resume` is started at once
+  slurm-node-crash  the trainer's node dies (slurmd + its processes SIGKILLed) after step 5; Slurm notices
+                    (SlurmdTimeout), requeues the job, and the next start resumes
+  slurm-time-limit  Slurm's time-limit warning (--signal=B:USR1@N) arrives: the controller checkpoints after
+                    its current step, exits 75, the batch script requeues the job; timed from the warning
+
+Each row also splits the time into its parts (failure noticed / job started again / checkpoint loaded) and
+says how many steps were computed twice (work lost). Results: bench/results/recovery.json.
+
+    python bench/recovery.py [--repeats 1] [--slurm-dir DIR]
+
+Slurm: a throw-away cluster is started with slurm/local-cluster.sh (root needed) unless --slurm-dir names a
+running one. The cluster's SlurmdTimeout (5 s here) bounds how fast a dead node is noticed; production
+clusters use minutes, so their detection part is longer and the rest the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from rollhpc.launch.requeue import read_events  # noqa: E402
+from rollhpc.observability.metrics import read_metrics  # noqa: E402
+
+STEPS = 10
+CLUSTER = REPO / "slurm" / "local-cluster.sh"
+
+
+def run_args(model: Path) -> list[str]:
+    return [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
+            f"pipeline.options.steps={STEPS}", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
+            "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.rollout.oversample=0",
+            "pipeline.options.checkpoint.every=2", "pipeline.options.loss.entropy_coef=0.05"]
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    try:
+        metrics = read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        return -1
+    return metrics[-1]["step"] if metrics else -1
+
+
+def poll(what: str, check, timeout: float, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def file_time(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def event_after(run_dir: Path, name: str, n: int) -> dict | None:
+    found = [e for e in read_events(run_dir) if e["event"] == name]
+    return found[n] if len(found) > n else None
+
+
+def steps_redone(run_dir: Path, failed_after: int) -> int:
+    resume = event_after(run_dir, "resume", 0)
+    return max(0, failed_after - resume["step"]) if resume else -1
+
+
+def measure_until_next_step(run_dir: Path, t_fail: float, parts: dict[str, float]) -> dict:
+    """Wait for the first step after the resumed checkpoint; returns the row (wall times from t_fail)."""
+    resume = poll("the resume", lambda: event_after(run_dir, "resume", 0), 600, every=0.05)
+    parts.setdefault("checkpoint_loaded_s", time.time() - t_fail)
+    first_new = resume["step"] + 1
+    poll(f"step {first_new}", lambda: last_step(run_dir) >= first_new, 300)
+    total = time.time() - t_fail
+    return {"recovery_s": round(total, 2), **{k: round(v, 2) for k, v in parts.items()},
+            "resumed_from_step": resume["step"]}
+
+
+# -- local ----------------------------------------------------------------------------------------------
+
+def local_kill(model: Path, work: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(model)]
+    run_dir = work / "runs" / "quickstart"
+    with open(work / "first.log", "w") as out:
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        poll("step 5", lambda: last_step(run_dir) >= 5, 300)
+        failed_after = last_step(run_dir)
+        t_fail = time.time()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with open(work / "resume.log", "w") as out:
+        resumed = subprocess.Popen([*cmd[:4], "--resume", *cmd[4:]], cwd=work, env=env, stdout=out,
+                                   stderr=subprocess.STDOUT)
+        row = measure_until_next_step(run_dir, t_fail, {})
+        rc = resumed.wait(timeout=300)
+    row["steps_redone"] = steps_redone(run_dir, failed_after)
+    row["finished"] = rc == 0 and last_step(run_dir) == STEPS
+    return row
+
+
+# -- Slurm ----------------------------------------------------------------------------------------------
+
+class Cluster:
+    def __init__(self, slurm_dir: Path | None):
+        self.started = slurm_dir is None
+        self.dir = slurm_dir or Path(tempfile.mkdtemp(prefix="rollhpc-bench-slurm-", dir="/tmp"))
+        base_env = {k: v for k, v in os.environ.items() if not re.match(r"^(SLURM_|SBATCH_|SRUN_)", k)}
+        self.env = {**base_env, "SLURM_CONF": str(self.dir / "etc" / "slurm.conf"),
+                    "PATH": f"{self.dir / 'bin'}:{base_env.get('PATH', '')}", "PYTHONPATH": str(REPO)}
+        if self.started:
+            port = random.randrange(20000, 30000, 16)
+            up = {**base_env, "SLURM_CTLD_PORT": str(port), "SLURM_SLURMD_PORT_BASE": str(port)}
+            subprocess.run(["bash", str(CLUSTER), "up", str(self.dir)], env=up, check=True, capture_output=True,
+                           timeout=600)
+
+    def script(self, *args: str) -> None:
+        subprocess.run(["bash", str(CLUSTER), *args], env=self.env, check=True, capture_output=True, timeout=120)
+
+    def scontrol(self, *args: str) -> str:
+        return subprocess.run(["scontrol", *args], env=self.env, capture_output=True, text=True, timeout=60).stdout
+
+    def job_state(self, job_id: str) -> str:
+        m = re.search(r"JobState=(\S+)", self.scontrol("show", "job", "-o", job_id))
+        return m.group(1) if m else "UNKNOWN"
+
+    def wait_done(self, job_id: str, timeout: float = 600) -> str:
+        done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+        return poll(f"job {job_id} to end", lambda: (s := self.job_state(job_id)) in done and s, timeout, every=0.5)
+
+    def down(self) -> None:
+        if self.started:
+            subprocess.run(["bash", str(CLUSTER), "down", str(self.dir)], env=self.env, capture_output=True,
+                           timeout=120)
+
+
+def submit(cluster: Cluster, model: Path, work: Path, *extra: str, env: dict[str, str] | None = None) -> str:
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "submit", "quickstart", *run_args(model), "run.name=rq",
+         f"run.output_dir={work / 'runs'}", "roles.train.gpus_per_proc=1", "cluster.nodes=4", "cluster.cpus_per_node=8",
+         "cluster.gpus_per_node=4", *extra],
+        cwd=work, env={**cluster.env, **(env or {})}, text=True, capture_output=True, timeout=120)
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr)
+    return (work / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
+
+
+def slurm_node_crash(cluster: Cluster, model: Path, work: Path) -> dict:
+    run_dir = work / "runs" / "rq"
+    job_id = submit(cluster, model, work)
+    poll("step 5", lambda: last_step(run_dir) >= 5, 300)
+    world = json.loads((run_dir / "world.json").read_text())
+    (host,) = {w["host"] for w in world if w["role"] == "train"}
+    failed_after = last_step(run_dir)
+    t_fail = time.time()
+    cluster.script("node-crash", str(cluster.dir), host)
+    parts: dict[str, float] = {}
+    try:
+        poll("Slurm to notice", lambda: cluster.job_state(job_id) != "RUNNING", 300, every=0.1)
+        parts["job_ended_s"] = time.time() - t_fail
+        poll("the next start", lambda: event_after(run_dir, "start", 1), 300, every=0.1)
+        parts["job_started_again_s"] = time.time() - t_fail
+        row = measure_until_next_step(run_dir, t_fail, parts)
+        state = cluster.wait_done(job_id)
+    finally:
+        cluster.script("node-start", str(cluster.dir), host)
+    row["steps_redone"] = steps_redone(run_dir, failed_after)
+    row["finished"] = state == "COMPLETED" and last_step(run_dir) == STEPS
+    return row
+
+
+def slurm_time_limit(cluster: Cluster, model: Path, work: Path) -> dict:
+    """The warning is due 60 s after the start (limit 3 min, warning 120 s before); checkpoint 6 of the first
+    attempt is held back until it has come, so the warning finds the run mid-way."""
+    run_dir = work / "runs" / "rq"
+    job_id = submit(cluster, model, work, "cluster.time_limit=00:03:00", "cluster.stop_before_limit_s=120",
+                    env={"ROLLHPC_TEST_CHECKPOINT_DELAY": "6:170"})
+    stop_file = run_dir / "stop-request"
+    poll("the time-limit warning", stop_file.exists, 300, every=0.02)
+    t_fail = time.time()
+    failed_after = last_step(run_dir)
+    parts: dict[str, float] = {}
+    poll("the requeue", lambda: event_after(run_dir, "requeue", 0), 300, every=0.05)
+    parts["checkpoint_saved_and_requeued_s"] = time.time() - t_fail
+    for comp in re.findall(r"JobId=(\S+)", cluster.scontrol("show", "job", "-o", job_id)):
+        cluster.scontrol("update", f"JobId={comp}", "TimeLimit=00:10:00")
+    poll("the next start", lambda: event_after(run_dir, "start", 1), 300, every=0.1)
+    parts["job_started_again_s"] = time.time() - t_fail
+    row = measure_until_next_step(run_dir, t_fail, parts)
+    state = cluster.wait_done(job_id)
+    row["steps_redone"] = steps_redone(run_dir, failed_after)
+    row["finished"] = state == "COMPLETED" and last_step(run_dir) == STEPS
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=1, help="runs of each scenario (the median is reported)")
+    p.add_argument("--slurm-dir", type=Path, help="a running local-cluster.sh directory (default: start one)")
+    p.add_argument("--scenarios", default="local-kill,slurm-node-crash,slurm-time-limit")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
+    args = p.parse_args()
+
+    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.tasks import arithmetic
+
+    root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-recovery-"))
+    train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
+    model = create_tiny_model(root / "tiny", TinyModelSpec(), build_tokenizer(list(arithmetic.corpus(train)), 300))
+    scenarios = args.scenarios.split(",")
+    cluster = Cluster(args.slurm_dir) if any(s.startswith("slurm") for s in scenarios) else None
+    rows: dict[str, list[dict]] = {}
+    try:
+        for name in scenarios:
+            for i in range(args.repeats):
+                work = root / f"{name}-{i}"
+                work.mkdir()
+                if name == "local-kill":
+                    row = local_kill(model, work)
+                elif name == "slurm-node-crash":
+                    row = slurm_node_crash(cluster, model, work)
+                elif name == "slurm-time-limit":
+                    row = slurm_time_limit(cluster, model, work)
+                else:
+                    raise SystemExit(f"unknown scenario {name!r}")
+                print(f"{name} #{i}: {json.dumps(row)}", flush=True)
+                rows.setdefault(name, []).append(row)
+    finally:
+        if cluster is not None:
+            cluster.down()
+    summary = {name: {"recovery_s_median": statistics.median(r["recovery_s"] for r in rs), "runs": rs}
+               for name, rs in rows.items()}
+    result = {"benchmark": "recovery", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+              "run": {"steps": STEPS, "checkpoint_every": 2, "model": "tiny random Qwen2 (TinyModelSpec())",
+                      "roles": "controller, megatron train, vllm generate, math reward (4 MPI ranks)"},
+              "slurmd_timeout_s": 5, "scenarios": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    for name, s in summary.items():
+        print(f"{name:18s} failure -> first new step: {s['recovery_s_median']:.1f} s (median of {len(s['runs'])})")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
