@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) bench/dispatch.py
 	$(PY) bench/rollout_longtail.py
 	$(PY) bench/rlvr_vs_trl.py
+	$(PY) bench/recovery.py
 
 clean:
 	rm -rf runs .pytest_cache
