@@ -240,3 +240,43 @@ def test_policy_loss_sequence_advantage_broadcasts():
     torch.testing.assert_close(a, torch.tensor(-0.0833333))
     torch.testing.assert_close(a, b)
     assert set(m) == {"pg_loss", "clip_frac", "ratio_mean"}
+
+
+def test_adaptive_kl_controller_by_hand():
+    from rollhpc.algo.kl_control import KlControlConfig, KlController
+
+    c = KlController(KlControlConfig(kind="adaptive", target=0.1, horizon=100, max_error=0.2))
+    # kl 0.5 is 5x the target: error clipped to +0.2; 10 samples -> scale * (1 + 0.2 * 10 / 100) = 1.02
+    assert c.update(0.5, 10) == pytest.approx(1.02)
+    # kl 0.09: error -0.1 -> 1.02 * (1 - 0.1 * 50 / 100) = 0.969
+    assert c.update(0.09, 50) == pytest.approx(0.969)
+    again = KlController(c.config)
+    again.load_state_dict(c.state_dict())
+    assert again.update(0.2, 10) == c.update(0.2, 10)
+    fixed = KlController(KlControlConfig())
+    assert fixed.update(10.0, 1000) == 1.0
+    with pytest.raises(ValueError, match="target > 0"):
+        KlControlConfig(kind="adaptive", target=0.0)
+
+
+def test_running_reward_moments_match_the_whole_history_and_resume():
+    from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig, RunningMoments
+
+    batches = [np.array([1.0, 0.0, 0.0, 1.0]), np.array([3.0, 1.0]), np.array([[2.0, 2.0], [0.0, 5.0]])]
+    m = RunningMoments()
+    for b in batches:
+        m.update(b)
+    seen = np.concatenate([b.reshape(-1) for b in batches])
+    assert m.count == 10 and m.mean == pytest.approx(seen.mean()) and m.std == pytest.approx(seen.std())
+
+    norm = RewardNormalizer(RewardNormConfig(kind="running", clip=1.5))
+    out = norm(np.array([1.0, 0.0, 0.0, 1.0]))  # mean 0.5, std 0.5 -> +-1
+    np.testing.assert_allclose(out, [1, -1, -1, 1], atol=1e-5)
+    resumed = RewardNormalizer(norm.config)
+    resumed.load_state_dict(norm.state_dict())
+    # 4 more: [3, 3, 3, 3] -> 8 seen, mean 1.75, var (2 * 0.75^2 + 2 * 1.75^2 + 4 * 1.25^2) / 8 = 1.6875
+    a, b = norm(np.full(4, 3.0)), resumed(np.full(4, 3.0))
+    np.testing.assert_allclose(a, b)
+    np.testing.assert_allclose(a, np.full(4, 1.25 / np.sqrt(1.6875)), rtol=1e-5)
+    np.testing.assert_allclose(resumed(np.array([100.0])), [1.5])  # clipped
+    assert RewardNormalizer(RewardNormConfig())(np.array([7.0])) == 7.0  # kind none: untouched

@@ -5,7 +5,8 @@ A run checkpoint (``RUN_DIR/checkpoints/step_N/``, committed by ``storage.Checkp
     train/ ...           every role whose worker has ``save_checkpoint`` (trainer, critic) writes its
     critic/ ...          part collectively (``checkpoint.trainer_state``)
     controller/state.pkl the pipeline's own state: step, policy version, data cursor, rollout scheduler
-                         buffers and partial samples, RNG of the controller, restart count
+                         buffers and partial samples, KL controller, reward moments, RNG of the
+                         controller, restart count
     controller/state.json a readable summary of it (for ``rollhpc ckpt inspect``)
 
 Roles without state of their own are rebuilt, not saved: the reference policy reloads its starting

@@ -17,6 +17,7 @@ values, trained next to the actor).
 
 Checkpoints (``options.checkpoint``) hold the whole run: the trainer's (and critic's) model and optimizer, and
 the controller's state (step, policy version, prompt cursor, scheduler buffers and partial samples, RNG).
+The adaptive KL coefficient (``kl_control``) and the running reward moments (``reward_norm``) are part of it.
 A run started in a RUN_DIR that has one resumes from the newest good checkpoint; sampling seeds derive
 from (run seed, prompt uid, sample index), so a resumed run repeats the uninterrupted one exactly when the
 rollout itself is deterministic (one generator, no oversampling or dynamic sampling: otherwise which groups
@@ -36,7 +37,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rollhpc.algo.kl_control import KlControlConfig, KlController
 from rollhpc.algo.objective import LossConfig
+from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
 from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
@@ -131,6 +134,8 @@ class RlvrPipeline(Pipeline):
         grpo_scale: bool = True  # divide by the group's std (False: Dr. GRPO)
         loss: LossConfig = field(default_factory=LossConfig)
         kl_in_reward: float = 0.0  # coefficient of KL(policy || reference) subtracted from token rewards
+        kl_control: KlControlConfig = field(default_factory=KlControlConfig)  # fixed, or adaptive to a target KL
+        reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)  # running mean/std of rewards
         gamma: float = 1.0  # PPO/GAE discount and lambda
         lam: float = 0.95
         value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
@@ -149,6 +154,8 @@ class RlvrPipeline(Pipeline):
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
             if self.algorithm == "rloo" and self.rollout.group_size < 2:
                 raise ValueError("rloo needs rollout.group_size >= 2")
+            if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
+                raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
@@ -215,6 +222,8 @@ class RlvrPipeline(Pipeline):
         checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, o.checkpoint)
         stop_request = StopRequest(self.run_ctx.run_dir)
         self.stopped_for_requeue = False
+        self.kl_control = KlController(o.kl_control)
+        self.reward_norm = RewardNormalizer(o.reward_norm)
         restored = checkpointer.restore()
         asynchronous = o.rollout.max_staleness >= 1
         if restored is None:
@@ -225,6 +234,8 @@ class RlvrPipeline(Pipeline):
             prompts.load_state_dict(state["prompts"])
             scheduler.load_state_dict(state["scheduler"])
             restore_rng_states(state["rng"])
+            self.kl_control.load_state_dict(state["kl_control"])
+            self.reward_norm.load_state_dict(state["reward_norm"])
             pending = state["pending"]
             self._log_restart(checkpoint.path, start, restarts)
         run_log = RunLog(self.run_ctx.run_dir, resume_step=None if restored is None else start)
@@ -255,7 +266,7 @@ class RlvrPipeline(Pipeline):
             else:
                 batch, samples = self._training_batch(groups, ref, times)
                 t = time.perf_counter()
-                training = train.train_step.submit(batch, o.loss)
+                training = train.train_step.submit(batch, self._loss_config())
                 critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
                 if asynchronous and step < o.steps:  # generate the next batch with the current policy meanwhile
                     next_batch = scheduler.collect(prompts, o.prompts_per_step, version + 1)
@@ -264,6 +275,8 @@ class RlvrPipeline(Pipeline):
                     stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}}
                              for a, b in zip(stats, critic_pending.result())]
                 times["train_s"] = time.perf_counter() - t
+                if "kl_ref" in times:  # the KL this batch was generated with steers the next batch's coefficient
+                    times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
                 version += 1
                 t = time.perf_counter()
                 times["weight_sync_s"] = self._sync_weights(version)
@@ -288,7 +301,8 @@ class RlvrPipeline(Pipeline):
             if checkpointer.due(step, o.steps) or why_stop is not None or (stop and o.checkpoint.at_end):
                 state = {"step": step, "policy_version": version, "accuracy": accuracy, "restarts": restarts,
                          "prompts": prompts.state_dict(), "scheduler": scheduler.state_dict(),
-                         "rng": save_rng_states(), "pending": None if last else next_batch}
+                         "rng": save_rng_states(), "pending": None if last else next_batch,
+                         "kl_control": self.kl_control.state_dict(), "reward_norm": self.reward_norm.state_dict()}
                 checkpointer.save(step, state, {"step": step, "policy_version": version, "restarts": restarts,
                                                 "accuracy": accuracy, "prompts_drawn": prompts.drawn,
                                                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -373,19 +387,25 @@ class RlvrPipeline(Pipeline):
             t = time.perf_counter()
             data["ref_logprob"] = ref.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
-        rewards = np.array([[s.reward for s in g] for g in groups], dtype=np.float64)
-        kl = (data["old_logprob"] - data["ref_logprob"]) * mask if o.kl_in_reward > 0 else None
+        rewards = self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64))
+        kl = None
+        if "ref_logprob" in data:
+            kl = (data["old_logprob"] - data["ref_logprob"]) * mask
+            times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
+        kl_in_reward = o.kl_in_reward * self.kl_control.scale
         if o.algorithm == "ppo":
             t = time.perf_counter()
             values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
             times["critic_values_s"] = time.perf_counter() - t
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl, o.kl_in_reward)
+            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
+                                                        kl_in_reward)
             advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
             advantage = adv_mod.whiten(advantage, mask)
             self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
                                         "old_values": values.astype(np.float32)})
-        elif o.algorithm == "reinforce_pp" or o.kl_in_reward > 0:
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl, o.kl_in_reward)
+        elif o.algorithm == "reinforce_pp" or kl_in_reward > 0:
+            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
+                                                        kl_in_reward)
             if o.algorithm == "reinforce_pp":
                 advantage = adv_mod.reinforce_pp_advantages(token_rewards, mask)
             else:
@@ -397,6 +417,13 @@ class RlvrPipeline(Pipeline):
         if "ref_logprob" in data and o.loss.kl_coef == 0:
             del data["ref_logprob"]  # used in the reward only
         return Batch(data), samples
+
+    def _loss_config(self) -> LossConfig:
+        """The loss settings of this step: the configured ones with the KL controller's coefficient."""
+        from dataclasses import replace
+
+        loss = self.options.loss
+        return replace(loss, kl_coef=loss.kl_coef * self.kl_control.scale) if loss.kl_coef else loss
 
     def _train_critic(self, batch: Batch) -> Any:
         return self.groups["critic"].train_step.submit(self._critic_batch, self.options.value_clip)
