@@ -169,11 +169,11 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
 
 def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, watchdog: threading.Timer) -> int:
     from rollhpc.controller.errors import RunFailed, WorkerDied
-    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, record_failed_node
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
+    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit, record_failed_node
     from rollhpc.transport.sideband import ControllerSideband
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -221,6 +221,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         if isinstance(e, WorkerDied):  # restartable: a requeue on other nodes may well succeed
             status = EXIT_WORKER_LOST
             record_failed_node(run_dir, e.host, e.summary)
+        record_controller_exit(run_dir, status)
         for h in logging.getLogger().handlers:
             h.flush()
         if not ctl.release():
@@ -228,8 +229,10 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         os._exit(status)
     from mpi4py import MPI
 
+    status = EXIT_REQUEUE if requeue else 0
+    record_controller_exit(run_dir, status)
     MPI.Finalize()
-    return EXIT_REQUEUE if requeue else 0
+    return status
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ loses a node or hits its time limit resumes from its newest good checkpoint and 
 weights of the same run left alone.
 
 The uninterrupted reference runs once (module fixture); every interrupted run is compared with it:
-the sha256 of the final weights (full HF-named tensors) and the loss of every step.
+the sha256 of the final weights (full HF-named tensors), and the loss and adaptive KL coefficient of every step.
 """
 
 from __future__ import annotations
@@ -30,24 +30,30 @@ EXIT_REQUEUE = 75
 
 
 def run_args(model: Path) -> list[str]:
-    """A short GRPO run with a checkpoint every 2 steps. With a random policy every reward is 0, so the
-    entropy bonus drives the updates: each step still depends on the sampled tokens, the optimizer moments
-    and every RNG, which is what an exact resume must restore."""
+    """A short GRPO run with a checkpoint every 2 steps, a reference role, the KL in the reward under the
+    adaptive controller and running reward normalisation. A random policy's verifier rewards are all 0, so
+    the KL term and the entropy bonus drive the updates: each step depends on the sampled tokens, the
+    optimizer moments, the KL coefficient, the reward moments and every RNG, which is what an exact resume
+    must restore."""
     return [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
             f"pipeline.options.steps={STEPS}", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
             "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.rollout.oversample=0",
             "pipeline.options.checkpoint.every=2", "pipeline.options.loss.entropy_coef=0.05",
-            "roles.train.options.lr=1e-3"]
+            "pipeline.options.kl_in_reward=0.1", "pipeline.options.kl_control.kind=adaptive",
+            "pipeline.options.kl_control.target=1e-4", "pipeline.options.kl_control.horizon=100",
+            "pipeline.options.reward_norm.kind=running", "roles.train.options.lr=1e-3",
+            "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+            f"+roles.reference.options.model_dir={model}"]
 
 
-def losses(metrics: list[dict]) -> dict[int, float]:
-    return {m["step"]: m["train/loss"] for m in metrics if "train/loss" in m}
+def trajectory(metrics: list[dict]) -> dict[int, tuple[float, float]]:
+    return {m["step"]: (m["train/loss"], m["kl_scale"]) for m in metrics if "train/loss" in m}
 
 
 def assert_same_as_uninterrupted(run_dir: Path, reference: list[dict]) -> list[dict]:
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS + 1)), "every step exactly once after the resume"
-    assert losses(metrics) == losses(reference)
+    assert trajectory(metrics) == trajectory(reference)
     assert metrics[-1]["weights_sha256"] == reference[-1]["weights_sha256"]
     return metrics
 
@@ -121,8 +127,15 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     assert requeue.main(["after", str(tmp_path), str(requeue.EXIT_WORKER_LOST), "--max-restarts", "2"]) == 76
+    # srun's status is the worst of all tasks (a killed worker's 137): the controller's own status decides
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    assert requeue.controller_exit(tmp_path) == 76
+    assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "2"]) == 76
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")  # the next attempt: the file speaks of an earlier one
+    assert requeue.controller_exit(tmp_path) is None
+    assert requeue.main(["after", str(tmp_path), "137"]) == 137
     ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
-    assert [e["status"] for e in ends] == [75, 0, 76] and "giving up" in ends[-1]["reason"]
+    assert [e["status"] for e in ends] == [75, 0, 76, 76, 137] and "giving up" in ends[2]["reason"]
     assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
 
 
@@ -138,6 +151,8 @@ def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
 def uninterrupted(uninterrupted_run) -> list[dict]:
     metrics = read_metrics(uninterrupted_run / "metrics.jsonl")
     assert metrics[-1]["step"] == STEPS and len(metrics[-1]["weights_sha256"]) == 64
+    scales = [scale for _, scale in trajectory(metrics).values()]
+    assert len(set(scales)) == STEPS, "the KL coefficient moves every step (its state is worth restoring)"
     return metrics
 
 
@@ -340,3 +355,27 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     assert again.returncode == 0, again.stderr + job_output(run_dir)
     assert "already the run's last step" in job_output(run_dir)
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == STEPS
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_lost_worker_requeues_the_job_without_its_node(slurm_cluster, tmp_path, tiny_model, uninterrupted):
+    """The trainer process alone dies (its node lives on): the controller names the node, exits 76, and the
+    batch script requeues the job with that node excluded; the next start runs elsewhere and finishes."""
+    run_dir = tmp_path / "runs" / "rq"
+    job_id = submit(slurm_cluster, tmp_path, tiny_model)
+    wait_for("step 3", lambda: last_step(run_dir) >= 3, 300)
+    world = json.loads((run_dir / "world.json").read_text())
+    (train,) = [w for w in world if w["role"] == "train"]
+    os.kill(train["pid"], signal.SIGKILL)
+    state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
+    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    (requeue,) = [e for e in read_events(run_dir) if e["event"] == "requeue"]
+    assert requeue["exclude"] == [train["host"]] and "worker lost" in requeue["reason"], requeue
+    assert train["host"] in json.loads((run_dir / "failed-nodes.json").read_text())
+    second = starts(run_dir)[1]
+    assert second["previous_attempt"] == "requeue" and train["host"] not in second["nodes"], second
+    excluded = {r["JobId"]: r.get("ExcNodeList") for r in slurm_cluster.job_records(job_id)}
+    assert all(v == train["host"] for v in excluded.values()), excluded
+    assert_same_as_uninterrupted(run_dir, uninterrupted)

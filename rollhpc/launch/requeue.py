@@ -6,6 +6,10 @@
 ``start`` records the attempt (job id, Slurm's restart count, every het group's nodes) in
 RUN_DIR/restarts.jsonl. ``after`` decides from srun's status:
 
+The status is the controller's own (RUN_DIR/controller-exit.json, written by rank 0 as it leaves), not
+srun's: srun reports the worst status of all tasks, and a killed worker's 137 would hide the controller's
+76. srun's status counts only when the controller died without a word.
+
 * ``EXIT_REQUEUE`` (75): the run saved a checkpoint because the time-limit warning came
   (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): requeue.
 * ``EXIT_WORKER_LOST`` (76): a worker process vanished (its node died, it was killed): the controller
@@ -35,6 +39,7 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
 RESTARTS_LOG = "restarts.jsonl"
 FAILED_NODES = "failed-nodes.json"
+CONTROLLER_EXIT = "controller-exit.json"
 
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -75,6 +80,31 @@ def record_failed_node(run_dir: Path, host: str, why: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(nodes, indent=1))
     tmp.replace(path)
+
+
+def _attempt() -> dict[str, Any]:
+    return {"job_id": os.environ.get("SLURM_JOB_ID"),
+            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+
+
+def record_controller_exit(run_dir: Path, status: int) -> None:
+    """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
+    killed worker's 137 hides the controller's 76), so the decision travels through the run directory."""
+    path = Path(run_dir) / CONTROLLER_EXIT
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"status": status, **_attempt()}))
+    tmp.replace(path)
+
+
+def controller_exit(run_dir: Path) -> int | None:
+    """This attempt's controller exit status, or None (it died before saying, or the file is older)."""
+    try:
+        record = json.loads((Path(run_dir) / CONTROLLER_EXIT).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
+        return None
+    return int(record["status"])
 
 
 def _scontrol(*args: str) -> subprocess.CompletedProcess:
@@ -153,9 +183,14 @@ def allocated_nodes() -> list[str]:
     return hosts
 
 
-def cmd_after(run_dir: Path, status: int, max_restarts: int) -> int:
+def cmd_after(run_dir: Path, srun_status: int, max_restarts: int) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    said = controller_exit(run_dir)
+    status = srun_status if said is None else said
+    if status != srun_status:
+        print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
+              file=sys.stderr)
     if status == EXIT_REQUEUE and job_id:
         return requeue(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
@@ -170,7 +205,8 @@ def cmd_after(run_dir: Path, status: int, max_restarts: int) -> int:
             return status
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
-    log_event(run_dir, {"event": "end", "status": status})
+    log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
+                                                              and said != srun_status else {})})
     return status
 
 
