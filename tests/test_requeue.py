@@ -134,8 +134,10 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")  # the next attempt: the file speaks of an earlier one
     assert requeue.controller_exit(tmp_path) is None
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
+    assert requeue.main(["after", str(tmp_path), "75", "--no-requeue"]) == 75  # cluster.requeue=false
     ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
-    assert [e["status"] for e in ends] == [75, 0, 76, 76, 137] and "giving up" in ends[2]["reason"]
+    assert [e["status"] for e in ends] == [75, 0, 76, 76, 137, 75] and "giving up" in ends[2]["reason"]
+    assert "slurm/resume.sh" in ends[-1]["reason"]
     assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
 
 

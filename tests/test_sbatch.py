@@ -19,9 +19,16 @@ OVERRIDES = ["roles.train.gpus_per_proc=1", "roles.train.procs=8", "roles.train.
              "cluster.time_limit=02:00:00", "cluster.setup=[module load cuda]", "run.name=golden"]
 
 
-def render() -> str:
-    cfg = load_experiment("toy_grpo", OVERRIDES)
+def render(*extra: str) -> str:
+    cfg = load_experiment("toy_grpo", [*OVERRIDES, *extra])
     return render_sbatch(cfg, plan_world(cfg), Path("/shared/runs/golden"), python="python")
+
+
+def test_requeue_and_the_time_limit_warning_can_be_turned_off():
+    text = render("cluster.requeue=false", "cluster.stop_before_limit_s=0")
+    assert "#SBATCH --no-requeue" in text and "--requeue\n" not in text and "--signal" not in text
+    assert text.rstrip().endswith("--max-restarts 5 --no-requeue")
+    assert "#SBATCH --signal=B:USR1@900" in render("cluster.stop_before_limit_s=900")
 
 
 def test_hetjob_batch_script_matches_golden_file():

@@ -183,7 +183,7 @@ def allocated_nodes() -> list[str]:
     return hosts
 
 
-def cmd_after(run_dir: Path, srun_status: int, max_restarts: int) -> int:
+def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     said = controller_exit(run_dir)
@@ -191,6 +191,10 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int) -> int:
     if status != srun_status:
         print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
               file=sys.stderr)
+    if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
+        log_event(run_dir, {"event": "end", "status": status, "reason": "cluster.requeue is off: continue the run "
+                            f"with slurm/resume.sh {run_dir}"})
+        return status
     if status == EXIT_REQUEUE and job_id:
         return requeue(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
@@ -218,11 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     a = sub.add_parser("after", help="requeue or end, from srun's exit status")
     a.add_argument("run_dir", type=Path)
     a.add_argument("status", type=int)
-    a.add_argument("--max-restarts", type=int, default=5)
+    a.add_argument("--max-restarts", type=int, default=5, help="requeues after a lost worker, at most")
+    a.add_argument("--no-requeue", action="store_true", help="never requeue (cluster.requeue=false): just end")
     args = p.parse_args(argv)
     if args.cmd == "start":
         return cmd_start(args.run_dir)
-    return cmd_after(args.run_dir, args.status, args.max_restarts)
+    return cmd_after(args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue)
 
 
 if __name__ == "__main__":

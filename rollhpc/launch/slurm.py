@@ -45,6 +45,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     c = cfg.cluster
     if c.requeue:  # node failure -> Slurm requeues; the log of every attempt goes to the same file
         lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    else:  # the cluster's JobRequeue default could requeue it anyway
+        lines.append("#SBATCH --no-requeue")
     if c.stop_before_limit_s:  # to the batch shell only (B:): its trap relays it to the controller
         lines.append(f"#SBATCH --signal=B:USR1@{c.stop_before_limit_s}")
     for comp in plan.components:
@@ -74,7 +76,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               "srun_pid=$!",
               "# wait returns early when the trap runs: wait again until srun itself has ended",
               'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
-              f'exec {python} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}', ""]
+              f'exec {python} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
+              + ("" if c.requeue else " --no-requeue"), ""]
     return "\n".join(lines)
 
 
