@@ -149,6 +149,20 @@ def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     return cwd / "runs" / "quickstart"
 
 
+# async mode: the next batch is generated while the trainer works, so a checkpoint also holds that batch
+ASYNC = ["pipeline.options.rollout.max_staleness=1", "pipeline.options.old_logprob_source=generator"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_async(tiny_model, tmp_path_factory) -> list[dict]:
+    cwd = tmp_path_factory.mktemp("uninterrupted_async")
+    res = rollhpc("train", "quickstart", *run_args(tiny_model), *ASYNC, cwd=cwd, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    metrics = read_metrics(cwd / "runs" / "quickstart" / "metrics.jsonl")
+    assert all(m["sample_version_lag"] > 0 for m in metrics[2:]), "batches after the first were generated ahead"
+    return metrics
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_run) -> list[dict]:
     metrics = read_metrics(uninterrupted_run / "metrics.jsonl")
@@ -217,13 +231,16 @@ def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, un
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, uninterrupted):
-    """SIGKILL of the whole local world after step 7; the newest checkpoint (step 6) is then damaged (a
-    truncated optimizer shard): --resume must notice, fall back to step 4, and still end bit-identical."""
+def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, uninterrupted_async):
+    """An async run (its checkpoints hold the batch generated ahead) is SIGKILLed as a whole local world
+    after step 7; the newest checkpoint (step 6) is then damaged (a truncated optimizer shard): --resume must
+    notice and fall back to step 4. That session is asked to stop (SIGUSR1 to `rollhpc train`) after step 5:
+    it checkpoints step 5 and exits 75; a second --resume finishes, bit-identical to the async run left alone."""
     run_dir = tmp_path / "runs" / "quickstart"
     log = tmp_path / "first.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model)],
+        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model),
+                                 *ASYNC],
                                 cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -240,13 +257,25 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_pa
     verify = rollhpc("ckpt", "verify", str(run_dir), cwd=tmp_path)
     assert verify.returncode == 1 and "step_000006" in verify.stdout + verify.stderr
 
-    res = rollhpc("train", "--resume", "quickstart", *run_args(tiny_model), cwd=tmp_path, timeout=600)
+    resume_cmd = [sys.executable, "-m", "rollhpc.cli", "train", "--resume", "quickstart", *run_args(tiny_model), *ASYNC]
+    log = tmp_path / "second.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(resume_cmd, cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT)
+        wait_for("step 5 of the resumed session", lambda: any(  # its first record says restarts=1
+            m["step"] == 5 and m.get("restarts") == 1 for m in read_metrics(run_dir / "metrics.jsonl")), 300, proc, log)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=300) == EXIT_REQUEUE, log.read_text()[-3000:]
+    second = log.read_text()
+    assert "step_000006" in second and "stopped after saving a checkpoint" in second
+    stopped = last_step(run_dir)  # the step during which the request came (5, or 6 if it was quick)
+    assert stopped < STEPS and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
+
+    res = rollhpc(*resume_cmd[3:], cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "step_000006" in res.stderr and "resum" in res.stderr
-    (resume,) = [e for e in read_events(run_dir) if e["event"] == "resume"]
-    assert resume["step"] == 4 and resume["restarts"] == 1
-    metrics = assert_same_as_uninterrupted(run_dir, uninterrupted)
-    assert metrics[5]["restarts"] == 1
+    resumes = [e for e in read_events(run_dir) if e["event"] == "resume"]
+    assert [(e["step"], e["restarts"]) for e in resumes] == [(4, 1), (stopped, 2)]
+    metrics = assert_same_as_uninterrupted(run_dir, uninterrupted_async)
+    assert metrics[5]["restarts"] == 1 and metrics[stopped + 1]["restarts"] == 2
     assert_no_orphans(run_dir)
 
 

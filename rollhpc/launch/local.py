@@ -155,10 +155,14 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     remove_leaked_segments(set(), min_age_s=120)
     segments_before = shm_segments()
     (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
-    proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
     # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
     previous = signal.signal(signal.SIGUSR1, lambda *_: (run_dir / "stop-request").write_text(
         f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
+    try:
+        proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
+    except BaseException:
+        signal.signal(signal.SIGUSR1, previous)
+        raise
     try:
         rc = proc.wait()
     except KeyboardInterrupt:

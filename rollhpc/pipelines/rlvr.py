@@ -291,7 +291,6 @@ class RlvrPipeline(Pipeline):
             if restarts and step == start + 1:
                 record["restarts"] = restarts
             keep = samples is not None and o.rollout_every > 0 and (step % o.rollout_every == 0 or step == o.steps)
-            last = stop or why_stop is not None or step == o.steps
             if step == o.steps or stop:
                 record["weights_sha256"] = train.weights_digest()
             run_log.log_step(step, record, self._record(samples) if keep else None)
@@ -301,7 +300,7 @@ class RlvrPipeline(Pipeline):
             if checkpointer.due(step, o.steps) or why_stop is not None or (stop and o.checkpoint.at_end):
                 state = {"step": step, "policy_version": version, "accuracy": accuracy, "restarts": restarts,
                          "prompts": prompts.state_dict(), "scheduler": scheduler.state_dict(),
-                         "rng": save_rng_states(), "pending": None if last else next_batch,
+                         "rng": save_rng_states(), "pending": next_batch,  # async: the batch already generated ahead
                          "kl_control": self.kl_control.state_dict(), "reward_norm": self.reward_norm.state_dict()}
                 checkpointer.save(step, state, {"step": step, "policy_version": version, "restarts": restarts,
                                                 "accuracy": accuracy, "prompts_drawn": prompts.drawn,
