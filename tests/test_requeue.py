@@ -2,8 +2,9 @@
 loses a node or hits its time limit resumes from its newest good checkpoint and ends with exactly the
 weights of the same run left alone.
 
-The uninterrupted reference runs once (module fixture); every interrupted run is compared with it:
-the sha256 of the final weights (full HF-named tensors), and the loss and adaptive KL coefficient of every step.
+The uninterrupted references run once (module fixtures, a synchronous and an async one); every interrupted
+run is compared with its reference: the sha256 of the final weights (full HF-named tensors), and the loss and
+adaptive KL coefficient of every step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
