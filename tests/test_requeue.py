@@ -2,8 +2,7 @@
 loses a node or hits its time limit resumes from its newest good checkpoint and ends with exactly the
 weights of the same run left alone.
 
-The uninterrupted references run once (module fixtures, a synchronous and an async one); every interrupted
-run is compared with its reference: the sha256 of the final weights (full HF-named tensors), and the loss and
+The uninterrupted reference runs once (module fixture); every interrupted run is compared with it: the sha256 of the final weights (full HF-named tensors), and the loss and
 adaptive KL coefficient of every step.
 """
 
@@ -30,8 +29,8 @@ EXIT_REQUEUE = 75
 
 
 def run_args(model: Path) -> list[str]:
-    """A short GRPO run with a checkpoint every 2 steps, a reference role, the KL in the reward under the
-    adaptive controller and running reward normalisation. A random policy's verifier rewards are all 0, so
+    """A short async GRPO run with a checkpoint every 2 steps, a reference role, the KL in the reward under
+    the adaptive controller and running reward normalisation. A random policy's verifier rewards are all 0, so
     the KL term and the entropy bonus drive the updates: each step depends on the sampled tokens, the
     optimizer moments, the KL coefficient, the reward moments and every RNG, which is what an exact resume
     must restore."""
@@ -43,7 +42,9 @@ def run_args(model: Path) -> list[str]:
             "pipeline.options.kl_control.target=1e-4", "pipeline.options.kl_control.horizon=100",
             "pipeline.options.reward_norm.kind=running", "roles.train.options.lr=1e-3",
             "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
-            f"+roles.reference.options.model_dir={model}"]
+            f"+roles.reference.options.model_dir={model}",
+            # async: the next batch is generated while the trainer works, so a checkpoint also holds that batch
+            "pipeline.options.rollout.max_staleness=1", "pipeline.options.old_logprob_source=generator"]
 
 
 def trajectory(metrics: list[dict]) -> dict[int, tuple[float, float]]:
@@ -149,26 +150,13 @@ def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     return cwd / "runs" / "quickstart"
 
 
-# async mode: the next batch is generated while the trainer works, so a checkpoint also holds that batch
-ASYNC = ["pipeline.options.rollout.max_staleness=1", "pipeline.options.old_logprob_source=generator"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_async(tiny_model, tmp_path_factory) -> list[dict]:
-    cwd = tmp_path_factory.mktemp("uninterrupted_async")
-    res = rollhpc("train", "quickstart", *run_args(tiny_model), *ASYNC, cwd=cwd, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    metrics = read_metrics(cwd / "runs" / "quickstart" / "metrics.jsonl")
-    assert all(m["sample_version_lag"] > 0 for m in metrics[2:]), "batches after the first were generated ahead"
-    return metrics
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(uninterrupted_run) -> list[dict]:
     metrics = read_metrics(uninterrupted_run / "metrics.jsonl")
     assert metrics[-1]["step"] == STEPS and len(metrics[-1]["weights_sha256"]) == 64
     scales = [scale for _, scale in trajectory(metrics).values()]
     assert len(set(scales)) == STEPS, "the KL coefficient moves every step (its state is worth restoring)"
+    assert all(m["sample_version_lag"] > 0 for m in metrics[2:]), "batches after the first were generated ahead"
     return metrics
 
 
@@ -231,16 +219,15 @@ def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, un
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, uninterrupted_async):
-    """An async run (its checkpoints hold the batch generated ahead) is SIGKILLed as a whole local world
+def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_path, tiny_model, uninterrupted):
+    """The run (async: its checkpoints hold the batch generated ahead) is SIGKILLed as a whole local world
     after step 7; the newest checkpoint (step 6) is then damaged (a truncated optimizer shard): --resume must
     notice and fall back to step 4. That session is asked to stop (SIGUSR1 to `rollhpc train`) after step 5:
-    it checkpoints step 5 and exits 75; a second --resume finishes, bit-identical to the async run left alone."""
+    it checkpoints step 5 and exits 75; a second --resume finishes, bit-identical to the run left alone."""
     run_dir = tmp_path / "runs" / "quickstart"
     log = tmp_path / "first.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model),
-                                 *ASYNC],
+        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model)],
                                 cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -257,7 +244,7 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_pa
     verify = rollhpc("ckpt", "verify", str(run_dir), cwd=tmp_path)
     assert verify.returncode == 1 and "step_000006" in verify.stdout + verify.stderr
 
-    resume_cmd = [sys.executable, "-m", "rollhpc.cli", "train", "--resume", "quickstart", *run_args(tiny_model), *ASYNC]
+    resume_cmd = [sys.executable, "-m", "rollhpc.cli", "train", "--resume", "quickstart", *run_args(tiny_model)]
     log = tmp_path / "second.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(resume_cmd, cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -274,7 +261,7 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(tmp_pa
     assert res.returncode == 0, res.stderr[-3000:]
     resumes = [e for e in read_events(run_dir) if e["event"] == "resume"]
     assert [(e["step"], e["restarts"]) for e in resumes] == [(4, 1), (stopped, 2)]
-    metrics = assert_same_as_uninterrupted(run_dir, uninterrupted_async)
+    metrics = assert_same_as_uninterrupted(run_dir, uninterrupted)
     assert metrics[5]["restarts"] == 1 and metrics[stopped + 1]["restarts"] == 2
     assert_no_orphans(run_dir)
 
