@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) bench/rollout_longtail.py
 	$(PY) bench/rlvr_vs_trl.py
 	$(PY) bench/recovery.py
+	$(PY) bench/convert_memory.py
 
 clean:
 	rm -rf runs .pytest_cache
