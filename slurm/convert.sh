@@ -13,16 +13,9 @@
 # One node, CPU only: hf-to-mcore runs tp x pp x ep worker processes there, mcore-to-hf one.
 # Uses the environment in ROLLHPC_VENV (default: .venv next to this folder; `make venv` builds it).
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$(realpath -m "${ROLLHPC_VENV:-$repo/.venv}")"
-if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,14p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 0
-fi
-if [ ! -x "$venv/bin/rollhpc" ]; then
-  echo "slurm/convert.sh: no rollhpc environment at $venv: run 'make venv' in $repo or set ROLLHPC_VENV" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/wrapper-common.sh"
+help_if_asked "$@"
+require_venv
 dry_run=0; wait_flag=(); args=()
 for a in "$@"; do
   case "$a" in

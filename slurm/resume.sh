@@ -12,16 +12,9 @@
 # cluster.max_restarts lost workers). Use it after the job gave up, was cancelled, or failed on a bad node.
 # Refuses while the run's last job is still pending or running. RUN_DIR/restarts.jsonl lists every attempt.
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${ROLLHPC_VENV:-$repo/.venv}"
-if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 0
-fi
-if [ ! -x "$venv/bin/rollhpc" ]; then
-  echo "slurm/resume.sh: no rollhpc environment at $venv: run 'make venv' in $repo or set ROLLHPC_VENV" >&2
-  exit 2
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/wrapper-common.sh"
+help_if_asked "$@"
+require_venv
 run_dir="$(cd "$1" 2>/dev/null && pwd)" || { echo "slurm/resume.sh: no such run directory: $1" >&2; exit 2; }
 shift
 if [ ! -f "$run_dir/config.yaml" ]; then

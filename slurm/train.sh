@@ -11,14 +11,7 @@
 # The run directory (run.output_dir/run.name, default runs/NAME) must be on a filesystem shared with the
 # compute nodes. Uses the environment in ROLLHPC_VENV (default: .venv next to this folder; `make venv` builds it).
 set -euo pipefail
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="${ROLLHPC_VENV:-$repo/.venv}"
-if [ ! -x "$venv/bin/rollhpc" ]; then
-  echo "slurm/train.sh: no rollhpc environment at $venv: run 'make venv' in $repo or set ROLLHPC_VENV" >&2
-  exit 2
-fi
-if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
-  exit 0
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/wrapper-common.sh"
+help_if_asked "$@"
+require_venv
 exec "$venv/bin/rollhpc" submit "$@"

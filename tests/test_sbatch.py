@@ -68,3 +68,16 @@ def test_gpus_come_from_slurms_allocation_not_from_zero(monkeypatch):
     with pytest.raises(RuntimeError, match="only 2 were allocated"):
         bind_gpus((2,))
     assert bind_gpus(()) is None
+
+
+@pytest.mark.parametrize("wrapper", ["train.sh", "resume.sh", "convert.sh"])
+def test_slurm_wrappers_explain_themselves_and_name_a_missing_environment(tmp_path, wrapper):
+    script = Path(__file__).resolve().parent.parent / "slurm" / wrapper
+    env = {"PATH": "/usr/bin:/bin", "ROLLHPC_VENV": str(tmp_path / "no-venv")}
+    help_text = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert help_text.returncode == 0 and help_text.stdout.splitlines()[2].strip().startswith(f"slurm/{wrapper} ")
+    assert "set -euo" not in help_text.stdout  # the header only, not the code below it
+    missing = subprocess.run([str(script), "x", "y", "z"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == (f"slurm/{wrapper}: no rollhpc environment at {tmp_path / 'no-venv'}: run "
+                                      f"'make venv' in {script.parent.parent} or set ROLLHPC_VENV")
