@@ -66,7 +66,7 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class ControllerConfig:
     call_timeout_s: float = 900.0  # default limit on every wait for workers; per call overridable
-    startup_timeout_s: float = 180.0  # all ranks connected and their workers constructed
+    startup_timeout_s: float = 180.0  # each rank's MPI_Init; all ranks connected and their workers constructed
     stack_dump_timeout_s: float = 10.0  # how long to wait for stacks after a timeout
     shutdown_timeout_s: float = 30.0
 

@@ -104,6 +104,13 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+def _test_stall_requested() -> bool:
+    """ROLLHPC_TEST_STALL_MPI_INIT=N: world rank N stalls before MPI_Init, on a run's first attempt only."""
+    wanted = os.environ.get("ROLLHPC_TEST_STALL_MPI_INIT")
+    me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
+    return wanted is not None and wanted == me and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     return run_rank(Path(args[0]), args[1] if len(args) > 1 else None)
@@ -113,9 +120,16 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
     from rollhpc.launch.device_mapping import WorldPlan
 
+    from rollhpc.mpi_init_guard import MpiInitGuard
+
     _die_with_parent()
+    cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    guard = MpiInitGuard(run_dir, cfg.controller.startup_timeout_s, expected_role)
+    if _test_stall_requested():
+        time.sleep(3600)  # tests: a rank that never reaches MPI_Init
     from mpi4py import MPI
 
+    guard.initialized()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = WorldPlan.load(run_dir / "plan.json")
@@ -128,7 +142,6 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
               file=sys.stderr, flush=True)
         comm.Abort(2)
     gpus = bind_gpus(me.gpus)
-    cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever.
     watchdog = threading.Timer(cfg.controller.startup_timeout_s, _startup_timed_out,
                                (run_dir, rank, my_role, cfg.controller.startup_timeout_s))

@@ -142,6 +142,26 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
 
 
+def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path, monkeypatch):
+    from rollhpc.launch import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
+    requeue.record_startup_failure(tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7 on node3)")
+    assert json.loads((tmp_path / "error.json").read_text())["type"] == "MpiInitTimeout"
+    assert requeue.startup_failure(tmp_path)["host"] == "node3"
+    # srun's 137 (the guard's SIGKILL) with no word from the controller: a restart, counted like a lost worker
+    assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "5"]) == requeue.EXIT_WORKER_LOST
+    (end,) = [e for e in read_events(tmp_path) if e["event"] == "end"]
+    assert "MPI world did not form" in end["reason"] and "giving up" in end["reason"]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "6")  # the record belongs to the attempt before
+    assert requeue.startup_failure(tmp_path) is None
+    assert requeue.main(["after", str(tmp_path), "137"]) == 137
+    requeue.record_controller_exit(tmp_path, 0)
+    requeue.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
+    assert requeue.main(["after", str(tmp_path), "137"]) == 0
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("uninterrupted")
@@ -396,4 +416,23 @@ def test_lost_worker_requeues_the_job_without_its_node(slurm_cluster, tmp_path, 
     assert second["previous_attempt"] == "requeue" and train["host"] not in second["nodes"], second
     excluded = {r["JobId"]: r.get("ExcNodeList") for r in slurm_cluster.job_records(job_id)}
     assert all(v == train["host"] for v in excluded.values()), excluded
+    assert_same_as_uninterrupted(run_dir, uninterrupted)
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_mpi_init_that_never_finishes_on_slurm_requeues_the_job(slurm_cluster, tmp_path, tiny_model, uninterrupted):
+    """A rank stalls before MPI_Init on the first attempt (the world never forms, as when the process
+    manager's address exchange breaks): its guard kills it at controller.startup_timeout_s instead of
+    letting the allocation idle until the time limit, and the batch script requeues; the run finishes."""
+    run_dir = tmp_path / "runs" / "rq"
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, "controller.startup_timeout_s=20",
+                    env={"ROLLHPC_TEST_STALL_MPI_INIT": "1"})
+    state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
+    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    (requeue,) = [e for e in read_events(run_dir) if e["event"] == "requeue"]
+    assert "MPI world did not form" in requeue["reason"] and requeue["exclude"] == [], requeue
+    assert "MPI_Init did not finish within 20 s" in job_output(run_dir)
+    assert [e["previous_attempt"] for e in starts(run_dir)] == [None, "requeue"]
     assert_same_as_uninterrupted(run_dir, uninterrupted)

@@ -16,6 +16,8 @@ srun's: srun reports the worst status of all tasks, and a killed worker's 137 wo
   wrote the node to RUN_DIR/failed-nodes.json; requeue with those nodes excluded
   (``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release``: a running job's excluded nodes
   cannot be changed, a held one's can), up to ``--max-restarts`` restarts.
+* no word from the controller, but a rank's MPI_Init timed out (RUN_DIR/startup-failed.json, written by
+  ``rollhpc.mpi_init_guard``): the world never formed; requeue like a lost worker, nodes unchanged.
 * anything else (0, a Python error in a worker, a bad config): no requeue; the job ends with it.
 
 When the node that dies is the batch host itself, this script dies with it: Slurm then requeues the job
@@ -40,6 +42,7 @@ EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
 RESTARTS_LOG = "restarts.jsonl"
 FAILED_NODES = "failed-nodes.json"
 CONTROLLER_EXIT = "controller-exit.json"
+STARTUP_FAILED = "startup-failed.json"
 
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -105,6 +108,31 @@ def controller_exit(run_dir: Path) -> int | None:
     if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
         return None
     return int(record["status"])
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several ranks may write at once
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def record_startup_failure(run_dir: Path, host: str, why: str) -> None:
+    """A rank's MPI_Init timed out (rollhpc.mpi_init_guard): RUN_DIR/startup-failed.json for ``after``
+    (worth a restart), and error.json for the user unless a rank already wrote one."""
+    run_dir = Path(run_dir)
+    _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, **_attempt()})
+    if not (run_dir / "error.json").exists():
+        _write_json(run_dir / "error.json", {"summary": why, "type": "MpiInitTimeout", "details": why,
+                                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def startup_failure(run_dir: Path) -> dict[str, Any] | None:
+    """This attempt's start-up failure record, or None (none, or one left by an earlier attempt)."""
+    try:
+        record = json.loads((Path(run_dir) / STARTUP_FAILED).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
 
 
 def _scontrol(*args: str) -> subprocess.CompletedProcess:
@@ -191,6 +219,10 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
     if status != srun_status:
         print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
               file=sys.stderr)
+    stalled = startup_failure(run_dir) if said is None else None
+    if stalled:  # no controller to say anything: the MPI world never formed (rollhpc.mpi_init_guard)
+        status = EXIT_WORKER_LOST
+        print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
         log_event(run_dir, {"event": "end", "status": status, "reason": "cluster.requeue is off: continue the run "
                             f"with slurm/resume.sh {run_dir}"})
@@ -202,11 +234,14 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
+        what = "the MPI world did not form" if stalled else "a worker was lost"
         if restarts >= max_restarts:
             log_event(run_dir, {"event": "end", "status": status,
-                                "reason": f"a worker was lost and the job already restarted {restarts} times "
+                                "reason": f"{what} and the job already restarted {restarts} times "
                                           f"(max_restarts={max_restarts}): giving up"})
             return status
+        if stalled:  # which node is at fault is unknown: the next attempt gets the same chance everywhere
+            return requeue(run_dir, job_id, f"{what}: {stalled['why']}", set())
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
