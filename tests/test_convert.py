@@ -101,6 +101,45 @@ def test_roundtrip_is_bitwise(converted, name: str) -> None:
         assert torch.equal(hf(ids).logits, ref(ids).logits)
 
 
+def _other_family(root: Path, kind: str) -> Path:
+    """A random model of another supported family, saved by transformers: Qwen3-MoE (q/k norms, no shared
+    expert, no qkv bias, head_dim set apart from hidden/heads as in the real Qwen3 models), Qwen3 dense
+    (tied embeddings) and Llama (no biases). Every norm weight is randomised so that a norm mapped to the
+    wrong place changes the logits (transformers initialises them all to ones)."""
+    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_hidden_layers=2,
+                  vocab_size=300, max_position_embeddings=64, intermediate_size=96)
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                          norm_topk_prob=True, tie_word_embeddings=False, **common)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(tie_word_embeddings=True, **common)
+    else:
+        common.pop("head_dim")
+        cfg = transformers.LlamaConfig(tie_word_embeddings=False, **common)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
+    path = root / kind
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3", "llama"])
+def test_other_families_roundtrip_and_match_transformers_logits(kind: str, tmp_path: Path) -> None:
+    src = _other_family(tmp_path, kind)
+    ep = 2 if kind == "qwen3_moe" else 1
+    to_mcore = hf_to_mcore(src, tmp_path / "mcore", tp=2, ep=ep, verify=True, progress=False)
+    v = to_mcore.verify
+    assert v["ok"] and v["max_abs_diff"] < 1e-4 and v["argmax_agree"] == 1.0, to_mcore.summary()
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", progress=False)
+    _assert_bitwise(src, tmp_path / "hf")
+
+
 def _hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = list(prompt)
