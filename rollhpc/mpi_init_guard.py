@@ -12,7 +12,6 @@ and kills the rank. The watcher also ends when the rank ends, whatever the reaso
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -21,6 +20,7 @@ import sys
 from pathlib import Path
 
 from rollhpc.launch.requeue import record_startup_failure
+from rollhpc.parent_death import die_with_parent
 
 
 class MpiInitGuard:
@@ -45,12 +45,7 @@ class MpiInitGuard:
 
 
 def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: str | None) -> None:
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: go when the rank goes
-    except OSError:
-        pass
-    if os.getppid() != rank_pid:
-        return
+    die_with_parent(rank_pid)  # go when the rank goes
     ready, _, _ = select.select([read_end], [], [], timeout_s)
     if ready:  # "initialized", or end of file: the rank is gone
         return

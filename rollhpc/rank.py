@@ -8,7 +8,6 @@ RUN_DIR/error.json, make every rank exit, and leave with a non-zero status.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -24,18 +23,9 @@ import yaml
 
 from rollhpc import config as config_mod
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.parent_death import die_with_parent
 
 log = logging.getLogger("rollhpc")
-
-
-def _die_with_parent() -> None:
-    """Linux: if our parent (mpiexec's proxy, srun's stepd) dies, so do we: no orphans."""
-    if os.environ.get("ROLLHPC_NO_PDEATHSIG"):
-        return
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
@@ -122,7 +112,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
 
     from rollhpc.mpi_init_guard import MpiInitGuard
 
-    _die_with_parent()
+    die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     guard = MpiInitGuard(run_dir, cfg.controller.startup_timeout_s, expected_role)
     if _test_stall_requested():

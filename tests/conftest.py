@@ -17,11 +17,15 @@ pytest_plugins = ["tests.slurm_cluster"]
 
 
 def rank_processes(run_dir: Path) -> list[psutil.Process]:
-    """Live processes started for this run (every rank has the run directory on its command line)."""
-    found = []
+    """Live processes started for this run: every rank has the run directory on its command line, and
+    whatever a rank started (a multiprocessing server, an engine's worker) holds its log file open."""
+    found, inside = [], str(run_dir) + os.sep
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and str(run_dir) in " ".join(p.info["cmdline"] or []):
+            if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
+                continue
+            if str(run_dir) in " ".join(p.info["cmdline"] or []) or any(
+                    f.path.startswith(inside) for f in p.open_files()):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -101,6 +102,31 @@ def copy_hf_extras(src_dir: Path, dst_dir: Path) -> list[str]:
     return copied
 
 
+_write_results_manager = None
+
+
+def _write_results_queue_that_dies_with_us() -> None:
+    """megatron's file writer passes its results through a queue served by a multiprocessing Manager: a
+    spawned server process (~300 MB: it imports what the rank imported) that outlives a SIGKILLed rank,
+    e.g. an OOM kill or a killed local run. Start that Manager here, with a parent-death signal, and hand
+    megatron its queue before it makes its own. Call from the thread that lives as long as the rank (the
+    signal follows the creating thread)."""
+    global _write_results_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _write_results_manager is not None or getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from rollhpc.parent_death import die_with_parent
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _write_results_manager = manager
+
+
 def save_strategy():
     """megatron's torch_dist save strategy, one data file per rank (thread_count=1: a rank's shard is
     one file, so "largest shard" is the largest file)."""
@@ -149,6 +175,7 @@ def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config
     dist.barrier()
     if sharded_state_dict is None:
         sharded_state_dict = model.sharded_state_dict()
+    _write_results_queue_that_dies_with_us()
     dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=save_strategy())
     dist.barrier()  # every rank's files are written (dist_checkpointing.save ends with one too)
     if rank == 0:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
 from rollhpc.launch.device_mapping import WorldPlan, plan_world
+from rollhpc.parent_death import die_with_parent
 
 
 def find_mpiexec(setting: str) -> str:
@@ -87,14 +88,6 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the mpiexec child: if this launcher is killed outright, mpiexec goes too (and with it, through
-    their own parent-death signal, every rank)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "mpich_shm_"
 
@@ -159,7 +152,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     previous = signal.signal(signal.SIGUSR1, lambda *_: (run_dir / "stop-request").write_text(
         f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
     try:
-        proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=die_with_parent)
     except BaseException:
         signal.signal(signal.SIGUSR1, previous)
         raise

@@ -1,0 +1,30 @@
+"""Processes that end when their parent ends, so that a killed run leaves nothing behind.
+
+Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``) is asked for in every process rollhpc starts
+or lets start under a rank: mpiexec under the local launcher, each rank, each rank's MPI_Init watcher,
+and the multiprocessing Manager megatron's checkpoint writer needs. Without it, a SIGKILL (the OOM
+killer, a user's kill -9, a test) orphans the children: they hold memory and file handles forever on a
+workstation (Slurm's cgroups clean up after a job; a local run has nobody to do that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """SIGKILL this process when its parent exits. ``parent_pid``: the parent it should have; if that
+    one is already gone (we were re-parented before asking), exit at once. No-op where prctl is missing
+    (not Linux) or when ROLLHPC_NO_PDEATHSIG is set (debugging a rank under a debugger that re-parents)."""
+    if os.environ.get("ROLLHPC_NO_PDEATHSIG"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(0)
