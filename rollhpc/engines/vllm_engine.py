@@ -20,16 +20,21 @@ inputs.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollhpc.engines.vllm_cpu_moe_repack import capture_expert0_gates, is_moe_config, repack_after_reload
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Completion", "VllmGenerator"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,7 +89,9 @@ class VllmGenerator:
         self.sleep_supported = current_platform.is_sleep_mode_available()
         memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)} if self.on_cpu
                   else {"gpu_memory_utilization": gpu_memory_utilization})
-        self.tied_embeddings = bool(json.loads((Path(model_dir) / "config.json").read_text()).get("tie_word_embeddings"))
+        hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+        self.tied_embeddings = bool(hf_config.get("tie_word_embeddings"))
+        self.cpu_moe = self.on_cpu and is_moe_config(hf_config)  # see vllm_cpu_moe_repack
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
@@ -228,9 +235,17 @@ class VllmGenerator:
         # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
         # processes (TP > 1) need the list pickled.
         weights = _with_tied_head(named_tensors) if self.tied_embeddings else iter(named_tensors)
+        gates: dict[int, torch.Tensor] = {}
+        if self.cpu_moe:
+            weights = capture_expert0_gates(weights, gates)
         if self.tensor_parallel_size > 1:
             weights = list(weights)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if gates:
+            packed = self.llm.collective_rpc(repack_after_reload, args=(gates,))
+            if any(packed) and self.version == 0:
+                log.info("vLLM CPU MoE: packed the experts of %d layer(s) again after the weight reload "
+                         "(vLLM leaves them in checkpoint layout)", max(packed))
         self.llm.reset_prefix_cache()
         self.version = version
 
