@@ -80,9 +80,7 @@ def record_failed_node(run_dir: Path, host: str, why: str) -> None:
     except (FileNotFoundError, ValueError):
         nodes = {}
     nodes[host] = why
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(nodes, indent=1))
-    tmp.replace(path)
+    _write_json(path, nodes, indent=1)
 
 
 def _attempt() -> dict[str, Any]:
@@ -90,13 +88,17 @@ def _attempt() -> dict[str, Any]:
             "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
 
 
+def _write_json(path: Path, data: dict[str, Any], indent: int | None = None) -> None:
+    """Whole or not at all (temp + rename); the temp name is per process: several ranks may write at once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    tmp.replace(path)
+
+
 def record_controller_exit(run_dir: Path, status: int) -> None:
     """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
     killed worker's 137 hides the controller's 76), so the decision travels through the run directory."""
-    path = Path(run_dir) / CONTROLLER_EXIT
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"status": status, **_attempt()}))
-    tmp.replace(path)
+    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt()})
 
 
 def controller_exit(run_dir: Path) -> int | None:
@@ -108,12 +110,6 @@ def controller_exit(run_dir: Path) -> int | None:
     if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
         return None
     return int(record["status"])
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several ranks may write at once
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
 
 
 def record_startup_failure(run_dir: Path, host: str, why: str) -> None:
