@@ -66,7 +66,11 @@ class PipelineConfig:
 @dataclass(kw_only=True)
 class ControllerConfig:
     call_timeout_s: float = 900.0  # default limit on every wait for workers; per call overridable
-    startup_timeout_s: float = 180.0  # each rank's MPI_Init; all ranks connected and their workers constructed
+    # forming the world: each rank's MPI_Init, the first collectives, every worker's connection to the
+    # controller. Seconds when healthy; when it hangs the process manager is broken, and a requeue helps.
+    world_timeout_s: float = 180.0
+    # constructing the workers once the world is up: loading models and engines, minutes for large ones
+    startup_timeout_s: float = 1200.0
     stack_dump_timeout_s: float = 10.0  # how long to wait for stacks after a timeout
     shutdown_timeout_s: float = 30.0
 
@@ -260,8 +264,9 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
             )
-    if cfg.controller.call_timeout_s <= 0:
-        raise ConfigError("controller.call_timeout_s: must be positive")
+    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s"):
+        if getattr(cfg.controller, name) <= 0:
+            raise ConfigError(f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}")
 
 
 def load(data: dict[str, Any]) -> ExperimentConfig:

@@ -51,7 +51,7 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
         return
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     who = f"{'role ' + repr(role) + ', ' if role else ''}pid {rank_pid} on {host}"
-    why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.startup_timeout_s): "
+    why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
            f"the MPI library could not form the world; its own errors, if any, are in the output above")
     print(f"rollhpc: {why}", file=sys.stderr, flush=True)
     record_startup_failure(run_dir, host, why)

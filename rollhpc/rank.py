@@ -63,9 +63,9 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
     return summary
 
 
-def _startup_timed_out(run_dir: Path, rank: int, role: str, limit: float) -> None:
-    msg = (f"start-up did not complete within {limit:g} s (controller.startup_timeout_s): some rank never "
-           f"joined the MPI world; see the logs in {run_dir / 'logs'}")
+def _world_timed_out(run_dir: Path, rank: int, role: str, limit: float) -> None:
+    msg = (f"the MPI world did not form within {limit:g} s (controller.world_timeout_s): some rank never "
+           f"joined it; see the logs in {run_dir / 'logs'}")
     if rank == 0:
         _write_error(run_dir, RuntimeError(msg))
     print(f"rollhpc: rank {rank} ({role}): {msg}", file=sys.stderr, flush=True)
@@ -114,7 +114,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
 
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    guard = MpiInitGuard(run_dir, cfg.controller.startup_timeout_s, expected_role)
+    guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
     if _test_stall_requested():
         time.sleep(3600)  # tests: a rank that never reaches MPI_Init
     from mpi4py import MPI
@@ -133,8 +133,8 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
         comm.Abort(2)
     gpus = bind_gpus(me.gpus)
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever.
-    watchdog = threading.Timer(cfg.controller.startup_timeout_s, _startup_timed_out,
-                               (run_dir, rank, my_role, cfg.controller.startup_timeout_s))
+    watchdog = threading.Timer(cfg.controller.world_timeout_s, _world_timed_out,
+                               (run_dir, rank, my_role, cfg.controller.world_timeout_s))
     watchdog.daemon = True
     watchdog.start()
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # simulated Slurm nodes share a hostname
@@ -195,7 +195,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
     try:
-        sideband.accept(set(ranks), cfg.controller.startup_timeout_s)
+        sideband.accept(set(ranks), cfg.controller.world_timeout_s)
         ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
         log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
                  ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))

@@ -20,6 +20,12 @@ def test_minimal_config_loads_with_defaults():
     assert cfg.world_size() == 3
 
 
+def test_timeouts_must_be_positive():
+    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s"):
+        with pytest.raises(ConfigError, match=rf"controller.{name}: must be positive, got 0"):
+            config.load(minimal(controller={name: 0}))
+
+
 def test_unknown_key_names_the_key_and_the_valid_ones():
     data = minimal()
     data["roles"]["probe"]["parallel"] = {"tpp": 2}

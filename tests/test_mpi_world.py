@@ -171,21 +171,21 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
     assert_no_orphans(run_dir)
 
 
-def test_mpi_init_that_never_finishes_hits_the_start_up_timeout(experiment, tmp_path):
+def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_path):
     """A rank stalled before its MPI_Init ends is ended by its guard (a forked watcher: a Python timer
     cannot fire while MPI_Init holds the interpreter), which records the failure for the batch script's
-    requeue decision; the ranks that got through stop at the start-up timeout of the first collective."""
+    requeue decision; the ranks that got through stop at the world timeout of the first collective."""
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 2}},
-        "controller": {"startup_timeout_s": 5.0},
+        "controller": {"world_timeout_s": 5.0},
     })
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, text=True,
                          capture_output=True, timeout=90, env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": "2"})
     assert res.returncode != 0 and time.monotonic() - t0 < 60
     assert "rollhpc: MPI_Init did not finish within 5 s (role 'probe', pid " in res.stderr, res.stderr[-2000:]
-    assert "start-up did not complete within 5 s" in res.stderr.strip().splitlines()[-1]
+    assert "the MPI world did not form within 5 s" in res.stderr.strip().splitlines()[-1]
     record = json.loads((run_dir / "startup-failed.json").read_text())
     assert "MPI_Init did not finish" in record["why"] and record["job_id"] is None
     assert_no_orphans(run_dir)

@@ -424,10 +424,10 @@ def test_lost_worker_requeues_the_job_without_its_node(slurm_cluster, tmp_path, 
 @pytest.mark.timeout(600)
 def test_mpi_init_that_never_finishes_on_slurm_requeues_the_job(slurm_cluster, tmp_path, tiny_model, uninterrupted):
     """A rank stalls before MPI_Init on the first attempt (the world never forms, as when the process
-    manager's address exchange breaks): its guard kills it at controller.startup_timeout_s instead of
+    manager's address exchange breaks): its guard kills it at controller.world_timeout_s instead of
     letting the allocation idle until the time limit, and the batch script requeues; the run finishes."""
     run_dir = tmp_path / "runs" / "rq"
-    job_id = submit(slurm_cluster, tmp_path, tiny_model, "controller.startup_timeout_s=20",
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, "controller.world_timeout_s=20",
                     env={"ROLLHPC_TEST_STALL_MPI_INIT": "1"})
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
     assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"

@@ -19,7 +19,7 @@ def submit(slurm_cluster, tmp_path, *overrides: str, timeout: float = 300) -> su
     return subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "toy_grpo", "--wait",
                            f"run.output_dir={tmp_path / 'runs'}",
                            # a world that fails to form (MPI_Init) is requeued within the test's time
-                           "controller.startup_timeout_s=90", *overrides],
+                           "controller.world_timeout_s=90", *overrides],
                           cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=timeout)
 
 
