@@ -54,5 +54,5 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
     why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
            f"the MPI library could not form the world; its own errors, if any, are in the output above")
     print(f"rollhpc: {why}", file=sys.stderr, flush=True)
-    record_startup_failure(run_dir, host, why)
+    record_startup_failure(run_dir, host, why, culprit=True)
     os.kill(rank_pid, signal.SIGKILL)

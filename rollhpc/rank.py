@@ -64,11 +64,16 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
 
 
 def _world_timed_out(run_dir: Path, rank: int, role: str, limit: float) -> None:
+    """Every rank's own deadline on the first collectives (they cannot time out): the rank says so, records
+    the failure for the batch script's requeue decision like a stalled MPI_Init, and leaves."""
+    from rollhpc.launch.requeue import record_startup_failure
+
     msg = (f"the MPI world did not form within {limit:g} s (controller.world_timeout_s): some rank never "
            f"joined it; see the logs in {run_dir / 'logs'}")
     if rank == 0:
         _write_error(run_dir, RuntimeError(msg))
     print(f"rollhpc: rank {rank} ({role}): {msg}", file=sys.stderr, flush=True)
+    record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), msg)
     os._exit(1)
 
 
@@ -76,8 +81,14 @@ class _Terminated(Exception):
     pass
 
 
+_reporting_failure = False  # set first thing on the controller's failure path
+
+
 def _on_signal(signum, frame):  # noqa: ARG001
-    raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
+    # Launchers may signal twice (mpiexec.gforker passes on an interrupt and adds its own when a rank dies):
+    # a second one must not cut short the report of the first failure.
+    if not _reporting_failure:
+        raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
 
 
 def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
@@ -171,12 +182,14 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
 
 
 def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, watchdog: threading.Timer) -> int:
-    from rollhpc.controller.errors import RunFailed, WorkerDied
+    global _reporting_failure
+    from rollhpc.controller.errors import RunFailed, WorkerDied, WorldNotFormed
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
-    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit, record_failed_node
+    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit, record_failed_node,
+                                        record_startup_failure)
     from rollhpc.transport.sideband import ControllerSideband
 
     signal.signal(signal.SIGTERM, _on_signal)
@@ -195,7 +208,10 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
     try:
-        sideband.accept(set(ranks), cfg.controller.world_timeout_s)
+        try:
+            sideband.accept(set(ranks), cfg.controller.world_timeout_s)
+        except TimeoutError as e:
+            raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
         ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
         log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
                  ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
@@ -210,6 +226,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         requeue = getattr(pipeline, "stopped_for_requeue", False)
         log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
+        _reporting_failure = True
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
             signal.signal(sig, signal.SIG_IGN)
         if not isinstance(e, RunFailed):
@@ -224,6 +241,9 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         if isinstance(e, WorkerDied):  # restartable: a requeue on other nodes may well succeed
             status = EXIT_WORKER_LOST
             record_failed_node(run_dir, e.host, e.summary)
+        elif isinstance(e, WorldNotFormed):  # restartable: which node is at fault is unknown
+            status = EXIT_WORKER_LOST
+            record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), e.summary)
         record_controller_exit(run_dir, status)
         for h in logging.getLogger().handlers:
             h.flush()

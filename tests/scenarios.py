@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +83,15 @@ class BrokenWorker(Worker):
 
     def __init__(self, ctx, options=None):
         raise FileNotFoundError("model weights not found at /nonexistent")
+
+
+class VanishScenario(Pipeline):
+    """The controller process leaves with status 0 in mid-run, reporting nothing (as when it is killed
+    while writing its report): mpiexec.gforker's own status is 0 whatever its ranks did."""
+
+    def run(self) -> None:
+        self.groups["probe"].ping()
+        os._exit(0)
 
 
 class SleepScenario(Pipeline):

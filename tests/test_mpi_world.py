@@ -58,7 +58,7 @@ def test_worker_exception_reaches_controller_with_rank_role_traceback(experiment
     path, run_dir = experiment(fail_world("raise", rank=1))
     start = time.monotonic()
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr[-4000:]
     assert time.monotonic() - start < 30
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("rollhpc: run failed: worker rank 2 (role 'probe', group rank 1")
@@ -74,7 +74,7 @@ def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path)
     start = time.monotonic()
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     elapsed = time.monotonic() - start
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr[-4000:]
     assert elapsed < 30, f"took {elapsed:.1f} s to notice a dead worker"
     last = res.stderr.strip().splitlines()[-1]
     assert "worker rank 3 (role 'probe', group rank 2" in last
@@ -83,10 +83,19 @@ def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path)
     assert_no_orphans(run_dir)
 
 
+def test_controller_that_ends_without_a_report_is_a_failed_run(experiment, tmp_path):
+    path, run_dir = experiment({"pipeline": {"entry": "tests.scenarios:VanishScenario"},
+                                "roles": {"probe": {"worker": PROBE, "procs": 1}}})
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1, res.stderr[-4000:]
+    assert "before the controller reported how" in res.stderr.strip().splitlines()[-1]
+    assert_no_orphans(run_dir)
+
+
 def test_hung_call_times_out_with_stacks_of_every_rank(experiment, tmp_path):
     path, run_dir = experiment(fail_world("hang", rank=0, timeout_s=2.0))
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
     assert "call 'hang_on' on role 'probe': no reply within 2 s from rank 1 (role 'probe', group rank 0" in last
     (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
@@ -103,7 +112,7 @@ def test_worker_that_cannot_start_is_reported(experiment, tmp_path):
         "roles": {"probe": {"worker": PROBE, "procs": 1}, "broken": {"worker": "tests.scenarios:BrokenWorker"}},
     })
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr[-4000:]
     assert "role 'broken'" in res.stderr and "FileNotFoundError in '__init__'" in res.stderr
     assert_no_orphans(run_dir)
 
@@ -163,7 +172,7 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
         "controller": {"startup_timeout_s": 4.0, "stack_dump_timeout_s": 3.0},
     })
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
-    assert res.returncode == 1
+    assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
     assert "worker start-up: no reply within 4 s from rank 2 (role 'slow'" in last
     (stacks,) = (run_dir / "logs").glob("stacks-*.txt")

@@ -160,6 +160,18 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     requeue.record_controller_exit(tmp_path, 0)
     requeue.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
     assert requeue.main(["after", str(tmp_path), "137"]) == 0
+    # the controller itself gave up on a worker that never connected: the world did not form either
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "7")
+    requeue.record_startup_failure(tmp_path, "node1", "worker ranks [3] did not connect to the controller")
+    requeue.record_startup_failure(tmp_path, "node2", "a later rank's timeout")  # the first cause is kept
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    assert requeue.main(["after", str(tmp_path), "1", "--max-restarts", "7"]) == requeue.EXIT_WORKER_LOST
+    end = [e for e in read_events(tmp_path) if e["event"] == "end"][-1]
+    assert "MPI world did not form: worker ranks [3] did not connect" in end["reason"], end
+    # the rank stuck in MPI_Init itself replaces the record of a rank that was only waiting for it
+    requeue.record_startup_failure(tmp_path, "node4", "MPI_Init did not finish within 5 s", culprit=True)
+    requeue.record_startup_failure(tmp_path, "node2", "the MPI world did not form within 5 s")
+    assert requeue.startup_failure(tmp_path)["host"] == "node4"
 
 
 @pytest.fixture(scope="module")

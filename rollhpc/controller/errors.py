@@ -28,5 +28,11 @@ class WorkerDied(RunFailed):
         self.host = host
 
 
+class WorldNotFormed(RunFailed):
+    """The MPI world never came together (a rank missing from the first collectives, a worker that never
+    connected): nothing of the run has started, and the process manager or network is the suspect, so a
+    restart is worth trying."""
+
+
 class CallTimeout(RunFailed):
     """A wait for workers ran past its limit; stacks of all ranks were dumped."""

@@ -141,8 +141,13 @@ def _kill_group(pgid: int, wait_s: float = 5.0) -> None:
 
 
 def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
-    """Run the world to completion; returns its exit status (0 = success)."""
+    """Run the world to completion; returns the controller's exit status (0 = success). mpiexec's own
+    status cannot tell: gforker's is 0 whatever its ranks did, so a controller that ended without saying
+    how (killed, or a second signal cut its report short) counts as a failure, never as success."""
+    from rollhpc.launch.requeue import CONTROLLER_EXIT, controller_exit
+
     cmd = build_command(cfg, plan, run_dir)
+    (run_dir / CONTROLLER_EXIT).unlink(missing_ok=True)  # an earlier world's
     # leftovers of earlier worlds that could not clean up (their launcher was SIGKILLed); the age keeps
     # the segments of an MPI job that is starting right now, not yet mapped, out of the sweep
     remove_leaked_segments(set(), min_age_s=120)
@@ -170,12 +175,15 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
         signal.signal(signal.SIGUSR1, previous)
         _kill_group(proc.pid)
         remove_leaked_segments(segments_before)
-    return rc
+    said = controller_exit(run_dir)
+    if said is not None:
+        return said
+    return rc or 1
 
 
 def failure_summary(run_dir: Path, rc: int) -> str:
     err = run_dir / "error.json"
     if err.exists():
         return json.loads(err.read_text())["summary"]
-    return (f"the MPI world exited with status {rc} before the controller could report a cause; "
+    return (f"the MPI world ended (status {rc}) before the controller reported how; "
             f"see the rank logs in {run_dir / 'logs'}")

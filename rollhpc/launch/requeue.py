@@ -112,11 +112,16 @@ def controller_exit(run_dir: Path) -> int | None:
     return int(record["status"])
 
 
-def record_startup_failure(run_dir: Path, host: str, why: str) -> None:
-    """A rank's MPI_Init timed out (rollhpc.mpi_init_guard): RUN_DIR/startup-failed.json for ``after``
-    (worth a restart), and error.json for the user unless a rank already wrote one."""
+def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = False) -> None:
+    """The MPI world did not form (a rank's MPI_Init guard, a rank's deadline on the first collectives, or
+    the controller waiting for connections): RUN_DIR/startup-failed.json for ``after`` (worth a restart),
+    and error.json for the user unless a rank already wrote one. Of an attempt's records the first is kept,
+    unless a later one comes from the ``culprit`` (a rank stuck in MPI_Init itself, which the others were
+    only waiting for)."""
     run_dir = Path(run_dir)
-    _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, **_attempt()})
+    earlier = startup_failure(run_dir)
+    if earlier is None or (culprit and not earlier.get("culprit")):
+        _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, "culprit": culprit, **_attempt()})
     if not (run_dir / "error.json").exists():
         _write_json(run_dir / "error.json", {"summary": why, "type": "MpiInitTimeout", "details": why,
                                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
@@ -215,8 +220,10 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
     if status != srun_status:
         print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
               file=sys.stderr)
-    stalled = startup_failure(run_dir) if said is None else None
-    if stalled:  # no controller to say anything: the MPI world never formed (rollhpc.mpi_init_guard)
+    # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
+    # the first collectives recorded it), or the controller gave up waiting for a worker to connect
+    stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
+    if stalled:
         status = EXIT_WORKER_LOST
         print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
@@ -230,14 +237,14 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
-        what = "the MPI world did not form" if stalled else "a worker was lost"
+        what = f"the MPI world did not form: {stalled['why']}" if stalled else "a worker was lost"
         if restarts >= max_restarts:
             log_event(run_dir, {"event": "end", "status": status,
                                 "reason": f"{what} and the job already restarted {restarts} times "
                                           f"(max_restarts={max_restarts}): giving up"})
             return status
         if stalled:  # which node is at fault is unknown: the next attempt gets the same chance everywhere
-            return requeue(run_dir, job_id, f"{what}: {stalled['why']}", set())
+            return requeue(run_dir, job_id, what, set())
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
