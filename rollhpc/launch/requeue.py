@@ -233,10 +233,6 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
     if status == EXIT_REQUEUE and job_id:
         return requeue(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
-        try:
-            failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
-        except (FileNotFoundError, ValueError):
-            failed = {}
         what = f"the MPI world did not form: {stalled['why']}" if stalled else "a worker was lost"
         if restarts >= max_restarts:
             log_event(run_dir, {"event": "end", "status": status,
@@ -245,6 +241,10 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
             return status
         if stalled:  # which node is at fault is unknown: the next attempt gets the same chance everywhere
             return requeue(run_dir, job_id, what, set())
+        try:
+            failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
+        except (FileNotFoundError, ValueError):
+            failed = {}
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None

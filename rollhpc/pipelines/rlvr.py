@@ -392,19 +392,18 @@ class RlvrPipeline(Pipeline):
             kl = (data["old_logprob"] - data["ref_logprob"]) * mask
             times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
+        reward_kl = kl if kl_in_reward else None  # the per-token KL penalty folded into the rewards, if any
         if o.algorithm == "ppo":
             t = time.perf_counter()
             values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
             times["critic_values_s"] = time.perf_counter() - t
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
-                                                        kl_in_reward)
+            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
             advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
             advantage = adv_mod.whiten(advantage, mask)
             self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
                                         "old_values": values.astype(np.float32)})
         elif o.algorithm == "reinforce_pp" or kl_in_reward > 0:
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
-                                                        kl_in_reward)
+            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
             if o.algorithm == "reinforce_pp":
                 advantage = adv_mod.reinforce_pp_advantages(token_rewards, mask)
             else:
