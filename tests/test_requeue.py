@@ -121,6 +121,7 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     requeue.record_failed_node(tmp_path, "node2", "rank 3 died")
     requeue.record_failed_node(tmp_path, "node4", "rank 5 died")
     assert set(json.loads((tmp_path / requeue.FAILED_NODES).read_text())) == {"node2", "node4"}
+    (tmp_path / "world.json").write_text("[]")  # the attempts below formed their world
     # outside a Slurm job nothing can be requeued: the status passes through and the end is logged
     assert requeue.main(["after", str(tmp_path), "75"]) == 75
     assert requeue.main(["after", str(tmp_path), "0"]) == 0
@@ -156,12 +157,14 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     assert "MPI world did not form" in end["reason"] and "giving up" in end["reason"]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "6")  # the record belongs to the attempt before
     assert requeue.startup_failure(tmp_path) is None
+    (tmp_path / "world.json").write_text("[]")  # and this attempt's world formed: srun's status stands
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
     requeue.record_controller_exit(tmp_path, 0)
     requeue.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
     assert requeue.main(["after", str(tmp_path), "137"]) == 0
     # the controller itself gave up on a worker that never connected: the world did not form either
     monkeypatch.setenv("SLURM_RESTART_COUNT", "7")
+    (tmp_path / "world.json").unlink()
     requeue.record_startup_failure(tmp_path, "node1", "worker ranks [3] did not connect to the controller")
     requeue.record_startup_failure(tmp_path, "node2", "a later rank's timeout")  # the first cause is kept
     requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
@@ -172,6 +175,15 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     requeue.record_startup_failure(tmp_path, "node4", "MPI_Init did not finish within 5 s", culprit=True)
     requeue.record_startup_failure(tmp_path, "node2", "the MPI world did not form within 5 s")
     assert requeue.startup_failure(tmp_path)["host"] == "node4"
+    # srun failed and no world formed in this attempt (a rank crashed in start-up): a restart is worth it too
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "8")
+    assert requeue.main(["after", str(tmp_path), "134", "--max-restarts", "8"]) == requeue.EXIT_WORKER_LOST
+    end = [e for e in read_events(tmp_path) if e["event"] == "end"][-1]
+    assert "MPI world did not form: srun exited 134 before every rank had joined" in end["reason"], end
+    (tmp_path / "world.json").write_text("[]")  # once the world formed, srun's status stands again
+    assert requeue.main(["after", str(tmp_path), "134"]) == 134
+    requeue.main(["start", str(tmp_path)])  # each attempt's world is its own
+    assert not (tmp_path / "world.json").exists()
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,10 @@ srun's: srun reports the worst status of all tasks, and a killed worker's 137 wo
   wrote the node to RUN_DIR/failed-nodes.json; requeue with those nodes excluded
   (``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release``: a running job's excluded nodes
   cannot be changed, a held one's can), up to ``--max-restarts`` restarts.
-* no word from the controller, but a rank's MPI_Init timed out (RUN_DIR/startup-failed.json, written by
-  ``rollhpc.mpi_init_guard``): the world never formed; requeue like a lost worker, nodes unchanged.
+* the world never formed: a rank's MPI_Init or first collectives timed out, or the controller gave up on
+  a worker that never connected (RUN_DIR/startup-failed.json, from ``rollhpc.mpi_init_guard`` and
+  ``rollhpc.rank``), or srun failed before the controller wrote RUN_DIR/world.json for this attempt (a
+  rank crashed in start-up, e.g. inside the MPI library): requeue like a lost worker, nodes unchanged.
 * anything else (0, a Python error in a worker, a bad config): no requeue; the job ends with it.
 
 When the node that dies is the batch host itself, this script dies with it: Slurm then requeues the job
@@ -43,6 +45,7 @@ RESTARTS_LOG = "restarts.jsonl"
 FAILED_NODES = "failed-nodes.json"
 CONTROLLER_EXIT = "controller-exit.json"
 STARTUP_FAILED = "startup-failed.json"
+WORLD = "world.json"  # written by the controller once every rank has joined (rollhpc.rank)
 
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -191,6 +194,7 @@ def cmd_start(run_dir: Path) -> int:
         later = events[events.index(last) + 1:]
         ended = [e for e in later if e.get("event") in ("requeue", "end")]
         previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
+    (Path(run_dir) / WORLD).unlink(missing_ok=True)  # an earlier attempt's world; this one's proves it formed
     log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
                         "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                         "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
@@ -223,6 +227,9 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
     # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
     # the first collectives recorded it), or the controller gave up waiting for a worker to connect
     stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
+    if stalled is None and said is None and srun_status != 0 and not (Path(run_dir) / WORLD).exists():
+        stalled = {"why": f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
+                          f"are in the output above"}
     if stalled:
         status = EXIT_WORKER_LOST
         print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
