@@ -1,13 +1,16 @@
-"""A time limit on ``MPI_Init``, which has none of its own.
+"""A time limit on forming the MPI world, which has none of its own.
 
 When the MPI library cannot form the world (a rank that died during start-up, a corrupted address
-exchange through the process manager, a node whose network is gone), the ranks that did reach
-``MPI_Init`` wait in it forever, and on Slurm the allocation sits idle until its time limit. A Python
-timer cannot help: the thread that would fire it needs the interpreter, which the blocked call holds.
-So a forked watcher process waits on a pipe instead; if the rank does not report "initialized" in
-time, the watcher says so on the rank's stderr (the job's output), records the failure for the batch
-script (RUN_DIR/startup-failed.json: a restart is worth trying) and the run (RUN_DIR/error.json),
-and kills the rank. The watcher also ends when the rank ends, whatever the reason.
+exchange through the process manager, a node whose network is gone), the ranks wait forever, in
+``MPI_Init`` or in the first collectives, and on Slurm the allocation sits idle until its time limit.
+Nothing inside the rank can be trusted to end that: a Python timer needs the interpreter, which a blocked
+call may hold, and a rank (or its Slurm step's I/O) may be wedged in ways no thread can see. So a forked
+watcher process waits on a pipe instead. The rank reports two milestones, ``mpi_initialized()`` and
+``world_formed()`` (after the first collectives); if the second has not come within the limit, the
+watcher records the failure for the batch script (RUN_DIR/startup-failed.json: a restart is worth trying)
+and the run (RUN_DIR/error.json), kills the rank, and only then says so on the rank's stderr (the job's
+output), with a time limit of its own: a stalled step may no longer read what its tasks write. The
+watcher also ends when the rank ends, whatever the reason.
 """
 
 from __future__ import annotations
@@ -17,14 +20,19 @@ import select
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 from rollhpc.launch.requeue import record_startup_failure
 from rollhpc.parent_death import die_with_parent
 
+_MPI_INITIALIZED = b"i"
+_WORLD_FORMED = b"w"
+
 
 class MpiInitGuard:
-    """Start before ``from mpi4py import MPI``; call ``initialized()`` once it returned."""
+    """Start before ``from mpi4py import MPI``; call ``mpi_initialized()`` once it returned and
+    ``world_formed()`` once the first collectives are done."""
 
     def __init__(self, run_dir: Path, timeout_s: float, role: str | None):
         read_end, self._write_end = os.pipe()
@@ -38,21 +46,46 @@ class MpiInitGuard:
                 os._exit(0)
         os.close(read_end)
 
-    def initialized(self) -> None:
-        os.write(self._write_end, b"1")
+    def mpi_initialized(self) -> None:
+        os.write(self._write_end, _MPI_INITIALIZED)
+
+    def world_formed(self) -> None:
+        os.write(self._write_end, _WORLD_FORMED)
         os.close(self._write_end)
         os.waitpid(self._pid, 0)
 
 
 def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: str | None) -> None:
     die_with_parent(rank_pid)  # go when the rank goes
-    ready, _, _ = select.select([read_end], [], [], timeout_s)
-    if ready:  # "initialized", or end of file: the rank is gone
-        return
+    deadline = time.monotonic() + timeout_s
+    initialized = False
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _, _ = select.select([read_end], [], [], left)
+        if not ready:
+            break
+        got = os.read(read_end, 16)
+        if not got or _WORLD_FORMED in got:  # end of file (the rank is gone), or the world is up
+            return
+        initialized = True
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     who = f"{'role ' + repr(role) + ', ' if role else ''}pid {rank_pid} on {host}"
-    why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
-           f"the MPI library could not form the world; its own errors, if any, are in the output above")
-    print(f"rollhpc: {why}", file=sys.stderr, flush=True)
-    record_startup_failure(run_dir, host, why, culprit=True)
+    if initialized:
+        why = (f"the MPI world did not form within {timeout_s:g} s ({who} finished MPI_Init, not the first "
+               f"collectives; controller.world_timeout_s): some rank never joined it")
+    else:
+        why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
+               f"the MPI library could not form the world; its own errors, if any, are in the output above")
+    record_startup_failure(run_dir, host, why, culprit=not initialized)
     os.kill(rank_pid, signal.SIGKILL)
+    signal.signal(signal.SIGALRM, _give_up_writing)
+    signal.alarm(10)
+    try:
+        print(f"rollhpc: {why}", file=sys.stderr, flush=True)
+    except (OSError, TimeoutError):
+        pass
+    finally:
+        signal.alarm(0)
+
+
+def _give_up_writing(signum, frame):  # noqa: ARG001
+    raise TimeoutError("stderr is not being read")

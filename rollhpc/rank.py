@@ -14,7 +14,6 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +22,7 @@ import yaml
 
 from rollhpc import config as config_mod
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.parent_death import die_with_parent
 
 log = logging.getLogger("rollhpc")
@@ -63,20 +63,6 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
     return summary
 
 
-def _world_timed_out(run_dir: Path, rank: int, role: str, limit: float) -> None:
-    """Every rank's own deadline on the first collectives (they cannot time out): the rank says so, records
-    the failure for the batch script's requeue decision like a stalled MPI_Init, and leaves."""
-    from rollhpc.launch.requeue import record_startup_failure
-
-    msg = (f"the MPI world did not form within {limit:g} s (controller.world_timeout_s): some rank never "
-           f"joined it; see the logs in {run_dir / 'logs'}")
-    if rank == 0:
-        _write_error(run_dir, RuntimeError(msg))
-    print(f"rollhpc: rank {rank} ({role}): {msg}", file=sys.stderr, flush=True)
-    record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), msg)
-    os._exit(1)
-
-
 class _Terminated(Exception):
     pass
 
@@ -105,11 +91,13 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _test_stall_requested() -> bool:
-    """ROLLHPC_TEST_STALL_MPI_INIT=N: world rank N stalls before MPI_Init, on a run's first attempt only."""
-    wanted = os.environ.get("ROLLHPC_TEST_STALL_MPI_INIT")
+def _test_stall_requested(where: str) -> bool:
+    """Tests: ROLLHPC_TEST_STALL_MPI_INIT=N makes world rank N stall before MPI_Init, =N:collectives right
+    after it (before the first collective); on a run's first attempt only."""
+    rank, _, phase = os.environ.get("ROLLHPC_TEST_STALL_MPI_INIT", "").partition(":")
     me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
-    return wanted is not None and wanted == me and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    return (bool(rank) and rank == me and (phase or "mpi_init") == where
+            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,16 +109,16 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
     from rollhpc.launch.device_mapping import WorldPlan
 
-    from rollhpc.mpi_init_guard import MpiInitGuard
-
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
-    if _test_stall_requested():
+    if _test_stall_requested("mpi_init"):
         time.sleep(3600)  # tests: a rank that never reaches MPI_Init
     from mpi4py import MPI
 
-    guard.initialized()
+    guard.mpi_initialized()
+    if _test_stall_requested("collectives"):
+        time.sleep(3600)  # tests: a rank that never reaches the first collective
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = WorldPlan.load(run_dir / "plan.json")
@@ -143,24 +131,21 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
               file=sys.stderr, flush=True)
         comm.Abort(2)
     gpus = bind_gpus(me.gpus)
-    # MPI collectives cannot time out: if a rank never arrives, the others would wait forever.
-    watchdog = threading.Timer(cfg.controller.world_timeout_s, _world_timed_out,
-                               (run_dir, rank, my_role, cfg.controller.world_timeout_s))
-    watchdog.daemon = True
-    watchdog.start()
+    # MPI collectives cannot time out: if a rank never arrives, the others would wait forever (the guard
+    # ends them at controller.world_timeout_s, until world_formed())
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # simulated Slurm nodes share a hostname
     everyone = comm.allgather((my_role, host, os.getpid(), gpus, socket.gethostname()))
     role_names = [CONTROLLER_ROLE, *cfg.roles]
     role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)
     if rank == 0:
-        return _run_controller(comm, cfg, plan, run_dir, everyone, watchdog)
+        return _run_controller(comm, cfg, plan, run_dir, everyone, guard)
     # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
     # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return _run_worker(comm, role_comm, cfg, run_dir, me, watchdog)
+    return _run_worker(comm, role_comm, cfg, run_dir, me, guard)
 
 
-def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watchdog: threading.Timer) -> int:
+def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
     from rollhpc.workers.base import WorkerContext
@@ -169,7 +154,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
     role, rank = me.role, me.rank
     address = comm.bcast(None, root=0)
     sideband = WorkerSideband(address, rank)
-    watchdog.cancel()  # from here the sideband ends this process if the controller goes
+    guard.world_formed()  # from here the sideband ends this process if the controller goes
     rc = cfg.roles[role]
     ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(me.group_rank), group_size=rc.procs,
                         role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed, layout=rc.layout())
@@ -181,7 +166,7 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, watch
     return 0
 
 
-def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, watchdog: threading.Timer) -> int:
+def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
     global _reporting_failure
     from rollhpc.controller.errors import RunFailed, WorkerDied, WorldNotFormed
     from rollhpc.controller.pipeline import RunContext
@@ -202,7 +187,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     else:  # workers on other machines reach the controller by its host name
         sideband = ControllerSideband("", advertise=socket.getfqdn())
     comm.bcast(sideband.address, root=0)
-    watchdog.cancel()  # the remaining start-up waits have their own time limits
+    guard.world_formed()  # the remaining start-up waits have their own time limits
     ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
              for p in plan.ranks if p.role != CONTROLLER_ROLE}
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,

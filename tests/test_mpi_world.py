@@ -183,7 +183,7 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
 def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_path):
     """A rank stalled before its MPI_Init ends is ended by its guard (a forked watcher: a Python timer
     cannot fire while MPI_Init holds the interpreter), which records the failure for the batch script's
-    requeue decision; the ranks that got through stop at the world timeout of the first collective."""
+    requeue decision; the ranks that got through MPI_Init are ended by theirs, in the first collective."""
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 2}},
@@ -194,9 +194,32 @@ def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_pat
                          capture_output=True, timeout=90, env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": "2"})
     assert res.returncode != 0 and time.monotonic() - t0 < 60
     assert "rollhpc: MPI_Init did not finish within 5 s (role 'probe', pid " in res.stderr, res.stderr[-2000:]
-    assert "the MPI world did not form within 5 s" in res.stderr.strip().splitlines()[-1]
+    # the ranks that got through MPI_Init were ended by their guards too; the stalled one is named as the cause
+    assert "the MPI world did not form within 5 s" in res.stderr, res.stderr[-2000:]
+    assert "MPI_Init did not finish within 5 s (role 'probe'" in res.stderr.strip().splitlines()[-1]
     record = json.loads((run_dir / "startup-failed.json").read_text())
     assert "MPI_Init did not finish" in record["why"] and record["job_id"] is None
+    assert_no_orphans(run_dir)
+
+
+def test_rank_missing_from_the_first_collectives_hits_the_world_timeout(experiment, tmp_path):
+    """Every rank got through MPI_Init but one never reaches the first collective: the others wait in it,
+    where nothing inside a rank can end the wait; their guards end every rank at the same limit."""
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+        "roles": {"probe": {"worker": PROBE, "procs": 2}},
+        "controller": {"world_timeout_s": 5.0},
+    })
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, text=True,
+                         capture_output=True, timeout=90,
+                         env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": "2:collectives"})
+    assert res.returncode == 1 and time.monotonic() - t0 < 60, res.stderr[-2000:]
+    assert "MPI_Init did not finish" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert "the MPI world did not form within 5 s (" in last and "finished MPI_Init, not the first collectives" in last
+    record = json.loads((run_dir / "startup-failed.json").read_text())
+    assert "the MPI world did not form" in record["why"] and not record["culprit"]
     assert_no_orphans(run_dir)
 
 

@@ -149,7 +149,7 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
     requeue.record_startup_failure(tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7 on node3)")
-    assert json.loads((tmp_path / "error.json").read_text())["type"] == "MpiInitTimeout"
+    assert json.loads((tmp_path / "error.json").read_text())["type"] == "WorldNotFormed"
     assert requeue.startup_failure(tmp_path)["host"] == "node3"
     # srun's 137 (the guard's SIGKILL) with no word from the controller: a restart, counted like a lost worker
     assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "5"]) == requeue.EXIT_WORKER_LOST

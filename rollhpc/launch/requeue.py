@@ -116,18 +116,19 @@ def controller_exit(run_dir: Path) -> int | None:
 
 
 def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = False) -> None:
-    """The MPI world did not form (a rank's MPI_Init guard, a rank's deadline on the first collectives, or
-    the controller waiting for connections): RUN_DIR/startup-failed.json for ``after`` (worth a restart),
-    and error.json for the user unless a rank already wrote one. Of an attempt's records the first is kept,
-    unless a later one comes from the ``culprit`` (a rank stuck in MPI_Init itself, which the others were
-    only waiting for)."""
+    """The MPI world did not form (a rank's guard, rollhpc.mpi_init_guard, or the controller waiting for
+    connections): RUN_DIR/startup-failed.json for ``after`` (worth a restart), and error.json for the user
+    unless a rank already wrote one. Of an attempt's records the first is kept, unless a later one comes
+    from the ``culprit`` (a rank stuck in MPI_Init itself, which the others were only waiting for)."""
     run_dir = Path(run_dir)
     earlier = startup_failure(run_dir)
-    if earlier is None or (culprit and not earlier.get("culprit")):
-        _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, "culprit": culprit, **_attempt()})
-    if not (run_dir / "error.json").exists():
-        _write_json(run_dir / "error.json", {"summary": why, "type": "MpiInitTimeout", "details": why,
-                                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    if earlier is not None and (earlier.get("culprit") or not culprit):
+        return
+    _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, "culprit": culprit, **_attempt()})
+    error = run_dir / "error.json"
+    if not error.exists() or (culprit and earlier is not None):  # the culprit's word over a waiting rank's
+        _write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
+                            "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def startup_failure(run_dir: Path) -> dict[str, Any] | None:
