@@ -9,8 +9,8 @@ watcher process waits on a pipe instead. The rank reports two milestones, ``mpi_
 ``world_formed()`` (after the first collectives); if the second has not come within the limit, the
 watcher records the failure for the batch script (RUN_DIR/startup-failed.json: a restart is worth trying)
 and the run (RUN_DIR/error.json), kills the rank, and only then says so on the rank's stderr (the job's
-output), with a time limit of its own: a stalled step may no longer read what its tasks write. The
-watcher also ends when the rank ends, whatever the reason.
+output), with a time limit of its own: a stalled step may no longer read what its tasks write. Until
+then the watcher also ends when the rank ends, whatever the reason.
 """
 
 from __future__ import annotations
@@ -76,9 +76,10 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
         why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
                f"the MPI library could not form the world; its own errors, if any, are in the output above")
     record_startup_failure(run_dir, host, why, culprit=not initialized)
+    die_with_parent(None, signal_number=0)  # outlive the rank for the message below
     os.kill(rank_pid, signal.SIGKILL)
     signal.signal(signal.SIGALRM, _give_up_writing)
-    signal.alarm(10)
+    signal.alarm(5)
     try:
         print(f"rollhpc: {why}", file=sys.stderr, flush=True)
     except (OSError, TimeoutError):

@@ -16,14 +16,15 @@ import signal
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
+def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.SIGKILL) -> None:
     """SIGKILL this process when its parent exits. ``parent_pid``: the parent it should have; if that
-    one is already gone (we were re-parented before asking), exit at once. No-op where prctl is missing
-    (not Linux) or when ROLLHPC_NO_PDEATHSIG is set (debugging a rank under a debugger that re-parents)."""
+    one is already gone (we were re-parented before asking), exit at once. ``signal_number=0`` takes the
+    request back. No-op where prctl is missing (not Linux) or when ROLLHPC_NO_PDEATHSIG is set (debugging
+    a rank under a debugger that re-parents)."""
     if os.environ.get("ROLLHPC_NO_PDEATHSIG"):
         return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal_number)
     except (OSError, AttributeError):
         return
     if parent_pid is not None and os.getppid() != parent_pid:
