@@ -180,10 +180,9 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
     assert_no_orphans(run_dir)
 
 
-def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_path):
-    """A rank stalled before its MPI_Init ends is ended by its guard (a forked watcher: a Python timer
-    cannot fire while MPI_Init holds the interpreter), which records the failure for the batch script's
-    requeue decision; the ranks that got through MPI_Init are ended by theirs, in the first collective."""
+def run_stalled_world(experiment, tmp_path: Path, stall: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """A 3-rank world with a 5 s controller.world_timeout_s in which one rank stalls (ROLLHPC_TEST_STALL_MPI_INIT);
+    returns once it ended, which must be well before the test's own limit."""
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 2}},
@@ -191,8 +190,16 @@ def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_pat
     })
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, text=True,
-                         capture_output=True, timeout=90, env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": "2"})
-    assert res.returncode != 0 and time.monotonic() - t0 < 60
+                         capture_output=True, timeout=90, env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": stall})
+    assert res.returncode == 1 and time.monotonic() - t0 < 60, res.stderr[-2000:]
+    return res, run_dir
+
+
+def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_path):
+    """A rank stalled before its MPI_Init ends is ended by its guard (a forked watcher: a Python timer
+    cannot fire while MPI_Init holds the interpreter), which records the failure for the batch script's
+    requeue decision; the ranks that got through MPI_Init are ended by theirs, in the first collective."""
+    res, run_dir = run_stalled_world(experiment, tmp_path, "2")
     assert "rollhpc: MPI_Init did not finish within 5 s (role 'probe', pid " in res.stderr, res.stderr[-2000:]
     # the ranks that got through MPI_Init were ended by their guards too; the stalled one is named as the cause
     assert "the MPI world did not form within 5 s" in res.stderr, res.stderr[-2000:]
@@ -205,16 +212,7 @@ def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_pat
 def test_rank_missing_from_the_first_collectives_hits_the_world_timeout(experiment, tmp_path):
     """Every rank got through MPI_Init but one never reaches the first collective: the others wait in it,
     where nothing inside a rank can end the wait; their guards end every rank at the same limit."""
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 2}},
-        "controller": {"world_timeout_s": 5.0},
-    })
-    t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, text=True,
-                         capture_output=True, timeout=90,
-                         env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": "2:collectives"})
-    assert res.returncode == 1 and time.monotonic() - t0 < 60, res.stderr[-2000:]
+    res, run_dir = run_stalled_world(experiment, tmp_path, "2:collectives")
     assert "MPI_Init did not finish" not in res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert "the MPI world did not form within 5 s (" in last and "finished MPI_Init, not the first collectives" in last
