@@ -173,14 +173,14 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
-    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit, record_failed_node,
-                                        record_startup_failure)
+    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, WORLD, record_controller_exit,
+                                        record_failed_node, record_startup_failure)
     from rollhpc.transport.sideband import ControllerSideband
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     hosts = {e[1] for e in everyone}
-    (run_dir / "world.json").write_text(json.dumps(
+    (run_dir / WORLD).write_text(json.dumps(
         [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)]))
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
@@ -228,7 +228,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
             record_failed_node(run_dir, e.host, e.summary)
         elif isinstance(e, WorldNotFormed):  # restartable: which node is at fault is unknown
             status = EXIT_WORKER_LOST
-            record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), e.summary)
+            record_startup_failure(run_dir, everyone[0][1], e.summary)
         record_controller_exit(run_dir, status)
         for h in logging.getLogger().handlers:
             h.flush()
