@@ -91,13 +91,18 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _test_stall_requested(where: str) -> bool:
+def _test_stall(where: str) -> None:
     """Tests: ROLLHPC_TEST_STALL_MPI_INIT=N makes world rank N stall before MPI_Init, =N:collectives right
-    after it (before the first collective); on a run's first attempt only."""
+    after it (before the first collective), =N:deaf before MPI_Init with SIGTERM, SIGINT and SIGHUP held
+    back (as a rank blocked inside C whose handler never runs); on a run's first attempt only."""
     rank, _, phase = os.environ.get("ROLLHPC_TEST_STALL_MPI_INIT", "").partition(":")
     me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
-    return (bool(rank) and rank == me and (phase or "mpi_init") == where
-            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0")
+    if not rank or rank != me or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return
+    if (phase or "mpi_init") == where or (phase == "deaf" and where == "mpi_init"):
+        if phase == "deaf":
+            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+        time.sleep(3600)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,15 +115,15 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     from rollhpc.launch.device_mapping import WorldPlan
 
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
+    for signum in (signal.SIGTERM, signal.SIGHUP):  # until the world forms, a step's end ends this rank
+        signal.signal(signum, signal.SIG_DFL)
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
-    if _test_stall_requested("mpi_init"):
-        time.sleep(3600)  # tests: a rank that never reaches MPI_Init
+    _test_stall("mpi_init")
     from mpi4py import MPI
 
     guard.mpi_initialized()
-    if _test_stall_requested("collectives"):
-        time.sleep(3600)  # tests: a rank that never reaches the first collective
+    _test_stall("collectives")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = WorldPlan.load(run_dir / "plan.json")
@@ -177,8 +182,6 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
                                         record_failed_node, record_startup_failure)
     from rollhpc.transport.sideband import ControllerSideband
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     hosts = {e[1] for e in everyone}
     (run_dir / WORLD).write_text(json.dumps(
         [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)]))
@@ -188,6 +191,9 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         sideband = ControllerSideband("", advertise=socket.getfqdn())
     comm.bcast(sideband.address, root=0)
     guard.world_formed()  # the remaining start-up waits have their own time limits
+    # from here a signal becomes a reported failure; before, the default action ended the rank (mpi_init_guard)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
              for p in plan.ranks if p.role != CONTROLLER_ROLE}
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
