@@ -116,12 +116,24 @@ def _prepare_inputs(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"preparing the run's inputs: {e}") from e
 
 
+def _check_inputs(cfg: ExperimentConfig, refuse: bool) -> None:
+    """Model directories the run would load (``config.missing_inputs``): a run started without one fails only
+    once its world is up, so ``train`` and ``submit`` refuse it here; ``plan`` and ``--dry-run`` only print, for
+    a model that may exist on the cluster alone, and warn."""
+    problems = config_mod.missing_inputs(cfg)
+    if problems and refuse:
+        raise ConfigError("; ".join(problems))
+    for problem in problems:
+        print(f"rollhpc: warning: {problem}; train and submit refuse to start without it", file=sys.stderr)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
     from rollhpc.launch.requeue import EXIT_REQUEUE
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = local_plan(cfg)
+    _check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
         return 0
@@ -148,6 +160,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = plan_world(cfg)
+    _check_inputs(cfg, refuse=False)
     if args.json:
         print(plan.to_json())
         return 0
@@ -163,6 +176,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
+    _check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(render_sbatch(cfg, plan, cfg.run.run_dir.resolve()))
         return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -96,7 +97,9 @@ class ClusterConfig:
     partition: str = ""
     account: str = ""
     qos: str = ""
-    time_limit: str = "01:00:00"
+    # sbatch --time, in one of SLURM_TIME_FORMS, as a string: quote it in a YAML file (unquoted, YAML reads
+    # 4:00:00 as the base-60 number 14400), so a number is refused rather than guessed at
+    time_limit: str | int = "01:00:00"
     mem_per_node: str = ""  # e.g. "256G"; empty: the partition's default
     srun_mpi: str = "pmi2"  # srun --mpi=... (pmi2 for MPICH, pmix for Open MPI)
     sbatch_extra: list[str] = field(default_factory=list)  # more "--key=value" options for every component
@@ -104,10 +107,61 @@ class ClusterConfig:
     requeue: bool = True  # Slurm requeues the job after a node failure; the run resumes from its checkpoint
     max_restarts: int = 5  # requeues after a lost worker before the job gives up
     stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
+    # a job Slurm left held after a failed relaunch ("launch failed requeued held"): `rollhpc submit --wait`
+    # releases it, once per attempt, when true; otherwise it says which command releases it
+    release_held: bool = False
+    # once the controller has ended, how long srun may take to end by itself before the batch script ends
+    # the step: srun can wait forever for a task on a lost node that came back under a new slurmd
+    end_grace_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.stop_before_limit_s < 0:
             raise ValueError("cluster.max_restarts and cluster.stop_before_limit_s must be >= 0")
+        if isinstance(self.time_limit, int):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
+            raise ConfigError(
+                f"cluster.time_limit: got the number {self.time_limit}, which YAML also makes of an unquoted "
+                f"H:MM:SS ({self.time_limit // 3600}:{self.time_limit % 3600 // 60:02d}:{self.time_limit % 60:02d} "
+                f"gives {self.time_limit}): quote it in a YAML file ('4:00:00', '90'), or write it with a colon on "
+                "the command line (cluster.time_limit=90:00 for 90 minutes)")
+        try:  # sbatch would refuse it only once the job is submitted; a typo must not get that far
+            limit_s = parse_slurm_time(self.time_limit)
+        except ValueError as e:
+            raise ConfigError(f"cluster.time_limit: {e}") from None
+        if limit_s is not None and 0 < limit_s <= self.stop_before_limit_s:
+            raise ConfigError(
+                f"cluster.stop_before_limit_s: {self.stop_before_limit_s} s is not shorter than cluster.time_limit="
+                f"{self.time_limit} ({limit_s} s): the time-limit warning would come at once; lower it (0: off) or "
+                "raise the time limit")
+
+
+SLURM_TIME_FORMS = ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
+                    "days-hours:minutes:seconds", "UNLIMITED")
+_SLURM_TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?")
+
+
+def parse_slurm_time(text: str) -> int | None:
+    """Seconds in a Slurm time limit (sbatch --time), None for UNLIMITED or INFINITE (any case).
+
+    Accepts exactly Slurm's forms (``SLURM_TIME_FORMS``); fields may exceed their unit (90:00 is 90 minutes),
+    as Slurm normalizes them. Refuses anything else, and a zero limit: Slurm reads 0 as "no limit", which is
+    written UNLIMITED here so that a slip (0:00, 0-0) does not ask for a job without end.
+    """
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    forms = f"accepted forms: {', '.join(SLURM_TIME_FORMS)} (e.g. 90, 4:00:00, 2-12:00:00)"
+    m = _SLURM_TIME.fullmatch(text)
+    if m is None:
+        raise ValueError(f"{text!r} is not a Slurm time limit; {forms}")
+    days, a, b, c = (int(x) if x is not None else None for x in m.group("days", "a", "b", "c"))
+    if days is not None:  # days-hours[:minutes[:seconds]]
+        seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    elif c is not None:  # hours:minutes:seconds
+        seconds = a * 3600 + b * 60 + c
+    else:  # minutes[:seconds]
+        seconds = a * 60 + (b or 0)
+    if seconds == 0:
+        raise ValueError(f"{text!r} is zero, which Slurm reads as no limit at all: write UNLIMITED for that; {forms}")
+    return seconds
 
 
 @dataclass(kw_only=True)
@@ -273,6 +327,40 @@ def load(data: dict[str, Any]) -> ExperimentConfig:
     cfg = from_dict(ExperimentConfig, data, "config")
     validate(cfg)
     return cfg
+
+
+def missing_inputs(cfg: ExperimentConfig) -> list[str]:
+    """The model directories the run would load that are not there: one message per path, naming its keys.
+
+    Every ``model_dir`` of the pipeline's and the roles' options must be a directory with a config.json,
+    unless the pipeline's ``prepare`` builds it (its ``prepared_paths``, e.g. the RLVR warm start). Not part
+    of ``load``: ``rollhpc plan`` and ``submit --dry-run`` describe configs whose models live on the cluster
+    (configs/qwen2.5-7b_grpo.yaml), so ``rollhpc train`` and ``submit`` refuse these and the others warn.
+    Without the check a missing model fails only once the world is up, in a worker's start-up.
+    """
+    pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
+    prepared_paths = getattr(pipeline, "prepared_paths", None)
+    built = prepared_paths(cfg.pipeline.options) if prepared_paths is not None else []
+    prepared = {Path(p).expanduser().resolve() for p in built}
+    keys_by_path: dict[Path, list[str]] = {}
+    options = [("pipeline.options", cfg.pipeline.options)]
+    options += [(f"roles.{name}.options", role.options) for name, role in cfg.roles.items()]
+    for where, opts in options:
+        model_dir = getattr(opts, "model_dir", None)
+        if not isinstance(model_dir, str):
+            continue
+        path = Path(model_dir).expanduser().resolve()
+        if path not in prepared and not (path / "config.json").is_file():
+            keys_by_path.setdefault(path, []).append(f"{where}.model_dir")
+    hints = ["point it at a local copy of the model", "build a tiny one with `rollhpc sft DIR`"]
+    if hasattr(cfg.pipeline.options, "warm_start"):
+        hints.append("set pipeline.options.warm_start to build it at start")
+    hint = f"{', '.join(hints[:-1])} or {hints[-1]}"
+    problems = []
+    for path, keys in keys_by_path.items():
+        what = f"{path} has no config.json" if path.is_dir() else f"no model directory at {path}"
+        problems.append(f"{', '.join(keys)}: {what} (a Hugging Face checkpoint directory: {hint})")
+    return problems
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

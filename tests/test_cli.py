@@ -57,6 +57,22 @@ def test_config_error_is_one_clear_line_and_starts_nothing(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_missing_model_directory_stops_train_and_submit_and_plan_warns(tmp_path):
+    no_model = ["pipeline.options.model_dir=nowhere", "pipeline.options.warm_start=null"]
+    refused = (f"rollhpc: config error: pipeline.options.model_dir, roles.train.options.model_dir, "
+               f"roles.generate.options.model_dir, roles.reward.options.model_dir: no model directory at "
+               f"{tmp_path.resolve() / 'nowhere'} (a Hugging Face checkpoint directory: point it at a local copy of "
+               f"the model, build a tiny one with `rollhpc sft DIR` or set pipeline.options.warm_start to build it at "
+               f"start)")
+    for command in ("train", "submit"):
+        res = rollhpc(command, "quickstart", *no_model, cwd=tmp_path)
+        assert (res.returncode, res.stderr.strip()) == (2, refused)
+    assert not (tmp_path / "runs").exists()
+    res = rollhpc("plan", "quickstart", *no_model, "--no-ranks", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout
+    assert res.stderr.startswith("rollhpc: warning: pipeline.options.model_dir, roles.train.options.model_dir")
+
+
 def test_existing_run_directory_is_not_overwritten_by_accident(tmp_path):
     (tmp_path / "runs" / "toy_grpo").mkdir(parents=True)
     res = rollhpc("train", "toy_grpo", cwd=tmp_path)

@@ -100,3 +100,80 @@ def test_every_shipped_experiment_loads_and_plans(name):
     cfg = load_experiment(name, [])
     plan = plan_world(cfg)
     assert plan.world_size == cfg.world_size()
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("90", 5400), ("90:30", 5430), ("4:00:00", 14400), ("1:90:00", 9000), ("2-12", 216000), ("2-12:30", 217800),
+    ("1-00:00:01", 86401), ("UNLIMITED", None), ("infinite", None),
+])
+def test_slurm_time_limits_parse_to_seconds(text, seconds):
+    assert config.parse_slurm_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["banana", "", "1:2:3:4", "1-", "-5", "1-2-3", "1:", ":30", "1h", " 90", "٣", "0",
+                                  "0-0:00"])
+def test_malformed_or_zero_slurm_time_limits_are_refused(text):
+    with pytest.raises(ValueError, match="accepted forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours"):
+        config.parse_slurm_time(text)
+
+
+def test_cluster_time_limit_is_checked_at_load():
+    with pytest.raises(ConfigError, match=r"^cluster.time_limit: 'banana' is not a Slurm time limit; accepted forms: "
+                       r"minutes, .*, UNLIMITED"):
+        config.load(minimal(cluster={"time_limit": "banana"}))
+    with pytest.raises(ConfigError, match=r"^cluster.time_limit: '0' is zero, which Slurm reads as no limit"):
+        config.load(minimal(cluster={"time_limit": "0"}))
+    with pytest.raises(ConfigError, match=r"got the number 14400, .*\(4:00:00 gives 14400\): quote it"):
+        config.load(minimal(cluster={"time_limit": 14400}))  # `time_limit: 4:00:00` unquoted in a YAML file
+    assert load_experiment("toy_grpo", ["cluster.time_limit=2-00:00:00"]).cluster.time_limit == "2-00:00:00"
+
+
+def test_time_limit_warning_must_come_before_the_limit():
+    with pytest.raises(ConfigError, match=r"cluster.stop_before_limit_s: 300 s is not shorter than "
+                       r"cluster.time_limit=5 \(300 s\): the time-limit warning would come at once"):
+        config.load(minimal(cluster={"time_limit": "5"}))
+    assert config.load(minimal(cluster={"time_limit": "5", "stop_before_limit_s": 0})).cluster.time_limit == "5"
+    assert config.load(minimal(cluster={"time_limit": "UNLIMITED", "stop_before_limit_s": 10**6}))
+
+
+def test_group_relative_algorithms_need_two_samples_per_group():
+    for algorithm, why in (("grpo", "always 0 in a group of one"), ("rloo", "leave one out")):
+        with pytest.raises(ConfigError, match=rf"pipeline.options: rollout.group_size=1 with algorithm={algorithm}: "
+                           rf".*{why}.*; set rollout.group_size >= 2, or .*algorithm=reinforce_pp"):
+            load_experiment("quickstart", ["pipeline.options.rollout.group_size=1",
+                                           f"pipeline.options.algorithm={algorithm}"])
+    one = ["pipeline.options.rollout.group_size=1", "pipeline.options.algorithm=reinforce_pp"]
+    with pytest.raises(ConfigError, match=r"rollout.group_size=1 with rollout.dynamic_sampling=true: dynamic sampling "
+                       r"drops every group whose rewards are all equal"):
+        load_experiment("quickstart", one)
+    assert load_experiment("quickstart", [*one, "pipeline.options.rollout.dynamic_sampling=false"])
+    with pytest.raises(ConfigError, match=r"pipeline.options: group_size=1: GRPO's advantage .* always 0"):
+        load_experiment("toy_grpo", ["pipeline.options.group_size=1"])
+
+
+def test_missing_model_directories_are_named_by_key(tmp_path):
+    gone = tmp_path / "gone"
+    cfg = load_experiment("quickstart", [f"pipeline.options.model_dir={gone}"])
+    assert config.missing_inputs(cfg) == []  # the warm start builds it before any rank starts
+    cfg = load_experiment("quickstart", [f"pipeline.options.model_dir={gone}", "pipeline.options.warm_start=null"])
+    assert config.missing_inputs(cfg) == [
+        "pipeline.options.model_dir, roles.train.options.model_dir, roles.generate.options.model_dir, "
+        f"roles.reward.options.model_dir: no model directory at {gone} (a Hugging Face checkpoint directory: "
+        "point it at a local copy of the model, build a tiny one with `rollhpc sft DIR` or set "
+        "pipeline.options.warm_start to build it at start)"]
+    model = tmp_path / "model"
+    model.mkdir()
+    other = [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
+             f"roles.reward.options.model_dir={gone}"]
+    no_config, gone_too = config.missing_inputs(load_experiment("quickstart", other))  # one message per path
+    assert no_config.startswith(f"pipeline.options.model_dir, roles.train.options.model_dir, "
+                                f"roles.generate.options.model_dir: {model} has no config.json")
+    assert gone_too.startswith(f"roles.reward.options.model_dir: no model directory at {gone} ")
+    (model / "config.json").write_text("{}")
+    (problem,) = config.missing_inputs(load_experiment("quickstart", other))
+    assert problem.startswith(f"roles.reward.options.model_dir: no model directory at {gone} ")
+    # a role reading the directory the warm start builds waits for it too; one elsewhere does not
+    cfg = load_experiment("quickstart", [f"pipeline.options.model_dir={gone}", f"roles.train.options.model_dir={gone}/",
+                                         f"roles.reward.options.model_dir={tmp_path / 'elsewhere'}"])
+    (problem,) = config.missing_inputs(cfg)
+    assert problem.startswith("roles.reward.options.model_dir: no model directory at ")

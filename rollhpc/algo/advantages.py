@@ -8,6 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
+# Estimators whose baseline is made of the other samples of a prompt's group, and why one sample is not enough.
+GROUP_BASELINES = {
+    "grpo": "GRPO's advantage is a sample's reward minus its group's mean, always 0 in a group of one (nothing "
+            "is learned)",
+    "rloo": "RLOO's baseline is the mean reward of the group's other samples (leave one out), and a group of one "
+            "has none",
+}
+
 
 def grpo_advantages(rewards: np.ndarray, eps: float = 1e-6, scale: bool = True) -> np.ndarray:
     """GRPO: each sample's reward relative to its prompt group.

@@ -17,7 +17,12 @@ class RunContext:
 
 
 class Pipeline:
-    """Subclasses set ``required_roles`` (checked at config load), an ``Options`` dataclass, and ``run``."""
+    """Subclasses set ``required_roles`` (checked at config load), an ``Options`` dataclass, and ``run``.
+
+    Optional classmethods: ``check_roles(options, roles)`` (cross-checks at config load), ``prepare(options,
+    seed)`` (inputs built before any rank starts) and ``prepared_paths(options)`` (the paths ``prepare``
+    builds, which therefore need not exist beforehand: ``config.missing_inputs``).
+    """
 
     required_roles: ClassVar[tuple[str, ...]] = ()
 

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rollhpc.algo.advantages import GROUP_BASELINES
 from rollhpc.algo.kl_control import KlControlConfig, KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
@@ -152,10 +153,23 @@ class RlvrPipeline(Pipeline):
         def __post_init__(self) -> None:
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
-            if self.algorithm == "rloo" and self.rollout.group_size < 2:
-                raise ValueError("rloo needs rollout.group_size >= 2")
+            self._check_group_size()
             if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
                 raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
+
+        def _check_group_size(self) -> None:
+            """A group too small to learn from would train on zero advantages (or none) without failing."""
+            size = self.rollout.group_size
+            if size < 2 and self.algorithm in GROUP_BASELINES:
+                raise ValueError(f"rollout.group_size={size} with algorithm={self.algorithm}: "
+                                 f"{GROUP_BASELINES[self.algorithm]}; set rollout.group_size >= 2, or use a baseline "
+                                 "that needs no group (algorithm=reinforce_pp, or ppo with a critic role) with "
+                                 "rollout.dynamic_sampling=false")
+            if size < 2 and self.rollout.dynamic_sampling:
+                raise ValueError(f"rollout.group_size={size} with rollout.dynamic_sampling=true: dynamic sampling "
+                                 "drops every group whose rewards are all equal, as a group of one always is, so no "
+                                 "step would get a sample; set rollout.dynamic_sampling=false or rollout.group_size "
+                                 ">= 2")
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
@@ -165,6 +179,11 @@ class RlvrPipeline(Pipeline):
         if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles:
             raise ValueError("a KL term (loss.kl_coef or kl_in_reward > 0) needs a 'reference' role "
                              "(rollhpc.workers.megatron_policy:MegatronReferenceWorker)")
+
+    @classmethod
+    def prepared_paths(cls, options: Options) -> list[str]:
+        """What ``prepare`` builds, so it need not exist before the run starts (``config.missing_inputs``)."""
+        return [options.model_dir] if options.warm_start is not None else []
 
     @classmethod
     def prepare(cls, options: Options, seed: int) -> None:

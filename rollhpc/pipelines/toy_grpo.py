@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollhpc.algo.advantages import grpo_advantages
+from rollhpc.algo.advantages import GROUP_BASELINES, grpo_advantages
 from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.observability.rollouts import RolloutRecord
@@ -35,6 +35,10 @@ class ToyGrpoPipeline(Pipeline):
         modulus: int = 10
         eval_every: int = 10
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
+
+        def __post_init__(self) -> None:
+            if self.group_size < 2:
+                raise ValueError(f"group_size={self.group_size}: {GROUP_BASELINES['grpo']}; set group_size >= 2")
 
     def evaluate(self) -> float:
         prompts = modsum.all_prompts(self.options.modulus)
