@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from rollhpc import config as config_mod
+from rollhpc import faults
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.parent_death import die_with_parent
@@ -91,20 +92,6 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def _test_stall(where: str) -> None:
-    """Tests: ROLLHPC_TEST_STALL_MPI_INIT=N makes world rank N stall before MPI_Init, =N:collectives right
-    after it (before the first collective), =N:deaf before MPI_Init with SIGTERM, SIGINT and SIGHUP held
-    back (as a rank blocked inside C whose handler never runs); on a run's first attempt only."""
-    rank, _, phase = os.environ.get("ROLLHPC_TEST_STALL_MPI_INIT", "").partition(":")
-    me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
-    if not rank or rank != me or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
-        return
-    if (phase or "mpi_init") == where or (phase == "deaf" and where == "mpi_init"):
-        if phase == "deaf":
-            signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
-        time.sleep(3600)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     return run_rank(Path(args[0]), args[1] if len(args) > 1 else None)
@@ -119,11 +106,11 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
         signal.signal(signum, signal.SIG_DFL)
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
-    _test_stall("mpi_init")
+    faults.mpi_stall("mpi_init")
     from mpi4py import MPI
 
     guard.mpi_initialized()
-    _test_stall("collectives")
+    faults.mpi_stall("collectives")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = WorldPlan.load(run_dir / "plan.json")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from rollhpc import faults
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.controller.stop import STOP_FILE
 
@@ -36,11 +37,6 @@ log = logging.getLogger("rollhpc.checkpoint")
 CONTROLLER_DIR = "controller"
 STATE_FILE = "state.pkl"
 SUMMARY_FILE = "state.json"
-# test hook: "STEP:SECONDS" holds the commit of checkpoint STEP back (its files written, not yet sealed),
-# so a test can kill the run while a checkpoint is being written, or have the time-limit warning arrive
-# (the hold ends early once RUN_DIR/stop-request exists); only before the run's first restart (a requeued
-# Slurm job inherits the variable)
-DELAY_ENV = "ROLLHPC_TEST_CHECKPOINT_DELAY"
 
 
 @dataclass(kw_only=True)
@@ -82,17 +78,24 @@ class RunCheckpointer:
                 pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
             (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
-            if not summary.get("restarts"):
-                _test_delay(step, self.store.root.parent / STOP_FILE)
+            stop_file = self.store.root.parent / STOP_FILE
+            faults.checkpoint_commit(step, summary.get("restarts", 0), stop_file, self._watch_workers)
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException:
             self.store.abort(pending)
             raise
+        faults.checkpoint_committed(step, stop_file, self._watch_workers)
         seconds = time.perf_counter() - t0
         log.info("checkpoint %s saved in %.2f s (%s; %s)", checkpoint.path, seconds,
                  ", ".join(f"{r} {s['seconds']:.2f} s" for r, s in role_stats.items()) or "no stateful roles",
                  human_bytes(checkpoint.manifest.nbytes))
         return checkpoint
+
+    def _watch_workers(self) -> None:
+        """Move the controller's messages once; raises when a worker is gone (its liveness check)."""
+        for group in self.groups.values():
+            group.controller.pump()
+            return
 
     def restore(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         """Load the newest good checkpoint into the stateful roles; returns it and the controller's state,
@@ -115,15 +118,3 @@ class RunCheckpointer:
             f.result()
         log.info("resumed from %s (step %d) in %.2f s", checkpoint.path, checkpoint.step, time.perf_counter() - t0)
         return checkpoint, state
-
-
-def _test_delay(step: int, stop_file: Path) -> None:
-    spec = os.environ.get(DELAY_ENV, "")
-    if not spec:
-        return
-    at, _, seconds = spec.partition(":")
-    if int(at) == step:
-        log.warning("%s: holding the commit of step %d back for %s s", DELAY_ENV, step, seconds)
-        deadline = time.monotonic() + float(seconds)
-        while time.monotonic() < deadline and not stop_file.exists():
-            time.sleep(0.2)

@@ -1,10 +1,21 @@
 """The batch script's side of checkpoint-and-requeue: what happens around the ``srun`` of a Slurm run.
 
     python -m rollhpc.launch.requeue start RUN_DIR                      before srun
+    python -m rollhpc.launch.requeue watch RUN_DIR SRUN_PID --grace S    beside srun
     python -m rollhpc.launch.requeue after RUN_DIR STATUS --max-restarts N   after srun, with its status
 
 ``start`` records the attempt (job id, Slurm's restart count, every het group's nodes) in
-RUN_DIR/restarts.jsonl. ``after`` decides from srun's status:
+RUN_DIR/restarts.jsonl. A run that has already finished (its controller ended cleanly, or its newest
+checkpoint is its last step) is never started again, whatever Slurm did to the job (a node lost just after
+the last step makes Slurm requeue a job with nothing left to do): ``start`` says so and prints
+``finished``, and the batch script ends with 0.
+
+``watch`` ends the step once the controller has ended (its exit record written, or its process gone) and
+srun has not followed within the grace: srun waits for every task, and a task on a lost node whose slurmd
+came back before Slurm marked it DOWN is known to nobody any more, so srun would wait until the time limit.
+The decision never depends on srun: ``after`` reads the controller's record.
+
+``after`` decides from srun's status:
 
 The status is the controller's own (RUN_DIR/controller-exit.json, written by rank 0 as it leaves), not
 srun's: srun reports the worst status of all tasks, and a killed worker's 137 would hide the controller's
@@ -33,6 +44,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -46,6 +58,7 @@ FAILED_NODES = "failed-nodes.json"
 CONTROLLER_EXIT = "controller-exit.json"
 STARTUP_FAILED = "startup-failed.json"
 WORLD = "world.json"  # written by the controller once every rank has joined (rollhpc.rank)
+FINISHED = "finished"  # what ``start`` prints when the run has nothing left to do
 
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -186,7 +199,47 @@ def _failed(res: subprocess.CompletedProcess, what: str) -> int:
     return 1
 
 
+def finished_run(run_dir: Path) -> str | None:
+    """Why the run has nothing left to do, or None: its controller ended cleanly (any attempt), or its
+    newest good checkpoint is at the configured last step (``pipeline.options.steps``)."""
+    run_dir = Path(run_dir)
+    try:
+        record = json.loads((run_dir / CONTROLLER_EXIT).read_text())
+    except (FileNotFoundError, ValueError):
+        record = {}
+    if record.get("status") == 0:
+        return f"its controller ended cleanly (job {record.get('job_id')}, restart {record.get('restart_count')})"
+    steps = configured_steps(run_dir)
+    if steps is None:
+        return None
+    from rollhpc.checkpoint.storage import CheckpointStore
+
+    newest = CheckpointStore(run_dir / "checkpoints").latest_good(deep=False)
+    if newest is not None and newest.step >= steps:
+        return f"its newest checkpoint, {newest.path.name}, is its last step (steps={steps})"
+    return None
+
+
+def configured_steps(run_dir: Path) -> int | None:
+    """The run's ``pipeline.options.steps`` from RUN_DIR/config.yaml, or None (no such option, no file)."""
+    import yaml
+
+    try:
+        steps = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})["pipeline"]["options"]["steps"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+
+
 def cmd_start(run_dir: Path) -> int:
+    done = finished_run(run_dir)
+    if done:
+        log_event(run_dir, {"event": "end", "status": 0, "job_id": os.environ.get("SLURM_JOB_ID"),
+                            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                            "reason": f"the run has already finished ({done}): nothing to start"})
+        print(f"rollhpc requeue: the run has already finished ({done}): nothing to start", file=sys.stderr)
+        print(FINISHED, flush=True)
+        return 0
     events = read_events(run_dir)
     starts = [e for e in events if e.get("event") == "start"]
     previous = None
@@ -200,6 +253,81 @@ def cmd_start(run_dir: Path) -> int:
                         "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
                         "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
                         "previous_attempt": previous})
+    return 0
+
+
+def controller_ended(run_dir: Path) -> str | None:
+    """How this attempt's controller ended, or None while it runs: its exit record, or its process gone
+    (looked up in world.json when the controller runs on this host, as rank 0 does on the batch host)."""
+    status = controller_exit(run_dir)
+    if status is not None:
+        return f"the controller ended with status {status}"
+    try:
+        controller = json.loads((Path(run_dir) / WORLD).read_text())[0]
+    except (FileNotFoundError, ValueError, IndexError, KeyError):
+        return None
+    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if controller.get("host") != here:
+        return None
+    try:
+        os.kill(int(controller["pid"]), 0)
+    except ProcessLookupError:
+        return f"the controller (pid {controller['pid']}) is gone without a word"
+    except (PermissionError, KeyError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reaps it if it is our child (tests); the batch shell reaps srun
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _job_steps(job_id: str) -> list[str]:
+    """This job's running steps of srun ("123.0", and "124.0" for het group 1's component), batch and
+    extern steps left out: each het component's step is ended under the component's own job id."""
+    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
+    components = [os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    steps = []
+    for comp in [c for c in components if c] or [job_id]:
+        out = subprocess.run(["squeue", "-h", "-s", "-j", comp, "-o", "%i"], capture_output=True, text=True,
+                             timeout=60).stdout
+        steps += [s for s in out.split() if s.startswith(f"{comp}.") and s.split(".")[1].isdigit()]
+    return steps
+
+
+def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, poll_s: float = 0.5) -> int:
+    """Beside srun: once the controller has ended, give srun ``grace_s`` to end by itself, then end the step
+    (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the time-limit warning is the batch shell's business
+    how = None
+    while _alive(srun_pid) and not (how := controller_ended(run_dir)):
+        time.sleep(poll_s)
+    if how is None:
+        return 0
+    deadline = time.monotonic() + grace_s
+    while _alive(srun_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not _alive(srun_pid):
+        return 0
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    steps = _job_steps(job_id) if job_id else []
+    log_event(run_dir, {"event": "step-ended", "job_id": job_id, "steps": steps,
+                        "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended"})
+    for step in steps:
+        subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=60)
+    deadline = time.monotonic() + 5
+    while _alive(srun_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(srun_pid):
+        os.kill(srun_pid, signal.SIGKILL)
     return 0
 
 
@@ -225,6 +353,10 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
     if status != srun_status:
         print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
               file=sys.stderr)
+    if status != 0 and (done := finished_run(run_dir)):  # e.g. a worker lost after the final checkpoint
+        log_event(run_dir, {"event": "end", "status": 0, "srun_status": srun_status,
+                            "reason": f"the run has finished ({done}); status {status} ends nothing"})
+        return 0
     # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
     # the first collectives recorded it), or the controller gave up waiting for a worker to connect
     stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
@@ -265,6 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="record this attempt (before srun)")
     s.add_argument("run_dir", type=Path)
+    w = sub.add_parser("watch", help="end srun's step once the controller has ended (beside srun)")
+    w.add_argument("run_dir", type=Path)
+    w.add_argument("srun_pid", type=int)
+    w.add_argument("--grace", type=float, default=3.0, help="seconds srun may take to end by itself")
     a = sub.add_parser("after", help="requeue or end, from srun's exit status")
     a.add_argument("run_dir", type=Path)
     a.add_argument("status", type=int)
@@ -273,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "start":
         return cmd_start(args.run_dir)
+    if args.cmd == "watch":
+        return cmd_watch(args.run_dir, args.srun_pid, args.grace)
     return cmd_after(args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue)
 
 

@@ -62,7 +62,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     lines += list(cfg.cluster.setup)
-    lines += [f'{python} -m rollhpc.launch.requeue start "$run_dir"']
+    lines += [f'started=$({python} -m rollhpc.launch.requeue start "$run_dir")',
+              'if [ "$started" = finished ]; then exit 0; fi  # whatever Slurm did, a finished run stays finished']
     segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:
@@ -74,8 +75,13 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
     lines += ["", "set +e", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
               "srun_pid=$!",
+              "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
+              "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
+              f'{python} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} &',
+              "watch_pid=$!",
               "# wait returns early when the trap runs: wait again until srun itself has ended",
               'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
+              'kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null',
               f'exec {python} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
               + ("" if c.requeue else " --no-requeue"), ""]
     return "\n".join(lines)

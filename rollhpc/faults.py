@@ -1,0 +1,77 @@
+"""Fault injection for the tests of checkpoint-and-requeue: every test hook of the product, in one place.
+
+Each hook does nothing unless its environment variable is set; the product calls it at one named point.
+A requeued Slurm job inherits its environment, so each hook says on which attempts it acts.
+
+    ROLLHPC_TEST_CHECKPOINT_DELAY=STEP:SECONDS      hold the commit of checkpoint STEP (its files written, not
+                                                    sealed): a run killed meanwhile has a half-written
+                                                    checkpoint; the time-limit warning finds the run mid-way.
+                                                    Only before the run's first restart.
+    ROLLHPC_TEST_HOLD_AFTER_CHECKPOINT=STEP:SECONDS hold the controller once checkpoint STEP is committed: a
+                                                    node can die after a run's last step, before its end.
+    ROLLHPC_TEST_STALL_MPI_INIT=N[:PHASE]           world rank N stalls before MPI_Init (PHASE mpi_init, the
+                                                    default), before the first collective (collectives), or
+                                                    before MPI_Init with SIGTERM, SIGINT and SIGHUP held back
+                                                    (deaf: a rank blocked in C whose handler never runs).
+                                                    Only on a Slurm job's first attempt.
+
+Both holds end early once RUN_DIR/stop-request exists (the time-limit warning), and keep watching the
+workers meanwhile (``watch``: the controller's liveness check), as the real waits they stand in for do: a
+worker that dies during a hold is noticed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("rollhpc.faults")
+
+CHECKPOINT_DELAY = "ROLLHPC_TEST_CHECKPOINT_DELAY"
+HOLD_AFTER_CHECKPOINT = "ROLLHPC_TEST_HOLD_AFTER_CHECKPOINT"
+STALL_MPI_INIT = "ROLLHPC_TEST_STALL_MPI_INIT"
+
+
+Watch = Callable[[], object]
+
+
+def _hold(variable: str, step: int, stop_file: Path, watch: Watch, what: str) -> None:
+    at, _, seconds = os.environ.get(variable, "").partition(":")
+    if not at or int(at) != step:
+        return
+    log.warning("%s: %s for %s s", variable, what, seconds)
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline and not stop_file.exists():
+        watch()
+        time.sleep(0.2)
+
+
+def checkpoint_commit(step: int, restarts: int, stop_file: Path, watch: Watch) -> None:
+    """Called with checkpoint ``step``'s files written, before its commit."""
+    if not restarts:
+        _hold(CHECKPOINT_DELAY, step, stop_file, watch, f"holding the commit of step {step} back")
+
+
+def checkpoint_committed(step: int, stop_file: Path, watch: Watch) -> None:
+    """Called once checkpoint ``step`` is committed, before the run goes on (or ends)."""
+    _hold(HOLD_AFTER_CHECKPOINT, step, stop_file, watch, f"holding the controller after checkpoint {step}")
+
+
+def mpi_stall(where: str) -> None:
+    """Called by every rank before MPI_Init (``where="mpi_init"``) and before its first collective
+    (``"collectives"``): stalls the rank ROLLHPC_TEST_STALL_MPI_INIT names, on a first attempt only."""
+    rank, _, phase = os.environ.get(STALL_MPI_INIT, "").partition(":")
+    me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
+    if not rank or rank != me or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+        return
+    if phase == "deaf":
+        if where != "mpi_init":
+            return
+        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+    elif (phase or "mpi_init") != where:
+        return
+    time.sleep(3600)
