@@ -197,7 +197,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
           f"output in {run_dir}", file=sys.stderr)
     if not args.wait:
         return 0
-    state = wait_for_job(job.job_id)
+    state = wait_for_job(job.job_id, release_held=cfg.cluster.release_held, run_dir=run_dir)
     if state != "COMPLETED" or (run_dir / "error.json").exists():
         print(f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}", file=sys.stderr)
         return 1
@@ -217,6 +217,22 @@ def _refuse_if_job_active(run_dir: Path) -> None:
     if active:
         raise ConfigError(f"--resume: job {job_id} of {run_dir} is still {sorted(set(active.values()))[0]} (it "
                           f"requeues and resumes by itself); wait for it to end or `scancel {job_id}` first")
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from rollhpc.launch import status
+
+    try:
+        run_dir = status.check_run_dir(args.run_dir)
+    except status.NotARunDirectory as e:
+        print(f"rollhpc status: {e}", file=sys.stderr)
+        return 2
+    job_id = status.job_id_of(run_dir)
+    report = status.build_report(run_dir, job_id, None if job_id is None else status.query_slurm(job_id))
+    print(json.dumps(report, indent=1) if args.json else "\n".join(status.render(report)))
+    return 0
 
 
 def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -362,6 +378,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
                     "node failure: the job requeues itself (cluster.requeue, cluster.max_restarts)")
     sb.set_defaults(func=cmd_submit)
+
+    st = sub.add_parser("status", help="where a run stands: its Slurm job, step, restarts, checkpoint, and what to do",
+                        description="Report on a run directory: its Slurm job (each het component's state, nodes and "
+                        "pending reason, from scontrol, or sacct once scontrol has forgotten it), the last step in "
+                        "metrics.jsonl against pipeline.options.steps, the restarts in restarts.jsonl, the checkpoint "
+                        "a resume would use, error.json's summary, and what to do: release a job Slurm holds "
+                        "(`scontrol release JOBID`), continue one that failed or ran out of restarts "
+                        "(`slurm/resume.sh RUN_DIR`), or nothing. Read-only; off a Slurm machine it reports the run "
+                        "directory and says Slurm was not reachable.",
+                        epilog="Exit status: 0, or 2 when RUN_DIR is not a run directory (no config.yaml).")
+    st.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's directory, runs/NAME")
+    st.add_argument("--json", action="store_true", help="print the same report as JSON")
+    st.set_defaults(func=cmd_status)
 
     from rollhpc.models.policy_prep import TASKS
     from rollhpc.models.sft import SftOptions

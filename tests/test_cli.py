@@ -13,7 +13,7 @@ from tests.conftest import REPO, assert_no_orphans, rollhpc
 def test_help_lists_every_command(tmp_path):
     res = rollhpc("--help", cwd=tmp_path)
     assert res.returncode == 0
-    for cmd in ("train", "plan", "submit", "convert", "ckpt"):
+    for cmd in ("train", "plan", "submit", "status", "convert", "ckpt"):
         assert cmd in res.stdout
     assert "--dry-run" in rollhpc("train", "--help", cwd=tmp_path).stdout
 

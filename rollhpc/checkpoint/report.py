@@ -38,7 +38,7 @@ def _checked(deep: bool) -> str:
     return "sizes and sha256 checked" if deep else "sizes checked; --deep also checks sha256"
 
 
-def _resume_choice(rows: list[CheckpointStatus]) -> CheckpointStatus | None:
+def resume_choice(rows: list[CheckpointStatus]) -> CheckpointStatus | None:
     """The row ``CheckpointStore.latest_good`` would pick."""
     return next((r for r in reversed(rows) if r.status == "ok"), None)
 
@@ -68,7 +68,7 @@ def list_lines(store: CheckpointStore, deep: bool) -> list[str]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if i in notes:
             lines.append(notes[i])
-    choice = _resume_choice([r for r in rows if not r.name.startswith(".")])
+    choice = resume_choice([r for r in rows if not r.name.startswith(".")])
     named = step_dir_name(pointer) if pointer is not None else "nothing"
     lines.append(f"latest names {named}; a resume would use {choice.name if choice else 'nothing (no good checkpoint)'} "
                  f"({_checked(deep)})")

@@ -126,14 +126,62 @@ def component_states(job_id: str) -> dict[str, str]:
     return states
 
 
-def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None) -> str:
-    """Block until every component has ended; COMPLETED if all completed, else the first other state."""
+def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, *, release_held: bool = False,
+                 run_dir: Path | None = None, held_grace_s: float = 30.0) -> str:
+    """Block until every component has ended; COMPLETED if all completed, else the first other state.
+
+    A job Slurm holds (its launch failed: "launch failed requeued held") would never end by itself, so each
+    poll also reads its pending reason: once held for ``held_grace_s`` in one attempt (the batch script's own
+    requeuehold -> update -> release passes within a second), a line says how to release it, and with
+    ``release_held`` (cluster.release_held) it is released, once per attempt, logged in RUN_DIR/restarts.jsonl.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    holds = HoldWatch(job_id, release_held, run_dir, held_grace_s)
     while True:
         states = component_states(job_id)
         if states and all(st in TERMINAL for st in states.values()):
             bad = [st for st in states.values() if st != "COMPLETED"]
             return bad[0] if bad else "COMPLETED"
+        holds.poll()
         if deadline is not None and time.monotonic() > deadline:
             return "WAIT_TIMEOUT"
         time.sleep(poll_s)
+
+
+class HoldWatch:
+    """``wait_for_job``'s eye on holds: says once per attempt (scontrol's Restarts, sacct's RestartCnt) that
+    the job is held and, when asked to, releases it then (``scontrol release``)."""
+
+    def __init__(self, job_id: str, release: bool, run_dir: Path | None, grace_s: float):
+        self.job_id, self.release, self.run_dir, self.grace_s = job_id, release, run_dir, grace_s
+        self._held_since: tuple[int, float] | None = None  # (attempt, monotonic time) of the first held poll
+        self._handled: set[int] = set()  # attempts already reported (and released)
+
+    def poll(self) -> None:
+        from rollhpc.launch.status import held_notice, held_reason, restart_count, scontrol_records
+
+        records, _ = scontrol_records(self.job_id)
+        held = [why for r in records or [] if (why := held_reason(r))]
+        if not held:
+            self._held_since = None
+            return
+        attempt, now = restart_count(records or []), time.monotonic()
+        if self._held_since is None or self._held_since[0] != attempt:
+            self._held_since = (attempt, now)
+        if now - self._held_since[1] < self.grace_s or attempt in self._handled:
+            return
+        self._handled.add(attempt)
+        print(f"rollhpc: {held_notice(self.job_id, held[0])}", file=sys.stderr, flush=True)
+        if self.release:
+            self._release(attempt, held[0])
+
+    def _release(self, attempt: int, reason: str) -> None:
+        from rollhpc.launch.requeue import log_event
+
+        res = subprocess.run(["scontrol", "release", self.job_id], capture_output=True, text=True, timeout=60)
+        outcome = "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"
+        print(f"rollhpc: job {self.job_id}: {outcome} (cluster.release_held=true)", file=sys.stderr, flush=True)
+        if self.run_dir is not None:
+            log_event(self.run_dir, {"event": "release", "job_id": self.job_id, "slurm_restart_count": attempt,
+                                     "reason": f"held by Slurm ({reason}): {outcome} (cluster.release_held)",
+                                     "ok": res.returncode == 0})

@@ -1,0 +1,319 @@
+"""``rollhpc status RUN_DIR``: where a Slurm run stands and what, if anything, its user has to do.
+
+A run's state is spread over its directory (config.yaml, metrics.jsonl, restarts.jsonl, checkpoints/,
+error.json, slurm/job_id) and Slurm's view of its job (each het component's state, pending reason,
+nodes, restart count). Both are read separately -- ``query_slurm`` is the only part that talks to Slurm
+-- and ``build_report`` combines them with pure logic, so every case (held, failed, out of restarts,
+finished, running) is testable from hand-made inputs.
+
+A held job is the one case that needs a person (or ``cluster.release_held``): Slurm requeues a job whose
+launch failed *held* ("launch failed requeued held") and it then waits forever. ``held_reason`` is the one
+place that recognises it; ``rollhpc submit --wait`` (``launch.slurm.wait_for_job``) uses it too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollhpc.checkpoint.report import resume_choice
+from rollhpc.checkpoint.storage import CheckpointStore
+from rollhpc.launch.requeue import configured_steps, finished_run, read_events
+from rollhpc.launch.slurm import TERMINAL, component_states
+from rollhpc.observability.metrics import read_metrics
+
+# Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
+SCONTROL_FIELDS = ("JobId", "JobState", "Reason", "NodeList", "ExcNodeList", "Restarts", "BatchHost")
+HOLD_STATES = {"REQUEUE_HOLD", "SPECIAL_EXIT"}  # requeued and held, whatever the Reason says
+ENDED_BADLY = TERMINAL - {"COMPLETED"}  # FAILED, CANCELLED, NODE_FAIL, TIMEOUT, ...
+LAST_EVENTS = 5  # restarts.jsonl events shown
+# `Key=value` pairs of `scontrol show job -o`; a value runs up to the next ` Key=` (Slurm writes a Reason's
+# spaces as underscores, but Comment=, Command= ... may hold spaces)
+_FIELD = re.compile(r"([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
+
+
+class NotARunDirectory(ValueError):
+    """The path given to ``rollhpc status`` holds no run (no config.yaml)."""
+
+
+# ---- Slurm's view ----
+
+@dataclass
+class SlurmView:
+    """What Slurm says about a job: one record per het component (``scontrol show job -o`` fields, or only
+    JobId/JobState from sacct once slurmctld has forgotten the job). ``reachable`` is False off a Slurm
+    machine or when the controller does not answer; then ``error`` says why."""
+    reachable: bool
+    source: str = ""  # "scontrol", "sacct" or "" (nobody knows the job)
+    components: list[dict[str, str]] = field(default_factory=list)
+    error: str = ""
+
+
+def parse_job_records(text: str) -> list[dict[str, str]]:
+    """``scontrol show job -o`` output -> one dict per line (a het job has one line per component)."""
+    return [{m.group(1): m.group(2) for m in _FIELD.finditer(line)}
+            for line in text.splitlines() if line.startswith("JobId=")]
+
+
+def scontrol_records(job_id: str) -> tuple[list[dict[str, str]] | None, str]:
+    """(records, error): [] when slurmctld does not know the job (any more), None with the error when it
+    cannot be asked (no scontrol here, the controller down)."""
+    if shutil.which("scontrol") is None:
+        return None, "scontrol not found (not a Slurm machine)"
+    try:
+        res = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"scontrol: {e}"
+    if res.returncode == 0:
+        return parse_job_records(res.stdout), ""
+    if "invalid job id" in res.stderr.lower():
+        return [], ""
+    said = [line for line in res.stderr.splitlines() if line.strip()]
+    return None, said[-1].strip() if said else f"scontrol exited {res.returncode}"
+
+
+def query_slurm(job_id: str) -> SlurmView:
+    """scontrol's records of the job; sacct's component states when scontrol no longer knows it."""
+    records, error = scontrol_records(job_id)
+    if records:
+        return SlurmView(True, "scontrol", components_of(records))
+    if shutil.which("sacct") is None:
+        return SlurmView(records is not None, error=error)
+    try:
+        states = component_states(job_id)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return SlurmView(records is not None, error=error or f"sacct: {e}")
+    if states:
+        return SlurmView(True, "sacct", [{"JobId": jid, "JobState": st} for jid, st in states.items()])
+    # sacct says nothing also when it fails: the job is unknown only if slurmctld answered
+    return SlurmView(records is not None, error=error)
+
+
+def components_of(records: list[Mapping[str, str]]) -> list[dict[str, str]]:
+    """scontrol's records cut to the fields the report shows; a het component is named "123+1" (sacct's
+    name for it) rather than by its own job id."""
+    out = []
+    for r in records:
+        het, offset = r.get("HetJobId", ""), r.get("HetJobOffset", "")
+        name = {"Component": f"{het}+{offset}"} if het and offset and het != "(null)" else {}
+        out.append({k: r.get(k, "") for k in SCONTROL_FIELDS} | name)
+    return out
+
+
+def held_reason(record: Mapping[str, str]) -> str | None:
+    """Why Slurm holds this component ("launch failed requeued held", "JobHeldUser", ...), or None when it
+    is not held. A held job never starts by itself: it waits for ``scontrol release``."""
+    state, reason = record.get("JobState", ""), record.get("Reason", "").replace("_", " ")
+    if state in HOLD_STATES or (state == "PENDING" and "held" in reason.lower()):
+        return reason if reason and reason != "None" else state
+    return None
+
+
+def restart_count(records: list[Mapping[str, str]]) -> int:
+    """Slurm's restart count of the job (its attempt number): the highest ``Restarts`` of its components."""
+    return max((int(r["Restarts"]) for r in records if r.get("Restarts", "").isdigit()), default=0)
+
+
+def held_notice(job_id: str, reason: str) -> str:
+    """The one line that tells a person a job is held and how to release it."""
+    return f"job {job_id} is held by Slurm ({reason}): release it with: scontrol release {job_id}"
+
+
+# ---- the run directory ----
+
+def check_run_dir(path: Path) -> Path:
+    """The run directory, resolved; NotARunDirectory unless it holds a config.yaml."""
+    path = Path(path)
+    if not (path / "config.yaml").is_file():
+        why = "no config.yaml" if path.is_dir() else "no such directory"
+        raise NotARunDirectory(f"{path} is not a run directory ({why}); pass runs/NAME of a run rollhpc started")
+    return path.resolve()
+
+
+def job_id_of(run_dir: Path) -> str | None:
+    """The run's last Slurm job (``rollhpc submit`` writes RUN_DIR/slurm/job_id); None for a local run."""
+    path = Path(run_dir) / "slurm" / "job_id"
+    return (path.read_text().strip() or None) if path.is_file() else None
+
+
+def _last_step(run_dir: Path) -> tuple[int | None, str]:
+    """(step of metrics.jsonl's last line, a note when it cannot be read)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None, "no metrics.jsonl yet"
+    try:
+        records = read_metrics(path)
+    except ValueError:
+        return None, "metrics.jsonl has a torn line (a crash while writing; a resume cuts it off)"
+    return (records[-1].get("step") if records else None), ""
+
+
+def _checkpoint(run_dir: Path) -> dict[str, Any]:
+    """The checkpoint a resume would use (as ``rollhpc ckpt list`` picks it, sizes checked) and the newer
+    ones it would skip."""
+    rows = [r for r in CheckpointStore(run_dir / "checkpoints").statuses(deep=False) if not r.name.startswith(".")]
+    good = resume_choice(rows)
+    skipped = [f"{r.name}: {r.status}: {r.problems[0]}" for r in rows if r.status != "ok" and
+               (good is None or r.step > good.step)]
+    if good is None:
+        return {"newest_good": None, "skipped": skipped}
+    assert good.manifest is not None
+    return {"newest_good": {"name": good.name, "step": good.step, "path": str(good.path),
+                            "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.manifest.created))},
+            "skipped": skipped}
+
+
+def _error(run_dir: Path) -> dict[str, Any] | None:
+    path = run_dir / "error.json"
+    if not path.exists():
+        return None
+    try:
+        err = json.loads(path.read_text())
+    except ValueError:
+        return {"summary": "error.json is unreadable", "path": str(path)}
+    return {"summary": err.get("summary", ""), "type": err.get("type", ""), "time": err.get("time", ""),
+            "path": str(path)}
+
+
+# ---- the report ----
+
+def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None) -> dict[str, Any]:
+    """Everything ``rollhpc status`` says, as JSON-able data: the run directory's part, Slurm's part
+    (``slurm`` None: no job recorded), and the verdict (``state``) with what to do about it (``advice``)."""
+    run_dir = Path(run_dir)
+    step, step_note = _last_step(run_dir)
+    events = read_events(run_dir)
+    starts = sum(e.get("event") == "start" for e in events)
+    requeues = sum(e.get("event") == "requeue" for e in events)
+    report: dict[str, Any] = {
+        "run_dir": str(run_dir), "job_id": job_id,
+        "slurm": None if slurm is None else asdict(slurm),
+        "step": step, "steps": configured_steps(run_dir), "finished": finished_run(run_dir), "step_note": step_note,
+        # Slurm's own requeues (a lost batch node) log no requeue, only the next start
+        "restarts": {"restarts": max(starts - 1, requeues), "attempts": starts, "requeues": requeues,
+                     "events": len(events), "last": events[-LAST_EVENTS:]},
+        "checkpoint": _checkpoint(run_dir), "error": _error(run_dir),
+        "job_output": [str(p) for p in sorted((run_dir / "slurm").glob("job-*.out"))],
+    }
+    report["state"], report["advice"] = verdict(report, events)
+    return report
+
+
+def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """(state, advice): held, pending, running, finished, gave_up, ended (badly, or short of its steps),
+    local or unknown. Slurm's word comes first (a live job is what Slurm says), then the run directory's."""
+    job_id, run_dir = report["job_id"], Path(report["run_dir"])
+    slurm = report["slurm"] or {}
+    comps = slurm.get("components", [])
+    held = [why for c in comps if (why := held_reason(c))]
+    if held:
+        return "held", [held_notice(job_id, held[0]), "(`rollhpc submit --wait` releases it itself, once per "
+                        "attempt, with cluster.release_held=true)"]
+    active = [c for c in comps if c.get("JobState") not in TERMINAL]
+    if active and all(c.get("JobState") == "PENDING" for c in active):
+        return "pending", [f"waiting for Slurm to start it (reason: {active[0].get('Reason') or 'none given'}); "
+                           "nothing to do"]
+    if active:
+        return "running", ["nothing to do: after a time limit or a lost node it requeues and resumes by itself"]
+    if report["finished"] or (report["step"] is not None and report["step"] == report["steps"]
+                              and report["error"] is None):
+        why = f" ({report['finished']})" if report["finished"] else ""
+        return "finished", [f"all {report['steps']} steps done{why}; metrics in {run_dir / 'metrics.jsonl'}"]
+    last = events[-1] if events else {}
+    if last.get("event") == "end" and "giving up" in str(last.get("reason", "")):
+        return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
+    bad = sorted({c.get("JobState", "") for c in comps} & ENDED_BADLY)
+    if bad:
+        return "ended", [f"the job ended {', '.join(bad)}", *_resume_advice(report)]
+    if job_id is None:
+        return "local", ["no Slurm job recorded (RUN_DIR/slurm/job_id): a local run; continue it with: rollhpc "
+                         f"train {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume"]
+    if comps or last.get("event") == "end":
+        return "ended", [f"the job ended at step {report['step']} of {report['steps'] or '?'}", *_resume_advice(report)]
+    if not slurm.get("reachable"):
+        return "unknown", [f"Slurm was not reachable ({slurm.get('error') or 'no answer'}): run this on the "
+                           "cluster's login node to see the job"]
+    return "unknown", [f"Slurm no longer knows job {job_id} and the run did not record an end; if it is not running, "
+                       "continue it:", *_resume_advice(report)]
+
+
+def _resume_advice(report: Mapping[str, Any]) -> list[str]:
+    run_dir = Path(report["run_dir"])
+    lines = []
+    if report["error"]:
+        lines.append(f"why: {report['error']['summary']} (details in {report['error']['path']})")
+    if report["job_output"]:
+        lines.append(f"the job's output: {report['job_output'][-1]}")
+    good = report["checkpoint"]["newest_good"]
+    start = f"from {good['name']}" if good else "from the start (no good checkpoint)"
+    lines += [f"continue with: slurm/resume.sh {run_dir}   ({start})",
+              f"  or: rollhpc submit {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume"]
+    return lines
+
+
+def render(report: Mapping[str, Any]) -> list[str]:
+    """The report as lines for a person."""
+    lines = [f"run directory  {report['run_dir']}"]
+    lines += _render_slurm(report)
+    step, steps = report["step"], report["steps"]
+    lines.append(f"step           {'-' if step is None else step} of {steps if steps is not None else '?'}"
+                 + (f"  ({report['step_note']})" if report["step_note"] else ""))
+    r = report["restarts"]
+    lines.append(f"restarts       {r['restarts']} ({r['attempts']} attempt(s) started, {r['requeues']} requeue(s))"
+                 + (f"; the last {len(r['last'])} of {r['events']} events:" if r["last"] else ""))
+    lines += [f"  {_event_line(e)}" for e in r["last"]]
+    ck = report["checkpoint"]
+    good = ck["newest_good"]
+    lines.append(f"checkpoint     {good['name']} (step {good['step']}, written {good['written']})" if good
+                 else "checkpoint     none good (a resume starts from the beginning)")
+    lines += [f"  skipped: {s}" for s in ck["skipped"]]
+    if report["error"]:
+        lines.append(f"error          {report['error']['summary']}")
+    lines += ["", f"{report['state']}: {report['advice'][0]}", *(f"  {a}" for a in report["advice"][1:])]
+    return lines
+
+
+def _render_slurm(report: Mapping[str, Any]) -> list[str]:
+    slurm, job_id = report["slurm"], report["job_id"]
+    if slurm is None:
+        return ["Slurm job      none recorded (a local run)"]
+    if not slurm["reachable"]:
+        return [f"Slurm job      {job_id}: Slurm was not reachable ({slurm['error']})"]
+    if not slurm["components"]:
+        return [f"Slurm job      {job_id}: unknown to Slurm (scontrol and sacct no longer list it)"]
+    lines = [f"Slurm job      {job_id} (from {slurm['source']})"]
+    for c in slurm["components"]:
+        parts = [c.get("Component") or c["JobId"], c["JobState"]]
+        if c.get("Reason") and c["Reason"] != "None":
+            parts.append(f"reason {c['Reason']}")
+        for key, label in (("NodeList", "nodes"), ("ExcNodeList", "excluded"), ("BatchHost", "batch host"),
+                           ("Restarts", "Slurm restarts")):
+            if c.get(key) and c[key] != "(null)":
+                parts.append(f"{label} {c[key]}")
+        lines.append("  " + "  ".join(parts))
+    return lines
+
+
+def _event_line(e: Mapping[str, Any]) -> str:
+    kind = e.get("event", "?")
+    if kind == "start":
+        what = (f"job {e.get('job_id')}, Slurm restart {e.get('slurm_restart_count')}, nodes "
+                f"{','.join(e.get('nodes') or []) or '?'}; previous attempt: {e.get('previous_attempt') or '-'}")
+    elif kind == "resume":
+        what = f"resumed after step {e.get('step')} from {e.get('checkpoint')}"
+    elif kind == "requeue":
+        what = e.get("reason", "") + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
+    elif kind == "end":
+        what = f"status {e.get('status')}" + (f": {e['reason']}" if e.get("reason") else "")
+    else:
+        what = str(e.get("reason") or {k: v for k, v in e.items() if k not in ("time", "event")})
+    return f"{e.get('time', '?')}  {kind:<8} {what}"
