@@ -111,12 +111,13 @@ class ClusterConfig:
     # releases it, once per attempt, when true; otherwise it says which command releases it
     release_held: bool = False
     # once the controller has ended, how long srun may take to end by itself before the batch script ends
-    # the step: srun can wait forever for a task on a lost node that came back under a new slurmd
-    end_grace_s: float = 3.0
+    # the step: srun can wait forever for a task on a lost node that came back under a new slurmd. The
+    # workers' part is done by then (they acknowledged the shutdown, or were released after a failure)
+    end_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.stop_before_limit_s < 0:
-            raise ValueError("cluster.max_restarts and cluster.stop_before_limit_s must be >= 0")
+        if self.max_restarts < 0 or self.stop_before_limit_s < 0 or self.end_grace_s < 0:
+            raise ValueError("cluster.max_restarts, cluster.stop_before_limit_s and cluster.end_grace_s must be >= 0")
         if isinstance(self.time_limit, int):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
             raise ConfigError(
                 f"cluster.time_limit: got the number {self.time_limit}, which YAML also makes of an unquoted "

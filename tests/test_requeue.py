@@ -187,6 +187,88 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     assert not (tmp_path / "world.json").exists()
 
 
+def test_a_finished_run_is_never_started_again(tmp_path, monkeypatch, capsys):
+    from rollhpc.checkpoint.storage import CheckpointStore
+    from rollhpc.launch import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    (tmp_path / "config.yaml").write_text("pipeline: {options: {steps: 3}}\n")
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.commit(store.begin(2))
+    assert requeue.finished_run(tmp_path) is None
+    assert requeue.main(["start", str(tmp_path)]) == 0 and capsys.readouterr().out == ""
+    # a worker lost after the final checkpoint: nothing is requeued, the job ends 0
+    store.commit(store.begin(3))
+    assert "its newest checkpoint, step_000003, is its last step (steps=3)" in requeue.finished_run(tmp_path)
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    (tmp_path / "world.json").write_text("[]")
+    assert requeue.main(["after", str(tmp_path), "137"]) == 0
+    # Slurm requeued it anyway (a node failure): the next attempt says so and starts nothing
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert requeue.main(["start", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "finished\n" and "the run has already finished (its newest checkpoint" in out.err
+    assert [e["event"] for e in read_events(tmp_path)] == ["start", "end", "end"]
+    # a clean controller exit is enough on its own
+    (tmp_path / "checkpoints").rename(tmp_path / "moved")
+    requeue.record_controller_exit(tmp_path, 0)
+    assert requeue.finished_run(tmp_path).startswith("its controller ended cleanly (job 123, restart 1)")
+
+
+def test_het_groups_packed_onto_one_node_are_found():
+    from rollhpc.launch.requeue import shared_nodes
+
+    assert shared_nodes([["node3"], ["node3"]]) == {1: {"node3"}}
+    assert shared_nodes([["n1", "n2"], ["n3"], ["n2", "n3", "n4"]]) == {2: {"n2", "n3"}}
+    assert shared_nodes([["n1"], ["n2"]]) == {} and shared_nodes([["n1", "n2"]]) == {}
+
+
+def start_standin_srun() -> subprocess.Popen:
+    """A process standing in for a srun that never ends by itself (the watcher's logic, without Slurm; the
+    chaos tests below run the real thing)."""
+    return subprocess.Popen(["/bin/sleep", "600"])
+
+
+def test_watcher_ends_a_step_that_outlives_its_controller(tmp_path, monkeypatch):
+    from rollhpc.launch import requeue
+
+    for var in ("SLURM_JOB_ID", "SLURM_HET_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    srun = start_standin_srun()
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    t0 = time.monotonic()
+    assert requeue.cmd_watch(tmp_path, srun.pid, grace_s=0.5, poll_s=0.05) == 0
+    assert srun.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - t0 < 5
+    (ended,) = read_events(tmp_path)
+    assert ended["event"] == "step-ended" and "the controller ended with status 76" in ended["reason"]
+    # the controller's process gone without a word (it ran on this host, as rank 0 runs on the batch host)
+    (tmp_path / requeue.CONTROLLER_EXIT).unlink()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setenv("SLURMD_NODENAME", "nodeX")
+    (tmp_path / requeue.WORLD).write_text(json.dumps([{"rank": 0, "host": "nodeX", "pid": gone.pid}]))
+    srun = start_standin_srun()
+    requeue.cmd_watch(tmp_path, srun.pid, grace_s=0.1, poll_s=0.05)
+    assert srun.wait(timeout=5) == -signal.SIGKILL
+    assert f"the controller (pid {gone.pid}) is gone without a word" in read_events(tmp_path)[-1]["reason"]
+
+
+def test_watcher_ends_a_step_whose_world_never_forms(tmp_path, monkeypatch):
+    """No rank ever ran (srun stuck before launching them), so no guard can speak: the batch script's watcher
+    records a start-up failure at its own limit, which `after` requeues like any world that did not form."""
+    from rollhpc.launch import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # no squeue/scancel here: srun itself is killed
+    srun = start_standin_srun()
+    requeue.cmd_watch(tmp_path, srun.pid, grace_s=1, world_timeout_s=0.5, poll_s=0.05)
+    assert srun.wait(timeout=5) == -signal.SIGKILL
+    assert "no MPI world formed within 0.5 s of srun's start" in requeue.startup_failure(tmp_path)["why"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     cwd = tmp_path_factory.mktemp("uninterrupted")
@@ -382,11 +464,12 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
                              timeout=120)
     assert refused.returncode == 2 and "differs from the run's" in refused.stderr and "pipeline.options.steps" in \
         refused.stderr
+    attempts = len(starts(run_dir))
     again = subprocess.run([*resume, "cluster.time_limit=00:05:00", "--wait"], env=env, text=True,
                            capture_output=True, timeout=300)
     assert again.returncode == 0, again.stderr + job_output(run_dir)
     assert "the run has already finished (its controller ended cleanly" in job_output(run_dir)
-    assert not (run_dir / "world.json").exists(), "no world was started for a finished run"
+    assert len(starts(run_dir)) == attempts, "no world was started for a finished run"
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == STEPS
 
 

@@ -59,6 +59,7 @@ CONTROLLER_EXIT = "controller-exit.json"
 STARTUP_FAILED = "startup-failed.json"
 WORLD = "world.json"  # written by the controller once every rank has joined (rollhpc.rank)
 FINISHED = "finished"  # what ``start`` prints when the run has nothing left to do
+REQUEUED = "requeued"  # what ``start`` prints when it requeued the job before srun (het groups sharing a node)
 
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -174,19 +175,26 @@ def _excluded_now(component: str) -> set[str]:
     return set()
 
 
-def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str]) -> int:
-    """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on."""
+def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
+            per_group: dict[int, set[str]] | None = None) -> int:
+    """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
+    ``per_group[i]`` from het group i only."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requeuehold kills the batch script; finish the release first
+    per_group = per_group or {}
     log_event(run_dir, {"event": "requeue", "job_id": job_id, "reason": reason, "exclude": sorted(exclude),
+                        **({"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}} if per_group
+                           else {}),
                         "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)})
-    if not exclude:
+    if not exclude and not per_group:
         res = _scontrol("requeue", job_id)
         return 0 if res.returncode == 0 else _failed(res, "requeue")
     res = _scontrol("requeuehold", job_id)
     if res.returncode != 0:
         return _failed(res, "requeuehold")
-    for comp in _job_components(job_id):
-        nodes = ",".join(sorted(_excluded_now(comp) | exclude))
+    for i, comp in enumerate(_job_components(job_id)):
+        if not (exclude | per_group.get(i, set())):
+            continue
+        nodes = ",".join(sorted(_excluded_now(comp) | exclude | per_group.get(i, set())))
         upd = _scontrol("update", f"JobId={comp}", f"ExcNodeList={nodes}")
         if upd.returncode != 0:
             print(f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}", file=sys.stderr)
@@ -239,6 +247,15 @@ def cmd_start(run_dir: Path) -> int:
                             "reason": f"the run has already finished ({done}): nothing to start"})
         print(f"rollhpc requeue: the run has already finished ({done}): nothing to start", file=sys.stderr)
         print(FINISHED, flush=True)
+        return 0
+    shared = shared_nodes(group_nodes())
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if shared and job_id:
+        where = "; ".join(f"het group {i} shares {', '.join(sorted(n))} with an earlier group" for i, n in shared.items())
+        print(f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
+              f"(it waits forever); requeued with those nodes excluded for those groups", file=sys.stderr)
+        requeue(run_dir, job_id, f"{where} (srun cannot start such a step)", set(), shared)
+        print(REQUEUED, flush=True)
         return 0
     events = read_events(run_dir)
     starts = [e for e in events if e.get("event") == "start"]
@@ -297,18 +314,33 @@ def _job_steps(job_id: str) -> list[str]:
     components = [os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
     steps = []
     for comp in [c for c in components if c] or [job_id]:
-        out = subprocess.run(["squeue", "-h", "-s", "-j", comp, "-o", "%i"], capture_output=True, text=True,
-                             timeout=60).stdout
+        try:
+            out = subprocess.run(["squeue", "-h", "-s", "-j", comp, "-o", "%i"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired) as e:  # srun itself is still killed below
+            print(f"rollhpc requeue: cannot list the steps of {comp}: {e}", file=sys.stderr)
+            continue
         steps += [s for s in out.split() if s.startswith(f"{comp}.") and s.split(".")[1].isdigit()]
     return steps
 
 
-def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, poll_s: float = 0.5) -> int:
+def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: float | None = None,
+              poll_s: float = 0.5) -> int:
     """Beside srun: once the controller has ended, give srun ``grace_s`` to end by itself, then end the step
-    (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``."""
+    (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``.
+    A world that has not formed ``world_timeout_s`` after srun started, with no rank's guard heard from (the
+    ranks never started: srun itself is stuck), is recorded as a start-up failure and ended the same way."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the time-limit warning is the batch shell's business
     how = None
+    started = time.monotonic()
     while _alive(srun_pid) and not (how := controller_ended(run_dir)):
+        if (world_timeout_s is not None and time.monotonic() - started > world_timeout_s
+                and not (Path(run_dir) / WORLD).exists() and startup_failure(run_dir) is None):
+            how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
+                   f"(srun or the process manager is stuck before the ranks run)")
+            record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), how)
+            grace_s = 0
+            break
         time.sleep(poll_s)
     if how is None:
         return 0
@@ -322,13 +354,40 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, poll_s: float = 0.5)
     log_event(run_dir, {"event": "step-ended", "job_id": job_id, "steps": steps,
                         "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended"})
     for step in steps:
-        subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=60)
-    deadline = time.monotonic() + 5
+        try:
+            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
+    deadline = time.monotonic() + 1  # a srun waiting for a lost node's task may outlive its cancelled step
     while _alive(srun_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _alive(srun_pid):
         os.kill(srun_pid, signal.SIGKILL)
     return 0
+
+
+def group_nodes() -> list[list[str]]:
+    """The nodes of each het group of this attempt (one list for a plain job)."""
+    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
+    lists = [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    lists = lists if any(lists) else [os.environ.get("SLURM_JOB_NODELIST", "")]
+    out = []
+    for nodelist in lists:
+        res = _scontrol("show", "hostnames", nodelist) if nodelist else None
+        out.append(res.stdout.split() if res is not None and res.returncode == 0 else [nodelist] if nodelist else [])
+    return out
+
+
+def shared_nodes(groups: list[list[str]]) -> dict[int, set[str]]:
+    """{group index: its nodes that an earlier group also has}: Slurm may pack het groups onto one node,
+    and srun (22.05) then fails to start the step ("_reorder_het_job_recs: Invalid hostlist") and waits."""
+    seen: set[str] = set()
+    shared = {}
+    for i, hosts in enumerate(groups):
+        if both := seen & set(hosts):
+            shared[i] = both
+        seen |= set(hosts)
+    return shared
 
 
 def allocated_nodes() -> list[str]:
@@ -400,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("watch", help="end srun's step once the controller has ended (beside srun)")
     w.add_argument("run_dir", type=Path)
     w.add_argument("srun_pid", type=int)
-    w.add_argument("--grace", type=float, default=3.0, help="seconds srun may take to end by itself")
+    w.add_argument("--grace", type=float, default=1.0, help="seconds srun may take to end by itself")
+    w.add_argument("--world-timeout", type=float, help="seconds for the world to form before the step is ended")
     a = sub.add_parser("after", help="requeue or end, from srun's exit status")
     a.add_argument("run_dir", type=Path)
     a.add_argument("status", type=int)
@@ -410,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "start":
         return cmd_start(args.run_dir)
     if args.cmd == "watch":
-        return cmd_watch(args.run_dir, args.srun_pid, args.grace)
+        return cmd_watch(args.run_dir, args.srun_pid, args.grace, args.world_timeout)
     return cmd_after(args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue)
 
 

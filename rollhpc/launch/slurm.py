@@ -18,16 +18,22 @@ from rollhpc.config import ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
 
 
-def _component_options(cfg: ExperimentConfig, comp: Component) -> list[str]:
+def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
     c = cfg.cluster
     opts = [f"--nodes={comp.nodes}", f"--ntasks={comp.ntasks}", f"--ntasks-per-node={comp.ntasks_per_node}",
             f"--cpus-per-task={comp.cpus_per_task}"]
+    if het:  # the plan gives each het group nodes of its own; packed onto one node, srun cannot start the step
+        opts.append("--exclusive")
     if comp.gpus_per_node:
         opts.append(f"--gres=gpu:{comp.gpus_per_node}")
     for key, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos), ("mem", c.mem_per_node)):
         if value:
             opts.append(f"--{key}={value}")
     return opts + list(c.sbatch_extra)
+
+
+# the batch script's own limit on forming the world comes this long after the ranks' (their guards say why)
+WORLD_TIMEOUT_MARGIN_S = 30.0
 
 
 def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
@@ -53,7 +59,7 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         if comp.index:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {comp.index}: {', '.join(comp.roles)}")
-        lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp)]
+        lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp, len(plan.components) > 1)]
     lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1",
               "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
               "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
@@ -63,7 +69,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     lines += list(cfg.cluster.setup)
     lines += [f'started=$({python} -m rollhpc.launch.requeue start "$run_dir")',
-              'if [ "$started" = finished ]; then exit 0; fi  # whatever Slurm did, a finished run stays finished']
+              '# a finished run stays finished whatever Slurm did; "requeued": het groups packed onto one node',
+              'case "$started" in finished|requeued) exit 0;; esac']
     segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:
@@ -77,7 +84,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               "srun_pid=$!",
               "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
               "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
-              f'{python} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} &',
+              f'{python} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} '
+              f'--world-timeout {cfg.controller.world_timeout_s + WORLD_TIMEOUT_MARGIN_S:g} &',
               "watch_pid=$!",
               "# wait returns early when the trap runs: wait again until srun itself has ended",
               'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
