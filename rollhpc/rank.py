@@ -24,6 +24,7 @@ from rollhpc import config as config_mod
 from rollhpc import faults
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.mpi_init_guard import MpiInitGuard
+from rollhpc.mpi_shm import remove_stale_segments
 from rollhpc.parent_death import die_with_parent
 
 log = logging.getLogger("rollhpc")
@@ -107,6 +108,10 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
     guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
     faults.mpi_stall("mpi_init")
+    stale = remove_stale_segments()  # a requeued job's MPI_Init would open its killed attempt's segments
+    if stale:
+        print(f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}", file=sys.stderr,
+              flush=True)
     from mpi4py import MPI
 
     guard.mpi_initialized()

@@ -33,20 +33,34 @@ time.sleep(3600)
 """
 
 
-def start_rank(tmp_path: Path, how: str, timeout_s: float = 120) -> tuple[subprocess.Popen, psutil.Process]:
-    """A stand-in rank (its own session, like a task under slurmstepd) and its guard, both running."""
-    proc = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(timeout_s), how], env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
-    (guard,) = psutil.Process(proc.pid).children()
-    return proc, guard
+@pytest.fixture
+def start_rank(tmp_path):
+    """Starts a stand-in rank (its own session, like a task under slurmstepd) with its guard; whatever the
+    test's outcome, nothing of it outlives the test (a deaf rank would otherwise sleep for an hour)."""
+    started = []
+
+    def start(how: str, timeout_s: float = 120) -> tuple[subprocess.Popen, psutil.Process]:
+        proc = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(timeout_s), how], env=cli_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        (guard,) = psutil.Process(proc.pid).children()
+        return proc, guard
+
+    yield start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 @pytest.mark.parametrize("signals", [("SIGTERM",), ("SIGHUP", "SIGINT", "SIGTERM")])
-def test_guard_outlives_step_signals_and_kills_a_rank_deaf_to_them(tmp_path, signals):
+def test_guard_outlives_step_signals_and_kills_a_rank_deaf_to_them(tmp_path, start_rank, signals):
     from rollhpc.mpi_init_guard import SIGNAL_GRACE_S
 
-    proc, guard = start_rank(tmp_path, "deaf")
+    proc, guard = start_rank("deaf")
     t0 = time.monotonic()
     for name in signals:  # to the whole process group, as Slurm signals every process of a task
         os.killpg(proc.pid, getattr(signal, name))
@@ -64,8 +78,8 @@ def test_guard_outlives_step_signals_and_kills_a_rank_deaf_to_them(tmp_path, sig
     assert not guard.is_running()
 
 
-def test_a_rank_that_can_die_of_sigterm_does_and_its_guard_goes_quietly(tmp_path):
-    proc, guard = start_rank(tmp_path, "plain")
+def test_a_rank_that_can_die_of_sigterm_does_and_its_guard_goes_quietly(tmp_path, start_rank):
+    proc, guard = start_rank("plain")
     os.killpg(proc.pid, signal.SIGTERM)
     proc.communicate(timeout=10)
     assert proc.returncode == -signal.SIGTERM
@@ -73,8 +87,47 @@ def test_a_rank_that_can_die_of_sigterm_does_and_its_guard_goes_quietly(tmp_path
     assert not guard.is_running() and not (tmp_path / "startup-failed.json").exists()
 
 
-def test_guard_still_kills_at_its_limit(tmp_path):
-    proc, _ = start_rank(tmp_path, "deaf", timeout_s=2)
+def test_guard_still_kills_at_its_limit(tmp_path, start_rank):
+    proc, _ = start_rank("deaf", timeout_s=2)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == -signal.SIGKILL and "MPI_Init did not finish within 2 s" in err, err
     assert json.loads((tmp_path / "startup-failed.json").read_text())["culprit"]
+
+
+MAPPER = """
+import mmap, sys, time
+f = open(sys.argv[1], "r+b")
+m = mmap.mmap(f.fileno(), 4096)
+f.close()  # as MPICH does: the mapping alone keeps the segment in use
+print("mapped", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_left(tmp_path, monkeypatch):
+    """A requeued job keeps its job id, so MPICH names its node segments as the killed attempt did; those must
+    go before MPI_Init, but never a segment of this attempt (newer) or of a live job (mapped)."""
+    from rollhpc import mpi_shm
+
+    def segment(name: str) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"\0" * 4096)
+        return path
+
+    stale, in_use, other = segment("mpich_shm_9a1b_0"), segment("mpich_vci_77_0"), segment("other_file")
+    holder = subprocess.Popen([sys.executable, "-c", MAPPER, str(in_use)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        time.sleep(0.05)
+        started = time.time()
+        time.sleep(0.05)
+        fresh = segment("mpich_shm_9a1b_1")  # created by this attempt's first rank
+        monkeypatch.setenv(mpi_shm.ATTEMPT_STARTED, f"{started:.6f}")
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+        assert mpi_shm.remove_stale_segments(tmp_path) == []  # a first attempt has nothing to clean
+        monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+        assert mpi_shm.remove_stale_segments(tmp_path) == [stale.name]
+        assert not stale.exists() and in_use.exists() and fresh.exists() and other.exists()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -80,7 +80,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
             f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
         )
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
-    lines += ["", "set +e", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
+    lines += ["", "set +e", "# ranks of a restarted attempt remove MPI shared memory older than this (rollhpc.mpi_shm)",
+              "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
               "srun_pid=$!",
               "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
               "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
