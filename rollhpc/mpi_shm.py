@@ -1,21 +1,23 @@
-"""MPICH shared-memory segments left behind by a killed attempt, removed before the next attempt's MPI_Init.
+"""MPICH shared-memory segments left behind by killed ranks, removed when a restarted attempt starts.
 
 MPICH names each node's shared-memory segment after the job's process-manager id (``mpich_shm_<FNV hash of
-the PMI job id>_<node index>``, and ``mpich_vci_...``) and opens it with "create, or attach if it exists". A
-requeued Slurm job keeps its job id and runs its srun as step 0 again, so its ranks find the segments of
-the attempt before, which nobody removed when its ranks were SIGKILLed (a lost node's neighbours, a step the
-batch script ended, Slurm's own kill): MPI_Init then fails with "MPIDI_POSIX_comm_bootstrap: Out of memory"
-on that node, and the ranks waiting for it stay in MPI_Init until the world-formation guard ends them.
-
-So on a restarted attempt each rank, before MPI_Init, removes the segments of its own user that were
-created before the attempt started (the batch script exports that time, ``ATTEMPT_STARTED``) and that no
-live process maps: a segment of this attempt is newer, one of another running job is mapped by its ranks.
+the PMI job id>_<node index>``, and ``mpich_vci_...``), opens it with "create, or attach if it exists", and
+removes it in MPI_Finalize. Ranks that are SIGKILLed (a lost node's neighbours, a step the batch script
+ended, Slurm's own kill) never get there, so every failed attempt leaves its segments in /dev/shm. A
+requeued Slurm job keeps its job id and starts its srun as step 0 again: with the same PMI job id its
+ranks would open those segments, and MPI_Init fails ("MPIDI_POSIX_comm_bootstrap: Out of memory": a
+segment sized for another number of ranks per node). The batch script therefore gives each attempt's
+world a step id of its own (``launch.slurm``), and this module removes the garbage: on a restarted
+attempt each rank, before MPI_Init, removes the segments of its own user that were last changed before the
+attempt started (the batch script exports that time, ``ATTEMPT_STARTED``) and that no live process maps.
+A segment of this attempt is newer; one of another running job is mapped by its ranks.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger("rollhpc.mpi_shm")
@@ -25,9 +27,9 @@ SHM_DIR = Path("/dev/shm")
 PREFIXES = ("mpich_shm_", "mpich_vci_")
 
 
-def mapped_paths(uid: int) -> set[str]:
-    """Files mapped by any live process of ``uid`` (from /proc/PID/maps)."""
-    found: set[str] = set()
+def mapped_paths(uid: int) -> dict[str, list[int]]:
+    """Files mapped by live processes of ``uid`` (from /proc/PID/maps), with those processes."""
+    found: dict[str, list[int]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -38,7 +40,9 @@ def mapped_paths(uid: int) -> set[str]:
                 for line in f:
                     parts = line.split(maxsplit=5)
                     if len(parts) == 6:
-                        found.add(parts[5].strip().removesuffix(" (deleted)"))
+                        pids = found.setdefault(parts[5].strip().removesuffix(" (deleted)"), [])
+                        if int(proc.name) not in pids:
+                            pids.append(int(proc.name))
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return found
@@ -64,7 +68,18 @@ def stale_segments(before: float, shm_dir: Path = SHM_DIR) -> list[Path]:
     if not candidates:
         return []
     in_use = mapped_paths(uid)
+    for p in candidates:
+        if str(p) in in_use:  # a live job's, or a process of an earlier attempt that outlived it: say which
+            who = ", ".join(f"{pid} ({_command(pid)})" for pid in in_use[str(p)][:3])
+            print(f"rollhpc: keeping {p}, older than this attempt but mapped by {who}", file=sys.stderr, flush=True)
     return [p for p in candidates if str(p) not in in_use]
+
+
+def _command(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+    except OSError:
+        return "?"
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:

@@ -80,7 +80,12 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
             f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
         )
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
-    lines += ["", "set +e", "# ranks of a restarted attempt remove MPI shared memory older than this (rollhpc.mpi_shm)",
+    first = "--het-group=0 " if het else ""
+    lines += ["", "set +e",
+              "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
+              "# 0: one no-op step per earlier attempt gives this attempt's world an id of its own, so it never",
+              "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.mpi_shm removes those",
+              f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
               "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
               "srun_pid=$!",
               "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
