@@ -11,7 +11,7 @@ A requeued Slurm job inherits its environment, so each hook says on which attemp
                                                     node can die after a run's last step, before its end.
     ROLLHPC_TEST_STALL_MPI_INIT=N[:PHASE]           world rank N stalls before MPI_Init (PHASE mpi_init, the
                                                     default), before the first collective (collectives), or
-                                                    before MPI_Init with SIGTERM, SIGINT and SIGHUP held back
+                                                    before MPI_Init with SIGTERM, SIGINT and SIGHUP ignored
                                                     (deaf: a rank blocked in C whose handler never runs).
                                                     Only on a Slurm job's first attempt.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -71,7 +72,10 @@ def mpi_stall(where: str) -> None:
     if phase == "deaf":
         if where != "mpi_init":
             return
-        signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # process-wide: a mask is per thread
+            signal.signal(signum, signal.SIG_IGN)
     elif (phase or "mpi_init") != where:
         return
+    print(f"{STALL_MPI_INIT}: rank {rank} stalls before {where}{' (deaf to signals)' if phase == 'deaf' else ''}",
+          file=sys.stderr, flush=True)  # tests wait for this line (the job's output) before they act
     time.sleep(3600)

@@ -23,7 +23,7 @@ from rollhpc.faults import CHECKPOINT_DELAY as DELAY_ENV
 from rollhpc.faults import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
 from rollhpc.launch.requeue import read_events
 from rollhpc.observability.metrics import read_metrics
-from tests.conftest import REPO, assert_no_orphans, cli_env, rollhpc
+from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
 STEPS = 8
 EXIT_REQUEUE = 75
@@ -482,13 +482,11 @@ def node(slurm_cluster, action: str, name: str) -> None:
     assert res.returncode == 0, res.stderr
 
 
-def job_steps(slurm_cluster, job_id: str) -> list[str]:
-    """The running srun steps of every het component ("123.0", "124.0")."""
-    steps = []
-    for comp in [r["JobId"] for r in slurm_cluster.job_records(job_id)]:
-        out = slurm_cluster.run(["squeue", "-h", "-s", "-j", comp, "-o", "%i"], check=False).stdout.split()
-        steps += [s for s in out if s.split(".")[-1].isdigit()]
-    return steps
+def task_processes(run_dir: Path) -> list:
+    """The processes of this run's Slurm tasks: `python -m rollhpc.rank RUN_DIR` (srun's own command line
+    names it too, and is left out)."""
+    return [p for p in rank_processes(run_dir)
+            if (cmd := p.info["cmdline"] or []) and "rollhpc.rank" in cmd and not cmd[0].endswith("srun")]
 
 
 def committed(run_dir: Path, step: int) -> bool:
@@ -555,10 +553,13 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     run_dir = tmp_path / "runs" / "rq"
     job_id = submit(slurm_cluster, tmp_path, tiny_model, "controller.world_timeout_s=300",
                     env={STALL_MPI_INIT: "0:deaf", HOLD_AFTER_CHECKPOINT: f"{STEPS}:20"})
-    steps = wait_for("the first attempt's step", lambda: job_steps(slurm_cluster, job_id), 120)
-    time.sleep(5)  # the ranks reach MPI_Init
-    for step in steps:
-        slurm_cluster.run(["scancel", "--signal=TERM", step])
+    wait_for("the controller rank stalled, deaf", lambda: "rank 0 stalls before mpi_init (deaf" in job_output(
+        run_dir), 120)
+    time.sleep(1)  # the other ranks reach MPI_Init
+    tasks = task_processes(run_dir)  # every process of every task: ranks and their guards
+    assert len(tasks) >= 6, [p.info["cmdline"] for p in tasks]  # 5 ranks, the deaf one's guard at least
+    for p in tasks:  # SIGTERM to each, as Slurm signals a task (and as srun does when a task aborts)
+        p.send_signal(signal.SIGTERM)
     (requeued,) = wait_for("the requeue, well before world_timeout_s", lambda: [
         e for e in read_events(run_dir) if e["event"] == "requeue"], 60)
     assert "MPI world did not form: the step was ended (SIGTERM) while pid" in requeued["reason"], requeued
@@ -570,7 +571,8 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     node(slurm_cluster, "node-start", lost)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=300)
     assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
-    assert "the step was ended (SIGTERM) while pid" in job_output(run_dir)  # the guard's own word
+    (out,) = (run_dir / "slurm").glob("job-*.out")
+    assert "rollhpc: the step was ended (SIGTERM) while pid" in out.read_text()  # the guard's own word
     events = read_events(run_dir)
     assert len(starts(run_dir)) == 2 and [e["event"] for e in events].count("resume") == 0, events
     assert events[-1]["event"] == "end" and events[-1]["status"] == 0, events
