@@ -172,6 +172,7 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, WORLD, record_controller_exit,
                                         record_failed_node, record_startup_failure)
+    from rollhpc.startup_gc import startup_gc
     from rollhpc.transport.sideband import ControllerSideband
 
     hosts = {e[1] for e in everyone}
@@ -195,15 +196,17 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
             sideband.accept(set(ranks), cfg.controller.world_timeout_s)
         except TimeoutError as e:
             raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
-        ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
-        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
-                 ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
         groups = {
             role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
         pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
+        with startup_gc():
+            pipeline.setup()  # the controller's own start-up, while the workers build theirs
+        ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
+        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
+                 ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
         pipeline.run()
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
         requeue = getattr(pipeline, "stopped_for_requeue", False)

@@ -112,8 +112,12 @@ def main(spec_path: str, result_path: str) -> None:
     engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20,
                            dtype="float32")
     res["start_s"] = time.perf_counter() - t0
+    from vllm.v1.sample import sampler
 
+    res["sampler_rank_compiled"] = hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
+    t0 = time.perf_counter()
     res["greedy_a"] = greedy(engine, prompts, max_tokens)
+    res["first_generate_s"] = time.perf_counter() - t0
 
     def sample(seed):
         out = engine.generate(prompts, n=4, temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=seed)

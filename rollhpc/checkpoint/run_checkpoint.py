@@ -60,6 +60,8 @@ class RunCheckpointer:
         self.store = CheckpointStore(Path(run_dir) / "checkpoints", keep_last=options.keep_last)
         self.groups = groups
         self.roles = sorted(r for r, g in groups.items() if hasattr(g.worker_cls, "save_checkpoint"))
+        self._searched = False
+        self._found: tuple[Checkpoint, dict[str, Any]] | None = None
 
     def due(self, step: int, last_step: int) -> bool:
         o = self.options
@@ -97,9 +99,17 @@ class RunCheckpointer:
             group.controller.pump()
             return
 
-    def restore(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        """Load the newest good checkpoint into the stateful roles; returns it and the controller's state,
-        or None when there is nothing to resume from (or ``resume`` is off)."""
+    def find(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """The checkpoint a resume will use (the newest good one) and the controller's state in it, or None
+        when there is nothing to resume from (or ``resume`` is off). Calls no worker, so the controller does
+        it while they start (checking the files' sha256 reads the whole checkpoint: minutes for a large
+        model's); looked for once, ``restore`` loads what was found."""
+        if not self._searched:
+            self._found = self._find()
+            self._searched = True
+        return self._found
+
+    def _find(self) -> tuple[Checkpoint, dict[str, Any]] | None:
         if not self.options.resume:
             return None
         self.store.recover()  # half-written checkpoints of a killed run
@@ -110,10 +120,19 @@ class RunCheckpointer:
         if sorted(saved_roles) != self.roles:
             raise RuntimeError(f"{checkpoint.path} holds the state of roles {saved_roles}, this run has stateful "
                                f"roles {self.roles}: resume with the configuration it was saved with")
-        t0 = time.perf_counter()
-        loading = [self.groups[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
         with open(checkpoint.path / CONTROLLER_DIR / STATE_FILE, "rb") as f:
             state = pickle.load(f)
+        return checkpoint, state
+
+    def restore(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """Load the checkpoint ``find`` names into the stateful roles; returns it and the controller's state,
+        or None when there is nothing to resume from (or ``resume`` is off)."""
+        found = self.find()
+        if found is None:
+            return None
+        checkpoint, state = found
+        t0 = time.perf_counter()
+        loading = [self.groups[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
         for f in loading:
             f.result()
         log.info("resumed from %s (step %d) in %.2f s", checkpoint.path, checkpoint.step, time.perf_counter() - t0)

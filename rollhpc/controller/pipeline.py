@@ -17,7 +17,8 @@ class RunContext:
 
 
 class Pipeline:
-    """Subclasses set ``required_roles`` (checked at config load), an ``Options`` dataclass, and ``run``.
+    """Subclasses set ``required_roles`` (checked at config load), an ``Options`` dataclass, and ``run``
+    (optionally ``setup``: start-up work of the controller's own, overlapping the workers' construction).
 
     Optional classmethods: ``check_roles(options, roles)`` (cross-checks at config load), ``prepare(options,
     seed)`` (inputs built before any rank starts) and ``prepared_paths(options)`` (the paths ``prepare``
@@ -30,6 +31,11 @@ class Pipeline:
         self.groups = groups
         self.run_ctx = run
         self.options = options
+
+    def setup(self) -> None:
+        """The controller's own start-up (data, tokenizer, the checkpoint to resume from), called once before
+        ``run``, while the workers are still being built (loading models, starting engines): what it does
+        overlaps their start instead of following it. It must not call the workers."""
 
     def run(self) -> None:
         raise NotImplementedError

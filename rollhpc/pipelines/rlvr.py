@@ -44,8 +44,9 @@ from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
 from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
-from rollhpc.controller.pipeline import Pipeline
+from rollhpc.controller.pipeline import Pipeline, RunContext
 from rollhpc.controller.stop import StopRequest
+from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
@@ -171,6 +172,10 @@ class RlvrPipeline(Pipeline):
                                  "step would get a sample; set rollout.dynamic_sampling=false or rollout.group_size "
                                  ">= 2")
 
+    def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
+        super().__init__(groups, run, options)
+        self.checkpointer: RunCheckpointer | None = None  # made by setup
+
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
         """Cross-checks between the options and the configured roles, run when the config is loaded."""
@@ -202,7 +207,16 @@ class RlvrPipeline(Pipeline):
                        vocab_size=w.vocab_size)
 
     # ------------------------------------------------------------------ data
-    def _setup(self) -> None:
+    def setup(self) -> None:
+        """Tokenizer, task splits and the checkpoint to resume from (found and verified): the controller's
+        start-up, done while the workers build theirs (``Pipeline.setup``); ``run`` does it if nobody has."""
+        if self.checkpointer is not None:
+            return
+        self._load_data()
+        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, self.options.checkpoint)
+        self.checkpointer.find()
+
+    def _load_data(self) -> None:
         from transformers import AutoTokenizer
 
         from rollhpc.tasks import task_module
@@ -231,14 +245,14 @@ class RlvrPipeline(Pipeline):
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         o = self.options
-        self._setup()
+        self.setup()
         train, gen, reward = self.groups["train"], self.groups["generate"], self.groups["reward"]
         ref = self.groups.get("reference")
         scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
                                      [_GroupPort(reward.at(i), "score") for i in range(len(reward))],
                                      o.rollout, seed=self.run_ctx.seed)
         prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
-        checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, o.checkpoint)
+        checkpointer = self.checkpointer
         stop_request = StopRequest(self.run_ctx.run_dir)
         self.stopped_for_requeue = False
         self.kl_control = KlController(o.kl_control)

@@ -10,6 +10,7 @@ import logging
 import traceback
 from typing import Any
 
+from rollhpc.startup_gc import startup_gc
 from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import WorkerSideband
 from rollhpc.workers.base import Worker, WorkerContext
@@ -33,7 +34,8 @@ def _error(exc: BaseException, ctx: WorkerContext, method: str) -> dict[str, Any
 def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
           options: Any) -> None:
     try:
-        worker = worker_cls(ctx, options)
+        with startup_gc():  # construction is mostly imports: see rollhpc.startup_gc
+            worker = worker_cls(ctx, options)
         channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready"})
     except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run
         log.exception("constructing %s failed", worker_cls.__name__)
