@@ -103,18 +103,22 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     from rollhpc.launch.device_mapping import WorldPlan
 
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
-    for signum in (signal.SIGTERM, signal.SIGHUP):  # until the world forms, a step's end ends this rank
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # until the world forms, a step's end ends us
         signal.signal(signum, signal.SIG_DFL)
-    cfg = config_mod.load(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    guard = MpiInitGuard(run_dir, cfg.controller.world_timeout_s, expected_role)
+    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    # the guard comes first: loading the config imports the worker classes, and with them mpi4py (MPI_Init);
+    # its limit is read from the controller section alone, which imports nothing
+    controller = config_mod.from_dict(config_mod.ControllerConfig, raw.get("controller"), "config.controller")
+    guard = MpiInitGuard(run_dir, controller.world_timeout_s, expected_role)
     faults.mpi_stall("mpi_init")
-    stale = remove_stale_segments()  # a requeued job's MPI_Init would open its killed attempt's segments
+    stale = remove_stale_segments()  # MPI shared memory that killed ranks of an earlier attempt left
     if stale:
         print(f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}", file=sys.stderr,
               flush=True)
     from mpi4py import MPI
 
     guard.mpi_initialized()
+    cfg = config_mod.load(raw)  # the roles' modules: imports under the guard's limit, until the world formed
     faults.mpi_stall("collectives")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -196,14 +197,16 @@ def run_stalled_world(experiment, tmp_path: Path, stall: str) -> tuple[subproces
 
 
 def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_path):
-    """A rank stalled before its MPI_Init ends is ended by its guard (a forked watcher: a Python timer
+    """A rank stalled before its MPI_Init keeps the others inside theirs (MPI_Init waits for every rank):
+    each is ended by its guard (a forked watcher, started before anything imports mpi4py: a Python timer
     cannot fire while MPI_Init holds the interpreter), which records the failure for the batch script's
-    requeue decision; the ranks that got through MPI_Init are ended by theirs, in the first collective."""
+    requeue decision."""
     res, run_dir = run_stalled_world(experiment, tmp_path, "2")
-    assert "rollhpc: MPI_Init did not finish within 5 s (role 'probe', pid " in res.stderr, res.stderr[-2000:]
-    # the ranks that got through MPI_Init were ended by their guards too; the stalled one is named as the cause
-    assert "the MPI world did not form within 5 s" in res.stderr, res.stderr[-2000:]
-    assert "MPI_Init did not finish within 5 s (role 'probe'" in res.stderr.strip().splitlines()[-1]
+    # the first guard to fire ends its rank; the launcher then interrupts the others, which go quietly
+    assert re.search(r"rollhpc: MPI_Init did not finish within 5 s \(role '(probe|controller)', pid ", res.stderr), \
+        res.stderr[-2000:]
+    assert "MPI_Init did not finish within 5 s (role '" in res.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]  # an interrupted start-up ends quietly
     record = json.loads((run_dir / "startup-failed.json").read_text())
     assert "MPI_Init did not finish" in record["why"] and record["job_id"] is None
     assert_no_orphans(run_dir)
