@@ -35,7 +35,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 
-from recovery import STEPS, Cluster, event_after, last_step, poll, run_args, submit  # noqa: E402
+from recovery import (STEPS, Cluster, event_after, last_step, poll, run_args, step_of_session,  # noqa: E402
+                      submit)
 
 from rollhpc.launch.requeue import read_events  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
@@ -85,7 +86,8 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
             if resume == "finished":
                 row["recovery_s"] = None
             else:
-                poll(f"step {resume['step'] + 1}", lambda: last_step(run_dir) > resume["step"], 300)
+                poll(f"step {resume['step'] + 1}",
+                     lambda: step_of_session(run_dir, resume["step"] + 1, resume["restarts"]), 300)
                 row["recovery_s"] = round(time.time() - t_fail, 1)
                 row["resumed_from_step"] = resume["step"]
         except RuntimeError as e:

@@ -63,6 +63,14 @@ def last_step(run_dir: Path) -> int:
     return metrics[-1]["step"] if metrics else -1
 
 
+def step_of_session(run_dir: Path, step: int, restarts: int) -> bool:
+    """Whether metrics.jsonl has ``step`` logged by the session that resumed for the ``restarts``-th time."""
+    try:
+        return any(m["step"] == step and m.get("restarts") == restarts for m in read_metrics(run_dir / "metrics.jsonl"))
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 def poll(what: str, check, timeout: float, every: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -92,7 +100,9 @@ def measure_until_next_step(run_dir: Path, t_fail: float, parts: dict[str, float
     resume = poll("the resume", lambda: event_after(run_dir, "resume", 0), 600, every=0.05)
     parts.setdefault("checkpoint_loaded_s", time.time() - t_fail)
     first_new = resume["step"] + 1
-    poll(f"step {first_new}", lambda: last_step(run_dir) >= first_new, 300)
+    # the resumed session's own line (metrics.jsonl is cut back just after the resume event is logged: the
+    # killed session's line for that step may still be there a moment)
+    poll(f"step {first_new}", lambda: step_of_session(run_dir, first_new, resume["restarts"]), 300)
     total = time.time() - t_fail
     return {"recovery_s": round(total, 2), **{k: round(v, 2) for k, v in parts.items()},
             "resumed_from_step": resume["step"]}
