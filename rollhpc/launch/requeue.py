@@ -353,10 +353,11 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
     steps = _job_steps(job_id) if job_id else []
     log_event(run_dir, {"event": "step-ended", "job_id": job_id, "steps": steps,
                         "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended"})
-    for step in steps:
-        try:
-            subprocess.run(["scancel", "--signal=KILL", step], capture_output=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
+    for step in steps:  # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
+        try:             # requeue that follows ends whatever of the step is left anyway
+            subprocess.Popen(["timeout", "60", "scancel", "--signal=KILL", step], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        except OSError as e:
             print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
     deadline = time.monotonic() + 1  # a srun waiting for a lost node's task may outlive its cancelled step
     while _alive(srun_pid) and time.monotonic() < deadline:
