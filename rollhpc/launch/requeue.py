@@ -175,6 +175,25 @@ def _excluded_now(component: str) -> set[str]:
     return set()
 
 
+def wait_for_steps_to_end(run_dir: Path, job_id: str, timeout_s: float = 180.0, poll_s: float = 0.5) -> None:
+    """Before a requeue that excludes a lost node: wait until Slurm has ended this attempt's steps.
+
+    A step on a crashed node ends only once Slurm declares the node DOWN (then Slurm requeues the job itself,
+    and the next start avoids the node). Requeued and released onto other nodes before that, Slurm 22.05
+    broke the job's GPU bookkeeping ("_step_get_gres_cnt ... node offset invalid": the next srun was refused)
+    and, requeued again, once left it pending forever. A worker lost on a live node: its step ends within a
+    second. Waiting after ``requeuehold`` is no option: it ends this script (SIGKILL after KillWait)."""
+    deadline = time.monotonic() + timeout_s
+    steps = _job_steps(job_id)
+    if not steps:
+        return
+    log_event(run_dir, {"event": "wait", "job_id": job_id, "steps": steps,
+                        "reason": "the lost node's step has not ended yet: requeueing once Slurm has ended it "
+                                  "(or requeued the job itself, having marked the node DOWN)"})
+    while _job_steps(job_id) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+
+
 def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
             per_group: dict[int, set[str]] | None = None) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
@@ -445,6 +464,7 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
+        wait_for_steps_to_end(run_dir, job_id)
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
