@@ -387,14 +387,14 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
 
 
 def group_nodes() -> list[list[str]]:
-    """The nodes of each het group of this attempt (one list for a plain job)."""
+    """The nodes of each het group of this attempt (one list for a plain job; none outside Slurm)."""
     n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
     lists = [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
-    lists = lists if any(lists) else [os.environ.get("SLURM_JOB_NODELIST", "")]
+    lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
     out = []
-    for nodelist in lists:
-        res = _scontrol("show", "hostnames", nodelist) if nodelist else None
-        out.append(res.stdout.split() if res is not None and res.returncode == 0 else [nodelist] if nodelist else [])
+    for nodelist in filter(None, lists):
+        res = _scontrol("show", "hostnames", nodelist)
+        out.append(res.stdout.split() if res.returncode == 0 else [nodelist])
     return out
 
 
@@ -412,15 +412,9 @@ def shared_nodes(groups: list[list[str]]) -> dict[int, set[str]]:
 
 def allocated_nodes() -> list[str]:
     """This attempt's nodes, every het group's (a het job's SLURM_JOB_NODELIST names only group 0's)."""
-    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    lists = [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
-    lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
     hosts: list[str] = []
-    for nodelist in filter(None, lists):
-        res = _scontrol("show", "hostnames", nodelist)
-        for h in (res.stdout.split() if res.returncode == 0 else [nodelist]):
-            if h not in hosts:
-                hosts.append(h)
+    for group in group_nodes():
+        hosts += [h for h in group if h not in hosts]
     return hosts
 
 
