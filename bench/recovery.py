@@ -5,8 +5,10 @@ Three failures of the same RLVR run (tiny random Qwen2, Megatron trainer, vLLM g
 checkpoint is logged in metrics.jsonl (polled every 50 ms):
 
   local-kill        the local world is SIGKILLed after step 5; `rollhpc train --resume` is started at once
-  slurm-node-crash  the trainer's node dies (slurmd + its processes SIGKILLed) after step 5; Slurm notices
-                    (SlurmdTimeout), requeues the job, and the next start resumes
+  slurm-node-crash  the trainer's node dies (slurmd + its processes SIGKILLed) after step 5 and stays down;
+                    the controller notices at once, Slurm marks the node DOWN (SlurmdTimeout) and requeues
+  slurm-node-back   the same, but the node's slurmd is back 2 s later, before Slurm noticed: the batch
+                    script ends the step srun would wait on forever and requeues without the node
   slurm-time-limit  Slurm's time-limit warning (--signal=B:USR1@N) arrives: the controller checkpoints after
                     its current step, exits 75, the batch script requeues the job; timed from the warning
 
@@ -177,7 +179,9 @@ def submit(cluster: Cluster, model: Path, work: Path, *extra: str, env: dict[str
     return (work / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
 
 
-def slurm_node_crash(cluster: Cluster, model: Path, work: Path) -> dict:
+def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: float | None = None) -> dict:
+    """The trainer's node dies; it stays down (Slurm marks it DOWN after SlurmdTimeout), or with
+    ``back_after_s`` its slurmd returns that soon, before Slurm noticed anything."""
     run_dir = work / "runs" / "rq"
     job_id = submit(cluster, model, work)
     poll("step 5", lambda: last_step(run_dir) >= 5, 300)
@@ -186,6 +190,9 @@ def slurm_node_crash(cluster: Cluster, model: Path, work: Path) -> dict:
     failed_after = last_step(run_dir)
     t_fail = time.time()
     cluster.script("node-crash", str(cluster.dir), host)
+    if back_after_s is not None:
+        time.sleep(back_after_s)
+        cluster.script("node-start", str(cluster.dir), host)
     parts: dict[str, float] = {}
     try:
         poll("Slurm to notice", lambda: cluster.job_state(job_id) != "RUNNING", 300, every=0.1)
@@ -229,7 +236,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=1, help="runs of each scenario (the median is reported)")
     p.add_argument("--slurm-dir", type=Path, help="a running local-cluster.sh directory (default: start one)")
-    p.add_argument("--scenarios", default="local-kill,slurm-node-crash,slurm-time-limit")
+    p.add_argument("--scenarios", default="local-kill,slurm-node-crash,slurm-node-back,slurm-time-limit")
     p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
     args = p.parse_args()
 
@@ -251,6 +258,8 @@ def main() -> int:
                     row = local_kill(model, work)
                 elif name == "slurm-node-crash":
                     row = slurm_node_crash(cluster, model, work)
+                elif name == "slurm-node-back":
+                    row = slurm_node_crash(cluster, model, work, back_after_s=2.0)
                 elif name == "slurm-time-limit":
                     row = slurm_time_limit(cluster, model, work)
                 else:
