@@ -175,22 +175,48 @@ def _excluded_now(component: str) -> set[str]:
     return set()
 
 
-def wait_for_steps_to_end(run_dir: Path, job_id: str, timeout_s: float = 180.0, poll_s: float = 0.5) -> None:
-    """Before a requeue that excludes a lost node: wait until Slurm has ended this attempt's steps.
+def slurmd_restarted_since(node: str, since: float) -> bool:
+    """Whether ``node``'s slurmd started after ``since`` (epoch seconds): it came back from a crash and no
+    longer knows the steps it ran, which Slurm then never ends."""
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    for field in out.split():
+        if field.startswith("SlurmdStartTime="):
+            try:
+                return time.mktime(time.strptime(field.partition("=")[2], "%Y-%m-%dT%H:%M:%S")) >= since
+            except ValueError:
+                return False
+    return False
+
+
+def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s: float = 180.0,
+                          poll_s: float = 0.5) -> None:
+    """Before a requeue that excludes a lost node: wait until Slurm has settled this attempt's steps.
 
     A step on a crashed node ends only once Slurm declares the node DOWN (then Slurm requeues the job itself,
     and the next start avoids the node). Requeued and released onto other nodes before that, Slurm 22.05
     broke the job's GPU bookkeeping ("_step_get_gres_cnt ... node offset invalid": the next srun was refused)
-    and, requeued again, once left it pending forever. A worker lost on a live node: its step ends within a
-    second. Waiting after ``requeuehold`` is no option: it ends this script (SIGKILL after KillWait)."""
+    and, requeued again, once left it pending forever. Settled also: the node's slurmd came back (restarted
+    since this attempt began): it answers the requeue, though Slurm would never end the step it forgot. A
+    worker lost on a live node: its step ends within a second. Waiting after ``requeuehold`` is no option: it
+    ends this script (SIGKILL after KillWait)."""
     deadline = time.monotonic() + timeout_s
-    steps = _job_steps(job_id)
-    if not steps:
+    from rollhpc.mpi_shm import ATTEMPT_STARTED
+
+    began = float(os.environ.get(ATTEMPT_STARTED, "0") or 0) or time.time()
+
+    def settled() -> bool:
+        return not _job_steps(job_id) or (bool(lost) and all(slurmd_restarted_since(n, began) for n in lost))
+
+    if settled():
         return
-    log_event(run_dir, {"event": "wait", "job_id": job_id, "steps": steps,
+    log_event(run_dir, {"event": "wait", "job_id": job_id, "nodes": sorted(lost),
                         "reason": "the lost node's step has not ended yet: requeueing once Slurm has ended it "
-                                  "(or requeued the job itself, having marked the node DOWN)"})
-    while _job_steps(job_id) and time.monotonic() < deadline:
+                                  "(or requeued the job itself, having marked the node DOWN), or the node is back"})
+    while not settled() and time.monotonic() < deadline:
         time.sleep(poll_s)
 
 
@@ -458,7 +484,7 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
-        wait_for_steps_to_end(run_dir, job_id)
+        wait_for_steps_to_end(run_dir, job_id, set(failed))
         return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
