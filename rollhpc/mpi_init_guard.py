@@ -26,12 +26,11 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
-from rollhpc.launch.requeue import record_startup_failure
+from rollhpc.launch.requeue import record_startup_failure, this_host
 from rollhpc.parent_death import die_with_parent
 
 _MPI_INITIALIZED = b"i"
@@ -101,7 +100,7 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
         initialized = True
     for signum in _STEP_SIGNALS:  # from here on nothing may interrupt the record and the kill
         signal.signal(signum, signal.SIG_IGN)
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    host = this_host()
     who = f"{'role ' + repr(role) + ', ' if role else ''}pid {rank_pid} on {host}"
     where = "the first collectives" if initialized else "MPI_Init"
     if ending:

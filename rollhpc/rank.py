@@ -23,6 +23,7 @@ import yaml
 from rollhpc import config as config_mod
 from rollhpc import faults
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.launch.requeue import this_host
 from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.mpi_shm import remove_stale_segments
 from rollhpc.parent_death import die_with_parent
@@ -134,7 +135,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     gpus = bind_gpus(me.gpus)
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever (the guard
     # ends them at controller.world_timeout_s, until world_formed())
-    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()  # simulated Slurm nodes share a hostname
+    host = this_host()
     everyone = comm.allgather((my_role, host, os.getpid(), gpus, socket.gethostname()))
     role_names = [CONTROLLER_ROLE, *cfg.roles]
     role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)

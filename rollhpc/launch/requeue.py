@@ -62,6 +62,11 @@ FINISHED = "finished"  # what ``start`` prints when the run has nothing left to 
 REQUEUED = "requeued"  # what ``start`` prints when it requeued the job before srun (het groups sharing a node)
 
 
+def this_host() -> str:
+    """This node's name as Slurm knows it (simulated nodes of one machine share its hostname)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event}
     path = Path(run_dir) / RESTARTS_LOG
@@ -328,8 +333,7 @@ def controller_ended(run_dir: Path) -> str | None:
         controller = json.loads((Path(run_dir) / WORLD).read_text())[0]
     except (FileNotFoundError, ValueError, IndexError, KeyError):
         return None
-    here = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    if controller.get("host") != here:
+    if controller.get("host") != this_host():
         return None
     try:
         os.kill(int(controller["pid"]), 0)
@@ -383,7 +387,7 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
                 and not (Path(run_dir) / WORLD).exists() and startup_failure(run_dir) is None):
             how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
                    f"(srun or the process manager is stuck before the ranks run)")
-            record_startup_failure(run_dir, os.environ.get("SLURMD_NODENAME") or socket.gethostname(), how)
+            record_startup_failure(run_dir, this_host(), how)
             grace_s = 0
             break
         time.sleep(poll_s)
