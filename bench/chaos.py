@@ -39,6 +39,7 @@ from recovery import (STEPS, Cluster, event_after, last_step, poll, run_args, st
                       submit)
 
 from rollhpc.launch.requeue import read_events  # noqa: E402
+from rollhpc.launch.resubmit import current_job  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
 
 TARGETS = ("train", "batch", "any")
@@ -82,7 +83,7 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
         row = {"step": crashed_after, "target": target, "node": host, "down_s": down}
         try:  # the first step after the next resume; none if the run had already finished
             resume = poll("the resume", lambda: event_after(run_dir, "resume", resumes) or (
-                cluster.job_state(job_id) == "COMPLETED" and "finished"), 600, every=0.1)
+                cluster.job_state(current_job(run_dir)) == "COMPLETED" and "finished"), 600, every=0.1)
             if resume == "finished":
                 row["recovery_s"] = None
             else:
@@ -97,10 +98,10 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
         if "error" in row:
             break
     try:
-        state = cluster.wait_done(job_id, timeout=900)
+        state = cluster.wait_done(run_dir, timeout=900)
     except RuntimeError:
-        state = cluster.job_state(job_id)
-        subprocess.run(["scancel", job_id], env=cluster.env, capture_output=True, timeout=60)
+        state = cluster.job_state(current_job(run_dir))
+        subprocess.run(["scancel", current_job(run_dir), job_id], env=cluster.env, capture_output=True, timeout=60)
     metrics = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
     events = read_events(run_dir)
     return {"job_state": state, "crashes": rows,

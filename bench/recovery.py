@@ -158,9 +158,16 @@ class Cluster:
         m = re.search(r"JobState=(\S+)", self.scontrol("show", "job", "-o", job_id))
         return m.group(1) if m else "UNKNOWN"
 
-    def wait_done(self, job_id: str, timeout: float = 600) -> str:
+    def wait_done(self, run_dir: Path, timeout: float = 600) -> str:
+        """The state of the run's last job once it has ended (a restart continues the run in a new job:
+        RUN_DIR/slurm/job_id names the current one)."""
         done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-        return poll(f"job {job_id} to end", lambda: (s := self.job_state(job_id)) in done and s, timeout, every=0.5)
+
+        def ended() -> str | None:
+            job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+            state = self.job_state(job_id)
+            return state if state in done and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
+        return poll(f"the run's job to end", ended, timeout, every=0.5)
 
     def down(self) -> None:
         if self.started:
@@ -195,12 +202,14 @@ def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: fl
         cluster.script("node-start", str(cluster.dir), host)
     parts: dict[str, float] = {}
     try:
-        poll("Slurm to notice", lambda: cluster.job_state(job_id) != "RUNNING", 300, every=0.1)
-        parts["job_ended_s"] = time.time() - t_fail
+        # the attempt is over once the batch script has arranged the restart (a new job), or Slurm ended it
+        poll("the attempt to end", lambda: event_after(run_dir, "requeue", 0) or cluster.job_state(job_id) != "RUNNING",
+             300, every=0.1)
+        parts["attempt_ended_s"] = time.time() - t_fail
         poll("the next start", lambda: event_after(run_dir, "start", 1), 300, every=0.1)
         parts["job_started_again_s"] = time.time() - t_fail
         row = measure_until_next_step(run_dir, t_fail, parts)
-        state = cluster.wait_done(job_id)
+        state = cluster.wait_done(run_dir)
     finally:
         cluster.script("node-start", str(cluster.dir), host)
     row["steps_redone"] = steps_redone(run_dir, failed_after)
@@ -219,14 +228,15 @@ def slurm_time_limit(cluster: Cluster, model: Path, work: Path) -> dict:
     t_fail = time.time()
     failed_after = last_step(run_dir)
     parts: dict[str, float] = {}
-    poll("the requeue", lambda: event_after(run_dir, "requeue", 0), 300, every=0.05)
+    requeue = poll("the requeue", lambda: event_after(run_dir, "requeue", 0), 300, every=0.05)
     parts["checkpoint_saved_and_requeued_s"] = time.time() - t_fail
-    for comp in re.findall(r"JobId=(\S+)", cluster.scontrol("show", "job", "-o", job_id)):
+    # the next job gets room: its own warning would otherwise come a minute after its start
+    for comp in re.findall(r"JobId=(\S+)", cluster.scontrol("show", "job", "-o", requeue.get("new_job_id", job_id))):
         cluster.scontrol("update", f"JobId={comp}", "TimeLimit=00:10:00")
     poll("the next start", lambda: event_after(run_dir, "start", 1), 300, every=0.1)
     parts["job_started_again_s"] = time.time() - t_fail
     row = measure_until_next_step(run_dir, t_fail, parts)
-    state = cluster.wait_done(job_id)
+    state = cluster.wait_done(run_dir)
     row["steps_redone"] = steps_redone(run_dir, failed_after)
     row["finished"] = state == "COMPLETED" and last_step(run_dir) == STEPS
     return row

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from rollhpc.launch.attempt import restart_number
+
 log = logging.getLogger("rollhpc.faults")
 
 CHECKPOINT_DELAY = "ROLLHPC_TEST_CHECKPOINT_DELAY"
@@ -67,7 +69,7 @@ def mpi_stall(where: str) -> None:
     (``"collectives"``): stalls the rank ROLLHPC_TEST_STALL_MPI_INIT names, on a first attempt only."""
     rank, _, phase = os.environ.get(STALL_MPI_INIT, "").partition(":")
     me = os.environ.get("SLURM_PROCID") or os.environ.get("PMI_RANK")
-    if not rank or rank != me or os.environ.get("SLURM_RESTART_COUNT", "0") != "0":
+    if not rank or rank != me or restart_number() != 0:
         return
     if phase == "deaf":
         if where != "mpi_init":

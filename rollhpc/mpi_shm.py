@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from rollhpc.launch.attempt import restart_number
+
 log = logging.getLogger("rollhpc.mpi_shm")
 
 ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
@@ -83,10 +85,10 @@ def _command(pid: int) -> str:
 
 
 def remove_stale_segments(shm_dir: Path = SHM_DIR) -> list[str]:
-    """On a restarted Slurm attempt (SLURM_RESTART_COUNT > 0 and ``ATTEMPT_STARTED`` set): remove the
+    """On a restarted attempt (``restart_number() > 0`` and ``ATTEMPT_STARTED`` set): remove the
     segments an earlier attempt left on this node; returns their names. A no-op otherwise."""
     started = os.environ.get(ATTEMPT_STARTED, "")
-    if os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0") or not started:
+    if restart_number() == 0 or not started:
         return []
     removed = []
     for path in stale_segments(float(started), shm_dir):

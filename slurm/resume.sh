@@ -8,7 +8,7 @@
 #                anything else is refused: a checkpoint resumes only under the configuration that wrote it
 #   --wait       stay until the job ends; exit status 0 only if the run succeeded
 #
-# Not needed after a time limit or a node failure: the job requeues and resumes by itself (up to
+# Not needed after a time limit or a node failure: the run continues by itself in a new job (up to
 # cluster.max_restarts lost workers). Use it after the job gave up, was cancelled, or failed on a bad node.
 # Refuses while the run's last job is still pending or running. RUN_DIR/restarts.jsonl lists every attempt.
 set -euo pipefail

@@ -23,6 +23,7 @@ from rollhpc.faults import CHECKPOINT_DELAY as DELAY_ENV
 from rollhpc.faults import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
 from rollhpc.launch.requeue import read_events
 from rollhpc.observability.metrics import read_metrics
+from tests.slurm_cluster import TERMINAL_STATES
 from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
 STEPS = 8
@@ -224,6 +225,39 @@ def test_het_groups_packed_onto_one_node_are_found():
     assert shared_nodes([["n1"], ["n2"]]) == {} and shared_nodes([["n1", "n2"]]) == {}
 
 
+def test_a_restart_is_a_new_job_with_the_lost_nodes_excluded(tmp_path, monkeypatch, capsys):
+    """The successor's batch text and environment (the chaos tests below submit real ones), and an old job
+    that Slurm requeued as well starting nothing once its successor lives."""
+    from rollhpc.launch import requeue, resubmit
+
+    text = "\n".join(["#!/bin/bash", "#SBATCH --time=1:00:00", "# het group 0: controller, reward",
+                      "#SBATCH --nodes=1", "#SBATCH --exclude=n9", "#SBATCH hetjob", "# het group 1: train",
+                      "#SBATCH --nodes=2", "", "srun ..."])
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))  # hostlists are taken as written without scontrol
+    out = resubmit.with_exclusions(text, {"n2", "n1"}).split("\n")
+    assert out[2:9] == ["# het group 0: controller, reward", "#SBATCH --nodes=1", "#SBATCH --exclude=n1,n2,n9",
+                        "#SBATCH hetjob", "# het group 1: train", "#SBATCH --nodes=2", "#SBATCH --exclude=n1,n2"]
+    assert resubmit.with_exclusions(text, set()) == text
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm.conf")
+    monkeypatch.setenv("ROLLHPC_ATTEMPT_STARTED", "1.5")
+    env = resubmit.successor_env(3)
+    assert env["ROLLHPC_RESTART_BASE"] == "3" and env["SLURM_CONF"] == "/etc/slurm.conf"
+    assert not {"SLURM_JOB_ID", "SLURM_RESTART_COUNT", "ROLLHPC_ATTEMPT_STARTED"} & set(env)
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "3")
+    assert requeue.restart_number() == 4  # three restarts before this job, one requeue of it by Slurm
+    # job 41 was requeued by Slurm after job 42 took the run over: it starts nothing while 42 lives
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "job_id").write_text("42\n")
+    monkeypatch.setattr(requeue, "job_alive", lambda job: job == "42")
+    assert requeue.main(["start", str(tmp_path)]) == 0 and capsys.readouterr().out == "superseded\n"
+    assert read_events(tmp_path)[-1]["reason"] == "job 42 continues the run already: nothing to start"
+    monkeypatch.setattr(requeue, "job_alive", lambda job: False)  # 42 has ended: 41 takes the run (back) over
+    assert requeue.main(["start", str(tmp_path)]) == 0 and capsys.readouterr().out == ""
+    assert (tmp_path / "slurm" / "job_id").read_text() == "41\n" and read_events(tmp_path)[-1]["restart"] == 4
+
+
 def start_standin_srun() -> subprocess.Popen:
     """A process standing in for a srun that never ends by itself (the watcher's logic, without Slurm; the
     chaos tests below run the real thing)."""
@@ -408,16 +442,27 @@ def submit(slurm_cluster, tmp_path: Path, model: Path, *extra: str, env: dict[st
     return (tmp_path / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
 
 
-def job_output(run_dir: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-4000:] for p in (run_dir / "slurm").glob("job-*.out"))
+def job_output(run_dir: Path, tail: int | None = 4000) -> str:
+    """The output of every job of the run (a restart is a new job, with a file of its own)."""
+    return "\n".join(p.read_text(errors="replace")[-(tail or 0):] for p in sorted((run_dir / "slurm").glob("job-*.out")))
 
 
 def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> str:
-    """The job's state once it has ended for good (requeued jobs pass through PENDING again)."""
-    try:
-        return slurm_cluster.wait_job(job_id, timeout=timeout)
-    except AssertionError as e:
-        raise AssertionError(f"{e}\nrestarts: {read_events(run_dir)}\n{job_output(run_dir)}") from None
+    """The state of the run's last job once it has ended for good: a restart continues the run in a new job
+    (RUN_DIR/slurm/job_id names it), and a job Slurm requeued passes through PENDING again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        current = (run_dir / "slurm" / "job_id").read_text().strip()
+        records = slurm_cluster.job_records(current)
+        if records and all(r.get("JobState") in TERMINAL_STATES for r in records) and \
+                (run_dir / "slurm" / "job_id").read_text().strip() == current:
+            return records[0]["JobState"]
+        if time.monotonic() > deadline:
+            slurm_cluster.run(["scancel", current], check=False)
+            raise AssertionError(f"job {current} (the run's first: {job_id}) not finished after {timeout} s: "
+                                 f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}\n"
+                                 f"restarts: {read_events(run_dir)}\n{job_output(run_dir)}")
+        time.sleep(0.3)
 
 
 def starts(run_dir: Path) -> list[dict]:
@@ -442,18 +487,19 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     job_id = submit(slurm_cluster, tmp_path, tiny_model, "cluster.time_limit=00:03:00",
                     "cluster.stop_before_limit_s=120", env={DELAY_ENV: "6:170"})
     requeued = wait_for("the requeue", lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"], 300)
-    # give the next attempts room: the warning would otherwise come again a minute after each start
-    for comp in [r["JobId"] for r in slurm_cluster.job_records(job_id)]:
+    # give the next job room: the warning would otherwise come again a minute after its start
+    assert requeued[0]["new_job_id"] != job_id, requeued
+    for comp in [r["JobId"] for r in slurm_cluster.job_records(requeued[0]["new_job_id"])]:
         slurm_cluster.run(["scontrol", "update", f"JobId={comp}", "TimeLimit=00:10:00"], check=False)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
     assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
     assert requeued[0]["reason"].startswith("checkpoint saved at the time-limit warning"), requeued
-    (out,) = (run_dir / "slurm").glob("job-*.out")
-    assert re.search(r"stopping after step \d+ for a requeue \(stop-request: time-limit warning", out.read_text())
+    assert re.search(r"stopping after step \d+ for a requeue \(stop-request: time-limit warning",
+                     job_output(run_dir, None))
     events = read_events(run_dir)
     resumes = [e for e in events if e["event"] == "resume"]
     assert resumes and resumes[0]["step"] >= 1, events
-    assert [e["slurm_restart_count"] for e in starts(run_dir)] == list(range(len(resumes) + 1))
+    assert [e["restart"] for e in starts(run_dir)] == list(range(len(resumes) + 1))
     assert_same_as_uninterrupted(run_dir, uninterrupted)
 
     # a new job for the finished run: a changed setting is refused before anything reaches Slurm; with
@@ -468,7 +514,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     again = subprocess.run([*resume, "cluster.time_limit=00:05:00", "--wait"], env=env, text=True,
                            capture_output=True, timeout=300)
     assert again.returncode == 0, again.stderr + job_output(run_dir)
-    assert "the run has already finished (its controller ended cleanly" in job_output(run_dir)
+    assert "the run has already finished (its controller ended cleanly" in job_output(run_dir, None)
     assert len(starts(run_dir)) == attempts, "no world was started for a finished run"
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["step"] == STEPS
 
@@ -571,8 +617,7 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     node(slurm_cluster, "node-start", lost)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=300)
     assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
-    (out,) = (run_dir / "slurm").glob("job-*.out")
-    assert "rollhpc: the step was ended (SIGTERM) while pid" in out.read_text()  # the guard's own word
+    assert "rollhpc: the step was ended (SIGTERM) while pid" in job_output(run_dir, None)  # the guard's own word
     events = read_events(run_dir)
     assert len(starts(run_dir)) == 2 and [e["event"] for e in events].count("resume") == 0, events
     assert events[-1]["event"] == "end" and events[-1]["status"] == 0, events

@@ -15,27 +15,32 @@ srun has not followed within the grace: srun waits for every task, and a task on
 came back before Slurm marked it DOWN is known to nobody any more, so srun would wait until the time limit.
 The decision never depends on srun: ``after`` reads the controller's record.
 
-``after`` decides from srun's status:
+``after`` decides from srun's status, and continues the run in a new job (``rollhpc.launch.resubmit``:
+no wait for Slurm to declare a lost node DOWN nor for its credential expiry; RUN_DIR/slurm/job_id then
+names the new job), or, where sbatch cannot be run from the batch host, requeues this one:
 
 The status is the controller's own (RUN_DIR/controller-exit.json, written by rank 0 as it leaves), not
 srun's: srun reports the worst status of all tasks, and a killed worker's 137 would hide the controller's
 76. srun's status counts only when the controller died without a word.
 
 * ``EXIT_REQUEUE`` (75): the run saved a checkpoint because the time-limit warning came
-  (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): requeue.
+  (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): restart.
 * ``EXIT_WORKER_LOST`` (76): a worker process vanished (its node died, it was killed): the controller
-  wrote the node to RUN_DIR/failed-nodes.json; requeue with those nodes excluded
-  (``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release``: a running job's excluded nodes
-  cannot be changed, a held one's can), up to ``--max-restarts`` restarts.
+  wrote the node to RUN_DIR/failed-nodes.json; restart with those nodes excluded, up to ``--max-restarts``
+  restarts (counted across jobs: ``rollhpc.launch.attempt``). The requeue fallback goes
+  ``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release`` (a running job's excluded nodes cannot
+  be changed, a held one's can), once the lost node's step has ended.
 * the world never formed: a rank's MPI_Init or first collectives timed out, or the controller gave up on
   a worker that never connected (RUN_DIR/startup-failed.json, from ``rollhpc.mpi_init_guard`` and
   ``rollhpc.rank``), or srun failed before the controller wrote RUN_DIR/world.json for this attempt (a
-  rank crashed in start-up, e.g. inside the MPI library): requeue like a lost worker, nodes unchanged.
-* anything else (0, a Python error in a worker, a bad config): no requeue; the job ends with it.
+  rank crashed in start-up, e.g. inside the MPI library): restart like a lost worker, nodes unchanged.
+* anything else (0, a Python error in a worker, a bad config): no restart; the job ends with it.
 
 When the node that dies is the batch host itself, this script dies with it: Slurm then requeues the job
-on its own (``--requeue``, node failure) and the dead node stays DOWN, so the next start avoids it.
-Either way the next start resumes from the newest good checkpoint (``pipelines.rlvr``).
+on its own (``--requeue``, node failure) and the dead node stays DOWN, so the next start avoids it. Should
+that happen to a job that had just submitted its successor, ``start`` sees the live successor and prints
+``superseded``: two jobs never run one run. Either way the next start resumes from the newest good
+checkpoint (``pipelines.rlvr``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollhpc.launch.attempt import restart_number, slurm_restart_count
+from rollhpc.launch.resubmit import JOB_ID, current_job, job_alive, resubmit, slurm_dir, write_atomic
+
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
 RESTARTS_LOG = "restarts.jsonl"
@@ -59,6 +67,7 @@ CONTROLLER_EXIT = "controller-exit.json"
 STARTUP_FAILED = "startup-failed.json"
 WORLD = "world.json"  # written by the controller once every rank has joined (rollhpc.rank)
 FINISHED = "finished"  # what ``start`` prints when the run has nothing left to do
+SUPERSEDED = "superseded"  # what ``start`` prints when a newer job of the run is pending or running
 REQUEUED = "requeued"  # what ``start`` prints when it requeued the job before srun (het groups sharing a node)
 
 
@@ -107,7 +116,7 @@ def record_failed_node(run_dir: Path, host: str, why: str) -> None:
 
 def _attempt() -> dict[str, Any]:
     return {"job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+            "restart_count": slurm_restart_count()}
 
 
 def _write_json(path: Path, data: dict[str, Any], indent: int | None = None) -> None:
@@ -120,7 +129,7 @@ def _write_json(path: Path, data: dict[str, Any], indent: int | None = None) -> 
 def record_controller_exit(run_dir: Path, status: int) -> None:
     """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
     killed worker's 137 hides the controller's 76), so the decision travels through the run directory."""
-    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt()})
+    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt(), "restart": restart_number()})
 
 
 def controller_exit(run_dir: Path) -> int | None:
@@ -225,6 +234,26 @@ def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s:
         time.sleep(poll_s)
 
 
+def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str]) -> int:
+    """Continue the run in a new job (``rollhpc.launch.resubmit``: no wait for a lost node to be declared
+    DOWN, nor for Slurm's credential expiry), excluding ``exclude`` and whatever this job excluded; where
+    sbatch cannot be used from the batch host, requeue this job as before."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a kill now would lose the run's continuation
+    excluded = set(exclude)
+    for comp in _job_components(job_id):
+        excluded |= _excluded_now(comp)
+    new_job, why = resubmit(run_dir, excluded, restart_number() + 1)
+    if new_job is not None:
+        log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "reason": reason,
+                            "exclude": sorted(exclude), "restart": restart_number() + 1,
+                            "slurm_restart_count": slurm_restart_count()})
+        return 0
+    print(f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}", file=sys.stderr)
+    if exclude:
+        wait_for_steps_to_end(run_dir, job_id, exclude)
+    return requeue(run_dir, job_id, reason, exclude)
+
+
 def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
             per_group: dict[int, set[str]] | None = None) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
@@ -234,7 +263,7 @@ def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
     log_event(run_dir, {"event": "requeue", "job_id": job_id, "reason": reason, "exclude": sorted(exclude),
                         **({"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}} if per_group
                            else {}),
-                        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)})
+                        "restart": restart_number() + 1, "slurm_restart_count": slurm_restart_count()})
     if not exclude and not per_group:
         res = _scontrol("requeue", job_id)
         return 0 if res.returncode == 0 else _failed(res, "requeue")
@@ -266,7 +295,8 @@ def finished_run(run_dir: Path) -> str | None:
     except (FileNotFoundError, ValueError):
         record = {}
     if record.get("status") == 0:
-        return f"its controller ended cleanly (job {record.get('job_id')}, restart {record.get('restart_count')})"
+        return (f"its controller ended cleanly (job {record.get('job_id')}, restart "
+                f"{record.get('restart', record.get('restart_count'))})")
     steps = configured_steps(run_dir)
     if steps is None:
         return None
@@ -293,13 +323,22 @@ def cmd_start(run_dir: Path) -> int:
     done = finished_run(run_dir)
     if done:
         log_event(run_dir, {"event": "end", "status": 0, "job_id": os.environ.get("SLURM_JOB_ID"),
-                            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                            "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
                             "reason": f"the run has already finished ({done}): nothing to start"})
         print(f"rollhpc requeue: the run has already finished ({done}): nothing to start", file=sys.stderr)
         print(FINISHED, flush=True)
         return 0
-    shared = shared_nodes(group_nodes())
     job_id = os.environ.get("SLURM_JOB_ID", "")
+    successor = current_job(run_dir)
+    if job_id and successor and successor != job_id and job_alive(successor):
+        log_event(run_dir, {"event": "end", "status": 0, "job_id": job_id, "restart": restart_number(),
+                            "reason": f"job {successor} continues the run already: nothing to start"})
+        print(SUPERSEDED, flush=True)
+        return 0
+    if job_id and successor != job_id:  # this job takes the run over (submitted by hand, or the record is older)
+        slurm_dir(run_dir).mkdir(parents=True, exist_ok=True)
+        write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
+    shared = shared_nodes(group_nodes())
     if shared and job_id:
         where = "; ".join(f"het group {i} shares {', '.join(sorted(n))} with an earlier group" for i, n in shared.items())
         print(f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
@@ -317,7 +356,7 @@ def cmd_start(run_dir: Path) -> int:
         previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
     (Path(run_dir) / WORLD).unlink(missing_ok=True)  # an earlier attempt's world; this one's proves it formed
     log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
-                        "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                        "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
                         "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
                         "previous_attempt": previous})
     return 0
@@ -450,7 +489,7 @@ def allocated_nodes() -> list[str]:
 
 def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
-    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    restarts = restart_number()
     said = controller_exit(run_dir)
     status = srun_status if said is None else said
     if status != srun_status:
@@ -474,22 +513,21 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
                             f"with slurm/resume.sh {run_dir}"})
         return status
     if status == EXIT_REQUEUE and job_id:
-        return requeue(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
+        return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
         what = f"the MPI world did not form: {stalled['why']}" if stalled else "a worker was lost"
         if restarts >= max_restarts:
             log_event(run_dir, {"event": "end", "status": status,
-                                "reason": f"{what} and the job already restarted {restarts} times "
+                                "reason": f"{what} and the run already restarted {restarts} times "
                                           f"(max_restarts={max_restarts}): giving up"})
             return status
         if stalled:  # which node is at fault is unknown: the next attempt gets the same chance everywhere
-            return requeue(run_dir, job_id, what, set())
+            return restart(run_dir, job_id, what, set())
         try:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
-        wait_for_steps_to_end(run_dir, job_id, set(failed))
-        return requeue(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
+        return restart(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed))
     log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
                                                               and said != srun_status else {})})

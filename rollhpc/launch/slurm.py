@@ -16,6 +16,7 @@ from pathlib import Path
 
 from rollhpc.config import ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
+from rollhpc.launch.resubmit import BATCH_SCRIPT, current_job, write_atomic
 
 
 def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
@@ -63,14 +64,15 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1",
               "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
               "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
-              "# attempt; after srun, requeue if the run asked for it or lost a worker",
+              "# attempt; after srun, continue the run in a new job if it asked for it or lost a worker",
               f"run_dir={run}",
               'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     lines += list(cfg.cluster.setup)
     lines += [f'started=$({python} -m rollhpc.launch.requeue start "$run_dir")',
-              '# a finished run stays finished whatever Slurm did; "requeued": het groups packed onto one node',
-              'case "$started" in finished|requeued) exit 0;; esac']
+              '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
+              '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
+              'case "$started" in finished|superseded|requeued) exit 0;; esac']
     segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
     for comp in plan.components:
@@ -116,6 +118,7 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
 
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(folder / BATCH_SCRIPT, render_sbatch(cfg, plan, run_dir))  # what a restart submits again
     executor = HetJobExecutor(folder=folder)
     return executor._submit_command("rollhpc.rank")  # the command is in the batch text
 
@@ -142,7 +145,9 @@ def component_states(job_id: str) -> dict[str, str]:
 
 def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, *, release_held: bool = False,
                  run_dir: Path | None = None, held_grace_s: float = 30.0) -> str:
-    """Block until every component has ended; COMPLETED if all completed, else the first other state.
+    """Block until the run's job has ended for good; COMPLETED if all its components completed, else the first
+    other state. With ``run_dir``, a job that continued the run in a new one (RUN_DIR/slurm/job_id, written
+    by ``rollhpc.launch.resubmit``) is followed to that one, and so on.
 
     A job Slurm holds (its launch failed: "launch failed requeued held") would never end by itself, so each
     poll also reads its pending reason: once held for ``held_grace_s`` in one attempt (the batch script's own
@@ -154,6 +159,11 @@ def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = Non
     while True:
         states = component_states(job_id)
         if states and all(st in TERMINAL for st in states.values()):
+            successor = current_job(run_dir) if run_dir is not None else None
+            if successor and successor != job_id:
+                print(f"rollhpc: job {job_id} ended; job {successor} continues the run", file=sys.stderr, flush=True)
+                job_id, holds = successor, HoldWatch(successor, release_held, run_dir, held_grace_s)
+                continue
             bad = [st for st in states.values() if st != "COMPLETED"]
             return bad[0] if bad else "COMPLETED"
         holds.poll()

@@ -223,7 +223,8 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
         return "pending", [f"waiting for Slurm to start it (reason: {active[0].get('Reason') or 'none given'}); "
                            "nothing to do"]
     if active:
-        return "running", ["nothing to do: after a time limit or a lost node it requeues and resumes by itself"]
+        return "running", ["nothing to do: after a time limit or a lost node it continues by itself (in a new "
+                           "job, which RUN_DIR/slurm/job_id and this command follow)"]
     if report["finished"] or (report["step"] is not None and report["step"] == report["steps"]
                               and report["error"] is None):
         why = f" ({report['finished']})" if report["finished"] else ""
@@ -306,12 +307,13 @@ def _render_slurm(report: Mapping[str, Any]) -> list[str]:
 def _event_line(e: Mapping[str, Any]) -> str:
     kind = e.get("event", "?")
     if kind == "start":
-        what = (f"job {e.get('job_id')}, Slurm restart {e.get('slurm_restart_count')}, nodes "
+        what = (f"job {e.get('job_id')}, restart {e.get('restart', e.get('slurm_restart_count'))}, nodes "
                 f"{','.join(e.get('nodes') or []) or '?'}; previous attempt: {e.get('previous_attempt') or '-'}")
     elif kind == "resume":
         what = f"resumed after step {e.get('step')} from {e.get('checkpoint')}"
     elif kind == "requeue":
-        what = e.get("reason", "") + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
+        what = (e.get("reason", "") + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
+                + (f"; continued as job {e['new_job_id']}" if e.get("new_job_id") else ""))
     elif kind == "end":
         what = f"status {e.get('status')}" + (f": {e['reason']}" if e.get("reason") else "")
     else:

@@ -1,0 +1,139 @@
+"""Restart a Slurm run as a new job (its successor) instead of requeueing the job it ran in.
+
+Why not ``scontrol requeue``: a requeued job keeps its id, and Slurm starts it again only once the old
+attempt has completed everywhere and its credentials have expired. A node that died holds the job in
+COMPLETING until Slurm declares the node DOWN (SlurmdTimeout: 300 s by default, ~25 s on the local test
+cluster), and every requeue then waits ``cred_expire`` (120 s by default) more. A new job waits for neither:
+the nodes that finished are released one by one, so the successor, with the lost node excluded, can start
+within a second or two while the old job still completes on the dead node. Resubmitting from the batch
+script is the usual "job chaining" of long HPC trainings.
+
+What the successor gets: the batch script ``rollhpc submit`` wrote (RUN_DIR/slurm/batch.sh), with
+``--exclude`` in every het component for the nodes lost so far (and any the old job excluded), and the
+submitting environment without the old job's SLURM_* variables, plus ROLLHPC_RESTART_BASE so that restarts
+keep counting across jobs (``rollhpc.launch.attempt``). RUN_DIR/slurm/job_id then names the successor:
+``rollhpc status``, ``submit --wait`` and ``slurm/resume.sh`` follow it. Should Slurm requeue the old job
+anyway (its batch node died in the same second), that attempt finds a live successor and ends at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from rollhpc.launch.attempt import RESTART_BASE
+
+BATCH_SCRIPT = "batch.sh"  # in RUN_DIR/slurm: the batch text of the run's jobs
+JOB_ID = "job_id"  # in RUN_DIR/slurm: the run's current job
+KEEP_SLURM_VARS = ("SLURM_CONF",)  # client settings of the submitting user, not the old job's
+_GROUP = re.compile(r"^# het group \d+:")
+_EXCLUDE = re.compile(r"^#SBATCH\s+(?:--exclude=|-x\s*)(\S+)\s*$")
+
+
+def slurm_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "slurm"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def current_job(run_dir: Path) -> str | None:
+    """The run's current Slurm job (RUN_DIR/slurm/job_id), or None."""
+    try:
+        return (slurm_dir(run_dir) / JOB_ID).read_text().strip() or None
+    except OSError:
+        return None
+
+
+ENDED = ("COMPLETING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY")
+
+
+def job_alive(job_id: str) -> bool:
+    """Whether Slurm still has ``job_id`` pending or running (any het component); unknown -> False."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    states = re.findall(r"\bJobState=(\S+)", out.stdout)
+    return out.returncode == 0 and any(st not in ENDED for st in states)
+
+
+def expand_hostlist(expr: str) -> set[str]:
+    """``node[1-3],gpu7`` -> its hosts (scontrol does the expansion; the text itself if it cannot)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", expr], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {expr}
+    return set(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else {expr}
+
+
+def with_exclusions(text: str, exclude: set[str]) -> str:
+    """The batch text with ``exclude`` added to every het component's ``--exclude`` (placed at the end of
+    each component's #SBATCH block, merged with one already there)."""
+    if not exclude:
+        return text
+    lines = text.split("\n")
+    out: list[str] = []
+    in_block, have = False, set()
+
+    def close_block() -> None:
+        nonlocal in_block, have
+        if in_block:
+            out.append(f"#SBATCH --exclude={','.join(sorted(have | exclude))}")
+        in_block, have = False, set()
+
+    for line in lines:
+        if _GROUP.match(line):
+            close_block()
+            in_block = True
+            out.append(line)
+            continue
+        if in_block:
+            m = _EXCLUDE.match(line)
+            if m:
+                have |= expand_hostlist(m.group(1))
+                continue
+            if line.strip() == "#SBATCH hetjob" or not line.startswith("#SBATCH"):
+                close_block()
+        out.append(line)
+    close_block()
+    return "\n".join(out)
+
+
+def successor_env(restarts: int) -> dict[str, str]:
+    """The environment the run was submitted with: the old job's SLURM_* (its id, nodes, restart count) would
+    mislead the new one; ROLLHPC_RESTART_BASE carries the count of restarts instead."""
+    env = {k: v for k, v in os.environ.items()
+           if not (k.startswith("SLURM_") and k not in KEEP_SLURM_VARS) and not k.startswith("ROLLHPC_ATTEMPT_")}
+    env[RESTART_BASE] = str(restarts)
+    return env
+
+
+def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | None, str]:
+    """Submit the run's successor job; (its id, "") or (None, why it could not be submitted)."""
+    template = slurm_dir(run_dir) / BATCH_SCRIPT
+    try:
+        text = template.read_text()
+    except OSError as e:
+        return None, f"no batch script to resubmit ({e})"
+    script = slurm_dir(run_dir) / f"batch-restart-{restarts}.sh"
+    write_atomic(script, with_exclusions(text, exclude))
+    try:
+        res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120,
+                             env=successor_env(restarts), cwd=str(run_dir))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"sbatch failed: {e}"
+    job_id = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not job_id.isdigit():
+        return None, f"sbatch failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}"
+    write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
+    print(f"rollhpc requeue: submitted job {job_id} to continue the run (script {script})", file=sys.stderr,
+          flush=True)
+    return job_id, ""
