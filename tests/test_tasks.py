@@ -140,3 +140,85 @@ def test_countdown_generation_options():
     assert countdown.format_prompt(EX) == "Numbers: 3 7 25 50\nTarget: 46\nAnswer:"
     with pytest.raises(ValueError, match="num_numbers must be >= 2"):
         countdown.make_splits(0, 1, 1, num_numbers=1)
+
+
+def test_freeform_math_splits_prompts_and_references():
+    import operator
+    from fractions import Fraction
+
+    from rollhpc.tasks import freeform_math as fm
+
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    train, heldout = fm.make_splits(7, n_train=100, n_heldout=20)
+    assert (train, heldout) == fm.make_splits(7, n_train=100, n_heldout=20)
+    assert fm.make_splits(7, n_train=10, n_heldout=20)[1] == heldout
+    keys = [(e.a, e.op, e.b) for e in train + heldout]
+    assert len(set(keys)) == len(keys)
+    for e in train + heldout:  # the reference is the exact value, reduced
+        value = ops[e.op](Fraction(e.a), Fraction(e.b))
+        assert Fraction(e.answer) == value and e.answer == fm.written(value, as_decimal=False) and value >= 0
+        assert all(Fraction(x).denominator <= 9 or "." in x for x in (e.a, e.b))
+    assert any("." in e.a + e.b for e in train) and any("/" in e.answer for e in train)
+    assert all(fm.score(e, fm.completion(e)) == 1.0 for e in train[:30] + heldout)
+    ex = fm.FreeformMathExample(a="3/4", op="+", b="1/8", answer="7/8")
+    assert fm.format_prompt(ex) == "What is 3/4 + 1/8? Put the answer in \\boxed{}."
+    assert list(fm.corpus([ex])) == ["What is 3/4 + 1/8? Put the answer in \\boxed{}. \\boxed{7/8}"]
+    assert fm.written(Fraction(9, 8), as_decimal=True) == "1.125" and fm.written(Fraction(1, 3), True) == "1/3"
+    assert fm.written(Fraction(-3, 4), as_decimal=True) == "-0.75"
+    with pytest.raises(ValueError, match="ops must be"):
+        fm.make_splits(0, 1, 1, ops=("/",))
+
+
+@pytest.mark.parametrize("response, reward", [
+    (" \\boxed{7/8}", 1.0),
+    (" \\boxed{\\frac{7}{8}}", 1.0),
+    (" \\boxed{0.875}", 1.0),
+    (" \\boxed{14/16}", 1.0),
+    (" 3/4 + 1/8 = 6/8 + 1/8 = \\boxed{7/8}", 1.0),
+    (" The answer is 7/8", 1.0),  # no box: the last number
+    (" \\boxed{3/4 + 1/8}", 0.0),  # the question copied into the box: right value, no answer
+    (" \\boxed{7/8 + 0}", 0.0),
+    (" \\boxed{0.87}", 0.0),
+    (" \\boxed{7/8} \\boxed{1}", 0.0),
+    (" \\boxed{}", 0.0),
+    ("", 0.0),
+])
+def test_freeform_math_score(response, reward):
+    from rollhpc.tasks import freeform_math as fm
+
+    assert fm.score(fm.FreeformMathExample(a="3/4", op="+", b="1/8", answer="7/8"), response) == reward
+
+
+def test_task_module_finds_tasks_by_short_name_or_import_path():
+    import rollhpc.tasks as tasks
+
+    assert tasks.task_module("arithmetic") is arithmetic and tasks.task_module("countdown") is countdown
+    assert tasks.task_module("rollhpc.tasks.freeform_math").__name__ == "rollhpc.tasks.freeform_math"
+    assert {"arithmetic", "countdown", "freeform_math"} <= set(tasks.available_tasks())
+    assert "modsum" not in tasks.available_tasks()  # a helper module, not a task
+    assert tasks.TASKS == tuple(tasks.available_tasks())
+    with pytest.raises(ValueError, match="unknown task 'nope'; tasks in rollhpc.tasks are arithmetic, countdown, "
+                                         "freeform_math"):
+        tasks.task_module("nope")
+    with pytest.raises(ValueError, match="unknown task 'no_such_pkg.task'"):
+        tasks.task_module("no_such_pkg.task")
+    with pytest.raises(ValueError, match="rollhpc.tasks.modsum is not a task module: it lacks make_splits"):
+        tasks.task_module("modsum")
+    with pytest.raises(ValueError, match="neither a module of rollhpc.tasks nor an import path"):
+        tasks.task_module("../arithmetic")
+
+
+def test_task_module_by_import_path_outside_the_package(tmp_path, monkeypatch):
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "__init__.py").write_text("")
+    (tmp_path / "my_tasks" / "echo.py").write_text(
+        "def make_splits(seed, n_train, n_heldout): return [], []\n"
+        "def format_prompt(e): return e\ndef completion(e): return e\n"
+        "def score(e, r): return float(e == r)\ndef corpus(es): return iter(es)\n")
+    (tmp_path / "my_tasks" / "broken.py").write_text("import not_installed_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from rollhpc.tasks import task_module
+
+    assert task_module("my_tasks.echo").score("a", "a") == 1.0
+    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency"):  # not reported as an unknown task
+        task_module("my_tasks.broken")

@@ -12,41 +12,28 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from rollhpc.engines.options import EngineOptions
 from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
 
 
 class VllmGenerateWorker(Worker):
     @dataclass(kw_only=True)
-    class Options:
+    class Options(EngineOptions):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
         model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
-        max_model_len: int = 512
-        cpu_kv_cache_mb: int = 256  # KV cache on CPU
-        gpu_memory_utilization: float = 0.5  # on GPU (leave room for colocated roles)
-        tensor_parallel_size: int = 1  # vLLM's own TP (gpus_per_proc of the role should match)
-        dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
         temperature: float = 1.0
         top_p: float = 1.0
-        threads: int = 0  # torch intra-op threads on CPU (0: leave the default)
         max_wait_s: float = 0.05  # longest a rollout call steps without any request finishing
 
         def __post_init__(self) -> None:
+            super().__post_init__()
             if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_wait_s <= 0:
                 raise ValueError("temperature must be >= 0, top_p in (0, 1], max_wait_s > 0")
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
-        import torch
-
-        if options.threads:
-            torch.set_num_threads(options.threads)
-        from rollhpc.engines.vllm_engine import VllmGenerator
-
-        self.engine = VllmGenerator(options.model_dir, seed=ctx.seed + ctx.group_rank, max_model_len=options.max_model_len,
-                                    cpu_kv_cache_bytes=options.cpu_kv_cache_mb << 20,
-                                    gpu_memory_utilization=options.gpu_memory_utilization,
-                                    tensor_parallel_size=options.tensor_parallel_size, dtype=options.dtype)
+        self.engine = options.build_engine(options.model_dir, seed=ctx.seed + ctx.group_rank)
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, buckets: list[Any], version: int) -> float:
