@@ -415,6 +415,22 @@ class RlvrPipeline(Pipeline):
         sending.result()
         return max(loading.result())
 
+    def _reward_counters(self) -> dict[str, float]:
+        """The reward roles' own counters (a judge's unparsed verdicts and failures, a sandbox's timeouts),
+        summed over each role's ranks, as ``ROLE/NAME``: roles that offer a remote ``metrics`` method."""
+        from rollhpc.controller.dispatch import remote_methods
+
+        out: dict[str, float] = {}
+        for role in self._reward_roles():
+            group = self.groups[role]
+            if "metrics" not in remote_methods(group.worker_cls):
+                continue
+            replies = group.metrics()
+            for reply in replies if isinstance(replies, list) else [replies]:
+                for k, v in (reply or {}).items():
+                    out[f"{role}/{k}"] = out.get(f"{role}/{k}", 0) + v
+        return out
+
     def _reward_roles(self) -> list[str]:
         o = self.options
         return sorted({r for d in o.domains.values() for r in d.rewards}) if o.domains else ["reward"]
@@ -537,6 +553,7 @@ class RlvrPipeline(Pipeline):
             **{k: round(v, 6) for k, v in times.items()},
             **rstats.as_metrics(),
             **(domains_mod.sample_metrics(samples) if self.options.domains else {}),
+            **self._reward_counters(),
         }
         for key in train_stats[0]:
             record[f"train/{key}"] = float(np.mean([s[key] for s in train_stats]))
