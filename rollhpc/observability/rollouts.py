@@ -12,6 +12,9 @@ response_tokens[response_offsets[i]:response_offsets[i + 1]]):
     version           int64   [n]                         policy version that generated the sample
     prompt_text       vlen str [n]                        optional
     response_text     vlen str [n]                        optional
+    domain            vlen str [n]                        optional: the prompt's domain (multi-domain RLVR)
+    components/NAME   float32 [n]                         optional: each reward component (the reward is their
+                                                          weighted sum; a sample without NAME has NaN)
     attrs: step (int), time (unix seconds), n (int), format (int)
 
 Each file is written to a temp file in the same directory and renamed into place, so a reader or a
@@ -44,6 +47,8 @@ class RolloutRecord:
     version: np.ndarray                                 # [n]
     prompt_text: Sequence[str] | None = None            # n
     response_text: Sequence[str] | None = None          # n
+    domain: Sequence[str] | None = None                 # n
+    components: dict[str, np.ndarray] | None = None     # name -> [n]
 
 
 def _flatten(seqs: Sequence[np.ndarray] | np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -79,8 +84,12 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
                          f"versions {len(version)})")
     if not np.array_equal(logprob_off, response_off):
         raise ValueError(f"rollout record for step {step}: logprobs must have one value per response token")
-    texts = {k: v for k, v in (("prompt_text", record.prompt_text), ("response_text", record.response_text))
-             if v is not None}
+    texts = {k: v for k, v in (("prompt_text", record.prompt_text), ("response_text", record.response_text),
+                               ("domain", record.domain)) if v is not None}
+    components = {k: np.asarray(v, dtype=np.float32).reshape(-1) for k, v in (record.components or {}).items()}
+    for k, v in components.items():
+        if len(v) != n:
+            raise ValueError(f"rollout record for step {step}: component {k} has {len(v)} values, expected {n}")
     for k, v in texts.items():
         if len(v) != n:
             raise ValueError(f"rollout record for step {step}: {k} has {len(v)} entries, expected {n}")
@@ -97,6 +106,8 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
             for k, v in texts.items():
                 # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
                 f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
+            for k, v in components.items():
+                f.create_dataset(f"components/{k}", data=v)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -119,8 +130,9 @@ def read_rollouts(path: Path) -> dict[str, Any]:
             "reward": f["reward"][()],
             "version": f["version"][()],
         }
-        for k in ("prompt_text", "response_text"):
+        for k in ("prompt_text", "response_text", "domain"):
             out[k] = [s.decode() for s in f[k][()]] if k in f else None
+        out["components"] = {k: f["components"][k][()] for k in f["components"]} if "components" in f else {}
     return out
 
 

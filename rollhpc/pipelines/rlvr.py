@@ -49,6 +49,8 @@ from rollhpc.controller.stop import StopRequest
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
+from rollhpc.pipelines import domains as domains_mod
+from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
 
@@ -58,11 +60,16 @@ ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["arithmetic", "countdown"] = "arithmetic"
+    name: str = "arithmetic"  # a module of rollhpc.tasks (arithmetic, countdown, freeform_math, pyfunc) or a path
     options: dict[str, Any] = field(default_factory=dict)  # the task's make_splits keywords (digits, ops, ...)
     n_train: int = 20000
     n_heldout: int = 200
     split_seed: int = 1234  # ignored when model_dir has an sft_report.json (its splits are used)
+
+    def __post_init__(self) -> None:
+        from rollhpc.tasks import task_module
+
+        task_module(self.name)
 
 
 @dataclass(kw_only=True)
@@ -123,12 +130,14 @@ class _GroupPort:
 
 
 class RlvrPipeline(Pipeline):
-    required_roles = ("train", "generate", "reward")
+    required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
 
     @dataclass(kw_only=True)
     class Options:
         model_dir: str  # the starting policy (Hugging Face directory), e.g. the SFT warm start
-        task: TaskConfig = field(default_factory=TaskConfig)
+        task: TaskConfig = field(default_factory=TaskConfig)  # with domains: its n_train/n_heldout are the totals
+        # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
+        domains: dict[str, DomainConfig] = field(default_factory=dict)
         warm_start: WarmStart | None = None  # build the tiny model + SFT into model_dir when it is absent
         steps: int = 100
         prompts_per_step: int = 16  # groups per batch
@@ -157,6 +166,18 @@ class RlvrPipeline(Pipeline):
             self._check_group_size()
             if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
                 raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
+            if self.domains and (self.task.name != TaskConfig.name or self.task.options):
+                raise ValueError("set either task.name/task.options (one domain) or domains (each names its own task "
+                                 "and options), not both; with domains, task.n_train and task.n_heldout are totals")
+
+        @property
+        def task_name(self) -> str:
+            """The task the policy is trained and evaluated on: with domains, their mixture."""
+            return "mixture" if self.domains else self.task.name
+
+        @property
+        def task_options(self) -> dict[str, Any]:
+            return domains_mod.mixture_options(self.domains) if self.domains else self.task.options
 
         def _check_group_size(self) -> None:
             """A group too small to learn from would train on zero advantages (or none) without failing."""
@@ -179,6 +200,11 @@ class RlvrPipeline(Pipeline):
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
         """Cross-checks between the options and the configured roles, run when the config is loaded."""
+        if options.domains:
+            domains_mod.check_domains(options.domains, roles)
+        elif "reward" not in roles:
+            raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
+                             f"configured: {sorted(roles)}")
         if options.algorithm == "ppo" and "critic" not in roles:
             raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
         if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles:
@@ -201,7 +227,7 @@ class RlvrPipeline(Pipeline):
         from rollhpc.models.sft import SftOptions
         from rollhpc.models.tiny import TinyModelSpec
 
-        prepare_policy(options.model_dir, task=options.task.name, task_options=options.task.options,
+        prepare_policy(options.model_dir, task=options.task_name, task_options=options.task_options,
                        spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
                        sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"), seed=w.seed,
                        vocab_size=w.vocab_size)
@@ -224,20 +250,20 @@ class RlvrPipeline(Pipeline):
         o = self.options
         self.tokenizer = AutoTokenizer.from_pretrained(o.model_dir)
         self.pad_id = self.tokenizer.pad_token_id
-        task = task_module(o.task.name)
+        task = task_module(o.task_name)
         if (Path(o.model_dir) / "sft_report.json").is_file():  # the policy's own splits: held-out stays unseen
             from rollhpc.models.policy_prep import policy_splits, read_report
 
             sft_task = read_report(o.model_dir)["settings"]["task"]
-            if sft_task != o.task.name:
+            if sft_task != o.task_name:
                 raise ValueError(f"{o.model_dir} was fine-tuned on task {sft_task!r}, the pipeline's task is "
-                                 f"{o.task.name!r}")
+                                 f"{o.task_name!r}")
             self.train_set, heldout = policy_splits(o.model_dir, n_train=o.task.n_train)
             self.heldout = heldout[:o.task.n_heldout]
-            log.info("task %s: splits of the SFT warm start (%d train, %d held-out)", o.task.name,
+            log.info("task %s: splits of the SFT warm start (%d train, %d held-out)", o.task_name,
                      len(self.train_set), len(self.heldout))
         else:
-            opts = {k: tuple(v) if isinstance(v, list) else v for k, v in o.task.options.items()}
+            opts = {k: tuple(v) if isinstance(v, list) else v for k, v in o.task_options.items()}
             self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
                                                             **opts)
         self.task = task
@@ -246,17 +272,24 @@ class RlvrPipeline(Pipeline):
     def run(self) -> None:
         o = self.options
         self.setup()
-        train, gen, reward = self.groups["train"], self.groups["generate"], self.groups["reward"]
+        train, gen = self.groups["train"], self.groups["generate"]
         ref = self.groups.get("reference")
+        ports = {role: [_GroupPort(self.groups[role].at(i), "score") for i in range(len(self.groups[role]))]
+                 for role in self._reward_roles()}
         scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
-                                     [_GroupPort(reward.at(i), "score") for i in range(len(reward))],
+                                     domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
                                      o.rollout, seed=self.run_ctx.seed)
-        prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
+        if o.domains:
+            prompts: Any = domains_mod.MixedPromptStream(self.train_set, {n: d.share for n, d in o.domains.items()},
+                                                         self.tokenizer.encode, self.run_ctx.seed)
+        else:
+            prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
         checkpointer = self.checkpointer
         stop_request = StopRequest(self.run_ctx.run_dir)
         self.stopped_for_requeue = False
         self.kl_control = KlController(o.kl_control)
-        self.reward_norm = RewardNormalizer(o.reward_norm)
+        self.reward_norm: Any = (domains_mod.DomainNormalizers(o.reward_norm, list(o.domains)) if o.domains
+                                 else RewardNormalizer(o.reward_norm))
         restored = checkpointer.restore()
         asynchronous = o.rollout.max_staleness >= 1
         if restored is None:
@@ -275,7 +308,7 @@ class RlvrPipeline(Pipeline):
         self._sync_weights(version)  # the generators start from exactly the trainer's weights
         if restored is None:
             accuracy = self.evaluate()
-            run_log.log_step(0, {"accuracy": accuracy, "policy_version": 0})
+            run_log.log_step(0, {"accuracy": accuracy, "policy_version": 0, **self.domain_accuracy})
             log.info("step 0: held-out accuracy %.3f", accuracy)
         else:
             accuracy = state["accuracy"]
@@ -319,6 +352,7 @@ class RlvrPipeline(Pipeline):
             why_stop = stop_request.reason() if step < o.steps else None
             if (o.eval_every and step % o.eval_every == 0) or step == o.steps or stop:
                 record["accuracy"] = accuracy = self.evaluate()
+                record.update(self.domain_accuracy)
             if samples is not None:
                 record["step_s"] = time.perf_counter() - t_step + (0.0 if asynchronous else rstats.wall_s)
             if restarts and step == start + 1:
@@ -381,13 +415,51 @@ class RlvrPipeline(Pipeline):
         sending.result()
         return max(loading.result())
 
+    def _reward_counters(self) -> dict[str, float]:
+        """The reward roles' own counters (a judge's unparsed verdicts and failures, a sandbox's timeouts),
+        summed over each role's ranks, as ``ROLE/NAME``: roles that offer a remote ``metrics`` method."""
+        from rollhpc.controller.dispatch import remote_methods
+
+        out: dict[str, float] = {}
+        for role in self._reward_roles():
+            group = self.groups[role]
+            if "metrics" not in remote_methods(group.worker_cls):
+                continue
+            replies = group.metrics()
+            for reply in replies if isinstance(replies, list) else [replies]:
+                for k, v in (reply or {}).items():
+                    out[f"{role}/{k}"] = out.get(f"{role}/{k}", 0) + v
+        return out
+
+    def _reward_roles(self) -> list[str]:
+        o = self.options
+        return sorted({r for d in o.domains.values() for r in d.rewards}) if o.domains else ["reward"]
+
     def evaluate(self) -> float:
-        """Greedy accuracy on the held-out split (generators split the prompts)."""
+        """Greedy accuracy on the held-out split (generators split the prompts). With domains, each domain's
+        examples are scored by its reward roles (``accuracy`` names the component read, else the combined
+        reward), ``self.domain_accuracy`` keeps each domain's, and the result is their share-weighted mean."""
+        from rollhpc.rollout.scoring import combine, components_of
+
+        o = self.options
         prompts = [self.tokenizer.encode(ex.prompt) for ex in self.heldout]
-        outs = self.groups["generate"].generate(prompts, n=1, max_tokens=self.options.eval_max_tokens,
-                                                temperature=0.0)
-        scores = self.groups["reward"].score([(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)])
-        return float(np.mean(scores))
+        outs = self.groups["generate"].generate(prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0)
+        self.domain_accuracy: dict[str, float] = {}
+        if not o.domains:
+            scores = self.groups["reward"].score([(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)])
+            return float(np.mean([combine(components_of("reward", v), {}) for v in scores]))
+        for name, d in o.domains.items():
+            idx = [i for i, ex in enumerate(self.heldout) if ex.domain == name]
+            items = [(self.heldout[i].inner, outs[i][0].token_ids) for i in idx]
+            replies = {role: self.groups[role].score(items) for role in d.rewards}
+            values = []
+            for j in range(len(items)):
+                comps: dict[str, float] = {}
+                for role, reply in replies.items():
+                    comps.update(components_of(role, reply[j]))
+                values.append(comps[d.accuracy] if d.accuracy else combine(comps, d.weights))
+            self.domain_accuracy[f"{name}/accuracy"] = float(np.mean(values)) if values else float("nan")
+        return float(sum(d.share * self.domain_accuracy[f"{n}/accuracy"] for n, d in o.domains.items()))
 
     # ------------------------------------------------------------------ batch
     def _training_batch(self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
@@ -419,7 +491,8 @@ class RlvrPipeline(Pipeline):
             t = time.perf_counter()
             data["ref_logprob"] = ref.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
-        rewards = self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64))
+        rewards = (self.reward_norm(groups) if self.options.domains
+                   else self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64)))
         kl = None
         if "ref_logprob" in data:
             kl = (data["old_logprob"] - data["ref_logprob"]) * mask
@@ -479,6 +552,8 @@ class RlvrPipeline(Pipeline):
             "sample_version_lag": float(np.mean([version - 1 - s.version for s in samples])),
             **{k: round(v, 6) for k, v in times.items()},
             **rstats.as_metrics(),
+            **(domains_mod.sample_metrics(samples) if self.options.domains else {}),
+            **self._reward_counters(),
         }
         for key in train_stats[0]:
             record[f"train/{key}"] = float(np.mean([s[key] for s in train_stats]))
@@ -492,4 +567,7 @@ class RlvrPipeline(Pipeline):
             reward=np.array([s.reward for s in samples], dtype=np.float32),
             version=np.array([s.version for s in samples], dtype=np.int64),
             prompt_text=[s.prompt.example.prompt for s in samples],
-            response_text=self.tokenizer.batch_decode([s.response for s in samples], skip_special_tokens=True))
+            response_text=self.tokenizer.batch_decode([s.response for s in samples], skip_special_tokens=True),
+            domain=[s.prompt.domain for s in samples] if self.options.domains else None,
+            components={c: np.array([s.components.get(c, np.nan) for s in samples], dtype=np.float32)
+                        for c in sorted({c for s in samples for c in s.components})} or None)

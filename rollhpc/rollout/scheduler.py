@@ -11,6 +11,10 @@ flight are aborted. Async training keeps those partials (``partial_rollout``) an
 next weights, and keeps finished-but-unused groups in a buffer; a group older than ``max_staleness``
 policy versions is dropped.
 
+Multi-domain: a prompt carries a domain, and its samples are scored by that domain's reward roles
+(``rollhpc.rollout.scoring``: several roles' components combined with weights); dynamic sampling may be
+set per domain, and the stats count groups and tokens per domain.
+
 Pure logic: generators and reward workers are reached through ``GeneratorPort`` / ``RewardPort``
 (controller worker-group calls in a run, direct engine calls in a benchmark), so this module imports
 neither vLLM nor MPI.
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from rollhpc.rollout.scoring import DomainScoring, Scorer
 from rollhpc.rollout.types import Prompt, RolloutStats, Sample
 
 log = logging.getLogger("rollhpc.rollout")
@@ -45,7 +50,8 @@ class GeneratorPort(Protocol):
 
 class RewardPort(Protocol):
     def submit(self, items: list[tuple[Any, list[int]]]) -> Pending:
-        """Score ``(example, response token ids)`` pairs; the result is a list of floats."""
+        """Score ``(example, response token ids)`` pairs; the result has one float, or one dict of named
+        reward components, per pair."""
         ...
 
 
@@ -92,18 +98,18 @@ class RolloutScheduler:
     """Collects batches of scored groups from generators and reward workers; one instance per run
     (it carries partial samples and finished groups from one batch to the next)."""
 
-    def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort], config: SchedulerConfig,
-                 seed: int = 0):
+    def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort] | dict[str, DomainScoring],
+                 config: SchedulerConfig, seed: int = 0):
+        """``rewards``: the reward ports of a single domain, or {domain: DomainScoring} (roles and weights)."""
         if not generators or not rewards:
             raise ValueError("the scheduler needs at least one generator and one reward worker")
         self.generators = generators
-        self.rewards = rewards
+        self.scorer = Scorer.of(rewards)
         self.config = config
         self.seed = seed
         self.buffer: list[list[Sample]] = []  # complete groups not used yet (async)
         self.carry: dict[int, _Group] = {}  # open groups with their aborted partials (partial rollout)
         self.carry_partials: list[Sample] = []
-        self._next_reward = 0
 
     # ------------------------------------------------------------------ one batch
     def collect(self, prompts: Iterator[Prompt], n_groups: int, version: int) -> tuple[list[list[Sample]], RolloutStats]:
@@ -117,7 +123,6 @@ class RolloutScheduler:
         owner: dict[str, tuple[int, Sample]] = {}  # request id -> (generator, sample)
         adds: list[list[dict[str, Any]]] = [[] for _ in self.generators]
         calls: dict[int, Pending] = {}
-        scoring: list[tuple[Pending, list[Sample]]] = []
         limit = c.max_groups_per_batch or 8 * n_groups
         exhausted = False
 
@@ -148,6 +153,7 @@ class RolloutScheduler:
                     break
                 groups[prompt.uid] = group = _Group(prompt, live=c.group_size)
                 stats.groups_started += 1
+                stats.count(prompt.domain, "groups_started")
                 for i in range(c.group_size):
                     place(Sample(prompt, i), list(prompt.tokens), prompt.max_tokens or c.max_tokens)
                 room -= c.group_size
@@ -155,8 +161,9 @@ class RolloutScheduler:
         def finish_group(group: _Group) -> None:
             del groups[group.prompt.uid]
             samples = sorted(group.samples, key=lambda s: s.index)
-            if c.dynamic_sampling and len({s.reward for s in samples}) == 1:
+            if self._uniform(samples):
                 stats.groups_dropped_uniform += 1
+                stats.count(group.prompt.domain, "groups_dropped_uniform")
             elif version - min(s.version for s in samples) > c.max_staleness:
                 stats.groups_dropped_stale += 1
             elif len(out) < n_groups:
@@ -169,7 +176,7 @@ class RolloutScheduler:
             for g in range(len(self.generators)):
                 if g not in calls and (adds[g] or load[g]):
                     calls[g], adds[g] = self.generators[g].submit(adds[g], []), []
-            if not calls and not scoring:
+            if not calls and not self.scorer.busy():
                 log.warning("rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
                             "%d of %d groups", stats.groups_started, stats.groups_dropped_uniform, len(out), n_groups)
                 break
@@ -185,30 +192,23 @@ class RolloutScheduler:
                     load[g] -= 1
                     s = _append(owner.pop(rid)[1], comp)
                     stats.tokens_generated += len(s.response)
+                    stats.count(s.prompt.domain, "tokens_generated", len(s.response))
                     finished.append(s)
                 if finished:
-                    port = self.rewards[self._next_reward % len(self.rewards)]
-                    self._next_reward += 1
-                    scoring.append((port.submit([(s.prompt.example, s.response) for s in finished]), finished))
-            for item in list(scoring):
-                call, samples = item
-                if not call.done():
-                    continue
+                    self.scorer.submit(finished)
+            for s in self.scorer.ready():
                 progressed = True
-                scoring.remove(item)
-                for s, r in zip(samples, call.result()):
-                    s.reward = float(r)
-                    group = groups.get(s.prompt.uid)
-                    if group is None:  # its group was abandoned at an earlier batch end
-                        continue
-                    group.samples.append(s)
-                    group.live -= 1
-                    if group.live == 0:
-                        finish_group(group)
+                group = groups.get(s.prompt.uid)
+                if group is None:  # its group was abandoned at an earlier batch end
+                    continue
+                group.samples.append(s)
+                group.live -= 1
+                if group.live == 0:
+                    finish_group(group)
             if not progressed:
                 time.sleep(c.poll_interval_s)
 
-        self._stop(calls, scoring, owner, load, groups, version, stats)
+        self._stop(calls, owner, load, groups, version, stats)
         stats.wall_s = time.perf_counter() - t0
         out.sort(key=lambda g: g[0].prompt.uid)  # the batch's order must not depend on which group finished first
         return out, stats
@@ -218,13 +218,13 @@ class RolloutScheduler:
         """What carries over between batches (finished groups, open groups with their partials): part of a
         run checkpoint, so a resumed run continues them as the uninterrupted run would have."""
         return {"buffer": self.buffer, "carry": self.carry, "carry_partials": self.carry_partials,
-                "next_reward": self._next_reward}
+                "next_reward": self.scorer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer = list(state["buffer"])
         self.carry = dict(state["carry"])
         self.carry_partials = list(state["carry_partials"])
-        self._next_reward = int(state["next_reward"])
+        self.scorer.load_state_dict(state["next_reward"])
 
     # ------------------------------------------------------------------ helpers
     def _take_from_buffer(self, n_groups: int, version: int, stats: RolloutStats) -> list[list[Sample]]:
@@ -241,7 +241,12 @@ class RolloutScheduler:
         self.buffer = keep
         return out
 
-    def _stop(self, calls: dict[int, Pending], scoring: list, owner: dict[str, tuple[int, Sample]], load: list[int],
+    def _uniform(self, samples: list[Sample]) -> bool:
+        """Dynamic sampling (its domain's setting): a group whose rewards are all equal teaches nothing."""
+        return self.scorer.dynamic_sampling(samples[0].prompt.domain, self.config.dynamic_sampling) and len(
+            {s.reward for s in samples}) == 1
+
+    def _stop(self, calls: dict[int, Pending], owner: dict[str, tuple[int, Sample]], load: list[int],
               groups: dict[int, _Group], version: int, stats: RolloutStats) -> None:
         """Batch full: abort what is still generating. With partial rollout the partials and their open
         groups are kept for the next batch, and samples that finished meanwhile are scored and kept."""
@@ -270,22 +275,22 @@ class RolloutScheduler:
                     self.carry_partials.append(_append(s, comp))
         if not c.partial_rollout:
             stats.tokens_discarded += sum(len(s.response) for s in late)
+            self.scorer.ready(wait=True)  # replies still out belong to groups given up with this batch
             return
         if late:
-            scoring.append((self.rewards[0].submit([(s.prompt.example, s.response) for s in late]), late))
-        for call, samples in scoring:
-            for s, r in zip(samples, call.result()):
-                s.reward = float(r)
-                if (group := groups.get(s.prompt.uid)) is not None:
-                    group.samples.append(s)
-                    group.live -= 1
+            self.scorer.submit(late)
+        for s in self.scorer.ready(wait=True):
+            if (group := groups.get(s.prompt.uid)) is not None:
+                group.samples.append(s)
+                group.live -= 1
         for uid, group in groups.items():
             if group.live > 0:
                 self.carry[uid] = group  # its remaining samples are among carry_partials
                 continue
             samples = sorted(group.samples, key=lambda s: s.index)
-            if c.dynamic_sampling and len({s.reward for s in samples}) == 1:
+            if self._uniform(samples):
                 stats.groups_dropped_uniform += 1
+                stats.count(group.prompt.domain, "groups_dropped_uniform")
             else:
                 self.buffer.append(samples)
 

@@ -12,6 +12,7 @@ class Prompt:
     tokens: tuple[int, ...]  # [P] prompt token ids
     example: Any  # the task example (ground truth for the reward)
     max_tokens: int | None = None  # response budget of this prompt (None: the scheduler's max_tokens)
+    domain: str = "default"  # which reward roles score it, and its share of a batch (multi-domain RLVR)
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Sample:
     version: int = -1  # oldest policy version that produced any of its tokens (partial rollouts mix versions)
     finish_reason: str = ""  # "stop", "length" or "abort" (a partial waiting to be resumed)
     reward: float | None = None
+    components: dict[str, float] = field(default_factory=dict)  # what the reward was made of (rule, judge, ...)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
 
     @property
@@ -42,6 +44,11 @@ class RolloutStats:
     samples_resumed: int = 0
     tokens_generated: int = 0  # tokens of finished samples (aborted partials not counted until they finish)
     tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
+    domains: dict[str, dict[str, int]] = field(default_factory=dict)  # per domain: groups started/dropped, tokens
+
+    def count(self, domain: str, key: str, n: int = 1) -> None:
+        d = self.domains.setdefault(domain, {"groups_started": 0, "groups_dropped_uniform": 0, "tokens_generated": 0})
+        d[key] = d.get(key, 0) + n
 
     @property
     def generator_idle_fraction(self) -> float:
@@ -54,4 +61,6 @@ class RolloutStats:
                 "groups_started": self.groups_started, "groups_dropped_uniform": self.groups_dropped_uniform,
                 "groups_dropped_stale": self.groups_dropped_stale, "groups_from_buffer": self.groups_from_buffer,
                 "samples_aborted": self.samples_aborted, "samples_resumed": self.samples_resumed,
-                "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded}
+                "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded,
+                **({f"{d}/{k}": v for d, counts in sorted(self.domains.items()) for k, v in counts.items()}
+                   if len(self.domains) > 1 or set(self.domains) - {"default"} else {})}
