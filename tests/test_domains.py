@@ -73,7 +73,7 @@ def test_each_domain_is_scored_by_its_roles_with_weights_and_its_own_dynamic_sam
     assert m["code/reward/tests"] == 0.0 and m["math/reward/judge"] == 1.0 and "math/reward_mean" in m
     state = sched.state_dict()["next_reward"]
     assert state["math/rule"] == rule.calls and state["code/code"] == code.calls
-    with pytest.raises(ValueError, match="weights name components no reward role returned"):
+    with pytest.raises(ValueError, match="weights name component.s. judge that no reward role returned"):
         combine({"rule": 1.0}, {"judge": 1.0})
 
 

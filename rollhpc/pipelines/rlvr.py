@@ -439,7 +439,8 @@ class RlvrPipeline(Pipeline):
         """Greedy accuracy on the held-out split (generators split the prompts). With domains, each domain's
         examples are scored by its reward roles (``accuracy`` names the component read, else the combined
         reward), ``self.domain_accuracy`` keeps each domain's, and the result is their share-weighted mean."""
-        from rollhpc.rollout.scoring import combine, components_of
+        from rollhpc.rewards.components import combine
+        from rollhpc.rollout.scoring import components_of
 
         o = self.options
         prompts = [self.tokenizer.encode(ex.prompt) for ex in self.heldout]

@@ -16,21 +16,20 @@ Components = dict[str, float]  # one sample's reward parts by name, e.g. {"math"
 
 
 def combine(components: Mapping[str, float], weights: Mapping[str, float]) -> float:
-    """``sum(weights[k] * components[k])`` over the weighted names.
+    """``sum(weight * value)`` over every component, a component's weight being 1 unless ``weights`` names it
+    (weight 0: logged, not trained on). So one role's reward needs no weights at all.
 
-    A weighted component that is missing is an error, never a silent 0 (a misspelt name in the config
-    would otherwise train on a reward that lacks a part). Components without a weight are left out:
-    they are logged, not trained on. Non-finite values are errors too.
+    A weight for a component no role returned is an error, never a silent 0 (a misspelt name in the config
+    would otherwise train on a reward that lacks a part). Non-finite values are errors too.
     """
-    if not weights:
-        raise ValueError("combine() needs at least one weight")
     missing = sorted(set(weights) - set(components))
     if missing:
-        raise ValueError(f"reward component(s) {', '.join(missing)} missing: the sample has "
-                         f"{', '.join(sorted(components)) or 'none'}")
+        raise ValueError(f"reward weights name component(s) {', '.join(missing)} that no reward role returned: "
+                         f"the sample has {', '.join(sorted(components)) or 'none'}")
     total = 0.0
-    for name, weight in weights.items():
-        value = float(components[name])
+    for name, value in components.items():
+        weight = float(weights.get(name, 1.0))
+        value = float(value)
         if not (math.isfinite(value) and math.isfinite(weight)):
             raise ValueError(f"reward component {name!r} = {value} with weight {weight}: both must be finite")
         total += weight * value

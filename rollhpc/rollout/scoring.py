@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollhpc.rewards.components import combine
 from rollhpc.rollout.types import Sample
 
 DEFAULT_DOMAIN = "default"
@@ -40,15 +41,6 @@ def components_of(role: str, value: Any) -> dict[str, float]:
     if isinstance(value, Mapping):
         return {str(k): float(v) for k, v in value.items()}
     return {role: float(value)}
-
-
-def combine(components: Mapping[str, float], weights: Mapping[str, float]) -> float:
-    """The reward: sum of weight x component (weight 1 for a component the weights do not name)."""
-    unknown = set(weights) - set(components)
-    if unknown:
-        raise ValueError(f"reward weights name components no reward role returned: {sorted(unknown)} "
-                         f"(returned: {sorted(components)})")
-    return float(sum(weights.get(k, 1.0) * v for k, v in components.items()))
 
 
 class _Job:
