@@ -168,46 +168,66 @@ def test_bad_domain_configs_are_refused_at_load():
 
 
 @pytest.mark.slow
-def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain(tmp_path, tiny_model):
-    """A real world (Megatron trainer, vLLM generator, two rule reward roles): additions scored by `reward`,
-    countdown by `reward_count` with a format component weighted in; metrics, held-out accuracy and the rollouts
-    file per domain; the plan lists both reward roles."""
+def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain(tmp_path, tmp_path_factory,
+                                                                                 tiny_model):
+    """A real world (Megatron trainer, vLLM generator, two rule reward roles and a judge with a vLLM engine of
+    its own): additions scored by `reward`; countdown by `reward_count` plus the judge's verdict at weight 0.5;
+    metrics, held-out accuracy and the rollouts file per domain; the judge's counters in the metrics; the plan
+    lists every reward role."""
     import json
 
     import h5py
+    import yaml
 
-    from tests.conftest import assert_no_orphans, rollhpc
+    from tests.conftest import REPO, assert_no_orphans, rollhpc
+    from tests.judge_models import TEMPLATE, yes_judge
 
-    args = ["quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
-            "~pipeline.options.task", "+pipeline.options.task={n_train: 1000, n_heldout: 40}",
-            "roles.reward.options.task=arithmetic", "pipeline.options.steps=3", "pipeline.options.eval_every=3",
-            "pipeline.options.prompts_per_step=4", "pipeline.options.rollout.dynamic_sampling=false",
-            "+pipeline.options.domains.add={task: arithmetic, options: {digits: 2, ops: [+]}, share: 0.5}",
-            "+pipeline.options.domains.count={task: countdown, share: 0.5, rewards: [reward_count], "
-            "dynamic_sampling: false}",
-            "+roles.reward_count.worker=rollhpc.workers.math_reward:MathRewardWorker",
-            f"+roles.reward_count.options.model_dir={tiny_model}", "+roles.reward_count.options.task=countdown"]
-    plan = rollhpc("plan", *args, cwd=tmp_path)
+    judge = yes_judge(tmp_path_factory.getbasetemp(), tiny_model)
+    cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
+    o = cfg["pipeline"]["options"]
+    o.update(model_dir=str(tiny_model), warm_start=None, task={"n_train": 1000, "n_heldout": 40}, steps=3,
+             eval_every=3, prompts_per_step=4)
+    o["rollout"]["dynamic_sampling"] = False
+    o["domains"] = {"add": {"task": "arithmetic", "options": {"digits": 2, "ops": ["+"]}, "share": 0.5},
+                    "count": {"task": "countdown", "share": 0.5, "rewards": ["reward_count", "judge"],
+                              "weights": {"judge": 0.5}, "accuracy": "reward_count"}}
+    roles = cfg["roles"]
+    for role in roles.values():
+        role["options"]["model_dir"] = str(tiny_model)
+    roles["reward"]["options"]["task"] = "arithmetic"
+    roles["reward_count"] = {"worker": "rollhpc.workers.math_reward:MathRewardWorker", "procs": 1,
+                             "options": {"model_dir": str(tiny_model), "task": "countdown"}}
+    roles["judge"] = {"worker": "rollhpc.workers.judge:JudgeWorker", "procs": 1,
+                      "options": {"policy_model_dir": str(tiny_model), "judge_model_dir": str(judge),
+                                  "template": TEMPLATE, "task": "countdown", "max_model_len": 256,
+                                  "cpu_kv_cache_mb": 32, "dtype": "float32", "threads": 1}}
+    path = tmp_path / "two_domains.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    plan = rollhpc("plan", str(path), cwd=tmp_path)
     assert plan.returncode == 0, plan.stderr
-    assert "reward_count" in plan.stdout and "reward " in plan.stdout
-    res = rollhpc("train", *args, cwd=tmp_path, timeout=600)
+    assert all(role in plan.stdout for role in ("reward_count", "judge", "reward "))
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=600)
     run_dir = tmp_path / "runs" / "quickstart"
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"add/accuracy", "count/accuracy"} <= set(lines[0]) and {"add/accuracy", "count/accuracy"} <= set(lines[3])
     seen = set()
     for x in lines[1:]:
-        for d, role in (("add", "reward"), ("count", "reward_count")):
+        for d, comp in (("add", "reward"), ("count", "reward_count")):
             if x.get(f"{d}/samples"):  # a domain in this batch: its reward, components, tokens
-                assert {f"{d}/reward_mean", f"{d}/reward/{role}", f"{d}/tokens_generated"} <= set(x), sorted(x)
+                assert {f"{d}/reward_mean", f"{d}/reward/{comp}", f"{d}/tokens_generated"} <= set(x), sorted(x)
                 seen.add(d)
         assert x.get("add/groups_started", 0) + x.get("count/groups_started", 0) == x["groups_started"]
+        assert x["judge/judge_calls"] >= 0 and "judge/judge_unparsed" in x
     assert seen == {"add", "count"}
     with h5py.File(run_dir / "rollouts" / "step_000003.h5") as f:
         domains = [d.decode() for d in f["domain"][()]]
         assert set(domains) <= {"add", "count"} and len(domains) == 4 * 8
         comps = {k: f["components"][k][()] for k in f["components"]}
-        assert set(comps) <= {"reward", "reward_count"} and comps
-        add = [i for i, d in enumerate(domains) if d == "add"]
-        assert all(comps["reward"][i] == f["reward"][i] for i in add)
+        reward = f["reward"][()]
+    for i, d in enumerate(domains):
+        if d == "add":
+            assert reward[i] == comps["reward"][i]
+        else:  # rule + 0.5 x judge: the judge's YES is learnt for its template, so it mostly says 1
+            assert reward[i] == pytest.approx(comps["reward_count"][i] + 0.5 * comps["judge"][i])
     assert_no_orphans(run_dir)
