@@ -1,5 +1,6 @@
 """The batch script of a heterogeneous job, compared with a reviewed golden file."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,22 @@ def test_slurm_wrappers_explain_themselves_and_name_a_missing_environment(tmp_pa
     assert missing.returncode == 2
     assert missing.stderr.strip() == (f"slurm/{wrapper}: no rollhpc environment at {tmp_path / 'no-venv'}: run "
                                       f"'make venv' in {script.parent.parent} or set ROLLHPC_VENV")
+
+
+def test_a_judge_on_gpus_of_its_own_is_a_het_component_of_its_own(tmp_path, tiny_model):
+    """A judge role with its own model on its own GPUs: `plan` and `submit --dry-run` show it as its own het
+    group (no weight sync goes to it, so nothing ties it to the trainer's or the generator's nodes)."""
+    judge = ["+roles.judge.worker=rollhpc.workers.judge:JudgeWorker", "+roles.judge.procs=2",
+             "+roles.judge.gpus_per_proc=2", "+roles.judge.devices=[8,9,10,11]",
+             f"+roles.judge.options.policy_model_dir={tiny_model}", f"+roles.judge.options.judge_model_dir={tiny_model}"]
+    args = ["toy_grpo", *OVERRIDES, "cluster.nodes=3", *judge]
+    plan = rollhpc("plan", *args, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert "judge" in plan.stdout
+    res = rollhpc("submit", *args, "--dry-run", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    groups = re.findall(r"^# het group (\d+): (.+)$", res.stdout, flags=re.M)
+    assert [roles for _, roles in groups if "judge" in roles] == ["judge"], groups
+    assert res.stdout.count("#SBATCH hetjob") == len(groups) - 1 >= 2
+    missing = rollhpc("plan", *args[:-1], "+roles.judge.options.judge_model_dir=/nonexistent/judge", cwd=tmp_path)
+    assert missing.returncode == 2 and "judge_model_dir" in missing.stderr and "/nonexistent/judge" in missing.stderr
