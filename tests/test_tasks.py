@@ -222,3 +222,20 @@ def test_task_module_by_import_path_outside_the_package(tmp_path, monkeypatch):
     assert task_module("my_tasks.echo").score("a", "a") == 1.0
     with pytest.raises(ModuleNotFoundError, match="not_installed_dependency"):  # not reported as an unknown task
         task_module("my_tasks.broken")
+
+
+def test_letters_puzzles_are_disjoint_stable_and_scored_exactly():
+    from rollhpc.tasks import letters, task_module
+
+    train, heldout = letters.make_splits(3, 300, 50)
+    assert not {(e.op, e.letters) for e in train} & {(e.op, e.letters) for e in heldout}
+    assert letters.make_splits(3, 300, 50) == (train, heldout)
+    ex = letters.LettersExample("reverse", ("c", "a", "t"), "t a c")
+    assert ex.prompt == "reverse: c a t =" and letters.score(ex, letters.completion(ex)) == 1.0
+    assert letters.score(ex, "  t a  c ") == 1.0 and letters.score(ex, "tac") == 0.0
+    assert letters.score(ex, " t a c a") == 0.0 and letters.score(ex, "") == 0.0
+    assert letters.sample(__import__("random").Random(0), 4, 4, "ab", ("sort",)).answer.split() == sorted(
+        letters.sample(__import__("random").Random(0), 4, 4, "ab", ("sort",)).letters)
+    assert task_module("letters") is letters
+    with pytest.raises(ValueError, match="ops must be"):
+        letters.make_splits(0, 1, 1, ops=("shout",))
