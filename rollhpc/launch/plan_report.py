@@ -30,13 +30,14 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
         yield f"  {note}"
     layouts = {name: role.layout() for name, role in cfg.roles.items()}
     if ranks:
-        yield f"{'rank':>6} {'role':<12} {'grank':>5} {'het':>3} {'node':>4} {'gpus':<7} {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}"
+        w = max([12, *(len(name) + 1 for name in cfg.roles)])  # the role column fits the longest name
+        yield f"{'rank':>6} {'role':<{w}} {'grank':>5} {'het':>3} {'node':>4} {'gpus':<7} {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}"
         for p in plan.ranks:
             if p.role == CONTROLLER_ROLE:
-                yield f"{p.rank:>6} {p.role:<12} {0:>5} {p.component:>3} {p.node:>4} {'-':<7}"
+                yield f"{p.rank:>6} {p.role:<{w}} {0:>5} {p.component:>3} {p.node:>4} {'-':<7}"
                 continue
             k = layouts[p.role].coords(p.group_rank)
-            yield (f"{p.rank:>6} {p.role:<12} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
+            yield (f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
                    f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}")
     if groups:
         for name, layout in layouts.items():
