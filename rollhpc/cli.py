@@ -278,6 +278,12 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rollhpc.models.tiny import TinyModelSpec
 
     logging.basicConfig(level=logging.INFO, format="rollhpc: %(message)s")
+    from rollhpc.tasks import task_module
+
+    try:
+        task_module(args.task)
+    except ValueError as e:
+        raise ConfigError(f"--task: {e}") from None
     task_opts, spec_kw, sft_kw = _sft_settings(args.overrides)
     flags = {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size}
     sft_kw |= {k: v for k, v in flags.items() if v is not None}
@@ -420,8 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the same report as JSON")
     st.set_defaults(func=cmd_status)
 
-    from rollhpc.models.policy_prep import TASKS
     from rollhpc.models.sft import SftOptions
+    from rollhpc.tasks import available_tasks
 
     sft = SftOptions()
     sf = sub.add_parser("sft", help="prepare the RL starting policy: a tiny Qwen2 model fine-tuned on a task",
@@ -438,7 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'ops=[+, -]' spec.num_hidden_layers=3 --steps 2000`.")
     sf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write (or reuse)")
     sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="task options, spec.KEY, sft.KEY")
-    sf.add_argument("--task", default="arithmetic", choices=TASKS, help="default: arithmetic")
+    sf.add_argument("--task", default="arithmetic", metavar="NAME",
+                    help=f"a task of rollhpc.tasks ({', '.join(available_tasks())}) or a task module's import path "
+                         "(package.module); default: arithmetic")
     sf.add_argument("--seed", type=int, default=0, help="seeds the splits, the initial weights and the batch order")
     sf.add_argument("--steps", type=int, help=f"most SFT steps (default {sft.steps}; the target accuracy stops sooner)")
     sf.add_argument("--lr", type=float, help=f"peak learning rate (default {sft.lr:g})")

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollhpc.models.sft import SftOptions, greedy_responses, train_sft
 from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
-from rollhpc.tasks import TASKS, task_module  # noqa: F401  (re-exported: callers import them from here)
+from rollhpc.tasks import task_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
