@@ -60,9 +60,11 @@ def sample(rng: random.Random, digits: int = 3, ops: tuple[str, ...] = ("+", "-"
     return ArithmeticExample(a=a, op=op, b=b, answer=str(_OPS[op](a, b)))
 
 
-def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, max_draws: int) -> list[T]:
-    """The first ``n`` examples from ``draw()`` with distinct keys; raises when the space is too small."""
-    seen: set[Hashable] = set()
+def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, max_draws: int,
+                  taken: Iterable[Hashable] = (), widen: str = "more digits / numbers") -> list[T]:
+    """The first ``n`` examples from ``draw()`` with distinct keys, none of them in ``taken``; raises when the
+    space is too small (saying how to ``widen`` the task)."""
+    seen: set[Hashable] = set(taken)
     out: list[T] = []
     for _ in range(max_draws):
         if len(out) == n:
@@ -73,7 +75,7 @@ def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, m
             out.append(ex)
     if len(out) < n:
         raise ValueError(f"found only {len(out)} distinct examples of the {n} asked for in {max_draws} draws: "
-                         "ask for fewer or widen the task (more digits / numbers)")
+                         f"ask for fewer or widen the task ({widen})")
     return out
 
 

@@ -42,7 +42,7 @@ import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from rollhpc.tasks.arithmetic import randint
+from rollhpc.tasks.arithmetic import randint, unique_stream
 
 if TYPE_CHECKING:
     from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxResult
@@ -190,18 +190,8 @@ def _key(e: PyfuncExample) -> tuple:
 
 def _distinct(draw: Callable[[], PyfuncExample], n: int, taken: set[tuple], which: str) -> list[PyfuncExample]:
     """The first ``n`` draws whose keys are new (and not in ``taken``); raises when the space is too small."""
-    seen, out = set(taken), []
-    for _ in range(20 * n + 1000):
-        if len(out) == n:
-            break
-        ex = draw()
-        if (k := _key(ex)) not in seen:
-            seen.add(k)
-            out.append(ex)
-    if len(out) < n:
-        raise ValueError(f"found only {len(out)} distinct {which} examples of the {n} asked for: ask for fewer or "
-                         "widen the task (more families, a larger coef_max, x_max or n_shown)")
-    return out
+    return unique_stream(draw, _key, n, 20 * n + 1000, taken,
+                         widen=f"for the {which} split: more families, a larger coef_max, x_max or n_shown")
 
 
 # ------------------------------------------------------------------ reading a response
