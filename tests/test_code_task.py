@@ -70,7 +70,7 @@ def test_functions_have_one_spelling_and_options_are_checked():
         pyfunc.make_splits(0, 10, 10, families=("linear", "cubic"))
     with pytest.raises(ValueError, match="n_shown \\+ n_hidden <= x_max \\+ 1"):
         pyfunc.make_splits(0, 10, 10, n_shown=5, n_hidden=6)
-    with pytest.raises(ValueError, match="found only 20 distinct examples .* for the held-out split"):  # 10 functions x 2 inputs
+    with pytest.raises(ValueError, match="found only 20 distinct examples .* .for the held-out split"):  # 10 functions x 2 inputs
         pyfunc.make_splits(0, 0, 21, families=("square",), n_shown=1, n_hidden=1, x_max=1)
     with pytest.raises(ValueError, match="disjoint must be"):
         pyfunc.make_splits(0, 10, 10, disjoint="prompts")
