@@ -14,6 +14,7 @@ the example counts.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,11 @@ def make_splits(seed: int, n_train: int, n_heldout: int, domains: dict[str, Any]
                                                     **_options(d.get("options", {})))
         train += [DomainExample(name, d["task"], e) for e in tr]
         heldout += [DomainExample(name, d["task"], e) for e in ho]
+    # interleaved, so that any prefix has every domain in its share (the SFT monitors a prefix, a run may
+    # evaluate on the first n_heldout)
+    rng = random.Random(seed)
+    rng.shuffle(train)
+    rng.shuffle(heldout)
     return train, heldout
 
 
