@@ -440,7 +440,7 @@ class RlvrPipeline(Pipeline):
         examples are scored by its reward roles (``accuracy`` names the component read, else the combined
         reward), ``self.domain_accuracy`` keeps each domain's, and the result is their share-weighted mean."""
         from rollhpc.rewards.components import combine
-        from rollhpc.rollout.scoring import components_of
+        from rollhpc.rollout.scoring import components_of, item_components
 
         o = self.options
         prompts = [self.tokenizer.encode(ex.prompt) for ex in self.heldout]
@@ -455,9 +455,7 @@ class RlvrPipeline(Pipeline):
             replies = {role: self.groups[role].score(items) for role in d.rewards}
             values = []
             for j in range(len(items)):
-                comps: dict[str, float] = {}
-                for role, reply in replies.items():
-                    comps.update(components_of(role, reply[j]))
+                comps = item_components(replies, j)
                 values.append(comps[d.accuracy] if d.accuracy else combine(comps, d.weights))
             self.domain_accuracy[f"{name}/accuracy"] = float(np.mean(values)) if values else float("nan")
         return float(sum(d.share * self.domain_accuracy[f"{n}/accuracy"] for n, d in o.domains.items()))

@@ -43,6 +43,14 @@ def components_of(role: str, value: Any) -> dict[str, float]:
     return {role: float(value)}
 
 
+def item_components(replies: Mapping[str, list[Any]], i: int) -> dict[str, float]:
+    """Item ``i``'s components from every role's reply ({role: one value per item})."""
+    components: dict[str, float] = {}
+    for role, values in replies.items():
+        components.update(components_of(role, values[i]))
+    return components
+
+
 class _Job:
     """One batch of one domain's samples, out to each of the domain's reward roles."""
 
@@ -107,11 +115,8 @@ class Scorer:
             replies = {role: call.result() for role, call in job.calls.items()}
             weights = self.domains[job.domain].weights
             for i, s in enumerate(job.samples):
-                components: dict[str, float] = {}
-                for role, values in replies.items():
-                    components.update(components_of(role, values[i]))
-                s.components = components
-                s.reward = combine(components, weights)
+                s.components = item_components(replies, i)
+                s.reward = combine(s.components, weights)
                 out.append(s)
         return out
 
