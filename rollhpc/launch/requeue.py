@@ -57,7 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.attempt import restart_number, slurm_restart_count
-from rollhpc.launch.resubmit import JOB_ID, current_job, job_alive, resubmit, slurm_dir, write_atomic
+from rollhpc.launch.resubmit import (JOB_ID, current_job, expand_hostlist, job_alive, resubmit, slurm_dir,
+                                    write_atomic)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -184,8 +185,7 @@ def _excluded_now(component: str) -> set[str]:
         if field.startswith("ExcNodeList="):
             value = field.partition("=")[2]
             if value and value != "(null)":
-                hosts = _scontrol("show", "hostnames", value).stdout.split()
-                return set(hosts or [value])
+                return expand_hostlist(value)
     return set()
 
 

@@ -51,8 +51,10 @@ def current_job(run_dir: Path) -> str | None:
         return None
 
 
-ENDED = ("COMPLETING", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-         "OUT_OF_MEMORY")
+# Slurm's end states of a job (here, light for the batch script's side; rollhpc.launch.slurm uses the same set)
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                      "DEADLINE", "OUT_OF_MEMORY"})
+ENDED = TERMINAL | {"COMPLETING"}  # a job that only completes on a dead node will not run the run again
 
 
 def job_alive(job_id: str) -> bool:

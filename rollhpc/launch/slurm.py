@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rollhpc.config import ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
-from rollhpc.launch.resubmit import BATCH_SCRIPT, current_job, write_atomic
+from rollhpc.launch.resubmit import BATCH_SCRIPT, TERMINAL, current_job, write_atomic
 
 
 def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
@@ -123,8 +123,6 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     return executor._submit_command("rollhpc.rank")  # the command is in the batch text
 
 
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-            "OUT_OF_MEMORY"}
 
 
 def component_states(job_id: str) -> dict[str, str]:
