@@ -169,6 +169,26 @@ class Cluster:
             return state if state in done and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
         return poll(f"the run's job to end", ended, timeout, every=0.5)
 
+    def settle(self, host: str, timeout: float = 60) -> None:
+        """After a crashed node's slurmd is back: wait until nothing of the old jobs is left on the cluster.
+        A job component that was on the dead node may stay COMPLETING after its slurmd restarts (the new
+        slurmd never knew the job); Slurm's backfill then still plans the next repeat's fresh job onto that
+        node and holds it back. Marking the node DOWN and resuming it clears that component."""
+        def busy() -> bool:
+            out = subprocess.run(["squeue", "-h", "-o", "%T"], env=self.env, capture_output=True, text=True,
+                                 timeout=60).stdout.split()
+            return bool(out)
+        deadline = time.time() + timeout
+        forced = False
+        while busy():
+            if time.time() > deadline:
+                raise RuntimeError(f"jobs still in the queue {timeout:.0f} s after the repeat ended")
+            if not forced and time.time() > deadline - timeout + 10:
+                self.scontrol("update", f"NodeName={host}", "State=DOWN", "Reason=bench-settle")
+                self.scontrol("update", f"NodeName={host}", "State=RESUME")
+                forced = True
+            time.sleep(0.5)
+
     def down(self) -> None:
         if self.started:
             subprocess.run(["bash", str(CLUSTER), "down", str(self.dir)], env=self.env, capture_output=True,
@@ -212,6 +232,7 @@ def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: fl
         state = cluster.wait_done(run_dir)
     finally:
         cluster.script("node-start", str(cluster.dir), host)
+        cluster.settle(host)
     row["steps_redone"] = steps_redone(run_dir, failed_after)
     row["finished"] = state == "COMPLETED" and last_step(run_dir) == STEPS
     return row
