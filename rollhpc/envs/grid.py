@@ -1,0 +1,38 @@
+"""What the grid environments (FrozenLake, Sokoban) share: the four direction words and how a policy's
+text is read as one of them.
+
+Why lenient parsing: a tiny policy early in training writes "Left", "go up", "u" or "down." as often as
+the bare word; reading those as the move it meant lets the reward speak about the move rather than the
+spelling. Text that names no direction is not guessed at: the environment answers that the action was
+invalid (and counts the turn), so sloppy text still costs something.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["DIRECTIONS", "OFFSETS", "parse_direction", "invalid_text"]
+
+DIRECTIONS = ("left", "down", "right", "up")  # gymnasium FrozenLake's order: LEFT=0, DOWN=1, RIGHT=2, UP=3
+OFFSETS = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}  # (row, column) steps
+_WORD = re.compile(r"\b(left|down|right|up)\b")
+_LETTER = {d[0]: d for d in DIRECTIONS}  # l, d, r, u
+
+
+def parse_direction(text: str) -> str | None:
+    """The first direction word in ``text`` (any case, anywhere: "Go LEFT."), or a response that is one of the
+    letters l/d/r/u alone; None when it names no direction.
+
+    The first word, not the last: a policy that writes "left, then up" commits to its first move, one per turn.
+    """
+    lowered = text.lower()
+    found = _WORD.search(lowered)
+    if found:
+        return found.group(1)
+    return _LETTER.get(lowered.strip().rstrip("."))
+
+
+def invalid_text() -> str:
+    """The observation after text that names no direction: short (it costs tokens in the row) and says what
+    would have been valid."""
+    return "Invalid action: answer left, down, right or up."
