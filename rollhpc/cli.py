@@ -111,7 +111,7 @@ def _prepare_inputs(cfg: ExperimentConfig) -> None:
     prepare = getattr(pipeline_cls, "prepare", None)
     if prepare is not None:
         try:
-            prepare(cfg.pipeline.options, cfg.run.seed)
+            prepare(cfg.pipeline.options, cfg.run.seed, cfg.roles)
         except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included
             raise ConfigError(f"preparing the run's inputs: {e}") from e
 

@@ -21,7 +21,7 @@ class Pipeline:
     (optionally ``setup``: start-up work of the controller's own, overlapping the workers' construction).
 
     Optional classmethods: ``check_roles(options, roles)`` (cross-checks at config load), ``prepare(options,
-    seed)`` (inputs built before any rank starts) and ``prepared_paths(options)`` (the paths ``prepare``
+    seed, roles)`` (inputs built before any rank starts; ``roles``: the configured roles) and ``prepared_paths(options)`` (the paths ``prepare``
     builds, which therefore need not exist beforehand: ``config.missing_inputs``).
     """
 

@@ -15,6 +15,13 @@ response_tokens[response_offsets[i]:response_offsets[i + 1]]):
     domain            vlen str [n]                        optional: the prompt's domain (multi-domain RLVR)
     components/NAME   float32 [n]                         optional: each reward component (the reward is their
                                                           weighted sum; a sample without NAME has NaN)
+  multi-turn episodes (agentic runs), all optional:
+    response_mask     int8    [sum of response lengths]   1 on generated tokens, 0 on observation tokens
+    turn_ends         int32   [sum of turns]              index in the response of each turn's last generated token
+    turn_rewards      float32 [sum of turns]              the environment's reward for each turn
+    turn_offsets      int64   [n + 1]                     sample i's turns are [turn_offsets[i], turn_offsets[i+1])
+    finish            vlen str [n]                        how the episode ended (terminated, truncated, a reason)
+    success           int8    [n]                         whether the episode solved its task
     attrs: step (int), time (unix seconds), n (int), format (int)
 
 Each file is written to a temp file in the same directory and renamed into place, so a reader or a
@@ -49,6 +56,11 @@ class RolloutRecord:
     response_text: Sequence[str] | None = None          # n
     domain: Sequence[str] | None = None                 # n
     components: dict[str, np.ndarray] | None = None     # name -> [n]
+    response_mask: Sequence[np.ndarray] | None = None   # n x [response_len_i]: 1 generated, 0 observation
+    turn_ends: Sequence[np.ndarray] | None = None       # n x [turns_i]
+    turn_rewards: Sequence[np.ndarray] | None = None    # n x [turns_i]
+    finish: Sequence[str] | None = None                 # n
+    success: np.ndarray | None = None                   # [n]
 
 
 def _flatten(seqs: Sequence[np.ndarray] | np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +97,8 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
     if not np.array_equal(logprob_off, response_off):
         raise ValueError(f"rollout record for step {step}: logprobs must have one value per response token")
     texts = {k: v for k, v in (("prompt_text", record.prompt_text), ("response_text", record.response_text),
-                               ("domain", record.domain)) if v is not None}
+                               ("domain", record.domain), ("finish", record.finish)) if v is not None}
+    episode = _episode_arrays(step, record, response_off, n)
     components = {k: np.asarray(v, dtype=np.float32).reshape(-1) for k, v in (record.components or {}).items()}
     for k, v in components.items():
         if len(v) != n:
@@ -108,11 +121,37 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
                 f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
             for k, v in components.items():
                 f.create_dataset(f"components/{k}", data=v)
+            for k, v in episode.items():
+                f.create_dataset(k, data=v)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _episode_arrays(step: int, record: RolloutRecord, response_off: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """The multi-turn fields, flattened and checked against the responses."""
+    out: dict[str, np.ndarray] = {}
+    if record.response_mask is not None:
+        mask, mask_off = _flatten(record.response_mask, np.int8)
+        if not np.array_equal(mask_off, response_off):
+            raise ValueError(f"rollout record for step {step}: response_mask must have one value per response token")
+        out["response_mask"] = mask
+    if (record.turn_ends is None) != (record.turn_rewards is None):
+        raise ValueError(f"rollout record for step {step}: turn_ends and turn_rewards go together")
+    if record.turn_ends is not None:
+        ends, off = _flatten(record.turn_ends, np.int32)
+        rewards, reward_off = _flatten(record.turn_rewards, np.float32)
+        if not np.array_equal(off, reward_off) or len(off) != n + 1:
+            raise ValueError(f"rollout record for step {step}: one turn_end and one turn_reward per turn, per sample")
+        out.update(turn_ends=ends, turn_rewards=rewards, turn_offsets=off)
+    if record.success is not None:
+        success = np.asarray(record.success, dtype=np.int8).reshape(-1)
+        if len(success) != n:
+            raise ValueError(f"rollout record for step {step}: success has {len(success)} values, expected {n}")
+        out["success"] = success
+    return out
 
 
 def read_rollouts(path: Path) -> dict[str, Any]:
@@ -130,9 +169,17 @@ def read_rollouts(path: Path) -> dict[str, Any]:
             "reward": f["reward"][()],
             "version": f["version"][()],
         }
-        for k in ("prompt_text", "response_text", "domain"):
+        for k in ("prompt_text", "response_text", "domain", "finish"):
             out[k] = [s.decode() for s in f[k][()]] if k in f else None
         out["components"] = {k: f["components"][k][()] for k in f["components"]} if "components" in f else {}
+        out["response_mask"] = _split(f["response_mask"][()], response_off) if "response_mask" in f else None
+        if "turn_offsets" in f:
+            turn_off = f["turn_offsets"][()]
+            out["turn_ends"] = _split(f["turn_ends"][()], turn_off)
+            out["turn_rewards"] = _split(f["turn_rewards"][()], turn_off)
+        else:
+            out["turn_ends"] = out["turn_rewards"] = None
+        out["success"] = f["success"][()].astype(bool) if "success" in f else None
     return out
 
 

@@ -43,16 +43,15 @@ from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
-from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
 from rollhpc.controller.pipeline import Pipeline, RunContext
-from rollhpc.controller.stop import StopRequest
+from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
-from rollhpc.observability.run_log import RunLog
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
+from rollhpc.weight_sync.driver import WeightSync
 
 log = logging.getLogger("rollhpc.rlvr")
 ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
@@ -117,6 +116,21 @@ class PromptStream:
                              f"this run has {len(self.examples)}: resume with the task settings it was saved with")
         self._rng.setstate(state["rng"])
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
+
+
+@dataclass
+class PolicyCursor:
+    """The policy version the generators hold, and (async mode) the batch already generated for the next
+    step: part of every checkpoint, so a resumed async run trains on the batch the uninterrupted one would."""
+
+    version: int = 0
+    pending: Any = None  # (groups, RolloutStats) or None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "pending": self.pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version, self.pending = state["version"], state["pending"]
 
 
 class _GroupPort:
@@ -217,7 +231,7 @@ class RlvrPipeline(Pipeline):
         return [options.model_dir] if options.warm_start is not None else []
 
     @classmethod
-    def prepare(cls, options: Options, seed: int) -> None:
+    def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
         """Before any rank starts: build and SFT the starting policy when ``warm_start`` asks for it."""
         w = options.warm_start
         if w is None:
@@ -269,151 +283,82 @@ class RlvrPipeline(Pipeline):
         self.task = task
 
     # ------------------------------------------------------------------ loop
-    def run(self) -> None:
+    def run(self) -> Outcome:
+        """Build the rollout side and hand the steps to the shared run loop (resume, evaluation, logs,
+        checkpoints and stop requests live there)."""
         o = self.options
         self.setup()
-        train, gen = self.groups["train"], self.groups["generate"]
-        ref = self.groups.get("reference")
+        gen = self.groups["generate"]
         ports = {role: [_GroupPort(self.groups[role].at(i), "score") for i in range(len(self.groups[role]))]
                  for role in self._reward_roles()}
-        scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
-                                     domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
-                                     o.rollout, seed=self.run_ctx.seed)
+        self.scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
+                                          domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
+                                          o.rollout, seed=self.run_ctx.seed)
         if o.domains:
-            prompts: Any = domains_mod.MixedPromptStream(self.train_set, {n: d.share for n, d in o.domains.items()},
-                                                         self.tokenizer.encode, self.run_ctx.seed)
+            self.prompts: Any = domains_mod.MixedPromptStream(
+                self.train_set, {n: d.share for n, d in o.domains.items()}, self.tokenizer.encode, self.run_ctx.seed)
         else:
-            prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
-        checkpointer = self.checkpointer
-        stop_request = StopRequest(self.run_ctx.run_dir)
-        self.stopped_for_requeue = False
+            self.prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
         self.kl_control = KlController(o.kl_control)
         self.reward_norm: Any = (domains_mod.DomainNormalizers(o.reward_norm, list(o.domains)) if o.domains
                                  else RewardNormalizer(o.reward_norm))
-        restored = checkpointer.restore()
+        self.policy = PolicyCursor()
+        self.weight_sync = WeightSync(self.groups["train"], gen, o.weight_sync, o.weight_sync_bucket_mb)
+        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
+                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
+                                    max_wall_s=o.max_wall_s))
+        self.outcome = loop.run(self)
+        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE
+        return self.outcome
+
+    # the run loop's hooks (rollhpc.controller.run_loop.TrainingSteps)
+    def state_objects(self) -> dict[str, Stateful]:
+        return {"policy": self.policy, "prompts": self.prompts, "scheduler": self.scheduler,
+                "kl_control": self.kl_control, "reward_norm": self.reward_norm}
+
+    def begin(self, resumed: bool) -> None:
+        self.weight_sync(self.policy.version)  # the generators start from exactly the trainer's weights
+
+    def weights_digest(self) -> str:
+        return self.groups["train"].weights_digest()
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        return {"prompts_drawn": self.prompts.drawn}
+
+    def step(self, step: int, last: bool) -> StepReport:
+        """Rollout (or the batch generated ahead in async mode), log-probs, advantages, train, weight sync."""
+        o = self.options
+        train, ref = self.groups["train"], self.groups.get("reference")
         asynchronous = o.rollout.max_staleness >= 1
-        if restored is None:
-            start, version, restarts, pending = 0, 0, 0, None
+        if self.policy.pending is not None:  # async: generated during the previous step's training
+            (groups, rstats), self.policy.pending = self.policy.pending, None
         else:
-            checkpoint, state = restored
-            start, version, restarts = state["step"], state["policy_version"], state["restarts"] + 1
-            prompts.load_state_dict(state["prompts"])
-            scheduler.load_state_dict(state["scheduler"])
-            restore_rng_states(state["rng"])
-            self.kl_control.load_state_dict(state["kl_control"])
-            self.reward_norm.load_state_dict(state["reward_norm"])
-            pending = state["pending"]
-            self._log_restart(checkpoint.path, start, restarts)
-        run_log = RunLog(self.run_ctx.run_dir, resume_step=None if restored is None else start)
-        self._sync_weights(version)  # the generators start from exactly the trainer's weights
-        if restored is None:
-            accuracy = self.evaluate()
-            run_log.log_step(0, {"accuracy": accuracy, "policy_version": 0, **self.domain_accuracy})
-            log.info("step 0: held-out accuracy %.3f", accuracy)
-        else:
-            accuracy = state["accuracy"]
-        if start >= o.steps:
-            log.info("the checkpoint of step %d is already the run's last step (steps=%d): nothing to do", start,
-                     o.steps)
-            run_log.close()
-            return
-        t_start = time.perf_counter()
-        groups, rstats = pending if pending is not None else scheduler.collect(prompts, o.prompts_per_step, version)
-        for step in range(start + 1, o.steps + 1):
-            t_step = time.perf_counter()
-            times = {"rollout_s": rstats.wall_s}
-            next_batch = None
-            if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
-                log.warning("step %d: no group with differing rewards in %d started; no update this step",
-                            step, rstats.groups_started)
-                record = {"reward_mean": float("nan"), "policy_version": version, "skipped": 1,
-                          **rstats.as_metrics()}
-                samples = None
-            else:
-                batch, samples = self._training_batch(groups, ref, times)
-                t = time.perf_counter()
-                training = train.train_step.submit(batch, self._loss_config())
-                critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
-                if asynchronous and step < o.steps:  # generate the next batch with the current policy meanwhile
-                    next_batch = scheduler.collect(prompts, o.prompts_per_step, version + 1)
-                stats = training.result()
-                if critic_pending is not None:
-                    stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}}
-                             for a, b in zip(stats, critic_pending.result())]
-                times["train_s"] = time.perf_counter() - t
-                if "kl_ref" in times:  # the KL this batch was generated with steers the next batch's coefficient
-                    times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
-                version += 1
-                t = time.perf_counter()
-                times["weight_sync_s"] = self._sync_weights(version)
-                times["weight_sync_total_s"] = time.perf_counter() - t
-                record = self._metrics(step, version, samples, rstats, stats, times)
-            stop = bool(o.max_wall_s) and time.perf_counter() - t_start > o.max_wall_s
-            why_stop = stop_request.reason() if step < o.steps else None
-            if (o.eval_every and step % o.eval_every == 0) or step == o.steps or stop:
-                record["accuracy"] = accuracy = self.evaluate()
-                record.update(self.domain_accuracy)
-            if samples is not None:
-                record["step_s"] = time.perf_counter() - t_step + (0.0 if asynchronous else rstats.wall_s)
-            if restarts and step == start + 1:
-                record["restarts"] = restarts
-            keep = samples is not None and o.rollout_every > 0 and (step % o.rollout_every == 0 or step == o.steps)
-            if step == o.steps or stop:
-                record["weights_sha256"] = train.weights_digest()
-            run_log.log_step(step, record, self._record(samples) if keep else None)
-            if samples is not None:
-                log.info("step %d/%d: reward %.3f, held-out accuracy %.3f, %.0f tok/s", step, o.steps,
-                         record["reward_mean"], accuracy, record["tokens_per_s"])
-            if checkpointer.due(step, o.steps) or why_stop is not None or (stop and o.checkpoint.at_end):
-                state = {"step": step, "policy_version": version, "accuracy": accuracy, "restarts": restarts,
-                         "prompts": prompts.state_dict(), "scheduler": scheduler.state_dict(),
-                         "rng": save_rng_states(), "pending": next_batch,  # async: the batch already generated ahead
-                         "kl_control": self.kl_control.state_dict(), "reward_norm": self.reward_norm.state_dict()}
-                checkpointer.save(step, state, {"step": step, "policy_version": version, "restarts": restarts,
-                                                "accuracy": accuracy, "prompts_drawn": prompts.drawn,
-                                                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-            if why_stop is not None:
-                log.warning("stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
-                            step, why_stop)
-                stop_request.clear()
-                self.stopped_for_requeue = True
-                break
-            if stop:
-                log.info("stopping after step %d: max_wall_s=%.0f reached", step, o.max_wall_s)
-                break
-            if step < o.steps:
-                if next_batch is not None:
-                    groups, rstats = next_batch
-                else:
-                    groups, rstats = scheduler.collect(prompts, o.prompts_per_step, version)
-        run_log.close()
-
-    def _log_restart(self, path: Path, step: int, restarts: int) -> None:
-        """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
-        import os
-
-        from rollhpc.launch.requeue import log_event
-
-        log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
-        log_event(self.run_ctx.run_dir, {"event": "resume", "checkpoint": str(path), "step": step,
-                                         "restarts": restarts, "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
-
-    def _sync_weights(self, version: int) -> float:
-        """Trainer -> generators; returns the generators' load time (the slowest)."""
-        train, gen = self.groups["train"], self.groups["generate"]
-        if self.options.weight_sync == "relay":  # via the controller, over MPI
-            buckets = train.export_weights(self.options.weight_sync_bucket_mb)
-            return max(gen.update_weights(buckets, version))
-        if not getattr(self, "_channel_open", False):
-            address = train.open_weight_channel()
-            joined = [train.join_weight_channel.submit(1 + len(gen)), gen.join_weight_channel.submit(address, 1 + len(gen))]
-            for f in joined:
-                f.result()
-            self._channel_open = True
-        sending = train.broadcast_weights.submit(self.options.weight_sync_bucket_mb)
-        loading = gen.receive_weights.submit(version)
-        sending.result()
-        return max(loading.result())
+            groups, rstats = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version)
+        times = {"rollout_s": rstats.wall_s}
+        if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
+            log.warning("step %d: no group with differing rewards in %d started; no update this step",
+                        step, rstats.groups_started)
+            return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
+                               **rstats.as_metrics()}, trained=False)
+        batch, samples = self._training_batch(groups, ref, times)
+        t = time.perf_counter()
+        training = train.train_step.submit(batch, self._loss_config())
+        critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
+        if asynchronous and not last:  # generate the next batch with the current policy meanwhile
+            self.policy.pending = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version + 1)
+        stats = training.result()
+        if critic_pending is not None:
+            stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic_pending.result())]
+        times["train_s"] = time.perf_counter() - t
+        if "kl_ref" in times:  # the KL this batch was generated with steers the next batch's coefficient
+            times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
+        self.policy.version += 1
+        t = time.perf_counter()
+        times["weight_sync_s"] = self.weight_sync(self.policy.version)
+        times["weight_sync_total_s"] = time.perf_counter() - t
+        record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
+        return StepReport(record, self._record(samples), summary=f"reward {record['reward_mean']:.3f}, "
+                                                                 f"{record['tokens_per_s']:.0f} tok/s")
 
     def _reward_counters(self) -> dict[str, float]:
         """The reward roles' own counters (a judge's unparsed verdicts and failures, a sandbox's timeouts),
@@ -435,10 +380,14 @@ class RlvrPipeline(Pipeline):
         o = self.options
         return sorted({r for d in o.domains.values() for r in d.rewards}) if o.domains else ["reward"]
 
-    def evaluate(self) -> float:
-        """Greedy accuracy on the held-out split (generators split the prompts). With domains, each domain's
-        examples are scored by its reward roles (``accuracy`` names the component read, else the combined
-        reward), ``self.domain_accuracy`` keeps each domain's, and the result is their share-weighted mean."""
+    def evaluate(self) -> dict[str, float]:
+        """``{"accuracy": greedy accuracy on the held-out split}`` (generators split the prompts). With domains,
+        each domain's examples are scored by its reward roles (``accuracy`` names the component read, else the
+        combined reward), ``DOMAIN/accuracy`` is each domain's, and ``accuracy`` their share-weighted mean."""
+        accuracy = self._accuracy()
+        return {"accuracy": accuracy, **self.domain_accuracy}
+
+    def _accuracy(self) -> float:
         from rollhpc.rewards.components import combine
         from rollhpc.rollout.scoring import components_of, item_components
 

@@ -1,0 +1,184 @@
+"""The run loop every training pipeline shares: resume, step, evaluate, log, checkpoint, stop.
+
+Why one loop: what happens around a training step (finding and loading the checkpoint to resume from, the
+step-0 evaluation, evaluation on schedule, metrics lines and rollout files, checkpoints on schedule and at
+a stop request, the wall-time limit, the final weights digest) is the same whether a step's samples come
+from single-turn prompts (RLVR) or multi-turn episodes (agentic). A pipeline implements ``TrainingSteps``:
+what one step does, how it evaluates, and which of its objects carry state across a restart; the loop does
+the rest and returns an ``Outcome`` instead of setting a flag.
+
+A checkpoint's controller state is ``{"step", "accuracy", "restarts", "rng", **{name: obj.state_dict()}}``
+for the objects the pipeline names in ``state_objects()``: anything with ``state_dict`` /
+``load_state_dict`` (the prompt cursor, the rollout scheduler's buffers, the KL controller, ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
+from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
+from rollhpc.controller.stop import StopRequest
+from rollhpc.observability.rollouts import RolloutRecord
+from rollhpc.observability.run_log import RunLog
+
+__all__ = ["Outcome", "StepReport", "Stateful", "TrainingSteps", "LoopSettings", "RunLoop"]
+
+log = logging.getLogger("rollhpc.run")
+
+
+class Outcome(enum.Enum):
+    FINISHED = "finished"  # the last step was taken
+    ALREADY_DONE = "already_done"  # resumed from the checkpoint of the last step: nothing to do
+    STOPPED_FOR_REQUEUE = "stopped_for_requeue"  # a stop request: checkpointed, the next start resumes
+    WALL_LIMIT = "wall_limit"  # max_wall_s passed
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class StepReport:
+    """What one step left behind: its metrics (the loop adds accuracy, step_s, restarts, the weights
+    digest), the samples for rollouts/step_N.h5, and whether it trained at all."""
+
+    record: dict[str, Any]
+    rollouts: RolloutRecord | None = None
+    trained: bool = True
+    summary: str = ""  # one log line (the loop appends the held-out accuracy)
+
+
+class TrainingSteps(Protocol):
+    """The pipeline's side of the loop."""
+
+    def state_objects(self) -> dict[str, Stateful]:
+        """Objects saved in every checkpoint under their name and restored before the first step."""
+        ...
+
+    def begin(self, resumed: bool) -> None:
+        """Before the first step (after a restore, if any): e.g. give the generators the trainer's weights."""
+        ...
+
+    def step(self, step: int, last: bool) -> StepReport:
+        """Take step ``step`` (``last``: no step follows, so nothing need be prepared for one)."""
+        ...
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics; ``accuracy`` (the headline number) among them."""
+        ...
+
+    def weights_digest(self) -> str:
+        """The trained weights' sha256, logged at the last step (exact-resume checks compare it)."""
+        ...
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        """Readable facts for the checkpoint's state.json beside step, version, restarts and accuracy."""
+        ...
+
+
+@dataclass(kw_only=True)
+class LoopSettings:
+    steps: int
+    eval_every: int = 10  # 0: only at the start and the end
+    rollout_every: int = 1  # rollouts/step_N.h5 every this many steps (0: never)
+    max_wall_s: float = 0.0  # stop after the step that passes this many seconds (0: no limit)
+
+
+class RunLoop:
+    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopSettings):
+        self.run_dir = Path(run_dir)
+        self.checkpointer = checkpointer
+        self.settings = settings
+
+    def run(self, steps: TrainingSteps) -> Outcome:
+        s = self.settings
+        objects = steps.state_objects()
+        stop_request = StopRequest(self.run_dir)
+        restored = self.checkpointer.restore()
+        if restored is None:
+            start, restarts, metrics = 0, 0, {}
+        else:
+            checkpoint, state = restored
+            start, restarts, metrics = state["step"], state["restarts"] + 1, state["eval"]
+            missing = sorted(set(objects) - set(state))
+            if missing:
+                raise RuntimeError(f"{checkpoint.path} has no state for {missing}: it was saved by another pipeline "
+                                   "or version; resume with the configuration it was saved with")
+            for name, obj in objects.items():
+                obj.load_state_dict(state[name])
+            restore_rng_states(state["rng"])
+            self._log_restart(checkpoint.path, start, restarts)
+        with RunLog(self.run_dir, resume_step=None if restored is None else start) as run_log:
+            steps.begin(resumed=restored is not None)
+            if restored is None:
+                metrics = steps.evaluate()
+                run_log.log_step(0, {**metrics, "policy_version": 0})
+                log.info("step 0: held-out accuracy %.3f", metrics.get("accuracy", float("nan")))
+            if start >= s.steps:
+                log.info("the checkpoint of step %d is already the run's last step (steps=%d): nothing to do",
+                         start, s.steps)
+                return Outcome.ALREADY_DONE
+            return self._loop(steps, objects, run_log, stop_request, start, restarts, metrics)
+
+    def _loop(self, steps: TrainingSteps, objects: dict[str, Stateful], run_log: RunLog, stop_request: StopRequest,
+              start: int, restarts: int, metrics: dict[str, float]) -> Outcome:
+        s = self.settings
+        t_start = time.perf_counter()
+        for step in range(start + 1, s.steps + 1):
+            t_step = time.perf_counter()
+            last = step == s.steps
+            report = steps.step(step, last)
+            record = report.record
+            wall_limit = bool(s.max_wall_s) and time.perf_counter() - t_start > s.max_wall_s
+            why_stop = stop_request.reason() if not last else None
+            if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
+                metrics = steps.evaluate()
+                record.update(metrics)
+            if report.trained:
+                record["step_s"] = time.perf_counter() - t_step
+            if restarts and step == start + 1:
+                record["restarts"] = restarts
+            keep = report.rollouts is not None and s.rollout_every > 0 and (step % s.rollout_every == 0 or last)
+            if last or wall_limit:
+                record["weights_sha256"] = steps.weights_digest()
+            run_log.log_step(step, record, report.rollouts if keep else None)
+            if report.summary:
+                log.info("step %d/%d: %s, held-out accuracy %.3f", step, s.steps, report.summary,
+                         metrics.get("accuracy", float("nan")))
+            if self.checkpointer.due(step, s.steps) or why_stop is not None or (
+                    wall_limit and self.checkpointer.options.at_end):
+                self._save(steps, step, objects, restarts, metrics, record)
+            if why_stop is not None:
+                log.warning("stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
+                            step, why_stop)
+                stop_request.clear()
+                return Outcome.STOPPED_FOR_REQUEUE
+            if wall_limit:
+                log.info("stopping after step %d: max_wall_s=%.0f reached", step, s.max_wall_s)
+                return Outcome.WALL_LIMIT
+        return Outcome.FINISHED
+
+    def _save(self, steps: TrainingSteps, step: int, objects: dict[str, Stateful], restarts: int, metrics: dict[str, float],
+              record: dict[str, Any]) -> None:
+        state = {"step": step, "restarts": restarts, "eval": metrics, "rng": save_rng_states(),
+                 **{name: obj.state_dict() for name, obj in objects.items()}}
+        summary = {"step": step, "policy_version": record.get("policy_version"), "restarts": restarts,
+                   "accuracy": metrics.get("accuracy"), **steps.checkpoint_summary(),
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        self.checkpointer.save(step, state, summary)
+
+    def _log_restart(self, path: Path, step: int, restarts: int) -> None:
+        """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
+        from rollhpc.launch.requeue import log_event
+
+        log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
+        log_event(self.run_dir, {"event": "resume", "checkpoint": str(path), "step": step, "restarts": restarts,
+                                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
