@@ -23,9 +23,11 @@ class CountingEnv:
 
     instruction = "Say go."
 
-    def __init__(self, max_steps: int = 3, marker_dir: str | None = None):
+    def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go"):
         self.max_steps = max_steps
         self.marker_dir = marker_dir
+        self.reward = reward  # "go": 1 for the action "go"; "parity": 1 for an action of odd length (a
+        #   random policy earns it half the time: the agentic pipeline's tests need returns that differ)
         self.seed = -1
         self.n = 0
         self.all_go = True
@@ -41,7 +43,8 @@ class CountingEnv:
         info = {"state_key": ("count", self.n), "metrics": {"chars": len(action)}, "use_tool": self.n == 2}
         if done:
             info["success"] = self.all_go
-        return f"you said {action!r} at step {self.n}", float(action == "go"), done, False, info
+        reward = float(action == "go") if self.reward == "go" else float(len(action) % 2)
+        return f"you said {action!r} at step {self.n}", reward, done, False, info
 
     def close(self) -> None:
         if self.marker_dir:
@@ -125,13 +128,14 @@ class ResetHangingEnv(CountingEnv):
 
 
 class MixedEnv:
-    """Delegates to the behaviour ``BEHAVIOURS[seed // 100]``; the environment is built at reset."""
+    """Delegates to the behaviour ``BEHAVIOURS[seed // 100]`` (a well-behaved ``CountingEnv`` for seeds past
+    them, e.g. the held-out ones); the environment is built at reset."""
 
     BEHAVIOURS = {0: CountingEnv, 1: RaisingEnv, 2: HangingEnv, 3: GarbageEnv, 4: CrashingEnv, 5: RegexHangEnv,
                   6: SlowEnv, 7: ResetRaisingEnv, 8: ResetHangingEnv}
 
-    def __init__(self, max_steps: int = 3, marker_dir: str | None = None):
-        self.options = {"max_steps": max_steps, "marker_dir": marker_dir}
+    def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go"):
+        self.options = {"max_steps": max_steps, "marker_dir": marker_dir, "reward": reward}
         self.inner: CountingEnv | None = None
 
     @classmethod
@@ -141,7 +145,7 @@ class MixedEnv:
         return 100 * names[kind] + k
 
     def reset(self, seed: int):
-        self.inner = self.BEHAVIOURS[seed // 100](**self.options)
+        self.inner = self.BEHAVIOURS.get(seed // 100, CountingEnv)(**self.options)  # held-out seeds: good
         return self.inner.reset(seed)
 
     def step(self, action: str):

@@ -1,23 +1,36 @@
-"""Sample-level rollout scheduling: every sample lives its own life (generate -> reward) instead of
-waiting at batch barriers.
+"""Sample-level rollout scheduling: every sample lives its own life instead of waiting at batch barriers.
+
+A sample's life is one small state machine, the same for a single-turn prompt (RLVR) and a multi-turn
+episode (agentic RL), with one port per stage::
+
+    [reset: env port] -> generate: generator port -> [step: env port -> generate]* -> score -> judge group
+
+Single-turn samples skip reset and step and are scored by the reward roles; an episode starts with a
+reset on the env rank that will host it (its prompt is the env's first observation), alternates
+generator turns and env steps until the env ends it (or its row is full), and is scored by its return
+(the sum of its turns' rewards; reward roles may score it too, see ``SchedulerConfig``).
 
 Why: in a batch-barrier rollout every generator waits for the longest response of its batch, and the
 reward stage waits for every generator. Here requests go to generators one by one (least-loaded
-first), each finished sample is scored at once, and a prompt's group is judged when its last sample is
-scored: groups whose rewards are all equal carry no learning signal under group-relative advantages and
-are dropped (dynamic sampling), and new prompts are started in their place. More groups than needed run
-at once (``oversample``), so the batch fills from the fastest samples; once it is full, requests still in
-flight are aborted. Async training keeps those partials (``partial_rollout``) and resumes them under the
-next weights, and keeps finished-but-unused groups in a buffer; a group older than ``max_staleness``
-policy versions is dropped.
+first; an episode's later turns to the generator of its first, whose prefix cache holds the row), each
+finished sample is scored at once, and a prompt's group is judged when its last sample is scored: groups
+whose rewards are all equal carry no learning signal under group-relative advantages and are dropped
+(dynamic sampling), and new prompts are started in their place. More groups than needed run at once
+(``oversample``), so the batch fills from the fastest samples; once it is full, requests still in flight
+are aborted. ``redundancy`` starts extra samples per group and keeps the first ``group_size`` to finish
+(the rest are aborted: this favours short episodes, so the count is logged). A per-sample watchdog warns
+after ``warn_after_s`` and abandons a sample after ``abandon_after_s`` (its group then fills from its
+redundant samples, or is dropped). Async training keeps aborted partials (``partial_rollout``, single-turn
+only) and resumes them under the next weights, and keeps finished-but-unused groups in a buffer; a group
+older than ``max_staleness`` policy versions is dropped.
 
 Multi-domain: a prompt carries a domain, and its samples are scored by that domain's reward roles
 (``rollhpc.rollout.scoring``: several roles' components combined with weights); dynamic sampling may be
 set per domain, and the stats count groups and tokens per domain.
 
-Pure logic: generators and reward workers are reached through ``GeneratorPort`` / ``RewardPort``
-(controller worker-group calls in a run, direct engine calls in a benchmark), so this module imports
-neither vLLM nor MPI.
+Pure logic: generators, env ranks and reward workers are reached through ``GeneratorPort`` / ``EnvPort``
+/ ``RewardPort`` (controller worker-group calls in a run, direct engine calls in a benchmark or test), so
+this module imports neither vLLM nor MPI.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rollhpc.rollout.scoring import DomainScoring, Scorer
-from rollhpc.rollout.types import Prompt, RolloutStats, Sample
+from rollhpc.rollout.types import Episode, Prompt, RolloutStats, Sample
 
 log = logging.getLogger("rollhpc.rollout")
 
@@ -55,6 +68,23 @@ class RewardPort(Protocol):
         ...
 
 
+class EnvPort(Protocol):
+    """One env rank (``rollhpc.workers.env.EnvWorker``): episodes keyed by id live there between calls."""
+
+    def reset(self, items: list[dict[str, Any]]) -> Pending:
+        """``[{"episode", "seed"}]`` -> per item ``{"episode", "prompt_ids", "state_key", "ended"}``."""
+        ...
+
+    def step(self, items: list[dict[str, Any]]) -> Pending:
+        """``[{"episode", "response_ids"}]`` -> per item ``{"episode", "obs_ids", "reward", "terminated",
+        "truncated", "success", "state_key", "metrics", "use_tool", "ended", "step_s"}``."""
+        ...
+
+    def close(self, ids: list[str]) -> Pending:
+        """Forget these episodes (aborted or abandoned)."""
+        ...
+
+
 class Done:
     """An already finished call (for ports that run in the caller's thread)."""
 
@@ -68,43 +98,68 @@ class Done:
         return self.value
 
 
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What a multi-turn prompt stands for: the env reset seed its group's episodes share."""
+
+    seed: int
+
+
 @dataclass(kw_only=True)
 class SchedulerConfig:
     group_size: int = 8
-    max_tokens: int = 64  # response tokens per sample
+    max_tokens: int = 64  # response tokens per sample (per turn, for an episode)
     max_inflight_per_generator: int = 64  # requests a generator holds at once (its batch)
     oversample: float = 0.5  # start up to (1 + oversample) x the groups still needed
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and start new ones
     max_groups_per_batch: int = 0  # stop starting groups after this many in one collect (0: 8 x n_groups)
-    partial_rollout: bool = False  # keep aborted partials and resume them in the next collect
+    partial_rollout: bool = False  # keep aborted partials and resume them in the next collect (single-turn)
     max_staleness: int = 0  # policy versions a group may lag behind the current one (0: on-policy only)
+    redundancy: int = 0  # extra samples started per group; the first group_size to finish are kept
+    max_model_len: int = 0  # an episode's row (prompt + every turn) may not exceed this (0: no limit)
+    warn_after_s: float = 0.0  # log a sample still alive after this long (0: never)
+    abandon_after_s: float = 0.0  # abandon a sample still alive after this long (0: never)
     poll_interval_s: float = 0.0005
 
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_tokens < 1 or self.max_inflight_per_generator < 1:
             raise ValueError("group_size, max_tokens and max_inflight_per_generator must be >= 1")
-        if self.oversample < 0 or self.max_staleness < 0:
-            raise ValueError("oversample and max_staleness must be >= 0")
+        if self.oversample < 0 or self.max_staleness < 0 or self.redundancy < 0 or self.max_model_len < 0:
+            raise ValueError("oversample, max_staleness, redundancy and max_model_len must be >= 0")
+        if self.warn_after_s < 0 or self.abandon_after_s < 0:
+            raise ValueError("warn_after_s and abandon_after_s must be >= 0 (0: off)")
+        if self.partial_rollout and self.redundancy:
+            raise ValueError("partial_rollout keeps a group's aborted samples, redundancy aborts the surplus for "
+                             "good: use one of them")
+
+    @property
+    def samples_per_group(self) -> int:
+        return self.group_size + self.redundancy
 
 
 @dataclass
 class _Group:
     prompt: Prompt
-    samples: list[Sample] = field(default_factory=list)  # scored samples
-    live: int = 0  # requests generating or being scored
+    samples: list[Sample] = field(default_factory=list)  # finished (scored) samples
+    live: int = 0  # samples still being reset, generated, stepped or scored
 
 
 class RolloutScheduler:
-    """Collects batches of scored groups from generators and reward workers; one instance per run
-    (it carries partial samples and finished groups from one batch to the next)."""
+    """Collects batches of scored groups from generators (and env ranks) and reward workers; one instance
+    per run (it carries partial samples and finished groups from one batch to the next)."""
 
-    def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort] | dict[str, DomainScoring],
-                 config: SchedulerConfig, seed: int = 0):
-        """``rewards``: the reward ports of a single domain, or {domain: DomainScoring} (roles and weights)."""
-        if not generators or not rewards:
-            raise ValueError("the scheduler needs at least one generator and one reward worker")
+    def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort] | dict[str, DomainScoring] | None,
+                 config: SchedulerConfig, seed: int = 0, envs: list[EnvPort] | None = None):
+        """``rewards``: the reward ports of a single domain, or {domain: DomainScoring} (roles and weights);
+        None when ``envs`` score every sample by its episode's return."""
+        if not generators or not (rewards or envs):
+            raise ValueError("the scheduler needs at least one generator and one reward worker (or env rank)")
+        if envs and config.partial_rollout:
+            raise ValueError("partial_rollout is for single-turn samples; an episode aborted at a batch end is "
+                             "restarted from its seed instead")
         self.generators = generators
-        self.scorer = Scorer.of(rewards)
+        self.envs = list(envs or [])
+        self.scorer = Scorer.of(rewards) if rewards else None
         self.config = config
         self.seed = seed
         self.buffer: list[list[Sample]] = []  # complete groups not used yet (async)
@@ -114,101 +169,11 @@ class RolloutScheduler:
     # ------------------------------------------------------------------ one batch
     def collect(self, prompts: Iterator[Prompt], n_groups: int, version: int) -> tuple[list[list[Sample]], RolloutStats]:
         """``n_groups`` complete, scored groups (``group_size`` samples each) for policy ``version``."""
-        c = self.config
         stats = RolloutStats(generator_busy_s=[0.0] * len(self.generators))
         t0 = time.perf_counter()
         out = self._take_from_buffer(n_groups, version, stats)
-        groups: dict[int, _Group] = {}
-        load = [0] * len(self.generators)
-        owner: dict[str, tuple[int, Sample]] = {}  # request id -> (generator, sample)
-        adds: list[list[dict[str, Any]]] = [[] for _ in self.generators]
-        calls: dict[int, Pending] = {}
-        limit = c.max_groups_per_batch or 8 * n_groups
-        exhausted = False
-
-        def place(sample: Sample, prompt_tokens: list[int], max_tokens: int) -> None:
-            g = min(range(len(self.generators)), key=lambda i: load[i])
-            load[g] += 1
-            owner[sample.request_id] = (g, sample)
-            adds[g].append({"id": sample.request_id, "prompt": prompt_tokens, "max_tokens": max_tokens,
-                            "seed": hash((self.seed, sample.prompt.uid, sample.index, sample.resumes)) & 0x7FFFFFFF})
-
-        for uid, group in self.carry.items():  # resume partials first: they hold work already paid for
-            groups[uid] = group
-        for s in self.carry_partials:
-            s.resumes += 1
-            stats.samples_resumed += 1
-            place(s, list(s.prompt.tokens) + s.response, (s.prompt.max_tokens or c.max_tokens) - len(s.response))
-        self.carry, self.carry_partials = {}, []
-
-        def fill() -> None:
-            nonlocal exhausted
-            needed = n_groups - len(out)
-            room = c.max_inflight_per_generator * len(self.generators) - sum(load)
-            while (not exhausted and len(groups) < math.ceil(needed * (1 + c.oversample))
-                   and room >= c.group_size and stats.groups_started < limit):
-                prompt = next(prompts, None)
-                if prompt is None:
-                    exhausted = True
-                    break
-                groups[prompt.uid] = group = _Group(prompt, live=c.group_size)
-                stats.groups_started += 1
-                stats.count(prompt.domain, "groups_started")
-                for i in range(c.group_size):
-                    place(Sample(prompt, i), list(prompt.tokens), prompt.max_tokens or c.max_tokens)
-                room -= c.group_size
-
-        def finish_group(group: _Group) -> None:
-            del groups[group.prompt.uid]
-            samples = sorted(group.samples, key=lambda s: s.index)
-            if self._uniform(samples):
-                stats.groups_dropped_uniform += 1
-                stats.count(group.prompt.domain, "groups_dropped_uniform")
-            elif version - min(s.version for s in samples) > c.max_staleness:
-                stats.groups_dropped_stale += 1
-            elif len(out) < n_groups:
-                out.append(samples)
-            elif c.max_staleness > 0:
-                self.buffer.append(samples)
-
-        while len(out) < n_groups:
-            fill()
-            for g in range(len(self.generators)):
-                if g not in calls and (adds[g] or load[g]):
-                    calls[g], adds[g] = self.generators[g].submit(adds[g], []), []
-            if not calls and not self.scorer.busy():
-                log.warning("rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
-                            "%d of %d groups", stats.groups_started, stats.groups_dropped_uniform, len(out), n_groups)
-                break
-            progressed = False
-            for g, call in list(calls.items()):
-                if not call.done():
-                    continue
-                progressed = True
-                reply = calls.pop(g).result()
-                stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
-                finished = []
-                for rid, comp in reply["finished"]:
-                    load[g] -= 1
-                    s = _append(owner.pop(rid)[1], comp)
-                    stats.tokens_generated += len(s.response)
-                    stats.count(s.prompt.domain, "tokens_generated", len(s.response))
-                    finished.append(s)
-                if finished:
-                    self.scorer.submit(finished)
-            for s in self.scorer.ready():
-                progressed = True
-                group = groups.get(s.prompt.uid)
-                if group is None:  # its group was abandoned at an earlier batch end
-                    continue
-                group.samples.append(s)
-                group.live -= 1
-                if group.live == 0:
-                    finish_group(group)
-            if not progressed:
-                time.sleep(c.poll_interval_s)
-
-        self._stop(calls, owner, load, groups, version, stats)
+        batch = _Batch(self, prompts, n_groups, version, stats, out)
+        batch.run()
         stats.wall_s = time.perf_counter() - t0
         out.sort(key=lambda g: g[0].prompt.uid)  # the batch's order must not depend on which group finished first
         return out, stats
@@ -218,13 +183,14 @@ class RolloutScheduler:
         """What carries over between batches (finished groups, open groups with their partials): part of a
         run checkpoint, so a resumed run continues them as the uninterrupted run would have."""
         return {"buffer": self.buffer, "carry": self.carry, "carry_partials": self.carry_partials,
-                "next_reward": self.scorer.state_dict()}
+                "next_reward": self.scorer.state_dict() if self.scorer else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer = list(state["buffer"])
         self.carry = dict(state["carry"])
         self.carry_partials = list(state["carry_partials"])
-        self.scorer.load_state_dict(state["next_reward"])
+        if self.scorer is not None:
+            self.scorer.load_state_dict(state["next_reward"])
 
     # ------------------------------------------------------------------ helpers
     def _take_from_buffer(self, n_groups: int, version: int, stats: RolloutStats) -> list[list[Sample]]:
@@ -243,56 +209,407 @@ class RolloutScheduler:
 
     def _uniform(self, samples: list[Sample]) -> bool:
         """Dynamic sampling (its domain's setting): a group whose rewards are all equal teaches nothing."""
-        return self.scorer.dynamic_sampling(samples[0].prompt.domain, self.config.dynamic_sampling) and len(
-            {s.reward for s in samples}) == 1
+        enabled = (self.scorer.dynamic_sampling(samples[0].prompt.domain, self.config.dynamic_sampling)
+                   if self.scorer else self.config.dynamic_sampling)
+        return enabled and len({s.reward for s in samples}) == 1
 
-    def _stop(self, calls: dict[int, Pending], owner: dict[str, tuple[int, Sample]], load: list[int],
-              groups: dict[int, _Group], version: int, stats: RolloutStats) -> None:
-        """Batch full: abort what is still generating. With partial rollout the partials and their open
-        groups are kept for the next batch, and samples that finished meanwhile are scored and kept."""
-        c = self.config
+
+class _Batch:
+    """One ``collect``: the samples in flight and what moves them from stage to stage.
+
+    Stages of a sample and the call that ends each: reset (``EnvPort.reset``), generate
+    (``GeneratorPort.submit``), step (``EnvPort.step``), score (``Scorer``); ``_finished`` takes a sample
+    that has a reward into its group, and ``_judge`` decides a group once it has ``group_size`` samples.
+    """
+
+    def __init__(self, sched: RolloutScheduler, prompts: Iterator[Prompt], n_groups: int, version: int,
+                 stats: RolloutStats, out: list[list[Sample]]):
+        self.s, self.c = sched, sched.config
+        self.prompts, self.n_groups, self.version, self.stats, self.out = prompts, n_groups, version, stats, out
+        self.groups: dict[int, _Group] = {}
+        self.load = [0] * len(sched.generators)
+        self.owner: dict[str, tuple[int, Sample]] = {}  # generator request id -> (generator, sample)
+        self.adds: list[list[dict[str, Any]]] = [[] for _ in sched.generators]
+        self.aborts: list[list[str]] = [[] for _ in sched.generators]
+        self.calls: dict[int, Pending] = {}
+        self.env_live = [0] * len(sched.envs)  # episodes hosted per env rank
+        self.env_queue: list[dict[str, list[dict[str, Any]]]] = [{"reset": [], "step": []} for _ in sched.envs]
+        self.env_calls: list[tuple[int, str, Pending]] = []
+        self.episodes: dict[str, Sample] = {}  # episode id -> its sample, while at an env rank or generating
+        self.dead: set[str] = set()  # episodes aborted or abandoned: replies about them are ignored
+        self.to_close: list[list[str]] = [[] for _ in sched.envs]
+        self.limit = self.c.max_groups_per_batch or 8 * n_groups
+        self.exhausted = False
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        sched, c = self.s, self.c
+        for uid, group in sched.carry.items():  # resume partials first: they hold work already paid for
+            self.groups[uid] = group
+        for smp in sched.carry_partials:
+            smp.resumes += 1
+            self.stats.samples_resumed += 1
+            self._generate(smp, (smp.prompt.max_tokens or c.max_tokens) - len(smp.response))
+        sched.carry, sched.carry_partials = {}, []
+        while len(self.out) < self.n_groups:
+            self._fill()
+            self._send()
+            if not self.calls and not self.env_calls and not (sched.scorer and sched.scorer.busy()):
+                log.warning("rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
+                            "%d of %d groups", self.stats.groups_started, self.stats.groups_dropped_uniform,
+                            len(self.out), self.n_groups)
+                break
+            progressed = self._poll_generators()
+            progressed |= self._poll_envs()
+            progressed |= self._poll_scorer()
+            self._watchdog()
+            if not progressed:
+                time.sleep(c.poll_interval_s)
+        self._stop()
+
+    def _send(self) -> None:
+        for g, gen in enumerate(self.s.generators):
+            if g not in self.calls and (self.adds[g] or self.aborts[g] or self.load[g]):
+                self.calls[g] = gen.submit(self.adds[g], self.aborts[g])
+                self.adds[g], self.aborts[g] = [], []
+        for r, env in enumerate(self.s.envs):
+            for kind in ("reset", "step"):
+                if self.env_queue[r][kind]:
+                    self.env_calls.append((r, kind, getattr(env, kind)(self.env_queue[r][kind])))
+                    self.env_queue[r][kind] = []
+            if self.to_close[r]:
+                self.env_calls.append((r, "close", env.close(self.to_close[r])))
+                self.to_close[r] = []
+
+    # ------------------------------------------------------------------ stages
+    def _fill(self) -> None:
+        """Start new groups while the batch still needs them and the generators have room."""
+        c, stats = self.c, self.stats
+        needed = self.n_groups - len(self.out)
+        room = c.max_inflight_per_generator * len(self.s.generators) - sum(self.load)
+        while (not self.exhausted and len(self.groups) < math.ceil(needed * (1 + c.oversample))
+               and room >= c.samples_per_group and stats.groups_started < self.limit):
+            prompt = next(self.prompts, None)
+            if prompt is None:
+                self.exhausted = True
+                break
+            self.groups[prompt.uid] = _Group(prompt, live=c.samples_per_group)
+            stats.groups_started += 1
+            stats.count(prompt.domain, "groups_started")
+            for i in range(c.samples_per_group):
+                if isinstance(prompt.example, EpisodeSpec):
+                    self._reset(Sample(prompt, i), prompt.example.seed)
+                else:
+                    self._generate(Sample(prompt, i), prompt.max_tokens or c.max_tokens)
+            room -= c.samples_per_group
+
+    def _reset(self, smp: Sample, seed: int) -> None:
+        if not self.s.envs:
+            raise ValueError("an episode prompt (EpisodeSpec) needs env ranks: the scheduler has none")
+        r = min(range(len(self.s.envs)), key=lambda i: self.env_live[i])
+        self.env_live[r] += 1
+        smp.episode = Episode(id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter())
+        self.episodes[smp.episode.id] = smp
+        self.env_queue[r]["reset"].append({"episode": smp.episode.id, "seed": seed})
+        self.stats.episodes_started += 1
+
+    def _generate(self, smp: Sample, max_tokens: int) -> None:
+        ep = smp.episode
+        if ep is not None and ep.generator >= 0:
+            g = ep.generator  # the generator that holds this episode's row in its prefix cache
+        else:
+            g = min(range(len(self.s.generators)), key=lambda i: self.load[i])
+            if ep is not None:
+                ep.generator = g
+        self.load[g] += 1
+        self.owner[smp.request_id] = (g, smp)
+        self.adds[g].append({"id": smp.request_id, "prompt": smp.context, "max_tokens": max_tokens,
+                             "seed": self._sampling_seed(smp)})
+
+    def _sampling_seed(self, smp: Sample) -> int:
+        key = (self.s.seed, smp.prompt.uid, smp.index, smp.resumes)
+        if smp.episode is not None:
+            key += (len(smp.episode.turn_ends),)
+        return hash(key) & 0x7FFFFFFF
+
+    def _poll_generators(self) -> bool:
+        progressed = False
+        for g, call in list(self.calls.items()):
+            if not call.done():
+                continue
+            progressed = True
+            reply = self.calls.pop(g).result()
+            self.stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
+            finished = []
+            for rid, comp in reply["finished"]:
+                entry = self.owner.pop(rid, None)
+                if entry is None:  # aborted by redundancy or the watchdog (already off the books)
+                    continue
+                self.load[g] -= 1
+                smp = _append(entry[1], comp)
+                # a single-turn sample counts once, whole (a resumed partial's earlier tokens too)
+                n = len(comp.token_ids) if smp.episode is not None else len(smp.response)
+                self.stats.tokens_generated += n
+                self.stats.count(smp.prompt.domain, "tokens_generated", n)
+                if smp.episode is not None:
+                    self._turn_generated(smp, len(comp.token_ids))
+                else:
+                    finished.append(smp)
+            if finished:
+                self._score(finished)
+        return progressed
+
+    def _turn_generated(self, smp: Sample, n_new: int) -> None:
+        """A turn's response is in: mark its tokens as generated and hand it to the episode's env rank."""
+        ep = smp.episode
+        ep.generated += [1] * n_new
+        ep.turn_ends.append(len(smp.response) - 1)
+        ep.state_keys.append(ep.state_key)
+        self.env_queue[ep.env_rank]["step"].append({"episode": ep.id, "response_ids": smp.response[-n_new:]})
+
+    def _poll_envs(self) -> bool:
+        progressed = False
+        for entry in list(self.env_calls):
+            r, kind, call = entry
+            if not call.done():
+                continue
+            progressed = True
+            self.env_calls.remove(entry)
+            replies = call.result()
+            if kind == "close":
+                continue
+            for reply in replies:
+                smp = self.episodes.get(reply["episode"])
+                if smp is None or reply["episode"] in self.dead:
+                    continue
+                if kind == "reset":
+                    self._after_reset(smp, reply)
+                else:
+                    self._after_step(smp, reply)
+        return progressed
+
+    def _after_reset(self, smp: Sample, reply: dict[str, Any]) -> None:
+        ep = smp.episode
+        if reply.get("ended"):  # no turn to learn from: like an abandoned episode, not a failed one
+            log.warning("episode %s: reset failed (%s)", ep.id, reply["ended"])
+            self.stats.count_reason(str(reply["ended"]))
+            self._give_up(smp, f"reset {reply['ended']}")
+            return
+        ep.prompt_ids, ep.state_key = list(reply["prompt_ids"]), reply.get("state_key")
+        self._next_turn(smp)
+
+    def _after_step(self, smp: Sample, reply: dict[str, Any]) -> None:
+        ep = smp.episode
+        ep.turn_rewards.append(float(reply.get("reward", 0.0)))
+        ep.env_step_s += float(reply.get("step_s", 0.0))
+        ep.tool_calls += bool(reply.get("use_tool"))
+        for k, v in (reply.get("metrics") or {}).items():
+            ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
+        ep.state_key = reply.get("state_key")
+        if reply.get("success") is not None:
+            ep.success = bool(reply["success"])
+        if reply.get("ended"):
+            self._end_episode(smp, reply["ended"])
+        elif reply.get("terminated") or reply.get("truncated"):
+            self._end_episode(smp, "terminated" if reply.get("terminated") else "truncated")
+        else:
+            obs = list(reply.get("obs_ids") or [])
+            smp.response += obs
+            smp.logprobs += [0.0] * len(obs)
+            ep.generated += [0] * len(obs)
+            self._next_turn(smp)
+
+    def _next_turn(self, smp: Sample) -> None:
+        """Generate the episode's next turn within its budget, or end it when its row is full."""
+        budget = smp.prompt.max_tokens or self.c.max_tokens
+        if self.c.max_model_len:
+            budget = min(budget, self.c.max_model_len - len(smp.context))
+        if budget <= 0:
+            self._end_episode(smp, "row_full")
+        else:
+            self._generate(smp, budget)
+
+    def _end_episode(self, smp: Sample, finish: str) -> None:
+        ep = smp.episode
+        ep.finish = finish
+        del self.episodes[ep.id]
+        self.env_live[ep.env_rank] -= 1
+        if finish not in ("terminated", "truncated", "row_full"):
+            self.stats.episodes_failed += 1
+            self.stats.count_reason(finish)
+        smp.finish_reason = finish
+        self.to_close[ep.env_rank].append(ep.id)  # the env role may have dropped it already: closing is idempotent
+        if self.s.scorer is not None and smp.prompt.domain in self.s.scorer.domains:
+            self._score([smp])  # reward roles score the transcript; the env's return is one component
+        else:
+            smp.reward = ep.episode_return
+            smp.components = {"env": ep.episode_return}
+            self._finished(smp)
+
+    def _score(self, samples: list[Sample]) -> None:
+        if self.s.scorer is None:
+            raise ValueError("single-turn samples need reward roles; the scheduler has none")
+        self.s.scorer.submit(samples)
+
+    def _poll_scorer(self) -> bool:
+        if self.s.scorer is None:
+            return False
+        progressed = False
+        for smp in self.s.scorer.ready():
+            progressed = True
+            if smp.episode is not None:
+                smp.components["env"] = smp.episode.episode_return
+                smp.reward += smp.episode.episode_return
+            self._finished(smp)
+        return progressed
+
+    def _finished(self, smp: Sample) -> None:
+        group = self.groups.get(smp.prompt.uid)
+        if group is None or len(group.samples) >= self.c.group_size:  # given up, or already full (redundancy)
+            return
+        group.samples.append(smp)
+        group.live -= 1
+        if len(group.samples) == self.c.group_size:
+            if group.live:  # redundancy: the first group_size to finish win, the rest are aborted
+                self.stats.samples_aborted_redundant += group.live
+                self._abort_group_rest(group)
+            self._judge(group)
+
+    def _judge(self, group: _Group) -> None:
+        c, stats = self.c, self.stats
+        del self.groups[group.prompt.uid]
+        samples = sorted(group.samples, key=lambda x: x.index)
+        if self.s._uniform(samples):
+            stats.groups_dropped_uniform += 1
+            stats.count(group.prompt.domain, "groups_dropped_uniform")
+        elif self.version - min(x.version for x in samples) > c.max_staleness:
+            stats.groups_dropped_stale += 1
+        elif len(self.out) < self.n_groups:
+            self.out.append(samples)
+        elif c.max_staleness > 0:
+            self.s.buffer.append(samples)
+
+    # ------------------------------------------------------------------ aborts
+    def _abort_sample(self, smp: Sample) -> None:
+        """Stop a sample wherever it is: its generation request is aborted, its episode closed."""
+        rid = smp.request_id
+        if rid in self.owner:
+            g, _ = self.owner.pop(rid)
+            self.aborts[g].append(rid)
+            self.load[g] -= 1
+        ep = smp.episode
+        if ep is not None and ep.id in self.episodes:
+            del self.episodes[ep.id]
+            self.dead.add(ep.id)
+            self.env_live[ep.env_rank] -= 1
+            self.to_close[ep.env_rank].append(ep.id)
+
+    def _abort_group_rest(self, group: _Group) -> None:
+        uid = group.prompt.uid
+        for _, smp in [e for e in self.owner.values() if e[1].prompt.uid == uid]:
+            self._abort_sample(smp)
+        for smp in [x for x in self.episodes.values() if x.prompt.uid == uid]:
+            self._abort_sample(smp)
+        group.live = 0
+
+    def _watchdog(self) -> None:
+        c = self.c
+        if not (c.warn_after_s or c.abandon_after_s) or not self.episodes:
+            return
+        now = time.perf_counter()
+        for smp in list(self.episodes.values()):
+            ep, age = smp.episode, now - smp.episode.started
+            if c.warn_after_s and age > c.warn_after_s and not ep.warned:
+                ep.warned = True
+                log.warning("episode %s still running after %.0f s (%d turns, finish pending)", ep.id, age,
+                            len(ep.turn_ends))
+            if c.abandon_after_s and age > c.abandon_after_s:
+                log.warning("episode %s abandoned after %.0f s (%d turns)", ep.id, age, len(ep.turn_ends))
+                self._give_up(smp, "abandoned")
+
+    def _give_up(self, smp: Sample, why: str) -> None:
+        """Drop a sample from its group without a reward; the group fills from its redundant samples or,
+        when too few are left, is dropped."""
+        self._abort_sample(smp)
+        if smp.episode is not None:
+            smp.episode.finish = why
+        self.stats.episodes_abandoned += 1
+        group = self.groups.get(smp.prompt.uid)
+        if group is None:
+            return
+        group.live -= 1
+        if len(group.samples) + group.live < self.c.group_size:  # it cannot be filled any more
+            self._abort_group_rest(group)
+            del self.groups[group.prompt.uid]
+            self.stats.groups_dropped_abandoned += 1
+
+    def _stop(self) -> None:
+        """Batch full: abort what is still generating and close the episodes still open. With partial rollout
+        the partials and their open groups are kept for the next batch, and samples that finished meanwhile
+        are scored and kept."""
+        sched, c, stats = self.s, self.c, self.stats
         late: list[Sample] = []
-        for g, call in calls.items():  # let the calls in flight return, then abort the rest
+        for g, call in self.calls.items():  # let the calls in flight return, then abort the rest
             reply = call.result()
             stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
             for rid, comp in reply["finished"]:
-                late.append(_append(owner.pop(rid)[1], comp))
+                entry = self.owner.pop(rid, None)
+                if entry is not None:
+                    late.append(_append(entry[1], comp))
+        for _, _, call in self.env_calls:  # env replies still out: their episodes are closed below
+            call.result()
         by_gen: dict[int, list[str]] = {}
-        for rid, (g, _) in owner.items():
+        for rid, (g, _) in self.owner.items():
             by_gen.setdefault(g, []).append(rid)
-        for g, call in [(g, self.generators[g].submit([], ids)) for g, ids in by_gen.items()]:
+        for g in range(len(sched.generators)):  # aborts queued by redundancy or the watchdog go too
+            by_gen.setdefault(g, []).extend(self.aborts[g])
+        for g, call in [(g, sched.generators[g].submit([], ids)) for g, ids in by_gen.items() if ids]:
             reply = call.result()
             stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
             for rid, comp in reply["finished"]:
-                late.append(_append(owner.pop(rid)[1], comp))
+                entry = self.owner.pop(rid, None)
+                if entry is not None:
+                    late.append(_append(entry[1], comp))
             for rid, comp in reply["aborted"]:
-                s = owner.pop(rid)[1]
+                entry = self.owner.pop(rid, None)
+                if entry is None:
+                    continue
+                smp = entry[1]
                 stats.samples_aborted += 1
                 if not c.partial_rollout:
-                    stats.tokens_discarded += len(s.response) + len(comp.token_ids)
+                    stats.tokens_discarded += len(smp.response) + len(comp.token_ids)
                 else:
-                    s.finish_reason = "abort"
-                    self.carry_partials.append(_append(s, comp))
+                    smp.finish_reason = "abort"
+                    sched.carry_partials.append(_append(smp, comp))
+        for ep_id, smp in self.episodes.items():  # episodes cut by the batch end: restarted from their seed
+            self.to_close[smp.episode.env_rank].append(ep_id)
+        self.episodes = {}
+        for r, env in enumerate(sched.envs):
+            if self.to_close[r]:
+                env.close(self.to_close[r]).result()
+                self.to_close[r] = []
+        late = [x for x in late if x.episode is None]  # a late episode turn has no env step: dropped
         if not c.partial_rollout:
-            stats.tokens_discarded += sum(len(s.response) for s in late)
-            self.scorer.ready(wait=True)  # replies still out belong to groups given up with this batch
+            stats.tokens_discarded += sum(len(x.response) for x in late)
+            if sched.scorer is not None:
+                sched.scorer.ready(wait=True)  # replies still out belong to groups given up with this batch
             return
         if late:
-            self.scorer.submit(late)
-        for s in self.scorer.ready(wait=True):
-            if (group := groups.get(s.prompt.uid)) is not None:
-                group.samples.append(s)
+            sched.scorer.submit(late)
+        for smp in sched.scorer.ready(wait=True):
+            if (group := self.groups.get(smp.prompt.uid)) is not None:
+                group.samples.append(smp)
                 group.live -= 1
-        for uid, group in groups.items():
+        for uid, group in self.groups.items():
             if group.live > 0:
-                self.carry[uid] = group  # its remaining samples are among carry_partials
+                sched.carry[uid] = group  # its remaining samples are among carry_partials
                 continue
-            samples = sorted(group.samples, key=lambda s: s.index)
-            if self._uniform(samples):
+            samples = sorted(group.samples, key=lambda x: x.index)
+            if sched._uniform(samples):
                 stats.groups_dropped_uniform += 1
                 stats.count(group.prompt.domain, "groups_dropped_uniform")
             else:
-                self.buffer.append(samples)
+                sched.buffer.append(samples)
 
 
 def _append(s: Sample, comp: Any) -> Sample:

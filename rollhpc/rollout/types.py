@@ -26,10 +26,47 @@ class Sample:
     reward: float | None = None
     components: dict[str, float] = field(default_factory=dict)  # what the reward was made of (rule, judge, ...)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
+    episode: Episode | None = None  # multi-turn: the environment's side (None: a single-turn sample)
 
     @property
     def request_id(self) -> str:
-        return f"{self.prompt.uid}.{self.index}.{self.resumes}"
+        base = f"{self.prompt.uid}.{self.index}.{self.resumes}"
+        return base if self.episode is None else f"{base}.t{len(self.episode.turn_ends)}"
+
+    @property
+    def context(self) -> list[int]:
+        """What the generator continues: the prompt (an episode's first observation) and the response so far."""
+        prompt = self.prompt.tokens if self.episode is None else self.episode.prompt_ids
+        return list(prompt) + self.response
+
+
+@dataclass
+class Episode:
+    """A multi-turn sample's environment side. Its response is r1 || o2 || r2 || ...: generated tokens as
+    generated, then each observation's token ids as the env role encoded them; ``generated`` marks which.
+
+    Shapes: R = len(sample.response); turns = len(turn_ends)."""
+
+    id: str  # the env role's key of this episode ("uid.index")
+    env_rank: int  # the env rank that hosts it
+    generator: int = -1  # the generator that serves its turns (prefix cache); -1 until the first turn
+    prompt_ids: list[int] = field(default_factory=list)  # [P] instruction + first observation, encoded by the env role
+    generated: list[int] = field(default_factory=list)  # [R] 1 on generated tokens, 0 on observation tokens
+    turn_ends: list[int] = field(default_factory=list)  # [turns] index in response of each turn's last generated token
+    turn_rewards: list[float] = field(default_factory=list)  # [turns] the env's reward for each turn
+    state_keys: list[Any] = field(default_factory=list)  # [turns] state_key of the state each turn acted in
+    state_key: Any = None  # the state the next turn acts in (from the last reset or step)
+    success: bool = False
+    finish: str = ""  # "terminated", "truncated" (env or turn limit), "row_full", "abandoned", or the env role's reason
+    tool_calls: int = 0
+    env_step_s: float = 0.0  # summed over the episode's steps
+    started: float = 0.0  # perf_counter at reset (the watchdog's clock)
+    warned: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)  # the env's info["metrics"], summed over steps
+
+    @property
+    def episode_return(self) -> float:
+        return float(sum(self.turn_rewards))
 
 
 @dataclass
@@ -44,7 +81,17 @@ class RolloutStats:
     samples_resumed: int = 0
     tokens_generated: int = 0  # tokens of finished samples (aborted partials not counted until they finish)
     tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
+    samples_aborted_redundant: int = 0  # redundancy: samples stopped because their group was already full
+    episodes_started: int = 0
+    episodes_failed: int = 0  # ended by the env role (error, timeout, invalid return) or a failed reset
+    episodes_abandoned: int = 0  # the watchdog gave up on them
+    groups_dropped_abandoned: int = 0  # too few samples left to fill the group after abandons
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (its first word)
     domains: dict[str, dict[str, int]] = field(default_factory=dict)  # per domain: groups started/dropped, tokens
+
+    def count_reason(self, reason: str) -> None:
+        key = reason.split(":")[0].split()[0] if reason.strip() else "unknown"
+        self.failure_reasons[key] = self.failure_reasons.get(key, 0) + 1
 
     def count(self, domain: str, key: str, n: int = 1) -> None:
         d = self.domains.setdefault(domain, {"groups_started": 0, "groups_dropped_uniform": 0, "tokens_generated": 0})
@@ -62,5 +109,12 @@ class RolloutStats:
                 "groups_dropped_stale": self.groups_dropped_stale, "groups_from_buffer": self.groups_from_buffer,
                 "samples_aborted": self.samples_aborted, "samples_resumed": self.samples_resumed,
                 "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded,
+                **({"samples_aborted_redundant": self.samples_aborted_redundant} if self.samples_aborted_redundant
+                   else {}),
+                **({"episodes_started": self.episodes_started, "episodes_failed": self.episodes_failed,
+                    "episodes_abandoned": self.episodes_abandoned,
+                    "groups_dropped_abandoned": self.groups_dropped_abandoned,
+                    **{f"episodes_failed/{k}": v for k, v in sorted(self.failure_reasons.items())}}
+                   if self.episodes_started else {}),
                 **({f"{d}/{k}": v for d, counts in sorted(self.domains.items()) for k, v in counts.items()}
                    if len(self.domains) > 1 or set(self.domains) - {"default"} else {})}
