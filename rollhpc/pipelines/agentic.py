@@ -1,0 +1,438 @@
+"""Agentic multi-turn RL: the policy acts in text environments over several turns and learns from the returns.
+
+One step:
+  1. rollout: the sample-level scheduler (``rollhpc.rollout.scheduler``) runs episodes: a reset on an env
+     rank, then generator turns and env steps alternating until the env ends the episode (or its row is
+     full); the episodes of a group share the reset seed, so a group compares attempts at one task;
+  2. rows: one row per episode (``formulation: trajectory``, StarPO-style: prompt || r1 || o2 || r2 ...,
+     loss on generated tokens only) or one row per turn (``formulation: step``, GiGPO-style);
+  3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns, or GiGPO's episode-level
+     plus step-level advantage among turns that acted in the same state (``state_key``);
+  4. log-probs (trainer), train (a fixed number of optimizer steps: the trainer's ``mini_batches``), weight
+     sync: as in RLVR.
+Evaluation runs held-out seeds (never drawn for training, nor by the SFT warm start) greedily and reports
+the success rate, mean return and mean turns.
+
+The run loop (resume, evaluation schedule, metrics, checkpoints, stop requests) is the one RLVR uses
+(``rollhpc.controller.run_loop``). Checkpoint-and-requeue: the checkpoint is taken between steps, when no
+episode is in flight, so nothing of an episode needs saving: a resumed run draws the next seeds from the
+saved seed cursor and restarts episodes from their seeds, and with deterministic settings (one generator,
+no oversampling, no dynamic sampling or redundancy) it repeats the uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from rollhpc.algo.kl_control import KlControlConfig, KlController
+from rollhpc.algo.objective import LossConfig
+from rollhpc.batch import Batch
+from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
+from rollhpc.controller.pipeline import Pipeline, RunContext
+from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, Stateful, StepReport
+from rollhpc.controller.worker_group import WorkerGroup
+from rollhpc.envs.base import HELDOUT_SEED_BASE
+from rollhpc.observability.rollouts import RolloutRecord
+from rollhpc.pipelines.rlvr import PolicyCursor
+from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
+from rollhpc.rollout.types import Prompt, Sample
+from rollhpc.weight_sync.driver import WeightSync
+
+log = logging.getLogger("rollhpc.agentic")
+
+
+
+@dataclass(kw_only=True)
+class StepAdvantage:
+    """GiGPO's step-level advantage (``formulation: step``)."""
+
+    gamma: float = 0.95  # discount of the return-to-go of a turn
+    episode_weight: float = 1.0  # weight of the episode-level (group) advantage
+    step_weight: float = 1.0  # weight of the step-level (anchor state) advantage
+    scale: bool = True  # divide by the group's / anchor group's std
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma <= 1 or self.episode_weight < 0 or self.step_weight < 0:
+            raise ValueError("step_advantage needs gamma in [0, 1] and weights >= 0")
+
+
+@dataclass(kw_only=True)
+class AgenticWarmStart:
+    """A tiny policy built here and fine-tuned on expert trajectories (``rollhpc.models.agentic_prep``)."""
+
+    seed: int = 0
+    vocab_size: int = 512
+    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
+    sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields (target_accuracy: episode success)
+    episodes: int = 2000  # expert episodes to learn from (training seeds)
+
+
+class SeedStream:
+    """Endless stream of training episodes: each prompt (group) is a seed drawn from the training range.
+    Its position is part of a checkpoint, so a resumed run draws the seeds the uninterrupted one would."""
+
+    def __init__(self, seed: int, n_seeds: int):
+        self._rng = random.Random(seed)
+        self.n_seeds = n_seeds
+        self.drawn = 0
+
+    def __iter__(self) -> SeedStream:
+        return self
+
+    def __next__(self) -> Prompt:
+        env_seed = self._rng.randrange(self.n_seeds)
+        self.drawn += 1
+        return Prompt(self.drawn - 1, (), EpisodeSpec(env_seed))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self._rng.getstate(), "drawn": self.drawn, "n_seeds": self.n_seeds}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._rng.setstate(state["rng"])
+        self.drawn, self.n_seeds = state["drawn"], state["n_seeds"]
+
+
+class _EnvPort:
+    """An env rank as the scheduler's ``EnvPort``."""
+
+    def __init__(self, rank_proxy: Any):
+        self._rank = rank_proxy
+
+    def reset(self, items: list[dict[str, Any]]) -> Any:
+        return self._rank.reset.submit(items)
+
+    def step(self, items: list[dict[str, Any]]) -> Any:
+        return self._rank.step.submit(items)
+
+    def close(self, ids: list[str]) -> Any:
+        return self._rank.close_episodes.submit(ids)
+
+
+class _GeneratorPort:
+    def __init__(self, rank_proxy: Any):
+        self._rank = rank_proxy
+
+    def submit(self, adds: list[dict[str, Any]], aborts: list[str]) -> Any:
+        return self._rank.rollout.submit(adds, aborts)
+
+
+class AgenticPipeline(Pipeline):
+    required_roles = ("train", "generate", "env")
+
+    @dataclass(kw_only=True)
+    class Options:
+        model_dir: str  # the starting policy (Hugging Face directory), e.g. the expert-SFT warm start
+        warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent
+        steps: int = 100
+        groups_per_step: int = 8  # groups of episodes (one reset seed each) per batch
+        algorithm: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+        formulation: Literal["trajectory", "step"] = "trajectory"
+        step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
+        grpo_scale: bool = True
+        loss: LossConfig = field(default_factory=LossConfig)
+        kl_control: KlControlConfig = field(default_factory=KlControlConfig)
+        rollout: SchedulerConfig = field(default_factory=SchedulerConfig)  # max_tokens is per turn
+        train_seeds: int = 100_000  # training episodes draw reset seeds from [0, train_seeds)
+        n_heldout: int = 64  # held-out episodes (seeds from HELDOUT_SEED_BASE on)
+        eval_every: int = 10
+        eval_max_turns: int = 32  # a held-out episode is cut after this many turns (the env's own limit first)
+        weight_sync: Literal["broadcast", "relay"] = "broadcast"
+        weight_sync_bucket_mb: float = 64.0
+        rollout_every: int = 1
+        max_wall_s: float = 0.0
+        checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+
+        def __post_init__(self) -> None:
+            if self.steps < 1 or self.groups_per_step < 1 or self.eval_every < 0 or self.n_heldout < 0:
+                raise ValueError("steps and groups_per_step must be >= 1, eval_every and n_heldout >= 0")
+            if not 0 < self.train_seeds <= HELDOUT_SEED_BASE:
+                raise ValueError(f"train_seeds must be in (0, {HELDOUT_SEED_BASE}]: held-out seeds start there")
+            if self.rollout.group_size < 2 and self.algorithm in ("grpo", "rloo"):
+                raise ValueError(f"rollout.group_size={self.rollout.group_size} with algorithm={self.algorithm}: "
+                                 "a group-relative advantage needs >= 2 episodes per group")
+            if self.rollout.partial_rollout:
+                raise ValueError("rollout.partial_rollout is for single-turn samples; episodes cut at a batch end "
+                                 "restart from their seed")
+            if self.loss.kl_coef > 0:
+                raise ValueError("loss.kl_coef > 0 needs a reference role; agentic runs do not take one yet")
+
+    def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
+        super().__init__(groups, run, options)
+        self.checkpointer: RunCheckpointer | None = None
+
+    @classmethod
+    def prepared_paths(cls, options: Options) -> list[str]:
+        return [options.model_dir] if options.warm_start is not None else []
+
+    @classmethod
+    def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
+        """Before any rank starts: the expert-SFT warm start, when asked for."""
+        w = options.warm_start
+        if w is None:
+            return
+        from rollhpc.config import from_dict
+        from rollhpc.models.agentic_prep import prepare_agentic_policy
+        from rollhpc.models.sft import SftOptions
+        from rollhpc.models.tiny import TinyModelSpec
+
+        env_name, env_options = _env_of(roles or {})
+        prepare_agentic_policy(options.model_dir, env=env_name, env_options=env_options,
+                               spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
+                               sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"),
+                               seed=w.seed, vocab_size=w.vocab_size, episodes=w.episodes,
+                               train_seeds=options.train_seeds)
+
+    @classmethod
+    def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
+        """The env role must name its environment (the warm start plays it)."""
+        _env_of(roles)
+
+    # ------------------------------------------------------------------ start-up
+    def setup(self) -> None:
+        if self.checkpointer is not None:
+            return
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.options.model_dir)
+        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, self.options.checkpoint)
+        self.checkpointer.find()
+
+    def run(self) -> Outcome:
+        o = self.options
+        self.setup()
+        gen, env = self.groups["generate"], self.groups["env"]
+        self.scheduler = RolloutScheduler([_GeneratorPort(gen.at(i)) for i in range(len(gen))], None, o.rollout,
+                                          seed=self.run_ctx.seed, envs=[_EnvPort(env.at(i)) for i in range(len(env))])
+        self.seeds = SeedStream(self.run_ctx.seed, o.train_seeds)
+        self.kl_control = KlController(o.kl_control)
+        self.policy = PolicyCursor()
+        self.weight_sync = WeightSync(self.groups["train"], gen, o.weight_sync, o.weight_sync_bucket_mb)
+        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
+                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
+                                    max_wall_s=o.max_wall_s))
+        self.outcome = loop.run(self)
+        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE
+        return self.outcome
+
+    # ------------------------------------------------------------------ the run loop's hooks
+    def state_objects(self) -> dict[str, Stateful]:
+        return {"policy": self.policy, "seeds": self.seeds, "scheduler": self.scheduler,
+                "kl_control": self.kl_control}
+
+    def begin(self, resumed: bool) -> None:
+        self.weight_sync(self.policy.version)
+
+    def weights_digest(self) -> str:
+        return self.groups["train"].weights_digest()
+
+    def checkpoint_summary(self) -> dict[str, Any]:
+        return {"episode_groups_drawn": self.seeds.drawn}
+
+    def step(self, step: int, last: bool) -> StepReport:
+        o = self.options
+        train = self.groups["train"]
+        groups, rstats = self.scheduler.collect(self.seeds, o.groups_per_step, self.policy.version)
+        times = {"rollout_s": rstats.wall_s}
+        if not groups:
+            log.warning("step %d: no group with differing returns in %d started; no update this step", step,
+                        rstats.groups_started)
+            return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
+                               **rstats.as_metrics()}, trained=False)
+        batch = self._training_batch(groups, times)
+        t = time.perf_counter()
+        stats = train.train_step(batch, self.options.loss)
+        times["train_s"] = time.perf_counter() - t
+        self.policy.version += 1
+        t = time.perf_counter()
+        times["weight_sync_s"] = self.weight_sync(self.policy.version)
+        times["weight_sync_total_s"] = time.perf_counter() - t
+        samples = [s for g in groups for s in g]
+        record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
+                  "tokens_per_s": rstats.tokens_generated / max(rstats.wall_s, 1e-9), "rows": len(batch),
+                  **{k: round(v, 6) for k, v in times.items()}, **rstats.as_metrics()}
+        for key in stats[0]:
+            record[f"train/{key}"] = float(np.mean([s[key] for s in stats]))
+        return StepReport(record, self._record(samples),
+                          summary=f"success {record['success_rate']:.3f}, return {record['reward_mean']:.3f}, "
+                                  f"{record['turns_mean']:.1f} turns")
+
+    # ------------------------------------------------------------------ batch
+    def _training_batch(self, groups: list[list[Sample]], times: dict[str, float]) -> Batch:
+        """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs."""
+        from rollhpc.algo import advantages as adv_mod
+        from rollhpc.algo import agentic as agentic_adv
+        from rollhpc.rollout import trajectory as traj_mod
+
+        o = self.options
+        trajectories = [[episode_trajectory(s) for s in g] for g in groups]
+        if o.formulation == "trajectory":
+            rows = [traj_mod.trajectory_row(t) for g in trajectories for t in g]
+            data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+            if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
+                advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
+            else:
+                returns = np.array([[t.episode_return for t in g] for g in trajectories], dtype=np.float64)
+                advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
+        else:
+            rows, turn_advantages = [], []
+            sa = o.step_advantage
+            for g in trajectories:
+                per_episode = agentic_adv.gigpo_advantages(
+                    [[t.reward for t in tr.turns] for tr in g], [[t.state_key for t in tr.turns] for tr in g],
+                    gamma=sa.gamma, w_episode=sa.episode_weight, w_step=sa.step_weight, scale=sa.scale)
+                for tr, adv in zip(g, per_episode):
+                    for row in traj_mod.step_rows(tr):
+                        rows.append(row)
+                        turn_advantages.append(adv)
+            data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+            advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
+            # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
+            order = agentic_adv.minibatch_order(len(rows), 1, self.run_ctx.seed + self.policy.version)
+            data = {k: v[order] for k, v in data.items()}
+            advantage = advantage[order]
+        tokens, mask = data["tokens"], data["loss_mask"]
+        t = time.perf_counter()
+        old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+        times["old_logprob_s"] = time.perf_counter() - t
+        # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
+        times["logprob_abs_diff"] = float((np.abs(old - data["old_logprob"]) * mask).sum() / max(mask.sum(), 1))
+        return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old,
+                      "advantage": np.asarray(advantage, dtype=np.float32)})
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Greedy episodes on the held-out seeds, turn by turn: every open episode's row goes to the generators
+        at once (a batch-barrier loop: fine for evaluation), then to its env rank."""
+        o = self.options
+        if not o.n_heldout:
+            return {}
+        env, gen = self.groups["env"], self.groups["generate"]
+        n_env = len(env)
+        episodes = {f"eval.{i}": {"rank": i % n_env, "seed": HELDOUT_SEED_BASE + i, "row": [], "turns": 0,
+                                  "ret": 0.0, "success": False} for i in range(o.n_heldout)}
+        replies = self._by_rank(env, "reset", {eid: {"episode": eid, "seed": e["seed"]} for eid, e in episodes.items()},
+                                {eid: e["rank"] for eid, e in episodes.items()})
+        open_ids = []
+        for r in replies:
+            if not r.get("ended"):
+                episodes[r["episode"]]["row"] = list(r["prompt_ids"])
+                open_ids.append(r["episode"])
+        max_len = o.rollout.max_model_len or 10**9
+        while open_ids:
+            budgets = {eid: min(o.rollout.max_tokens, max_len - len(episodes[eid]["row"])) for eid in open_ids}
+            full = [eid for eid in open_ids if budgets[eid] <= 0 or episodes[eid]["turns"] >= o.eval_max_turns]
+            open_ids = [eid for eid in open_ids if eid not in full]
+            if not open_ids:
+                break
+            budget = min(budgets[eid] for eid in open_ids)
+            outs = gen.generate([episodes[eid]["row"] for eid in open_ids], n=1, max_tokens=budget, temperature=0.0)
+            items = {}
+            for eid, out in zip(open_ids, outs):
+                ids = list(out[0].token_ids)
+                episodes[eid]["row"] += ids
+                episodes[eid]["turns"] += 1
+                items[eid] = {"episode": eid, "response_ids": ids}
+            replies = self._by_rank(env, "step", items, {eid: episodes[eid]["rank"] for eid in items})
+            still = []
+            for r in replies:
+                e = episodes[r["episode"]]
+                e["ret"] += float(r.get("reward", 0.0))
+                if r.get("success") is not None:
+                    e["success"] = bool(r["success"])
+                if r.get("ended") or r.get("terminated") or r.get("truncated"):
+                    continue
+                e["row"] += list(r.get("obs_ids") or [])
+                still.append(r["episode"])
+            open_ids = still
+        self._by_rank(env, "close_episodes", {eid: eid for eid in episodes}, {eid: e["rank"] for eid, e in episodes.items()})
+        values = list(episodes.values())
+        return {"accuracy": float(np.mean([e["success"] for e in values])),
+                "eval/return_mean": float(np.mean([e["ret"] for e in values])),
+                "eval/turns_mean": float(np.mean([e["turns"] for e in values]))}
+
+    @staticmethod
+    def _by_rank(group: Any, method: str, items: dict[str, Any], rank_of: dict[str, int]) -> list[Any]:
+        """Call ``method`` on each env rank with its episodes' items, all ranks at once; replies concatenated."""
+        per_rank: dict[int, list[Any]] = {}
+        for eid, item in items.items():
+            per_rank.setdefault(rank_of[eid], []).append(item)
+        calls = [getattr(group.at(r), method).submit(batch) for r, batch in sorted(per_rank.items())]
+        out: list[Any] = []
+        for c in calls:
+            reply = c.result()
+            if isinstance(reply, list):
+                out += reply
+        return out
+
+    # ------------------------------------------------------------------ logging
+    @staticmethod
+    def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
+        eps = [s.episode for s in samples]
+        return {"reward_mean": float(np.mean([s.reward for s in samples])),
+                "success_rate": float(np.mean([e.success for e in eps])),
+                "turns_mean": float(np.mean([len(e.turn_ends) for e in eps])),
+                "row_len_mean": float(np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])),
+                "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / max(1, sum(len(e.turn_ends) for e in eps))),
+                "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
+                "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps]))}
+
+    def _record(self, samples: list[Sample]) -> RolloutRecord:
+        eps = [s.episode for s in samples]
+        return RolloutRecord(
+            prompt_tokens=[np.asarray(e.prompt_ids) for e in eps],
+            response_tokens=[np.asarray(s.response) for s in samples],
+            logprobs=[np.asarray(s.logprobs, dtype=np.float32) for s in samples],
+            reward=np.array([s.reward for s in samples], dtype=np.float32),
+            version=np.array([s.version for s in samples], dtype=np.int64),
+            prompt_text=self.tokenizer.batch_decode([e.prompt_ids for e in eps]),
+            response_text=self.tokenizer.batch_decode([s.response for s in samples]),
+            response_mask=[np.asarray(e.generated, dtype=np.int8) for e in eps],
+            turn_ends=[np.asarray(e.turn_ends, dtype=np.int32) for e in eps],
+            turn_rewards=[np.asarray(e.turn_rewards, dtype=np.float32) for e in eps],
+            finish=[e.finish for e in eps], success=np.array([e.success for e in eps]))
+
+
+def episode_trajectory(sample: Sample) -> Trajectory:
+    """The scheduler's multi-turn sample as a ``Trajectory``: its response r1 || o2 || r2 ... cut into turns
+    at the generated/observation boundaries the episode recorded (nothing is re-encoded)."""
+    ep = sample.episode
+    turns: list[Turn] = []
+    start = 0
+    for k, end in enumerate(ep.turn_ends):
+        while ep.generated[start] == 0:  # skip the observation before this turn
+            start += 1
+        nxt = ep.turn_ends[k + 1] if k + 1 < len(ep.turn_ends) else len(sample.response) - 1
+        obs_end = end + 1
+        while obs_end <= nxt and obs_end < len(ep.generated) and ep.generated[obs_end] == 0:
+            obs_end += 1
+        turns.append(Turn(response=sample.response[start:end + 1], logprobs=sample.logprobs[start:end + 1],
+                          version=sample.version, observation=sample.response[end + 1:obs_end],
+                          reward=ep.turn_rewards[k] if k < len(ep.turn_rewards) else 0.0,
+                          state_key=ep.state_keys[k]))
+        start = obs_end
+    finish = {"row_full": "truncated"}.get(ep.finish, ep.finish)
+    if finish not in FINISHES and not finish.startswith("error: "):
+        finish = f"error: {finish}"
+    return Trajectory(prompt=list(ep.prompt_ids), turns=turns, group=sample.prompt.uid, index=sample.index,
+                      seed=sample.prompt.example.seed, finish=finish, success=ep.success, metrics=dict(ep.metrics))
+
+
+def _env_of(roles: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(environment name, options) of the env role, from the configured roles."""
+    env = roles.get("env")
+    if env is None:
+        raise ValueError(f"the agentic pipeline needs an 'env' role (rollhpc.workers.env:EnvWorker); configured: "
+                         f"{sorted(roles)}")
+    options = getattr(env, "options", None) or {}
+    name = options.get("env") if isinstance(options, dict) else getattr(options, "env", None)
+    if not name:
+        raise ValueError("roles.env.options.env must name the environment (e.g. frozenlake)")
+    env_options = options.get("env_options", {}) if isinstance(options, dict) else getattr(options, "env_options", {})
+    return name, dict(env_options or {})
