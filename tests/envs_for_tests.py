@@ -134,8 +134,10 @@ class MixedEnv:
     BEHAVIOURS = {0: CountingEnv, 1: RaisingEnv, 2: HangingEnv, 3: GarbageEnv, 4: CrashingEnv, 5: RegexHangEnv,
                   6: SlowEnv, 7: ResetRaisingEnv, 8: ResetHangingEnv}
 
-    def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go"):
+    def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go",
+                 kinds: list[str] | None = None):
         self.options = {"max_steps": max_steps, "marker_dir": marker_dir, "reward": reward}
+        self.kinds = kinds  # behaviours by name, chosen by seed % len(kinds) instead of the seed's hundreds
         self.inner: CountingEnv | None = None
 
     @classmethod
@@ -145,7 +147,11 @@ class MixedEnv:
         return 100 * names[kind] + k
 
     def reset(self, seed: int):
-        self.inner = self.BEHAVIOURS.get(seed // 100, CountingEnv)(**self.options)  # held-out seeds: good
+        if self.kinds:
+            kind = self.BEHAVIOURS[self.seed_for(self.kinds[seed % len(self.kinds)]) // 100]
+        else:
+            kind = self.BEHAVIOURS.get(seed // 100, CountingEnv)  # held-out seeds (>= 900): well-behaved
+        self.inner = kind(**self.options)
         return self.inner.reset(seed)
 
     def step(self, action: str):

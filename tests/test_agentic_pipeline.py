@@ -1,7 +1,7 @@
 """The agentic pipeline on real processes: an MPI world of controller, Megatron trainer, vLLM generator and
-the env role, playing ``tests.envs_for_tests:MixedEnv`` (training seeds 0-599: well-behaved episodes and ones
-whose environment raises, hangs, returns garbage, dies or hangs in C code), with a random tiny policy whose
-actions earn a reward half the time (odd length), so returns differ and the weights move.
+the env role, playing ``tests.envs_for_tests:MixedEnv`` (by seed: mostly well-behaved episodes, and ones whose
+environment raises, hangs, returns garbage, dies or hangs in C code at its first step), with a random tiny
+policy whose actions earn a reward half the time (odd length), so returns differ and the weights move.
 
 One uninterrupted run (module fixture) is the reference: faulty episodes end alone and the run finishes with
 nothing left behind; a run SIGKILLed after step 3 and resumed ends with exactly its weights.
@@ -33,9 +33,10 @@ def run_args(model: Path) -> list[str]:
             "pipeline.options.rollout.group_size=3", "pipeline.options.rollout.dynamic_sampling=false",
             "pipeline.options.rollout.oversample=0", "pipeline.options.rollout.max_tokens=3",
             "pipeline.options.rollout.max_model_len=96", "pipeline.options.n_heldout=4", "pipeline.options.eval_every=0",
-            "pipeline.options.checkpoint.every=2", "pipeline.options.train_seeds=600", "roles.train.options.lr=1e-3",
+            "pipeline.options.checkpoint.every=2", "roles.train.options.lr=1e-3",
             "roles.generate.options.max_model_len=96", "roles.env.options.env=tests.envs_for_tests:MixedEnv",
-            "roles.env.options.env_options={max_steps: 2, reward: parity}", "roles.env.options.step_timeout_s=0.5",
+            "~roles.env.options.env_options", "+roles.env.options.env_options={max_steps: 2, reward: parity, kinds: [count, raise, count, hang, count, "
+            "garbage, count, regex, count, crash, count, count]}", "roles.env.options.step_timeout_s=0.5",
             "roles.env.options.reset_timeout_s=2"]
 
 

@@ -240,6 +240,9 @@ class AgenticPipeline(Pipeline):
         train = self.groups["train"]
         groups, rstats = self.scheduler.collect(self.seeds, o.groups_per_step, self.policy.version)
         times = {"rollout_s": rstats.wall_s}
+        if not groups and rstats.resets_failed and rstats.resets_failed == rstats.episodes_started:
+            raise RuntimeError(f"step {step}: all {rstats.episodes_started} episodes failed at their reset, e.g. "
+                               f"{rstats.first_failure}: the env role's environment or its options are broken")
         if not groups:
             log.warning("step %d: no group with differing returns in %d started; no update this step", step,
                         rstats.groups_started)

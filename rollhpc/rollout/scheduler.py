@@ -392,7 +392,9 @@ class _Batch:
         ep = smp.episode
         if reply.get("ended"):  # no turn to learn from: like an abandoned episode, not a failed one
             log.warning("episode %s: reset failed (%s)", ep.id, reply["ended"])
-            self.stats.count_reason(str(reply["ended"]))
+            self.stats.resets_failed += 1
+            self.stats.count_reason(f"reset_{reply['ended']}")
+            self.stats.first_failure = self.stats.first_failure or f"reset: {reply['ended']}"
             self._give_up(smp, f"reset {reply['ended']}")
             return
         ep.prompt_ids, ep.state_key = list(reply["prompt_ids"]), reply.get("state_key")
@@ -437,6 +439,7 @@ class _Batch:
         if finish not in ("terminated", "truncated", "row_full"):
             self.stats.episodes_failed += 1
             self.stats.count_reason(finish)
+            self.stats.first_failure = self.stats.first_failure or finish
         smp.finish_reason = finish
         self.to_close[ep.env_rank].append(ep.id)  # the env role may have dropped it already: closing is idempotent
         if self.s.scorer is not None and smp.prompt.domain in self.s.scorer.domains:

@@ -86,7 +86,9 @@ class RolloutStats:
     episodes_failed: int = 0  # ended by the env role (error, timeout, invalid return) or a failed reset
     episodes_abandoned: int = 0  # the watchdog gave up on them
     groups_dropped_abandoned: int = 0  # too few samples left to fill the group after abandons
+    resets_failed: int = 0  # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (its first word)
+    first_failure: str = ""  # the first failure's whole reason, for messages
     domains: dict[str, dict[str, int]] = field(default_factory=dict)  # per domain: groups started/dropped, tokens
 
     def count_reason(self, reason: str) -> None:
@@ -112,7 +114,7 @@ class RolloutStats:
                 **({"samples_aborted_redundant": self.samples_aborted_redundant} if self.samples_aborted_redundant
                    else {}),
                 **({"episodes_started": self.episodes_started, "episodes_failed": self.episodes_failed,
-                    "episodes_abandoned": self.episodes_abandoned,
+                    "episodes_abandoned": self.episodes_abandoned, "resets_failed": self.resets_failed,
                     "groups_dropped_abandoned": self.groups_dropped_abandoned,
                     **{f"episodes_failed/{k}": v for k, v in sorted(self.failure_reasons.items())}}
                    if self.episodes_started else {}),

@@ -546,9 +546,14 @@ class EnvWorker(Worker):
         workers: int | None = None  # env calls at once; None: the CPUs this rank may use
 
         def __post_init__(self) -> None:
-            env_class(self.env)  # an unknown or broken environment stops the run at load, with the list
+            cls = env_class(self.env)  # an unknown or broken environment stops the run at load, with the list
             if not isinstance(self.env_options, dict):
                 raise ValueError(f"env_options must be a mapping, got {self.env_options!r}")
+            try:  # options the constructor does not take stop the run at load too, not at every reset
+                inspect.signature(cls).bind(**self.env_options)
+            except TypeError as e:
+                raise ValueError(f"environment {self.env!r} does not take env_options "
+                                 f"{sorted(self.env_options)}: {e}") from None
             if self.turns not in ("plain", "chat"):
                 raise ValueError(f"turns must be 'plain' or 'chat', got {self.turns!r}")
             for name in ("system", "eos_token"):
