@@ -74,3 +74,24 @@ def test_failing_worker_on_slurm_is_reported_and_the_job_ends(slurm_cluster, tmp
     assert res.returncode == 1
     last = res.stderr.strip().splitlines()[-1]
     assert "raised ValueError in '__init__'" in last and "role 'train'" in last
+
+
+def test_agentic_run_on_slurm_puts_the_env_role_in_the_cpu_component(slurm_cluster, tmp_path, tiny_model):
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "submit", "frozenlake", "--wait", f"run.output_dir={tmp_path / 'runs'}",
+         "run.name=agentic", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+         "pipeline.options.steps=2", "pipeline.options.groups_per_step=2", "pipeline.options.rollout.group_size=2",
+         "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.n_heldout=2",
+         "pipeline.options.rollout.max_model_len=96", "roles.generate.options.max_model_len=96",
+         "roles.train.gpus_per_proc=1", "roles.env.procs=2", "controller.world_timeout_s=90",
+         f"cluster.nodes={slurm_cluster.nodes}", f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
+         f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}", "cluster.time_limit=00:10:00"],
+        cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=300)
+    run_dir = tmp_path / "runs" / "agentic"
+    assert res.returncode == 0, res.stderr + "\n".join(p.read_text() for p in (run_dir / "slurm").glob("job-*.out"))
+    plan = WorldPlan.load(run_dir / "plan.json")
+    assert [c.roles for c in plan.components] == [["controller", "generate", "env"], ["train"]]
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert metrics[-1]["step"] == 2 and metrics[-1]["episodes_started"] >= 4 and "success_rate" in metrics[-1]
+    world = json.loads((run_dir / "world.json").read_text())
+    assert sorted(w["role"] for w in world) == ["controller", "env", "env", "generate", "train"]
