@@ -34,16 +34,15 @@ from rollhpc.algo.kl_control import KlControlConfig, KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
-from rollhpc.controller.pipeline import Pipeline, RunContext
-from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, Stateful, StepReport
+from rollhpc.controller.pipeline import RunContext
+from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
-from rollhpc.pipelines.rlvr import PolicyCursor
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline
 from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
 from rollhpc.rollout.types import Prompt, Sample
-from rollhpc.weight_sync.driver import WeightSync
 
 log = logging.getLogger("rollhpc.agentic")
 
@@ -115,15 +114,7 @@ class _EnvPort:
         return self._rank.close_episodes.submit(ids)
 
 
-class _GeneratorPort:
-    def __init__(self, rank_proxy: Any):
-        self._rank = rank_proxy
-
-    def submit(self, adds: list[dict[str, Any]], aborts: list[str]) -> Any:
-        return self._rank.rollout.submit(adds, aborts)
-
-
-class AgenticPipeline(Pipeline):
+class AgenticPipeline(TrainingPipeline):
     required_roles = ("train", "generate", "env")
 
     @dataclass(kw_only=True)
@@ -208,29 +199,17 @@ class AgenticPipeline(Pipeline):
         o = self.options
         self.setup()
         gen, env = self.groups["generate"], self.groups["env"]
-        self.scheduler = RolloutScheduler([_GeneratorPort(gen.at(i)) for i in range(len(gen))], None, o.rollout,
+        self.scheduler = RolloutScheduler([RankPort(gen.at(i), "rollout") for i in range(len(gen))], None, o.rollout,
                                           seed=self.run_ctx.seed, envs=[_EnvPort(env.at(i)) for i in range(len(env))])
         self.seeds = SeedStream(self.run_ctx.seed, o.train_seeds)
         self.kl_control = KlController(o.kl_control)
         self.policy = PolicyCursor()
-        self.weight_sync = WeightSync(self.groups["train"], gen, o.weight_sync, o.weight_sync_bucket_mb)
-        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
-                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
-                                    max_wall_s=o.max_wall_s))
-        self.outcome = loop.run(self)
-        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE
-        return self.outcome
+        return self.run_loop()
 
     # ------------------------------------------------------------------ the run loop's hooks
     def state_objects(self) -> dict[str, Stateful]:
         return {"policy": self.policy, "seeds": self.seeds, "scheduler": self.scheduler,
                 "kl_control": self.kl_control}
-
-    def begin(self, resumed: bool) -> None:
-        self.weight_sync(self.policy.version)
-
-    def weights_digest(self) -> str:
-        return self.groups["train"].weights_digest()
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"episode_groups_drawn": self.seeds.drawn}

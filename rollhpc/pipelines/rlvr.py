@@ -43,15 +43,15 @@ from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
-from rollhpc.controller.pipeline import Pipeline, RunContext
-from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, Stateful, StepReport
+from rollhpc.controller.pipeline import RunContext
+from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
-from rollhpc.weight_sync.driver import WeightSync
 
 log = logging.getLogger("rollhpc.rlvr")
 ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
@@ -118,32 +118,7 @@ class PromptStream:
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
 
 
-@dataclass
-class PolicyCursor:
-    """The policy version the generators hold, and (async mode) the batch already generated for the next
-    step: part of every checkpoint, so a resumed async run trains on the batch the uninterrupted one would."""
-
-    version: int = 0
-    pending: Any = None  # (groups, RolloutStats) or None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "pending": self.pending}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.version, self.pending = state["version"], state["pending"]
-
-
-class _GroupPort:
-    """A worker-group rank as the scheduler's generator or reward port."""
-
-    def __init__(self, rank_proxy: Any, method: str):
-        self._method = getattr(rank_proxy, method)
-
-    def submit(self, *args: Any) -> Any:
-        return self._method.submit(*args)
-
-
-class RlvrPipeline(Pipeline):
+class RlvrPipeline(TrainingPipeline):
     required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
 
     @dataclass(kw_only=True)
@@ -289,9 +264,9 @@ class RlvrPipeline(Pipeline):
         o = self.options
         self.setup()
         gen = self.groups["generate"]
-        ports = {role: [_GroupPort(self.groups[role].at(i), "score") for i in range(len(self.groups[role]))]
+        ports = {role: [RankPort(self.groups[role].at(i), "score") for i in range(len(self.groups[role]))]
                  for role in self._reward_roles()}
-        self.scheduler = RolloutScheduler([_GroupPort(gen.at(i), "rollout") for i in range(len(gen))],
+        self.scheduler = RolloutScheduler([RankPort(gen.at(i), "rollout") for i in range(len(gen))],
                                           domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
                                           o.rollout, seed=self.run_ctx.seed)
         if o.domains:
@@ -303,24 +278,12 @@ class RlvrPipeline(Pipeline):
         self.reward_norm: Any = (domains_mod.DomainNormalizers(o.reward_norm, list(o.domains)) if o.domains
                                  else RewardNormalizer(o.reward_norm))
         self.policy = PolicyCursor()
-        self.weight_sync = WeightSync(self.groups["train"], gen, o.weight_sync, o.weight_sync_bucket_mb)
-        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
-                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
-                                    max_wall_s=o.max_wall_s))
-        self.outcome = loop.run(self)
-        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE
-        return self.outcome
+        return self.run_loop()
 
     # the run loop's hooks (rollhpc.controller.run_loop.TrainingSteps)
     def state_objects(self) -> dict[str, Stateful]:
         return {"policy": self.policy, "prompts": self.prompts, "scheduler": self.scheduler,
                 "kl_control": self.kl_control, "reward_norm": self.reward_norm}
-
-    def begin(self, resumed: bool) -> None:
-        self.weight_sync(self.policy.version)  # the generators start from exactly the trainer's weights
-
-    def weights_digest(self) -> str:
-        return self.groups["train"].weights_digest()
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"prompts_drawn": self.prompts.drawn}

@@ -1,0 +1,67 @@
+"""What the training pipelines (RLVR, agentic) share around the run loop: the policy cursor saved in every
+checkpoint, worker ranks as the rollout scheduler's ports, and the hooks that are the same for both (weights
+to the generators before the first step, the weights digest at the end).
+
+A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
+implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
+Its ``Options`` carry steps, eval_every, rollout_every, max_wall_s, weight_sync and weight_sync_bucket_mb.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rollhpc.controller.pipeline import Pipeline
+from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
+from rollhpc.weight_sync.driver import WeightSync
+
+__all__ = ["PolicyCursor", "RankPort", "TrainingPipeline"]
+
+
+@dataclass
+class PolicyCursor:
+    """The policy version the generators hold, and (async mode) the batch already generated for the next
+    step: part of every checkpoint, so a resumed async run trains on the batch the uninterrupted one would."""
+
+    version: int = 0
+    pending: Any = None  # (groups, RolloutStats) or None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "pending": self.pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version, self.pending = state["version"], state["pending"]
+
+
+class RankPort:
+    """One worker rank as a scheduler port (generator or reward): ``submit(*args)`` calls ``method`` on it."""
+
+    def __init__(self, rank_proxy: Any, method: str):
+        self._method = getattr(rank_proxy, method)
+
+    def submit(self, *args: Any) -> Any:
+        return self._method.submit(*args)
+
+
+class TrainingPipeline(Pipeline):
+    policy: PolicyCursor
+    checkpointer: Any
+
+    def run_loop(self) -> Outcome:
+        """Weight sync set up, then the shared run loop over this pipeline's steps."""
+        o = self.options
+        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], o.weight_sync,
+                                      o.weight_sync_bucket_mb)
+        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
+                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
+                                    max_wall_s=o.max_wall_s))
+        self.outcome = loop.run(self)
+        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE  # read by rank.py
+        return self.outcome
+
+    def begin(self, resumed: bool) -> None:
+        self.weight_sync(self.policy.version)  # the generators start from exactly the trainer's weights
+
+    def weights_digest(self) -> str:
+        return self.groups["train"].weights_digest()
