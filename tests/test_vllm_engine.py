@@ -125,6 +125,10 @@ def test_sampling_n_and_seed(probe):
             assert all(lp <= 1e-6 and math.isfinite(lp) for lp in c["logprobs"])
 
 
+def test_seeded_long_prompts_arriving_together_are_not_split(probe):
+    assert probe[0]["seeded_long_prompts_finished"] == 40
+
+
 def test_engine_reports(probe):
     res, _ = probe
     assert res["tokens_per_s"] > 0 and res["update_weights_s"] > 0

@@ -138,6 +138,16 @@ def main(spec_path: str, result_path: str) -> None:
         dt = time.perf_counter() - t0
     res["tokens_per_s"] = sum(len(c[0].token_ids) for c in out) / dt
 
+    # Seeded requests with long prompts arriving together (multi-turn rows): more prompt tokens than one
+    # step's budget. A prefill split over steps rewinds the request's CPU generator, which torch refuses.
+    for i in range(40):
+        engine.add_request(f"long-{i}", (prompts[i % len(prompts)] * 64)[:240], temperature=1.0, max_tokens=4,
+                           seed=i, ignore_eos=True)
+    long_done = {}
+    while engine.num_unfinished():
+        long_done.update(engine.run_until(min_finished=1))
+    res["seeded_long_prompts_finished"] = len(long_done)
+
     weights_b = list(checkpoint_tensors(spec["model_b"]))  # read off disk outside the timed call
     t0 = time.perf_counter()
     engine.update_weights(iter(weights_b), version=1)

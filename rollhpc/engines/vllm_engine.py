@@ -94,6 +94,13 @@ class VllmGenerator:
         _freeze_imported_heap()
         if self.on_cpu:
             _eager_token_ranks_on_cpu()
+            # No chunked prefill on CPU: a prefill split over two engine steps discards the token sampled after
+            # its first part and rewinds that request's seeded generator (``gen.set_offset``), which a CPU
+            # torch.Generator does not support: "CPU Generator does not use offset" ends the engine. Long
+            # prompts arriving together (the rows of multi-turn episodes) trigger it. Unchunked, a prompt that
+            # does not fit in this step's token budget waits for the next step.
+            engine_kwargs.setdefault("enable_chunked_prefill", False)
+            engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         self.sleep_supported = current_platform.is_sleep_mode_available()
         memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)} if self.on_cpu
                   else {"gpu_memory_utilization": gpu_memory_utilization})
