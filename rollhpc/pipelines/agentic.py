@@ -10,8 +10,9 @@ One step:
      plus step-level advantage among turns that acted in the same state (``state_key``);
   4. log-probs (trainer), train (a fixed number of optimizer steps: the trainer's ``mini_batches``), weight
      sync: as in RLVR.
-Evaluation runs held-out seeds (never drawn for training, nor by the SFT warm start) greedily and reports
-the success rate, mean return and mean turns.
+Evaluation plays held-out seeds (never drawn for training, nor by the SFT warm start) and reports the success
+rate, mean return and mean turns. ``success_rate`` in a step's metrics is over the episodes it trained on
+(after dynamic sampling); ``rollout_success_rate`` over every episode that finished during its rollout.
 
 The run loop (resume, evaluation schedule, metrics, checkpoints, stop requests) is the one RLVR uses
 (``rollhpc.controller.run_loop``). Checkpoint-and-requeue: the checkpoint is taken between steps, when no
@@ -134,6 +135,9 @@ class AgenticPipeline(TrainingPipeline):
         n_heldout: int = 64  # held-out episodes (seeds from HELDOUT_SEED_BASE on)
         eval_every: int = 10
         eval_max_turns: int = 32  # a held-out episode is cut after this many turns (the env's own limit first)
+        # held-out episodes act as in training (sampled at the generators' temperature, seeded, so the same
+        # weights give the same result) or greedily; a tiny greedy policy often walks in circles forever
+        eval_greedy: bool = False
         weight_sync: Literal["broadcast", "relay"] = "broadcast"
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1
@@ -237,6 +241,7 @@ class AgenticPipeline(TrainingPipeline):
         times["weight_sync_total_s"] = time.perf_counter() - t
         samples = [s for g in groups for s in g]
         record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
+                  "rollout_success_rate": rstats.episodes_succeeded / max(rstats.episodes_finished, 1),
                   "tokens_per_s": rstats.tokens_generated / max(rstats.wall_s, 1e-9), "rows": len(batch),
                   **{k: round(v, 6) for k, v in times.items()}, **rstats.as_metrics()}
         for key in stats[0]:
@@ -290,8 +295,9 @@ class AgenticPipeline(TrainingPipeline):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Greedy episodes on the held-out seeds, turn by turn: every open episode's row goes to the generators
-        at once (a batch-barrier loop: fine for evaluation), then to its env rank."""
+        """Episodes on the held-out seeds (sampled and seeded, or greedy: ``eval_greedy``), turn by turn: every
+        open episode's row goes to the generators at once (a batch-barrier loop: fine for evaluation), then to
+        its env rank. ``accuracy`` is their success rate."""
         o = self.options
         if not o.n_heldout:
             return {}
@@ -314,7 +320,9 @@ class AgenticPipeline(TrainingPipeline):
             if not open_ids:
                 break
             budget = min(budgets[eid] for eid in open_ids)
-            outs = gen.generate([episodes[eid]["row"] for eid in open_ids], n=1, max_tokens=budget, temperature=0.0)
+            turn = max(episodes[eid]["turns"] for eid in open_ids)
+            outs = gen.generate([episodes[eid]["row"] for eid in open_ids], n=1, max_tokens=budget,
+                                temperature=0.0 if o.eval_greedy else None, seed=self.run_ctx.seed + 7919 * turn)
             items = {}
             for eid, out in zip(open_ids, outs):
                 ids = list(out[0].token_ids)

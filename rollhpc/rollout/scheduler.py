@@ -434,6 +434,8 @@ class _Batch:
     def _end_episode(self, smp: Sample, finish: str) -> None:
         ep = smp.episode
         ep.finish = finish
+        self.stats.episodes_finished += 1
+        self.stats.episodes_succeeded += bool(ep.success)
         del self.episodes[ep.id]
         self.env_live[ep.env_rank] -= 1
         if finish not in ("terminated", "truncated", "row_full"):

@@ -83,6 +83,8 @@ class RolloutStats:
     tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
     samples_aborted_redundant: int = 0  # redundancy: samples stopped because their group was already full
     episodes_started: int = 0
+    episodes_finished: int = 0  # ended by the env, the turn limit or a full row (not aborted or abandoned)
+    episodes_succeeded: int = 0  # of those, the ones the env called a success
     episodes_failed: int = 0  # ended by the env role (error, timeout, invalid return) or a failed reset
     episodes_abandoned: int = 0  # the watchdog gave up on them
     groups_dropped_abandoned: int = 0  # too few samples left to fill the group after abandons
