@@ -84,7 +84,7 @@ def test_existing_directory_with_other_settings_is_refused(policy, tmp_path):
     with pytest.raises(FileExistsError, match=r"differing: seed, task_options.digits"):
         prepare_policy(policy, task_options={"digits": 2}, sft=SFT, seed=4, vocab_size=300, progress=False)
     (tmp_path / "other").mkdir()
-    with pytest.raises(FileExistsError, match="is not a policy written by prepare_policy"):
+    with pytest.raises(FileExistsError, match="is not a policy written by rollhpc"):
         prepare(tmp_path / "other")
 
 

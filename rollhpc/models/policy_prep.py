@@ -132,13 +132,13 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
     key = settings_hash(settings)
-    if _reuse(out_dir, settings, key):
+    if reuse_prepared(out_dir, settings, key):
         return out_dir
     start = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        with _no_transformers_bars():
+        with no_transformers_bars():
             staged, report = _fine_tune(tmp, task, options, spec, sft, seed, vocab_size, progress)
         report = {"settings_hash": key, "settings": settings, **report,
                   "wall_s": round(time.perf_counter() - start, 2)}
@@ -147,7 +147,7 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
             staged.rename(out_dir)
         except OSError:
             # another process finished the same directory first: fine if its settings are ours
-            if out_dir.exists() and _reuse(out_dir, settings, key):
+            if out_dir.exists() and reuse_prepared(out_dir, settings, key):
                 return out_dir
             raise
     finally:
@@ -185,7 +185,7 @@ def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyMod
         "heldout_accuracy": evaluate(heldout), "train_accuracy": evaluate(train[:sft.eval_examples]),
         "loss_first": result.loss_first, "loss_final": result.loss_final, "loss_curve": result.loss_curve,
         "accuracy_curve": result.accuracy_curve, "train_s": round(result.wall_s, 2),
-        "eval_s": round(time.perf_counter() - eval_start, 2), "torch_threads": _torch_threads(),
+        "eval_s": round(time.perf_counter() - eval_start, 2), "torch_threads": torch_threads(),
     }
     model.save_pretrained(work_dir / "policy")
     tokenizer.save_pretrained(work_dir / "policy")
@@ -193,7 +193,7 @@ def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyMod
 
 
 @contextmanager
-def _no_transformers_bars() -> Iterator[None]:
+def no_transformers_bars() -> Iterator[None]:
     """Hide transformers' "Loading weights" / "Writing model shards" bars (noise for a 2 MB model)."""
     from transformers.utils import logging as hf_logging
 
@@ -206,13 +206,13 @@ def _no_transformers_bars() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _reuse(out_dir: Path, settings: dict[str, Any], key: str) -> bool:
+def reuse_prepared(out_dir: Path, settings: dict[str, Any], key: str) -> bool:
     """True when ``out_dir`` is a policy prepared with ``settings``; False when it does not exist."""
     if not out_dir.exists():
         return False
     report_path = out_dir / REPORT
     if not report_path.exists():
-        raise FileExistsError(f"{out_dir} exists but is not a policy written by prepare_policy (no {REPORT}); "
+        raise FileExistsError(f"{out_dir} exists but is not a policy written by rollhpc (no {REPORT}); "
                               "remove it or choose another directory")
     recorded = json.loads(report_path.read_text())
     if recorded.get("settings_hash") == key:
@@ -234,7 +234,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _torch_threads() -> int:
+def torch_threads() -> int:
     import torch
 
     return torch.get_num_threads()

@@ -1,9 +1,12 @@
-"""Supervised fine-tuning of a causal LM on (prompt, completion) text pairs, and greedy decoding.
+"""Supervised fine-tuning of a causal LM on (prompt, completion) pairs, and greedy decoding.
 
-The warm start of the RL pipeline: the tiny policy learns the task's answer format and part of
+The warm start of the RL pipelines: the tiny policy learns the task's answer format and part of
 the skill from reference completions, so that RL starts from a model that sometimes succeeds.
 Prompt and completion are tokenized separately and concatenated, exactly as the generator sees
 them (a prompt's ids, then sampled ids), and the loss covers the completion and its EOS only.
+``train_sft`` takes text pairs and stops on greedy exact match (RLVR); ``train_sft_ids`` takes
+pairs already encoded (multi-turn rows, built by concatenating ids) and stops on whatever a
+caller's monitor measures (episode success for agentic warm starts, ``rollhpc.models.agentic_prep``).
 Left out: packing, gradient accumulation, mixed precision and multi-process data parallelism
 (the tiny model trains in minutes on one CPU process).
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,20 +146,49 @@ def exact_match(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[
 def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str]],
               options: SftOptions, *, seed: int = 0, monitor_pairs: Sequence[tuple[str, str]] = (),
               progress: bool = True, log_every: int = 50) -> SftResult:
-    """Fine-tune ``model`` in place on ``pairs`` for up to ``options.steps`` AdamW steps.
+    """Fine-tune ``model`` in place on (prompt, completion) text ``pairs`` for up to ``options.steps`` AdamW steps.
 
-    Batches are drawn without replacement from a seeded permutation (a new one each epoch), so the
-    run is deterministic for a seed. Every ``options.check_every`` steps the greedy exact-match
-    accuracy on ``monitor_pairs`` is recorded; training stops once it reaches ``options.target_accuracy``.
+    Every ``options.check_every`` steps the greedy exact-match accuracy on ``monitor_pairs`` is recorded;
+    training stops once it reaches ``options.target_accuracy``. The texts are encoded by ``encode_pairs``
+    (each example at most ``options.max_len`` tokens); the training itself is ``train_sft_ids``.
     """
-    import torch
-
     encoded = encode_pairs(tokenizer, pairs, options.max_len)
     monitored = encode_pairs(tokenizer, monitor_pairs, options.max_len)
     if len(encoded) < options.batch_size:
         raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
     if options.target_accuracy is not None and not monitored:
         raise ValueError("SftOptions.target_accuracy needs monitor_pairs to measure the accuracy on")
+    pad_id = tokenizer.pad_token_id
+
+    def monitor(m: PreTrainedModel) -> float:
+        return exact_match(m, monitored, pad_id)
+
+    return train_sft_ids(model, encoded, options, pad_id=pad_id, seed=seed, monitor=monitor if monitored else None,
+                         progress=progress, log_every=log_every)
+
+
+def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], options: SftOptions, *,
+                  pad_id: int, seed: int = 0, monitor: Callable[[PreTrainedModel], float] | None = None,
+                  metric: str = "accuracy", progress: bool = True, log_every: int = 50) -> SftResult:
+    """Fine-tune ``model`` in place on pre-encoded (prompt ids, completion ids) examples.
+
+    Why ids and not text: a multi-turn episode's prompt is a row built by concatenating token ids turn by
+    turn (``rollhpc.rollout.turns``); re-encoding its text could merge tokens across a turn boundary and
+    teach the model rows it never reads in RL. The completion ids must already end with EOS (the loss
+    covers every completion id and nothing else); ``options.max_len`` is not applied here (the caller knows
+    what its examples must fit).
+
+    Batches are drawn without replacement from a seeded permutation (a new one each epoch), so the run is
+    deterministic for a seed. Every ``options.check_every`` steps ``monitor(model)`` (called in eval mode,
+    without gradients) gives the value recorded in ``accuracy_curve``; training stops once it reaches
+    ``options.target_accuracy``. ``metric`` names that value in the log (e.g. "success rate").
+    """
+    import torch
+
+    if len(encoded) < options.batch_size:
+        raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
+    if options.target_accuracy is not None and monitor is None:
+        raise ValueError(f"SftOptions.target_accuracy needs a monitor to measure the {metric} with")
     generator = torch.Generator().manual_seed(seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay
@@ -174,7 +206,7 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
         if len(order) < options.batch_size:
             order = torch.randperm(len(encoded), generator=generator).tolist()
         batch_idx, order = order[:options.batch_size], order[options.batch_size:]
-        loss = completion_loss(model, collate([encoded[i] for i in batch_idx], tokenizer.pad_token_id))
+        loss = completion_loss(model, collate([encoded[i] for i in batch_idx], pad_id))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
@@ -185,20 +217,23 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
         result.steps = step
         if step == 1:
             result.loss_first = value
-        if monitored and step % options.check_every == 0:
-            accuracy = exact_match(model, monitored, tokenizer.pad_token_id)
+        if monitor is not None and step % options.check_every == 0:
+            model.eval()
+            with torch.no_grad():
+                accuracy = float(monitor(model))
+            model.train()
             result.accuracy_curve.append((step, accuracy))
             result.reached_target = options.target_accuracy is not None and accuracy >= options.target_accuracy
         if step % log_every == 0 or step == options.steps or result.reached_target:
             result.loss_curve.append((step, round(value, 5)))
             if bar is None and progress:
-                log.info("sft step %d/%d: loss %.4f, monitored accuracy %.3f, lr %.2e", step, options.steps, value,
-                         accuracy, scheduler.get_last_lr()[0])
+                log.info("sft step %d/%d: loss %.4f, monitored %s %.3f, lr %.2e", step, options.steps, value,
+                         metric, accuracy, scheduler.get_last_lr()[0])
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{value:.4f}", acc=f"{accuracy:.3f}", refresh=False)
         if result.reached_target:
-            log.info("sft: monitored accuracy %.3f reached the target %.3f at step %d", accuracy,
+            log.info("sft: monitored %s %.3f reached the target %.3f at step %d", metric, accuracy,
                      options.target_accuracy, step)
             break
     if bar is not None:
