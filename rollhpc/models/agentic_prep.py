@@ -42,8 +42,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -52,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
-from rollhpc.models.policy_prep import REPORT, no_transformers_bars, reuse_prepared, torch_threads, settings_hash
+from rollhpc.models.policy_prep import build_once, torch_threads
 from rollhpc.models.sft import SftOptions, train_sft_ids
 from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 from rollhpc.rollout.turns import PlainTextTurns
@@ -359,27 +357,9 @@ def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[s
     env_options = dict(env_options or {})
     make_env(env, env_options).close()  # a bad name or option fails here, before anything is hashed or built
     settings = agentic_settings(env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on)
-    key = settings_hash(settings)
-    if reuse_prepared(out_dir, settings, key):
+    report = build_once(out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress))
+    if report is None:
         return out_dir
-    start = time.perf_counter()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        with no_transformers_bars():
-            staged, report = _fine_tune(tmp, settings, spec, sft, progress)
-        report = {"settings_hash": key, "settings": settings, **report,
-                  "wall_s": round(time.perf_counter() - start, 2)}
-        (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-        try:
-            staged.rename(out_dir)
-        except OSError:
-            # another process finished the same directory first: fine if its settings are ours
-            if out_dir.exists() and reuse_prepared(out_dir, settings, key):
-                return out_dir
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy success %.3f (expert %.3f, train %.3f)",
              out_dir, report["wall_s"], report["steps"], report["heldout_success_rate"],
              report["expert_success_rate"], report["train_success_rate"])

@@ -19,7 +19,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -131,15 +131,32 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
     spec, sft = spec or TinyModelSpec(), sft or SftOptions()
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
+    report = build_once(out_dir, settings,
+                        lambda work: _fine_tune(work, task, options, spec, sft, seed, vocab_size, progress))
+    if report is None:
+        return out_dir
+    log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
+             out_dir, report["wall_s"], report["steps"], report["heldout_accuracy"], report["train_accuracy"],
+             report["loss_first"], report["loss_final"])
+    return out_dir
+
+
+def build_once(out_dir: Path, settings: dict[str, Any],
+               build: Callable[[Path], tuple[Path, dict[str, Any]]]) -> dict[str, Any] | None:
+    """Build a prepared policy into ``out_dir`` once. None when ``out_dir`` already holds one prepared with
+    ``settings`` (FileExistsError when it holds anything else); otherwise ``build(work_dir)`` returns the staged
+    model directory and its report, which gets the settings, their hash and the wall time, is written beside
+    the weights, and the directory is renamed into place (atomic: a crash leaves no half-written policy).
+    Returns that report."""
     key = settings_hash(settings)
     if reuse_prepared(out_dir, settings, key):
-        return out_dir
+        return None
     start = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         with no_transformers_bars():
-            staged, report = _fine_tune(tmp, task, options, spec, sft, seed, vocab_size, progress)
+            staged, report = build(tmp)
         report = {"settings_hash": key, "settings": settings, **report,
                   "wall_s": round(time.perf_counter() - start, 2)}
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -148,14 +165,11 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
         except OSError:
             # another process finished the same directory first: fine if its settings are ours
             if out_dir.exists() and reuse_prepared(out_dir, settings, key):
-                return out_dir
+                return None
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
-             out_dir, report["wall_s"], report["steps"], report["heldout_accuracy"], report["train_accuracy"],
-             report["loss_first"], report["loss_final"])
-    return out_dir
+    return report
 
 
 def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
