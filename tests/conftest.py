@@ -72,3 +72,17 @@ def experiment(tmp_path: Path):
         return path, tmp_path / "runs" / name
 
     return make
+
+
+@pytest.fixture(scope="session")
+def env_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer trained on text-environment transcripts (FrozenLake maps and moves, the test
+    environments' counting game), saved as a model directory: what the env role and the scheduler tests encode
+    observations with."""
+    from rollhpc.models.tiny import build_tokenizer
+
+    texts = ["Reach G.\nP..H\n.H..\n...G\n> right\n> down\n> left\n> up"] * 20 + [
+        f"Say go.\ncount {s}\n>\n> go\nyou said 'go' at step {n}\n> stop" for s in range(50) for n in range(4)]
+    path = tmp_path_factory.mktemp("env_tok")
+    build_tokenizer(texts, 300).save_pretrained(path)
+    return path

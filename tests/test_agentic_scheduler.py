@@ -23,13 +23,8 @@ from tests.envs_for_tests import MixedEnv
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from rollhpc.models.tiny import build_tokenizer
-
-    texts = ["Reach G.\nP..H\n.H..\n...G\n> right\n> down\n> left\n> up", "Say go.\ncount 3\n> go"] * 20
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(texts, 300).save_pretrained(path)
-    return path
+def tokenizer_dir(env_tokenizer_dir):
+    return env_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    """A byte-level BPE tokenizer trained on the test environments' texts, saved as a model directory."""
-    from rollhpc.models.tiny import build_tokenizer
-
-    texts = [f"Say go.\ncount {s}\n>\n> go\nyou said 'go' at step {n}\n> stop" for s in range(50) for n in range(4)]
-    path = tmp_path_factory.mktemp("tok")
-    build_tokenizer(texts, 300).save_pretrained(path)
-    return path
+def tokenizer_dir(env_tokenizer_dir):
+    return env_tokenizer_dir
 
 
 @pytest.fixture(scope="module")

@@ -163,10 +163,6 @@ class AgenticPipeline(TrainingPipeline):
         self.checkpointer: RunCheckpointer | None = None
 
     @classmethod
-    def prepared_paths(cls, options: Options) -> list[str]:
-        return [options.model_dir] if options.warm_start is not None else []
-
-    @classmethod
     def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
         """Before any rank starts: the expert-SFT warm start, when asked for."""
         w = options.warm_start

@@ -201,11 +201,6 @@ class RlvrPipeline(TrainingPipeline):
                              "(rollhpc.workers.megatron_policy:MegatronReferenceWorker)")
 
     @classmethod
-    def prepared_paths(cls, options: Options) -> list[str]:
-        """What ``prepare`` builds, so it need not exist before the run starts (``config.missing_inputs``)."""
-        return [options.model_dir] if options.warm_start is not None else []
-
-    @classmethod
     def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
         """Before any rank starts: build and SFT the starting policy when ``warm_start`` asks for it."""
         w = options.warm_start

@@ -48,6 +48,12 @@ class TrainingPipeline(Pipeline):
     policy: PolicyCursor
     checkpointer: Any
 
+    @classmethod
+    def prepared_paths(cls, options: Any) -> list[str]:
+        """What ``prepare`` builds (the warm start), so it need not exist before the run starts
+        (``config.missing_inputs``)."""
+        return [options.model_dir] if options.warm_start is not None else []
+
     def run_loop(self) -> Outcome:
         """Weight sync set up, then the shared run loop over this pipeline's steps."""
         o = self.options
