@@ -167,7 +167,7 @@ class Cluster:
             job_id = (run_dir / "slurm" / "job_id").read_text().strip()
             state = self.job_state(job_id)
             return state if state in done and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
-        return poll(f"the run's job to end", ended, timeout, every=0.5)
+        return poll("the run's job to end", ended, timeout, every=0.5)
 
     def settle(self, host: str, timeout: float = 60) -> None:
         """After a crashed node's slurmd is back: wait until nothing of the old jobs is left on the cluster.

@@ -86,3 +86,21 @@ def env_tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("env_tok")
     build_tokenizer(texts, 300).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def env_tok(env_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(env_tokenizer_dir)
+
+
+def build_env_worker(run_dir: Path, **options):
+    """The env role's worker built directly, as one rank of its own (no MPI: its methods are plain calls)."""
+    from rollhpc.parallel import ParallelLayout
+    from rollhpc.workers.base import WorkerContext
+    from rollhpc.workers.env import EnvWorker
+
+    ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
+                        role_comm=None, run_dir=run_dir, seed=0)
+    return EnvWorker(ctx, EnvWorker.Options(**options))

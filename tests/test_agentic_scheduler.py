@@ -13,12 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rollhpc.parallel import ParallelLayout
 from rollhpc.pipelines.agentic import SeedStream, episode_trajectory
 from rollhpc.rollout.scheduler import Done, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.trajectory import trajectory_row
-from rollhpc.workers.base import WorkerContext
 from rollhpc.workers.env import EnvWorker
+from tests.conftest import build_env_worker
 from tests.envs_for_tests import MixedEnv
 
 
@@ -28,17 +27,13 @@ def tokenizer_dir(env_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+def tok(env_tok):
+    return env_tok
 
 
 def env_worker(tokenizer_dir, tmp_path, env: str, **options) -> EnvWorker:
-    ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
-                        role_comm=None, run_dir=tmp_path, seed=0)
-    return EnvWorker(ctx, EnvWorker.Options(env=env, model_dir=str(tokenizer_dir), step_timeout_s=0.5,
-                                            reset_timeout_s=5.0, workers=2, **options))
+    return build_env_worker(tmp_path, env=env, model_dir=str(tokenizer_dir), step_timeout_s=0.5,
+                            reset_timeout_s=5.0, workers=2, **options)
 
 
 class EnvPort:

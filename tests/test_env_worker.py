@@ -12,17 +12,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 
-from rollhpc.parallel import ParallelLayout
 from rollhpc.rollout import turns as turn_formats
 from rollhpc.rollout.turns import PlainTextTurns
-from rollhpc.workers.base import WorkerContext
 from rollhpc.workers.env import EnvWorker
-from tests.conftest import REPO, cli_env
+from tests.conftest import REPO, build_env_worker, cli_env
 from tests.envs_for_tests import MixedEnv
 
 MIXED = "tests.envs_for_tests:MixedEnv"
@@ -39,10 +36,8 @@ def tokenizer_dir(env_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def tok(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer_dir)
+def tok(env_tok):
+    return env_tok
 
 
 @pytest.fixture
@@ -50,11 +45,8 @@ def make_worker(tokenizer_dir, tmp_path):
     built: list[EnvWorker] = []
 
     def make(env: str = MIXED, **options) -> EnvWorker:
-        opts = EnvWorker.Options(env=env, model_dir=str(options.pop("model_dir", tokenizer_dir)),
-                                 **{"step_timeout_s": STEP_S, "reset_timeout_s": 2.0, "workers": 4, **options})
-        ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
-                            role_comm=None, run_dir=tmp_path, seed=0)
-        built.append(EnvWorker(ctx, opts))
+        built.append(build_env_worker(tmp_path, env=env, model_dir=str(options.pop("model_dir", tokenizer_dir)),
+                                      **{"step_timeout_s": STEP_S, "reset_timeout_s": 2.0, "workers": 4, **options}))
         return built[-1]
 
     yield make
@@ -237,14 +229,10 @@ def test_a_lost_host_ends_its_episodes_and_is_started_again(make_worker, tok):
 
 KILLED_RANK = """
 import json, sys, psutil
-from rollhpc.parallel import ParallelLayout
-from rollhpc.workers.base import WorkerContext
-from rollhpc.workers.env import EnvWorker
+from tests.conftest import build_env_worker
 from tests.envs_for_tests import MixedEnv
 
-opts = EnvWorker.Options(env="tests.envs_for_tests:MixedEnv", model_dir=sys.argv[1], step_timeout_s=60.0)
-w = EnvWorker(WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
-                            role_comm=None, run_dir=sys.argv[2], seed=0), opts)
+w = build_env_worker(sys.argv[2], env="tests.envs_for_tests:MixedEnv", model_dir=sys.argv[1], step_timeout_s=60.0)
 w.reset([{"episode": "h", "seed": MixedEnv.seed_for("hang")}, {"episode": "a", "seed": MixedEnv.seed_for("count")}])
 print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]), flush=True)
 w.step([{"episode": "h", "response_ids": []}])  # hangs: the rank is killed while its env is stuck
