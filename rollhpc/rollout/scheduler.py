@@ -240,6 +240,7 @@ class _Batch:
         self.to_close: list[list[str]] = [[] for _ in sched.envs]
         self.limit = self.c.max_groups_per_batch or 8 * n_groups
         self.exhausted = False
+        self.next_watch = 0.0  # when the watchdog next looks at the episodes' ages
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
@@ -522,6 +523,9 @@ class _Batch:
         if not (c.warn_after_s or c.abandon_after_s) or not self.episodes:
             return
         now = time.perf_counter()
+        if now < self.next_watch:  # the poll loop spins every poll_interval_s; ages need checking far less often
+            return
+        self.next_watch = now + min(1.0, (min(x for x in (c.warn_after_s, c.abandon_after_s) if x)) / 10)
         for smp in list(self.episodes.values()):
             ep, age = smp.episode, now - smp.episode.started
             if c.warn_after_s and age > c.warn_after_s and not ep.warned:
