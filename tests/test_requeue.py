@@ -67,7 +67,10 @@ def last_step(run_dir: Path) -> int:
     return metrics[-1]["step"] if metrics else -1
 
 
-def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None,
+             run_dir: Path | None = None):
+    """check()'s first true value within timeout; on failure the log's tail, or a Slurm run's restarts and job
+    output (RUN_DIR), say what happened instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
@@ -77,6 +80,8 @@ def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = N
             break
         time.sleep(0.2)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    if run_dir is not None:
+        tail += "restarts.jsonl:\n" + "\n".join(map(str, read_events(run_dir))) + "\n" + job_output(run_dir)
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
 
 
@@ -486,7 +491,8 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     run_dir = tmp_path / "runs" / "rq"
     job_id = submit(slurm_cluster, tmp_path, tiny_model, "cluster.time_limit=00:03:00",
                     "cluster.stop_before_limit_s=120", env={DELAY_ENV: "6:170"})
-    requeued = wait_for("the requeue", lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"], 300)
+    requeued = wait_for("the requeue", lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"], 300,
+                        run_dir=run_dir)
     # give the next job room: the warning would otherwise come again a minute after its start
     assert requeued[0]["new_job_id"] != job_id, requeued
     for comp in [r["JobId"] for r in slurm_cluster.job_records(requeued[0]["new_job_id"])]:
@@ -563,7 +569,8 @@ def test_chaos_a_node_back_within_slurmd_timeout_then_the_batch_node_lost(
     node(slurm_cluster, "node-crash", lost)
     time.sleep(2)
     node(slurm_cluster, "node-start", lost)
-    wait_for("checkpoint 6 of the second attempt", lambda: len(starts(run_dir)) == 2 and committed(run_dir, 6), 300)
+    wait_for("checkpoint 6 of the second attempt", lambda: len(starts(run_dir)) == 2 and committed(run_dir, 6), 300,
+             run_dir=run_dir)
     batch = starts(run_dir)[1]["batch_host"]
     try:
         node(slurm_cluster, "node-crash", batch)
@@ -610,7 +617,7 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
         e for e in read_events(run_dir) if e["event"] == "requeue"], 60)
     assert "MPI world did not form: the step was ended (SIGTERM) while pid" in requeued["reason"], requeued
     assert requeued["exclude"] == [], requeued
-    wait_for("the final checkpoint", lambda: committed(run_dir, STEPS), 400)
+    wait_for("the final checkpoint", lambda: committed(run_dir, STEPS), 400, run_dir=run_dir)
     lost = train_host(run_dir)
     node(slurm_cluster, "node-crash", lost)
     time.sleep(2)
