@@ -22,6 +22,7 @@ from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 log = logging.getLogger("rollhpc.controller")
 
 _LIVENESS_CHECK_S = 0.02
+_BYE_GRACE_S = 2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Controller:
         self._inbox: dict[tuple[int, int], Any] = {}
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
+        self._closing = False  # shutdown sent: a worker leaves right after its bye
 
     def log_path(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"rank{rank}-{self.ranks[rank].role}.log"
@@ -80,6 +82,8 @@ class Controller:
 
     def _check_liveness(self) -> None:
         for rank in self.sideband.dead_ranks():
+            if self._closing and self._bye_arrives(rank):
+                continue
             info = self.ranks[rank]
             running = [(k, o) for k, o in self._outstanding.items() if k[0] == rank]
             if running:
@@ -92,8 +96,28 @@ class Controller:
                 f"or its node was lost); see {self.log_path(rank)}", host=info.host
             )
 
+    def _bye_arrives(self, rank: int, grace_s: float = _BYE_GRACE_S) -> bool:
+        """Whether ``rank``'s bye comes within ``grace_s``: a worker exits right after sending it, and its
+        sideband connection can close before the bye has crossed MPI (OFI's tcp delivers later than UCX)."""
+        deadline = time.monotonic() + grace_s
+        while (rank, 0) not in self._inbox:
+            if time.monotonic() > deadline:
+                return False
+            if not self._receive():
+                time.sleep(0.001)
+        return True
+
     def pump(self) -> bool:
         """Move messages once: returns True if any reply arrived. Raises on any worker failure."""
+        got = self._receive()
+        now = time.monotonic()
+        if now >= self._next_liveness:
+            self._next_liveness = now + _LIVENESS_CHECK_S
+            self._check_liveness()
+        return got
+
+    def _receive(self) -> bool:
+        """Take every reply that has arrived into the inbox; True if any did. Raises a worker's error."""
         self.channel.progress()
         got = False
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
@@ -104,10 +128,6 @@ class Controller:
             key = (msg.source, env.get("call_id", 0))
             self._outstanding.pop(key, None)
             self._inbox[key] = msg.payload if env["kind"] == "result" else env
-        now = time.monotonic()
-        if now >= self._next_liveness:
-            self._next_liveness = now + _LIVENESS_CHECK_S
-            self._check_liveness()
         return got
 
     def ready(self, keys: list[tuple[int, int]]) -> bool:
@@ -157,6 +177,7 @@ class Controller:
     def shutdown(self, timeout_s: float) -> None:
         """Normal end: every worker closes its role and leaves its loop."""
         keys = []
+        self._closing = True
         for rank in self.ranks:
             self.channel.send(rank, TAG_CALL, {"kind": "shutdown"})
             keys.append((rank, 0))
