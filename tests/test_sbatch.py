@@ -32,6 +32,14 @@ def test_requeue_and_the_time_limit_warning_can_be_turned_off():
     assert "#SBATCH --signal=B:USR1@900" in render("cluster.stop_before_limit_s=900")
 
 
+def test_mpich_over_pmi2_forms_its_world_with_short_pmi_lines_unless_told_otherwise():
+    """Slurm's pmi2 plugin splits a PMI-1 line over 1024 bytes, which UCX's addresses make now and then: the
+    world never forms (rollhpc.launch.slurm). OFI unless the environment or cluster.setup chose already."""
+    text = render()
+    assert text.index('export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"') > text.index("module load cuda")
+    assert "MPIR_CVAR_CH4_NETMOD" not in render("cluster.srun_mpi=pmix")
+
+
 def test_hetjob_batch_script_matches_golden_file():
     text = render()
     if not GOLDEN.exists():

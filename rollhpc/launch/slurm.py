@@ -37,6 +37,24 @@ def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> lis
 WORLD_TIMEOUT_MARGIN_S = 30.0
 
 
+# Slurm's pmi2 plugin reads a PMI-1 request (what MPICH's client speaks to it) with one read() of at most
+# 1024 bytes, and MPICH cuts a long value into segments of 512 raw bytes, hex-encoded: a segment with few runs of
+# zeros makes a line of ~1080 bytes (key and command included), the rest of which the plugin reads as a request
+# of its own ("value not properly terminated in client request") and the world never forms. UCX's addresses
+# (4-9 KB per node, their content different every run) make such lines now and then; OFI's fit one short line.
+# OFI's tcp provider moves a message only while its sender is inside MPI unless auto progress is on, and the
+# controller waits on sockets between MPI calls (a worker would wait for its bcast until the controller's next
+# MPI call): auto progress on, as UCX behaves. A value set before (the environment sbatch passes on,
+# cluster.setup) is kept.
+PMI1_SAFE_NETMOD = [
+    "# MPICH over srun --mpi=pmi2: the OFI netmod, whose addresses fit one short PMI line, with auto progress",
+    "# (rollhpc.launch.slurm says why)",
+    *(f'export {name}="${{{name}:-{value}}}"' for name, value in (
+        ("MPIR_CVAR_CH4_NETMOD", "ofi"), ("MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS", "1"),
+        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"))),
+]
+
+
 def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
     """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun."""
     python = python or shlex.quote(sys.executable)
@@ -69,6 +87,8 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     lines += list(cfg.cluster.setup)
+    if cfg.cluster.srun_mpi == "pmi2":
+        lines += PMI1_SAFE_NETMOD
     lines += [f'started=$({python} -m rollhpc.launch.requeue start "$run_dir")',
               '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
               '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
