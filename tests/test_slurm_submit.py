@@ -83,6 +83,7 @@ def test_agentic_run_on_slurm_puts_the_env_role_in_the_cpu_component(slurm_clust
          "pipeline.options.steps=2", "pipeline.options.groups_per_step=2", "pipeline.options.rollout.group_size=2",
          "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.n_heldout=2",
          "pipeline.options.rollout.max_model_len=96", "roles.generate.options.max_model_len=96",
+         "roles.env.options.env_options.size=3", "roles.env.options.env_options.max_turns=6",  # rows fit in 96
          "roles.train.gpus_per_proc=1", "roles.env.procs=2", "controller.world_timeout_s=90",
          f"cluster.nodes={slurm_cluster.nodes}", f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
          f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}", "cluster.time_limit=00:10:00"],
