@@ -81,7 +81,7 @@ def wait_for(what: str, check, timeout: float, proc: subprocess.Popen | None = N
         time.sleep(0.2)
     tail = log.read_text()[-3000:] if log is not None and log.exists() else ""
     if run_dir is not None:
-        tail += "restarts.jsonl:\n" + "\n".join(map(str, read_events(run_dir))) + "\n" + job_output(run_dir)
+        tail += run_story(run_dir)
     raise AssertionError(f"timed out waiting for {what}\n{tail}")
 
 
@@ -447,6 +447,11 @@ def submit(slurm_cluster, tmp_path: Path, model: Path, *extra: str, env: dict[st
     return (tmp_path / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
 
 
+def run_story(run_dir: Path) -> str:
+    """What a Slurm run did, for a failure message: its restarts.jsonl events, then every job's output."""
+    return "restarts.jsonl:\n" + "\n".join(map(str, read_events(run_dir))) + "\n" + job_output(run_dir)
+
+
 def job_output(run_dir: Path, tail: int | None = 4000) -> str:
     """The output of every job of the run (a restart is a new job, with a file of its own)."""
     return "\n".join(p.read_text(errors="replace")[-(tail or 0):] for p in sorted((run_dir / "slurm").glob("job-*.out")))
@@ -466,7 +471,7 @@ def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> 
             slurm_cluster.run(["scancel", current], check=False)
             raise AssertionError(f"job {current} (the run's first: {job_id}) not finished after {timeout} s: "
                                  f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}\n"
-                                 f"restarts: {read_events(run_dir)}\n{job_output(run_dir)}")
+                                 + run_story(run_dir))
         time.sleep(0.3)
 
 
@@ -498,7 +503,7 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(slurm_cluster, tmp
     for comp in [r["JobId"] for r in slurm_cluster.job_records(requeued[0]["new_job_id"])]:
         slurm_cluster.run(["scontrol", "update", f"JobId={comp}", "TimeLimit=00:10:00"], check=False)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
-    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
     assert requeued[0]["reason"].startswith("checkpoint saved at the time-limit warning"), requeued
     assert re.search(r"stopping after step \d+ for a requeue \(stop-request: time-limit warning",
                      job_output(run_dir, None))
@@ -577,7 +582,7 @@ def test_chaos_a_node_back_within_slurmd_timeout_then_the_batch_node_lost(
         state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
     finally:
         node(slurm_cluster, "node-start", batch)
-    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
     events = read_events(run_dir)
     ended = [e for e in events if e["event"] == "step-ended"]  # the first: srun waiting for the lost node
     assert "the controller ended with status 76" in ended[0]["reason"], ended
@@ -623,7 +628,7 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     time.sleep(2)
     node(slurm_cluster, "node-start", lost)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=300)
-    assert state == "COMPLETED", f"{state}\n{read_events(run_dir)}\n{job_output(run_dir)}"
+    assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
     assert "rollhpc: the step was ended (SIGTERM) while pid" in job_output(run_dir, None)  # the guard's own word
     events = read_events(run_dir)
     assert len(starts(run_dir)) == 2 and [e["event"] for e in events].count("resume") == 0, events
