@@ -44,14 +44,17 @@ WORLD_TIMEOUT_MARGIN_S = 30.0
 # (4-9 KB per node, their content different every run) make such lines now and then; OFI's fit one short line.
 # OFI's tcp provider moves a message only while its sender is inside MPI unless auto progress is on, and the
 # controller waits on sockets between MPI calls (a worker would wait for its bcast until the controller's next
-# MPI call): auto progress on, as UCX behaves. A value set before (the environment sbatch passes on,
-# cluster.setup) is kept.
+# MPI call): auto progress on, as UCX behaves. libfabric's own choice of provider here is `sockets`, which
+# hung in MPI_Init (every rank spinning in progress) in about 1 of 170 worlds of a 4+1-rank het job on the local
+# Slurm; its `tcp` provider formed 400 of 400: tcp. A value set before (the environment sbatch passes on,
+# cluster.setup; FI_PROVIDER=verbs where the fabric has it) is kept.
 PMI1_SAFE_NETMOD = [
-    "# MPICH over srun --mpi=pmi2: the OFI netmod, whose addresses fit one short PMI line, with auto progress",
+    "# MPICH over srun --mpi=pmi2: the OFI netmod (libfabric's tcp provider), whose addresses fit one short PMI",
+    "# line, with auto progress",
     "# (rollhpc.launch.slurm says why)",
     *(f'export {name}="${{{name}:-{value}}}"' for name, value in (
         ("MPIR_CVAR_CH4_NETMOD", "ofi"), ("MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS", "1"),
-        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"))),
+        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"), ("FI_PROVIDER", "tcp"))),
 ]
 
 
