@@ -74,6 +74,9 @@ class ControllerConfig:
     startup_timeout_s: float = 1200.0
     stack_dump_timeout_s: float = 10.0  # how long to wait for stacks after a timeout
     shutdown_timeout_s: float = 30.0
+    # an MPI call on the controller that has not returned after this long is stuck on a peer that is gone
+    # (rollhpc.controller.mpi_stall): the run is ended and reported, naming a dead worker when there is one
+    mpi_stall_s: float = 30.0
 
 
 @dataclass(kw_only=True)
@@ -319,7 +322,8 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
             )
-    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s"):
+    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s",
+                 "mpi_stall_s"):
         if getattr(cfg.controller, name) <= 0:
             raise ConfigError(f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}")
 

@@ -14,9 +14,11 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -71,6 +73,7 @@ class _Terminated(Exception):
 
 
 _reporting_failure = False  # set first thing on the controller's failure path
+_failing = threading.Lock()  # held by the thread reporting the failure (the main one, or the MPI stall watch)
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
@@ -169,8 +172,8 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, guard
 
 
 def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
-    global _reporting_failure
     from rollhpc.controller.errors import RunFailed, WorkerDied, WorldNotFormed
+    from rollhpc.controller.mpi_stall import MpiStallWatch
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
@@ -196,30 +199,15 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
              for p in plan.ranks if p.role != CONTROLLER_ROLE}
     ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
-    try:
-        try:
-            sideband.accept(set(ranks), cfg.controller.world_timeout_s)
-        except TimeoutError as e:
-            raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
-        groups = {
-            role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
-            for role, rc in cfg.roles.items()
-        }
-        pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-        pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
-        with startup_gc():
-            pipeline.setup()  # the controller's own start-up, while the workers build theirs
-        ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
-        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
-                 ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
-        pipeline.run()
-        ctl.shutdown(cfg.controller.shutdown_timeout_s)
-        requeue = getattr(pipeline, "stopped_for_requeue", False)
-        log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
-    except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
+
+    def fail(e: BaseException) -> NoReturn:
+        """Report the run's failure once (whichever thread comes first) and end the process."""
+        global _reporting_failure
+        _failing.acquire()  # a second failure waits here for the first report's os._exit
         _reporting_failure = True
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
-            signal.signal(sig, signal.SIG_IGN)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
+                signal.signal(sig, signal.SIG_IGN)
         if not isinstance(e, RunFailed):
             e = ctl.root_cause(e)
         summary = _write_error(run_dir, e)
@@ -241,6 +229,35 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         if not ctl.release():
             comm.Abort(status)
         os._exit(status)
+
+    def on_mpi_stall(stuck_s: float) -> None:  # the watcher's thread: the main one is stuck in MPI
+        fail(ctl.root_cause(RunFailed(f"an MPI call on the controller has not returned for {stuck_s:.0f} s "
+                                      "(a peer that is gone, or a broken network): the run is ended"), settle_s=2.0))
+
+    stall_watch = MpiStallWatch(ctl.channel, on_mpi_stall, cfg.controller.mpi_stall_s).start()
+    try:
+        try:
+            sideband.accept(set(ranks), cfg.controller.world_timeout_s)
+        except TimeoutError as e:
+            raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
+        groups = {
+            role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
+            for role, rc in cfg.roles.items()
+        }
+        pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+        pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
+        with startup_gc():
+            pipeline.setup()  # the controller's own start-up, while the workers build theirs
+        ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
+        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
+                 ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
+        pipeline.run()
+        ctl.shutdown(cfg.controller.shutdown_timeout_s)
+        requeue = getattr(pipeline, "stopped_for_requeue", False)
+        log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
+    except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
+        fail(e)
+    stall_watch.stop()
     from mpi4py import MPI
 
     status = EXIT_REQUEUE if requeue else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,7 +62,7 @@ class FailScenario(Pipeline):
 
     @dataclass(kw_only=True)
     class Options:
-        how: str  # raise | crash | hang
+        how: str  # raise | crash | hang | mpi_stall
         rank: int = 1
         timeout_s: float = 3.0
 
@@ -75,6 +76,10 @@ class FailScenario(Pipeline):
             g.crash_on(self.options.rank, 0.3)
         elif self.options.how == "hang":
             g.hang_on.submit(self.options.rank).result(timeout_s=self.options.timeout_s)
+        elif self.options.how == "mpi_stall":  # an MPI call of the controller never returns
+            channel = g.controller.channel
+            channel.busy_since = time.monotonic()
+            channel.comm.Recv(bytearray(8), source=1, tag=4242)  # nobody ever sends it
         raise AssertionError("the failure did not stop the run")
 
 

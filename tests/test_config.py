@@ -21,7 +21,7 @@ def test_minimal_config_loads_with_defaults():
 
 
 def test_timeouts_must_be_positive():
-    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s"):
+    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "mpi_stall_s"):
         with pytest.raises(ConfigError, match=rf"controller.{name}: must be positive, got 0"):
             config.load(minimal(controller={name: 0}))
 

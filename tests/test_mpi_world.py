@@ -84,6 +84,21 @@ def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path)
     assert_no_orphans(run_dir)
 
 
+def test_controller_stuck_in_an_mpi_call_ends_the_run_with_a_report(experiment, tmp_path):
+    """A real MPI call on the controller that never returns (here a receive nobody answers; on Slurm, an
+    Isend to a rank that died, which OFI's tcp provider retries forever): the stall watch reports and ends
+    the run (with a dead worker, root_cause names it, as for any failure)."""
+    world = fail_world("mpi_stall")
+    world["controller"]["mpi_stall_s"] = 2.0
+    path, run_dir = experiment(world)
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
+    assert res.returncode == 1, res.stderr[-4000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "an MPI call on the controller has not returned for 2 s" in last, last
+    assert json.loads((run_dir / "error.json").read_text())["type"] == "RunFailed"
+    assert_no_orphans(run_dir)
+
+
 def test_controller_that_ends_without_a_report_is_a_failed_run(experiment, tmp_path):
     path, run_dir = experiment({"pipeline": {"entry": "tests.scenarios:VanishScenario"},
                                 "roles": {"probe": {"worker": PROBE, "procs": 1}}})

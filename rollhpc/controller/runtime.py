@@ -63,7 +63,10 @@ class Controller:
 
     # -- sending -----------------------------------------------------------------------------
     def submit(self, method: str, payloads: dict[int, Encoded]) -> list[tuple[int, int]]:
-        """Send ``method`` to each rank with its encoded (args, kwargs); returns the reply keys."""
+        """Send ``method`` to each rank with its encoded (args, kwargs); returns the reply keys. A worker found
+        gone first fails the call: a send to a dead rank can hang inside MPI (OFI's tcp provider retries the
+        connection forever), where no liveness check runs."""
+        self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
         keys = []

@@ -45,9 +45,14 @@ class Encoded:
 
 
 class MpiChannel:
+    """``busy_since``: when the MPI call now running began (None between calls). Every call here should
+    return at once or, for a receive whose header has arrived, as soon as its buffers have crossed; one that
+    does not is stuck on a peer that is gone (rollhpc.controller.mpi_stall watches it on the controller)."""
+
     def __init__(self, comm: MPI.Comm):
         self.comm = comm
         self._inflight: list[MPI.Request] = []
+        self.busy_since: float | None = None
 
     def send(self, dest: int, tag: int, envelope: dict[str, Any], payload: Any = None) -> None:
         self.send_encoded(dest, tag, envelope, Encoded.of(payload))
@@ -55,15 +60,23 @@ class MpiChannel:
     def send_encoded(self, dest: int, tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
         sizes = [m.nbytes for m in enc.buffers]
         head = pickle.dumps((envelope, enc.header, sizes), protocol=5)
-        self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
-        for m in enc.buffers:
-            self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
+        self.busy_since = time.monotonic()
+        try:
+            self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
+            for m in enc.buffers:
+                self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
+        finally:
+            self.busy_since = None
         self.progress()
 
     def progress(self) -> None:
         """Let MPI move pending sends and forget the finished ones (drops references to their buffers)."""
         if self._inflight:
-            self._inflight = [r for r in self._inflight if not r.Test()]
+            self.busy_since = time.monotonic()
+            try:
+                self._inflight = [r for r in self._inflight if not r.Test()]
+            finally:
+                self.busy_since = None
 
     def pending_sends(self) -> int:
         return len(self._inflight)
@@ -81,17 +94,21 @@ class MpiChannel:
     def poll(self, tag: int, source: int = MPI.ANY_SOURCE) -> Message | None:
         """Receive one whole message if its header has arrived, else return None at once."""
         status = MPI.Status()
-        if not self.comm.Iprobe(source=source, tag=tag, status=status):
-            return None
-        src = status.Get_source()
-        head = bytearray(status.Get_count(MPI.BYTE))
-        self.comm.Recv([head, MPI.BYTE], source=src, tag=tag)
-        envelope, header, sizes = pickle.loads(head)
-        buffers = []
-        for n in sizes:
-            buf = np.empty(n, dtype=np.uint8)
-            self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-            buffers.append(buf)
+        self.busy_since = time.monotonic()
+        try:
+            if not self.comm.Iprobe(source=source, tag=tag, status=status):
+                return None
+            src = status.Get_source()
+            head = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([head, MPI.BYTE], source=src, tag=tag)
+            envelope, header, sizes = pickle.loads(head)
+            buffers = []
+            for n in sizes:
+                buf = np.empty(n, dtype=np.uint8)
+                self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
+                buffers.append(buf)
+        finally:
+            self.busy_since = None
         return Message(src, envelope, wire.decode(header, buffers))
 
 
