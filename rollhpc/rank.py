@@ -231,8 +231,9 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
         os._exit(status)
 
     def on_mpi_stall(stuck_s: float) -> None:  # the watcher's thread: the main one is stuck in MPI
-        fail(ctl.root_cause(RunFailed(f"an MPI call on the controller has not returned for {stuck_s:.0f} s "
-                                      "(a peer that is gone, or a broken network): the run is ended"), settle_s=2.0))
+        fail(ctl.dead_worker(settle_s=2.0) or RunFailed(
+            f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, or a "
+            "broken network): the run is ended"))
 
     stall_watch = MpiStallWatch(ctl.channel, on_mpi_stall, cfg.controller.mpi_stall_s).start()
     try:

@@ -87,17 +87,31 @@ class Controller:
         for rank in self.sideband.dead_ranks():
             if self._closing and self._bye_arrives(rank):
                 continue
-            info = self.ranks[rank]
-            running = [(k, o) for k, o in self._outstanding.items() if k[0] == rank]
-            if running:
-                (_, cid), o = running[0]
-                doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
-            else:
-                doing = "while idle"
-            raise WorkerDied(
-                f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
-                f"or its node was lost); see {self.log_path(rank)}", host=info.host
-            )
+            raise self._died(rank)
+
+    def _died(self, rank: int) -> WorkerDied:
+        info = self.ranks[rank]
+        running = [(k, o) for k, o in self._outstanding.items() if k[0] == rank]
+        if running:
+            (_, cid), o = running[0]
+            doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
+        else:
+            doing = "while idle"
+        return WorkerDied(
+            f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
+            f"or its node was lost); see {self.log_path(rank)}", host=info.host
+        )
+
+    def dead_worker(self, settle_s: float = 0.0) -> WorkerDied | None:
+        """A worker found gone within ``settle_s``, by its sideband connection alone: no MPI call, so another
+        thread may ask while the main one is stuck inside MPI (rollhpc.controller.mpi_stall)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            if dead := self.sideband.dead_ranks():
+                return self._died(dead[0])
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
 
     def _bye_arrives(self, rank: int, grace_s: float = _BYE_GRACE_S) -> bool:
         """Whether ``rank``'s bye comes within ``grace_s``: a worker exits right after sending it, and its
