@@ -7,7 +7,8 @@ worker; the trainer alone in a het group of its own, so it runs on another node 
 crashes ``--crashes`` nodes, one at a time, each at a random step (``slurm/local-cluster.sh node-crash``):
 the trainer's node, the batch node (controller, generator, reward worker and the batch script) or a node of
 the job chosen at random. The node's slurmd comes back after a random delay between 0 and ``--max-down`` s
-(before or after Slurm's SlurmdTimeout of 5 s marks it DOWN). Recovery is timed from the crash to the first
+(before or after Slurm's SlurmdTimeout of 5 s marks it DOWN). A job Slurm holds after a failed relaunch (a
+crashed batch node) is released as ``rollhpc submit --wait`` does with ``cluster.release_held=true``. Recovery is timed from the crash to the first
 training step after the resume. A crash that lands after the run's last step must not start it again.
 
     python bench/chaos.py [--seed 0] [--rounds 3] [--crashes 2] [--max-down 20] [--slurm-dir DIR]
@@ -62,10 +63,35 @@ def nodes_now(run_dir: Path) -> dict[str, str]:
     return {"train": train, "batch": start["batch_host"], "all": start["nodes"]}
 
 
+class Holds:
+    """What a user waiting with ``rollhpc submit --wait`` and ``cluster.release_held=true`` gets: a job Slurm
+    holds after a failed launch (its batch node crashed: "launch failed requeued held") is released once per
+    attempt by rollhpc's own HoldWatch (logged in restarts.jsonl), instead of waiting for a person."""
+
+    def __init__(self, cluster: Cluster, run_dir: Path):
+        self.cluster, self.run_dir = cluster, run_dir
+        self._watch = None
+
+    def __call__(self) -> None:
+        from rollhpc.launch.slurm import HoldWatch
+
+        job = current_job(self.run_dir)
+        if self._watch is None or self._watch.job_id != job:
+            self._watch = HoldWatch(job, True, self.run_dir, grace_s=5.0)
+        saved = dict(os.environ)
+        os.environ.update(self.cluster.env)  # HoldWatch's scontrol talks to the bench's cluster
+        try:
+            self._watch.poll()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
 def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, crashes: int, max_down: float,
               reference: str) -> dict:
     run_dir = work / "runs" / "rq"
     job_id = submit(cluster, model, work)
+    holds = Holds(cluster, run_dir)
     at_steps = sorted(rng.sample(range(2, STEPS + 1), crashes))
     rows = []
     for step in at_steps:
@@ -82,7 +108,7 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
         cluster.script("node-start", str(cluster.dir), host)
         row = {"step": crashed_after, "target": target, "node": host, "down_s": down}
         try:  # the first step after the next resume; none if the run had already finished
-            resume = poll("the resume", lambda: event_after(run_dir, "resume", resumes) or (
+            resume = poll("the resume", lambda: holds() or event_after(run_dir, "resume", resumes) or (
                 cluster.job_state(current_job(run_dir)) == "COMPLETED" and "finished"), 600, every=0.1)
             if resume == "finished":
                 row["recovery_s"] = None
@@ -98,7 +124,7 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
         if "error" in row:
             break
     try:
-        state = cluster.wait_done(run_dir, timeout=900)
+        state = poll("the run's job to end", lambda: holds() or cluster.ended(run_dir), 900, every=0.5)
     except RuntimeError:
         state = cluster.job_state(current_job(run_dir))
         subprocess.run(["scancel", current_job(run_dir), job_id], env=cluster.env, capture_output=True, timeout=60)
@@ -108,7 +134,8 @@ def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, cra
             "steps_once": [m["step"] for m in metrics] == list(range(STEPS + 1)),
             "weights_match": bool(metrics) and metrics[-1].get("weights_sha256") == reference,
             "attempts": sum(e["event"] == "start" for e in events),
-            "requeues": [e.get("reason") for e in events if e["event"] == "requeue"]}
+            "requeues": [e.get("reason") for e in events if e["event"] == "requeue"],
+            "held_and_released": [e.get("reason") for e in events if e["event"] == "release"]}
 
 
 def main() -> int:
@@ -152,7 +179,7 @@ def main() -> int:
     result = {"benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": args.seed,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "settings": {"crashes_per_round": args.crashes, "max_down_s": args.max_down, "steps": STEPS,
-                           "checkpoint_every": 2, "slurmd_timeout_s": 5},
+                           "checkpoint_every": 2, "slurmd_timeout_s": 5, "held_job_released_after_s": 5},
               "summary": summary, "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")

@@ -73,6 +73,9 @@ def step_of_session(run_dir: Path, step: int, restarts: int) -> bool:
         return False
 
 
+JOB_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
 def poll(what: str, check, timeout: float, every: float = 0.05):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -158,16 +161,16 @@ class Cluster:
         m = re.search(r"JobState=(\S+)", self.scontrol("show", "job", "-o", job_id))
         return m.group(1) if m else "UNKNOWN"
 
-    def wait_done(self, run_dir: Path, timeout: float = 600) -> str:
-        """The state of the run's last job once it has ended (a restart continues the run in a new job:
-        RUN_DIR/slurm/job_id names the current one)."""
-        done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+    def ended(self, run_dir: Path) -> str | None:
+        """The state of the run's last job if it has ended, else None (a restart continues the run in a new
+        job: RUN_DIR/slurm/job_id names the current one)."""
+        job_id = (run_dir / "slurm" / "job_id").read_text().strip()
+        state = self.job_state(job_id)
+        return state if state in JOB_ENDED and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
 
-        def ended() -> str | None:
-            job_id = (run_dir / "slurm" / "job_id").read_text().strip()
-            state = self.job_state(job_id)
-            return state if state in done and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
-        return poll("the run's job to end", ended, timeout, every=0.5)
+    def wait_done(self, run_dir: Path, timeout: float = 600) -> str:
+        """The state of the run's last job once it has ended."""
+        return poll("the run's job to end", lambda: self.ended(run_dir), timeout, every=0.5)
 
     def settle(self, host: str, timeout: float = 60) -> None:
         """After a crashed node's slurmd is back: wait until nothing of the old jobs is left on the cluster.
