@@ -94,7 +94,7 @@ def test_controller_stuck_in_an_mpi_call_ends_the_run_with_a_report(experiment, 
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert "an MPI call on the controller has not returned for 2 s" in last, last
+    assert re.search(r"an MPI call on the controller has not returned for [234] s", last), last
     assert json.loads((run_dir / "error.json").read_text())["type"] == "RunFailed"
     assert_no_orphans(run_dir)
 

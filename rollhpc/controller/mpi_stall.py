@@ -36,8 +36,12 @@ class MpiStallWatch:
         self._stop.set()
 
     def _run(self) -> None:
+        # a call counts as stuck once this thread has seen it running for limit_s of its own polls, not by the
+        # clock alone: a job suspended by Slurm (SIGSTOP, then SIGCONT) finds its clock far ahead on waking
+        seen, polls = None, 0
         while not self._stop.wait(self.every_s):
             since = self.channel.busy_since
-            if since is not None and (stuck := time.monotonic() - since) > self.limit_s:
-                self.on_stall(stuck)
+            seen, polls = (since, polls + 1) if since is not None and since == seen else (since, 0)
+            if since is not None and polls * self.every_s >= self.limit_s:
+                self.on_stall(time.monotonic() - since)
                 return
