@@ -8,8 +8,9 @@ crashes ``--crashes`` nodes, one at a time, each at a random step (``slurm/local
 the trainer's node, the batch node (controller, generator, reward worker and the batch script) or a node of
 the job chosen at random. The node's slurmd comes back after a random delay between 0 and ``--max-down`` s
 (before or after Slurm's SlurmdTimeout of 5 s marks it DOWN). A job Slurm holds after a failed relaunch (a
-crashed batch node) is released as ``rollhpc submit --wait`` does with ``cluster.release_held=true``. Recovery is timed from the crash to the first
-training step after the resume. A crash that lands after the run's last step must not start it again.
+crashed batch node) is released as ``rollhpc submit --wait`` does with ``cluster.release_held=true``.
+Recovery is timed from the crash to the first training step after the resume. A crash that lands after the
+run's last step must not start it again.
 
     python bench/chaos.py [--seed 0] [--rounds 3] [--crashes 2] [--max-down 20] [--slurm-dir DIR]
 
@@ -68,8 +69,8 @@ class Holds:
     holds after a failed launch (its batch node crashed: "launch failed requeued held") is released once per
     attempt by rollhpc's own HoldWatch (logged in restarts.jsonl), instead of waiting for a person."""
 
-    def __init__(self, cluster: Cluster, run_dir: Path):
-        self.cluster, self.run_dir = cluster, run_dir
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
         self._watch = None
 
     def __call__(self) -> None:
@@ -78,20 +79,14 @@ class Holds:
         job = current_job(self.run_dir)
         if self._watch is None or self._watch.job_id != job:
             self._watch = HoldWatch(job, True, self.run_dir, grace_s=5.0)
-        saved = dict(os.environ)
-        os.environ.update(self.cluster.env)  # HoldWatch's scontrol talks to the bench's cluster
-        try:
-            self._watch.poll()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        self._watch.poll()
 
 
 def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, crashes: int, max_down: float,
               reference: str) -> dict:
     run_dir = work / "runs" / "rq"
     job_id = submit(cluster, model, work)
-    holds = Holds(cluster, run_dir)
+    holds = Holds(run_dir)
     at_steps = sorted(rng.sample(range(2, STEPS + 1), crashes))
     rows = []
     for step in at_steps:
@@ -160,6 +155,7 @@ def main() -> int:
     (root / "reference").mkdir()
     reference = reference_weights(model, root / "reference")
     cluster = Cluster(args.slurm_dir)
+    os.environ.update(cluster.env)  # rollhpc's own Slurm calls in this process (HoldWatch) reach the bench's cluster
     rounds = []
     try:
         for i in range(args.rounds):

@@ -87,7 +87,7 @@ def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path)
 def test_controller_stuck_in_an_mpi_call_ends_the_run_with_a_report(experiment, tmp_path):
     """A real MPI call on the controller that never returns (here a receive nobody answers; on Slurm, an
     Isend to a rank that died, which OFI's tcp provider retries forever): the stall watch reports and ends
-    the run (with a dead worker, root_cause names it, as for any failure)."""
+    the run (with a dead worker, Controller.dead_worker names it from the sideband)."""
     world = fail_world("mpi_stall")
     world["controller"]["mpi_stall_s"] = 2.0
     path, run_dir = experiment(world)

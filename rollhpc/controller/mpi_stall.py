@@ -5,8 +5,8 @@ message's header is there, and between calls it checks that every worker is aliv
 still hang inside the library when its peer has just died: MPICH over OFI's tcp provider retries the
 connection to a dead rank forever inside ``MPI_Isend``; a receive waits forever for the buffers of a
 message whose sender died half-way. Python code cannot run in that thread any more, so a watcher thread
-looks at ``MpiChannel.busy_since`` and, past ``limit_s`` (``controller.mpi_stall_s``), hands the stall to ``on_stall`` (which reports
-the failure, naming a dead worker when there is one, and ends the process).
+looks at ``MpiChannel.busy_since`` and, past ``limit_s`` (``controller.mpi_stall_s``), hands the stall to
+``on_stall`` (which reports the failure, naming a dead worker when there is one, and ends the process).
 """
 
 from __future__ import annotations
