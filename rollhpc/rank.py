@@ -68,8 +68,10 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
     return summary
 
 
-class _Terminated(Exception):
-    pass
+class _Terminated(BaseException):
+    """A signal to the controller, raised in its main thread wherever that happens to be. A BaseException
+    (like KeyboardInterrupt) so that no `except Exception` on the way swallows it: logging's handleError
+    did, when SIGINT landed inside a log handler's emit, and the controller slept on unreported."""
 
 
 _reporting_failure = False  # set first thing on the controller's failure path
@@ -78,8 +80,11 @@ _failing = threading.Lock()  # held by the thread reporting the failure (the mai
 
 def _on_signal(signum, frame):  # noqa: ARG001
     # Launchers may signal twice (mpiexec.gforker passes on an interrupt and adds its own when a rank dies):
-    # a second one must not cut short the report of the first failure.
+    # a second one must not cut short the report of the first failure. The flag is set here, not first
+    # thing in fail(): a second signal landing between this raise and fail() cut the report short.
+    global _reporting_failure
     if not _reporting_failure:
+        _reporting_failure = True
         raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
 
 

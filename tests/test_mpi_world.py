@@ -154,8 +154,8 @@ def test_interrupting_the_launcher_ends_the_run_cleanly(experiment, tmp_path):
     proc, run_dir, _ = start_sleeping_world(experiment, tmp_path)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode != 0
-    assert "run interrupted: the controller received signal SIGINT" in err.strip().splitlines()[-1]
+    assert proc.returncode != 0, err[-4000:]
+    assert "run interrupted: the controller received signal SIGINT" in err.strip().splitlines()[-1], err[-4000:]
     assert_no_orphans(run_dir)
 
 
