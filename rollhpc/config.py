@@ -308,6 +308,10 @@ def validate(cfg: ExperimentConfig) -> None:
         cls = import_object(role.worker, f"{where}.worker")
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise ConfigError(f"{where}.worker: {role.worker} is not a rollhpc Worker subclass")
+        try:
+            cls.check_layout(role.layout())
+        except ValueError as e:
+            raise ConfigError(f"{where}.parallel: {e}") from e
         role.options = component_options(cls, role.options, f"{where}.options")
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")

@@ -61,9 +61,8 @@ def tiny_model(tmp_path_factory) -> Path:
                              build_tokenizer(list(arithmetic.corpus(train)), 300))
 
 
-@pytest.fixture
-def experiment(tmp_path: Path):
-    """Write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""
+def experiment_writer(tmp_path: Path):
+    """``make(data, name)``: write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""
 
     def make(data: dict, name: str = "t") -> tuple[Path, Path]:
         data = {**data, "run": {"name": name, "output_dir": str(tmp_path / "runs"), **data.get("run", {})}}
@@ -72,6 +71,12 @@ def experiment(tmp_path: Path):
         return path, tmp_path / "runs" / name
 
     return make
+
+
+@pytest.fixture
+def experiment(tmp_path: Path):
+    """Write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""
+    return experiment_writer(tmp_path)
 
 
 @pytest.fixture(scope="session")

@@ -111,3 +111,46 @@ class SlowStartWorker(Worker):
         import time
 
         time.sleep(3600)
+
+
+class TrainerLayoutScenario(Pipeline):
+    """The megatron train role on fixed random batches: log-probs, optimizer steps, optionally a
+    checkpoint or a resume, then the full weights; everything goes to RUN_DIR/trainer.pt, so that a test
+    compares what two parallel layouts (PP2 and PP1, ...) computed on the same data."""
+
+    @dataclass(kw_only=True)
+    class Options:
+        vocab: int = 100
+        rows: int = 6
+        length: int = 12
+        steps: int = 2
+        save_after: int = 0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
+        resume_from: str = ""  # a train role dir an earlier run saved: load it, then run the steps after save_after
+
+    def run(self) -> None:
+        import torch
+
+        from rollhpc.algo.objective import LossConfig
+        from rollhpc.weight_sync.buckets import unpack_bucket
+
+        o, train = self.options, self.groups["train"]
+        rng = np.random.default_rng(0)
+        out: dict = {"loss": [], "grad_norm": [], "logprob": []}
+        if o.resume_from:
+            train.load_checkpoint(o.resume_from)
+        for step in range(1, o.steps + 1):
+            tokens = rng.integers(0, o.vocab, (o.rows, o.length))
+            mask = (np.arange(o.length - 1)[None, :] >= rng.integers(2, o.length - 2, (o.rows, 1))).astype(np.float32)
+            advantage = rng.standard_normal(o.rows).astype(np.float32)
+            if o.resume_from and step <= o.save_after:
+                continue  # the resumed run's batches are the ones after its checkpoint
+            logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+            stats = train.train_step(Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": logp,
+                                            "advantage": advantage}), LossConfig(kl_coef=0.0, entropy_coef=0.01))
+            out["logprob"].append(torch.as_tensor(logp))
+            out["loss"].append(stats[0]["loss"])
+            out["grad_norm"].append(stats[0]["grad_norm"])
+            if step == o.save_after:
+                train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))
+        out["weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
+        torch.save(out, self.run_ctx.run_dir / "trainer.pt")

@@ -30,7 +30,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,11 +148,11 @@ def replace_dir(tmp: Path, dst: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config: Any,
+def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: str | Path, hf_config: Any,
                           layout_info: Mapping[str, Any] | None = None, *, overwrite: bool = False,
                           checksums: bool = False, sharded_state_dict: dict[str, Any] | None = None) -> Path:
-    """Save ``model`` (a megatron ``GPTModel`` from ``build_gpt_model``) as a dist checkpoint in
-    ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF config the model was built from
+    """Save ``model`` (a megatron ``GPTModel`` from ``build_gpt_model``, or a rank's list of virtual
+    pipeline chunks) as a dist checkpoint in ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF config the model was built from
     (dict, transformers config, config.json path, or the HF model directory: then its tokenizer and
     other files go to ``hf/`` too). ``layout_info``: recorded in the metadata over the parallel state's
     tp/pp/ep/etp/world (e.g. ``{"step": 100}``). An existing ``out_dir`` is an error unless
@@ -173,17 +173,20 @@ def save_mcore_checkpoint(model: torch.nn.Module, out_dir: str | Path, hf_config
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
+
+    chunks = _as_chunks(model)
     if sharded_state_dict is None:
-        sharded_state_dict = model.sharded_state_dict()
+        sharded_state_dict = chunks_sharded_state_dict(chunks)
     _write_results_queue_that_dies_with_us()
     dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=save_strategy())
     dist.barrier()  # every rank's files are written (dist_checkpointing.save ends with one too)
     if rank == 0:
         cfg = _hf_dict(hf_config)
         layout = {**parallel_layout(), **dict(layout_info or {})}
-        first = next(model.parameters())
+        first = next(chunks[0].parameters())
         meta = dict(format=FORMAT, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    hf_config=cfg, layout=layout, padded_vocab_size=int(model.vocab_size),
+                    hf_config=cfg, layout=layout, padded_vocab_size=int(chunks[0].vocab_size),
                     params_dtype=_dtype_name(first.dtype), files=file_manifest(tmp, checksums))
         if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
             meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
@@ -231,19 +234,26 @@ def read_metadata(ckpt_dir: str | Path, *, checksums: bool = True) -> dict[str, 
     return meta
 
 
-def load_mcore_checkpoint(model: torch.nn.Module, ckpt_dir: str | Path, *, checksums: bool = False
-                          ) -> dict[str, Any]:
-    """Load a checkpoint saved by ``save_mcore_checkpoint`` (or the converter) into ``model``, whatever
-    TP/PP/EP layout it was saved with. Collective: every rank calls it. Returns the checkpoint's
+def _as_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def load_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ckpt_dir: str | Path, *,
+                          checksums: bool = False) -> dict[str, Any]:
+    """Load a checkpoint saved by ``save_mcore_checkpoint`` (or the converter) into ``model`` (or a
+    rank's list of virtual pipeline chunks), whatever TP/PP/VPP/EP layout it was saved with. Collective: every rank calls it. Returns the checkpoint's
     metadata. Raises ``CheckpointError`` for a missing/corrupt checkpoint or one of another model."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
+    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict, load_chunks_state
+
+    chunks = _as_chunks(model)
     meta = read_metadata(ckpt_dir, checksums=checksums)
-    _check_model_matches(model, meta)
+    _check_model_matches(chunks[0], meta)
     try:
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(ckpt_dir))
-        model.load_state_dict(state, strict=True)
+        state = dist_checkpointing.load(chunks_sharded_state_dict(chunks), str(ckpt_dir))
+        load_chunks_state(chunks, state)
     except (CheckpointingException, KeyError, RuntimeError, ValueError, OSError, EOFError) as e:
         raise CheckpointError(f"cannot load {ckpt_dir} into the model: {type(e).__name__}: {e}") from e
     return meta

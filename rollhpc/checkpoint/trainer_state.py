@@ -36,7 +36,7 @@ def _rank_file(role_dir: Path, rank: int) -> Path:
     return role_dir / RANKS_DIR / f"rank_{rank:05d}.pt"
 
 
-def _sharded_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def _sharded_optimizer_state(chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer,
                              state: dict[int, dict[str, torch.Tensor]]
                              ) -> tuple[dict[str, Any], dict[str, tuple[int, str]]]:
     """``state`` (optimizer param index -> {exp_avg, exp_avg_sq}) as megatron ShardedTensors that mirror
@@ -44,8 +44,10 @@ def _sharded_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
                                                             make_sharded_optimizer_tensor)
 
+    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
+
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    id_map = get_param_id_to_sharded_param_map(model.sharded_state_dict(), params)
+    id_map = get_param_id_to_sharded_param_map(chunks_sharded_state_dict(chunks), params)
     out: dict[str, Any] = {}
     index: dict[str, tuple[int, str]] = {}
     for idx, moments in state.items():
@@ -60,14 +62,14 @@ def _sharded_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
     return out, index
 
 
-def _model_param_ids(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> set[int]:
-    in_model = {id(p) for p in model.parameters()}
+def _model_param_ids(chunks: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> set[int]:
+    in_model = {id(p) for chunk in chunks for p in chunk.parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {i for i, p in enumerate(params) if id(p) in in_model}
 
 
 def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
-    """Collective over the role's ranks. ``worker``: a ``MegatronTrainWorker`` (model, optimizer,
+    """Collective over the role's ranks. ``worker``: a ``MegatronTrainWorker`` (model chunks, optimizer,
     optimizer_steps, extra modules). Returns a summary (from every rank; the controller keeps rank 0's)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -78,17 +80,17 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     role_dir = Path(role_dir)
     rank = dist.get_rank()
-    save_mcore_checkpoint(worker.model, role_dir / MODEL_DIR, worker.options.model_dir,
+    save_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR, worker.options.model_dir,
                           {"optimizer_steps": worker.optimizer_steps})
     opt_sd = worker.optimizer.state_dict()
-    in_model = _model_param_ids(worker.model, worker.optimizer)
+    in_model = _model_param_ids(worker.chunks, worker.optimizer)
     moments = {i: s for i, s in opt_sd["state"].items() if i in in_model}
     if moments:  # empty before the first optimizer step
         opt_dir = role_dir / OPTIMIZER_DIR
         if rank == 0:
             opt_dir.mkdir(parents=True)
         dist.barrier()
-        sharded, _ = _sharded_optimizer_state(worker.model, worker.optimizer, moments)
+        sharded, _ = _sharded_optimizer_state(worker.chunks, worker.optimizer, moments)
         dist_checkpointing.save(sharded, str(opt_dir), sharded_strategy=save_strategy())
     steps = {i: float(s["step"]) for i, s in opt_sd["state"].items()}
     outside = {i: s for i, s in opt_sd["state"].items() if i not in in_model}
@@ -97,6 +99,7 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         "world": dist.get_world_size(),
         "optimizer_steps": worker.optimizer_steps,
         "adam_steps": steps,
+        "n_params": sum(len(g["params"]) for g in opt_sd["param_groups"]),
         "n_params_with_state": len(opt_sd["state"]),
         "param_groups": opt_sd["param_groups"],
         "outside_model_state": outside,
@@ -112,7 +115,8 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
 
 def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     """Collective: put back what ``save_trainer_state`` wrote (model, optimizer, counters, RNG). The model
-    and the optimizer moments load at any layout; the rank files need the same number of ranks."""
+    and the optimizer moments load at any layout (another TP or PP split); the rank files need the same
+    number of ranks."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -130,17 +134,23 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     own = torch.load(path, weights_only=False)
     if own["world"] != world:
         raise CheckpointError(f"{role_dir} was saved by {own['world']} ranks, this role has {world}")
-    load_mcore_checkpoint(worker.model, role_dir / MODEL_DIR)
+    load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
     for name, module in worker.extra_modules().items():
         module.load_state_dict(own["extra_modules"][name])
     opt = worker.optimizer
     params = [p for g in opt.param_groups for p in g["params"]]
-    in_model = _model_param_ids(worker.model, opt)
+    in_model = _model_param_ids(worker.chunks, opt)
     state: dict[int, dict[str, torch.Tensor]] = {}
+    same_params = own.get("n_params", len(params)) == len(params)
     if own["n_params_with_state"]:
         adam_steps = own["adam_steps"]
+        if not same_params:
+            # saved at another pipeline layout: this rank holds other parameters (numbered anew), which
+            # took their steps together; their moments come from the dist checkpoint by name
+            step = max(adam_steps.values())
+            adam_steps = {i: step for i in in_model}
         moments = {i: {k: torch.zeros_like(params[i]) for k in _MOMENTS} for i in in_model if i in adam_steps}
-        sharded, index = _sharded_optimizer_state(worker.model, opt, moments)
+        sharded, index = _sharded_optimizer_state(worker.chunks, opt, moments)
         try:
             loaded = dist_checkpointing.load(sharded, str(role_dir / OPTIMIZER_DIR))
         except Exception as e:  # noqa: BLE001 - megatron raises several types for a bad directory
@@ -149,9 +159,13 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         for key, value in loaded.items():
             i, k = index[key]
             state.setdefault(i, {"step": torch.tensor(adam_steps[i], dtype=torch.float32)})[k] = value
-        for i, s in own["outside_model_state"].items():
+        outside = sorted(i for i in range(len(params)) if i not in in_model)  # after the model's, in order
+        for i, s in zip(outside, (own["outside_model_state"][k] for k in sorted(own["outside_model_state"]))):
             state[i] = s
-    opt.load_state_dict({"state": state, "param_groups": own["param_groups"]})
+    # hyper-parameters as saved; the parameter numbering of this rank's optimizer
+    groups = [{**saved, "params": now["params"]}
+              for saved, now in zip(own["param_groups"], opt.state_dict()["param_groups"])]
+    opt.load_state_dict({"state": state, "param_groups": groups})
     worker.optimizer_steps = own["optimizer_steps"]
     restore_rng_states(own["rng"])
     dist.barrier()

@@ -26,9 +26,19 @@ RNG tracker's streams are silently never seeded / never switched.
   built on the CPU: the unfused softmax builds it with ``device="cuda"`` whenever the model is called
   with ``attention_mask=None`` (plain causal attention).
 
+* Pipeline schedules (``megatron.core.pipeline_parallel.schedules``): every schedule starts its token
+  count with ``torch.zeros([], device="cuda")``. The module's ``torch`` is replaced by a view of torch
+  whose ``zeros`` reads ``device="cuda"`` as the CPU; everything else is torch itself. Their
+  point-to-point sends are plain ``isend``/``irecv`` (gloo has them); leave ``batch_p2p_comm`` off on
+  CPU (gloo has no coalesced batches). ``p2p_communication`` only needs ``current_device`` and
+  ``synchronize`` above.
+* ``LanguageModule.setup_embeddings_and_output_layer``: with tied embeddings and pp > 1 the last stage's
+  copy of the embedding is zeroed and all-reduced from the first stage after ``weight.data.cuda()``;
+  during that call ``Tensor.cuda`` returns the tensor itself.
+
 Not patched (GPU only): megatron's optimizers (``get_megatron_optimizer``: ``device='cuda'`` tensors,
 multi-tensor kernels, ``torch.cuda.FloatTensor`` type checks: use ``torch.optim`` on CPU), megatron's
-``clip_grad_norm_fp32``, pipeline-parallel schedules (``device="cuda"`` hard-coded), CUDA graphs,
+``clip_grad_norm_fp32``, ``finalize_model_grads`` (it expects megatron's DDP wrapper), CUDA graphs,
 sliding-window attention masks, Transformer Engine / apex fused kernels (keep the ``*_fusion`` options
 off).
 
@@ -69,6 +79,33 @@ def _set_tracked_rng_state(new_state: torch.Tensor, device: object = -1, graph_s
     torch.set_rng_state(new_state)
 
 
+class _TorchOnCpu:
+    """torch, except that ``zeros(..., device="cuda")`` makes a CPU tensor (for the pipeline schedules)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*size: object, device: object = None, **kw: object) -> torch.Tensor:
+        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kw)
+
+
+def _tensor_stays(t: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
+    return t
+
+
+def _without_cuda_copies(method):  # noqa: ANN001, ANN202 - a method wrapper
+    @functools.wraps(method)
+    def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        real = torch.Tensor.cuda
+        torch.Tensor.cuda = _tensor_stays
+        try:
+            return method(*args, **kw)
+        finally:
+            torch.Tensor.cuda = real
+    return wrapped
+
+
 @functools.lru_cache(maxsize=32)
 def _default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
@@ -83,6 +120,8 @@ def enable_cpu_megatron() -> bool:
     if torch.cuda.is_available():
         return False
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.cuda.current_device = _current_device
@@ -92,5 +131,8 @@ def enable_cpu_megatron() -> bool:
     mcore_random._get_cuda_rng_state = _get_tracked_rng_state
     mcore_random._set_cuda_rng_state = _set_tracked_rng_state
     fused_softmax.get_default_causal_mask = _default_causal_mask
+    schedules.torch = _TorchOnCpu()
+    LanguageModule.setup_embeddings_and_output_layer = _without_cuda_copies(
+        LanguageModule.setup_embeddings_and_output_layer)
     _ENABLED = True
     return True

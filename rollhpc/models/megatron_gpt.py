@@ -48,9 +48,9 @@ expert (``mlp.shared_expert.*`` -> ``mlp.shared_experts.*``) is an ordinary TP-s
 
 Left for later: MoE models mixing dense and MoE layers (``mlp_only_layers``, ``decoder_sparse_step``
 > 1), sliding-window attention, rope scaling (rope_type other than "default"), sequence parallelism.
-Pipeline parallelism: ``build_gpt_model``/``load_hf_weights`` place each stage's layers, but megatron's
-pipeline schedules and its tied-embedding set-up across stages are CUDA-only (``export_hf_weights``
-gathers within one stage). Padded vocab rows are zero: their logits (``[..., vocab_size:]``) are not
+Pipeline parallelism: ``build_gpt_model``/``load_hf_weights`` place each stage's (and virtual stage's)
+layers; ``export_hf_weights`` gathers within one stage (``megatron_pipeline.export_pipeline_hf_weights``
+streams every stage's). Padded vocab rows are zero: their logits (``[..., vocab_size:]``) are not
 part of the HF model and must be left out of comparisons and, for exact HF log-probs, out of the softmax.
 """
 
@@ -369,19 +369,23 @@ def _parallel_sizes() -> dict[str, int]:
 
     if not ps.model_parallel_is_initialized():
         return {}
-    return dict(pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+    sizes = dict(pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                 expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                 expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+    if ps.get_virtual_pipeline_model_parallel_world_size():
+        sizes["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
+    return sizes
 
 
 def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torch.dtype = torch.float32,
                     parallel_output: bool = True, vocab_divisible_by: int = 128, padded_vocab: int | None = None,
-                    **overrides: Any):
+                    vp_stage: int | None = None, **overrides: Any):
     """megatron-core ``GPTModel`` with the architecture of ``hf_config``. ``tp`` defaults to the
-    tensor-parallel size of the initialized model-parallel state (pipeline and expert-parallel sizes
-    always come from it). ``parallel_output=False`` gathers the logits over TP ranks
+    tensor-parallel size of the initialized model-parallel state (pipeline, virtual-pipeline and
+    expert-parallel sizes always come from it). ``parallel_output=False`` gathers the logits over TP ranks
     (``[b, s, padded_vocab]`` on every rank). ``padded_vocab`` replaces megatron's padding (e.g. to load
-    a checkpoint saved at another TP size: it must be a multiple of ``tp``)."""
+    a checkpoint saved at another TP size: it must be a multiple of ``tp``). With virtual pipeline stages
+    (``vpp``) a rank holds one model chunk per ``vp_stage`` in ``range(vpp)``: build each with its index."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -396,6 +400,10 @@ def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torc
         sizes = {k: v for k, v in sizes.items() if not k.startswith("expert_")}
     config = transformer_config_from_hf(cfg, tp, params_dtype=params_dtype, **{**sizes, **overrides})
     pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    if (vpp is None) != (vp_stage is None) or (vpp is not None and not 0 <= vp_stage < vpp):
+        raise ValueError(f"vp_stage={vp_stage} with virtual pipeline size {vpp}: give a chunk index in "
+                         "range(vpp) exactly when the parallel state has virtual pipeline stages")
     vocab = padded_vocab or padded_vocab_size(cfg["vocab_size"], tp, vocab_divisible_by)
     if vocab < cfg["vocab_size"] or vocab % tp:
         raise ValueError(f"padded vocab {vocab} must be >= vocab_size {cfg['vocab_size']} and a multiple of tp={tp}")
@@ -405,12 +413,13 @@ def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torc
                                                         normalization="RMSNorm", qk_layernorm=arch.qk_norm),
         vocab_size=vocab,
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
-        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(),
-        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(),
+        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
         rotary_base=_rope_theta(cfg),
+        vp_stage=vp_stage,
     )
 
 
@@ -544,6 +553,8 @@ def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
     kw = dict(num_query_groups=config.num_query_groups, num_attention_heads=config.num_attention_heads,
               vocab_size=vocab_size)
     for w in table:
+        if getattr(params[w.megatron], "shared", False):
+            continue  # the last pipeline stage's copy of a tied embedding: the first stage exports it
         local = params[w.megatron].detach()
         if not w.expert:
             shards = _gather(local, tp_group, tp_size)
@@ -561,6 +572,17 @@ def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
                     yield f"{head}{idx + (k - ep_rank) * per_rank}{tail}", t
             del gathered
         del full, local
+
+
+def exporting_rank(model: torch.nn.Module, tp_group: Any = None) -> bool:
+    """Whether ``export_hf_weights`` yields on this rank (TP rank 0, and expert-parallel rank 0 for MoE)."""
+    import torch.distributed as dist
+
+    if tp_group is None and dist.is_available() and dist.is_initialized():
+        from megatron.core import parallel_state
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+    experts = _moe_experts(model)
+    return _group_coords(tp_group)[0] == 0 and (experts is None or _group_coords(experts.ep_group)[0] == 0)
 
 
 def _split_expert_name(name: str) -> tuple[str, int, str]:

@@ -39,6 +39,11 @@ class Worker:
         self.ctx = ctx
         self.options = options
 
+    @classmethod
+    def check_layout(cls, layout: ParallelLayout) -> None:
+        """Raise ValueError for a parallel layout this worker cannot run. Called at config load, so a
+        layout the worker would refuse at start-up is refused before any allocation."""
+
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:
         """Liveness and placement of each rank, for logs and tests."""

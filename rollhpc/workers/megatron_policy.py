@@ -11,9 +11,14 @@ data-parallel ranks (denominators are global, so DP=2 gives the DP=1 gradient), 
 in Hugging Face names, bucketed, for the generators. The reference role is the same model frozen; the critic
 (PPO) is the same trunk with a value head.
 
-Left out here: pipeline parallelism (needs megatron's pipeline schedules: refused with a clear error),
-context parallelism on CPU, megatron's distributed optimizer (torch AdamW is used; megatron's optimizer
-is CUDA-only), sequence packing.
+Every forward and backward goes through megatron's own schedules (``models.megatron_pipeline``), so
+pipeline parallelism (``pp``, and ``vpp`` virtual stages: a rank holds one model chunk per virtual stage)
+is the same code path as pp=1: the loss, log-probs and values are computed on the last stage, which is
+why the last stage's TP rank 0 is its replica's DP leader (``parallel.RankCoords.is_dp_leader``).
+
+Left out here: context parallelism (megatron-core's local attention asserts cp == 1; it needs Transformer
+Engine's attention on CUDA: refused at config load), megatron's distributed optimizer (torch AdamW is
+used; megatron's optimizer is CUDA-only), sequence packing.
 """
 
 from __future__ import annotations
@@ -81,9 +86,7 @@ class MegatronPolicyWorker(Worker):
         layout = ctx.layout
         if layout is None:
             raise RuntimeError("the megatron roles need the role's parallel layout in their context")
-        if layout.pp > 1:
-            raise NotImplementedError(f"role {ctx.role!r}: pipeline parallelism (pp={layout.pp}) is not supported by "
-                                      "this trainer yet; use tp/dp (and ep for MoE)")
+        self.check_layout(layout)
         model_dir = Path(options.model_dir)
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"role {ctx.role!r}: {model_dir} has no config.json (options.model_dir must be "
@@ -98,8 +101,8 @@ class MegatronPolicyWorker(Worker):
         megatron_cpu.enable_cpu_megatron()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            context_parallel_size=layout.cp, expert_model_parallel_size=layout.ep,
-            expert_tensor_parallel_size=layout.etp, order=layout.order)
+            virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, order=layout.order)
         if parallel_state.get_data_parallel_rank() != ctx.coords.dp_rank:
             raise RuntimeError(f"megatron puts rank {ctx.group_rank} at dp rank {parallel_state.get_data_parallel_rank()}"
                                f" but the role layout says {ctx.coords.dp_rank}: rank orders disagree")
@@ -107,46 +110,102 @@ class MegatronPolicyWorker(Worker):
         self.hf_config = _hf_dict(model_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.dtype]
-        self.model = build_gpt_model(self.hf_config, params_dtype=dtype)
-        load_hf_weights(self.model, _load_safetensors(model_dir), parallel_state.get_tensor_model_parallel_rank(),
-                        layout.tp)
-        if torch.cuda.is_available():
-            self.model.cuda()
+        layers, stages = int(self.hf_config["num_hidden_layers"]), layout.pp * (layout.vpp or 1)
+        if layers % stages:
+            raise ValueError(f"role {ctx.role!r}: {layers} layers cannot be split evenly into pp={layout.pp} x "
+                             f"vpp={layout.vpp or 1} = {stages} pipeline stages")
+        state = _load_safetensors(model_dir)
+        # one chunk per virtual pipeline stage (one chunk without vpp; at pp=1 the whole model)
+        self.chunks = [build_gpt_model(self.hf_config, params_dtype=dtype, vp_stage=v if layout.vpp else None)
+                       for v in range(layout.vpp or 1)]
+        for chunk in self.chunks:
+            load_hf_weights(chunk, state, parallel_state.get_tensor_model_parallel_rank(), layout.tp)
+            if torch.cuda.is_available():
+                chunk.cuda()
+        del state
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.device = next(self.model.parameters()).device
-        if not self.trainable:
-            self.model.requires_grad_(False)
-            self.model.eval()
+        self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.device = next(self.chunks[0].parameters()).device
+        for chunk in self.chunks:
+            if not self.trainable:
+                chunk.requires_grad_(False)
+                chunk.eval()
 
-    def _forward(self, tokens: Any, with_entropy: bool = False):
-        """(logprob, entropy) of every next token: ``[b, L-1]`` each, from ``tokens [b, L]``."""
+    @classmethod
+    def check_layout(cls, layout: Any) -> None:
+        """Refuse at config load what megatron-core's local layer spec cannot run."""
+        if layout.cp > 1:
+            raise ValueError(f"cp={layout.cp}: context parallelism needs Transformer Engine's attention on CUDA "
+                             "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
+                             "tp/pp/dp (and ep for MoE)")
+
+    def _parts(self, batch: Batch, with_mask: bool) -> list[dict[str, Any]]:
+        """The batch's micro-batches as tensors on this rank's device; padding rows (the interleaved
+        schedule needs whole groups of pp micro-batches) get a zero loss mask and ``keep`` False."""
         import torch
 
+        from rollhpc.models.megatron_pipeline import micro_batches
+
+        layout = self.ctx.layout
+        parts = []
+        for idx in micro_batches(len(batch), self.options.micro_batch_size, layout.pp, layout.vpp is not None):
+            keep = idx >= 0
+            rows = np.where(keep, idx, 0)
+            part = {k: torch.as_tensor(np.asarray(v)[rows], device=self.device)
+                    for k, v in batch.data.items() if with_mask or k == "tokens"}
+            if with_mask and not keep.all():
+                part["loss_mask"] = part["loss_mask"] * torch.as_tensor(keep[:, None], device=self.device)
+            part["tokens"] = part["tokens"].long()
+            part["keep"] = torch.as_tensor(keep, device=self.device)
+            parts.append(part)
+        return parts
+
+    @staticmethod
+    def _call_chunk(chunk: Any, part: dict[str, Any]) -> Any:
+        """One chunk's forward on a micro-batch (later stages take their input from the schedule)."""
+        import torch
+
+        tokens = part["tokens"]
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return chunk(tokens, positions, None)  # last stage: logits [b, L, V_padded / tp]
+
+    def _logprobs(self, logits: Any, tokens: Any, with_entropy: bool = False):
+        """(logprob, entropy) of every next token: ``[b, L-1]`` each, from the last stage's logits."""
         from rollhpc.models.vocab_parallel import token_logprobs
 
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
-        logits = self.model(tokens, positions, None)  # [b, L, V_padded / tp]
         return token_logprobs(logits[:, :-1], tokens[:, 1:], self.vocab_size, tp_rank=self.tp_rank,
                               tp_size=self.ctx.layout.tp, tp_group=self.tp_group, with_entropy=with_entropy)
 
-    @register(Dispatch.DP_SPLIT)
-    def compute_logprobs(self, batch: Batch) -> Batch:
-        """log p(token) of every next token under the current weights: ``{"logprob": [b, L-1] float32}``."""
+    def _forward_only(self, batch: Batch, result: Any, key: str) -> Batch | None:
+        """``result(part, output) -> [b, L-1] tensor`` for every row of the batch, through the schedule
+        without gradients; the rows as ``{key: ...}`` on the last stage, None on the others."""
         import torch
 
-        out = []
-        was_training = self.model.training
-        self.model.eval()
+        from rollhpc.models.megatron_pipeline import run_schedule
+
+        training = [c.training for c in self.chunks]
+        for chunk in self.chunks:
+            chunk.eval()
         with torch.no_grad():
-            for start in range(0, len(batch), self.options.micro_batch_size):
-                logp, _ = self._forward(batch["tokens"][start:start + self.options.micro_batch_size])
-                out.append(logp.float().cpu().numpy())
-        self.model.train(was_training)
+            kept = run_schedule(self.chunks, self._parts(batch, with_mask=False), self._call_chunk,
+                                lambda part, out: (out.new_zeros(()), {key: result(part, out)[part["keep"]]}),
+                                forward_only=True)
+        for chunk, was in zip(self.chunks, training):
+            chunk.train(was)
+        if not self.last_stage:
+            return None
         width = batch["tokens"].shape[1] - 1
-        return Batch({"logprob": np.concatenate(out) if out else np.zeros((0, width), np.float32)})
+        rows = [k[key].float().cpu().numpy() for k in kept]
+        return Batch({key: np.concatenate(rows) if rows else np.zeros((0, width), np.float32)})
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: Batch) -> Batch | None:
+        """log p(token) of every next token under the current weights: ``{"logprob": [b, L-1] float32}``
+        (from the last pipeline stage; None from the others, which are not DP leaders)."""
+        return self._forward_only(batch, lambda part, logits: self._logprobs(logits, part["tokens"])[0], "logprob")
 
 
 class _WeightChannelMixin:
@@ -168,12 +227,12 @@ class _WeightChannelMixin:
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def broadcast_weights(self, bucket_mb: float = 64.0) -> int | None:
         """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent."""
-        from rollhpc.models.megatron_gpt import export_hf_weights
+        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
         if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
             return None
-        named = export_hf_weights(self.model, self.vocab_size, self.tp_group)
+        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
         if self.ctx.group_rank != 0:
             for _ in named:  # the other TP ranks take part in the gathers only
                 pass
@@ -211,13 +270,14 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
                                            betas=options.betas)
         self.optimizer_steps = 0
-        self.model.train()
+        for chunk in self.chunks:
+            chunk.train()
 
     def _add_modules(self) -> None:
         """Hook for subclasses: modules trained next to the GPT model (the critic's value head)."""
 
     def _trained_modules(self) -> list[Any]:
-        return [self.model]
+        return list(self.chunks)
 
     def extra_modules(self) -> dict[str, Any]:
         """Trained modules outside the GPT model, by name (saved in the checkpoint's rank files)."""
@@ -245,28 +305,43 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
         import torch
 
-        from rollhpc.models.megatron_gpt import export_hf_weights
+        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
 
         if self.ctx.coords.edp_rank != 0:
             return None
         h = hashlib.sha256()
         named = sorted(((n, t.detach().cpu().contiguous()) for n, t in
-                        export_hf_weights(self.model, self.vocab_size, self.tp_group)), key=lambda x: x[0])
+                        export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)), key=lambda x: x[0])
         for name, t in named:
             h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-        for name, module in sorted(self.extra_modules().items()):
-            for key, t in sorted(module.state_dict().items()):
+        for name, state in sorted(self._last_stage_extra_states().items()):
+            for key, t in sorted(state.items()):
                 h.update(f"{name}.{key}".encode())
                 h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest() if self.ctx.group_rank == 0 else None
+
+    def _last_stage_extra_states(self) -> dict[str, dict[str, Any]]:
+        """``extra_modules``' state dicts as the last pipeline stage (the one that trains them) holds
+        them: sent over the pipeline group when pp > 1. Collective over that group."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        states = {name: {k: t.detach().cpu() for k, t in m.state_dict().items()}
+                  for name, m in self.extra_modules().items()}
+        if not states or self.ctx.layout.pp == 1:
+            return states
+        group = ps.get_pipeline_model_parallel_group()
+        box = [states]
+        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
+        return box[0]
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if dist.get_world_size(self.dp_group) > 1:
+        if values and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
@@ -278,9 +353,8 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         token), ``old_logprob [B, L-1]``, ``advantage [B]`` or ``[B, L-1]``, optional ``ref_logprob``.
         Returns, from each DP leader, one dict of metrics averaged over the mini-batches.
         """
-        import torch
-
         from rollhpc.algo.losses import policy_loss
+        from rollhpc.models.megatron_pipeline import run_schedule
 
         o: MegatronTrainWorker.Options = self.options
         t0 = time.perf_counter()
@@ -290,24 +364,28 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             mask_np = np.asarray(batch["loss_mask"])[mini]
             n_tokens, n_seqs = self._dp_sum([float(mask_np.sum()), float((mask_np.sum(1) > 0).sum())])
             self.optimizer.zero_grad(set_to_none=True)
-            sums: dict[str, float] = {}
-            for start in range(0, len(mini), o.micro_batch_size):
-                idx = mini[start:start + o.micro_batch_size]
-                part = {k: torch.as_tensor(np.asarray(v)[idx], device=self.device) for k, v in batch.data.items()}
-                logp, entropy = self._forward(part["tokens"], with_entropy=loss_config.entropy_coef > 0)
-                loss, stats = policy_loss(
+
+            def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
+                logp, entropy = self._logprobs(logits, part["tokens"], with_entropy=loss_config.entropy_coef > 0)
+                value, stats = policy_loss(
                     logp, part["old_logprob"].float(), part["advantage"].float(), part["loss_mask"].float(),
                     clip_low=loss_config.clip_low, clip_high=loss_config.clip_high, dual_clip=loss_config.dual_clip,
                     agg=loss_config.agg, ref_logprob=part["ref_logprob"].float() if "ref_logprob" in part else None,
                     kl_coef=loss_config.kl_coef, kl_kind=loss_config.kl_kind, entropy=entropy,
                     entropy_coef=loss_config.entropy_coef, global_tokens=max(n_tokens, 1.0),
                     global_seqs=max(n_seqs, 1.0))
-                loss.backward()
                 weight = float(part["loss_mask"].sum()) / max(n_tokens, 1.0)  # token share, for averaging stats
-                sums["loss"] = sums.get("loss", 0.0) + float(loss)
-                for k, v in stats.items():  # loss terms are already shares of the global loss; rates are local
-                    share = weight if k.endswith(("_frac", "_mean")) else 1.0
-                    sums[k] = sums.get(k, 0.0) + float(v) * share
+                # loss terms are already shares of the global loss; rates are local
+                kept = {k: float(v) * (weight if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
+                kept["loss"] = float(value.detach())
+                return value, kept
+
+            mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
+            sums: dict[str, float] = {}
+            for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
+                                     forward_only=False):
+                for k, v in kept.items():
+                    sums[k] = sums.get(k, 0.0) + v
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
@@ -332,40 +410,51 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             group["lr"] = o.lr * scale
 
     def _reduce_gradients(self) -> None:
-        """Sum gradients over data-parallel replicas (the loss already divides by global counts)."""
+        """Sum the two copies of a tied embedding's gradient (first and last pipeline stage), then sum
+        gradients over data-parallel replicas (the loss already divides by global counts): dense
+        parameters over the data-parallel group, routed experts under EP over the expert data-parallel
+        group (megatron marks them ``allreduce=False``: their DP peers hold other experts)."""
         import torch
         import torch.distributed as dist
 
-        if dist.get_world_size(self.dp_group) == 1:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for p, g in zip(self.params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        from rollhpc.models.megatron_pipeline import allreduce_tied_embedding_grads
+
+        allreduce_tied_embedding_grads(self.chunks)
+        for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
+            params = [p for p in self.params if (not getattr(p, "allreduce", True)) == expert]
+            if not params or dist.get_world_size(group) == 1:
+                continue
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p, g in zip(params, grads):
+                n = g.numel()
+                p.grad = flat[offset:offset + n].view_as(p).clone()
+                offset += n
 
     def _clip_gradients(self, max_norm: float) -> float:
-        """Global norm over the full model: TP-sharded parameters summed over the TP group, replicated
-        ones (norms, biases of row-parallel layers) counted once."""
+        """Global norm over the full model, each parameter counted once: summed over the whole role
+        (every TP shard, pipeline stage and expert), a TP-replicated tensor on TP rank 0 only, the
+        last stage's copy of a tied embedding not at all, then divided by how many data-parallel
+        replicas hold each kind (the gradients are equal across replicas after the reduction)."""
         import torch
         import torch.distributed as dist
 
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
+        from megatron.core import parallel_state as ps
+
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [dense, routed experts under EP]
         for p in self.params:
-            if p.grad is None:
+            if p.grad is None or getattr(p, "shared", False):
                 continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.ctx.layout.tp > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        norm = float((sharded + replicated).sqrt())
+            if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
+                continue
+            sq[0 if getattr(p, "allreduce", True) else 1] += p.grad.detach().double().pow(2).sum()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sq)
+        replicas = torch.tensor([dist.get_world_size(self.dp_group), ps.get_expert_data_parallel_world_size()],
+                                dtype=torch.float64, device=self.device)
+        norm = float((sq / replicas).sum().sqrt())
         if max_norm > 0 and norm > max_norm:
             for p in self.params:
                 if p.grad is not None:
@@ -379,64 +468,59 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         Collective inside the first data-parallel replica (its TP ranks all-gather each parameter);
         the other replicas hold the same weights and return at once.
         """
-        from rollhpc.models.megatron_gpt import export_hf_weights
+        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
         if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
             return None
-        named = ((n, t.detach().cpu()) for n, t in export_hf_weights(self.model, self.vocab_size, self.tp_group))
+        named = ((n, t.detach().cpu()) for n, t in export_pipeline_hf_weights(self.chunks, self.vocab_size,
+                                                                              self.tp_group))
         buckets = list(pack_buckets(named, int(bucket_mb * (1 << 20))))
         return buckets if self.ctx.group_rank == 0 else None
 
 
 class MegatronCriticWorker(MegatronTrainWorker):
     """PPO's critic: the policy's GPT trunk (initialised from the same checkpoint) with a scalar value
-    head on the final-norm hidden states. The language-model head is computed but unused."""
+    head on the final-norm hidden states of the last pipeline stage. The language-model head is
+    computed but unused. Every rank builds the head (same seed); only the last stage's is used and trained."""
 
     def _add_modules(self) -> None:
         import torch
 
-        hidden = self.model.config.hidden_size
-        self.value_head = torch.nn.Linear(hidden, 1, device=self.device, dtype=next(self.model.parameters()).dtype)
+        first = self.chunks[0]
+        hidden = first.config.hidden_size
+        self.value_head = torch.nn.Linear(hidden, 1, device=self.device, dtype=next(first.parameters()).dtype)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.ctx.seed)  # same head on every rank (it is replicated over TP and DP)
             torch.nn.init.normal_(self.value_head.weight, std=0.02)
         torch.nn.init.zeros_(self.value_head.bias)
         self._hidden: Any = None
-        self.model.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
+        last = next((c for c in self.chunks if c.post_process), None)
+        if last is not None:
+            last.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
 
     def _trained_modules(self) -> list[Any]:
-        return [self.model, self.value_head]
+        return [*self.chunks, self.value_head]
 
     def extra_modules(self) -> dict[str, Any]:
         return {"value_head": self.value_head}
 
-    def _values(self, tokens: Any):
-        """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions."""
-        import torch
-
-        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
-        self.model(tokens, positions, None)
+    def _values(self) -> Any:
+        """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions, from
+        the hidden states the last stage's forward just left in ``_hidden``."""
         hidden = self._hidden.transpose(0, 1)  # [s, b, h] -> [b, s, h]
         return self.value_head(hidden[:, :-1].float().to(self.value_head.weight.dtype)).squeeze(-1).float()
 
     @register(Dispatch.DP_SPLIT)
-    def compute_values(self, batch: Batch) -> Batch:
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for start in range(0, len(batch), self.options.micro_batch_size):
-                out.append(self._values(batch["tokens"][start:start + self.options.micro_batch_size]).cpu().numpy())
-        return Batch({"values": np.concatenate(out).astype(np.float32)})
+    def compute_values(self, batch: Batch) -> Batch | None:
+        """``{"values": [b, L-1] float32}`` from the last pipeline stage (None from the others)."""
+        return self._forward_only(batch, lambda part, logits: self._values(), "values")
 
     @register(Dispatch.DP_SPLIT)
     def train_step(self, batch: Batch, value_clip: float | None = 0.2) -> list[dict[str, float]]:
         """Clipped value regression on ``returns [B, L-1]`` with ``old_values``, token-mean over ``loss_mask``."""
-        import torch
-
         from rollhpc.algo.losses import aggregate, value_loss
+        from rollhpc.models.megatron_pipeline import run_schedule
 
         o = self.options
         t0 = time.perf_counter()
@@ -445,15 +529,18 @@ class MegatronCriticWorker(MegatronTrainWorker):
         for mini in np.array_split(rows, o.mini_batches):
             (n_tokens,) = self._dp_sum([float(np.asarray(batch["loss_mask"])[mini].sum())])
             self.optimizer.zero_grad(set_to_none=True)
+
+            def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
+                per_token = value_loss(self._values(), part["old_values"].float(), part["returns"].float(),
+                                       clip=value_clip)
+                value = aggregate(per_token, part["loss_mask"].float(), "token-mean", global_tokens=max(n_tokens, 1.0))
+                return value, {"value_loss": float(value.detach())}
+
+            mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
             sums: dict[str, float] = {}
-            for start in range(0, len(mini), o.micro_batch_size):
-                idx = mini[start:start + o.micro_batch_size]
-                part = {k: torch.as_tensor(np.asarray(v)[idx], device=self.device) for k, v in batch.data.items()}
-                values = self._values(part["tokens"])
-                per_token = value_loss(values, part["old_values"].float(), part["returns"].float(), clip=value_clip)
-                loss = aggregate(per_token, part["loss_mask"].float(), "token-mean", global_tokens=max(n_tokens, 1.0))
-                loss.backward()
-                sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss)
+            for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
+                                     forward_only=False):
+                sums["value_loss"] = sums.get("value_loss", 0.0) + kept["value_loss"]
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train_time_s"] = time.perf_counter() - t0

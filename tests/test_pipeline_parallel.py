@@ -1,0 +1,100 @@
+"""Pipeline parallelism in the megatron trainer, on real MPI worlds over gloo: a layout with pipeline
+stages computes what the one-stage model computes.
+
+``tests.scenarios:TrainerLayoutScenario`` runs the train role on two fixed batches (log-probs, one
+optimizer step each, a checkpoint after the first) and saves the losses, grad norms, log-probs and the
+exported weights. Each layout is compared with the pp=1 run of the same model: PP2, PP2 x VPP2 (whose
+micro-batch count is padded to a whole number of pipeline groups), TP2 x PP2 on 4 ranks, a Qwen2-MoE
+policy at PP2 x EP2, and a PP2 checkpoint resumed at PP1 (DP2), whose next-step loss must match. The
+dense model ties its embeddings, so the first and last stage's copies must stay equal (their gradients
+summed across stages): the exported weights would differ from pp=1's otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import assert_no_orphans, rollhpc
+
+torch = pytest.importorskip("torch")
+
+TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
+LR = 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    """A dense Qwen2 of 4 layers with tied embeddings, and a Qwen2-MoE of 2 layers with an untied head."""
+    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.tasks import arithmetic
+
+    train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))
+    tok = build_tokenizer(list(arithmetic.corpus(train)), 300)
+    root = tmp_path_factory.mktemp("pp_models")
+    return {"dense": create_tiny_model(root / "dense", TinyModelSpec(num_hidden_layers=4), tok),
+            "moe": create_tiny_model(root / "moe", TinyModelSpec(moe=True, tie_word_embeddings=False), tok)}
+
+
+def _run(experiment, tmp_path: Path, name: str, model: Path, procs: int, parallel: dict, **options) -> dict:
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:TrainerLayoutScenario", "options": {"save_after": 1, **options}},
+        "roles": {"train": {"worker": TRAIN, "procs": procs, "parallel": parallel,
+                            "options": {"model_dir": str(model), "micro_batch_size": 2, "lr": LR}}},
+    }, name=name)
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=240)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert_no_orphans(run_dir)
+    out = torch.load(run_dir / "trainer.pt")
+    out["run_dir"] = run_dir
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_stage(models, tmp_path_factory) -> dict[str, dict]:
+    """pp=1 runs (one rank) of both models: the reference every layout is compared with."""
+    from tests.conftest import experiment_writer
+
+    tmp = tmp_path_factory.mktemp("pp1")
+    return {kind: _run(experiment_writer(tmp), tmp, f"pp1_{kind}", models[kind], 1, {}) for kind in models}
+
+
+def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> None:
+    assert got["loss"] == pytest.approx(want["loss"][steps], rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"][steps], rel=1e-5)
+    for a, b in zip(got["logprob"], want["logprob"][steps]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert sorted(got["weights"]) == sorted(want["weights"])
+    for name, w in want["weights"].items():
+        # one Adam step moves a weight by about LR: a tenth of that is far above float noise, far below a
+        # missing or doubled gradient
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=LR / 10, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("procs, parallel", [
+    (2, {"pp": 2}),
+    (2, {"pp": 2, "vpp": 2}),
+    (4, {"tp": 2, "pp": 2}),
+], ids=["pp2", "pp2-vpp2", "tp2-pp2"])
+def test_pipeline_stages_train_like_one_stage(models, one_stage, experiment, tmp_path, procs, parallel):
+    got = _run(experiment, tmp_path, "pp", models["dense"], procs, parallel)
+    assert_same_training(got, one_stage["dense"])
+
+
+@pytest.mark.slow
+def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path):
+    got = _run(experiment, tmp_path, "moe", models["moe"], 4, {"pp": 2, "ep": 2})
+    assert_same_training(got, one_stage["moe"])
+
+
+@pytest.mark.slow
+def test_pp2_checkpoint_resumes_at_pp1(models, experiment, tmp_path):
+    """Saved by two pipeline stages after step 1, resumed by two data-parallel ranks of the whole model:
+    step 2's loss, log-probs and weights are the ones the PP2 run computed."""
+    pp2 = _run(experiment, tmp_path, "pp2", models["dense"], 2, {"pp": 2})
+    resumed = _run(experiment, tmp_path, "resumed", models["dense"], 2, {},
+                   resume_from=str(pp2["run_dir"] / "ckpt"))
+    assert len(resumed["loss"]) == 1
+    assert_same_training(resumed, pp2, steps=slice(1, 2))
