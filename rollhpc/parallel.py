@@ -208,3 +208,17 @@ def _strides(tokens: tuple[str, ...], sizes: dict[str, int]) -> dict[str, tuple[
         out[t] = (sizes[t], stride)
         stride *= sizes[t]
     return out
+
+
+def pipeline_stage_layers(num_layers: int, pp: int, vpp: int | None = None) -> list[list[range]]:
+    """The decoder layers (0-based) each pipeline stage holds, one range per model chunk (virtual
+    stage), as megatron-core assigns them with even splits: chunk v of stage s holds the
+    ``(v * pp + s)``-th block of ``num_layers / (pp * vpp)`` layers. The first stage's first chunk also
+    holds the embedding, the last stage's last chunk the final norm and the output layer."""
+    chunks = vpp or 1
+    if num_layers % (pp * chunks):
+        raise ValueError(f"{num_layers} layers cannot be split evenly into pp={pp} x vpp={chunks} = "
+                         f"{pp * chunks} pipeline stages")
+    per = num_layers // (pp * chunks)
+    return [[range((v * pp + s) * per, (v * pp + s + 1) * per) for v in range(chunks)] for s in range(pp)]
+

@@ -152,5 +152,6 @@ class TrainerLayoutScenario(Pipeline):
             out["grad_norm"].append(stats[0]["grad_norm"])
             if step == o.save_after:
                 train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))
+                out["saved_weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
         out["weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
         torch.save(out, self.run_ctx.run_dir / "trainer.pt")

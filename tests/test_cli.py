@@ -121,3 +121,16 @@ def test_repo_layout_is_complete():
     for name in ("rollhpc", "slurm", "configs", "tools", "tests", "bench", "pyproject.toml", "README.md",
                  "INSTALL.md", "Makefile", ".ci/run"):
         assert (REPO / name).exists(), name
+
+
+def test_plan_shows_what_each_pipeline_stage_holds(tmp_path, tiny_model):
+    res = rollhpc("plan", "quickstart", f"pipeline.options.model_dir={tiny_model}", "roles.train.procs=2",
+                  "roles.train.parallel.pp=2", "--no-ranks", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    at = lines.index(f"role train: 2 pipeline stages, 2 layers of {tiny_model}:")
+    assert lines[at + 1:at + 3] == ["  stage 0: embedding + layer 0",
+                                    "  stage 1: layer 1 + final norm, output layer (a copy of the tied embedding)"]
+    res = rollhpc("plan", "quickstart", f"pipeline.options.model_dir={tiny_model}", "roles.train.procs=2",
+                  "roles.train.parallel.pp=2", "roles.train.parallel.vpp=2", "--no-ranks", cwd=tmp_path)
+    assert "2 layers cannot be split evenly into pp=2 x vpp=2 = 4 pipeline stages; the role will refuse" in res.stdout

@@ -177,3 +177,14 @@ def test_missing_model_directories_are_named_by_key(tmp_path):
                                          f"roles.reward.options.model_dir={tmp_path / 'elsewhere'}"])
     (problem,) = config.missing_inputs(cfg)
     assert problem.startswith("roles.reward.options.model_dir: no model directory at ")
+
+
+def test_megatron_roles_refuse_context_parallelism_at_load():
+    """megatron-core's local attention asserts cp == 1: refused at load, before any allocation."""
+    data = minimal()
+    data["roles"] = {"train": {"worker": "rollhpc.workers.megatron_policy:MegatronTrainWorker", "procs": 2,
+                               "parallel": {"cp": 2}, "options": {"model_dir": "/nowhere"}}}
+    with pytest.raises(ConfigError, match=r"roles.train.parallel: cp=2: context parallelism needs Transformer Engine"):
+        config.load(data)
+    data["roles"]["train"]["parallel"] = {"pp": 2}
+    assert config.load(data).roles["train"].layout().pp == 2

@@ -126,3 +126,26 @@ def test_module_needs_neither_torch_nor_megatron():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'megatron')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pipeline_stage_layers_follow_megatron():
+    """Even splits; with virtual stages chunk v of stage s holds block v * pp + s (what megatron built
+    in tests/test_pipeline_parallel.py: the first of 2 stages x 2 chunks of 4 layers held layers 0 and 2)."""
+    from rollhpc.parallel import pipeline_stage_layers
+
+    assert pipeline_stage_layers(4, 2) == [[range(0, 2)], [range(2, 4)]]
+    assert pipeline_stage_layers(4, 2, 2) == [[range(0, 1), range(2, 3)], [range(1, 2), range(3, 4)]]
+    assert pipeline_stage_layers(8, 2, 2)[1] == [range(2, 4), range(6, 8)]
+    with pytest.raises(ValueError, match="6 layers cannot be split evenly into pp=2 x vpp=2"):
+        pipeline_stage_layers(6, 2, 2)
+
+
+def test_micro_batches_pad_interleaved_schedules_to_whole_groups():
+    from rollhpc.models.megatron_pipeline import micro_batches
+
+    assert [m.tolist() for m in micro_batches(5, 2)] == [[0, 1], [2, 3], [4]]
+    assert micro_batches(0, 2) == []
+    # interleaved, pp=2: at least 2 micro-batches, a multiple of 2, all of one shape; -1 pads
+    assert [m.tolist() for m in micro_batches(5, 2, pp=2, interleaved=True)] == [[0, 1], [2, 3], [4, -1], [-1, -1]]
+    assert [m.tolist() for m in micro_batches(1, 4, pp=2, interleaved=True)] == [[0], [-1]]
+    assert [m.tolist() for m in micro_batches(6, 2, pp=2, interleaved=True)] == [[0, 1], [2, 3], [4, 5], [-1, -1]]

@@ -90,11 +90,37 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_at_pp1(models, experiment, tmp_path):
+def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment, tmp_path):
     """Saved by two pipeline stages after step 1, resumed by two data-parallel ranks of the whole model:
-    step 2's loss, log-probs and weights are the ones the PP2 run computed."""
+    step 2's loss, log-probs and weights are the ones the PP2 run computed. The checkpoint's model
+    converts to a Hugging Face directory holding exactly the trained weights, and vLLM generates from it
+    the greedy tokens transformers gives."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import REPO
+    from tests.test_convert import PROMPTS, _hf_greedy
+
     pp2 = _run(experiment, tmp_path, "pp2", models["dense"], 2, {"pp": 2})
     resumed = _run(experiment, tmp_path, "resumed", models["dense"], 2, {},
                    resume_from=str(pp2["run_dir"] / "ckpt"))
     assert len(resumed["loss"]) == 1
     assert_same_training(resumed, pp2, steps=slice(1, 2))
+
+    hf = tmp_path / "hf"
+    res = rollhpc("convert", "mcore-to-hf", str(pp2["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    converted = {n: t for f in hf.glob("*.safetensors") for n, t in load_file(f).items()}
+    assert converted.keys() == pp2["saved_weights"].keys()
+    assert all(torch.equal(converted[n], t) for n, t in pp2["saved_weights"].items())
+    spec, result = tmp_path / "spec.json", tmp_path / "result.json"
+    spec.write_text(json.dumps({"converted": str(hf), "prompts": PROMPTS}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "test_convert.py"), str(spec), str(result)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]

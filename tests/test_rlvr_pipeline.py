@@ -42,10 +42,30 @@ def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
+def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path, tiny_model):
+    """The quickstart on a trainer of two pipeline stages (each holding one layer; the tied embedding on
+    both): weights streamed from both stages reach vLLM exactly, the trainer's log-probs equal the
+    generator's after every sync."""
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+                  "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
+                  "pipeline.options.rollout.dynamic_sampling=false", "roles.train.procs=2", "roles.train.parallel.pp=2",
+                  cwd=tmp_path, timeout=600)
+    run_dir = tmp_path / "runs" / "quickstart"
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    for x in steps:
+        assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
+        assert x["train/grad_norm"] > 0
+    assert_no_orphans(run_dir)
+
+
+@pytest.mark.slow
 def test_ppo_with_critic_async_partial_rollout(tmp_path, tiny_model):
     """PPO (critic + GAE) in async mode: the next batch is generated while the trainer works, partial
     responses resume under the new weights, and every sample stays within one version of the policy.
-    Weights go through the controller (relay) here; the TP=2 test covers the direct broadcast."""
+    Weights go through the controller (relay) here; the TP=2 test covers the direct broadcast. The critic
+    runs on two pipeline stages (its value head on the last)."""
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null", "pipeline.options.steps=4",
                   "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.algorithm=ppo", "pipeline.options.rollout.dynamic_sampling=false",
@@ -55,7 +75,7 @@ def test_ppo_with_critic_async_partial_rollout(tmp_path, tiny_model):
                   "pipeline.options.loss.entropy_coef=0.01",
                   "+roles.critic.worker=rollhpc.workers.megatron_policy:MegatronCriticWorker",
                   f"+roles.critic.options.model_dir={tiny_model}", "+roles.critic.options.lr=1e-3",
-                  cwd=tmp_path, timeout=600)
+                  "+roles.critic.procs=2", "+roles.critic.parallel.pp=2", cwd=tmp_path, timeout=600)
     run_dir = tmp_path / "runs" / "quickstart"
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.device_mapping import WorldPlan
-from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout
+from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout, pipeline_stage_layers
 
 
 def _ids(ids) -> str:
@@ -39,6 +41,9 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
             k = layouts[p.role].coords(p.group_rank)
             yield (f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
                    f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}")
+    for name, role in cfg.roles.items():
+        if role.parallel.pp > 1:
+            yield from _stages(name, role)
     if groups:
         for name, layout in layouts.items():
             world_of = plan.ranks_of(name)
@@ -56,3 +61,36 @@ def _group_kinds(layout: ParallelLayout) -> list[str]:
     """Megatron's dense groups; expert groups only for MoE layouts (ep > 1 or a separate expert TP)."""
     moe = layout.ep > 1 or layout.etp != layout.tp
     return list(DENSE_GROUP_KINDS) + (list(EXPERT_GROUP_KINDS) if moe else [])
+
+
+def _layers(r: range) -> str:
+    return f"layer {r.start}" if len(r) == 1 else f"layers {r.start}-{r.stop - 1}"
+
+
+def _stages(name: str, role) -> Iterator[str]:  # noqa: ANN001 - a RoleConfig
+    """What each pipeline stage of a role holds: its layers (per virtual stage), the embedding on the
+    first stage, the final norm and output layer on the last; read from the model's config.json when
+    the role's ``options.model_dir`` is on this machine."""
+    p = role.parallel
+    chunks = p.vpp or 1
+    head = f"role {name}: {p.pp} pipeline stages" + (f" x {chunks} virtual stages" if p.vpp else "")
+    model_dir = getattr(role.options, "model_dir", None)
+    config = Path(model_dir).expanduser() / "config.json" if isinstance(model_dir, str) else None
+    if config is None or not config.is_file():
+        yield f"{head} (layers per stage: the model's config.json is not on this machine)"
+        return
+    hf = json.loads(config.read_text())
+    try:
+        stages = pipeline_stage_layers(int(hf["num_hidden_layers"]), p.pp, p.vpp)
+    except ValueError as e:
+        yield f"{head}: {e}; the role will refuse to start"
+        return
+    tied = bool(hf.get("tie_word_embeddings", False))
+    yield f"{head}, {hf['num_hidden_layers']} layers of {model_dir}:"
+    for s, ranges in enumerate(stages):
+        parts = [", ".join(_layers(r) for r in ranges)]
+        if s == 0:
+            parts.insert(0, "embedding")
+        if s == p.pp - 1:
+            parts.append("final norm, output layer" + (" (a copy of the tied embedding)" if tied else ""))
+        yield f"  stage {s}: " + " + ".join(parts)
