@@ -48,7 +48,8 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
     generator's after every sync."""
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
-                  "pipeline.options.rollout.dynamic_sampling=false", "roles.train.procs=2", "roles.train.parallel.pp=2",
+                  "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
+                  "roles.train.procs=2", "roles.train.parallel.pp=2",
                   cwd=tmp_path, timeout=600)
     run_dir = tmp_path / "runs" / "quickstart"
     assert res.returncode == 0, res.stderr[-3000:]
