@@ -109,3 +109,25 @@ def build_env_worker(run_dir: Path, **options):
     ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
                         role_comm=None, run_dir=run_dir, seed=0)
     return EnvWorker(ctx, EnvWorker.Options(**options))
+
+
+REPORT_AXES = {"learning.png": 4, "throughput.png": 2, "stages.png": 1, "kl_entropy.png": 2}
+
+
+def assert_report(run_dir: Path, cwd: Path) -> str:
+    """Run ``rollhpc report RUN_DIR``; check that every figure is a non-empty PNG with its expected number
+    of axes (recorded in the PNG's Description chunk); returns summary.txt."""
+    from PIL import Image
+
+    res = rollhpc("report", str(run_dir), cwd=cwd, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name, axes in REPORT_AXES.items():
+        with Image.open(run_dir / "report" / name) as img:
+            assert img.format == "PNG" and img.width > 500 and img.height > 200, (name, img.size)
+            assert img.info.get("Description") == f"axes={axes}", (name, img.info)
+            low, high = img.convert("L").getextrema()
+            assert high - low > 100, f"{name} looks blank"
+    summary = (run_dir / "report" / "summary.txt").read_text()
+    assert summary in res.stdout
+    return summary
+

@@ -20,7 +20,7 @@ import pytest
 
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.observability.rollouts import read_rollouts
-from tests.conftest import assert_no_orphans, cli_env, rollhpc
+from tests.conftest import assert_no_orphans, assert_report, cli_env, rollhpc
 from tests.test_requeue import last_step, wait_for
 
 STEPS = 5
@@ -89,3 +89,4 @@ def test_a_killed_agentic_run_resumes_to_the_same_weights(tiny_model, reference,
     assert [m["step"] for m in got] == list(range(STEPS + 1)) and got[3]["restarts"] == 1
     assert [m.get("train/loss") for m in got] == [m.get("train/loss") for m in want]
     assert got[-1]["weights_sha256"] == want[-1]["weights_sha256"]
+    assert "restarts: 1 (resume @ step " in assert_report(run_dir, tmp_path)  # marked on the time axes

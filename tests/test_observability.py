@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -107,8 +109,9 @@ def test_run_log_writes_metrics_tensorboard_and_rollouts(tmp_path):
     with RunLog(tmp_path) as run_log:
         run_log.log_step(0, {"accuracy": 0.5})
         run_log.log_step(1, {"reward_mean": 0.25, "policy_version": 1, "tag": "x"}, _ragged_record())
-    assert read_metrics(tmp_path / "metrics.jsonl") == [
-        {"step": 0, "accuracy": 0.5}, {"step": 1, "reward_mean": 0.25, "policy_version": 1, "tag": "x"}]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(abs(r.pop("time") - time.time()) < 60 for r in records)  # wall time, for rollhpc report
+    assert records == [{"step": 0, "accuracy": 0.5}, {"step": 1, "reward_mean": 0.25, "policy_version": 1, "tag": "x"}]
     assert _scalars(tmp_path / "tb") == {"accuracy": [(0, 0.5)], "reward_mean": [(1, 0.25)],
                                          "policy_version": [(1, 1.0)]}
     assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000001.h5"]

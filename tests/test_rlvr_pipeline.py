@@ -8,7 +8,7 @@ import json
 import h5py
 import pytest
 
-from tests.conftest import assert_no_orphans, rollhpc
+from tests.conftest import assert_no_orphans, assert_report, rollhpc
 
 
 @pytest.mark.slow
@@ -59,6 +59,8 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
         assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
         assert x["train/grad_norm"] > 0
     assert_no_orphans(run_dir)
+    summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
+    assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
 
 
 @pytest.mark.slow
@@ -113,6 +115,8 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
         assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
         assert x["train/grad_norm"] > 0
     assert_no_orphans(run_dir)
+    summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
+    assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
 
 
 def test_kl_without_reference_role_fails_at_load(tmp_path):

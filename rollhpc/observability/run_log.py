@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,15 @@ class RunLog:
         self._closed = False
 
     def log_step(self, step: int, metrics: dict[str, Any], rollouts: RolloutRecord | None = None) -> None:
-        """metrics go to metrics.jsonl as given (with "step" first) and their numeric part to TensorBoard."""
-        record = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
+        """metrics go to metrics.jsonl as given (with "step" first, and "time": when, in Unix seconds, for
+        plots against wall time) and their numeric part to TensorBoard (which keeps its own wall time)."""
+        record = {"step": step, **{k: v for k, v in metrics.items() if k not in ("step", "time")},
+                  "time": round(time.time(), 3)}
         if rollouts is not None:
             self.rollouts.write(step, rollouts)
         self.metrics.write(record)
         if self.tensorboard is not None:
-            self.tensorboard.add_scalars(step, {k: v for k, v in record.items() if k != "step"})
+            self.tensorboard.add_scalars(step, {k: v for k, v in record.items() if k not in ("step", "time")})
 
     def close(self) -> None:
         if self._closed:

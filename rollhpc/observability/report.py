@@ -1,0 +1,242 @@
+"""``rollhpc report``: the figures and summary a person reads instead of metrics.jsonl.
+
+From one run directory (or several, drawn on the same axes to compare them) it writes, atomically,
+into the output folder:
+
+* ``learning.png``: reward and held-out accuracy against step and against wall time;
+* ``throughput.png``: generated tokens/s and the generators' idle fraction against step;
+* ``stages.png``: where each step's time went (rollout, old log-probs, reference, critic, train, weight
+  sync, the rest), one panel per run;
+* ``kl_entropy.png``: the policy's KL to the reference and its entropy, where the run logged them;
+* ``summary.txt``: steps, wall time, accuracy (first, best, last), throughput, time shares, restarts.
+
+Wall time comes from each metrics record's ``time`` (written by ``RunLog``); for runs that predate it,
+from the summed step times. Restarts and requeues (RUN_DIR/restarts.jsonl) are drawn as vertical lines
+on the wall-time axes. A run in progress is read as far as it has got (a torn last line is skipped).
+Each PNG records its axes count in its ``Description`` text chunk (``axes=N``), for tests and tools.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# step timings in metrics.jsonl (seconds), in the order they happen within a step, and their labels
+STAGES = (("rollout_s", "rollout"), ("generate_s", "generate"), ("reward_s", "reward"),
+          ("old_logprob_s", "old log-probs"), ("reference_s", "reference"), ("critic_values_s", "critic values"),
+          ("train_s", "train"), ("weight_sync_s", "weight sync"))
+RESTART_EVENTS = ("resume", "requeue", "requeued", "start")
+
+
+@dataclass
+class RunSeries:
+    """One run's metrics as columns, plus its restart times."""
+
+    name: str
+    run_dir: Path
+    records: list[dict[str, Any]]
+    restarts: list[tuple[float, str]] = field(default_factory=list)  # (minutes since the run's start, label)
+
+    def column(self, key: str) -> tuple[list[float], list[float]]:
+        """(steps, values) where the key was logged."""
+        pairs = [(r["step"], float(r[key])) for r in self.records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def minutes(self) -> dict[int, float]:
+        """Wall minutes since the first record, per step."""
+        stamped = [(r["step"], r["time"]) for r in self.records if isinstance(r.get("time"), (int, float))]
+        if stamped and len(stamped) == len(self.records):
+            t0 = stamped[0][1]
+            return {s: (t - t0) / 60 for s, t in stamped}
+        total, out = 0.0, {}
+        for r in self.records:  # older runs: the summed step times (start-up and restarts not counted)
+            total += float(r.get("step_s", 0.0) or 0.0)
+            out[r["step"]] = total / 60
+        return out
+
+    def start_time(self) -> float | None:
+        stamped = [r["time"] for r in self.records if isinstance(r.get("time"), (int, float))]
+        return stamped[0] if stamped else None
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a torn last line of a run in progress, or of a killed one
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def load_run(run_dir: Path) -> RunSeries:
+    """The run's metrics and restarts; raises FileNotFoundError naming what is missing."""
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a rollhpc run directory?)")
+    records = [r for r in _read_jsonl(path) if isinstance(r.get("step"), int)]
+    series = RunSeries(run_dir.name, run_dir, records)
+    t0 = series.start_time()
+    for event in _read_jsonl(run_dir / "restarts.jsonl"):
+        if event.get("event") not in RESTART_EVENTS or t0 is None or "time" not in event:
+            continue
+        try:
+            when = dt.datetime.strptime(event["time"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
+        except ValueError:
+            continue
+        if when >= t0:  # the first start precedes the first record: not a restart
+            label = event["event"] + (f" @ step {event['step']}" if "step" in event else "")
+            series.restarts.append(((when - t0) / 60, label))
+    return series
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """Write the figure atomically, its axes count in the PNG's Description chunk."""
+    tmp = path.with_name(f".{path.name}.partial")
+    fig.savefig(tmp, format="png", dpi=110, metadata={"Description": f"axes={len(fig.axes)}"})
+    os.replace(tmp, path)
+    return path
+
+
+def _mark_restarts(ax: Any, run: RunSeries, color: str) -> None:
+    for minutes, label in run.restarts:
+        ax.axvline(minutes, color=color, linestyle="--", linewidth=1, alpha=0.8)
+        ax.annotate(label, (minutes, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
+                    va="top", ha="right", color=color)
+
+
+def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str) -> None:
+    colors = [f"C{i}" for i in range(10)]
+    drawn = False
+    for run, color in zip(runs, colors):
+        steps, values = run.column(key)
+        if not steps:
+            continue
+        drawn = True
+        xs = [run.minutes().get(s, float("nan")) for s in steps] if wall else steps
+        ax.plot(xs, values, color=color, label=run.name, marker="." if len(xs) < 40 else None)
+        if wall:
+            _mark_restarts(ax, run, color)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("wall time (min)" if wall else "step")
+    ax.grid(alpha=0.3)
+    if not drawn:
+        ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    elif len(runs) > 1:
+        ax.legend(fontsize=8)
+
+
+def _stage_panel(ax: Any, run: RunSeries) -> None:
+    steps = [r["step"] for r in run.records if "step_s" in r]
+    bottom = [0.0] * len(steps)
+    by_step = {r["step"]: r for r in run.records}
+    for key, label in STAGES:
+        values = [float(by_step[s].get(key, 0.0) or 0.0) for s in steps]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, width=1.0, label=label, linewidth=0)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    rest = [max(0.0, float(by_step[s]["step_s"]) - b) for s, b in zip(steps, bottom)]
+    if any(rest):
+        ax.bar(steps, rest, bottom=bottom, width=1.0, label="other", linewidth=0, color="lightgray")
+    ax.set_title(f"{run.name}: time per step by stage", fontsize=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=7, loc="upper right")
+    if not steps:
+        ax.text(0.5, 0.5, "no step timings logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def summarize(run: RunSeries) -> list[str]:
+    """A few lines a person reads first."""
+    lines = [f"run {run.name} ({run.run_dir})"]
+    trained = [r for r in run.records if "step_s" in r]
+    last = run.records[-1]["step"] if run.records else 0
+    minutes = run.minutes()
+    stamped = all(isinstance(r.get("time"), (int, float)) for r in run.records)
+    lines.append(f"  steps: {last} logged, {len(trained)} trained; "
+                 + (f"wall time {minutes.get(last, 0.0):.1f} min" if stamped else
+                    f"{minutes.get(last, 0.0):.1f} min of step time (no wall-clock stamps in this run's metrics)"))
+    steps, acc = run.column("accuracy")
+    if acc:
+        best = max(range(len(acc)), key=lambda i: acc[i])
+        lines.append(f"  held-out accuracy: {acc[0]:.3f} at step {steps[0]} -> {acc[-1]:.3f} at step {steps[-1]} "
+                     f"(best {acc[best]:.3f} at step {steps[best]})")
+    _, reward = run.column("reward_mean")
+    if reward:
+        tail = reward[-10:]
+        lines.append(f"  reward: first {reward[0]:.3f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}")
+    _, tps = run.column("tokens_per_s")
+    if tps:
+        lines.append(f"  generation: {sum(tps) / len(tps):.0f} tokens/s on average")
+    total = sum(float(r["step_s"]) for r in trained)
+    if total > 0:
+        shares = [(label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total) for key, label in STAGES]
+        lines.append("  time per step: " + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
+                     + f" of {total / max(len(trained), 1):.2f} s")
+    if run.restarts:
+        lines.append(f"  restarts: {len(run.restarts)} (" + "; ".join(f"{label} at {m:.1f} min"
+                                                                    for m, label in run.restarts) + ")")
+    else:
+        lines.append("  restarts: none")
+    return lines
+
+
+def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
+    """Write the figures and summary.txt for ``run_dirs`` (compared on shared axes) into ``out_dir``;
+    returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_run(Path(d)) for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    title = " vs ".join(r.name for r in runs)
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
+    _plot_xy(axes[0][0], runs, "reward_mean", wall=False, title="reward (mean over samples)")
+    _plot_xy(axes[0][1], runs, "accuracy", wall=False, title="held-out accuracy")
+    _plot_xy(axes[1][0], runs, "reward_mean", wall=True, title="reward against wall time")
+    _plot_xy(axes[1][1], runs, "accuracy", wall=True, title="held-out accuracy against wall time")
+    fig.suptitle(f"{title}: learning")
+    written.append(_save(fig, out_dir / "learning.png"))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    _plot_xy(axes[0], runs, "tokens_per_s", wall=False, title="generated tokens/s")
+    _plot_xy(axes[1], runs, "generator_idle_fraction", wall=False, title="generator idle fraction")
+    fig.suptitle(f"{title}: throughput")
+    written.append(_save(fig, out_dir / "throughput.png"))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False)
+    for ax, run in zip(axes[:, 0], runs):
+        _stage_panel(ax, run)
+    written.append(_save(fig, out_dir / "stages.png"))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    _plot_xy(axes[0], runs, "train/kl", wall=False, title="KL to the reference policy")
+    _plot_xy(axes[1], runs, "train/entropy", wall=False, title="policy entropy")
+    fig.suptitle(f"{title}: KL and entropy")
+    written.append(_save(fig, out_dir / "kl_entropy.png"))
+    plt.close(fig)
+
+    text = "\n".join(line for run in runs for line in summarize(run)) + "\n"
+    summary = out_dir / "summary.txt"
+    tmp = out_dir / ".summary.txt.partial"
+    tmp.write_text(text)
+    os.replace(tmp, summary)
+    written.append(summary)
+    return written
