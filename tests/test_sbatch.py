@@ -1,6 +1,7 @@
 """The batch script of a heterogeneous job, compared with a reviewed golden file."""
 
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from rollhpc.cli import load_experiment
+from rollhpc.config import ConfigError, ContainerConfig
 from rollhpc.launch.device_mapping import plan_world
-from rollhpc.launch.slurm import render_sbatch
+from rollhpc.launch.slurm import container_mounts, render_sbatch
 from rollhpc.rank import bind_gpus
 from tests.conftest import cli_env, rollhpc
 
@@ -46,6 +48,136 @@ def test_hetjob_batch_script_matches_golden_file():
         GOLDEN.write_text(text)
         raise AssertionError(f"golden file written to {GOLDEN}: review it and commit it")
     assert text == GOLDEN.read_text()
+
+
+# the reviewed container variants of the golden job: the same world, its ranks in an image
+CONTAINERS = {
+    # a .sif on the shared filesystem, models read-only; the run dir (not under a mount) is bound by itself
+    "apptainer": ["cluster.container.kind=apptainer", "cluster.container.image=/shared/images/rollhpc.sif",
+                  "cluster.container.mounts=[/shared/models:/shared/models:ro]",
+                  "cluster.container.extra=[--writable-tmpfs]"],
+    # a squashfs image, PMIx, a host interpreter of its own for the batch-side helpers; /shared/runs (short
+    # form) shows the run dir already, so it gets no mount of its own
+    "pyxis": ["cluster.container.kind=pyxis", "cluster.container.image=/shared/images/rollhpc.sqsh",
+              "cluster.container.mounts=[/shared/runs,/shared/models:/models:ro]",
+              "cluster.container.extra=[--no-container-mount-home]",
+              "cluster.container.batch_python=/shared/envs/rollhpc-host/bin/python", "cluster.srun_mpi=pmix"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+def test_container_batch_script_matches_golden_file(kind):
+    golden = GOLDEN.with_name(f"hetjob_{kind}.sbatch")
+    text = render(*CONTAINERS[kind])
+    if not golden.exists():
+        golden.write_text(text)
+        raise AssertionError(f"golden file written to {golden}: review it and commit it")
+    assert text == golden.read_text()
+
+
+def test_no_container_leaves_the_batch_script_as_it_was():
+    assert render("cluster.container.kind=none") == GOLDEN.read_text()
+
+
+def rank_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "rollhpc.rank" in line]
+
+
+def test_apptainer_wraps_every_rank_and_leaves_the_batch_side_on_the_host():
+    """Every rank runs in the image (--nv only where its group has GPUs); the requeue helpers and the no-op steps
+    run on the host, which has Slurm's commands, with the submitting interpreter or cluster.container.batch_python."""
+    text = render(*CONTAINERS["apptainer"])
+    ranks = rank_lines(text)
+    assert len(ranks) == 2 and all(" /shared/images/rollhpc.sif python3 -m rollhpc.rank /shared/runs/golden" in line
+                                   for line in ranks)
+    assert "--ntasks=2 --distribution=block --export=ALL,OMP_NUM_THREADS=1 apptainer exec --bind " in ranks[0]
+    assert "--ntasks=12 --distribution=block --export=ALL,OMP_NUM_THREADS=1 apptainer exec --nv --bind " in ranks[1]
+    helpers = [line for line in text.splitlines() if "rollhpc.launch.requeue" in line and not line.startswith("#")]
+    assert len(helpers) == 3 and not any("apptainer" in line for line in helpers)
+    assert all(line.startswith(("started=$(python -m", "python -m", "exec python -m")) for line in helpers)
+    assert "srun --het-group=0 --nodes=1 --ntasks=1 true; done" in text
+    assert 'export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"' in text  # pmi2: MPICH inside, as outside
+    own = render(*CONTAINERS["apptainer"], "cluster.container.batch_python=/opt/host/bin/python3")
+    assert rank_lines(own) == ranks
+    assert own.count("/opt/host/bin/python3 -m rollhpc.launch.requeue") == 3
+
+
+def test_pyxis_gives_every_het_group_the_same_container_options():
+    """pyxis's options are SPANK options, held once per srun step: every segment carries the same ones, and the
+    command goes through /usr/bin/env so that the image's PATH, not the host's, finds the interpreter."""
+    text = render(*CONTAINERS["pyxis"])
+    ranks = rank_lines(text)
+    wrapped = [line[line.index("--container-image="):].rstrip(" \\&") for line in ranks]
+    assert len(wrapped) == 2 and wrapped[0] == wrapped[1] == (
+        "--container-image=/shared/images/rollhpc.sqsh --container-mounts=/shared/runs:/shared/runs,"
+        "/shared/models:/models:ro --no-container-mount-home /usr/bin/env python3 -m rollhpc.rank /shared/runs/golden")
+    assert "--mpi=pmix" in ranks[0] and "MPIR_CVAR_CH4_NETMOD" not in text and "--nv" not in text
+    registry = render(*CONTAINERS["pyxis"], "cluster.container.image='nvcr.io#nvidia/pytorch:24.05-py3'")
+    words = shlex.split(rank_lines(registry)[0].rstrip(" \\"))  # what bash hands srun
+    assert "--container-image=nvcr.io#nvidia/pytorch:24.05-py3" in words
+
+
+@pytest.mark.parametrize("mounts, kind, expected", [
+    (["/shared"], "apptainer", ["/shared"]),  # shows the run dir at its own path
+    (["/shared:/shared:ro"], "apptainer", ["/shared:/shared:ro", "/shared/runs/x"]),  # read-only: bound again
+    (["/shared:/data"], "apptainer", ["/shared:/data", "/shared/runs/x"]),  # elsewhere inside: bound again
+    (["/shared/run"], "apptainer", ["/shared/run", "/shared/runs/x"]),  # a sibling, not a parent
+    ([], "pyxis", ["/shared/runs/x:/shared/runs/x"]),
+    (["/shared/runs/x/", "/m:/m:ro+rprivate"], "pyxis", ["/shared/runs/x/:/shared/runs/x/", "/m:/m:ro+rprivate"]),
+])
+def test_the_run_dir_is_mounted_at_its_own_path_unless_a_writable_mount_shows_it(mounts, kind, expected):
+    image = "/i.sif" if kind == "apptainer" else "/i.sqsh"
+    container = ContainerConfig(kind=kind, image=image, mounts=mounts)
+    assert container_mounts(container, Path("/shared/runs/x")) == expected
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["kind=docker"], r"cluster\.container\.kind: 'docker' is not one of \['none', 'apptainer', 'pyxis'\]"),
+    (["image=/i.sif"], r"^cluster\.container\.image: set, but cluster\.container\.kind is 'none'"),
+    (["kind=apptainer"], r"^cluster\.container\.image: empty: kind apptainer needs the image"),
+    (["kind=pyxis", "image=''"], r"^cluster\.container\.image: empty: kind pyxis needs the image"),
+    (["kind=apptainer", "image=docker://ubuntu:24.04"], r"^cluster\.container\.image: .*build it once"),
+    (["kind=apptainer", "image=images/i.sif"], r"^cluster\.container\.image: 'images/i.sif' is relative"),
+    (["kind=pyxis", "image=/i.sif"], r"^cluster\.container\.image: '/i.sif' is an Apptainer image"),
+    (["kind=pyxis", "image=i.sqsh"], r"^cluster\.container\.image: 'i.sqsh': pyxis reads a name that does not"),
+    (["kind=apptainer", "image=/i.sif", "mounts=[/a:/b:ro:x]"],
+     r"^cluster\.container\.mounts\[0\]: '/a:/b:ro:x' is not 'src\[:dst\[:opts\]\]'"),
+    (["kind=apptainer", "image=/i.sif", "mounts=[/a::ro]"], r"^cluster\.container\.mounts\[0\]: '/a::ro' is not"),
+    (["kind=pyxis", "image=/i.sqsh", "mounts=[/ok,data:/data]"],
+     r"^cluster\.container\.mounts\[1\]: 'data:/data': source and destination must be absolute"),
+    (["kind=apptainer", "image=/i.sif", "mounts=[/a:/a:ro+rprivate]"], r"apptainer's bind options are ro or rw"),
+    (["kind=pyxis", "image=/i.sqsh", "mounts=[/a:/a:ro+]"], r"pyxis's mount flags are joined with '\+'"),
+    (["kind=apptainer", "image=/i.sif", "extra=[--cleanenv]"],
+     r"^cluster\.container\.extra\[0\]: '--cleanenv' clears the environment inside the container: srun's PMI_"),
+    (["kind=apptainer", "image=/i.sif", "extra=[-C]"], r"'-C' clears the environment"),
+    (["kind=apptainer", "image=/i.sif", "extra=[writable-tmpfs]"], r"one option per item, written --flag"),
+    (["kind=pyxis", "image=/i.sqsh", "extra=[--nv]"], r"pyxis's options are srun's --container-\* and"),
+    (["kind=pyxis", "image=/i.sqsh", "extra=['--container-image=/j.sqsh']"],
+     r"set it with cluster\.container\.image"),
+    (["kind=apptainer", "image=/i.sif", "python=''"], r"^cluster\.container\.python: empty"),
+    (["kind=pyxis", "image=/i.sqsh", "batch_python=.venv/bin/python"],
+     r"^cluster\.container\.batch_python: '\.venv/bin/python' is not one interpreter"),
+])
+def test_container_mistakes_fail_at_load_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_experiment("toy_grpo", [*OVERRIDES, *(f"cluster.container.{o}" for o in overrides)])
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+def test_submit_dry_run_shows_the_ranks_in_their_container(tmp_path, kind):
+    res = rollhpc("submit", "toy_grpo", *OVERRIDES, *CONTAINERS[kind], "--dry-run", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    run = tmp_path.resolve() / "runs" / "golden"  # outside every configured mount: mounted by itself
+    wrapped = {
+        "apptainer": f"apptainer exec --nv --bind /shared/models:/shared/models:ro,{run} --writable-tmpfs "
+                     f"/shared/images/rollhpc.sif python3 -m rollhpc.rank {run}",
+        "pyxis": f"--container-image=/shared/images/rollhpc.sqsh --container-mounts=/shared/runs:/shared/runs,"
+                 f"/shared/models:/models:ro,{run}:{run} --no-container-mount-home "
+                 f"/usr/bin/env python3 -m rollhpc.rank {run}",
+    }[kind]
+    ranks = rank_lines(res.stdout)  # het group 0 (controller, reward) has no GPUs: no --nv there
+    assert len(ranks) == 2 and wrapped in ranks[1] and wrapped.replace(" --nv", "") in ranks[0]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_submit_dry_run_prints_the_script_and_submits_nothing(tmp_path):

@@ -8,13 +8,14 @@ directly and finds its role, node and GPUs in RUN_DIR/plan.json.
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 import subprocess
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from rollhpc.config import ExperimentConfig
+from rollhpc.config import ContainerConfig, ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
 from rollhpc.launch.resubmit import BATCH_SCRIPT, TERMINAL, current_job, write_atomic
 
@@ -58,10 +59,81 @@ PMI1_SAFE_NETMOD = [
 ]
 
 
+# srun resolves a task's command on the host, before pyxis enters the container: a bare `python3` the host has
+# too would become the host's /usr/bin/python3, which in the image may be another interpreter than the one
+# with rollhpc (NVIDIA/pyxis#104). /usr/bin/env is on every host and image and searches the image's PATH.
+PYXIS_ENV = "/usr/bin/env"
+
+
+def container_mounts(container: ContainerConfig, run_dir: Path) -> list[str]:
+    """The ranks' bind mounts: ``cluster.container.mounts`` (pyxis's in their long SRC:DST form, which every pyxis
+    version reads), then the run directory at its own path unless a writable mount shows it there already.
+
+    The ranks write RUN_DIR (logs, checkpoints, their exit records) and the batch-side helpers read it at the
+    host's path, so it must have the same path inside; binding it rather than requiring it spares a run that
+    never starts because a mount was forgotten (a mount of it elsewhere does not count)."""
+    mounts, shown = [], False
+    for mount in container.mounts:
+        src, dst, opts = (mount.split(":") + ["", ""])[:3]
+        dst = dst or src
+        if container.kind == "pyxis" and ":" not in mount:
+            mount = f"{src}:{src}"
+        mounts.append(mount)
+        writable = "ro" not in opts.split("+")
+        if writable and posixpath.normpath(src) == posixpath.normpath(dst) and \
+                PurePosixPath(run_dir).is_relative_to(PurePosixPath(posixpath.normpath(src))):
+            shown = True
+    if not shown:
+        mounts.append(str(run_dir) if container.kind == "apptainer" else f"{run_dir}:{run_dir}")
+    return mounts
+
+
+def _rank_command(container: ContainerConfig, comp: Component, run_dir: Path, python: str) -> str:
+    """What srun starts for the ranks of one het group: ``python -m rollhpc.rank RUN_DIR`` on the host, wrapped
+    in ``apptainer exec``, or behind pyxis's srun options. Those are the same for every group: pyxis is a SPANK
+    plugin, whose options srun holds once per step (a second, different --container-image is refused), so one
+    image serves the whole world; apptainer's --nv alone differs, given only where the group has GPUs."""
+    run = shlex.quote(str(run_dir))
+    if container.kind == "none":
+        return f"{python} -m rollhpc.rank {run}"
+    mounts = shlex.quote(",".join(container_mounts(container, run_dir)))
+    extra = "".join(f" {shlex.quote(opt)}" for opt in container.extra)
+    inner = shlex.quote(container.python)
+    if container.kind == "apptainer":  # --nv: the host's driver libraries and GPU devices, where there are GPUs
+        return (f"apptainer exec{' --nv' if comp.gpus_per_node else ''} --bind {mounts}{extra} "
+                f"{shlex.quote(container.image)} {inner} -m rollhpc.rank {run}")
+    return (f"--container-image={shlex.quote(container.image)} --container-mounts={mounts}{extra} "
+            f"{PYXIS_ENV} {inner} -m rollhpc.rank {run}")
+
+
+def _container_notes(container: ContainerConfig, srun_mpi: str) -> list[str]:
+    """Comment lines that say, in a container job's script, what runs where and how MPI is wired."""
+    if container.kind == "none":
+        return []
+    where = {"apptainer": ["# every rank runs in the Apptainer image (cluster.container; --nv where its het group has",
+                           "# GPUs); this script, its requeue helpers and the no-op steps run on the host, where",
+                           "# Slurm's commands are"],
+             "pyxis": ["# every rank runs in the pyxis (enroot) container (cluster.container): srun keeps the",
+                       "# --container-* options (SPANK options) once per step, so every het group gets the same",
+                       "# ones; this script, its requeue helpers and the no-op steps run on the host, where",
+                       "# Slurm's commands are"]}[container.kind]
+    wiring = {"pmi2": ["# MPI inside: the image's MPICH speaks PMI to srun's pmi2 plugin over the PMI_FD socket and",
+                       "# the PMI_* variables every rank inherits (slurm/README.md, Containers)"],
+              "pmix": ["# MPI inside: the image's MPI must be built with PMIx; it finds srun's pmix server through",
+                       "# PMIX_* variables and PMIX_SERVER_TMPDIR, which must be visible inside (slurm/README.md)"]}
+    return where + wiring.get(srun_mpi, [])
+
+
 def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
-    """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun."""
+    """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun.
+
+    ``python``: the host interpreter of the batch-side helpers (default: this one, which is how the job finds
+    rollhpc without a container); with ``cluster.container`` the ranks use the image's, the helpers
+    ``cluster.container.batch_python`` when it is set."""
     python = python or shlex.quote(sys.executable)
     run = shlex.quote(str(run_dir))
+    container = cfg.cluster.container
+    helper = shlex.quote(container.batch_python) if container.batch_python else python
     lines = [
         "#!/bin/bash",
         f"# rollhpc: experiment {cfg.run.name}, {plan.world_size} MPI ranks in {len(plan.components)} het group(s);",
@@ -92,7 +164,7 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     lines += list(cfg.cluster.setup)
     if cfg.cluster.srun_mpi == "pmi2":
         lines += PMI1_SAFE_NETMOD
-    lines += [f'started=$({python} -m rollhpc.launch.requeue start "$run_dir")',
+    lines += [f'started=$({helper} -m rollhpc.launch.requeue start "$run_dir")',
               '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
               '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
               'case "$started" in finished|superseded|requeued) exit 0;; esac']
@@ -102,7 +174,7 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         segments.append(
             (f"--het-group={comp.index} " if het else "")
             + f"--mpi={cfg.cluster.srun_mpi} --ntasks={comp.ntasks} --distribution=block "
-            f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {python} -m rollhpc.rank {run}"
+            f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {_rank_command(container, comp, run_dir, python)}"
         )
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
     first = "--het-group=0 " if het else ""
@@ -110,18 +182,21 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
               "# 0: one no-op step per earlier attempt gives this attempt's world an id of its own, so it never",
               "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.mpi_shm removes those",
-              f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
-              "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\", "    " + " \\\n  : ".join(segments) + " &",
+              f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
+              f'timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
+              *_container_notes(container, c.srun_mpi),
+              "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\",
+              "    " + " \\\n  : ".join(segments) + " &",
               "srun_pid=$!",
               "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
               "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
-              f'{python} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} '
+              f'{helper} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} '
               f'--world-timeout {cfg.controller.world_timeout_s + WORLD_TIMEOUT_MARGIN_S:g} &',
               "watch_pid=$!",
               "# wait returns early when the trap runs: wait again until srun itself has ended",
               'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
               'kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null',
-              f'exec {python} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
+              f'exec {helper} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
               + ("" if c.requeue else " --no-requeue"), ""]
     return "\n".join(lines)
 
