@@ -136,6 +136,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     _check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
+        preview = getattr(config_mod.import_object(cfg.pipeline.entry, "pipeline.entry"), "preview", None)
+        if preview is not None:  # what the policy will be shown: chat template or plain text
+            print("\n".join(preview(cfg.pipeline.options)))
         return 0
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")

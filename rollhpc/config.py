@@ -479,6 +479,10 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     for path, keys in keys_by_path.items():
         what = f"{path} has no config.json" if path.is_dir() else f"no model directory at {path}"
         problems.append(f"{', '.join(keys)}: {what} (a Hugging Face checkpoint directory: {hint})")
+    data_paths = getattr(pipeline, "data_paths", None)  # dataset files the pipeline reads (the files task)
+    for key, data in (data_paths(cfg.pipeline.options) if data_paths is not None else []):
+        if not Path(data).expanduser().is_file():
+            problems.append(f"{key}: no dataset file at {data}")
     return problems
 
 

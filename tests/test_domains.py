@@ -90,14 +90,14 @@ def test_a_prompt_of_an_unknown_domain_is_an_error_and_one_list_of_ports_is_one_
 
 def test_prompts_follow_the_shares_and_resume_where_they_stopped():
     examples = [SimpleNamespace(domain=d, prompt=f"{d} {i}", inner=(d, i)) for d in ("a", "b") for i in range(5)]
-    stream = MixedPromptStream(examples, {"a": 0.8, "b": 0.2}, lambda text: [len(text)], seed=3)
+    stream = MixedPromptStream(examples, {"a": 0.8, "b": 0.2}, lambda ex: [len(ex.prompt)], seed=3)
     first = [next(stream) for _ in range(500)]
     share = sum(p.domain == "a" for p in first) / len(first)
     assert 0.74 < share < 0.86 and [p.uid for p in first] == list(range(500))
     assert all(p.example[0] == p.domain for p in first)
     state = stream.state_dict()
     after = [(p.domain, p.example) for p in (next(stream) for _ in range(20))]
-    again = MixedPromptStream(examples, {"a": 0.8, "b": 0.2}, lambda text: [len(text)], seed=99)
+    again = MixedPromptStream(examples, {"a": 0.8, "b": 0.2}, lambda ex: [len(ex.prompt)], seed=99)
     again.load_state_dict(state)
     assert [(p.domain, p.example) for p in (next(again) for _ in range(20))] == after
     with pytest.raises(ValueError, match="no training examples for domain"):

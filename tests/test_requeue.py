@@ -92,11 +92,11 @@ def test_prompt_stream_resumes_where_it_stopped():
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 7, 3, digits=2, ops=("+",))
-    a = PromptStream(train, lambda s: [ord(c) for c in s], seed=3)
+    a = PromptStream(train, lambda ex: [ord(c) for c in ex.prompt], seed=3)
     head = [next(a) for _ in range(10)]  # past the end of an epoch: a reshuffle happened
     state = a.state_dict()
     rest = [next(a) for _ in range(9)]
-    b = PromptStream(train, lambda s: [ord(c) for c in s], seed=99)
+    b = PromptStream(train, lambda ex: [ord(c) for c in ex.prompt], seed=99)
     b.load_state_dict(state)
     assert [p.uid for p in head] == list(range(10))
     assert [(p.uid, p.tokens) for p in (next(b) for _ in range(9))] == [(p.uid, p.tokens) for p in rest]

@@ -198,7 +198,7 @@ def test_task_module_finds_tasks_by_short_name_or_import_path():
     assert "modsum" not in tasks.available_tasks()  # a helper module, not a task
     assert tasks.TASKS == tuple(tasks.available_tasks())
     with pytest.raises(ValueError, match="unknown task 'nope'; tasks in rollhpc.tasks are arithmetic, countdown, "
-                                         "freeform_math"):
+                                         "files, freeform_math"):
         tasks.task_module("nope")
     with pytest.raises(ValueError, match="unknown task 'no_such_pkg.task'"):
         tasks.task_module("no_such_pkg.task")

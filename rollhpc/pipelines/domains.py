@@ -39,7 +39,9 @@ class DomainConfig:
     def __post_init__(self) -> None:
         from rollhpc.tasks import task_module
 
-        task_module(self.task)
+        check = getattr(task_module(self.task), "check_options", None)  # tasks over files validate them at load
+        if check is not None:
+            self.options = check(dict(self.options))
         if not 0 < self.share <= 1:
             raise ValueError(f"share must be in (0, 1], got {self.share}")
         if not self.rewards:
@@ -107,7 +109,7 @@ class MixedPromptStream:
         ex = pool[self._order[domain][self._pos[domain]]]
         self._pos[domain] += 1
         self.drawn += 1
-        return Prompt(self.drawn - 1, tuple(self.encode(ex.prompt)), ex.inner, domain=domain)
+        return Prompt(self.drawn - 1, tuple(self.encode(ex)), ex.inner, domain=domain)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.getstate(), "order": {d: list(o) for d, o in self._order.items()},

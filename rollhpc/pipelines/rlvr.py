@@ -50,6 +50,7 @@ from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline
+from rollhpc.rollout.prompts import PromptRenderer
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
 
@@ -68,7 +69,10 @@ class TaskConfig:
     def __post_init__(self) -> None:
         from rollhpc.tasks import task_module
 
-        task_module(self.name)
+        task = task_module(self.name)
+        check = getattr(task, "check_options", None)  # tasks over files read and validate them here, at load
+        if check is not None:
+            self.options = check(dict(self.options))
 
 
 @dataclass(kw_only=True)
@@ -104,7 +108,7 @@ class PromptStream:
         ex = self.examples[self._order[self._pos]]
         self._pos += 1
         self.drawn += 1
-        return Prompt(self.drawn - 1, tuple(self.encode(ex.prompt)), ex)
+        return Prompt(self.drawn - 1, tuple(self.encode(ex)), ex)
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.getstate(), "order": list(self._order), "pos": self._pos, "drawn": self.drawn,
@@ -143,6 +147,9 @@ class RlvrPipeline(TrainingPipeline):
         old_logprob_source: Literal["trainer", "generator"] = "trainer"
         eval_every: int = 10
         eval_max_tokens: int = 16
+        # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
+        # without one), or plain text (off); rollhpc.rollout.prompts
+        chat_template: Literal["auto", "on", "off"] = "auto"
         weight_sync: Literal["broadcast", "relay"] = "broadcast"  # direct process group, or through the controller
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
@@ -185,6 +192,47 @@ class RlvrPipeline(TrainingPipeline):
     def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
         super().__init__(groups, run, options)
         self.checkpointer: RunCheckpointer | None = None  # made by setup
+
+    @classmethod
+    def data_paths(cls, options: Options) -> list[tuple[str, str]]:
+        """Dataset files the task reads (``config.missing_inputs`` checks they exist), with their config keys."""
+        from rollhpc.tasks import task_module
+
+        if options.domains:
+            found = []
+            for name, d in options.domains.items():
+                paths = getattr(task_module(d.task), "data_paths", None)
+                found += [(f"pipeline.options.domains.{name}.options.{k}", p)
+                          for k, p in (paths(d.options) if paths else [])]
+            return found
+        paths = getattr(task_module(options.task.name), "data_paths", None)
+        return [(f"pipeline.options.task.options.{k}", p) for k, p in (paths(options.task.options) if paths else [])]
+
+    @classmethod
+    def preview(cls, options: Options, n: int = 2) -> list[str]:
+        """For ``rollhpc train --dry-run``: the first training prompts exactly as the policy will see them
+        (chat template or plain text), with their token counts. Needs the model's tokenizer here."""
+        from transformers import AutoTokenizer
+
+        from rollhpc.tasks import task_module
+
+        model_dir = Path(options.model_dir)
+        if not (model_dir / "config.json").is_file():
+            return [f"prompts: not shown, {model_dir} is not there yet"
+                    + (" (the warm start builds it)" if options.warm_start is not None else "")]
+        absent = [key for key, p in cls.data_paths(options) if not Path(p).is_file()]
+        if absent:
+            return [f"prompts: not shown, the dataset files of {', '.join(absent)} are not here"]
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        render = PromptRenderer(tokenizer, options.chat_template)
+        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.task_options.items()}
+        train, _ = task_module(options.task_name).make_splits(options.task.split_seed, n, 1, **opts)
+        how = "in the model's chat template" if render.uses_template else "plain text, no chat template"
+        lines = [f"prompts ({how}), the first {len(train[:n])} of task {options.task_name}:"]
+        for i, ex in enumerate(train[:n], 1):
+            lines.append(f"--- prompt {i}: {len(render(ex))} tokens, reference answer {getattr(ex, 'answer', '?')!r}")
+            lines.append(render.text(ex))
+        return lines
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
@@ -234,6 +282,7 @@ class RlvrPipeline(TrainingPipeline):
         o = self.options
         self.tokenizer = AutoTokenizer.from_pretrained(o.model_dir)
         self.pad_id = self.tokenizer.pad_token_id
+        self.render = PromptRenderer(self.tokenizer, o.chat_template)
         task = task_module(o.task_name)
         if (Path(o.model_dir) / "sft_report.json").is_file():  # the policy's own splits: held-out stays unseen
             from rollhpc.models.policy_prep import policy_splits, read_report
@@ -266,9 +315,9 @@ class RlvrPipeline(TrainingPipeline):
                                           o.rollout, seed=self.run_ctx.seed)
         if o.domains:
             self.prompts: Any = domains_mod.MixedPromptStream(
-                self.train_set, {n: d.share for n, d in o.domains.items()}, self.tokenizer.encode, self.run_ctx.seed)
+                self.train_set, {n: d.share for n, d in o.domains.items()}, self.render, self.run_ctx.seed)
         else:
-            self.prompts = PromptStream(self.train_set, self.tokenizer.encode, self.run_ctx.seed)
+            self.prompts = PromptStream(self.train_set, self.render, self.run_ctx.seed)
         self.kl_control = KlController(o.kl_control)
         self.reward_norm: Any = (domains_mod.DomainNormalizers(o.reward_norm, list(o.domains)) if o.domains
                                  else RewardNormalizer(o.reward_norm))
@@ -350,7 +399,7 @@ class RlvrPipeline(TrainingPipeline):
         from rollhpc.rollout.scoring import components_of, item_components
 
         o = self.options
-        prompts = [self.tokenizer.encode(ex.prompt) for ex in self.heldout]
+        prompts = [self.render(ex) for ex in self.heldout]
         outs = self.groups["generate"].generate(prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0)
         self.domain_accuracy: dict[str, float] = {}
         if not o.domains:

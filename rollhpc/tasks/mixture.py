@@ -32,6 +32,11 @@ class DomainExample:
     def prompt(self) -> str:
         return task_module(self.task).format_prompt(self.inner)
 
+    def chat(self) -> list[dict[str, str]]:
+        """The inner example's conversation when it has one (file datasets), else the prompt as the user turn."""
+        chat = getattr(self.inner, "chat", None)
+        return chat() if callable(chat) else [{"role": "user", "content": self.prompt}]
+
 
 def _seed(seed: int, domain: str) -> int:
     return seed ^ int.from_bytes(hashlib.sha256(domain.encode()).digest()[:4], "little")

@@ -1,0 +1,48 @@
+"""An example's prompt as the token ids the policy sees: its chat template, or plain text.
+
+Instruction-tuned checkpoints (Qwen2.5-Instruct, Llama-3-Instruct, Qwen3) were trained on conversations
+in their own chat template; a bare question gets them out of distribution. So when the tokenizer has a
+template (``tokenizer.chat_template``) and the pipeline's ``chat_template`` option is ``auto`` (or ``on``),
+the example's conversation is rendered with ``apply_chat_template(..., add_generation_prompt=True)``: the
+task's system prompt, its messages (or its prompt as the one user turn), then the assistant's header, so
+the response is the assistant's turn. Without a template (the tiny models of the quickstart) the prompt
+is the task's plain text, encoded as the tokenizer encodes any text. An example offers ``chat()`` (a
+list of role/content dicts) to give more than one user turn; otherwise ``prompt`` is the user turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+ChatTemplateMode = Literal["auto", "on", "off"]
+
+
+class PromptRenderer:
+    """``renderer(example) -> token ids``; ``renderer.text(example)``: the same prompt as text."""
+
+    def __init__(self, tokenizer: Any, mode: ChatTemplateMode = "auto"):
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"chat_template must be auto, on or off, got {mode!r}")
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if mode == "on" and not has_template:
+            raise ValueError(f"chat_template=on, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
+                             "no chat template (set chat_template=auto or off for plain-text prompts)")
+        self.tokenizer = tokenizer
+        self.uses_template = has_template and mode != "off"
+
+    @staticmethod
+    def conversation(example: Any) -> list[dict[str, str]]:
+        chat = getattr(example, "chat", None)
+        return chat() if callable(chat) else [{"role": "user", "content": example.prompt}]
+
+    def text(self, example: Any) -> str:
+        if not self.uses_template:
+            return example.prompt
+        return str(self.tokenizer.apply_chat_template(self.conversation(example), tokenize=False,
+                                                      add_generation_prompt=True))
+
+    def __call__(self, example: Any) -> list[int]:
+        if not self.uses_template:
+            return list(self.tokenizer.encode(example.prompt))
+        # the template writes the special tokens itself: none added around it
+        return list(self.tokenizer.encode(self.text(example), add_special_tokens=False))
