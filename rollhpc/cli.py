@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "ranks serve the configured roles. Writes runs/NAME/ (config.yaml, metrics.jsonl, "
                        "logs/ per rank, error.json on failure).")
     experiment_args(t)
-    t.add_argument("--dry-run", action="store_true", help="print the mpiexec command and the first prompts as the policy will see them (chat template or plain text), then exit")
+    t.add_argument("--dry-run", action="store_true", help="print the mpiexec command and the first prompts as the "
+                   "policy will see them (chat template or plain text), then exit")
     t.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
     t.add_argument("--resume", action="store_true",
                    help="continue an existing run directory (same configuration) from its newest good checkpoint; "
