@@ -126,6 +126,7 @@ class TrainerLayoutScenario(Pipeline):
         steps: int = 2
         save_after: int = 0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
         resume_from: str = ""  # a train role dir an earlier run saved: load it, then run the steps after save_after
+        on_policy: bool = False  # train without old_logprob (the step's own forward gives them)
 
     def run(self) -> None:
         import torch
@@ -144,10 +145,11 @@ class TrainerLayoutScenario(Pipeline):
             advantage = rng.standard_normal(o.rows).astype(np.float32)
             if o.resume_from and step <= o.save_after:
                 continue  # the resumed run's batches are the ones after its checkpoint
-            logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
-            stats = train.train_step(Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": logp,
-                                            "advantage": advantage}), LossConfig(kl_coef=0.0, entropy_coef=0.01))
-            out["logprob"].append(torch.as_tensor(logp))
+            data = {"tokens": tokens, "loss_mask": mask, "advantage": advantage}
+            if not o.on_policy:
+                data["old_logprob"] = logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+                out["logprob"].append(torch.as_tensor(logp))
+            stats = train.train_step(Batch(data), LossConfig(kl_coef=0.0, entropy_coef=0.01))
             out["loss"].append(stats[0]["loss"])
             out["grad_norm"].append(stats[0]["grad_norm"])
             if step == o.save_after:

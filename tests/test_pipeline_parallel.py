@@ -124,3 +124,14 @@ def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment,
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_an_on_policy_step_needs_no_old_logprob_forward(models, one_stage, experiment, tmp_path):
+    """Without old_logprob the train step takes its own forward's log-probs as the old ones (the RLVR
+    pipeline skips the separate forward when the update is exactly on-policy): same losses, gradients
+    (grad norms) and weights after two steps as with the separate forward."""
+    got = _run(experiment, tmp_path, "on_policy", models["dense"], 1, {}, on_policy=True)
+    assert got["logprob"] == []
+    assert_same_training(got, {**one_stage["dense"], "logprob": []})
+

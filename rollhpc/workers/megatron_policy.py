@@ -350,13 +350,18 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         """``mini_batches`` optimizer steps on this batch.
 
         batch: ``tokens [B, L]`` int, ``loss_mask [B, L-1]`` (1 where the target token is a response
-        token), ``old_logprob [B, L-1]``, ``advantage [B]`` or ``[B, L-1]``, optional ``ref_logprob``.
+        token), ``old_logprob [B, L-1]`` (absent: on-policy, the step's own forward gives them; only for one
+        optimizer step), ``advantage [B]`` or ``[B, L-1]``, optional ``ref_logprob`` and ``gen_logprob`` (the
+        generator's log-probs: ``gen_logprob_abs_diff`` says how far the trainer's are from them, per token).
         Returns, from each DP leader, one dict of metrics averaged over the mini-batches.
         """
         from rollhpc.algo.losses import policy_loss
         from rollhpc.models.megatron_pipeline import run_schedule
 
         o: MegatronTrainWorker.Options = self.options
+        if "old_logprob" not in batch.data and o.mini_batches > 1:
+            raise ValueError(f"a batch without old_logprob is trained on-policy, in one optimizer step; this role "
+                             f"takes mini_batches={o.mini_batches}")
         t0 = time.perf_counter()
         rows = np.arange(len(batch))
         metrics: dict[str, list[float]] = {}
@@ -367,8 +372,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
             def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
                 logp, entropy = self._logprobs(logits, part["tokens"], with_entropy=loss_config.entropy_coef > 0)
+                # without old_logprob the update is on-policy (one optimizer step on a batch of the current
+                # weights): the old log-probs are this forward's own, and the ratio is exactly 1
+                old = part["old_logprob"].float() if "old_logprob" in part else logp.detach().float()
                 value, stats = policy_loss(
-                    logp, part["old_logprob"].float(), part["advantage"].float(), part["loss_mask"].float(),
+                    logp, old, part["advantage"].float(), part["loss_mask"].float(),
                     clip_low=loss_config.clip_low, clip_high=loss_config.clip_high, dual_clip=loss_config.dual_clip,
                     agg=loss_config.agg, ref_logprob=part["ref_logprob"].float() if "ref_logprob" in part else None,
                     kl_coef=loss_config.kl_coef, kl_kind=loss_config.kl_kind, entropy=entropy,
@@ -378,6 +386,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                 # loss terms are already shares of the global loss; rates are local
                 kept = {k: float(v) * (weight if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
                 kept["loss"] = float(value.detach())
+                if "gen_logprob" in part:  # the generator's log-probs of these tokens: how far apart the engines are
+                    diff = ((logp.detach().float() - part["gen_logprob"].float()).abs() * part["loss_mask"]).sum()
+                    kept["gen_logprob_abs_diff"] = float(diff) / max(n_tokens, 1.0)
                 return value, kept
 
             mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
