@@ -8,7 +8,8 @@ One step:
      loss on generated tokens only) or one row per turn (``formulation: step``, GiGPO-style);
   3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns, or GiGPO's episode-level
      plus step-level advantage among turns that acted in the same state (``state_key``);
-  4. log-probs (trainer), train (a fixed number of optimizer steps: the trainer's ``mini_batches``), weight
+  4. log-probs (trainer; skipped when the trainer takes one optimizer step: the update is then on-policy and
+     the train step's own forward gives them), train (the trainer's ``mini_batches`` optimizer steps), weight
      sync: as in RLVR.
 Evaluation plays held-out seeds (never drawn for training, nor by the SFT warm start) and reports the success
 rate, mean return and mean turns. ``success_rate`` in a step's metrics is over the episodes it trained on
@@ -143,6 +144,9 @@ class AgenticPipeline(TrainingPipeline):
         rollout_every: int = 1
         max_wall_s: float = 0.0
         checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+        # with one optimizer step per batch the update is exactly on-policy (rollouts are synchronous here):
+        # the train step's own forward gives the old log-probs, no separate forward (as in the RLVR pipeline)
+        skip_on_policy_logprobs: bool = True
 
         def __post_init__(self) -> None:
             if self.steps < 1 or self.groups_per_step < 1 or self.eval_every < 0 or self.n_heldout < 0:
@@ -231,6 +235,8 @@ class AgenticPipeline(TrainingPipeline):
         t = time.perf_counter()
         stats = train.train_step(batch, self.options.loss)
         times["train_s"] = time.perf_counter() - t
+        if "gen_logprob_abs_diff" in stats[0]:  # on-policy: measured by the train step (summed over DP already)
+            times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
         self.policy.version += 1
         t = time.perf_counter()
         times["weight_sync_s"] = self.weight_sync(self.policy.version)
@@ -281,13 +287,18 @@ class AgenticPipeline(TrainingPipeline):
             data = {k: v[order] for k, v in data.items()}
             advantage = advantage[order]
         tokens, mask = data["tokens"], data["loss_mask"]
+        advantage = np.asarray(advantage, dtype=np.float32)
+        train_options = self.run_ctx.config.roles["train"].options if self.run_ctx.config is not None else None
+        if self.options.skip_on_policy_logprobs and getattr(train_options, "mini_batches", 1) == 1:
+            # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
+            return Batch({"tokens": tokens, "loss_mask": mask, "gen_logprob": data["old_logprob"],
+                          "advantage": advantage})
         t = time.perf_counter()
         old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
         times["old_logprob_s"] = time.perf_counter() - t
         # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
         times["logprob_abs_diff"] = float((np.abs(old - data["old_logprob"]) * mask).sum() / max(mask.sum(), 1))
-        return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old,
-                      "advantage": np.asarray(advantage, dtype=np.float32)})
+        return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage})
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
