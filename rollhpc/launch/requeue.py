@@ -90,16 +90,9 @@ def log_event(run_dir: Path, event: dict[str, Any]) -> None:
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / RESTARTS_LOG
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line torn by a kill
-    return out
+    from rollhpc.observability.metrics import read_jsonl
+
+    return read_jsonl(Path(run_dir) / RESTARTS_LOG)  # a line torn by a kill is skipped
 
 
 def record_failed_node(run_dir: Path, host: str, why: str) -> None:

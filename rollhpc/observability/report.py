@@ -19,11 +19,14 @@ Each PNG records its axes count in its ``Description`` text chunk (``axes=N``), 
 from __future__ import annotations
 
 import datetime as dt
-import json
-import os
+import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rollhpc.checkpoint.storage import atomic_write_bytes
+from rollhpc.launch.requeue import read_events
+from rollhpc.observability.metrics import read_jsonl
 
 # step timings in metrics.jsonl (seconds), in the order they happen within a step, and their labels
 STAGES = (("rollout_s", "rollout"), ("generate_s", "generate"), ("reward_s", "reward"),
@@ -63,30 +66,16 @@ class RunSeries:
         return stamped[0] if stamped else None
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    out = []
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a torn last line of a run in progress, or of a killed one
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
 def load_run(run_dir: Path) -> RunSeries:
     """The run's metrics and restarts; raises FileNotFoundError naming what is missing."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a rollhpc run directory?)")
-    records = [r for r in _read_jsonl(path) if isinstance(r.get("step"), int)]
+    records = [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]
     series = RunSeries(run_dir.name, run_dir, records)
     t0 = series.start_time()
-    for event in _read_jsonl(run_dir / "restarts.jsonl"):
+    for event in read_events(run_dir):
         if event.get("event") not in RESTART_EVENTS or t0 is None or "time" not in event:
             continue
         try:
@@ -100,10 +89,13 @@ def load_run(run_dir: Path) -> RunSeries:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    """Write the figure atomically, its axes count in the PNG's Description chunk."""
-    tmp = path.with_name(f".{path.name}.partial")
-    fig.savefig(tmp, format="png", dpi=110, metadata={"Description": f"axes={len(fig.axes)}"})
-    os.replace(tmp, path)
+    """Write the figure atomically, its axes count in the PNG's Description chunk; close it."""
+    import matplotlib.pyplot as plt
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110, metadata={"Description": f"axes={len(fig.axes)}"})
+    plt.close(fig)
+    atomic_write_bytes(path, png.getvalue())
     return path
 
 
@@ -122,7 +114,8 @@ def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str
         if not steps:
             continue
         drawn = True
-        xs = [run.minutes().get(s, float("nan")) for s in steps] if wall else steps
+        minutes = run.minutes() if wall else {}
+        xs = [minutes.get(s, float("nan")) for s in steps] if wall else steps
         ax.plot(xs, values, color=color, label=run.name, marker="." if len(xs) < 40 else None)
         if wall:
             _mark_restarts(ax, run, color)
@@ -211,32 +204,24 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     _plot_xy(axes[1][1], runs, "accuracy", wall=True, title="held-out accuracy against wall time")
     fig.suptitle(f"{title}: learning")
     written.append(_save(fig, out_dir / "learning.png"))
-    plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
-    _plot_xy(axes[0], runs, "tokens_per_s", wall=False, title="generated tokens/s")
-    _plot_xy(axes[1], runs, "generator_idle_fraction", wall=False, title="generator idle fraction")
-    fig.suptitle(f"{title}: throughput")
-    written.append(_save(fig, out_dir / "throughput.png"))
-    plt.close(fig)
+    for name, heading, panels in (
+            ("throughput.png", "throughput", (("tokens_per_s", "generated tokens/s"),
+                                              ("generator_idle_fraction", "generator idle fraction"))),
+            ("kl_entropy.png", "KL and entropy", (("train/kl", "KL to the reference policy"),
+                                                  ("train/entropy", "policy entropy")))):
+        fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.8), constrained_layout=True)
+        for ax, (key, panel_title) in zip(axes, panels):
+            _plot_xy(ax, runs, key, wall=False, title=panel_title)
+        fig.suptitle(f"{title}: {heading}")
+        written.append(_save(fig, out_dir / name))
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
         _stage_panel(ax, run)
     written.append(_save(fig, out_dir / "stages.png"))
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
-    _plot_xy(axes[0], runs, "train/kl", wall=False, title="KL to the reference policy")
-    _plot_xy(axes[1], runs, "train/entropy", wall=False, title="policy entropy")
-    fig.suptitle(f"{title}: KL and entropy")
-    written.append(_save(fig, out_dir / "kl_entropy.png"))
-    plt.close(fig)
 
     text = "\n".join(line for run in runs for line in summarize(run)) + "\n"
-    summary = out_dir / "summary.txt"
-    tmp = out_dir / ".summary.txt.partial"
-    tmp.write_text(text)
-    os.replace(tmp, summary)
-    written.append(summary)
+    atomic_write_bytes(out_dir / "summary.txt", text.encode())
+    written.append(out_dir / "summary.txt")
     return written
