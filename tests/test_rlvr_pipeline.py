@@ -4,6 +4,7 @@ math reward, all as MPI ranks, on a tiny random Qwen2 model."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import h5py
 import pytest
@@ -41,6 +42,20 @@ def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
     assert_no_orphans(run_dir)
 
 
+def assert_three_steps_in_sync(res, tmp_path) -> Path:
+    """A 3-step quickstart run finished; after every weight sync the generator's log-probs equal the
+    trainer's, and the trainer had a gradient. Returns the run directory."""
+    run_dir = tmp_path / "runs" / "quickstart"
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    for x in steps:
+        assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
+        assert x["train/grad_norm"] > 0
+    assert_no_orphans(run_dir)
+    return run_dir
+
+
 @pytest.mark.slow
 def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path, tiny_model):
     """The quickstart on a trainer of two pipeline stages (each holding one layer; the tied embedding on
@@ -51,14 +66,7 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
                   "roles.train.procs=2", "roles.train.parallel.pp=2",
                   cwd=tmp_path, timeout=600)
-    run_dir = tmp_path / "runs" / "quickstart"
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [x["step"] for x in steps] == [1, 2, 3]
-    for x in steps:
-        assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
-        assert x["train/grad_norm"] > 0
-    assert_no_orphans(run_dir)
+    run_dir = assert_three_steps_in_sync(res, tmp_path)
     summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
     assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
 
@@ -107,16 +115,7 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
                   "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.05",
                   "roles.train.procs=2", "roles.train.parallel.ep=2", cwd=tmp_path, timeout=600)
-    run_dir = tmp_path / "runs" / "quickstart"
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    assert [x["step"] for x in steps] == [1, 2, 3]
-    for x in steps:
-        assert x["logprob_abs_diff"] < 1e-4, x["logprob_abs_diff"]
-        assert x["train/grad_norm"] > 0
-    assert_no_orphans(run_dir)
-    summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
-    assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
+    assert_three_steps_in_sync(res, tmp_path)
 
 
 def test_kl_without_reference_role_fails_at_load(tmp_path):

@@ -112,11 +112,6 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
     weight.grad = grad
 
 
-def chunk_outputs_last_stage(chunks: Sequence[torch.nn.Module]) -> bool:
-    """True on the ranks whose results (loss, log-probs) are the model's: the last pipeline stage."""
-    return _stage_chunk(chunks, "post_process") is not None
-
-
 def export_pipeline_hf_weights(chunks: Sequence[torch.nn.Module], vocab_size: int, tp_group: Any = None
                                ) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` over every pipeline stage: the first stage's exporting rank (TP rank 0,

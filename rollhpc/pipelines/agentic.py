@@ -288,8 +288,7 @@ class AgenticPipeline(TrainingPipeline):
             advantage = advantage[order]
         tokens, mask = data["tokens"], data["loss_mask"]
         advantage = np.asarray(advantage, dtype=np.float32)
-        train_options = self.run_ctx.config.roles["train"].options if self.run_ctx.config is not None else None
-        if self.options.skip_on_policy_logprobs and getattr(train_options, "mini_batches", 1) == 1:
+        if self.options.skip_on_policy_logprobs and self.trains_once_per_batch():
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return Batch({"tokens": tokens, "loss_mask": mask, "gen_logprob": data["old_logprob"],
                           "advantage": advantage})

@@ -54,6 +54,12 @@ class TrainingPipeline(Pipeline):
         (``config.missing_inputs``)."""
         return [options.model_dir] if options.warm_start is not None else []
 
+    def trains_once_per_batch(self) -> bool:
+        """Whether the train role takes one optimizer step per batch (its ``mini_batches`` is 1): then a batch
+        of the current weights is trained on-policy, and the train step's own forward gives the old log-probs."""
+        config = self.run_ctx.config
+        return config is None or getattr(config.roles["train"].options, "mini_batches", 1) == 1
+
     def run_loop(self) -> Outcome:
         """Weight sync set up, then the shared run loop over this pipeline's steps."""
         o = self.options
