@@ -77,6 +77,11 @@ class ControllerConfig:
     # an MPI call on the controller that has not returned after this long is stuck on a peer that is gone
     # (rollhpc.controller.mpi_stall): the run is ended and reported, naming a dead worker when there is one
     mpi_stall_s: float = 30.0
+    # how a one-to-all call's payload of 1 MiB or more reaches a role's ranks: "broadcast" (MPI broadcasts
+    # over the controller and the role: the network carries each byte once per tree edge), "p2p" (one send
+    # per rank: within a node, shared-memory copies are quicker than a broadcast's extra hops), "auto":
+    # broadcast to roles with ranks on other machines than the controller's, p2p to the others
+    one_to_all: typing.Literal["auto", "broadcast", "p2p"] = "auto"
 
 
 @dataclass(kw_only=True)

@@ -147,15 +147,18 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     everyone = comm.allgather((my_role, host, os.getpid(), gpus, socket.gethostname()))
     role_names = [CONTROLLER_ROLE, *cfg.roles]
     role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)
+    # per role, the controller and the role's ranks: one-to-all payloads go out as one broadcast over it
+    fanout = {role: comm.Split(color=0 if rank == 0 or role == my_role else MPI.UNDEFINED, key=rank)
+              for role in cfg.roles}
     if rank == 0:
-        return _run_controller(comm, cfg, plan, run_dir, everyone, guard)
+        return _run_controller(comm, fanout, cfg, plan, run_dir, everyone, guard)
     # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
     # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return _run_worker(comm, role_comm, cfg, run_dir, me, guard)
+    return _run_worker(comm, role_comm, fanout[my_role], cfg, run_dir, me, guard)
 
 
-def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
+def _run_worker(comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
     from rollhpc.workers.base import WorkerContext
@@ -169,14 +172,23 @@ def _run_worker(comm, role_comm, cfg: ExperimentConfig, run_dir: Path, me, guard
     ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(me.group_rank), group_size=rc.procs,
                         role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed, layout=rc.layout())
     worker_cls = config_mod.import_object(rc.worker, f"roles.{role}.worker")
-    serve(MpiChannel(comm), sideband, worker_cls, ctx, rc.options)
+    serve(MpiChannel(comm, my_fanout=fanout), sideband, worker_cls, ctx, rc.options)
     from mpi4py import MPI
 
     MPI.Finalize()
     return 0
 
 
-def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
+def _broadcast_roles(fanout: dict, plan, everyone, mode: str) -> dict:
+    """The fanout communicators of the roles whose one-to-all payloads go as broadcasts (ControllerConfig.one_to_all);
+    "auto" compares machines by host name, which is also what MPI's shared-memory transport goes by."""
+    if mode == "p2p":
+        return {}
+    machines = {role: {everyone[r][4] for r in plan.ranks_of(role)} for role in fanout}
+    return {role: c for role, c in fanout.items() if mode == "broadcast" or machines[role] - {everyone[0][4]}}
+
+
+def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
     from rollhpc.controller.errors import RunFailed, WorkerDied, WorldNotFormed
     from rollhpc.controller.mpi_stall import MpiStallWatch
     from rollhpc.controller.pipeline import RunContext
@@ -202,7 +214,8 @@ def _run_controller(comm, cfg: ExperimentConfig, plan, run_dir: Path, everyone, 
     signal.signal(signal.SIGINT, _on_signal)
     ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
              for p in plan.ranks if p.role != CONTROLLER_ROLE}
-    ctl = Controller(MpiChannel(comm), sideband, ranks, run_dir, cfg.controller.call_timeout_s,
+    ctl = Controller(MpiChannel(comm, fanout=_broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)),
+                     sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
 
     def fail(e: BaseException) -> NoReturn:

@@ -41,6 +41,21 @@ class DispatchScenario(Pipeline):
         t = torch.randn(300, 300, dtype=torch.bfloat16)
         back = g.echo(t)
         out["bf16_ok"] = all(torch.equal(b, t) for b in back)
+        # large one-to-all payloads go out as broadcasts: several in flight at once, between small calls and
+        # calls on another group, each rank joining them in the order sent
+        arrays = [np.random.default_rng(i).integers(0, 255, (2 << 20) + i, dtype=np.uint8) for i in range(3)]
+        futs = [g.checksum.submit(a) for a in arrays[:2]]
+        small = g.echo.submit("between")
+        other = self.groups["other"].checksum.submit(arrays[2])
+        futs.append(g.checksum.submit(arrays[2]))
+        mixed = {"x": torch.randn(1024, 1024, dtype=torch.bfloat16), "n": 7, "y": arrays[0]}
+        echoed = g.echo(mixed)
+        out["fanout_ok"] = ([f.result() for f in futs] == [[int(a.sum(dtype=np.uint64))] * 4 for a in arrays]
+                            and small.result() == ["between"] * 4
+                            and other.result() == [int(arrays[2].sum(dtype=np.uint64))]
+                            and all(torch.equal(e["x"], mixed["x"]) and e["n"] == 7
+                                    and np.array_equal(e["y"], arrays[0]) for e in echoed))
+        out["fanouts_sent"] = g.controller.channel.fanouts_sent  # the 64 MiB one and these four
         # non-blocking: two sleeps submitted together finish in about the time of one
         import time
 

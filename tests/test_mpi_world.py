@@ -30,6 +30,7 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
         "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 4, "parallel": {"tp": 2}},
                   "other": {"worker": PROBE, "procs": 1}},
+        "controller": {"one_to_all": "broadcast"},  # "auto" broadcasts only to other machines
     })
     res = rollhpc("train", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
@@ -48,6 +49,7 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     assert out["leaders"] == [[0, "hi"], [1, "hi"]]
     assert out["allreduce"] == [12] * 4  # the role communicator spans the role's ranks only
     assert out["checksum_ok"] and out["bf16_ok"]  # 64 MiB numpy and bf16 torch payloads intact
+    assert out["fanout_ok"] and out["fanouts_sent"] == 5  # payloads >= 1 MiB to all 4 ranks went as broadcasts
     assert out["sleep_results"] == [[1.5] * 4, [1.5]]
     # two groups' non-blocking calls ran concurrently: one after the other would take >= 3 s
     assert out["overlap_s"] < 2.9

@@ -56,3 +56,29 @@ def test_gpu_tensor_is_refused_with_a_clear_error():
     t = torch.zeros(10000).as_subclass(Cuda)
     with pytest.raises(TypeError, match="only CPU tensors"):
         wire.encode(t)
+
+
+def test_large_receive_buffers_are_reused_only_once_nothing_refers_to_them():
+    import torch
+
+    from rollhpc.transport.mpi_channel import ReceiveBuffers
+
+    pool, n = ReceiveBuffers(max_bytes=32 << 20), 2 << 20
+    header, _ = wire.encode({"x": np.zeros(n // 8), "t": torch.zeros(n // 2, dtype=torch.float32)})
+    first, second = pool.get(n), pool.get(2 * n)
+    payload = wire.decode(header, [first, second])
+    first_id = id(first)
+    del first, second
+    assert id(pool.get(n)) != first_id  # the decoded array still views it
+    x, t = payload["x"], payload["t"]
+    del payload
+    assert id(pool.get(n)) != first_id  # so does x, alone
+    del x
+    held = pool.get(2 * n)  # t (a torch tensor over the buffer) still holds its buffer: not this one
+    assert not np.shares_memory(held, t.numpy())
+    del held, t
+    reused = pool.reused
+    assert id(pool.get(n)) == first_id and pool.reused == reused + 1  # nothing refers to it any more
+    held = [pool.get(3 << 20) for _ in range(20)]  # 60 MiB handed out and held
+    assert len(held) == 20 and sum(b.nbytes for b in pool._kept) <= 32 << 20  # the oldest are let go past max_bytes
+    assert pool.get(100).nbytes == 100 and pool.get(100) is not pool.get(100)  # small ones are never kept

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
-from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
+from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 
 log = logging.getLogger("rollhpc.controller")
@@ -75,6 +75,24 @@ class Controller:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
             keys.append((rank, call_id))
         return keys
+
+    def submit_fanout(self, method: str, role: str, enc: Encoded) -> list[tuple[int, int]]:
+        """``method`` with the same (args, kwargs) to every rank of ``role``, its buffers broadcast once
+        (``MpiChannel.send_fanout``) instead of sent to each rank in turn."""
+        self._check_liveness()
+        call_id = next(self._ids)
+        now = time.monotonic()
+        ranks = self.channel.fanout_ranks[role]
+        self.channel.send_fanout(role, ranks, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
+        for rank in ranks:
+            self._outstanding[(rank, call_id)] = _Outstanding(method, now)
+        return [(rank, call_id) for rank in ranks]
+
+    def fans_out(self, role: str, ranks: list[int], enc: Encoded) -> bool:
+        """Whether a one-to-all call to ``ranks`` goes as a broadcast: all of a role's ranks (two or more),
+        and a payload large enough that N copies one after another cost more than a broadcast."""
+        return (len(ranks) > 1 and sorted(ranks) == self.channel.fanout_ranks.get(role)
+                and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES)
 
     # -- receiving ---------------------------------------------------------------------------
     def _raise_worker_error(self, rank: int, err: dict[str, Any]) -> None:

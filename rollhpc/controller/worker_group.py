@@ -95,7 +95,11 @@ class WorkerGroup:
             payloads = {self.world_ranks[g]: chunks[coords[g].dp_rank] for g in called}
         else:
             enc = Encoded.of((args, kwargs))
-            payloads = {self.world_ranks[g]: enc for g in called}
+            ranks = [self.world_ranks[g] for g in called]
+            if self.controller.fans_out(self.role, ranks, enc):
+                keys = self.controller.submit_fanout(method, self.role, enc)
+                return GroupFuture(self, method, keys, lambda by_rank: collect(contract, by_rank, coords))
+            payloads = {r: enc for r in ranks}
         keys = self.controller.submit(method, payloads)
         return GroupFuture(self, method, keys, lambda by_rank: collect(contract, by_rank, coords))
 

@@ -1,8 +1,12 @@
-"""Point-to-point messages over MPI: an envelope plus a payload whose large buffers travel raw.
+"""Messages over MPI: an envelope plus a payload whose large buffers travel raw.
 
 A message is one header (a pickle of the envelope, the payload's skeleton and its buffer sizes)
 followed by one raw MPI message per buffer, all with the same (source, tag): MPI's non-overtaking
-rule keeps them in order. Sends are non-blocking and tracked so a caller never blocks on a busy
+rule keeps them in order. A large payload going to every rank of a role (a one-to-all call) sends
+only its header point to point; its buffers go out once, as MPI broadcasts over a communicator of the
+controller and that role's ranks (``fanout``), so the controller does not send N copies one after
+another and MPI's tree / scatter-allgather algorithms spread the work over the receivers. Every rank of
+the role joins those broadcasts in the order its calls arrive, which is the order they were sent. Sends are non-blocking and tracked so a caller never blocks on a busy
 receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
 receive busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +27,8 @@ from rollhpc.transport import wire
 
 TAG_CALL = 11
 TAG_REPLY = 12
+# one-to-all payloads at least this large travel as broadcasts (below it, N small sends are quicker)
+FANOUT_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -49,10 +56,16 @@ class MpiChannel:
     return at once or, for a receive whose header has arrived, as soon as its buffers have crossed; one that
     does not is stuck on a peer that is gone (rollhpc.controller.mpi_stall watches it on the controller)."""
 
-    def __init__(self, comm: MPI.Comm):
+    def __init__(self, comm: MPI.Comm, fanout: dict[str, MPI.Comm] | None = None,
+                 my_fanout: MPI.Comm | None = None):
         self.comm = comm
+        self.fanout = fanout or {}  # the controller's: role -> (controller + the role's ranks), controller first
+        self.my_fanout = my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
+        self.fanout_ranks = {role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()}
+        self.fanouts_sent = 0
         self._inflight: list[MPI.Request] = []
         self.busy_since: float | None = None
+        self.buffers = ReceiveBuffers()
 
     def send(self, dest: int, tag: int, envelope: dict[str, Any], payload: Any = None) -> None:
         self.send_encoded(dest, tag, envelope, Encoded.of(payload))
@@ -65,6 +78,25 @@ class MpiChannel:
             self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
             for m in enc.buffers:
                 self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
+        finally:
+            self.busy_since = None
+        self.progress()
+
+    def send_fanout(self, role: str, dests: list[int], tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
+        """``enc`` to every rank of ``role`` (``dests``, all of them): the header to each, the buffers as
+        broadcasts over the role's fanout communicator. Non-blocking, like ``send_encoded``."""
+        comm = self.fanout[role]
+        if sorted(dests) != self.fanout_ranks[role]:
+            raise ValueError(f"a fanout goes to every rank of role {role!r}, not to ranks {sorted(dests)}")
+        sizes = [m.nbytes for m in enc.buffers]
+        head = pickle.dumps(({**envelope, "fanout": True}, enc.header, sizes), protocol=5)
+        self.busy_since = time.monotonic()
+        try:
+            for dest in dests:
+                self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
+            for m in enc.buffers:
+                self._inflight.append(comm.Ibcast([m, MPI.BYTE], root=0))
+            self.fanouts_sent += 1
         finally:
             self.busy_since = None
         self.progress()
@@ -102,14 +134,67 @@ class MpiChannel:
             head = bytearray(status.Get_count(MPI.BYTE))
             self.comm.Recv([head, MPI.BYTE], source=src, tag=tag)
             envelope, header, sizes = pickle.loads(head)
-            buffers = []
-            for n in sizes:
-                buf = np.empty(n, dtype=np.uint8)
-                self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
-                buffers.append(buf)
+            buffers = [self.buffers.get(n) for n in sizes]
+            if envelope.pop("fanout", False):
+                self._join_fanout(buffers)
+            else:
+                for buf in buffers:
+                    self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
         finally:
             self.busy_since = None
         return Message(src, envelope, wire.decode(header, buffers))
+
+    def _join_fanout(self, buffers: list[np.ndarray]) -> None:
+        """Receive a one-to-all payload's buffers from the controller's broadcasts. Polled, not waited on:
+        MPICH's blocking wait spins a core, which a sibling rank still busy with its last call (the broadcast
+        completes only when every rank has joined) may need."""
+        if self.my_fanout is None:
+            raise RuntimeError("a broadcast payload arrived on a rank without a fanout communicator")
+        requests = [self.my_fanout.Ibcast([buf, MPI.BYTE], root=0) for buf in buffers]
+        backoff = Backoff(hot_s=0.05, max_sleep_s=0.001)
+        while not MPI.Request.Testall(requests):
+            self.busy_since = time.monotonic()  # waiting on siblings, not stuck: each test returns at once
+            backoff.wait()
+
+
+class ReceiveBuffers:
+    """Receive buffers, the large ones (``min_bytes`` and up) reused once nothing refers to them any more.
+
+    Why: a fresh large array is a fresh mmap whose pages fault in one by one on the first write, and the
+    kernel zeroes each of them: receiving 64 MiB into new memory on 8 ranks of a 2-core node spent more
+    time faulting pages than copying. A buffer handed out lives inside the decoded payload (arrays are
+    views of it), so it is free again exactly when the caller has dropped every part of that payload.
+    At most ``max_bytes`` are kept beyond what callers hold."""
+
+    def __init__(self, min_bytes: int = 1 << 20, max_bytes: int = 512 << 20):
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self._kept: list[np.ndarray] = []  # oldest first
+        self.reused = 0
+
+    def get(self, n: int) -> np.ndarray:
+        if n < self.min_bytes:
+            return np.empty(n, dtype=np.uint8)
+        for i in range(len(self._kept)):
+            if self._kept[i].nbytes == n and sys.getrefcount(self._kept[i]) == 2:  # the list's and the call's
+                buf = self._kept.pop(i)
+                self._kept.append(buf)
+                self.reused += 1
+                return buf
+        buf = np.empty(n, dtype=np.uint8)
+        self._kept.append(buf)
+        while sum(b.nbytes for b in self._kept) > self.max_bytes:
+            self._kept.pop(0)  # a caller still holding it keeps it alive; it is just not reused
+        return buf
+
+
+def _world_ranks(sub: MPI.Comm, world: MPI.Comm) -> list[int]:
+    """The ranks in ``world`` of ``sub``'s ranks 0..n-1."""
+    g_sub, g_world = sub.Get_group(), world.Get_group()
+    try:
+        return list(g_sub.Translate_ranks(list(range(sub.Get_size())), g_world))
+    finally:
+        g_sub.Free()
+        g_world.Free()
 
 
 class Backoff:

@@ -41,6 +41,11 @@ class DiagnosticWorker(Worker):
         return [(self.ctx.coords.dp_rank, len(items) * scale)]
 
     @register(Dispatch.ONE_TO_ALL)
+    def nbytes(self, array: np.ndarray) -> int:
+        """A one-to-all payload's delivery alone: a small reply, no work on the data."""
+        return int(np.asarray(array).nbytes)
+
+    @register(Dispatch.ONE_TO_ALL)
     def checksum(self, array: np.ndarray) -> int:
         return int(np.asarray(array).view(np.uint8).sum(dtype=np.uint64))
 
