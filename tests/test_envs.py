@@ -13,7 +13,7 @@ from rollhpc.envs.frozenlake import FrozenLake
 from rollhpc.envs.grid import DIRECTIONS, parse_direction
 from rollhpc.envs.policies import ExpertPolicy, ModelPolicy
 from rollhpc.envs.sokoban import SOLVED_REWARD, STEP_REWARD, Sokoban
-from rollhpc.envs.sokoban_levels import BLOCKED, generate, move, solve
+from rollhpc.envs.sokoban_levels import BLOCKED, dead_end, generate, move, solve
 from rollhpc.rollout.turns import PlainTextTurns
 from rollhpc.sandbox import SandboxUnavailable
 from rollhpc.tasks import countdown
@@ -153,6 +153,58 @@ def test_sokoban_expert_replans_after_a_detour_and_invalid_text_costs_a_turn():
             done = terminated or truncated
         assert info["success"], seed
     assert detours >= 5
+
+
+def walk_to_a_fatal_push(room, player, boxes) -> list[str] | None:
+    """Moves that walk (no push) to a spot and then push the box where it can never reach a target."""
+    seen, queue = {player: []}, [player]
+    for cell in queue:
+        for d, name in enumerate(DIRECTIONS):
+            moved = move(room, cell, boxes, d)
+            if moved is None:
+                continue
+            if moved[2] != BLOCKED:
+                if dead_end(room, moved[0], moved[1]):
+                    return seen[cell] + [name]
+            elif moved[0] not in seen:
+                seen[moved[0]] = seen[cell] + [name]
+                queue.append(moved[0])
+    return None
+
+
+def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
+    """A push that leaves the room unsolvable ends the episode (end_on_dead_end) with the return playing on
+    would have given; a blocked move is reported; the option is off by default (gym-sokoban's rules)."""
+    env, found = Sokoban(end_on_dead_end=True), 0
+    for seed in range(10):
+        env.reset(seed)
+        path = walk_to_a_fatal_push(env._level.room, env._player, env._boxes)
+        if path is None:
+            continue
+        found += 1
+        for name in path[:-1]:  # walks only: the room stays solvable
+            *_, info = env.step(name)
+            assert info["metrics"]["dead_end"] == 0.0
+        text, reward, terminated, truncated, info = env.step(path[-1])
+        assert terminated and not truncated and not info["success"] and info["metrics"]["dead_end"] == 1.0
+        assert reward == pytest.approx((env.max_turns - len(path) + 1) * STEP_REWARD)
+        assert text.endswith("no box can reach a target any more.")
+        plain = Sokoban()  # the default plays on
+        plain.reset(seed)
+        for name in path:
+            _, _, terminated, truncated, info = plain.step(name)
+        assert not (terminated or truncated) and info["metrics"]["dead_end"] == 0.0
+    assert found >= 3
+    blocked = [(seed, name) for seed in range(10) for name in DIRECTIONS
+               if env.reset(seed) and move(env._level.room, env._player, env._boxes, DIRECTIONS.index(name)) is None]
+    assert blocked  # a move from the start into the border or a wall
+    for seed, name in blocked[:3]:
+        env.reset(seed)
+        before = env._state_key()
+        _, reward, terminated, _, info = env.step(name)
+        assert info["metrics"]["blocked_move"] == 1.0 and env._state_key() == before and not terminated
+    with pytest.raises(ValueError, match="end_on_dead_end"):
+        Sokoban(end_on_dead_end="yes")
 
 
 # ---------------------------------------------------------------------------------------------- tool use

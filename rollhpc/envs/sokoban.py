@@ -19,7 +19,15 @@ Walking into a wall or a blocked box leaves the room as it was and still costs t
 Reward (gym-sokoban's scheme, so returns compare with the Sokoban numbers in the literature): -0.1 per
 turn, +1 for a box pushed onto a target, -1 for one pushed off, +10 when every box is on a target
 (terminated, success True). Text that is no direction costs the turn's -0.1, gets the observation
-"Invalid action: ..." and ``metrics.invalid_action`` 1. ``max_turns`` turns truncate the episode.
+"Invalid action: ..." and ``metrics.invalid_action`` 1; a move into a wall or a blocked box,
+``metrics.blocked_move`` 1. ``max_turns`` turns truncate the episode.
+
+Dead ends (``end_on_dead_end``, off by default as in gym-sokoban): a push after which no sequence of moves
+solves the room (proved by the solver searching every reachable state) ends the episode at once
+(terminated, success False, ``metrics.dead_end`` 1), charged the -0.1 of each turn it had left. The
+return is then what playing the rest out would have given, so returns compare with runs that play on,
+and a quick dead end is never cheaper than a long walk; what is saved is the turns themselves (a third of
+an untrained policy's episodes walk into one, and spend the rest of their turns there).
 
 Levels: ``reset(seed)`` generates one by backward play (sokoban_levels.generate), solvable in at least
 ``min_moves`` and at most ``max_turns`` moves, so an optimal policy always succeeds. The expert follows a
@@ -32,7 +40,7 @@ from __future__ import annotations
 from typing import Any
 
 from rollhpc.envs.grid import DIRECTIONS, invalid_text, parse_direction
-from rollhpc.envs.sokoban_levels import Level, generate, move, solve
+from rollhpc.envs.sokoban_levels import BLOCKED, Level, dead_end, generate, move, solve
 
 __all__ = ["Sokoban", "ENV", "STEP_REWARD", "BOX_ON_REWARD", "BOX_OFF_REWARD", "SOLVED_REWARD"]
 
@@ -46,11 +54,13 @@ INSTRUCTION = "Push every B onto a . target. Answer left, down, right or up."
 class Sokoban:
     """Options: ``size`` (interior side, 4 to 8, default 5), ``boxes`` (1 to 3, default 1), ``max_turns``
     (default 20; also the longest solution a level may need), ``min_moves`` (the shortest solution a level
-    may have, default 3)."""
+    may have, default 3), ``end_on_dead_end`` (default False: end an episode whose room can no longer be
+    solved, charged its remaining turns)."""
 
     ACTIONS = DIRECTIONS  # what a random policy picks from
 
-    def __init__(self, size: int = 5, boxes: int = 1, max_turns: int = 20, min_moves: int = 3) -> None:
+    def __init__(self, size: int = 5, boxes: int = 1, max_turns: int = 20, min_moves: int = 3,
+                 end_on_dead_end: bool = False) -> None:
         if not isinstance(size, int) or not 4 <= size <= 8:
             raise ValueError(f"size (the room's interior side) must be an integer in 4..8, got {size!r}")
         if not isinstance(boxes, int) or not 1 <= boxes <= 3:
@@ -59,7 +69,10 @@ class Sokoban:
             raise ValueError(f"min_moves must be an integer >= 1, got {min_moves!r}")
         if not isinstance(max_turns, int) or max_turns < min_moves:
             raise ValueError(f"max_turns must be an integer >= min_moves ({min_moves}), got {max_turns!r}")
+        if not isinstance(end_on_dead_end, bool):
+            raise ValueError(f"end_on_dead_end must be true or false, got {end_on_dead_end!r}")
         self.size, self.n_boxes, self.max_turns, self.min_moves = size, boxes, max_turns, min_moves
+        self.end_on_dead_end = end_on_dead_end
         self._level: Level | None = None
         self._player = 0
         self._boxes: frozenset[int] = frozenset()
@@ -81,14 +94,17 @@ class Sokoban:
         self._turn += 1
         direction = parse_direction(action)
         reward = STEP_REWARD
+        blocked = pushed = False
         if direction is None:
             observation = invalid_text()
         else:
             moved = move(self._level.room, self._player, self._boxes, DIRECTIONS.index(direction))
+            blocked = moved is None
             if moved is not None:
                 targets = self._level.room.targets
                 before = len(self._boxes & targets)
-                self._player, self._boxes, _ = moved
+                self._player, self._boxes, landed = moved
+                pushed = landed != BLOCKED
                 after = len(self._boxes & targets)
                 reward += BOX_ON_REWARD * max(after - before, 0) + BOX_OFF_REWARD * max(before - after, 0)
             observation = self._render()
@@ -96,11 +112,18 @@ class Sokoban:
         if solved:
             reward += SOLVED_REWARD
             observation += "\nSolved."
-        truncated = not solved and self._turn >= self.max_turns
-        self._done = solved or truncated
+        # only a push can make a room unsolvable: a walk never needs the solver
+        dead = (self.end_on_dead_end and pushed and not solved and self._turn < self.max_turns
+                and dead_end(self._level.room, self._player, self._boxes))
+        if dead:
+            reward += STEP_REWARD * (self.max_turns - self._turn)
+            observation += "\nDead end: no box can reach a target any more."
+        truncated = not solved and not dead and self._turn >= self.max_turns
+        self._done = solved or dead or truncated
         info = {"state_key": self._state_key(), "success": solved,
-                "metrics": {"invalid_action": float(direction is None)}}
-        return observation, reward, solved, truncated, info
+                "metrics": {"invalid_action": float(direction is None), "blocked_move": float(blocked),
+                            "dead_end": float(dead)}}
+        return observation, reward, solved or dead, truncated, info
 
     def close(self) -> None:
         self._level = None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from rollhpc.envs.grid import DIRECTIONS, OFFSETS
 from rollhpc.tasks.arithmetic import randint
 
-__all__ = ["Room", "Level", "solve", "generate"]
+__all__ = ["Room", "Level", "solve", "dead_end", "generate"]
 
 BLOCKED = -1
 State = tuple[int, frozenset[int]]  # (player cell, box cells)
@@ -101,8 +101,20 @@ def solve(room: Room, player: int, boxes: frozenset[int], max_states: int = 200_
     """A shortest move sequence that puts every box on a target; [] when solved, None when there is none or
     the search passed ``max_states`` states. Breadth-first over (player, boxes), so shortest in moves (turns),
     not pushes; pushes into dead corners are pruned (they never lead to a solution)."""
+    return _search(room, player, boxes, max_states)[0]
+
+
+def dead_end(room: Room, player: int, boxes: frozenset[int], max_states: int = 200_000) -> bool:
+    """True only when no move sequence from here solves the room, proved by searching every reachable state;
+    a search cut at ``max_states`` proves nothing and says False (a live room is never called dead)."""
+    plan, exhausted = _search(room, player, boxes, max_states)
+    return plan is None and exhausted
+
+
+def _search(room: Room, player: int, boxes: frozenset[int], max_states: int) -> tuple[list[str] | None, bool]:
+    """(a shortest plan or None, whether the reachable states were all searched)."""
     if boxes <= room.targets:
-        return []
+        return [], False
     start: State = (player, boxes)
     parent: dict[State, tuple[State, int] | None] = {start: None}
     queue = deque([start])
@@ -117,11 +129,11 @@ def solve(room: Room, player: int, boxes: frozenset[int], max_states: int = 200_
                 continue
             parent[nxt] = (state, d)
             if moved[1] <= room.targets:
-                return _path(parent, nxt)
+                return _path(parent, nxt), False
             if len(parent) > max_states:
-                return None
+                return None, False
             queue.append(nxt)
-    return None
+    return None, True
 
 
 def _path(parent: dict[State, tuple[State, int] | None], end: State) -> list[str]:
