@@ -123,3 +123,48 @@ def test_minibatch_order_gives_a_fixed_number_of_full_minibatches():
     np.testing.assert_array_equal(order, minibatch_order(7, 3, seed=0))
     with pytest.raises(ValueError, match="cannot fill 3 mini-batches"):
         minibatch_order(2, 3, seed=0)
+
+
+def test_gigpo_on_trajectory_rows_is_the_step_rows_loss_and_gradient():
+    """``advantage: gigpo`` on one row per episode trains on exactly what step rows train on: each turn's
+    tokens see the same prefix (attention is causal) and carry the same advantage, so the token-mean loss
+    and its gradient agree, with one forward per episode instead of one per turn."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollhpc.algo.losses import policy_loss
+    from rollhpc.rollout.trajectory import Trajectory, Turn, pad_rows, step_rows, trajectory_row
+
+    rng = np.random.default_rng(0)
+
+    def episode(turns: int, index: int) -> Trajectory:
+        return Trajectory(prompt=rng.integers(3, 60, 5).tolist(), group=0, index=index, seed=1, turns=[
+            Turn(response=rng.integers(3, 60, 2).tolist(), logprobs=(-rng.random(2)).tolist(), version=0,
+                 observation=rng.integers(3, 60, 3).tolist(), reward=float(rng.normal()), state_key=f"s{k % 2}")
+            for k in range(turns)])
+
+    group = [episode(3, 0), episode(2, 1), episode(4, 2)]
+    per_episode = gigpo_advantages([[t.reward for t in e.turns] for e in group],
+                                   [[t.state_key for t in e.turns] for e in group], gamma=0.9)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+    def loss_and_grad(rows, turn_advantages):
+        data = pad_rows(rows, pad_id=0)
+        tokens = torch.as_tensor(data["tokens"])
+        logits = model(input_ids=tokens, attention_mask=(tokens != 0).long()).logits[:, :-1].float()
+        logprob = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        advantage = torch.as_tensor(spread_turn_advantages(turn_advantages, data["turn_ids"]), dtype=torch.float32)
+        model.zero_grad()
+        loss, _ = policy_loss(logprob, torch.as_tensor(data["old_logprob"], dtype=torch.float32), advantage,
+                              torch.as_tensor(data["loss_mask"]), agg="token-mean")
+        loss.backward()
+        return loss.item(), [p.grad.clone() for p in model.parameters()]
+
+    steps = [(row, adv) for e, adv in zip(group, per_episode) for row in step_rows(e)]
+    step_loss, step_grads = loss_and_grad([r for r, _ in steps], [a for _, a in steps])
+    traj_loss, traj_grads = loss_and_grad([trajectory_row(e) for e in group], per_episode)
+    assert traj_loss == pytest.approx(step_loss, rel=1e-5) and abs(step_loss) > 1e-3
+    for a, b in zip(traj_grads, step_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -188,3 +188,14 @@ def test_megatron_roles_refuse_context_parallelism_at_load():
         config.load(data)
     data["roles"]["train"]["parallel"] = {"pp": 2}
     assert config.load(data).roles["train"].layout().pp == 2
+
+
+def test_agentic_advantage_follows_the_formulation_and_is_checked():
+    assert load_experiment("sokoban", []).pipeline.options.advantage in ("episode", "gigpo")
+    assert load_experiment("frozenlake", ["pipeline.options.formulation=step"]).pipeline.options.advantage == "gigpo"
+    assert load_experiment("frozenlake", ["pipeline.options.advantage=gigpo"]).pipeline.options.formulation == \
+        "trajectory"
+    with pytest.raises(ConfigError, match="formulation=step takes advantage=gigpo"):
+        load_experiment("frozenlake", ["pipeline.options.formulation=step", "pipeline.options.advantage=episode"])
+    with pytest.raises(ConfigError, match="advantage=gigpo with algorithm=rloo"):
+        load_experiment("frozenlake", ["pipeline.options.advantage=gigpo", "pipeline.options.algorithm=rloo"])

@@ -6,8 +6,11 @@ One step:
      full); the episodes of a group share the reset seed, so a group compares attempts at one task;
   2. rows: one row per episode (``formulation: trajectory``, StarPO-style: prompt || r1 || o2 || r2 ...,
      loss on generated tokens only) or one row per turn (``formulation: step``, GiGPO-style);
-  3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns, or GiGPO's episode-level
-     plus step-level advantage among turns that acted in the same state (``state_key``);
+  3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns (``advantage: episode``), or
+     GiGPO's episode-level plus step-level advantage among turns that acted in the same state (``state_key``,
+     ``advantage: gigpo``). GiGPO on trajectory rows puts each turn's advantage on that turn's tokens: the
+     same loss terms as step rows (a turn's tokens see the same prefix either way, attention being causal),
+     at the cost of one row per episode instead of one per turn;
   4. log-probs (trainer; skipped when the trainer takes one optimizer step: the update is then on-policy and
      the train step's own forward gives them), train (the trainer's ``mini_batches`` optimizer steps), weight
      sync: as in RLVR.
@@ -52,7 +55,7 @@ log = logging.getLogger("rollhpc.agentic")
 
 @dataclass(kw_only=True)
 class StepAdvantage:
-    """GiGPO's step-level advantage (``formulation: step``)."""
+    """GiGPO's step-level advantage (``advantage: gigpo``)."""
 
     gamma: float = 0.95  # discount of the return-to-go of a turn
     episode_weight: float = 1.0  # weight of the episode-level (group) advantage
@@ -73,6 +76,8 @@ class AgenticWarmStart:
     spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
     sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields (target_accuracy: episode success)
     episodes: int = 2000  # expert episodes to learn from (training seeds)
+    # characters the tokenizer keeps one token each (a grid's cells: rows of a fixed token length), e.g. "_#.B*P+\n"
+    unmerged: str = ""
 
 
 class SeedStream:
@@ -127,6 +132,9 @@ class AgenticPipeline(TrainingPipeline):
         groups_per_step: int = 8  # groups of episodes (one reset seed each) per batch
         algorithm: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
         formulation: Literal["trajectory", "step"] = "trajectory"
+        # per episode (the algorithm's estimator on returns) or per turn (GiGPO); default: per episode on
+        # trajectory rows, GiGPO on step rows
+        advantage: Literal["episode", "gigpo"] | None = None
         step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
         grpo_scale: bool = True
         loss: LossConfig = field(default_factory=LossConfig)
@@ -156,6 +164,13 @@ class AgenticPipeline(TrainingPipeline):
             if self.rollout.group_size < 2 and self.algorithm in ("grpo", "rloo"):
                 raise ValueError(f"rollout.group_size={self.rollout.group_size} with algorithm={self.algorithm}: "
                                  "a group-relative advantage needs >= 2 episodes per group")
+            if self.advantage is None:
+                self.advantage = "gigpo" if self.formulation == "step" else "episode"
+            if self.formulation == "step" and self.advantage != "gigpo":
+                raise ValueError("formulation=step takes advantage=gigpo: step rows exist for per-turn advantages")
+            if self.advantage == "gigpo" and self.algorithm != "grpo":
+                raise ValueError(f"advantage=gigpo with algorithm={self.algorithm}: GiGPO's episode and step "
+                                 "terms are group-normalised (grpo); use algorithm=grpo")
             if self.rollout.partial_rollout:
                 raise ValueError("rollout.partial_rollout is for single-turn samples; episodes cut at a batch end "
                                  "restart from their seed")
@@ -182,7 +197,7 @@ class AgenticPipeline(TrainingPipeline):
                                spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
                                sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"),
                                seed=w.seed, vocab_size=w.vocab_size, episodes=w.episodes,
-                               train_seeds=options.train_seeds)
+                               train_seeds=options.train_seeds, unmerged=w.unmerged)
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
@@ -261,7 +276,7 @@ class AgenticPipeline(TrainingPipeline):
 
         o = self.options
         trajectories = [[episode_trajectory(s) for s in g] for g in groups]
-        if o.formulation == "trajectory":
+        if o.advantage == "episode":
             rows = [traj_mod.trajectory_row(t) for g in trajectories for t in g]
             data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
@@ -277,15 +292,17 @@ class AgenticPipeline(TrainingPipeline):
                     [[t.reward for t in tr.turns] for tr in g], [[t.state_key for t in tr.turns] for tr in g],
                     gamma=sa.gamma, w_episode=sa.episode_weight, w_step=sa.step_weight, scale=sa.scale)
                 for tr, adv in zip(g, per_episode):
-                    for row in traj_mod.step_rows(tr):
-                        rows.append(row)
-                        turn_advantages.append(adv)
+                    episode_rows = [traj_mod.trajectory_row(tr)] if o.formulation == "trajectory" else \
+                        traj_mod.step_rows(tr)
+                    rows += episode_rows
+                    turn_advantages += [adv] * len(episode_rows)
             data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
-            # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
-            order = agentic_adv.minibatch_order(len(rows), 1, self.run_ctx.seed + self.policy.version)
-            data = {k: v[order] for k, v in data.items()}
-            advantage = advantage[order]
+            if o.formulation == "step":
+                # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
+                order = agentic_adv.minibatch_order(len(rows), 1, self.run_ctx.seed + self.policy.version)
+                data = {k: v[order] for k, v in data.items()}
+                advantage = advantage[order]
         tokens, mask = data["tokens"], data["loss_mask"]
         advantage = np.asarray(advantage, dtype=np.float32)
         if self.options.skip_on_policy_logprobs and self.trains_once_per_batch():
@@ -377,7 +394,10 @@ class AgenticPipeline(TrainingPipeline):
                 "row_len_mean": float(np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])),
                 "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / max(1, sum(len(e.turn_ends) for e in eps))),
                 "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
-                "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps]))}
+                "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
+                # what the environment counts (info["metrics"] summed over an episode), per episode
+                **{f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
+                   for k in sorted({k for e in eps for k in e.metrics})}}
 
     def _record(self, samples: list[Sample]) -> RolloutRecord:
         eps = [s.episode for s in samples]
