@@ -78,6 +78,21 @@ def test_tokenizer_training_is_deterministic_and_checks_the_size(tokenizer):
         build_tokenizer(texts, 100)
 
 
+def test_unmerged_characters_stay_one_token_each(tmp_path):
+    board = "_____\n_#___\n__P__\n__B._\n"
+    texts = [f"Push every B onto a . target.\n{board}> down\n"] * 50 + ["left right up down"] * 20
+    merged = build_tokenizer(texts, 400)
+    assert len(merged.tokenize(board)) < 10  # whole rows become tokens
+    apart = build_tokenizer(texts, 400, unmerged="_#.B*P+\n")
+    assert [apart.decode([i]) for i in apart(board)["input_ids"]] == list(board)  # one token per cell
+    assert apart.tokenize(" down") == merged.tokenize(" down")  # other merges stay
+    apart.save_pretrained(tmp_path)  # ids of the kept tokens are contiguous, the specials first
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded(board + "> down")["input_ids"] == apart(board + "> down")["input_ids"]
+    assert sorted(loaded.get_vocab().values()) == list(range(len(loaded)))
+    assert (loaded.eos_token_id, loaded.pad_token_id) == (0, 1)
+
+
 def test_dense_model_loads_offline_and_generates(tokenizer, dense_dir):
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
         p.name for p in dense_dir.iterdir()}

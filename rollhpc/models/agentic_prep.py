@@ -312,11 +312,12 @@ def _mean_turns(episodes: Sequence[PlayedEpisode | ExpertEpisode]) -> float:
 
 def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
                      vocab_size: int, episodes: int, train_seeds: int,
-                     stop_on: Literal["sampled", "greedy"] = "sampled") -> dict[str, Any]:
+                     stop_on: Literal["sampled", "greedy"] = "sampled", unmerged: str = "") -> dict[str, Any]:
     """Everything that determines the prepared weights and report; its hash is the cache key."""
     if stop_on not in ("sampled", "greedy"):
         raise ValueError(f"stop_on must be 'sampled' or 'greedy', got {stop_on!r}")
-    return {"format_version": FORMAT_VERSION, "kind": "agentic", "env": env, "stop_on": stop_on,
+    extra = {"unmerged": unmerged} if unmerged else {}  # absent when empty: earlier policies keep their key
+    return {**extra, "format_version": FORMAT_VERSION, "kind": "agentic", "env": env, "stop_on": stop_on,
             "env_options": json.loads(json.dumps(env_options, sort_keys=True)), "turns": "plain", "seed": seed,
             "vocab_size": vocab_size, "episodes": episodes, "train_seeds": train_seeds,
             "monitor_episodes": min(MONITOR_EPISODES, sft.eval_examples, episodes), "max_turns": MAX_TURNS,
@@ -325,7 +326,8 @@ def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelSpec,
 
 def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[str, Any], spec: TinyModelSpec,
                            sft: SftOptions, seed: int, vocab_size: int, episodes: int, train_seeds: int,
-                           stop_on: Literal["sampled", "greedy"] = "sampled", progress: bool = True) -> Path:
+                           stop_on: Literal["sampled", "greedy"] = "sampled", progress: bool = True,
+                           unmerged: str = "") -> Path:
     """Build, fine-tune on expert episodes and write the agentic starting policy to ``out_dir``; returns it.
 
     ``episodes`` expert episodes are played on distinct seeds drawn (seeded by ``seed``) from
@@ -356,7 +358,8 @@ def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[s
     out_dir = Path(out_dir)
     env_options = dict(env_options or {})
     make_env(env, env_options).close()  # a bad name or option fails here, before anything is hashed or built
-    settings = agentic_settings(env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on)
+    settings = agentic_settings(env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on,
+                                unmerged)
     report = build_once(out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress))
     if report is None:
         return out_dir
@@ -383,7 +386,8 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelSpec, sf
     finally:
         env.close()
     expert_s = time.perf_counter() - expert_start
-    tokenizer = build_tokenizer((text for ep in expert for text in ep.texts(formatter)), settings["vocab_size"])
+    tokenizer = build_tokenizer((text for ep in expert for text in ep.texts(formatter)), settings["vocab_size"],
+                                settings.get("unmerged", ""))
     rows, examples = [], []
     for ep in expert:
         row, turns = episode_examples(ep, tokenizer, formatter)

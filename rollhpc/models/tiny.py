@@ -103,7 +103,7 @@ class TinyModelSpec:
         )
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "") -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts``; returns a Qwen2 tokenizer (a ``PreTrainedTokenizerFast``).
 
     ``vocab_size`` is a ceiling: a small corpus runs out of merges first, so size models by ``len(tok)``.
@@ -115,6 +115,11 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
     Qwen2's regex isolates every digit, so numbers are never merged and arithmetic stays learnable
     digit by digit. EOS and PAD are special tokens with ids 0 and 1; encoding adds neither
     (prompts carry no EOS; the trainer appends it to completions).
+
+    ``unmerged``: characters never merged with anything (they stay one token each), e.g. the cells of a
+    text grid: a row of a 5-wide board is then always 5 tokens, so "the cell below" is always the same
+    distance away, where merged runs like ``__B`` would make every row a different puzzle for a tiny model.
+    The trained merges that involve them are dropped, with every merge built on those.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2Tokenizer
@@ -130,9 +135,42 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     trained = json.loads(tok.to_str())["model"]
-    return Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]],
+    vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
+    if unmerged:
+        vocab, merges = _without_merges_of(vocab, merges, unmerged)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges,
                           eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
                           clean_up_tokenization_spaces=False)
+
+
+def _without_merges_of(vocab: dict[str, int], merges: list[tuple[str, str]],
+                       chars: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """``vocab`` and ``merges`` without any merge whose parts hold one of ``chars`` (byte-level symbols), nor
+    any built on a dropped one; ids renumbered in their old order, so specials and bytes keep theirs."""
+    symbols = {_byte_symbol(c) for c in chars}
+    merged = set()
+    kept_merges = []
+    for a, b in merges:
+        token = a + b
+        parts_ok = all(p in vocab and (len(p) == 1 or p in merged) for p in (a, b))
+        if parts_ok and not any(ch in symbols for ch in token):
+            kept_merges.append((a, b))
+            merged.add(token)
+    kept = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) == 1 or t in merged
+            or t.startswith("<|")]
+    return {t: i for i, t in enumerate(kept)}, kept_merges
+
+
+def _byte_symbol(char: str) -> str:
+    """The byte-level BPE symbol of a one-byte character (GPT-2's bytes-to-unicode table)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    code = ord(char)
+    if code > 255:
+        raise ValueError(f"unmerged characters must be single bytes, got {char!r}")
+    if code in printable:
+        return char
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(code))
 
 
 def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
