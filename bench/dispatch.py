@@ -2,7 +2,15 @@
 
 For N = 1..8 workers, the controller (driver) calls every worker and gathers the replies:
   small: a ~100-byte payload echoed back        -> latency per round trip (us), calls/s
+  one-to-all: a 64 MiB numpy array to every worker, each replies with its size
+                                                 -> seconds per call, GB/s delivered (N x 64 MiB)
   large: a 64 MiB numpy array echoed back        -> seconds per round trip, GB/s moved (2 x N x 64 MiB)
+rollhpc sends a one-to-all payload of 1 MiB or more to a group on other machines as MPI broadcasts over a
+communicator of the controller and the group, and to a group on its own machine as one shared-memory send
+per worker (controller.one_to_all: auto; rollhpc.transport.mpi_channel); Ray puts it in its object store once
+and every actor maps it (its best practice for one-to-all). The systems rollhpc-net-p2p and
+rollhpc-net-broadcast run rollhpc with MPI's shared memory turned off (MPIR_CVAR_NOLOCAL=1, OFI over tcp),
+so its messages take the network path as between machines, with one_to_all p2p and broadcast.
 Each configuration is measured in several independent runs (new world / new actors each time) and
 the median over runs of the per-run median is reported. Results: bench/results/dispatch.json.
 
@@ -65,11 +73,19 @@ class DispatchBench(Pipeline):
             back = g.echo(big)
             assert all(b.nbytes == LARGE_BYTES for b in back)
 
+        def one_to_all_call():
+            assert g.nbytes(big) == [LARGE_BYTES] * len(g)
+
+        one_to_all = _time_calls(one_to_all_call, self.options.large_calls, warmup=1)
         large = _time_calls(large_call, self.options.large_calls, warmup=1)
-        (self.run_ctx.run_dir / "bench.json").write_text(json.dumps({"small_s": small, "large_s": large}))
+        (self.run_ctx.run_dir / "bench.json").write_text(json.dumps({"small_s": small, "one_to_all_s": one_to_all,
+                                                                     "large_s": large}))
 
 
-def run_rollhpc(n: int, small_calls: int, large_calls: int, workdir: Path) -> dict:
+NETWORK_PATH = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+
+
+def run_rollhpc(n: int, small_calls: int, large_calls: int, workdir: Path, system: str = "rollhpc") -> dict:
     import yaml
 
     cfg = {
@@ -77,10 +93,13 @@ def run_rollhpc(n: int, small_calls: int, large_calls: int, workdir: Path) -> di
         "pipeline": {"entry": "dispatch:DispatchBench",
                      "options": {"small_calls": small_calls, "large_calls": large_calls}},
         "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}},
+        "controller": {"one_to_all": system.removeprefix("rollhpc-net-") if system != "rollhpc" else "auto"},
     }
     path = workdir / f"dispatch-n{n}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
+    if system.startswith("rollhpc-net-"):
+        env.update(NETWORK_PATH)
     res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"],
                          env=env, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
@@ -96,6 +115,9 @@ def run_ray(n: int, small_calls: int, large_calls: int) -> dict:
         def echo(self, value):
             return value
 
+        def nbytes(self, value):
+            return int(value.nbytes)
+
     actors = [Echo.remote() for _ in range(n)]
     ray.get([a.echo.remote(None) for a in actors])
     small = _time_calls(lambda: ray.get([a.echo.remote(SMALL) for a in actors]), small_calls)
@@ -107,18 +129,27 @@ def run_ray(n: int, small_calls: int, large_calls: int) -> dict:
         assert all(b.nbytes == LARGE_BYTES for b in back)
         del back, ref
 
+    def one_to_all_call():
+        ref = ray.put(big)
+        assert ray.get([a.nbytes.remote(ref) for a in actors]) == [LARGE_BYTES] * n
+        del ref
+
+    one_to_all = _time_calls(one_to_all_call, large_calls, warmup=1)
     large = _time_calls(large_call, large_calls, warmup=1)
     for a in actors:
         ray.kill(a)
-    return {"small_s": small, "large_s": large}
+    return {"small_s": small, "one_to_all_s": one_to_all, "large_s": large}
 
 
 def summarize(runs: list[dict], n: int) -> dict:
     small = statistics.median(statistics.median(r["small_s"]) for r in runs)
+    one_to_all = statistics.median(statistics.median(r["one_to_all_s"]) for r in runs)
     large = statistics.median(statistics.median(r["large_s"]) for r in runs)
     return {
         "small_latency_us": round(small * 1e6, 1),
         "small_calls_per_s": round(1 / small, 1),
+        "one_to_all_s": round(one_to_all, 4),
+        "one_to_all_GBps": round(n * LARGE_BYTES / one_to_all / 1e9, 3),
         "large_roundtrip_s": round(large, 4),
         "large_GBps": round(2 * n * LARGE_BYTES / large / 1e9, 3),
         "runs": len(runs),
@@ -131,7 +162,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--small-calls", type=int, default=300)
     ap.add_argument("--large-calls", type=int, default=5)
-    ap.add_argument("--systems", default="rollhpc,ray")
+    ap.add_argument("--systems", default="rollhpc,ray,rollhpc-net-p2p,rollhpc-net-broadcast")
     ap.add_argument("--out", default=str(HERE / "results" / "dispatch.json"))
     args = ap.parse_args()
     sizes = [int(x) for x in args.workers.split(",")]
@@ -149,13 +180,14 @@ def main() -> None:
             for system in systems:
                 runs = []
                 for _ in range(args.runs):
-                    if system == "rollhpc":
-                        runs.append(run_rollhpc(n, args.small_calls, args.large_calls, Path(tmp)))
+                    if system.startswith("rollhpc"):
+                        runs.append(run_rollhpc(n, args.small_calls, args.large_calls, Path(tmp), system))
                     else:
                         runs.append(run_ray(n, args.small_calls, args.large_calls))
                 results["results"][system][str(n)] = summarize(runs, n)
                 r = results["results"][system][str(n)]
                 print(f"N={n} {system:>8}: small {r['small_latency_us']:>9.1f} us ({r['small_calls_per_s']:>8.1f}/s)  "
+                      f"64MiB one-to-all {r['one_to_all_s']:.3f} s  "
                       f"64MiB echo {r['large_roundtrip_s']:.3f} s ({r['large_GBps']:.2f} GB/s)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
