@@ -157,6 +157,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def estimate_memory(cfg: Any, plan: Any) -> Any:
+    from rollhpc.launch.memory_plan import estimate
+
+    return estimate(cfg, plan)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from rollhpc.launch.device_mapping import plan_world
     from rollhpc.launch.plan_report import render
@@ -164,11 +170,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_experiment(args.experiment, args.overrides)
     plan = plan_world(cfg)
     _check_inputs(cfg, refuse=False)
+    memory = estimate_memory(cfg, plan) if plan.gpus_total else None
     if args.json:
         print(plan.to_json())
-        return 0
-    for line in render(cfg, plan, ranks=not args.no_ranks, groups=args.groups, max_groups=args.max_groups):
-        print(line)
+    else:
+        for line in render(cfg, plan, ranks=not args.no_ranks, groups=args.groups, max_groups=args.max_groups):
+            print(line)
+        for line in memory.render() if memory else ():
+            print(line)
+    if memory:
+        memory.check()  # after the report, which shows where the memory goes
     return 0
 
 
@@ -179,6 +190,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     cfg = load_experiment(args.experiment, args.overrides)
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
+    if plan.gpus_total:
+        estimate_memory(cfg, plan).check()  # so does one that cannot fit in cluster.gpu_memory_gb
     _check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(render_sbatch(cfg, plan, cfg.run.run_dir.resolve()))
@@ -437,7 +450,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="print where every rank of every role runs (node, GPUs, het group) and its "
                         "parallel groups", description="Validate an experiment's device mapping against its cluster "
                         "description (cluster.nodes, cluster.gpus_per_node, ...) and print the plan, without "
-                        "starting or submitting anything. Impossible mappings fail with one message.")
+                        "starting or submitting anything. Impossible mappings fail with one message. For GPU roles "
+                        "it also estimates each GPU's memory stage by stage (generate, reference, train, weight "
+                        "sync...), with colocated roles all resident (offload off) and taking turns (offload on), "
+                        "from the models' config.json; with cluster.gpu_memory_gb set, a mapping whose peak "
+                        "exceeds it even with offload is refused here and by submit.")
     experiment_args(pl)
     pl.add_argument("--groups", action="store_true", help="also print each role's parallel groups (tp, cp, dp, pp, ...)")
     pl.add_argument("--max-groups", type=int, default=4, help="groups shown per kind (0 = all; default 4)")

@@ -210,6 +210,9 @@ class ClusterConfig:
     nodes: int = 1  # nodes the job may use at most
     gpus_per_node: int = 0
     cpus_per_node: int = 8
+    # memory of one GPU in GB (e.g. 80 for an H100): `rollhpc plan` then checks every GPU's peak memory stage
+    # by stage, and a colocated mapping that cannot fit even with offload is refused before submission
+    gpu_memory_gb: float = 0.0
     partition: str = ""
     account: str = ""
     qos: str = ""
@@ -234,8 +237,9 @@ class ClusterConfig:
     end_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.stop_before_limit_s < 0 or self.end_grace_s < 0:
-            raise ValueError("cluster.max_restarts, cluster.stop_before_limit_s and cluster.end_grace_s must be >= 0")
+        if self.max_restarts < 0 or self.stop_before_limit_s < 0 or self.end_grace_s < 0 or self.gpu_memory_gb < 0:
+            raise ValueError("cluster.max_restarts, cluster.stop_before_limit_s, cluster.end_grace_s and "
+                             "cluster.gpu_memory_gb must be >= 0")
         if isinstance(self.time_limit, int):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
             raise ConfigError(
                 f"cluster.time_limit: got the number {self.time_limit}, which YAML also makes of an unquoted "

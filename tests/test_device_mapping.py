@@ -1,7 +1,7 @@
 import pytest
 
 from rollhpc import config
-from rollhpc.config import ClusterConfig, ConfigError
+from rollhpc.config import ConfigError
 from rollhpc.launch.device_mapping import WorldPlan, plan_world
 
 TOY = "rollhpc.workers.toy_policy"
@@ -87,3 +87,55 @@ def test_local_plan_keeps_everything_on_this_machine():
     assert [p.role for p in plan.ranks] == ["controller", "train", "train", "generate", "reward"]
     with pytest.raises(ConfigError, match=r"cannot run on this machine \(0 GPUs\)"):
         local_plan(load_experiment("toy_grpo", ["roles.train.gpus_per_proc=1"]))
+
+
+# -- GPU memory, stage by stage (rollhpc.launch.memory_plan) ----------------------------------------------
+QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
+             "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize("hf", [
+    {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 3,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": True},
+    QWEN25_7B,
+    {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+     "shared_expert_intermediate_size": 96, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "tie_word_embeddings": False},
+    {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+     "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 300, "tie_word_embeddings": False},
+], ids=["tiny-tied", "qwen2.5-7b", "qwen2-moe", "qwen3-moe"])
+def test_parameter_counts_match_the_models_transformers_builds(hf):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollhpc.launch.memory_plan import ModelShape
+
+    with torch.device("meta"):  # shapes only: a 7B model costs no memory
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
+    expected = sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf(hf).total == pytest.approx(expected, rel=0.002)  # q/k norms of Qwen3 left out
+
+
+def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
+    import json
+
+    from tests.conftest import rollhpc
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    args = ["qwen2.5-7b_grpo", f"pipeline.options.model_dir={tmp_path}", "--no-ranks"]
+    fits = rollhpc("plan", *args, "cluster.gpu_memory_gb=80", cwd=tmp_path)
+    assert fits.returncode == 0, fits.stderr
+    lines = fits.stdout.splitlines()
+    (peak,) = [line for line in lines if line.split()[:1] == ["peak"]]
+    off, on = map(float, peak.split()[1:3])
+    assert on < 74.5 < off and peak.endswith("fits 74.5 GiB only with offload")  # colocated: fits by taking turns
+    assert {line.split()[0] for line in lines if line.startswith("    ")} >= {
+        "generate", "reference", "old_logprob", "train", "weight_sync", "train:", "reference:", "generate:"}
+    small = rollhpc("plan", *args, "cluster.gpu_memory_gb=40", cwd=tmp_path)
+    assert small.returncode == 2 and "the train stage needs about" in small.stderr
+    assert "more than cluster.gpu_memory_gb=40 GB" in small.stderr and small.stderr.count("\n") == 1
+    submit = rollhpc("submit", *args[:-1], "cluster.gpu_memory_gb=40", "--dry-run", cwd=tmp_path)
+    assert submit.returncode == 2 and "the train stage needs about" in submit.stderr  # before any sbatch text
+    assert "#SBATCH" not in submit.stdout

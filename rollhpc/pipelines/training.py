@@ -44,9 +44,24 @@ class RankPort:
         return self._method.submit(*args)
 
 
+TRAINER_PARTS = ("parameters", "gradients", "optimizer", "activations")
+
+
 class TrainingPipeline(Pipeline):
     policy: PolicyCursor
     checkpointer: Any
+
+    # what each stage of a step holds on the GPU, by role and part (rollhpc.launch.memory_plan): colocated
+    # roles take turns, each stage loading only these; a role that is absent from the run drops out
+    memory_stages: dict[str, dict[str, tuple[str, ...]]] = {
+        "generate": {"generate": ("weights", "kv_cache")},
+        "reference": {"reference": ("parameters", "activations")},
+        "values": {"critic": ("parameters", "forward_activations")},
+        "old_logprob": {"train": ("parameters", "forward_activations")},
+        "train": {"train": TRAINER_PARTS},
+        "critic_train": {"critic": TRAINER_PARTS},
+        "weight_sync": {"train": ("parameters",), "generate": ("weights",)},
+    }
 
     @classmethod
     def prepared_paths(cls, options: Any) -> list[str]:

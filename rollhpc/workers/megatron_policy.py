@@ -135,6 +135,26 @@ class MegatronPolicyWorker(Worker):
                 chunk.eval()
 
     @classmethod
+    def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
+        """Bytes a rank holds on its GPU (rollhpc.launch.memory_plan): its stage's parameters, and the
+        activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
+        from rollhpc.launch.memory_plan import activation_bytes, dtype_bytes, megatron_stage_params
+
+        size = dtype_bytes(options.dtype)
+        params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        out = {"parameters": float(params * size)}
+        # a forward alone keeps one layer's activations at a time, and the logits
+        forward = float(activation_bytes(shape, layout.tp, shape.layers, options.micro_batch_size, seq_len, size)
+                        // shape.layers)
+        if not cls.trainable:
+            return {**out, "activations": forward}
+        return {**out, "gradients": float(params * size),
+                "optimizer": float(2 * params * size),  # AdamW's two moments, in the parameters' dtype
+                "activations": float(activation_bytes(shape, layout.tp, layout.pp, options.micro_batch_size,
+                                                      seq_len, size)),
+                "forward_activations": forward}
+
+    @classmethod
     def check_layout(cls, layout: Any) -> None:
         """Refuse at config load what megatron-core's local layer spec cannot run."""
         if layout.cp > 1:

@@ -35,6 +35,17 @@ class VllmGenerateWorker(Worker):
         super().__init__(ctx, options)
         self.engine = options.build_engine(options.model_dir, seed=ctx.seed + ctx.group_rank)
 
+    @classmethod
+    def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int,  # noqa: ARG003
+                   gpu_bytes: float) -> dict[str, float]:
+        """Bytes a rank's engine holds over its GPUs (rollhpc.launch.memory_plan): the weights, and the KV
+        cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU."""
+        from rollhpc.launch.memory_plan import dtype_bytes
+
+        weights = float(shape.total * dtype_bytes(options.dtype))
+        budget = options.gpu_memory_utilization * gpu_bytes * options.tensor_parallel_size
+        return {"weights": weights, "kv_cache": max(budget - weights, 0.0)}
+
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, buckets: list[Any], version: int) -> float:
         """Load the trainer's bucketed weights in place; returns the seconds it took."""
