@@ -123,3 +123,37 @@ def test_kl_without_reference_role_fails_at_load(tmp_path):
     assert res.returncode != 0 and "needs a 'reference' role" in res.stderr
     res = rollhpc("train", "quickstart", "pipeline.options.algorithm=ppo", "--dry-run", cwd=tmp_path)
     assert res.returncode != 0 and "needs a 'critic' role" in res.stderr
+
+
+@pytest.mark.slow
+def test_colocated_roles_taking_turns_train_to_the_same_weights(tmp_path, tiny_model):
+    """offload=true: before each stage the colocated roles (on CPU, every model role shares the host) give up
+    what the stage does not use and take back what it does, through the same calls that free a GPU; the
+    run ends with the weights of the same run with every role resident, and each step's metrics say which
+    stages ran in which order and what moved."""
+    args = ["quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+            "pipeline.options.steps=2", "pipeline.options.eval_every=2", "pipeline.options.prompts_per_step=4",
+            "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.rollout.oversample=0",
+            "pipeline.options.loss.kl_coef=0.05", "pipeline.options.loss.entropy_coef=0.01",
+            "pipeline.options.skip_on_policy_logprobs=false",
+            "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+            f"+roles.reference.options.model_dir={tiny_model}"]
+    runs = {}
+    for offload in (False, True):
+        cwd = tmp_path / f"offload_{offload}"
+        cwd.mkdir()
+        res = rollhpc("train", *args, f"pipeline.options.offload={str(offload).lower()}", cwd=cwd, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[offload] = [json.loads(x) for x in (cwd / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    resident, turns = runs[False], runs[True]
+    assert turns[-1]["weights_sha256"] == resident[-1]["weights_sha256"]
+    assert [x.get("train/loss") for x in turns] == [x.get("train/loss") for x in resident]
+    assert not any(k.startswith("residency/") for x in resident for k in x)
+    start, first, second = turns
+    assert start["residency/stages"] == "weight_sync>generate"  # the generators get the weights, step 0's evaluation
+    assert first["residency/stages"] == "old_logprob>reference>train>weight_sync"  # generating already
+    assert second["residency/stages"] == "generate>old_logprob>reference>train>weight_sync>generate"  # + evaluation
+    for stage in ("generate", "old_logprob", "reference", "train", "weight_sync"):
+        assert second[f"residency/{stage}/offload_s"] >= 0 and f"residency/{stage}/gpu_allocated_gb" in second
+    assert second["residency/generate/offloaded_gb"] > 0  # the trainer's and the reference's states handed over
+    assert second["residency/train/reloaded_gb"] > second["residency/old_logprob/reloaded_gb"] > 0  # + grads, Adam

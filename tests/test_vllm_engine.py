@@ -176,6 +176,13 @@ def test_abort_returns_partial_and_resume_continues(probe):
     assert (partial["version"], resumed["version"], resumed["finish_reason"]) == (2, 3, "length")
 
 
+def test_sleep_and_a_wake_of_the_weights_alone(probe):
+    res = probe[0]
+    assert res["asleep"] == {"update_weights": "RuntimeError", "generate": "RuntimeError"}
+    assert res["weights_awake"] == {"update_weights": "none", "generate": "RuntimeError"}
+    assert res["greedy_after_partial_wake"] == res["greedy_after_wake"]
+
+
 def test_step_api_refuses_misuse(probe):
     step = probe[0]["step_api"]
     assert step["errors"] == {"duplicate": "ValueError", "update_weights": "RuntimeError",

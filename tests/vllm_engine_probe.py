@@ -167,6 +167,15 @@ def main(spec_path: str, result_path: str) -> None:
     engine.sleep()
     engine.wake_up()
     res["greedy_after_wake"] = greedy(engine, prompts[:1], max_tokens)
+    # a weight sync between stages: the weights woken alone take an update, generation waits for the KV cache
+    engine.sleep()
+    res["asleep"] = {"update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
+                     "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2))}
+    engine.wake_up(["weights"])
+    res["weights_awake"] = {"update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
+                            "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2))}
+    engine.wake_up(["kv_cache"])
+    res["greedy_after_partial_wake"] = greedy(engine, prompts[:1], max_tokens)
 
     res["step_api"] = step_api(engine, prompts, max_tokens, weights_a)
     res["greedy_after_step_api"] = greedy(engine, prompts, max_tokens)  # generate() still works

@@ -120,7 +120,7 @@ class RunLoop:
             steps.begin(resumed=restored is not None)
             if restored is None:
                 metrics = steps.evaluate()
-                run_log.log_step(0, {**metrics, "policy_version": 0})
+                run_log.log_step(0, {**metrics, "policy_version": 0, **_residency(steps)})
                 log.info("step 0: held-out accuracy %.3f", metrics.get("accuracy", float("nan")))
             if start >= s.steps:
                 log.info("the checkpoint of step %d is already the run's last step (steps=%d): nothing to do",
@@ -149,6 +149,7 @@ class RunLoop:
             keep = report.rollouts is not None and s.rollout_every > 0 and (step % s.rollout_every == 0 or last)
             if last or wall_limit:
                 record["weights_sha256"] = steps.weights_digest()
+            record.update(_residency(steps))
             run_log.log_step(step, record, report.rollouts if keep else None)
             if report.summary:
                 log.info("step %d/%d: %s, held-out accuracy %.3f", step, s.steps, report.summary,
@@ -182,3 +183,9 @@ class RunLoop:
         log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
         log_event(self.run_dir, {"event": "resume", "checkpoint": str(path), "step": step, "restarts": restarts,
                                  "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+
+
+def _residency(steps: Any) -> dict[str, Any]:
+    """The stages the colocated roles took turns in since the last record (offload on), in order."""
+    hook = getattr(steps, "residency_metrics", None)
+    return hook() if hook is not None else {}

@@ -114,7 +114,8 @@ class VllmGenerator:
         self.tensor_parallel_size = tensor_parallel_size
         self.stop_token_ids = list(stop_token_ids)
         self.version = 0
-        self.asleep = False
+        self.asleep = False  # no generation until the KV cache is back
+        self.weights_asleep = False  # no weight update until the weights are back
         self._live: dict[str, _Live] = {}  # step-API requests in flight, by caller id, in add order
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
@@ -244,7 +245,9 @@ class VllmGenerator:
         requests are in flight: their tokens would mix two versions under one recorded version
         (abort them first; the partials resume under the new weights).
         """
-        self._check_idle("update_weights()")
+        if self.weights_asleep:
+            raise RuntimeError("update_weights() while the engine's weights are asleep: wake_up(['weights']) first")
+        self._check_idle("update_weights()", generating=False)
         if isinstance(named_tensors, (list, tuple)) and not named_tensors:
             raise ValueError("update_weights() needs the model's tensors, got none")
         # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
@@ -272,22 +275,29 @@ class VllmGenerator:
         ``update_weights`` right after ``wake_up``. Refused while step-API requests are in flight
         (vLLM's sleep would abort them without handing back their partials).
         """
-        self._check_idle("sleep()")
+        self._check_idle("sleep()", generating=False)
         if self.sleep_supported:
             self.llm.sleep(level=level)
         self.asleep = True
+        self.weights_asleep = True
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake all of it, or only ``tags`` ("weights", "kv_cache"): a weight sync needs the weights back,
+        not yet the KV cache (which then still leaves its memory to the trainer)."""
         if self.sleep_supported:
-            self.llm.wake_up()
-        self.asleep = False
+            self.llm.wake_up(tags=tags)
+        if tags is None or "weights" in tags:
+            self.weights_asleep = False
+        if tags is None or "kv_cache" in tags:
+            self.asleep = False
 
     def _check_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("engine is asleep: call wake_up() first")
 
-    def _check_idle(self, what: str) -> None:
-        self._check_awake()
+    def _check_idle(self, what: str, generating: bool = True) -> None:
+        if generating:
+            self._check_awake()
         if self._live:
             raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
                                "finish them (step/run_until) or abort them first")

@@ -152,6 +152,7 @@ class AgenticPipeline(TrainingPipeline):
         rollout_every: int = 1
         max_wall_s: float = 0.0
         checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+        offload: bool = False  # colocated roles take turns on their devices (rollhpc.controller.colocation)
         # with one optimizer step per batch the update is exactly on-policy (rollouts are synchronous here):
         # the train step's own forward gives the old log-probs, no separate forward (as in the RLVR pipeline)
         skip_on_policy_logprobs: bool = True
@@ -236,6 +237,7 @@ class AgenticPipeline(TrainingPipeline):
     def step(self, step: int, last: bool) -> StepReport:
         o = self.options
         train = self.groups["train"]
+        self.stage("generate")
         groups, rstats = self.scheduler.collect(self.seeds, o.groups_per_step, self.policy.version)
         times = {"rollout_s": rstats.wall_s}
         if not groups and rstats.resets_failed and rstats.resets_failed == rstats.episodes_started:
@@ -247,6 +249,7 @@ class AgenticPipeline(TrainingPipeline):
             return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
                                **rstats.as_metrics()}, trained=False)
         batch = self._training_batch(groups, times)
+        self.stage("train")
         t = time.perf_counter()
         stats = train.train_step(batch, self.options.loss)
         times["train_s"] = time.perf_counter() - t
@@ -254,7 +257,7 @@ class AgenticPipeline(TrainingPipeline):
             times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
         self.policy.version += 1
         t = time.perf_counter()
-        times["weight_sync_s"] = self.weight_sync(self.policy.version)
+        times["weight_sync_s"] = self.sync_weights()
         times["weight_sync_total_s"] = time.perf_counter() - t
         samples = [s for g in groups for s in g]
         record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
@@ -309,6 +312,7 @@ class AgenticPipeline(TrainingPipeline):
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return Batch({"tokens": tokens, "loss_mask": mask, "gen_logprob": data["old_logprob"],
                           "advantage": advantage})
+        self.stage("old_logprob")
         t = time.perf_counter()
         old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
         times["old_logprob_s"] = time.perf_counter() - t
@@ -324,6 +328,7 @@ class AgenticPipeline(TrainingPipeline):
         o = self.options
         if not o.n_heldout:
             return {}
+        self.stage("generate")
         env, gen = self.groups["env"], self.groups["generate"]
         n_env = len(env)
         episodes = {f"eval.{i}": {"rank": i % n_env, "seed": HELDOUT_SEED_BASE + i, "row": [], "turns": 0,

@@ -158,10 +158,16 @@ class RlvrPipeline(TrainingPipeline):
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds of training (0: no limit)
         checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
+        # colocated roles take turns on their devices: each stage offloads what it does not use
+        # (rollhpc.controller.colocation); off: they stay resident together
+        offload: bool = False
 
         def __post_init__(self) -> None:
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
+            if self.offload and self.rollout.max_staleness >= 1:
+                raise ValueError("offload=true with rollout.max_staleness >= 1: async generation runs during training, "
+                                 "so colocated generators and trainer cannot take turns; use one of the two")
             self._check_group_size()
             if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
                 raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
@@ -343,6 +349,7 @@ class RlvrPipeline(TrainingPipeline):
         if self.policy.pending is not None:  # async: generated during the previous step's training
             (groups, rstats), self.policy.pending = self.policy.pending, None
         else:
+            self.stage("generate")
             groups, rstats = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version)
         times = {"rollout_s": rstats.wall_s}
         if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
@@ -351,6 +358,7 @@ class RlvrPipeline(TrainingPipeline):
             return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
                                **rstats.as_metrics()}, trained=False)
         batch, samples = self._training_batch(groups, ref, times)
+        self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self._loss_config())
         critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
@@ -366,7 +374,7 @@ class RlvrPipeline(TrainingPipeline):
             times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
         self.policy.version += 1
         t = time.perf_counter()
-        times["weight_sync_s"] = self.weight_sync(self.policy.version)
+        times["weight_sync_s"] = self.sync_weights()
         times["weight_sync_total_s"] = time.perf_counter() - t
         record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
         return StepReport(record, self._record(samples), summary=f"reward {record['reward_mean']:.3f}, "
@@ -396,6 +404,7 @@ class RlvrPipeline(TrainingPipeline):
         """``{"accuracy": greedy accuracy on the held-out split}`` (generators split the prompts). With domains,
         each domain's examples are scored by its reward roles (``accuracy`` names the component read, else the
         combined reward), ``DOMAIN/accuracy`` is each domain's, and ``accuracy`` their share-weighted mean."""
+        self.stage("generate")
         accuracy = self._accuracy()
         return {"accuracy": accuracy, **self.domain_accuracy}
 
@@ -451,6 +460,7 @@ class RlvrPipeline(TrainingPipeline):
         if self._on_policy():
             data["gen_logprob"] = gen_logp  # the train step reports its distance from these (logprob_abs_diff)
         elif o.old_logprob_source == "trainer":
+            self.stage("old_logprob")
             data["old_logprob"] = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
             # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
             times["logprob_abs_diff"] = float((np.abs(data["old_logprob"] - gen_logp) * mask).sum() / max(mask.sum(), 1))
@@ -458,6 +468,7 @@ class RlvrPipeline(TrainingPipeline):
             data["old_logprob"] = gen_logp
         times["old_logprob_s"] = time.perf_counter() - t
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
+            self.stage("reference")
             t = time.perf_counter()
             data["ref_logprob"] = ref.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
@@ -470,6 +481,7 @@ class RlvrPipeline(TrainingPipeline):
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
         reward_kl = kl if kl_in_reward else None  # the per-token KL penalty folded into the rewards, if any
         if o.algorithm == "ppo":
+            self.stage("values")
             t = time.perf_counter()
             values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
             times["critic_values_s"] = time.perf_counter() - t

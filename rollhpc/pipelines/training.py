@@ -58,8 +58,7 @@ class TrainingPipeline(Pipeline):
         "reference": {"reference": ("parameters", "activations")},
         "values": {"critic": ("parameters", "forward_activations")},
         "old_logprob": {"train": ("parameters", "forward_activations")},
-        "train": {"train": TRAINER_PARTS},
-        "critic_train": {"critic": TRAINER_PARTS},
+        "train": {"train": TRAINER_PARTS, "critic": TRAINER_PARTS},  # the critic trains beside the actor
         "weight_sync": {"train": ("parameters",), "generate": ("weights",)},
     }
 
@@ -76,10 +75,15 @@ class TrainingPipeline(Pipeline):
         return config is None or getattr(config.roles["train"].options, "mini_batches", 1) == 1
 
     def run_loop(self) -> Outcome:
-        """Weight sync set up, then the shared run loop over this pipeline's steps."""
+        """Weight sync and (offload on) the colocated roles' turns set up, then the shared run loop over this
+        pipeline's steps."""
         o = self.options
         self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], o.weight_sync,
                                       o.weight_sync_bucket_mb)
+        if getattr(o, "offload", False) and self.run_ctx.config is not None:
+            from rollhpc.controller.colocation import Residency, colocated_sets
+
+            self.residency = Residency(self.groups, self.memory_stages, colocated_sets(self.run_ctx.config))
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s))
@@ -87,8 +91,22 @@ class TrainingPipeline(Pipeline):
         self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE  # read by rank.py
         return self.outcome
 
+    residency: Any = None
+
+    def stage(self, name: str) -> None:
+        """Entering a stage of the step: colocated roles take their turn (offload on), else nothing."""
+        if self.residency is not None:
+            self.residency.enter(name)
+
+    def residency_metrics(self) -> dict[str, Any]:
+        return self.residency.step_metrics() if self.residency is not None else {}
+
+    def sync_weights(self) -> float:
+        self.stage("weight_sync")
+        return self.weight_sync(self.policy.version)
+
     def begin(self, resumed: bool) -> None:
-        self.weight_sync(self.policy.version)  # the generators start from exactly the trainer's weights
+        self.sync_weights()  # the generators start from exactly the trainer's weights
 
     def weights_digest(self) -> str:
         return self.groups["train"].weights_digest()

@@ -134,6 +134,29 @@ class MegatronPolicyWorker(Worker):
                 chunk.requires_grad_(False)
                 chunk.eval()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self, parts: list[str]) -> dict[str, float]:
+        """Move ``parts`` (parameters, gradients, optimizer) to host memory, freeing the GPU for a colocated role
+        (rollhpc.controller.colocation); returns bytes moved, seconds and this process's GPU memory after."""
+        from rollhpc.workers.offload import gpu_memory
+
+        return {**self._offloader().offload(parts), **gpu_memory()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self, parts: list[str]) -> dict[str, float]:
+        """Bring ``parts`` back onto this rank's device (the inverse of ``offload_states``)."""
+        from rollhpc.workers.offload import gpu_memory
+
+        return {**self._offloader().reload(parts), **gpu_memory()}
+
+    def _offloader(self) -> Any:
+        if getattr(self, "_state_offloader", None) is None:
+            from rollhpc.workers.offload import StateOffloader
+
+            modules = self._trained_modules() if self.trainable else self.chunks
+            self._state_offloader = StateOffloader(modules, getattr(self, "optimizer", None), self.device)
+        return self._state_offloader
+
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
         """Bytes a rank holds on its GPU (rollhpc.launch.memory_plan): its stage's parameters, and the

@@ -19,6 +19,8 @@ from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
 
 
 class VllmGenerateWorker(Worker):
+    offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
+
     @dataclass(kw_only=True)
     class Options(EngineOptions):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
         model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
@@ -45,6 +47,26 @@ class VllmGenerateWorker(Worker):
         weights = float(shape.total * dtype_bytes(options.dtype))
         budget = options.gpu_memory_utilization * gpu_bytes * options.tensor_parallel_size
         return {"weights": weights, "kv_cache": max(budget - weights, 0.0)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self, parts: list[str]) -> dict[str, float]:
+        """Sleep (rollhpc.controller.colocation): the KV cache dropped and, with "weights" in ``parts``, the
+        weights to host memory (vLLM's level 1); returns seconds and this process's GPU memory after."""
+        from rollhpc.workers.offload import gpu_memory
+
+        t = time.perf_counter()
+        if not (self.engine.asleep and self.engine.weights_asleep):
+            self.engine.sleep(level=1)
+        return {"seconds": time.perf_counter() - t, **gpu_memory()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self, parts: list[str]) -> dict[str, float]:
+        """Wake ``parts`` ("weights", "kv_cache"): a weight sync needs only the weights back."""
+        from rollhpc.workers.offload import gpu_memory
+
+        t = time.perf_counter()
+        self.engine.wake_up(tags=sorted(parts))
+        return {"seconds": time.perf_counter() - t, **gpu_memory()}
 
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, buckets: list[Any], version: int) -> float:
