@@ -125,7 +125,7 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
     args = ["qwen2.5-7b_grpo", f"pipeline.options.model_dir={tmp_path}", "--no-ranks"]
-    fits = rollhpc("plan", *args, "cluster.gpu_memory_gb=80", cwd=tmp_path)
+    fits = rollhpc("plan", *args, cwd=tmp_path)  # the config's 80 GB GPUs, offload on
     assert fits.returncode == 0, fits.stderr
     lines = fits.stdout.splitlines()
     (peak,) = [line for line in lines if line.split()[:1] == ["peak"]]
@@ -133,6 +133,9 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
     assert on < 74.5 < off and peak.endswith("fits 74.5 GiB only with offload")  # colocated: fits by taking turns
     assert {line.split()[0] for line in lines if line.startswith("    ")} >= {
         "generate", "reference", "old_logprob", "train", "weight_sync", "train:", "reference:", "generate:"}
+    resident = rollhpc("plan", *args, "cluster.gpu_memory_gb=80", "pipeline.options.offload=false", cwd=tmp_path)
+    assert resident.returncode == 2 and "held at once, more than cluster.gpu_memory_gb=80 GB" in resident.stderr
+    assert "set pipeline.options.offload=true (the colocated roles then take turns: about 65" in resident.stderr
     small = rollhpc("plan", *args, "cluster.gpu_memory_gb=40", cwd=tmp_path)
     assert small.returncode == 2 and "the train stage needs about" in small.stderr
     assert "more than cluster.gpu_memory_gb=40 GB" in small.stderr and small.stderr.count("\n") == 1

@@ -108,6 +108,7 @@ class GpuGroup:
     gpus: list[tuple[int, int, int]]  # (het group, node in it, GPU position on the node)
     parts: dict[str, dict[str, float]]  # role -> part -> bytes on each of these GPUs
     processes: int  # processes per GPU (each charged a CUDA context)
+    roles: list[str] = field(default_factory=list)  # every role with a rank on these GPUs, estimated or not
     stages: dict[str, float] = field(default_factory=dict)  # stage -> bytes with offload on
     resident: float = 0.0  # bytes with offload off (every part of every role at once)
 
@@ -121,16 +122,19 @@ class MemoryPlan:
     groups: list[GpuGroup]
     gpu_memory_gb: float
     unknown: list[str]  # roles whose memory could not be estimated, and why
+    offload: bool = False  # pipeline.options.offload: colocated roles take turns
 
     def render(self) -> Iterator[str]:
         cap = f"cluster.gpu_memory_gb={self.gpu_memory_gb:g}" if self.gpu_memory_gb else \
             "cluster.gpu_memory_gb not set: nothing checked"
-        yield f"GPU memory per GPU (estimate, GiB; {cap}):"
+        yield f"GPU memory per GPU (estimate, GiB; {cap}; pipeline.options.offload={str(self.offload).lower()}):"
         for why in self.unknown:
             yield f"  {why}"
         for g in self.groups:
-            roles = ", ".join(g.parts)
-            yield f"  {_where(g.gpus)}: {roles} ({g.processes} process(es) per GPU)"
+            if not g.parts:
+                yield f"  {_where(g.gpus)}: {', '.join(g.roles)}: not estimated"
+                continue
+            yield f"  {_where(g.gpus)}: {', '.join(g.parts)} ({g.processes} process(es) per GPU)"
             for role, parts in g.parts.items():
                 yield "    " + f"{role}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
             yield f"    {'stage':<14} {'offload off':>12} {'offload on':>11}"
@@ -149,11 +153,18 @@ class MemoryPlan:
         return f"  fits {cap:.1f} GiB"
 
     def check(self) -> None:
-        """ConfigError when some GPU's stage peak (offload on, the best case) exceeds cluster.gpu_memory_gb."""
+        """ConfigError when some GPU's peak exceeds cluster.gpu_memory_gb: its stage peak with offload on
+        (pipeline.options.offload), its resident total with it off."""
         if not self.gpu_memory_gb:
             return
         cap = self.gpu_memory_gb * 1e9
-        for g in self.groups:
+        for g in (g for g in self.groups if g.parts):  # what could not be estimated is not judged
+            if not self.offload and g.resident > cap:
+                hint = ("set pipeline.options.offload=true (the colocated roles then take turns: about "
+                        f"{g.peak_on / GIB:.1f} GiB)" if g.peak_on <= cap else "give the roles more GPUs")
+                raise ConfigError(
+                    f"{_where(g.gpus)}: the colocated roles need about {g.resident / GIB:.1f} GiB per GPU held at "
+                    f"once, more than cluster.gpu_memory_gb={self.gpu_memory_gb:g} GB ({cap / GIB:.1f} GiB); {hint}")
             if g.peak_on > cap:
                 stage = max(g.stages, key=g.stages.get) if g.stages else "every stage"
                 detail = "; ".join(f"{role}: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in parts.items())
@@ -221,7 +232,7 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
         known = {r: per_rank[r] for r in names if per_rank.get(r) is not None}
         parts = {r: {k: v * roles.count(r) for k, v in known[r].items()} for r in known}  # ranks of a role on a GPU
         context = CUDA_CONTEXT_BYTES * len(roles)
-        g = GpuGroup(gids, parts, len(roles))
+        g = GpuGroup(gids, parts, len(roles), names)
         g.resident = context + sum(_held(p) for p in parts.values())
         staged = {r for loaded in (stages or {}).values() for r in loaded}
         always = context + sum(_held(parts[r]) for r in parts if r not in staged)  # never offloaded
@@ -231,4 +242,4 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
                 continue
             g.stages[stage] = always + sum(parts[r].get(k, 0.0) for r, ps in active.items() for k in ps)
         groups.append(g)
-    return MemoryPlan(groups, cfg.cluster.gpu_memory_gb, unknown)
+    return MemoryPlan(groups, cfg.cluster.gpu_memory_gb, unknown, bool(getattr(cfg.pipeline.options, "offload", False)))
