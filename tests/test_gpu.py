@@ -1,0 +1,208 @@
+"""The GPU paths on a real CUDA device: ``pytest -m gpu tests/test_gpu.py`` on a GPU machine.
+
+Deselected by default (pyproject's addopts: -m 'not gpu'); asked for on a machine without CUDA they fail
+with one message saying so, never skip. They need torch with CUDA, transformers, safetensors and
+megatron-core, not vLLM (its CUDA build is not assumed on the machine): the vLLM side of sleep/wake and of
+the colocated weight sync is covered on CPU by tests/test_vllm_engine.py and tests/test_rlvr_pipeline.py.
+
+Measured numbers (memory freed and restored, offload/reload seconds, CUDA-IPC bandwidth) are printed and,
+with ROLLHPC_GPU_RESULTS=PATH, appended to PATH as JSON lines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+
+# ~100M parameters (Qwen2 layout): the size the offload and IPC numbers are reported for
+MEDIUM = dict(model_type="qwen2", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+              num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True,
+              max_position_embeddings=512)
+TINY = dict(model_type="qwen2", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def cuda() -> "torch.device":
+    if not torch.cuda.is_available():
+        pytest.fail(f"the -m gpu tests need a CUDA device, and torch {torch.__version__} sees none here "
+                    f"(built with CUDA {torch.version.cuda}); run them on a GPU machine", pytrace=False)
+    return torch.device("cuda", 0)
+
+
+def report(name: str, **numbers: float) -> None:
+    print(f"{name}: " + ", ".join(f"{k}={v:.4g}" for k, v in numbers.items()))
+    path = os.environ.get("ROLLHPC_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, "device": torch.cuda.get_device_name(0), **numbers}) + "\n")
+
+
+def hf_model(spec: dict, dtype: "torch.dtype" = torch.float32, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(**spec), dtype=dtype)
+
+
+def digest(t: "torch.Tensor") -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+
+
+def snapshot(model, optimizer) -> dict[str, "torch.Tensor"]:
+    out = {f"p/{n}": p.detach().cpu().clone() for n, p in model.named_parameters()}
+    for i, state in enumerate(optimizer.state.values()):
+        out.update({f"o/{i}/{k}": v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ offload
+def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
+    from rollhpc.workers.offload import StateOffloader
+
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model = hf_model(MEDIUM, torch.bfloat16).to(cuda)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, MEDIUM["vocab_size"], (2, 128), device=cuda)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # moments exist; gradients kept
+    params = sum(p.numel() for p in model.parameters())
+    assert params >= 100e6 * 0.9, params
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    before = snapshot(model, optimizer)
+    offloader = StateOffloader([model], optimizer, cuda)
+    out = offloader.offload(["parameters", "gradients", "optimizer"])
+    left = torch.cuda.memory_allocated() - base
+    back = offloader.reload(["parameters", "gradients", "optimizer"])
+    after = snapshot(model, optimizer)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(p.device == cuda for p in model.parameters())
+    model(input_ids=ids, labels=ids).loss.backward()  # and it trains on
+    optimizer.step()
+    report("offload", parameters=params, role_gib=held / 2**30, left_gib=left / 2**30,
+           freed_fraction=1 - left / held, offload_s=out["seconds"], reload_s=back["seconds"],
+           offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9)
+    assert left <= 0.1 * held, f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU"
+
+
+# ------------------------------------------------------------------------------------------------ CUDA IPC
+def _receiver(queue, results) -> None:
+    import torch
+
+    from rollhpc.weight_sync.cuda_ipc import open_buckets
+
+    shared = queue.get()
+    torch.cuda.set_device(0)
+    t = time.perf_counter()
+    mine = {name: torch.empty_like(view).copy_(view) for name, view in open_buckets(shared)}
+    torch.cuda.synchronize()
+    copy_s = time.perf_counter() - t
+    results.put({"copy_s": copy_s, "digests": {n: digest(v) for n, v in mine.items()},
+                 "devices": sorted({str(v.device) for v in mine.values()})})
+
+
+def test_cuda_ipc_weight_sync_reproduces_the_trainers_tensors(cuda):
+    import torch.multiprocessing as mp
+
+    from rollhpc.weight_sync.cuda_ipc import share_weights
+
+    model = hf_model(MEDIUM, torch.bfloat16).to(cuda)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    t = time.perf_counter()
+    shared = share_weights(named, bucket_bytes=128 << 20)
+    pack_s = time.perf_counter() - t
+    ctx = mp.get_context("spawn")
+    queue, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(queue, results))
+    proc.start()
+    queue.put(shared.buckets)
+    got = results.get(timeout=300)
+    proc.join(60)
+    shared.release()
+    assert proc.exitcode == 0
+    assert got["devices"] == ["cuda:0"] and got["digests"] == {n: digest(t) for n, t in named}
+    report("cuda_ipc", parameters=sum(t.numel() for _, t in named), gib=shared.nbytes / 2**30, pack_s=pack_s,
+           copy_s=got["copy_s"], gbps=shared.nbytes / got["copy_s"] / 1e9)
+
+
+# ------------------------------------------------------------------------------------------------ Megatron
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    hf_model(TINY).save_pretrained(path)
+    return path
+
+
+def _megatron(model_dir: Path, dtype: "torch.dtype", device: "torch.device"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from safetensors.torch import load_file
+
+        from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights
+
+    model = build_gpt_model(_hf_dict(model_dir), params_dtype=dtype, parallel_output=False)
+    load_hf_weights(model, load_file(str(model_dir / "model.safetensors")), 0, 1)
+    return model.to(device)
+
+
+def _loss(model, ids: "torch.Tensor") -> "torch.Tensor":
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    logits = model(ids, positions, None)[..., :TINY["vocab_size"]].float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def test_megatron_trains_on_cuda_in_bf16_and_matches_the_cpu_loss(cuda, tiny_dir):
+    from rollhpc.checkpoint.mcore import single_process_world
+
+    ids = torch.randint(0, TINY["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(0))
+    reference = hf_model(TINY)
+    reference.load_state_dict(type(reference).from_pretrained(tiny_dir).state_dict())
+    with torch.no_grad():
+        cpu_loss = reference(input_ids=ids, labels=ids).loss.item()  # the same loss, in float32 on CPU
+    with single_process_world():
+        model = _megatron(tiny_dir, torch.bfloat16, cuda)
+        assert all(p.device == cuda for p in model.parameters())
+        assert torch.bfloat16 in {p.dtype for p in model.parameters()}  # the matrices (norms may stay float32)
+        loss = _loss(model, ids.to(cuda))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            after = _loss(model, ids.to(cuda)).item()
+    report("megatron_cuda_bf16", cpu_loss=cpu_loss, cuda_loss=loss.item(), after_step=after)
+    assert loss.item() == pytest.approx(cpu_loss, rel=2e-2)
+    assert after < loss.item()
+
+
+def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(cuda, tiny_dir, tmp_path):
+    from rollhpc.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint, single_process_world
+
+    ids = torch.randint(0, TINY["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(1))
+    with single_process_world():
+        gpu = _megatron(tiny_dir, torch.float32, cuda)
+        optimizer = torch.optim.AdamW(gpu.parameters(), lr=1e-2)
+        _loss(gpu, ids.to(cuda)).backward()
+        optimizer.step()  # weights of its own, not the HF ones
+        trained = {n: p.detach().cpu().clone() for n, p in gpu.named_parameters()}
+        save_mcore_checkpoint(gpu, tmp_path / "from_gpu", tiny_dir)
+        cpu = _megatron(tiny_dir, torch.float32, torch.device("cpu"))
+        load_mcore_checkpoint(cpu, tmp_path / "from_gpu")
+        assert all(torch.equal(p, trained[n]) for n, p in cpu.named_parameters())
+        save_mcore_checkpoint(cpu, tmp_path / "from_cpu", tiny_dir)
+        again = _megatron(tiny_dir, torch.float32, cuda)
+        load_mcore_checkpoint(again, tmp_path / "from_cpu")
+        assert all(torch.equal(p.cpu(), trained[n]) for n, p in again.named_parameters())
+        with torch.no_grad():
+            assert _loss(again, ids.to(cuda)).item() == pytest.approx(_loss(cpu, ids).item(), rel=1e-4)
