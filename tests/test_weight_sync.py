@@ -55,3 +55,23 @@ def test_broadcast_reaches_every_generator_bitwise():
             got = out[(rank, round_)]
             assert got.keys() == ref.keys()
             assert all(torch.equal(got[k], ref[k]) and got[k].dtype == ref[k].dtype for k in ref)
+
+
+def test_auto_weight_sync_takes_cuda_ipc_only_when_every_generator_shares_the_trainers_gpu():
+    from rollhpc.launch.device_mapping import RankPlacement, WorldPlan
+    from rollhpc.weight_sync.driver import choose_mode
+
+    def plan(*ranks: tuple[str, int, int, int, tuple[int, ...]]) -> WorldPlan:
+        return WorldPlan([RankPlacement(i, role, g, comp, node, gpus) for i, (role, g, comp, node, gpus)
+                          in enumerate([("controller", 0, 0, 0, ()), *ranks])], [])
+
+    one_gpu = plan(("train", 0, 1, 0, (0,)), ("generate", 0, 1, 0, (0,)))
+    assert choose_mode("auto", one_gpu) == "ipc"
+    assert choose_mode("broadcast", one_gpu) == "broadcast" and choose_mode("relay", one_gpu) == "relay"
+    spread = plan(("train", 0, 1, 0, (0,)), ("train", 1, 1, 0, (1,)), ("generate", 0, 1, 0, (0,)),
+                  ("generate", 1, 1, 0, (1,)))  # colocated, but generator 1 is on another GPU than trainer 0
+    assert choose_mode("auto", spread) == "broadcast"
+    apart = plan(("train", 0, 1, 0, (0,)), ("generate", 0, 2, 0, (0,)))  # GPU 0 of another het group's node
+    assert choose_mode("auto", apart) == "broadcast"
+    cpu = plan(("train", 0, 0, 0, ()), ("generate", 0, 0, 0, ()))
+    assert choose_mode("auto", cpu) == "broadcast"

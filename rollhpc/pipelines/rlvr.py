@@ -153,7 +153,9 @@ class RlvrPipeline(TrainingPipeline):
         # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
         # without one), or plain text (off); rollhpc.rollout.prompts
         chat_template: Literal["auto", "on", "off"] = "auto"
-        weight_sync: Literal["broadcast", "relay"] = "broadcast"  # direct process group, or through the controller
+        # trainer -> generators: auto (CUDA IPC when they share the trainer's GPU, else broadcast), broadcast
+        # (a direct process group), relay (through the controller) or ipc (rollhpc.weight_sync.driver)
+        weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds of training (0: no limit)

@@ -14,7 +14,7 @@ from typing import Any
 
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
-from rollhpc.weight_sync.driver import WeightSync
+from rollhpc.weight_sync.driver import WeightSync, choose_mode
 
 __all__ = ["PolicyCursor", "RankPort", "TrainingPipeline"]
 
@@ -78,8 +78,13 @@ class TrainingPipeline(Pipeline):
         """Weight sync and (offload on) the colocated roles' turns set up, then the shared run loop over this
         pipeline's steps."""
         o = self.options
-        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], o.weight_sync,
-                                      o.weight_sync_bucket_mb)
+        mode = o.weight_sync
+        if mode == "auto":
+            from rollhpc.launch.device_mapping import WorldPlan
+
+            plan_path = self.run_ctx.run_dir / "plan.json"
+            mode = choose_mode(mode, WorldPlan.load(plan_path)) if plan_path.exists() else "broadcast"
+        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], mode, o.weight_sync_bucket_mb)
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocated_sets
 

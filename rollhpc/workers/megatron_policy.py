@@ -282,6 +282,30 @@ class _WeightChannelMixin:
             return None
         return self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))))
 
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def share_weights(self, bucket_mb: float = 512.0) -> list[Any] | None:
+        """The weights as CUDA-IPC handles of buckets on rank 0's GPU (``weight_sync.cuda_ipc``), for
+        generators on that same GPU; the buckets stay alive until ``release_shared_weights``."""
+        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
+        from rollhpc.weight_sync.cuda_ipc import share_weights
+
+        if self.ctx.coords.edp_rank != 0:
+            return None
+        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
+        if self.ctx.group_rank != 0:
+            for _ in named:  # the other TP ranks take part in the gathers only
+                pass
+            return None
+        self._shared = share_weights(named, int(bucket_mb * (1 << 20)))
+        return self._shared.buckets
+
+    @register(Dispatch.RANK_ZERO)
+    def release_shared_weights(self) -> None:
+        """Every generator has copied the shared weights: their buckets go back to the allocator."""
+        shared, self._shared = getattr(self, "_shared", None), None
+        if shared is not None:
+            shared.release()
+
 
 class MegatronReferenceWorker(MegatronPolicyWorker):
     """The frozen initial policy: log-probabilities for the KL term."""

@@ -92,6 +92,16 @@ class VllmGenerateWorker(Worker):
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
+    def receive_shared_weights(self, buckets: list[Any], version: int) -> float:
+        """Copy the weights the colocated trainer shares through CUDA IPC into the engine, device to device;
+        returns the seconds it took."""
+        from rollhpc.weight_sync.cuda_ipc import open_buckets
+
+        t = time.perf_counter()
+        self.engine.update_weights(open_buckets(buckets), version)
+        return time.perf_counter() - t
+
+    @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[dict[str, Any]], aborts: list[str]) -> dict[str, Any]:
         """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
         o = self.options
