@@ -205,6 +205,12 @@ def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
         assert info["metrics"]["blocked_move"] == 1.0 and env._state_key() == before and not terminated
     with pytest.raises(ValueError, match="end_on_dead_end"):
         Sokoban(end_on_dead_end="yes")
+    strict = Sokoban(format_penalty=1.0)  # text that is no move costs more than a move that goes nowhere
+    strict.reset(0)
+    _, reward, *_ = strict.step("jump")
+    assert reward == pytest.approx(STEP_REWARD - 1.0)
+    with pytest.raises(ValueError, match="format_penalty"):
+        Sokoban(format_penalty=-1)
 
 
 # ---------------------------------------------------------------------------------------------- tool use

@@ -19,7 +19,9 @@ Walking into a wall or a blocked box leaves the room as it was and still costs t
 Reward (gym-sokoban's scheme, so returns compare with the Sokoban numbers in the literature): -0.1 per
 turn, +1 for a box pushed onto a target, -1 for one pushed off, +10 when every box is on a target
 (terminated, success True). Text that is no direction costs the turn's -0.1, gets the observation
-"Invalid action: ..." and ``metrics.invalid_action`` 1; a move into a wall or a blocked box,
+"Invalid action: ..." and ``metrics.invalid_action`` 1, and ``format_penalty`` (default 0; RAGEN's
+Sokoban takes 1) is subtracted from its reward: without it, text that is no move costs no more than a move
+that goes nowhere, and RL can drift a tiny policy into garbage. A move into a wall or a blocked box counts
 ``metrics.blocked_move`` 1. ``max_turns`` turns truncate the episode.
 
 Dead ends (``end_on_dead_end``, off by default as in gym-sokoban): a push after which no sequence of moves
@@ -55,12 +57,13 @@ class Sokoban:
     """Options: ``size`` (interior side, 4 to 8, default 5), ``boxes`` (1 to 3, default 1), ``max_turns``
     (default 20; also the longest solution a level may need), ``min_moves`` (the shortest solution a level
     may have, default 3), ``end_on_dead_end`` (default False: end an episode whose room can no longer be
-    solved, charged its remaining turns)."""
+    solved, charged its remaining turns), ``format_penalty`` (default 0: subtracted from the reward of a
+    turn whose text is no move)."""
 
     ACTIONS = DIRECTIONS  # what a random policy picks from
 
     def __init__(self, size: int = 5, boxes: int = 1, max_turns: int = 20, min_moves: int = 3,
-                 end_on_dead_end: bool = False) -> None:
+                 end_on_dead_end: bool = False, format_penalty: float = 0.0) -> None:
         if not isinstance(size, int) or not 4 <= size <= 8:
             raise ValueError(f"size (the room's interior side) must be an integer in 4..8, got {size!r}")
         if not isinstance(boxes, int) or not 1 <= boxes <= 3:
@@ -71,6 +74,10 @@ class Sokoban:
             raise ValueError(f"max_turns must be an integer >= min_moves ({min_moves}), got {max_turns!r}")
         if not isinstance(end_on_dead_end, bool):
             raise ValueError(f"end_on_dead_end must be true or false, got {end_on_dead_end!r}")
+        if not isinstance(format_penalty, (int, float)) or format_penalty < 0:
+            raise ValueError(f"format_penalty must be a number >= 0 (subtracted from an invalid turn's reward), "
+                             f"got {format_penalty!r}")
+        self.format_penalty = float(format_penalty)
         self.size, self.n_boxes, self.max_turns, self.min_moves = size, boxes, max_turns, min_moves
         self.end_on_dead_end = end_on_dead_end
         self._level: Level | None = None
@@ -97,6 +104,7 @@ class Sokoban:
         blocked = pushed = False
         if direction is None:
             observation = invalid_text()
+            reward -= self.format_penalty
         else:
             moved = move(self._level.room, self._player, self._boxes, DIRECTIONS.index(direction))
             blocked = moved is None
