@@ -142,3 +142,24 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
     submit = rollhpc("submit", *args[:-1], "cluster.gpu_memory_gb=40", "--dry-run", cwd=tmp_path)
     assert submit.returncode == 2 and "the train stage needs about" in submit.stderr  # before any sbatch text
     assert "#SBATCH" not in submit.stdout
+
+
+def test_stage_moves_make_room_only_on_the_stages_devices():
+    from rollhpc.controller.colocation import moves_for
+    from rollhpc.pipelines.training import TrainingPipeline
+
+    sets = [{"train", "reference"}, {"generate", "critic"}]  # two pairs of roles, each on GPUs of its own
+    trainer = {"parameters", "gradients", "optimizer"}
+    loaded = {"train": set(trainer), "reference": {"parameters"}, "generate": {"weights", "kv_cache"},
+              "critic": set(trainer)}
+    stage = TrainingPipeline.memory_stages["reference"]
+    needed = {r: {p for p in parts if p in ("parameters", "gradients", "optimizer", "weights", "kv_cache")}
+              for r, parts in stage.items() if r in loaded}
+    drop, take = moves_for(needed, loaded, sets, whole={"generate"})
+    assert drop == {"train": trainer, "reference": set()} and take == {"reference": set()}  # the other pair stays
+    drop, take = moves_for({"generate": {"weights"}, "train": {"parameters"}}, loaded, sets, whole={"generate"})
+    assert drop["generate"] == set()  # a sleeping engine sleeps whole: it keeps its KV cache while it needs weights
+    assert drop["critic"] == trainer and drop["train"] == {"gradients", "optimizer"}
+    loaded["generate"] = set()
+    _, take = moves_for({"generate": {"weights"}}, loaded, sets, whole={"generate"})
+    assert take == {"generate": {"weights"}}  # a weight sync wakes the weights alone

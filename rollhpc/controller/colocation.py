@@ -50,6 +50,18 @@ def colocated_sets(cfg: Any) -> list[set[str]]:
     return [s for s in sets if len(s) > 1]
 
 
+def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocated: list[set[str]],
+              whole: set[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(what to offload, what to reload), role -> parts, for a stage that needs ``needed`` when ``loaded`` is
+    on the devices. Only the sets the stage's roles belong to make room: roles on other devices keep what they
+    hold. A role in ``whole`` (a vLLM engine: weights and KV cache sleep together) keeps all while it needs
+    any part."""
+    affected = {r for group in colocated if group & needed.keys() for r in group}
+    drop = {r: set() if r in whole and needed.get(r) else loaded[r] - needed.get(r, set()) for r in affected}
+    take = {r: parts - loaded[r] for r, parts in needed.items()}
+    return drop, take
+
+
 class Residency:
     """Drives offload / reload of colocated roles between the stages of a step (``enter(stage)``)."""
 
@@ -77,11 +89,8 @@ class Residency:
             return
         self.current = stage
         self.order.append(stage)
-        drop = {r: self.loaded[r] - needed.get(r, set()) for r in self.managed}
-        for r in drop:  # a vLLM engine sleeps whole (weights and KV together): it keeps all while it needs any
-            if getattr(self.groups[r].worker_cls, "offloads_whole", False) and needed.get(r):
-                drop[r] = set()
-        take = {r: needed.get(r, set()) - self.loaded[r] for r in self.managed}
+        whole = {r for r in self.managed if getattr(self.groups[r].worker_cls, "offloads_whole", False)}
+        drop, take = moves_for(needed, self.loaded, self.colocated, whole)
         entry = {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0, "reloaded_gb": 0.0}
         for kind, moves, method in (("offload", drop, "offload_states"), ("reload", take, "reload_states")):
             moves = {r: sorted(p) for r, p in moves.items() if p}
