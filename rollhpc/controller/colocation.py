@@ -71,6 +71,7 @@ class Residency:
         self.stages = stages
         self.colocated = [s & set(groups) for s in colocated]
         self.managed = {r for s in self.colocated for r in s}
+        self.whole = {r for r in self.managed if getattr(groups[r].worker_cls, "offloads_whole", False)}
         self.loaded: dict[str, set[str]] = {r: self._own_parts(r) for r in self.managed}  # all resident at start
         self.record: dict[str, Any] = {}
         self.order: list[str] = []  # stages entered since the last step_metrics
@@ -89,8 +90,7 @@ class Residency:
             return
         self.current = stage
         self.order.append(stage)
-        whole = {r for r in self.managed if getattr(self.groups[r].worker_cls, "offloads_whole", False)}
-        drop, take = moves_for(needed, self.loaded, self.colocated, whole)
+        drop, take = moves_for(needed, self.loaded, self.colocated, self.whole)
         entry = {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0, "reloaded_gb": 0.0}
         for kind, moves, method in (("offload", drop, "offload_states"), ("reload", take, "reload_states")):
             moves = {r: sorted(p) for r, p in moves.items() if p}

@@ -83,7 +83,7 @@ class Controller:
         call_id = next(self._ids)
         now = time.monotonic()
         ranks = self.channel.fanout_ranks[role]
-        self.channel.send_fanout(role, ranks, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
+        self.channel.send_fanout(role, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
         for rank in ranks:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
         return [(rank, call_id) for rank in ranks]

@@ -226,15 +226,15 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
     grouped: dict[tuple[str, ...], list[tuple[int, int, int]]] = {}
     for gid, roles in sorted(holders.items()):
         grouped.setdefault(tuple(roles), []).append(gid)
+    staged = {r for loaded in (stages or {}).values() for r in loaded}
     groups = []
     for roles, gids in grouped.items():
         names = list(dict.fromkeys(roles))
-        known = {r: per_rank[r] for r in names if per_rank.get(r) is not None}
-        parts = {r: {k: v * roles.count(r) for k, v in known[r].items()} for r in known}  # ranks of a role on a GPU
+        parts = {r: {k: v * roles.count(r) for k, v in per_rank[r].items()}  # all ranks of a role on a GPU
+                 for r in names if per_rank.get(r) is not None}
         context = CUDA_CONTEXT_BYTES * len(roles)
         g = GpuGroup(gids, parts, len(roles), names)
         g.resident = context + sum(_held(p) for p in parts.values())
-        staged = {r for loaded in (stages or {}).values() for r in loaded}
         always = context + sum(_held(parts[r]) for r in parts if r not in staged)  # never offloaded
         for stage, loaded in (stages or {}).items():
             active = {r: ps for r, ps in loaded.items() if r in parts}

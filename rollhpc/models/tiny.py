@@ -163,14 +163,11 @@ def _without_merges_of(vocab: dict[str, int], merges: list[tuple[str, str]],
 
 def _byte_symbol(char: str) -> str:
     """The byte-level BPE symbol of a one-byte character (GPT-2's bytes-to-unicode table)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    code = ord(char)
-    if code > 255:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if ord(char) > 255:
         raise ValueError(f"unmerged characters must be single bytes, got {char!r}")
-    if code in printable:
-        return char
-    return chr(256 + sorted(set(range(256)) - set(printable)).index(code))
+    return bytes_to_unicode()[ord(char)]
 
 
 def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:

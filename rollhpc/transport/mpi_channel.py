@@ -2,12 +2,12 @@
 
 A message is one header (a pickle of the envelope, the payload's skeleton and its buffer sizes)
 followed by one raw MPI message per buffer, all with the same (source, tag): MPI's non-overtaking
-rule keeps them in order. A large payload going to every rank of a role (a one-to-all call) sends
-only its header point to point; its buffers go out once, as MPI broadcasts over a communicator of the
-controller and that role's ranks (``fanout``), so the controller does not send N copies one after
-another and MPI's tree / scatter-allgather algorithms spread the work over the receivers. Every rank of
-the role joins those broadcasts in the order its calls arrive, which is the order they were sent. Sends are non-blocking and tracked so a caller never blocks on a busy
-receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
+rule keeps them in order. A large payload going to every rank of a role (a one-to-all call) can send
+only its header point to point and its buffers once, as MPI broadcasts over a communicator of the
+controller and that role's ranks (``fanout``): the controller then does not send N copies one after
+another, and MPI's tree / scatter-allgather algorithms spread the work over the receivers. Every rank of
+the role joins those broadcasts in the order its calls arrive, which is the order they were sent. Sends
+are non-blocking and tracked so a caller never blocks on a busy receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
 receive busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
 """
 
@@ -82,17 +82,15 @@ class MpiChannel:
             self.busy_since = None
         self.progress()
 
-    def send_fanout(self, role: str, dests: list[int], tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
-        """``enc`` to every rank of ``role`` (``dests``, all of them): the header to each, the buffers as
+    def send_fanout(self, role: str, tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
+        """``enc`` to every rank of ``role`` (``fanout_ranks[role]``): the header to each, the buffers as
         broadcasts over the role's fanout communicator. Non-blocking, like ``send_encoded``."""
         comm = self.fanout[role]
-        if sorted(dests) != self.fanout_ranks[role]:
-            raise ValueError(f"a fanout goes to every rank of role {role!r}, not to ranks {sorted(dests)}")
         sizes = [m.nbytes for m in enc.buffers]
         head = pickle.dumps(({**envelope, "fanout": True}, enc.header, sizes), protocol=5)
         self.busy_since = time.monotonic()
         try:
-            for dest in dests:
+            for dest in self.fanout_ranks[role]:
                 self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
             for m in enc.buffers:
                 self._inflight.append(comm.Ibcast([m, MPI.BYTE], root=0))

@@ -21,8 +21,7 @@ def choose_mode(mode: str, plan: Any, train_role: str = "train", generate_role: 
     same het group, node and GPUs in ``plan``, a WorldPlan), else ``broadcast``; other modes as given."""
     if mode != "auto":
         return mode
-    by_role = {(p.role, p.group_rank): p for p in plan.ranks}
-    first = by_role.get((train_role, 0))
+    first = next((p for p in plan.ranks if p.role == train_role and p.group_rank == 0), None)
     gens = [p for p in plan.ranks if p.role == generate_role]
     same = first is not None and first.gpus and gens and all(
         (g.component, g.node, g.gpus) == (first.component, first.node, first.gpus) for g in gens)

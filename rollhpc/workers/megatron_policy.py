@@ -254,6 +254,21 @@ class MegatronPolicyWorker(Worker):
 class _WeightChannelMixin:
     """The sending end of ``weight_sync.broadcast``: trainer rank 0 hosts the rendezvous and broadcasts."""
 
+    def _exported_on_rank_zero(self) -> Any:
+        """Collective: the full weights in Hugging Face names, gathered over TP within the first data-parallel
+        replica (with EP its expert shards span several DP ranks), as a lazy iterator on group rank 0; None on
+        every other rank, which has taken part in the gathers (or, in another replica, had none to join)."""
+        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
+
+        if self.ctx.coords.edp_rank != 0:
+            return None
+        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
+        if self.ctx.group_rank == 0:
+            return named
+        for _ in named:  # the other TP ranks take part in the gathers only
+            pass
+        return None
+
     @register(Dispatch.RANK_ZERO)
     def open_weight_channel(self) -> tuple[str, int]:
         from rollhpc.weight_sync.broadcast import open_store
@@ -270,31 +285,19 @@ class _WeightChannelMixin:
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def broadcast_weights(self, bucket_mb: float = 64.0) -> int | None:
         """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent."""
-        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
-        if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
-            return None
-        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
-        if self.ctx.group_rank != 0:
-            for _ in named:  # the other TP ranks take part in the gathers only
-                pass
-            return None
-        return self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))))
+        named = self._exported_on_rank_zero()
+        return None if named is None else self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))))
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def share_weights(self, bucket_mb: float = 512.0) -> list[Any] | None:
         """The weights as CUDA-IPC handles of buckets on rank 0's GPU (``weight_sync.cuda_ipc``), for
         generators on that same GPU; the buckets stay alive until ``release_shared_weights``."""
-        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
         from rollhpc.weight_sync.cuda_ipc import share_weights
 
-        if self.ctx.coords.edp_rank != 0:
-            return None
-        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
-        if self.ctx.group_rank != 0:
-            for _ in named:  # the other TP ranks take part in the gathers only
-                pass
+        named = self._exported_on_rank_zero()
+        if named is None:
             return None
         self._shared = share_weights(named, int(bucket_mb * (1 << 20)))
         return self._shared.buckets
@@ -546,15 +549,12 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         Collective inside the first data-parallel replica (its TP ranks all-gather each parameter);
         the other replicas hold the same weights and return at once.
         """
-        from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
         from rollhpc.weight_sync.buckets import pack_buckets
 
-        if self.ctx.coords.edp_rank != 0:  # one replica; with EP its expert shards span several DP ranks
+        named = self._exported_on_rank_zero()
+        if named is None:
             return None
-        named = ((n, t.detach().cpu()) for n, t in export_pipeline_hf_weights(self.chunks, self.vocab_size,
-                                                                              self.tp_group))
-        buckets = list(pack_buckets(named, int(bucket_mb * (1 << 20))))
-        return buckets if self.ctx.group_rank == 0 else None
+        return list(pack_buckets(((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20))))
 
 
 class MegatronCriticWorker(MegatronTrainWorker):

@@ -50,8 +50,9 @@ class VllmGenerateWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self, parts: list[str]) -> dict[str, float]:
-        """Sleep (rollhpc.controller.colocation): the KV cache dropped and, with "weights" in ``parts``, the
-        weights to host memory (vLLM's level 1); returns seconds and this process's GPU memory after."""
+        """Sleep (rollhpc.controller.colocation): vLLM's level 1 takes ``parts`` together whatever they are (the
+        KV cache dropped, the weights to host memory; ``offloads_whole``); returns seconds and this process's
+        GPU memory after."""
         from rollhpc.workers.offload import gpu_memory
 
         t = time.perf_counter()
