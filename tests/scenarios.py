@@ -11,7 +11,8 @@ import numpy as np
 
 from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
-from rollhpc.workers.base import Worker
+from rollhpc.workers.base import Dispatch, Worker, register
+from rollhpc.workers.diagnostic import DiagnosticWorker
 
 
 class DispatchScenario(Pipeline):
@@ -67,7 +68,22 @@ class DispatchScenario(Pipeline):
             g.no_such_method
         except AttributeError as e:
             out["typo_error"] = str(e)
+        out["residency"] = self._take_turns()
         (self.run_ctx.run_dir / "scenario.json").write_text(json.dumps(out))
+
+    def _take_turns(self) -> dict:
+        """Colocation's turns on ranks that share devices: probe ranks 2 and 3 share theirs with "other" (a
+        partial overlap), ranks 0 and 1 hold theirs alone and must never be asked to move."""
+        from rollhpc.controller.colocation import Colocation, Residency
+
+        colocation = Colocation((frozenset({"probe", "other"}),), {"probe": frozenset({2, 3}), "other": frozenset({0})})
+        stages = {"generate": {"probe": ("weights", "kv_cache")}, "train": {"other": ("parameters", "optimizer")},
+                  "weight_sync": {"other": ("parameters",), "probe": ("weights",)}}
+        turns = Residency(self.groups, stages, colocation)
+        for stage in ("train", "generate", "weight_sync"):
+            turns.enter(stage)
+        return {"probe": self.groups["probe"].moves(), "other": self.groups["other"].moves(),
+                "metrics": turns.step_metrics()}
 
 
 class FailScenario(Pipeline):
@@ -172,3 +188,23 @@ class TrainerLayoutScenario(Pipeline):
                 out["saved_weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
         out["weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
         torch.save(out, self.run_ctx.run_dir / "trainer.pt")
+
+
+class TurnTakingProbe(DiagnosticWorker):
+    """The diagnostic role with colocation's offload / reload calls: it records them and reports bytes."""
+
+    moved: list
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self, parts: list[str]) -> dict:
+        self.__dict__.setdefault("moved", []).append(["offload", parts])
+        return {"bytes": 1e9 * len(parts)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self, parts: list[str]) -> dict:
+        self.__dict__.setdefault("moved", []).append(["reload", parts])
+        return {"bytes": 1e9 * len(parts)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def moves(self) -> list:
+        return self.__dict__.get("moved", [])

@@ -33,6 +33,52 @@ def test_colocated_roles_share_gpus_and_are_ordered_node_by_node():
     assert [p.rank for p in plan.ranks] == list(range(plan.world_size))
 
 
+def test_a_list_inside_another_is_a_partial_overlap_and_the_plan_names_the_ranks_that_take_turns():
+    cfg = experiment({"generate": {"procs": 4, "gpus_per_proc": 2, "devices": list(range(8))},
+                      "train": {"procs": 4, "gpus_per_proc": 1, "devices": [2, 3, 0, 1]}, "reward": {"procs": 1}},
+                     nodes=1)
+    plan = plan_world(cfg)
+    assert [c.roles for c in plan.components] == [["controller", "reward"], ["generate", "train"]]
+    assert plan.gpus_total == 8 and plan.components[1].ntasks == 8
+    assert [p.gpus for p in plan.ranks if p.role == "train"] == [(2,), (3,), (0,), (1,)]
+    assert plan.notes == ["colocated on GPUs 0-7: generate, train",
+                          "partial overlap: train on GPUs 0-3 only; generate ranks 0-1 take turns with it, ranks 2-3 "
+                          "hold their GPUs alone (with offload on and async generation, those alone keep generating "
+                          "during training)"]
+
+
+def test_colocation_moves_only_the_ranks_whose_devices_another_role_uses():
+    from types import SimpleNamespace
+
+    from rollhpc.controller.colocation import Colocation, colocation_of
+
+    gen, train = "rollhpc.workers.vllm_generate:VllmGenerateWorker", "rollhpc.workers.megatron_policy:MegatronPolicyWorker"
+
+    def role(worker, procs, gpus=0, devices=None):
+        return SimpleNamespace(worker=worker, procs=procs, gpus_per_proc=gpus, devices=devices)
+
+    partial = colocation_of({"generate": role(gen, 4, 2, list(range(8))), "train": role(train, 4, 1, [0, 1, 2, 3]),
+                             "reward": role("rollhpc.workers.math_reward:MathRewardWorker", 1)})
+    assert partial.sets == (frozenset({"generate", "train"}),)
+    assert partial.ranks == {"generate": frozenset({0, 1}), "train": frozenset(range(4))}
+    assert partial.alone("generate", 4) == [2, 3] and partial.alone("train", 4) == []
+    apart = colocation_of({"generate": role(gen, 2, 1, [0, 1]), "train": role(train, 2, 1, [2, 3])})
+    assert apart == Colocation() and apart.alone("generate", 2) == [0, 1]
+    cpu = colocation_of({"generate": role(gen, 2), "train": role(train, 1), "reward": role("rollhpc.workers.math_reward:MathRewardWorker", 1)})
+    assert cpu.sets == (frozenset({"generate", "train"}),)  # on CPU every model role shares the host
+    assert cpu.alone("generate", 2) == []
+
+
+def test_async_generation_with_offload_needs_generator_ranks_of_their_own(tmp_path):
+    from rollhpc.cli import load_experiment
+
+    args = [f"pipeline.options.model_dir={tmp_path}", "pipeline.options.warm_start=null",
+            "pipeline.options.offload=true", "pipeline.options.rollout.max_staleness=1",
+            "pipeline.options.rollout.partial_rollout=true"]
+    with pytest.raises(ConfigError, match="every generator rank shares its devices with roles that take turns"):
+        load_experiment("quickstart", args)  # on CPU every rank shares the host
+
+
 def test_disaggregated_roles_get_their_own_gpus_without_splitting_a_rank_across_nodes():
     cfg = experiment({"train": {"procs": 3, "gpus_per_proc": 1}, "generate": {"procs": 3, "gpus_per_proc": 2}},
                      nodes=3, gpus_per_node=4)
@@ -48,7 +94,7 @@ def test_disaggregated_roles_get_their_own_gpus_without_splitting_a_rank_across_
     ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 1, 2]}}, {}, "3 GPUs listed but procs x gpus_per_proc = 2 x 1 = 2"),
     ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 40]}}, {}, "GPU ids [40] outside the cluster's 32 GPUs"),
     ({"a": {"procs": 2, "gpus_per_proc": 1, "devices": [0, 1]}, "b": {"procs": 2, "gpus_per_proc": 1, "devices": [1, 2]}},
-     {}, "roles.b.devices: shares GPU 1 with role 'a' but not the same list"),
+     {}, "roles.b.devices: shares GPU 1 with role 'a' but neither list holds the other"),
     ({"train": {"procs": 1, "gpus_per_proc": 16}}, {}, "16 GPUs per rank do not fit on a node of 8"),
     ({"train": {"procs": 40, "gpus_per_proc": 1}}, {}, "needs 40 GPUs but the cluster has no 40 free GPUs left (32 in all"),
     ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [7, 8]}}, {}, "rank 0 would drive GPUs"),
@@ -136,6 +182,14 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
     resident = rollhpc("plan", *args, "cluster.gpu_memory_gb=80", "pipeline.options.offload=false", cwd=tmp_path)
     assert resident.returncode == 2 and "held at once, more than cluster.gpu_memory_gb=80 GB" in resident.stderr
     assert "set pipeline.options.offload=true (the colocated roles then take turns: about 65" in resident.stderr
+    half = "[0,1,2,3,4,5,6,7]"  # trainer and reference on half of the generators' GPUs, generating async
+    partial = rollhpc("plan", *args, "roles.train.procs=8", f"roles.train.devices={half}", "roles.reference.procs=8",
+                      f"roles.reference.devices={half}", "pipeline.options.rollout.max_staleness=1", cwd=tmp_path)
+    assert partial.returncode == 0, partial.stderr
+    assert "partial overlap: train, reference on GPUs 0-7 only; generate ranks 0-3 take turns with them, ranks 4-7 " \
+           "hold their GPUs alone" in partial.stdout
+    alone = partial.stdout.split("of het group 1: generate (1 process(es) per GPU)")[1].splitlines()
+    assert "(no turns to take)" in alone[2] and alone[3].split()[:3] == ["peak", "34.0", "34.0"]
     small = rollhpc("plan", *args, "cluster.gpu_memory_gb=40", cwd=tmp_path)
     assert small.returncode == 2 and "the train stage needs about" in small.stderr
     assert "more than cluster.gpu_memory_gb=40 GB" in small.stderr and small.stderr.count("\n") == 1
@@ -158,8 +212,12 @@ def test_stage_moves_make_room_only_on_the_stages_devices():
     drop, take = moves_for(needed, loaded, sets, whole={"generate"})
     assert drop == {"train": trainer, "reference": set()} and take == {"reference": set()}  # the other pair stays
     drop, take = moves_for({"generate": {"weights"}, "train": {"parameters"}}, loaded, sets, whole={"generate"})
-    assert drop["generate"] == set()  # a sleeping engine sleeps whole: it keeps its KV cache while it needs weights
     assert drop["critic"] == trainer and drop["train"] == {"gradients", "optimizer"}
+    assert drop["generate"] == set()  # an engine sleeps whole: with no other role of its set to make room for, it
+    assert take["generate"] == set()  # keeps its KV cache while it needs its weights
+    drop, take = moves_for({"generate": {"weights"}, "critic": {"parameters"}}, loaded, sets, whole={"generate"})
+    assert drop["generate"] == {"weights", "kv_cache"} and take["generate"] == {"weights"}  # else it sleeps, wakes
+    assert drop["critic"] == {"gradients", "optimizer"}  # its weights alone (the critic's parameters need room)
     loaded["generate"] = set()
     _, take = moves_for({"generate": {"weights"}}, loaded, sets, whole={"generate"})
     assert take == {"generate": {"weights"}}  # a weight sync wakes the weights alone

@@ -28,8 +28,8 @@ def fail_world(how: str, **extra) -> dict:
 def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 4, "parallel": {"tp": 2}},
-                  "other": {"worker": PROBE, "procs": 1}},
+        "roles": {"probe": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 4, "parallel": {"tp": 2}},
+                  "other": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 1}},
         "controller": {"one_to_all": "broadcast"},  # "auto" broadcasts only to other machines
     })
     res = rollhpc("train", str(path), cwd=tmp_path)
@@ -54,6 +54,14 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     # two groups' non-blocking calls ran concurrently: one after the other would take >= 3 s
     assert out["overlap_s"] < 2.9
     assert "no remote method 'no_such_method'" in out["typo_error"] and "echo" in out["typo_error"]
+    # colocation's turns reach only the ranks that share devices (a partial overlap: probe ranks 2 and 3)
+    turns = out["residency"]
+    both = [["offload", ["kv_cache", "weights"]], ["reload", ["kv_cache", "weights"]], ["offload", ["kv_cache"]]]
+    assert turns["probe"] == [[], [], both, both]  # the weight sync frees the KV cache for the trainer's parameters
+    assert turns["other"] == [[["offload", ["optimizer", "parameters"]], ["reload", ["parameters"]]]]
+    assert turns["metrics"]["residency/stages"] == "train>generate>weight_sync"
+    assert turns["metrics"]["residency/generate/offloaded_gb"] == 2  # the two parts of other
+    assert turns["metrics"]["residency/generate/reloaded_gb"] == 2 * 2  # two parts on each of two probe ranks
     assert_no_orphans(run_dir)
 
 

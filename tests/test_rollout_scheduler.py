@@ -62,3 +62,41 @@ def test_scheduler_config_is_validated():
         SchedulerConfig(group_size=0)
     with pytest.raises(ValueError, match="max_staleness"):
         SchedulerConfig(max_staleness=-1)
+
+
+@pytest.mark.parametrize("release_at", [3, None])
+def test_held_generators_take_work_only_once_released(release_at):
+    """A partial overlap's generators on the trainer's GPUs (held) start only once the pipeline releases them;
+    the others fill the batch meanwhile, and alone when the release never comes (scripted generators: the
+    engine path is the probe's)."""
+    from rollhpc.rollout.scheduler import Done, HeldGenerators, RolloutScheduler
+    from rollhpc.rollout.types import Prompt
+    from tests.test_agentic_scheduler import ScriptedGenerator
+
+    class Reward:
+        def submit(self, items):
+            return Done([float(len(resp) % 2) for _, resp in items])
+
+    gens = [ScriptedGenerator([[5, 6, 2]]), ScriptedGenerator([[5, 6, 2]])]
+    asked: list[int] = []
+
+    def release() -> bool:
+        asked.append(len(gens[0].seen))
+        if release_at is not None and len(asked) > release_at:
+            assert gens[1].seen == []  # nothing went to the held generator before
+            return True
+        return False
+
+    cfg = SchedulerConfig(group_size=2, max_tokens=3, dynamic_sampling=False, oversample=0.0,
+                          max_inflight_per_generator=2)
+    sched = RolloutScheduler(gens, [Reward()], cfg, seed=0)
+    stream = (Prompt(uid, (7, 8), uid) for uid in range(100))
+    groups, stats = sched.collect(stream, 6, version=0, held=HeldGenerators(frozenset({1}), release))
+    assert len(groups) == 6 and all(len(g) == 2 for g in groups)
+    assert 0 < stats.generators_held_s <= stats.wall_s
+    if release_at is None:
+        assert gens[1].seen == [] and len(gens[0].seen) == 12
+    else:
+        assert len(asked) == release_at + 1 and gens[1].seen  # released, it took part of the batch
+    with pytest.raises(ValueError, match="held generators"):
+        sched.collect(stream, 1, version=0, held=HeldGenerators(frozenset({2}), release))

@@ -1,8 +1,11 @@
 """Time-sharing of colocated roles: before each stage of a step, the roles that share devices with the
 stage's roles give up what the stage does not use, and the stage's roles get back what it does.
 
-Which roles share devices comes from the device mapping: GPU roles given the same device list. On a run
-without GPUs every model role shares the host's memory, so with offload on the same calls run there (each
+Which roles share devices comes from the device mapping: GPU roles whose device lists meet (the same list,
+or one inside the other: a partial overlap), and within them the ranks whose own GPUs another role uses.
+Only those ranks move: with the trainer on GPUs 0-3 of the generators' 0-7, generator ranks 0-3 sleep while
+it trains and ranks 4-7 stay resident (and, with async generation, keep generating). On a run without GPUs
+every model role shares the host's memory, so with offload on the same calls run there on every rank (each
 a no-op move: see rollhpc.workers.offload), which is how CPU tests check the order and the final weights.
 Which parts a stage needs comes from the pipeline's ``memory_stages`` (the same table ``rollhpc plan``
 sizes memory with): e.g. the generate stage holds the generators' weights and KV cache, the weight sync
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollhpc.controller.dispatch import remote_methods
@@ -29,48 +33,84 @@ log = logging.getLogger("rollhpc.colocation")
 OFFLOADABLE = ("parameters", "gradients", "optimizer", "weights", "kv_cache")
 
 
-def colocated_sets(cfg: Any) -> list[set[str]]:
-    """Roles that share devices: GPU roles with the same device list; without GPU roles, every role (they
-    share the host). Roles that cannot offload (no ``offload_states``) are left out, as are sets of one."""
+@dataclass(frozen=True)
+class Colocation:
+    """Which roles take turns: ``sets`` of roles that share devices, and per role the group ranks that share
+    theirs with another role of its set (``ranks``; a role's other ranks hold their devices alone)."""
+
+    sets: tuple[frozenset[str], ...] = ()
+    ranks: dict[str, frozenset[int]] = field(default_factory=dict)
+
+    def alone(self, role: str, procs: int) -> list[int]:
+        """The ranks of ``role`` that never give way to another role (all of them when it shares nothing)."""
+        return [g for g in range(procs) if g not in self.ranks.get(role, ())]
+
+
+def colocation_of(roles: dict[str, Any]) -> Colocation:
+    """The run's colocation from its roles (``cfg.roles``): GPU roles whose device lists meet, and the ranks whose
+    GPUs meet another role's; without GPU roles, every role and rank (they share the host). Roles that cannot
+    offload (no ``offload_states``) are left out, as are sets of one."""
     from rollhpc.config import import_object
 
     def offloads(name: str) -> bool:
-        return "offload_states" in remote_methods(import_object(cfg.roles[name].worker, f"roles.{name}.worker"))
+        return "offload_states" in remote_methods(import_object(roles[name].worker, f"roles.{name}.worker"))
 
-    gpu_roles = {n: r for n, r in cfg.roles.items() if r.gpus_per_proc > 0}
-    if not gpu_roles:
-        sets = [set(cfg.roles)]
-    else:
-        by_devices: dict[tuple[int, ...], set[str]] = {}
-        for name, role in gpu_roles.items():
-            if role.devices is not None:
-                by_devices.setdefault(tuple(role.devices), set()).add(name)
-        sets = list(by_devices.values())
-    sets = [{n for n in s if offloads(n)} for s in sets]
-    return [s for s in sets if len(s) > 1]
+    movable = [n for n in roles if offloads(n)]
+    if not any(r.gpus_per_proc > 0 for r in roles.values()):
+        if len(movable) < 2:
+            return Colocation()
+        return Colocation((frozenset(movable),), {n: frozenset(range(roles[n].procs)) for n in movable})
+
+    def rank_devices(name: str) -> list[set[int]]:
+        role, per = roles[name], roles[name].gpus_per_proc
+        return [set(role.devices[g * per:(g + 1) * per]) for g in range(role.procs)]
+
+    placed = {n: rank_devices(n) for n in movable if roles[n].gpus_per_proc > 0 and roles[n].devices is not None}
+    ranks = {}
+    for name, mine in placed.items():
+        others = {d for other, devs in placed.items() if other != name for rank in devs for d in rank}
+        shared = frozenset(g for g, devs in enumerate(mine) if devs & others)
+        if shared:
+            ranks[name] = shared
+    sets: list[set[str]] = []  # roles joined by shared devices (the device mapping nests their lists)
+    for name in ranks:
+        devices = set(roles[name].devices)
+        meets = [s for s in sets if any(devices & set(roles[o].devices) for o in s)]
+        merged = {name}.union(*meets)
+        sets = [s for s in sets if s not in meets] + [merged]
+    return Colocation(tuple(frozenset(s) for s in sets), ranks)
 
 
 def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocated: list[set[str]],
               whole: set[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(what to offload, what to reload), role -> parts, for a stage that needs ``needed`` when ``loaded`` is
     on the devices. Only the sets the stage's roles belong to make room: roles on other devices keep what they
-    hold. A role in ``whole`` (a vLLM engine: weights and KV cache sleep together) keeps all while it needs
-    any part."""
+    hold. A role in ``whole`` (a vLLM engine: weights and KV cache sleep together) that holds more than the
+    stage needs sleeps whole and wakes what it needs when another role of its set needs room in the stage
+    (a weight sync after generating: the trainer's parameters come back while the KV cache goes), and keeps
+    all otherwise."""
     affected = {r for group in colocated if group & needed.keys() for r in group}
-    drop = {r: set() if r in whole and needed.get(r) else loaded[r] - needed.get(r, set()) for r in affected}
-    take = {r: parts - loaded[r] for r, parts in needed.items()}
+    drop = {}
+    for r in affected:
+        extra = loaded[r] - needed.get(r, set())
+        if r in whole and needed.get(r) and extra:
+            contended = any(o != r and o in needed for group in colocated if r in group for o in group)
+            extra = set(loaded[r]) if contended else set()
+        drop[r] = extra
+    take = {r: parts - (loaded[r] - drop.get(r, set())) for r, parts in needed.items()}
     return drop, take
 
 
 class Residency:
     """Drives offload / reload of colocated roles between the stages of a step (``enter(stage)``)."""
 
-    def __init__(self, groups: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]],
-                 colocated: list[set[str]]):
+    def __init__(self, groups: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation):
         self.groups = groups
         self.stages = stages
-        self.colocated = [s & set(groups) for s in colocated]
+        self.colocated = [set(s) & set(groups) for s in colocation.sets]
         self.managed = {r for s in self.colocated for r in s}
+        # the ranks of each role that move (the others hold their devices alone): a group call when it is all
+        self.ranks = {r: sorted(colocation.ranks[r]) for r in self.managed}
         self.whole = {r for r in self.managed if getattr(groups[r].worker_cls, "offloads_whole", False)}
         self.loaded: dict[str, set[str]] = {r: self._own_parts(r) for r in self.managed}  # all resident at start
         self.record: dict[str, Any] = {}
@@ -79,6 +119,10 @@ class Residency:
 
     def _own_parts(self, role: str) -> set[str]:
         return {p for parts in self.stages.values() for p in parts.get(role, ()) if p in OFFLOADABLE}
+
+    def moving_ranks(self, role: str) -> list[int]:
+        """The ranks of ``role`` that give way to the other roles of its set (none when it is not managed)."""
+        return self.ranks.get(role, [])
 
     def enter(self, stage: str) -> None:
         """Offload what ``stage`` does not use from the colocated roles, then reload what it does."""
@@ -91,27 +135,33 @@ class Residency:
         self.current = stage
         self.order.append(stage)
         drop, take = moves_for(needed, self.loaded, self.colocated, self.whole)
-        entry = {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0, "reloaded_gb": 0.0}
+        entry = self.record.setdefault(stage, {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0,
+                                               "reloaded_gb": 0.0})  # a stage entered again adds to its numbers
         for kind, moves, method in (("offload", drop, "offload_states"), ("reload", take, "reload_states")):
             moves = {r: sorted(p) for r, p in moves.items() if p}
             if not moves:
                 continue
             t = time.perf_counter()
-            futures = {r: getattr(self.groups[r], method).submit(parts) for r, parts in moves.items()}
-            replies = {r: f.result() for r, f in futures.items()}
-            entry[f"{kind}_s"] = time.perf_counter() - t
+            futures = {r: self._submit(r, method, parts) for r, parts in moves.items()}
+            replies = {r: [x for f in fs for x in _as_list(f.result())] for r, fs in futures.items()}
+            entry[f"{kind}_s"] += time.perf_counter() - t
             for r, parts in moves.items():
                 if kind == "offload":
                     self.loaded[r] -= set(parts)
                 else:
                     self.loaded[r] |= set(parts)
-                ranks = replies[r] if isinstance(replies[r], list) else [replies[r]]
-                entry[f"{kind}ed_gb"] += sum(x.get("bytes", 0.0) for x in ranks) / 1e9
+                entry[f"{kind}ed_gb"] += sum(x.get("bytes", 0.0) for x in replies[r]) / 1e9
                 for key in ("allocated", "reserved"):
                     entry[f"gpu_{key}_gb"] = max(entry.get(f"gpu_{key}_gb", 0.0),
-                                                 max(x.get(key, 0.0) for x in ranks) / 1e9)
+                                                 max(x.get(key, 0.0) for x in replies[r]) / 1e9)
             log.debug("stage %s: %s %s", stage, kind, moves)
-        self.record[stage] = entry
+
+    def _submit(self, role: str, method: str, parts: list[str]) -> list[Any]:
+        """The call on the role's moving ranks: one group call when they are all its ranks, else one per rank."""
+        group, ranks = self.groups[role], self.ranks[role]
+        if len(ranks) == len(group):
+            return [getattr(group, method).submit(parts)]
+        return [getattr(group.at(g), method).submit(parts) for g in ranks]
 
     def step_metrics(self) -> dict[str, Any]:
         """This step's stages in order and what each moved; clears them for the next step."""
@@ -122,3 +172,7 @@ class Residency:
             out.update({f"residency/{stage}/{k}": v for k, v in entry.items()})
         self.order, self.record = [], {}
         return out
+
+
+def _as_list(reply: Any) -> list[Any]:
+    return reply if isinstance(reply, list) else [reply]

@@ -4,7 +4,9 @@ Rules (after ROLL's device_mapping):
 - a GPU role asks for ``procs * gpus_per_proc`` GPUs; with an explicit ``devices`` list it gets exactly
   those global GPU ids (node * gpus_per_node + local id), otherwise fresh GPUs after the used ones;
 - roles with the same device list are colocated (they share GPUs and take turns, offloading between
-  stages); lists that overlap without being equal are refused;
+  stages); a list inside another role's list is a partial overlap (e.g. the trainer on GPUs 0-3 of the
+  generators' 0-7: only the generator ranks on 0-3 take turns with it), placed with the larger list;
+  lists that overlap otherwise are refused;
 - the controller and CPU roles (reward, env, ...) share the first component, GPU placement groups get
   one heterogeneous component each;
 - within a component, ranks are ordered node by node (every role's ranks of node 0, then node 1...),
@@ -82,13 +84,12 @@ def _fmt_ids(ids: list[int]) -> str:
     return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
 
 
-def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[list[str], list[int]]]:
-    """Placement groups of GPU roles: (roles, global GPU ids), explicit lists first, then fresh GPUs."""
+def _explicit_lists(cfg: ExperimentConfig, cluster: ClusterConfig) -> dict[str, tuple[int, ...]]:
+    """The GPU roles' explicit device lists, checked: their size, no repeats, inside the cluster, and lists
+    that share a GPU are equal or one holds the other."""
     capacity = cluster.nodes * cluster.gpus_per_node
-    groups: dict[tuple[int, ...], list[str]] = {}
-    owner: dict[int, tuple[str, tuple[int, ...]]] = {}
+    lists: dict[str, tuple[int, ...]] = {}
     for name, role in cfg.roles.items():
-        need = role.procs * role.gpus_per_proc
         if role.gpus_per_proc < 0:
             raise ConfigError(f"roles.{name}.gpus_per_proc: must be >= 0")
         if role.gpus_per_proc == 0:
@@ -103,6 +104,7 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
         if role.devices is None:
             continue
         ids = tuple(role.devices)
+        need = role.procs * role.gpus_per_proc
         if len(ids) != need:
             raise ConfigError(f"roles.{name}.devices: {len(ids)} GPUs listed but procs x gpus_per_proc = "
                               f"{role.procs} x {role.gpus_per_proc} = {need}")
@@ -112,14 +114,26 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
         if bad:
             raise ConfigError(f"roles.{name}.devices: GPU ids {bad[:5]} outside the cluster's {capacity} GPUs "
                               f"({cluster.nodes} nodes x {cluster.gpus_per_node})")
-        for i in ids:
-            if i in owner and owner[i][1] != ids:
-                other = owner[i][0]
-                raise ConfigError(f"roles.{name}.devices: shares GPU {i} with role {other!r} but not the same list: "
-                                  f"colocated roles must use identical device lists")
-            owner[i] = (name, ids)
-        groups.setdefault(ids, []).append(name)
-    used = set(owner)
+        for other, theirs in lists.items():
+            mine, their_set = set(ids), set(theirs)
+            if mine & their_set and not (mine <= their_set or their_set <= mine):
+                raise ConfigError(f"roles.{name}.devices: shares GPU {min(mine & their_set)} with role {other!r} but "
+                                  "neither list holds the other: colocated roles use the same list, or one role's "
+                                  "list inside the other's (a partial overlap)")
+        lists[name] = ids
+    return lists
+
+
+def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[list[str], list[int]]]:
+    """Placement groups of GPU roles: (roles, global GPU ids), explicit lists first (a list inside another
+    joins the larger one's group), then fresh GPUs."""
+    capacity = cluster.nodes * cluster.gpus_per_node
+    lists = _explicit_lists(cfg, cluster)
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, ids in lists.items():  # the largest list holding this one (lists that meet are nested)
+        root = max((theirs for theirs in lists.values() if set(ids) <= set(theirs)), key=len)
+        groups.setdefault(root, []).append(name)
+    used = {i for ids in lists.values() for i in ids}
     out = [(roles, list(ids)) for ids, roles in groups.items()]
     cursor = 0
     for name, role in cfg.roles.items():
@@ -137,13 +151,44 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
                 ids.append(cursor)
             cursor += 1
         if len(ids) < need:
-            total = len(owner) + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
+            explicit = len({i for ids in lists.values() for i in ids})
+            total = explicit + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
             raise ConfigError(f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
                               f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
                               f"for {total}, colocated ones counted once)")
         used.update(ids)
         out.append(([name], ids))
     return out
+
+
+def overlap_notes(cfg: ExperimentConfig, roles: list[str], ids: list[int]) -> list[str]:
+    """What ``rollhpc plan`` says of a placement group: which roles share its GPUs and, for roles whose list
+    is inside the group's (a partial overlap), which ranks of the others share their GPUs and which hold theirs
+    alone (with offload on and async generation, generators there keep generating during training)."""
+    if len(roles) < 2:
+        return []
+    notes = [f"colocated on GPUs {_fmt_ids(ids)}: {', '.join(roles)}"]
+    inner: dict[frozenset[int], list[str]] = {}  # a nested device set -> the roles on it
+    for name in roles:
+        devices = cfg.roles[name].devices
+        if devices is not None and set(devices) != set(ids):
+            inner.setdefault(frozenset(devices), []).append(name)
+    for devices, names in inner.items():
+        sharing = []
+        for other in roles:
+            mine = cfg.roles[other].devices or ids
+            if not devices < set(mine):
+                continue
+            per = cfg.roles[other].gpus_per_proc
+            shared = [g for g in range(cfg.roles[other].procs) if set(mine[g * per:(g + 1) * per]) & devices]
+            alone = [g for g in range(cfg.roles[other].procs) if g not in shared]
+            sharing.append(f"{other} ranks {_fmt_ids(shared)} take turns with "
+                           f"{'it' if len(names) == 1 else 'them'}, ranks {_fmt_ids(alone) if alone else 'none'} "
+                           "hold their GPUs alone")
+        notes.append(f"partial overlap: {', '.join(names)} on GPUs {_fmt_ids(sorted(devices))} only; "
+                     + "; ".join(sharing) + " (with offload on and async generation, those alone keep generating "
+                     "during training)")
+    return notes
 
 
 def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> WorldPlan:
@@ -203,8 +248,7 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
         if per_node_tasks * cpt > cluster.cpus_per_node:
             raise ConfigError(f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
                               f"cluster.cpus_per_node = {cluster.cpus_per_node}")
-        if len(roles) > 1:
-            notes.append(f"colocated on GPUs {_fmt_ids(ids)}: {', '.join(roles)}")
+        notes += overlap_notes(cfg, roles, ids)
         components.append(Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt))
         gpu_total += len(ids)
     if nodes0 > cluster.nodes:

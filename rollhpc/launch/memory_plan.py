@@ -137,7 +137,7 @@ class MemoryPlan:
             yield f"  {_where(g.gpus)}: {', '.join(g.parts)} ({g.processes} process(es) per GPU)"
             for role, parts in g.parts.items():
                 yield "    " + f"{role}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
-            yield f"    {'stage':<14} {'offload off':>12} {'offload on':>11}"
+            yield f"    {'stage':<14} {'offload off':>12} {'offload on':>11}" + ("" if g.stages else "  (no turns to take)")
             for stage, on in g.stages.items():
                 yield f"    {stage:<14} {g.resident / GIB:>12.1f} {on / GIB:>11.1f}"
             yield f"    {'peak':<14} {g.resident / GIB:>12.1f} {g.peak_on / GIB:>11.1f}" + self._verdict(g)
@@ -235,9 +235,11 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
         context = CUDA_CONTEXT_BYTES * len(roles)
         g = GpuGroup(gids, parts, len(roles), names)
         g.resident = context + sum(_held(p) for p in parts.values())
-        always = context + sum(_held(parts[r]) for r in parts if r not in staged)  # never offloaded
-        for stage, loaded in (stages or {}).items():
-            active = {r: ps for r, ps in loaded.items() if r in parts}
+        # roles take turns only with another role on the same GPU (a generator rank beside no trainer stays)
+        movable = {r for r in parts if r in staged} if len({r for r in names if r in staged}) > 1 else set()
+        always = context + sum(_held(parts[r]) for r in parts if r not in movable)  # never offloaded
+        for stage, loaded in (stages or {}).items() if movable else ():
+            active = {r: ps for r, ps in loaded.items() if r in movable}
             if not active:
                 continue
             g.stages[stage] = always + sum(parts[r].get(k, 0.0) for r, ps in active.items() for k in ps)

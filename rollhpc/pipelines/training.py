@@ -86,9 +86,9 @@ class TrainingPipeline(Pipeline):
             mode = choose_mode(mode, WorldPlan.load(plan_path)) if plan_path.exists() else "broadcast"
         self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], mode, o.weight_sync_bucket_mb)
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
-            from rollhpc.controller.colocation import Residency, colocated_sets
+            from rollhpc.controller.colocation import Residency, colocation_of
 
-            self.residency = Residency(self.groups, self.memory_stages, colocated_sets(self.run_ctx.config))
+            self.residency = Residency(self.groups, self.memory_stages, colocation_of(self.run_ctx.config.roles))
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s))

@@ -22,7 +22,9 @@ are aborted. ``redundancy`` starts extra samples per group and keeps the first `
 after ``warn_after_s`` and abandons a sample after ``abandon_after_s`` (its group then fills from its
 redundant samples, or is dropped). Async training keeps aborted partials (``partial_rollout``, single-turn
 only) and resumes them under the next weights, and keeps finished-but-unused groups in a buffer; a group
-older than ``max_staleness`` policy versions is dropped.
+older than ``max_staleness`` policy versions is dropped. With a partial overlap (the trainer on some of the
+generators' GPUs) those generators are held out of a batch collected during training until the pipeline
+releases them (``HeldGenerators``); the others fill it meanwhile.
 
 Multi-domain: a prompt carries a domain, and its samples are scored by that domain's reward roles
 (``rollhpc.rollout.scoring``: several roles' components combined with weights); dynamic sampling may be
@@ -38,7 +40,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,6 +98,16 @@ class Done:
 
     def result(self) -> Any:
         return self.value
+
+
+@dataclass
+class HeldGenerators:
+    """Generators that take no work until ``release()`` says they may: with a partial overlap, the generator
+    ranks on the trainer's GPUs sleep while it trains and join the batch once it is done (``release`` wakes
+    them, then returns True). Called on every turn of the scheduler's loop while they are held."""
+
+    ports: frozenset[int]
+    release: Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -167,12 +179,16 @@ class RolloutScheduler:
         self.carry_partials: list[Sample] = []
 
     # ------------------------------------------------------------------ one batch
-    def collect(self, prompts: Iterator[Prompt], n_groups: int, version: int) -> tuple[list[list[Sample]], RolloutStats]:
-        """``n_groups`` complete, scored groups (``group_size`` samples each) for policy ``version``."""
+    def collect(self, prompts: Iterator[Prompt], n_groups: int, version: int,
+                held: HeldGenerators | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+        """``n_groups`` complete, scored groups (``group_size`` samples each) for policy ``version``; the
+        generators in ``held`` start only once it releases them."""
         stats = RolloutStats(generator_busy_s=[0.0] * len(self.generators))
         t0 = time.perf_counter()
         out = self._take_from_buffer(n_groups, version, stats)
-        batch = _Batch(self, prompts, n_groups, version, stats, out)
+        if held is not None and not set(held.ports) <= set(range(len(self.generators))):
+            raise ValueError(f"held generators {sorted(held.ports)} outside 0..{len(self.generators) - 1}")
+        batch = _Batch(self, prompts, n_groups, version, stats, out, held)
         batch.run()
         stats.wall_s = time.perf_counter() - t0
         out.sort(key=lambda g: g[0].prompt.uid)  # the batch's order must not depend on which group finished first
@@ -223,8 +239,10 @@ class _Batch:
     """
 
     def __init__(self, sched: RolloutScheduler, prompts: Iterator[Prompt], n_groups: int, version: int,
-                 stats: RolloutStats, out: list[list[Sample]]):
+                 stats: RolloutStats, out: list[list[Sample]], held: HeldGenerators | None = None):
         self.s, self.c = sched, sched.config
+        self.held = held if held is not None and held.ports else None
+        self.t0 = time.perf_counter()
         self.prompts, self.n_groups, self.version, self.stats, self.out = prompts, n_groups, version, stats, out
         self.groups: dict[int, _Group] = {}
         self.load = [0] * len(sched.generators)
@@ -253,9 +271,13 @@ class _Batch:
             self._generate(smp, (smp.prompt.max_tokens or c.max_tokens) - len(smp.response))
         sched.carry, sched.carry_partials = {}, []
         while len(self.out) < self.n_groups:
+            if self.held is not None and self.held.release():
+                self.held = None
+                self.stats.generators_held_s = time.perf_counter() - self.t0
             self._fill()
             self._send()
-            if not self.calls and not self.env_calls and not (sched.scorer and sched.scorer.busy()):
+            if (not self.calls and not self.env_calls and not (sched.scorer and sched.scorer.busy())
+                    and self.held is None):  # held generators will still come
                 log.warning("rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
                             "%d of %d groups", self.stats.groups_started, self.stats.groups_dropped_uniform,
                             len(self.out), self.n_groups)
@@ -266,6 +288,8 @@ class _Batch:
             self._watchdog()
             if not progressed:
                 time.sleep(c.poll_interval_s)
+        if self.held is not None:  # full before the held generators were released: they waited throughout
+            self.stats.generators_held_s = time.perf_counter() - self.t0
         self._stop()
 
     def _send(self) -> None:
@@ -287,7 +311,8 @@ class _Batch:
         """Start new groups while the batch still needs them and the generators have room."""
         c, stats = self.c, self.stats
         needed = self.n_groups - len(self.out)
-        room = c.max_inflight_per_generator * len(self.s.generators) - sum(self.load)
+        active = self._active()
+        room = c.max_inflight_per_generator * len(active) - sum(self.load[g] for g in active)
         while (not self.exhausted and len(self.groups) < math.ceil(needed * (1 + c.oversample))
                and room >= c.samples_per_group and stats.groups_started < self.limit):
             prompt = next(self.prompts, None)
@@ -319,13 +344,17 @@ class _Batch:
         if ep is not None and ep.generator >= 0:
             g = ep.generator  # the generator that holds this episode's row in its prefix cache
         else:
-            g = min(range(len(self.s.generators)), key=lambda i: self.load[i])
+            g = min(self._active(), key=lambda i: self.load[i])
             if ep is not None:
                 ep.generator = g
         self.load[g] += 1
         self.owner[smp.request_id] = (g, smp)
         self.adds[g].append({"id": smp.request_id, "prompt": smp.context, "max_tokens": max_tokens,
                              "seed": self._sampling_seed(smp)})
+
+    def _active(self) -> list[int]:
+        """The generators that may take work now (all but the held ones)."""
+        return [g for g in range(len(self.s.generators)) if self.held is None or g not in self.held.ports]
 
     def _sampling_seed(self, smp: Sample) -> int:
         key = (self.s.seed, smp.prompt.uid, smp.index, smp.resumes)

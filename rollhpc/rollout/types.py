@@ -92,6 +92,7 @@ class RolloutStats:
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (its first word)
     first_failure: str = ""  # the first failure's whole reason, for messages
     domains: dict[str, dict[str, int]] = field(default_factory=dict)  # per domain: groups started/dropped, tokens
+    generators_held_s: float = 0.0  # partial overlap: how long the generators sharing the trainer's GPUs waited
 
     def count_reason(self, reason: str) -> None:
         key = reason.split(":")[0].split()[0] if reason.strip() else "unknown"
@@ -115,6 +116,7 @@ class RolloutStats:
                 "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded,
                 **({"samples_aborted_redundant": self.samples_aborted_redundant} if self.samples_aborted_redundant
                    else {}),
+                **({"generators_held_s": self.generators_held_s} if self.generators_held_s else {}),
                 **({"episodes_started": self.episodes_started, "episodes_failed": self.episodes_failed,
                     "episodes_abandoned": self.episodes_abandoned, "resets_failed": self.resets_failed,
                     "groups_dropped_abandoned": self.groups_dropped_abandoned,
