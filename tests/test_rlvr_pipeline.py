@@ -27,6 +27,7 @@ def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
     assert [x["step"] for x in lines] == [0, 1, 2, 3]
     assert [x["policy_version"] for x in lines] == [0, 1, 2, 3]
     assert all("accuracy" in lines[i] for i in (0, 2, 3)) and "accuracy" not in lines[1]
+    assert all(0 < lines[i]["eval_s"] < lines[i]["step_s"] for i in (2, 3)) and "eval_s" not in lines[1]
     for x in lines[1:]:
         for key in ("reward_mean", "tokens_per_s", "rollout_s", "train_s", "weight_sync_s", "reference_s",
                     "train/kl", "train/entropy", "train/grad_norm", "generator_idle_fraction"):

@@ -69,6 +69,21 @@ def test_arithmetic_score():
     assert arithmetic.score(negative, " -12") == 1.0 and arithmetic.score(negative, " 12") == 0.0
 
 
+def test_arithmetic_show_work_writes_the_column_sums_before_the_answer():
+    assert arithmetic.column_sums(4821, 3957) == "1+7=8 2+5=7 8+9=17 4+3+1=8"
+    assert arithmetic.column_sums(95, 7) == "5+7=12 9+0+1=10 0+0+1=1" and arithmetic.column_sums(0, 0) == "0+0=0"
+    train, heldout = arithmetic.make_splits(0, 50, 10, digits=4, ops=("+",), show_work=True)
+    plain, _ = arithmetic.make_splits(0, 50, 10, digits=4, ops=("+",))
+    assert [(e.a, e.b) for e in train] == [(e.a, e.b) for e in plain]  # the same problems, longer answers
+    ex = train[0]
+    text = arithmetic.completion(ex)
+    assert text == f" {arithmetic.column_sums(ex.a, ex.b)} Answer: {ex.answer}" and arithmetic.score(ex, text) == 1.0
+    assert arithmetic.score(ex, text.replace(f"Answer: {ex.answer}", "Answer: 1")) == 0.0  # the answer counts,
+    assert arithmetic.score(ex, f" 1+1=2 Answer: {ex.answer}") == 1.0  # not the work
+    with pytest.raises(ValueError, match=r"show_work writes column sums of additions: set ops to \['\+'\]"):
+        arithmetic.make_splits(0, 5, 5, ops=("+", "-"), show_work=True)
+
+
 @pytest.mark.parametrize("response, expected", [
     (" (50 - 25) + 3 * 7", "(50 - 25) + 3 * 7"),
     ("Answer: 25+3*7", "25+3*7"),

@@ -140,8 +140,9 @@ class RunLoop:
             wall_limit = bool(s.max_wall_s) and time.perf_counter() - t_start > s.max_wall_s
             why_stop = stop_request.reason() if not last else None
             if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
+                t_eval = time.perf_counter()
                 metrics = steps.evaluate()
-                record.update(metrics)
+                record.update(metrics, eval_s=time.perf_counter() - t_eval)  # part of step_s, not of training
             if report.trained:
                 record["step_s"] = time.perf_counter() - t_step
             if restarts and step == start + 1:

@@ -28,6 +28,7 @@ class ArithmeticExample:
     op: str  # one of "+", "-", "*"
     b: int
     answer: str  # ground truth, the decimal result
+    work: bool = False  # the reference completion shows the column sums before the answer (``show_work``)
 
     @property
     def prompt(self) -> str:
@@ -40,8 +41,23 @@ def format_prompt(example: ArithmeticExample) -> str:
 
 
 def completion(example: ArithmeticExample) -> str:
-    """The reference continuation of the prompt (EOS is the tokenizer's business)."""
-    return f" {example.answer}"
+    """The reference continuation of the prompt (EOS is the tokenizer's business): the answer, or with
+    ``work`` the column sums right to left, carries included, then ``Answer: N``."""
+    if not example.work:
+        return f" {example.answer}"
+    return f" {column_sums(example.a, example.b)} Answer: {example.answer}"
+
+
+def column_sums(a: int, b: int) -> str:
+    """``"1+7=8 2+5=7 8+9=17 4+3+1=8"`` for 4821 + 3957: each column's digits (and the carry) and their sum,
+    from the ones up; a longer response that makes the task one a model works through, not recalls."""
+    steps, carry, column = [], 0, 0
+    while a or b or carry or column == 0:
+        x, y = a % 10, b % 10
+        total = x + y + carry
+        steps.append(f"{x}+{y}" + (f"+{carry}" if carry else "") + f"={total}")
+        carry, a, b, column = total // 10, a // 10, b // 10, column + 1
+    return " ".join(steps)
 
 
 def randint(rng: random.Random, lo: int, hi: int) -> int:
@@ -51,13 +67,13 @@ def randint(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def sample(rng: random.Random, digits: int = 3, ops: tuple[str, ...] = ("+", "-"),
-           allow_negative: bool = False) -> ArithmeticExample:
+           allow_negative: bool = False, show_work: bool = False) -> ArithmeticExample:
     """One example with operands in [0, 10**digits); without ``allow_negative`` a - b has a >= b."""
     a, b = randint(rng, 0, 10**digits - 1), randint(rng, 0, 10**digits - 1)
     op = ops[randint(rng, 0, len(ops) - 1)]
     if op == "-" and not allow_negative and a < b:
         a, b = b, a
-    return ArithmeticExample(a=a, op=op, b=b, answer=str(_OPS[op](a, b)))
+    return ArithmeticExample(a=a, op=op, b=b, answer=str(_OPS[op](a, b)), work=show_work)
 
 
 def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, max_draws: int,
@@ -80,17 +96,22 @@ def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, m
 
 
 def make_splits(seed: int, n_train: int, n_heldout: int, digits: int = 3, ops: tuple[str, ...] = ("+", "-"),
-                allow_negative: bool = False) -> tuple[list[ArithmeticExample], list[ArithmeticExample]]:
+                allow_negative: bool = False, show_work: bool = False
+                ) -> tuple[list[ArithmeticExample], list[ArithmeticExample]]:
     """Deterministic, disjoint (train, heldout). Held-out examples are drawn first, so the held-out
-    set for a seed does not change when ``n_train`` does."""
+    set for a seed does not change when ``n_train`` does. ``show_work`` (additions only): reference
+    completions write the column sums before the answer (``column_sums``), so responses run to tens of
+    tokens; the reward still reads the number after "Answer:"."""
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     if not ops or set(ops) - set(_OPS):
         raise ValueError(f"ops must be a non-empty subset of {sorted(_OPS)}, got {ops!r}")
+    if show_work and set(ops) != {"+"}:
+        raise ValueError(f"show_work writes column sums of additions: set ops to ['+'], got {list(ops)}")
     rng = random.Random(seed)
     n = n_train + n_heldout
-    examples = unique_stream(lambda: sample(rng, digits, ops, allow_negative), lambda e: (e.a, e.op, e.b), n,
-                             max_draws=20 * n + 1000)
+    examples = unique_stream(lambda: sample(rng, digits, ops, allow_negative, show_work), lambda e: (e.a, e.op, e.b),
+                             n, max_draws=20 * n + 1000)
     return examples[n_heldout:], examples[:n_heldout]
 
 
