@@ -13,14 +13,14 @@ def main(model_dir: str) -> None:
     from rollhpc.engines.vllm_engine import VllmGenerator
     from rollhpc.rollout.scheduler import Done, RolloutScheduler, SchedulerConfig
     from rollhpc.rollout.types import Prompt
-    from rollhpc.workers.vllm_generate import drive_engine
+    from rollhpc.workers.engine_loop import EngineLoop
 
     engine = VllmGenerator(model_dir, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
+    loop = EngineLoop(engine, temperature=1.0, top_p=1.0, ignore_eos=True)  # as the generate role steps it
 
     class EnginePort:
         def submit(self, adds, aborts):
-            return Done(drive_engine(engine, adds, aborts, temperature=1.0, top_p=1.0, max_wait_s=0.05,
-                                     ignore_eos=True))
+            return Done(loop.call(adds, aborts, max_wait_s=0.05))
 
     class RewardPort:  # odd prompts always score 0 (uniform groups); even ones by the first token's parity
         def submit(self, items):
@@ -63,7 +63,8 @@ def main(model_dir: str) -> None:
     sched.buffer = []
     from safetensors.torch import load_file
 
-    engine.update_weights(load_file(str(Path(model_dir) / "model.safetensors")).items(), version=1)
+    with loop.lock:
+        engine.update_weights(load_file(str(Path(model_dir) / "model.safetensors")).items(), version=1)
     second, s2 = sched.collect(iter(()), 1, version=1)  # no new prompts: it must finish the carried group
     resumed = [s for g in second for s in g if s.resumes > 0]
     out["C"] = {"partial_lens": partial_lens, "buffered": buffered, "resumed": s2.samples_resumed,
@@ -75,6 +76,7 @@ def main(model_dir: str) -> None:
     sched.buffer = [g for g in second]
     _, s3 = sched.collect(stream, 1, version=3)
     out["D"] = {"stale": s3.groups_dropped_stale, "buffer_left": len(sched.buffer)}
+    loop.close()
     print("RESULT " + json.dumps(out))
 
 

@@ -1,9 +1,11 @@
 """Generate role: one vLLM engine per rank, driven request by request by the rollout scheduler.
 
-``rollout`` is the scheduler's one call: it takes new requests and aborts, then steps the engine until
-at least one request finishes (or ``max_wait_s`` passes, so new work and aborts are never held up for
-long), and returns what finished. Between calls the engine holds its running requests, so continuous
-batching carries on across calls. ``generate`` is the batch path (evaluation, baselines).
+``rollout`` is the scheduler's one call: it hands new requests and aborts to the engine, which steps in a
+thread of its own (``rollhpc.workers.engine_loop``: it does not stand still while a reply travels to the
+controller and the next call comes back), and returns what finished since the last call, waiting for at
+least one completion while requests run (at most ``max_wait_s``, so new work and aborts are never held up
+for long). Continuous batching carries on across calls. ``generate`` is the batch path (evaluation,
+baselines).
 Weights arrive as Hugging Face-named buckets with a version; every completion records the version that
 was live when its request started.
 """
@@ -36,6 +38,9 @@ class VllmGenerateWorker(Worker):
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
         self.engine = options.build_engine(options.model_dir, seed=ctx.seed + ctx.group_rank)
+        from rollhpc.workers.engine_loop import EngineLoop
+
+        self.loop = EngineLoop(self.engine, temperature=options.temperature, top_p=options.top_p)
 
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int,  # noqa: ARG003
@@ -56,8 +61,9 @@ class VllmGenerateWorker(Worker):
         from rollhpc.workers.offload import gpu_memory
 
         t = time.perf_counter()
-        if not (self.engine.asleep and self.engine.weights_asleep):
-            self.engine.sleep(level=1)
+        with self.loop.lock:
+            if not (self.engine.asleep and self.engine.weights_asleep):
+                self.engine.sleep(level=1)
         return {"seconds": time.perf_counter() - t, **gpu_memory()}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -66,7 +72,8 @@ class VllmGenerateWorker(Worker):
         from rollhpc.workers.offload import gpu_memory
 
         t = time.perf_counter()
-        self.engine.wake_up(tags=sorted(parts))
+        with self.loop.lock:
+            self.engine.wake_up(tags=sorted(parts))
         return {"seconds": time.perf_counter() - t, **gpu_memory()}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -75,7 +82,8 @@ class VllmGenerateWorker(Worker):
         from rollhpc.weight_sync.buckets import unpack_bucket
 
         t = time.perf_counter()
-        self.engine.update_weights((item for b in buckets for item in unpack_bucket(b)), version)
+        with self.loop.lock:
+            self.engine.update_weights((item for b in buckets for item in unpack_bucket(b)), version)
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
@@ -89,7 +97,8 @@ class VllmGenerateWorker(Worker):
     def receive_weights(self, version: int) -> float:
         """Take the trainer's broadcast straight into the engine; returns the seconds it took."""
         t = time.perf_counter()
-        self.engine.update_weights(self._channel.receive(), version)
+        with self.loop.lock:
+            self.engine.update_weights(self._channel.receive(), version)
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
@@ -99,32 +108,34 @@ class VllmGenerateWorker(Worker):
         from rollhpc.weight_sync.cuda_ipc import open_buckets
 
         t = time.perf_counter()
-        self.engine.update_weights(open_buckets(buckets), version)
+        with self.loop.lock:
+            self.engine.update_weights(open_buckets(buckets), version)
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[dict[str, Any]], aborts: list[str]) -> dict[str, Any]:
         """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
-        o = self.options
-        return drive_engine(self.engine, adds, aborts, temperature=o.temperature, top_p=o.top_p,
-                            max_wait_s=o.max_wait_s)
+        return self.loop.call(adds, aborts, self.options.max_wait_s)
 
     @register(Dispatch.DP_SPLIT)
     def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64, temperature: float | None = None,
                  seed: int | None = None) -> list[list[Any]]:
         """Batch generation (every request to the end): evaluation and batch-barrier baselines."""
         t = self.options.temperature if temperature is None else temperature
-        return self.engine.generate(prompts, n=n, temperature=t, top_p=self.options.top_p if t > 0 else 1.0,
-                                    max_tokens=max_tokens, seed=seed)
+        with self.loop.lock:
+            return self.engine.generate(prompts, n=n, temperature=t, top_p=self.options.top_p if t > 0 else 1.0,
+                                        max_tokens=max_tokens, seed=seed)
 
     def close(self) -> None:
+        self.loop.close()
         self.engine = None
 
 
 def drive_engine(engine: Any, adds: list[dict[str, Any]], aborts: list[str], *, temperature: float, top_p: float,
                  max_wait_s: float, ignore_eos: bool = False) -> dict[str, Any]:
-    """One scheduler call on a ``VllmGenerator``: abort, add, then step until a request finishes or
-    ``max_wait_s`` passes. ``busy_s`` is the time spent inside engine steps (the rest is idle)."""
+    """One scheduler call on a ``VllmGenerator`` stepped by the caller (benchmarks, probes): abort, add, then
+    step until a request finishes or ``max_wait_s`` passes. ``busy_s`` is the time spent inside engine steps
+    (the rest is idle). The role itself steps its engine in a thread of its own (``EngineLoop``)."""
     aborted = engine.abort(aborts) if aborts else []
     for r in adds:
         engine.add_request(r["id"], r["prompt"], temperature=temperature, top_p=top_p, max_tokens=r["max_tokens"],
