@@ -51,6 +51,7 @@ def colocation_of(roles: dict[str, Any]) -> Colocation:
     GPUs meet another role's; without GPU roles, every role and rank (they share the host). Roles that cannot
     offload (no ``offload_states``) are left out, as are sets of one."""
     from rollhpc.config import import_object
+    from rollhpc.launch.device_mapping import nested_groups, rank_devices
 
     def offloads(name: str) -> bool:
         return "offload_states" in remote_methods(import_object(roles[name].worker, f"roles.{name}.worker"))
@@ -60,25 +61,16 @@ def colocation_of(roles: dict[str, Any]) -> Colocation:
         if len(movable) < 2:
             return Colocation()
         return Colocation((frozenset(movable),), {n: frozenset(range(roles[n].procs)) for n in movable})
-
-    def rank_devices(name: str) -> list[set[int]]:
-        role, per = roles[name], roles[name].gpus_per_proc
-        return [set(role.devices[g * per:(g + 1) * per]) for g in range(role.procs)]
-
-    placed = {n: rank_devices(n) for n in movable if roles[n].gpus_per_proc > 0 and roles[n].devices is not None}
+    lists = {n: roles[n].devices for n in movable if roles[n].gpus_per_proc > 0 and roles[n].devices is not None}
     ranks = {}
-    for name, mine in placed.items():
-        others = {d for other, devs in placed.items() if other != name for rank in devs for d in rank}
-        shared = frozenset(g for g, devs in enumerate(mine) if devs & others)
+    for name in lists:
+        others = {d for other, ids in lists.items() if other != name for d in ids}
+        shared = frozenset(g for g, mine in enumerate(rank_devices(roles[name])) if others.intersection(mine))
         if shared:
             ranks[name] = shared
-    sets: list[set[str]] = []  # roles joined by shared devices (the device mapping nests their lists)
-    for name in ranks:
-        devices = set(roles[name].devices)
-        meets = [s for s in sets if any(devices & set(roles[o].devices) for o in s)]
-        merged = {name}.union(*meets)
-        sets = [s for s in sets if s not in meets] + [merged]
-    return Colocation(tuple(frozenset(s) for s in sets), ranks)
+    # roles joined by shared devices: the device mapping nests lists that meet, so they group under the largest
+    sets = [frozenset(names) for names in nested_groups({n: lists[n] for n in ranks}).values() if len(names) > 1]
+    return Colocation(tuple(sets), ranks)
 
 
 def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocated: list[set[str]],

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rollhpc.config import CONTROLLER_ROLE, ClusterConfig, ConfigError, ExperimentConfig
 
@@ -84,6 +86,23 @@ def _fmt_ids(ids: list[int]) -> str:
     return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
 
 
+def rank_devices(role: Any, devices: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    """Each rank's GPUs, in group-rank order: consecutive slices of ``gpus_per_proc`` of the role's device list
+    (``devices`` when the role has none of its own: the GPUs the mapping gave it)."""
+    ids, per = role.devices if role.devices is not None else devices, role.gpus_per_proc
+    return [tuple(ids[g * per:(g + 1) * per]) for g in range(role.procs)]
+
+
+def nested_groups(lists: dict[str, Sequence[int]]) -> dict[tuple[int, ...], list[str]]:
+    """Roles grouped under the largest device list that holds theirs (lists that meet are nested: see
+    ``_explicit_lists``), keyed by that list."""
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for name, ids in lists.items():
+        root = max((tuple(theirs) for theirs in lists.values() if set(ids) <= set(theirs)), key=len)
+        groups.setdefault(root, []).append(name)
+    return groups
+
+
 def _explicit_lists(cfg: ExperimentConfig, cluster: ClusterConfig) -> dict[str, tuple[int, ...]]:
     """The GPU roles' explicit device lists, checked: their size, no repeats, inside the cluster, and lists
     that share a GPU are equal or one holds the other."""
@@ -129,12 +148,9 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
     joins the larger one's group), then fresh GPUs."""
     capacity = cluster.nodes * cluster.gpus_per_node
     lists = _explicit_lists(cfg, cluster)
-    groups: dict[tuple[int, ...], list[str]] = {}
-    for name, ids in lists.items():  # the largest list holding this one (lists that meet are nested)
-        root = max((theirs for theirs in lists.values() if set(ids) <= set(theirs)), key=len)
-        groups.setdefault(root, []).append(name)
-    used = {i for ids in lists.values() for i in ids}
-    out = [(roles, list(ids)) for ids, roles in groups.items()]
+    explicit = {i for ids in lists.values() for i in ids}
+    used = set(explicit)
+    out = [(roles, list(ids)) for ids, roles in nested_groups(lists).items()]
     cursor = 0
     for name, role in cfg.roles.items():
         if role.gpus_per_proc == 0 or role.devices is not None:
@@ -151,8 +167,7 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
                 ids.append(cursor)
             cursor += 1
         if len(ids) < need:
-            explicit = len({i for ids in lists.values() for i in ids})
-            total = explicit + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
+            total = len(explicit) + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
             raise ConfigError(f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
                               f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
                               f"for {total}, colocated ones counted once)")
@@ -176,12 +191,11 @@ def overlap_notes(cfg: ExperimentConfig, roles: list[str], ids: list[int]) -> li
     for devices, names in inner.items():
         sharing = []
         for other in roles:
-            mine = cfg.roles[other].devices or ids
-            if not devices < set(mine):
+            if not devices < set(cfg.roles[other].devices or ids):
                 continue
-            per = cfg.roles[other].gpus_per_proc
-            shared = [g for g in range(cfg.roles[other].procs) if set(mine[g * per:(g + 1) * per]) & devices]
-            alone = [g for g in range(cfg.roles[other].procs) if g not in shared]
+            per_rank = rank_devices(cfg.roles[other], ids)
+            shared = [g for g, mine in enumerate(per_rank) if devices.intersection(mine)]
+            alone = [g for g in range(len(per_rank)) if g not in shared]
             sharing.append(f"{other} ranks {_fmt_ids(shared)} take turns with "
                            f"{'it' if len(names) == 1 else 'them'}, ranks {_fmt_ids(alone) if alone else 'none'} "
                            "hold their GPUs alone")
@@ -227,12 +241,10 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
         tasks_on: list[list[RankPlacement]] = [[] for _ in node_ids]
         for name in roles:
             role = cfg.roles[name]
-            devs = role.devices if role.devices is not None else ids
-            for g in range(role.procs):
-                mine = devs[g * role.gpus_per_proc:(g + 1) * role.gpus_per_proc]
+            for g, mine in enumerate(rank_devices(role, ids)):
                 nodes = {local_of[i][0] for i in mine}
                 if len(nodes) > 1:
-                    raise ConfigError(f"roles.{name}: rank {g} would drive GPUs {mine} on {len(nodes)} nodes; "
+                    raise ConfigError(f"roles.{name}: rank {g} would drive GPUs {list(mine)} on {len(nodes)} nodes; "
                                       f"a rank's GPUs must be on one node")
                 k = nodes.pop()
                 tasks_on[k].append(RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine)))
