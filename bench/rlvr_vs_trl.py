@@ -127,7 +127,7 @@ def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict | None = Non
 
 
 def run_rollhpc(s: Settings, work: Path, overrides: list[str]) -> dict:
-    options = {"max_wall_s": s.wall_s, "steps": 1_000_000, "eval_every": s.eval_every, "rollout_every": 0,
+    options = {"max_train_s": s.wall_s, "steps": 1_000_000, "eval_every": s.eval_every, "rollout_every": 0,
                "checkpoint.at_end": "false"}  # rollout_every=0: no per-step HDF5 dumps (TRL logs no completions)
     cmd = [sys.executable, "-m", "rollhpc.cli", "train", "quickstart", "run.name=bench_rollhpc", *overrides,
            *(f"pipeline.options.{k}={v}" for k, v in options.items()), "--overwrite"]

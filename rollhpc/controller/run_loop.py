@@ -37,7 +37,7 @@ class Outcome(enum.Enum):
     FINISHED = "finished"  # the last step was taken
     ALREADY_DONE = "already_done"  # resumed from the checkpoint of the last step: nothing to do
     STOPPED_FOR_REQUEUE = "stopped_for_requeue"  # a stop request: checkpointed, the next start resumes
-    WALL_LIMIT = "wall_limit"  # max_wall_s passed
+    WALL_LIMIT = "wall_limit"  # max_wall_s or max_train_s passed
 
 
 class Stateful(Protocol):
@@ -90,13 +90,18 @@ class LoopSettings:
     eval_every: int = 10  # 0: only at the start and the end
     rollout_every: int = 1  # rollouts/step_N.h5 every this many steps (0: never)
     max_wall_s: float = 0.0  # stop after the step that passes this many seconds (0: no limit)
+    # the same, counting training only (evaluations left out): runs that evaluate at different rates, or
+    # compared with another system's, get the same training time
+    max_train_s: float = 0.0
 
 
 class RunLoop:
-    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopSettings):
+    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopSettings,
+                 clock: Any = time.perf_counter):
         self.run_dir = Path(run_dir)
         self.checkpointer = checkpointer
         self.settings = settings
+        self.clock = clock  # seconds, for the wall and training-time limits and step_s / eval_s
 
     def run(self, steps: TrainingSteps) -> Outcome:
         s = self.settings
@@ -131,20 +136,23 @@ class RunLoop:
     def _loop(self, steps: TrainingSteps, objects: dict[str, Stateful], run_log: RunLog, stop_request: StopRequest,
               start: int, restarts: int, metrics: dict[str, float]) -> Outcome:
         s = self.settings
-        t_start = time.perf_counter()
+        t_start, eval_total = self.clock(), 0.0
         for step in range(start + 1, s.steps + 1):
-            t_step = time.perf_counter()
+            t_step = self.clock()
             last = step == s.steps
             report = steps.step(step, last)
             record = report.record
-            wall_limit = bool(s.max_wall_s) and time.perf_counter() - t_start > s.max_wall_s
+            elapsed = self.clock() - t_start
+            wall_limit = ((bool(s.max_wall_s) and elapsed > s.max_wall_s)
+                          or (bool(s.max_train_s) and elapsed - eval_total > s.max_train_s))
             why_stop = stop_request.reason() if not last else None
             if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
-                t_eval = time.perf_counter()
+                t_eval = self.clock()
                 metrics = steps.evaluate()
-                record.update(metrics, eval_s=time.perf_counter() - t_eval)  # part of step_s, not of training
+                record.update(metrics, eval_s=self.clock() - t_eval)  # part of step_s, not of training
+                eval_total += record["eval_s"]
             if report.trained:
-                record["step_s"] = time.perf_counter() - t_step
+                record["step_s"] = self.clock() - t_step
             if restarts and step == start + 1:
                 record["restarts"] = restarts
             keep = report.rollouts is not None and s.rollout_every > 0 and (step % s.rollout_every == 0 or last)
@@ -164,7 +172,9 @@ class RunLoop:
                 stop_request.clear()
                 return Outcome.STOPPED_FOR_REQUEUE
             if wall_limit:
-                log.info("stopping after step %d: max_wall_s=%.0f reached", step, s.max_wall_s)
+                log.info("stopping after step %d: %s reached", step,
+                         f"max_wall_s={s.max_wall_s:.0f}" if s.max_wall_s and elapsed > s.max_wall_s
+                         else f"max_train_s={s.max_train_s:.0f} (evaluations not counted)")
                 return Outcome.WALL_LIMIT
         return Outcome.FINISHED
 

@@ -152,7 +152,8 @@ class AgenticPipeline(TrainingPipeline):
         weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1
-        max_wall_s: float = 0.0
+        max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
+        max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
         checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
         offload: bool = False  # colocated roles take turns on their devices (rollhpc.controller.colocation)
         # with one optimizer step per batch the update is exactly on-policy (rollouts are synchronous here):

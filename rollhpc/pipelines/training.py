@@ -4,7 +4,8 @@ to the generators before the first step, the weights digest at the end).
 
 A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
 implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
-Its ``Options`` carry steps, eval_every, rollout_every, max_wall_s, weight_sync and weight_sync_bucket_mb.
+Its ``Options`` carry steps, eval_every, rollout_every, max_wall_s, max_train_s, weight_sync and
+weight_sync_bucket_mb.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class TrainingPipeline(Pipeline):
             self.residency = Residency(self.groups, self.memory_stages, colocation_of(self.run_ctx.config.roles))
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
-                                    max_wall_s=o.max_wall_s))
+                                    max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
         self.outcome = loop.run(self)
         self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE  # read by rank.py
         return self.outcome
