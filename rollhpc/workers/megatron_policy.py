@@ -70,12 +70,20 @@ class MegatronPolicyWorker(Worker):
     class Options:
         model_dir: str  # Hugging Face checkpoint (config.json + safetensors)
         micro_batch_size: int = 16  # rows per forward/backward
-        dtype: Literal["float32", "bfloat16"] = "float32"
+        dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
+        # bf16: forward and backward matmuls in bfloat16 under torch.autocast while parameters, gradients and
+        # AdamW's moments stay in dtype (float32 master weights: updates of lr size are not rounded away, as
+        # they are with dtype=bfloat16); log-probs and the loss are computed in float32. On CPUs with bf16 units
+        # (AVX512-BF16, AMX) a matmul runs ~3x faster
+        mixed_precision: Literal["off", "bf16"] = "off"
         threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
 
         def __post_init__(self) -> None:
             if self.micro_batch_size < 1:
                 raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            if self.mixed_precision == "bf16" and self.dtype != "float32":
+                raise ValueError(f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
+                                 f"dtype={self.dtype} the parameters are already 16-bit: use one of the two")
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
@@ -222,6 +230,12 @@ class MegatronPolicyWorker(Worker):
         return token_logprobs(logits[:, :-1], tokens[:, 1:], self.vocab_size, tp_rank=self.tp_rank,
                               tp_size=self.ctx.layout.tp, tp_group=self.tp_group, with_entropy=with_entropy)
 
+    def _autocast(self) -> Any:
+        """The forward/backward precision context: bfloat16 matmuls under ``mixed_precision: bf16``."""
+        import torch
+
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.options.mixed_precision == "bf16")
+
     def _forward_only(self, batch: Batch, result: Any, key: str) -> Batch | None:
         """``result(part, output) -> [b, L-1] tensor`` for every row of the batch, through the schedule
         without gradients; the rows as ``{key: ...}`` on the last stage, None on the others."""
@@ -232,7 +246,7 @@ class MegatronPolicyWorker(Worker):
         training = [c.training for c in self.chunks]
         for chunk in self.chunks:
             chunk.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             kept = run_schedule(self.chunks, self._parts(batch, with_mask=False), self._call_chunk,
                                 lambda part, out: (out.new_zeros(()), {key: result(part, out)[part["keep"]]}),
                                 forward_only=True)
@@ -463,10 +477,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
             mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
             sums: dict[str, float] = {}
-            for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
-                                     forward_only=False):
-                for k, v in kept.items():
-                    sums[k] = sums.get(k, 0.0) + v
+            with self._autocast():
+                for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
+                                         forward_only=False):
+                    for k, v in kept.items():
+                        sums[k] = sums.get(k, 0.0) + v
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
@@ -616,9 +631,10 @@ class MegatronCriticWorker(MegatronTrainWorker):
 
             mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
             sums: dict[str, float] = {}
-            for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
-                                     forward_only=False):
-                sums["value_loss"] = sums.get("value_loss", 0.0) + kept["value_loss"]
+            with self._autocast():
+                for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
+                                         forward_only=False):
+                    sums["value_loss"] = sums.get("value_loss", 0.0) + kept["value_loss"]
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train_time_s"] = time.perf_counter() - t0
