@@ -79,8 +79,8 @@ class ControllerConfig:
     mpi_stall_s: float = 30.0
     # how a one-to-all call's payload of 1 MiB or more reaches a role's ranks: "broadcast" (MPI broadcasts
     # over the controller and the role: the network carries each byte once per tree edge), "p2p" (one send
-    # per rank: within a node, shared-memory copies are quicker than a broadcast's extra hops), "auto":
-    # broadcast to roles with ranks on other machines than the controller's, p2p to the others
+    # per rank), "auto": broadcast to roles with ranks on other machines than the controller's; to a role
+    # on its machine, one file in /dev/shm that every rank maps copy-on-write (one copy in all, not N)
     one_to_all: typing.Literal["auto", "broadcast", "p2p"] = "auto"
 
 

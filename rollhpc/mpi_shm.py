@@ -26,7 +26,7 @@ log = logging.getLogger("rollhpc.mpi_shm")
 
 ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
 SHM_DIR = Path("/dev/shm")
-PREFIXES = ("mpich_shm_", "mpich_vci_")
+PREFIXES = ("mpich_shm_", "mpich_vci_", "rollhpc_fanout_")  # the last: one-to-all payloads (mpi_channel)
 
 
 def mapped_paths(uid: int) -> dict[str, list[int]]:

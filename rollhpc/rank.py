@@ -214,7 +214,10 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     signal.signal(signal.SIGINT, _on_signal)
     ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
              for p in plan.ranks if p.role != CONTROLLER_ROLE}
-    ctl = Controller(MpiChannel(comm, fanout=_broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)),
+    broadcast = _broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)
+    shared = ({role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
+              if cfg.controller.one_to_all == "auto" else {})  # roles on this machine: one shared-memory copy
+    ctl = Controller(MpiChannel(comm, fanout=broadcast, shared=shared),
                      sideband, ranks, run_dir, cfg.controller.call_timeout_s,
                      cfg.controller.stack_dump_timeout_s)
 

@@ -208,3 +208,42 @@ class TurnTakingProbe(DiagnosticWorker):
     @register(Dispatch.ONE_TO_ALL)
     def moves(self) -> list:
         return self.__dict__.get("moved", [])
+
+
+class PayloadProbe(DiagnosticWorker):
+    """Writes into what it received: a rank's copy of a one-to-all payload must be its own."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def bump_and_sum(self, array: np.ndarray) -> int:
+        array += np.uint8(self.ctx.group_rank + 1)
+        return int(array.sum(dtype=np.uint64))
+
+
+class SharedPayloadScenario(Pipeline):
+    """One-to-all payloads of 1 MiB and more to a role on the controller's machine go through one
+    shared-memory file (controller.one_to_all: auto): several in flight with a small call between, a torch
+    tensor among numpy arrays, ranks writing into theirs; the files are gone once every rank has replied."""
+
+    def run(self) -> None:
+        import torch
+
+        from rollhpc.transport.mpi_channel import SHARED_DIR, SHARED_PREFIX
+
+        g = self.groups["probe"]
+        arrays = [np.random.default_rng(i).integers(0, 255, (3 << 20) + i, dtype=np.uint8) for i in range(3)]
+        sums = [int(a.sum(dtype=np.uint64)) for a in arrays]
+        futs = [g.bump_and_sum.submit(a) for a in arrays[:2]]
+        small = g.echo.submit("between")
+        futs.append(g.bump_and_sum.submit(arrays[2]))
+        mixed = {"x": torch.randn(1024, 1024, dtype=torch.bfloat16), "n": 7, "y": arrays[0]}
+        echoed = g.echo(mixed)
+        want = [[int(((a.astype(np.uint64) + r + 1) % 256).sum()) for r in range(len(g))] for a in arrays]
+        mine = f"{SHARED_PREFIX}{os.getpid()}_"
+        out = {"bumped_ok": [f.result() for f in futs] == want,
+               "controller_copies_intact": [int(a.sum(dtype=np.uint64)) for a in arrays] == sums,
+               "small": small.result(),
+               "echo_ok": all(torch.equal(e["x"], mixed["x"]) and e["n"] == 7 and np.array_equal(e["y"], arrays[0])
+                              for e in echoed),
+               "shared_sent": g.controller.channel.shared_sent,
+               "files_left": sorted(n for n in os.listdir(SHARED_DIR) if n.startswith(mine))}
+        (self.run_ctx.run_dir / "scenario.json").write_text(json.dumps(out))

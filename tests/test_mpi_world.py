@@ -65,6 +65,20 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     assert_no_orphans(run_dir)
 
 
+def test_one_to_all_payloads_on_one_machine_go_through_one_shared_file(experiment, tmp_path):
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:SharedPayloadScenario"},
+        "roles": {"probe": {"worker": "tests.scenarios:PayloadProbe", "procs": 2}},
+    })
+    res = rollhpc("train", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = json.loads((run_dir / "scenario.json").read_text())
+    assert out["bumped_ok"] and out["controller_copies_intact"]  # each rank wrote into a copy of its own
+    assert out["small"] == ["between"] * 2 and out["echo_ok"]
+    assert out["shared_sent"] == 4 and out["files_left"] == []  # removed once both ranks replied
+    assert_no_orphans(run_dir)
+
+
 def test_worker_exception_reaches_controller_with_rank_role_traceback(experiment, tmp_path):
     path, run_dir = experiment(fail_world("raise", rank=1))
     start = time.monotonic()

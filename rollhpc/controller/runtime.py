@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ class Controller:
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
+        self._shared_files: dict[int, tuple[str, set[int]]] = {}  # call -> its shared-memory file, ranks to reply
 
     def log_path(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"rank{rank}-{self.ranks[rank].role}.log"
@@ -77,22 +79,50 @@ class Controller:
         return keys
 
     def submit_fanout(self, method: str, role: str, enc: Encoded) -> list[tuple[int, int]]:
-        """``method`` with the same (args, kwargs) to every rank of ``role``, its buffers broadcast once
-        (``MpiChannel.send_fanout``) instead of sent to each rank in turn."""
+        """``method`` with the same (args, kwargs) to every rank of ``role``, its buffers sent once: written
+        into a shared-memory file every rank maps (a role on this machine, ``MpiChannel.send_shared``; the
+        file is removed once every rank has replied) or broadcast (``MpiChannel.send_fanout``), instead of
+        sent to each rank in turn."""
         self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
-        ranks = self.channel.fanout_ranks[role]
-        self.channel.send_fanout(role, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
+        envelope = {"kind": "call", "call_id": call_id, "method": method}
+        if role in self.channel.shared_ranks:
+            ranks = self.channel.shared_ranks[role]
+            path = self.channel.send_shared(role, TAG_CALL, envelope, enc)
+            if path is None:  # no room for the file: one copy per rank, as before
+                log.warning("a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
+                            "it to each rank", sum(m.nbytes for m in enc.buffers) / 2**20, role)
+                return self.submit(method, {rank: enc for rank in ranks})
+            self._shared_files[call_id] = (path, set(ranks))
+        else:
+            ranks = self.channel.fanout_ranks[role]
+            self.channel.send_fanout(role, TAG_CALL, envelope, enc)
         for rank in ranks:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
         return [(rank, call_id) for rank in ranks]
 
     def fans_out(self, role: str, ranks: list[int], enc: Encoded) -> bool:
-        """Whether a one-to-all call to ``ranks`` goes as a broadcast: all of a role's ranks (two or more),
-        and a payload large enough that N copies one after another cost more than a broadcast."""
-        return (len(ranks) > 1 and sorted(ranks) == self.channel.fanout_ranks.get(role)
-                and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES)
+        """Whether a one-to-all call to ``ranks`` sends its buffers once (shared memory or broadcast): all of a
+        role's ranks (two or more), and a payload large enough that N copies cost more."""
+        whole = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks.get(role)
+        return len(ranks) > 1 and sorted(ranks) == whole and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES
+
+    def _replied(self, key: tuple[int, int]) -> None:
+        """A call's reply from one rank is in: its shared-memory file goes once every rank has replied."""
+        self._outstanding.pop(key, None)
+        entry = self._shared_files.get(key[1])
+        if entry is not None:
+            entry[1].discard(key[0])
+            if not entry[1]:
+                del self._shared_files[key[1]]
+                _remove(entry[0])
+
+    def remove_shared_files(self) -> None:
+        """The run ends (normally or not): shared-memory payloads still out are removed."""
+        for path, _ in self._shared_files.values():
+            _remove(path)
+        self._shared_files.clear()
 
     # -- receiving ---------------------------------------------------------------------------
     def _raise_worker_error(self, rank: int, err: dict[str, Any]) -> None:
@@ -158,10 +188,10 @@ class Controller:
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
             got = True
             env = msg.envelope
-            if "error" in env:
+            if "error" in env:  # the run ends: release() removes the shared-memory files still out
                 self._raise_worker_error(msg.source, env["error"])
             key = (msg.source, env.get("call_id", 0))
-            self._outstanding.pop(key, None)
+            self._replied(key)
             self._inbox[key] = msg.payload if env["kind"] == "result" else env
         return got
 
@@ -218,6 +248,7 @@ class Controller:
             keys.append((rank, 0))
         self.wait(keys, "shutdown", timeout_s)
         self.channel.flush(timeout_s)
+        self.remove_shared_files()
         self.sideband.close()
 
     def release(self, wait_s: float = 3.0) -> bool:
@@ -225,4 +256,12 @@ class Controller:
         try:
             return self.sideband.release_workers(wait_s)
         finally:
+            self.remove_shared_files()
             self.sideband.close()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -89,11 +89,12 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
 
 
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "mpich_shm_"
+SHM_PREFIXES = ("mpich_shm_", "rollhpc_fanout_")  # MPICH's segments, the controller's one-to-all payloads
 
 
 def shm_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(SHM_PREFIX + "*")} if SHM_DIR.is_dir() else set()
+    return ({p.name for prefix in SHM_PREFIXES for p in SHM_DIR.glob(prefix + "*")} if SHM_DIR.is_dir()
+            else set())
 
 
 def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0) -> int:
@@ -116,8 +117,9 @@ def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0) ->
             text = maps.read_text()
         except OSError:
             continue
-        if SHM_PREFIX in text:
-            mapped.update(line.rsplit("/", 1)[-1] for line in text.splitlines() if "/dev/shm/" + SHM_PREFIX in line)
+        if any(prefix in text for prefix in SHM_PREFIXES):
+            mapped.update(line.rsplit("/", 1)[-1] for line in text.splitlines()
+                          if any("/dev/shm/" + prefix in line for prefix in SHM_PREFIXES))
     removed = 0
     for name in leaked - mapped:
         try:

@@ -6,13 +6,18 @@ rule keeps them in order. A large payload going to every rank of a role (a one-t
 only its header point to point and its buffers once, as MPI broadcasts over a communicator of the
 controller and that role's ranks (``fanout``): the controller then does not send N copies one after
 another, and MPI's tree / scatter-allgather algorithms spread the work over the receivers. Every rank of
-the role joins those broadcasts in the order its calls arrive, which is the order they were sent. Sends
+the role joins those broadcasts in the order its calls arrive, which is the order they were sent. To a role
+whose ranks all share the controller's machine, such a payload is written once into a shared-memory file
+(``send_shared``) and every rank maps it copy-on-write: one copy in all, as Ray's object store makes, instead
+of one per rank through MPI's shared-memory transport. Sends
 are non-blocking and tracked so a caller never blocks on a busy receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
 receive busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
 """
 
 from __future__ import annotations
 
+import itertools
+import mmap
 import os
 import pickle
 import sys
@@ -27,8 +32,12 @@ from rollhpc.transport import wire
 
 TAG_CALL = 11
 TAG_REPLY = 12
-# one-to-all payloads at least this large travel as broadcasts (below it, N small sends are quicker)
+# one-to-all payloads at least this large travel as broadcasts or in shared memory (below it, N small sends
+# are quicker)
 FANOUT_MIN_BYTES = 1 << 20
+SHARED_DIR = "/dev/shm"
+SHARED_PREFIX = "rollhpc_fanout_"  # + controller pid + call: rollhpc.mpi_shm removes those a killed run left
+_ALIGN = 4096  # each buffer starts on a page of the file: its arrays are aligned for any dtype
 
 
 @dataclass
@@ -57,12 +66,16 @@ class MpiChannel:
     does not is stuck on a peer that is gone (rollhpc.controller.mpi_stall watches it on the controller)."""
 
     def __init__(self, comm: MPI.Comm, fanout: dict[str, MPI.Comm] | None = None,
-                 my_fanout: MPI.Comm | None = None):
+                 my_fanout: MPI.Comm | None = None, shared: dict[str, list[int]] | None = None):
         self.comm = comm
         self.fanout = fanout or {}  # the controller's: role -> (controller + the role's ranks), controller first
         self.my_fanout = my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
         self.fanout_ranks = {role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()}
+        # the controller's: roles on its own machine, whose one-to-all payloads go through shared memory
+        self.shared_ranks = {role: sorted(ranks) for role, ranks in (shared or {}).items() if role not in self.fanout}
         self.fanouts_sent = 0
+        self.shared_sent = 0
+        self._shared_ids = itertools.count()
         self._inflight: list[MPI.Request] = []
         self.busy_since: float | None = None
         self.buffers = ReceiveBuffers()
@@ -99,6 +112,32 @@ class MpiChannel:
             self.busy_since = None
         self.progress()
 
+    def send_shared(self, role: str, tag: int, envelope: dict[str, Any], enc: Encoded) -> str | None:
+        """``enc`` to every rank of ``role`` (``shared_ranks[role]``, all on this machine): the buffers written
+        once into a new shared-memory file, its name in the header each rank gets. Returns the file, which the
+        caller removes once every rank has replied (a rank maps it while it takes the message; the mapping
+        outlives the name). None when the file cannot be written (e.g. a small /dev/shm): nothing was sent."""
+        path = os.path.join(SHARED_DIR, f"{SHARED_PREFIX}{os.getpid()}_{next(self._shared_ids)}")
+        try:
+            offsets = _write_shared(path, enc.buffers)
+        except OSError:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        sizes = [m.nbytes for m in enc.buffers]
+        head = pickle.dumps(({**envelope, "shared": (path, offsets)}, enc.header, sizes), protocol=5)
+        self.busy_since = time.monotonic()
+        try:
+            for dest in self.shared_ranks[role]:
+                self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
+            self.shared_sent += 1
+        finally:
+            self.busy_since = None
+        self.progress()
+        return path
+
     def progress(self) -> None:
         """Let MPI move pending sends and forget the finished ones (drops references to their buffers)."""
         if self._inflight:
@@ -132,12 +171,16 @@ class MpiChannel:
             head = bytearray(status.Get_count(MPI.BYTE))
             self.comm.Recv([head, MPI.BYTE], source=src, tag=tag)
             envelope, header, sizes = pickle.loads(head)
-            buffers = [self.buffers.get(n) for n in sizes]
-            if envelope.pop("fanout", False):
-                self._join_fanout(buffers)
+            shared = envelope.pop("shared", None)
+            if shared is not None:  # written once into a file on this machine (send_shared)
+                buffers = _map_shared(*shared, sizes)
             else:
-                for buf in buffers:
-                    self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
+                buffers = [self.buffers.get(n) for n in sizes]
+                if envelope.pop("fanout", False):
+                    self._join_fanout(buffers)
+                else:
+                    for buf in buffers:
+                        self.comm.Recv([buf, MPI.BYTE], source=src, tag=tag)
         finally:
             self.busy_since = None
         return Message(src, envelope, wire.decode(header, buffers))
@@ -183,6 +226,62 @@ class ReceiveBuffers:
         while sum(b.nbytes for b in self._kept) > self.max_bytes:
             self._kept.pop(0)  # a caller still holding it keeps it alive; it is just not reused
         return buf
+
+
+def _write_shared(path: str, buffers: list[memoryview]) -> list[int]:
+    """Write ``buffers`` into a new file at ``path``, each at a page-aligned offset; returns the offsets.
+    Plain writes (the kernel fills the file's pages as it copies: no page faults on this side), in slices
+    written by a few threads at once, as Ray's object store copies a large object in."""
+    offsets, pos, pieces = [], 0, []
+    for m in buffers:
+        pos += -pos % _ALIGN
+        offsets.append(pos)
+        view = memoryview(m).cast("B")
+        pieces += [(view[i:i + _SLICE], pos + i) for i in range(0, len(view), _SLICE)]
+        pos += len(view)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, pos)
+        if len(pieces) > 1:
+            list(_writers().map(lambda p: _pwrite_all(fd, *p), pieces))
+        else:
+            for piece in pieces:
+                _pwrite_all(fd, *piece)
+    finally:
+        os.close(fd)
+    return offsets
+
+
+_SLICE = 8 << 20
+_pool: Any = None
+
+
+def _writers() -> Any:
+    global _pool
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-write")
+    return _pool
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+def _map_shared(path: str, offsets: list[int], sizes: list[int]) -> list[np.ndarray]:
+    """The buffers of a shared-memory payload as arrays over one private (copy-on-write) mapping of its file:
+    nothing is copied until a page is written, and what a rank writes stays its own, as with a received copy."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        length = os.fstat(fd).st_size
+        mem = mmap.mmap(fd, length, access=mmap.ACCESS_COPY) if length else None
+    finally:
+        os.close(fd)
+    return [np.frombuffer(mem, dtype=np.uint8, count=n, offset=off) if n else np.empty(0, dtype=np.uint8)
+            for off, n in zip(offsets, sizes)]
 
 
 def _world_ranks(sub: MPI.Comm, world: MPI.Comm) -> list[int]:
