@@ -36,6 +36,10 @@ def test_rlvr_steps_with_tp2_trainer_reference_and_kl(tmp_path, tiny_model):
         # (the TP=2 trainer all-gathers its shards into HF names, the generator loads them in place).
         assert x["logprob_abs_diff"] < 1e-3, x["logprob_abs_diff"]
         assert x["train/grad_norm"] > 0
+        # each role's share of the step inside calls and the cores its processes used (the step's timeline)
+        for role in ("train", "generate", "reward", "reference"):
+            assert 0 < x[f"load/{role}/busy_fraction"] <= 1 and x[f"load/{role}/cpu_cores"] >= 0, role
+        assert x["load/train/cpu_cores"] > 0 and x["load/controller/cpu_cores"] > 0
     with h5py.File(run_dir / "rollouts" / "step_000003.h5") as f:
         assert f.attrs["n"] == 4 * 8 and set(f["version"][()]) == {2}
         assert len(f["logprobs"]) == len(f["response_tokens"]) > 0
@@ -70,6 +74,7 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
     run_dir = assert_three_steps_in_sync(res, tmp_path)
     summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
     assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
+    assert "load per step (mean): controller " in summary and " train busy " in summary
 
 
 @pytest.mark.slow

@@ -139,9 +139,11 @@ class RunLoop:
         t_start, eval_total = self.clock(), 0.0
         for step in range(start + 1, s.steps + 1):
             t_step = self.clock()
+            load_before = _load(steps)
             last = step == s.steps
             report = steps.step(step, last)
             record = report.record
+            record.update(_load_metrics(load_before, _load(steps), self.clock() - t_step))
             elapsed = self.clock() - t_start
             wall_limit = ((bool(s.max_wall_s) and elapsed > s.max_wall_s)
                           or (bool(s.max_train_s) and elapsed - eval_total > s.max_train_s))
@@ -194,6 +196,29 @@ class RunLoop:
         log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
         log_event(self.run_dir, {"event": "resume", "checkpoint": str(path), "step": step, "restarts": restarts,
                                  "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+
+
+def _load(steps: Any) -> dict[str, tuple[float, float, int]] | None:
+    """The roles' load counters now (``Controller.load``), or None for a pipeline without worker groups."""
+    groups = getattr(steps, "groups", None)
+    controller = getattr(next(iter(groups.values()), None), "controller", None) if groups else None
+    return controller.load() if controller is not None else None
+
+
+def _load_metrics(before: dict | None, after: dict | None, wall_s: float) -> dict[str, float]:
+    """Per role over one step (evaluation excluded): ``load/ROLE/busy_fraction``, the share of the step its
+    ranks spent inside calls (1 - that is its idle fraction; a generator's rollout calls include their short
+    waits for completions, its engine's own idle share is ``generator_idle_fraction``), and
+    ``load/ROLE/cpu_cores``, the CPU cores its processes used on average (the controller's too)."""
+    if not before or not after or wall_s <= 0:
+        return {}
+    out = {}
+    for role, (call, cpu, n) in after.items():
+        call0, cpu0, _ = before.get(role, (0.0, 0.0, n))
+        if role != "controller":
+            out[f"load/{role}/busy_fraction"] = round(min(1.0, (call - call0) / (n * wall_s)), 4)
+        out[f"load/{role}/cpu_cores"] = round((cpu - cpu0) / wall_s, 3)
+    return out
 
 
 def _residency(steps: Any) -> dict[str, Any]:

@@ -59,6 +59,8 @@ class Controller:
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
         self._shared_files: dict[int, tuple[str, set[int]]] = {}  # call -> its shared-memory file, ranks to reply
+        self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
+        self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
 
     def log_path(self, rank: int) -> Path:
         return self.run_dir / "logs" / f"rank{rank}-{self.ranks[rank].role}.log"
@@ -117,6 +119,16 @@ class Controller:
             if not entry[1]:
                 del self._shared_files[key[1]]
                 _remove(entry[0])
+
+    def load(self) -> dict[str, tuple[float, float, int]]:
+        """Per role, (seconds its ranks spent inside calls, CPU seconds of their processes, ranks), summed over
+        the role's ranks as of their last replies; "controller": its own CPU seconds. Differences between two
+        readings are a stage's load (``rollhpc.controller.run_loop``: per-role busy fraction and cores used)."""
+        out: dict[str, tuple[float, float, int]] = {"controller": (0.0, time.process_time(), 1)}
+        for rank, info in self.ranks.items():
+            call, cpu, n = out.get(info.role, (0.0, 0.0, 0))
+            out[info.role] = (call + self.call_s[rank], cpu + self.cpu_s[rank], n + 1)
+        return out
 
     def remove_shared_files(self) -> None:
         """The run ends (normally or not): shared-memory payloads still out are removed."""
@@ -192,6 +204,9 @@ class Controller:
                 self._raise_worker_error(msg.source, env["error"])
             key = (msg.source, env.get("call_id", 0))
             self._replied(key)
+            if "call_s" in env:
+                self.call_s[msg.source] += env["call_s"]
+                self.cpu_s[msg.source] = env["cpu_s"]
             self._inbox[key] = msg.payload if env["kind"] == "result" else env
         return got
 

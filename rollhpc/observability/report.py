@@ -175,6 +175,15 @@ def summarize(run: RunSeries) -> list[str]:
         shares = [(label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total) for key, label in STAGES]
         lines.append("  time per step: " + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
                      + f" of {total / max(len(trained), 1):.2f} s")
+    roles = sorted({k.split("/")[1] for r in trained for k in r if k.startswith("load/")})
+    if roles:  # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
+        parts = []
+        for role in roles:
+            busy = [float(r[f"load/{role}/busy_fraction"]) for r in trained if f"load/{role}/busy_fraction" in r]
+            cores = [float(r[f"load/{role}/cpu_cores"]) for r in trained if f"load/{role}/cpu_cores" in r]
+            part = role + (f" busy {sum(busy) / len(busy):.0%}" if busy else "")
+            parts.append(part + (f" {sum(cores) / len(cores):.2f} cores" if cores else ""))
+        lines.append("  load per step (mean): " + ", ".join(parts))
     if run.restarts:
         lines.append(f"  restarts: {len(run.restarts)} (" + "; ".join(f"{label} at {m:.1f} min"
                                                                     for m, label in run.restarts) + ")")

@@ -7,6 +7,7 @@ the rank, role and traceback, and the controller decides (by default it ends the
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 from typing import Any
 
@@ -62,12 +63,16 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
             return
         args, kwargs = msg.payload
         reply: dict[str, Any] = {"kind": "result", "call_id": env["call_id"]}
+        started = time.perf_counter()
         try:
             result = getattr(worker, env["method"])(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001
             log.exception("call %s failed", env["method"])
             reply["error"] = _error(e, ctx, env["method"])
             result = None
+        # what the controller's per-role load metrics read (Controller.load): seconds inside this call, and
+        # this process's CPU seconds so far (every thread: the generator's engine loop too)
+        reply["call_s"], reply["cpu_s"] = time.perf_counter() - started, time.process_time()
         try:
             encoded = Encoded.of(result)
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
