@@ -146,6 +146,9 @@ class RlvrPipeline(TrainingPipeline):
         lam: float = 0.95
         value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
         rollout: SchedulerConfig = field(default_factory=SchedulerConfig)
+        # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.
+        # Async (max_staleness >= 1) wants "generator": the trainer's are those of the weights being trained, so a
+        # one-step update has ratio 1 and its clip never bounds the step away from the policy that sampled
         old_logprob_source: Literal["trainer", "generator"] = "trainer"
         # an exactly on-policy update (old_logprob_source=trainer, synchronous rollout, one optimizer step per
         # batch, no KL) needs no separate old-log-prob forward: the train step's own forward gives them
@@ -171,6 +174,10 @@ class RlvrPipeline(TrainingPipeline):
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
             self._check_group_size()
+            if self.rollout.max_staleness >= 1 and self.old_logprob_source == "trainer":
+                log.warning("rollout.max_staleness=%d with old_logprob_source=trainer: the PPO clip does not bound "
+                            "updates on samples of older weights; old_logprob_source=generator does (README, "
+                            "'How a run is built')", self.rollout.max_staleness)
             if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
                 raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
             if self.domains and (self.task.name != TaskConfig.name or self.task.options):
