@@ -6,9 +6,9 @@ For N = 1..8 workers, the controller (driver) calls every worker and gathers the
                                                  -> seconds per call, GB/s delivered (N x 64 MiB)
   large: a 64 MiB numpy array echoed back        -> seconds per round trip, GB/s moved (2 x N x 64 MiB)
 rollhpc sends a one-to-all payload of 1 MiB or more to a group on other machines as MPI broadcasts over a
-communicator of the controller and the group, and to a group on its own machine as one shared-memory send
-per worker (controller.one_to_all: auto; rollhpc.transport.mpi_channel); Ray puts it in its object store once
-and every actor maps it (its best practice for one-to-all). The systems rollhpc-net-p2p and
+communicator of the controller and the group, and to a group on its own machine as one shared-memory file
+that every worker maps copy-on-write (controller.one_to_all: auto; rollhpc.transport.mpi_channel); Ray puts
+it in its object store once and every actor maps it (its best practice for one-to-all). The systems rollhpc-net-p2p and
 rollhpc-net-broadcast run rollhpc with MPI's shared memory turned off (MPIR_CVAR_NOLOCAL=1, OFI over tcp),
 so its messages take the network path as between machines, with one_to_all p2p and broadcast.
 Each configuration is measured in several independent runs (new world / new actors each time) and

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,7 +57,6 @@ class Controller:
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
-        self._shared_files: dict[int, tuple[str, set[int]]] = {}  # call -> its shared-memory file, ranks to reply
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
 
@@ -82,21 +80,18 @@ class Controller:
 
     def submit_fanout(self, method: str, role: str, enc: Encoded) -> list[tuple[int, int]]:
         """``method`` with the same (args, kwargs) to every rank of ``role``, its buffers sent once: written
-        into a shared-memory file every rank maps (a role on this machine, ``MpiChannel.send_shared``; the
-        file is removed once every rank has replied) or broadcast (``MpiChannel.send_fanout``), instead of
-        sent to each rank in turn."""
+        into a shared-memory file every rank maps (a role on this machine, ``MpiChannel.send_shared``) or
+        broadcast (``MpiChannel.send_fanout``), instead of sent to each rank in turn."""
         self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
         envelope = {"kind": "call", "call_id": call_id, "method": method}
         if role in self.channel.shared_ranks:
             ranks = self.channel.shared_ranks[role]
-            path = self.channel.send_shared(role, TAG_CALL, envelope, enc)
-            if path is None:  # no room for the file: one copy per rank, as before
+            if not self.channel.send_shared(role, TAG_CALL, envelope, enc):  # no room: one copy per rank
                 log.warning("a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
                             "it to each rank", sum(m.nbytes for m in enc.buffers) / 2**20, role)
                 return self.submit(method, {rank: enc for rank in ranks})
-            self._shared_files[call_id] = (path, set(ranks))
         else:
             ranks = self.channel.fanout_ranks[role]
             self.channel.send_fanout(role, TAG_CALL, envelope, enc)
@@ -110,16 +105,6 @@ class Controller:
         whole = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks.get(role)
         return len(ranks) > 1 and sorted(ranks) == whole and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES
 
-    def _replied(self, key: tuple[int, int]) -> None:
-        """A call's reply from one rank is in: its shared-memory file goes once every rank has replied."""
-        self._outstanding.pop(key, None)
-        entry = self._shared_files.get(key[1])
-        if entry is not None:
-            entry[1].discard(key[0])
-            if not entry[1]:
-                del self._shared_files[key[1]]
-                _remove(entry[0])
-
     def load(self) -> dict[str, tuple[float, float, int]]:
         """Per role, (seconds its ranks spent inside calls, CPU seconds of their processes, ranks), summed over
         the role's ranks as of their last replies; "controller": its own CPU seconds. Differences between two
@@ -131,10 +116,8 @@ class Controller:
         return out
 
     def remove_shared_files(self) -> None:
-        """The run ends (normally or not): shared-memory payloads still out are removed."""
-        for path, _ in self._shared_files.values():
-            _remove(path)
-        self._shared_files.clear()
+        """The run ends (normally or not): the shared-memory files of one-to-all payloads are removed."""
+        self.channel.segments.remove_all()
 
     # -- receiving ---------------------------------------------------------------------------
     def _raise_worker_error(self, rank: int, err: dict[str, Any]) -> None:
@@ -203,7 +186,9 @@ class Controller:
             if "error" in env:  # the run ends: release() removes the shared-memory files still out
                 self._raise_worker_error(msg.source, env["error"])
             key = (msg.source, env.get("call_id", 0))
-            self._replied(key)
+            self._outstanding.pop(key, None)
+            if env.get("released"):  # shared-memory files this rank no longer maps
+                self.channel.segments.release(msg.source, env["released"])
             if "call_s" in env:
                 self.call_s[msg.source] += env["call_s"]
                 self.cpu_s[msg.source] = env["cpu_s"]
@@ -274,9 +259,3 @@ class Controller:
             self.remove_shared_files()
             self.sideband.close()
 
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

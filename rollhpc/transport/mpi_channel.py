@@ -9,7 +9,9 @@ another, and MPI's tree / scatter-allgather algorithms spread the work over the 
 the role joins those broadcasts in the order its calls arrive, which is the order they were sent. To a role
 whose ranks all share the controller's machine, such a payload is written once into a shared-memory file
 (``send_shared``) and every rank maps it copy-on-write: one copy in all, as Ray's object store makes, instead
-of one per rank through MPI's shared-memory transport. Sends
+of one per rank through MPI's shared-memory transport. The files are reused once every rank has dropped its
+mapping (a rank says so in its replies): a fresh file's pages must be allocated and zeroed by the kernel,
+which costs more than the copy itself. Sends
 are non-blocking and tracked so a caller never blocks on a busy receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
 receive busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
 """
@@ -75,7 +77,8 @@ class MpiChannel:
         self.shared_ranks = {role: sorted(ranks) for role, ranks in (shared or {}).items() if role not in self.fanout}
         self.fanouts_sent = 0
         self.shared_sent = 0
-        self._shared_ids = itertools.count()
+        self.segments = SharedSegments()  # the controller's files for those payloads
+        self.released: list[str] = []  # a worker's: files whose mapping it has dropped since its last reply
         self._inflight: list[MPI.Request] = []
         self.busy_since: float | None = None
         self.buffers = ReceiveBuffers()
@@ -112,31 +115,31 @@ class MpiChannel:
             self.busy_since = None
         self.progress()
 
-    def send_shared(self, role: str, tag: int, envelope: dict[str, Any], enc: Encoded) -> str | None:
+    def send_shared(self, role: str, tag: int, envelope: dict[str, Any], enc: Encoded) -> bool:
         """``enc`` to every rank of ``role`` (``shared_ranks[role]``, all on this machine): the buffers written
-        once into a new shared-memory file, its name in the header each rank gets. Returns the file, which the
-        caller removes once every rank has replied (a rank maps it while it takes the message; the mapping
-        outlives the name). None when the file cannot be written (e.g. a small /dev/shm): nothing was sent."""
-        path = os.path.join(SHARED_DIR, f"{SHARED_PREFIX}{os.getpid()}_{next(self._shared_ids)}")
+        once into a shared-memory file (a free one of the same size when there is one), its name in the header
+        each rank gets. False when the file cannot be written (e.g. a small /dev/shm): nothing was sent."""
+        ranks = self.shared_ranks[role]
         try:
-            offsets = _write_shared(path, enc.buffers)
+            path, offsets = self.segments.write(enc.buffers, ranks)
         except OSError:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-            return None
+            return False
         sizes = [m.nbytes for m in enc.buffers]
         head = pickle.dumps(({**envelope, "shared": (path, offsets)}, enc.header, sizes), protocol=5)
         self.busy_since = time.monotonic()
         try:
-            for dest in self.shared_ranks[role]:
+            for dest in ranks:
                 self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
             self.shared_sent += 1
         finally:
             self.busy_since = None
         self.progress()
-        return path
+        return True
+
+    def take_released(self) -> list[str]:
+        """A worker's: the shared-memory files it no longer maps, to tell the controller in its next reply."""
+        out, self.released = self.released, []
+        return out
 
     def progress(self) -> None:
         """Let MPI move pending sends and forget the finished ones (drops references to their buffers)."""
@@ -173,7 +176,7 @@ class MpiChannel:
             envelope, header, sizes = pickle.loads(head)
             shared = envelope.pop("shared", None)
             if shared is not None:  # written once into a file on this machine (send_shared)
-                buffers = _map_shared(*shared, sizes)
+                buffers = _map_shared(*shared, sizes, self.released)
             else:
                 buffers = [self.buffers.get(n) for n in sizes]
                 if envelope.pop("fanout", False):
@@ -228,60 +231,130 @@ class ReceiveBuffers:
         return buf
 
 
-def _write_shared(path: str, buffers: list[memoryview]) -> list[int]:
-    """Write ``buffers`` into a new file at ``path``, each at a page-aligned offset; returns the offsets.
-    Plain writes (the kernel fills the file's pages as it copies: no page faults on this side), in slices
-    written by a few threads at once, as Ray's object store copies a large object in."""
-    offsets, pos, pieces = [], 0, []
+class SharedSegments:
+    """The controller's shared-memory files for one-to-all payloads, each held by the ranks that may still map
+    it. A file every holder has released (``release``: the ranks report it in their replies) is free and is
+    written again for the next payload of its size; at most ``keep_bytes`` of free files are kept. The
+    controller writes through a shared mapping of each file that it keeps (a copy into pages already there
+    runs at memory speed; a write() into a tmpfs file is about 3x slower here), in slices copied by a few
+    threads at once, as Ray's object store copies a large object in."""
+
+    def __init__(self, keep_bytes: int = 1 << 30):
+        self.keep_bytes = keep_bytes
+        self.holders: dict[str, set[int]] = {}  # file -> ranks that may map it
+        self.maps: dict[str, mmap.mmap] = {}  # file -> the controller's writable mapping of it
+        self.free: list[str] = []  # oldest first
+        self.reused = 0
+        self._ids = itertools.count()
+
+    def write(self, buffers: list[memoryview], ranks: list[int]) -> tuple[str, list[int]]:
+        offsets, total = _layout(buffers)
+        path = next((p for p in self.free if len(self.maps[p]) == total), None)
+        if path is not None:
+            self.free.remove(path)
+            self.reused += 1
+        else:
+            path = os.path.join(SHARED_DIR, f"{SHARED_PREFIX}{os.getpid()}_{next(self._ids)}")
+            try:
+                self.maps[path] = _create_shared(path, total)
+            except OSError:
+                self._remove(path)
+                raise
+        target = np.frombuffer(self.maps[path], dtype=np.uint8)
+        pieces = []
+        for m, pos in zip(buffers, offsets):
+            src = np.frombuffer(m, dtype=np.uint8)
+            pieces += [(target[pos + i:pos + min(i + _SLICE, src.size)], src[i:i + _SLICE])
+                       for i in range(0, src.size, _SLICE)]
+        if len(pieces) > 1:
+            list(_copiers().map(lambda p: np.copyto(*p), pieces))
+        else:
+            for dst, src in pieces:
+                np.copyto(dst, src)
+        del target
+        self.holders[path] = set(ranks)
+        return path, offsets
+
+    def release(self, rank: int, paths: list[str]) -> None:
+        for path in paths:
+            holders = self.holders.get(path)
+            if holders is None:
+                continue
+            holders.discard(rank)
+            if not holders:
+                del self.holders[path]
+                self.free.append(path)
+        while self.free and sum(len(self.maps[p]) for p in self.free) > self.keep_bytes:
+            self._remove(self.free.pop(0))
+
+    def remove_all(self) -> None:
+        """The run ends: every file goes (a rank still mapping one keeps its pages until it exits)."""
+        for path in [*self.holders, *self.free]:
+            self._remove(path)
+        self.holders.clear()
+        self.free.clear()
+
+    def _remove(self, path: str) -> None:
+        mem = self.maps.pop(path, None)
+        if mem is not None:
+            try:
+                mem.close()
+            except BufferError:  # a copy still running into it: the mapping goes with its last view
+                pass
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _layout(buffers: list[memoryview]) -> tuple[list[int], int]:
+    """Each buffer's offset in a shared-memory file (page-aligned) and the file's size."""
+    offsets, pos = [], 0
     for m in buffers:
         pos += -pos % _ALIGN
         offsets.append(pos)
-        view = memoryview(m).cast("B")
-        pieces += [(view[i:i + _SLICE], pos + i) for i in range(0, len(view), _SLICE)]
-        pos += len(view)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        pos += m.nbytes
+    return offsets, pos
+
+
+def _create_shared(path: str, size: int) -> mmap.mmap:
+    """A new file of ``size`` bytes at ``path``, mapped shared and writable. Its pages are allocated on the first
+    write, so a file that does not fit fails here (fallocate) rather than with SIGBUS in the copy."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, pos)
-        if len(pieces) > 1:
-            list(_writers().map(lambda p: _pwrite_all(fd, *p), pieces))
-        else:
-            for piece in pieces:
-                _pwrite_all(fd, *piece)
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return offsets
 
 
 _SLICE = 8 << 20
 _pool: Any = None
 
 
-def _writers() -> Any:
+def _copiers() -> Any:
     global _pool
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-write")
+        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-copy")
     return _pool
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-def _map_shared(path: str, offsets: list[int], sizes: list[int]) -> list[np.ndarray]:
+def _map_shared(path: str, offsets: list[int], sizes: list[int], released: list[str]) -> list[np.ndarray]:
     """The buffers of a shared-memory payload as arrays over one private (copy-on-write) mapping of its file:
-    nothing is copied until a page is written, and what a rank writes stays its own, as with a received copy."""
+    nothing is copied until a page is written, and what a rank writes stays its own, as with a received copy.
+    When the last array is gone the mapping is dropped and ``path`` goes into ``released``."""
+    import weakref
+
     fd = os.open(path, os.O_RDONLY)
     try:
-        length = os.fstat(fd).st_size
-        mem = mmap.mmap(fd, length, access=mmap.ACCESS_COPY) if length else None
+        mem = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    return [np.frombuffer(mem, dtype=np.uint8, count=n, offset=off) if n else np.empty(0, dtype=np.uint8)
-            for off, n in zip(offsets, sizes)]
+    arrays = [np.frombuffer(mem, dtype=np.uint8, count=n, offset=off) for off, n in zip(offsets, sizes)]
+    weakref.finalize(mem, released.append, path)
+    return arrays
 
 
 def _world_ranks(sub: MPI.Comm, world: MPI.Comm) -> list[int]:

@@ -73,9 +73,12 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
         # what the controller's per-role load metrics read (Controller.load): seconds inside this call, and
         # this process's CPU seconds so far (every thread: the generator's engine loop too)
         reply["call_s"], reply["cpu_s"] = time.perf_counter() - started, time.process_time()
+        del msg, args, kwargs  # a shared-memory payload nothing else holds is unmapped now, and said so below
         try:
             encoded = Encoded.of(result)
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
             reply["error"] = _error(TypeError(f"the result of {env['method']} cannot be sent: {e}"), ctx, env["method"])
             encoded = Encoded.of(None)
+        if channel.released:
+            reply["released"] = channel.take_released()
         channel.send_encoded(CONTROLLER_RANK, TAG_REPLY, reply, encoded)
