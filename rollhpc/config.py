@@ -80,7 +80,8 @@ class ControllerConfig:
     # how a one-to-all call's payload of 1 MiB or more reaches a role's ranks: "broadcast" (MPI broadcasts
     # over the controller and the role: the network carries each byte once per tree edge), "p2p" (one send
     # per rank), "auto": broadcast to roles with ranks on other machines than the controller's; to a role
-    # on its machine, one file in /dev/shm that every rank maps copy-on-write (one copy in all, not N)
+    # on its machine, one file in /dev/shm that every rank maps copy-on-write (one copy in all, not N; ranks in
+    # containers with a /dev/shm of their own need p2p)
     one_to_all: typing.Literal["auto", "broadcast", "p2p"] = "auto"
 
 
