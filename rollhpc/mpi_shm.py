@@ -26,7 +26,10 @@ log = logging.getLogger("rollhpc.mpi_shm")
 
 ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
 SHM_DIR = Path("/dev/shm")
-PREFIXES = ("mpich_shm_", "mpich_vci_", "rollhpc_fanout_")  # the last: one-to-all payloads (mpi_channel)
+# the controller's one-to-all payload files (rollhpc.transport.mpi_channel), + its pid and a counter; named here,
+# where the clean-ups look for them, because this module must not import MPI
+FANOUT_PREFIX = "rollhpc_fanout_"
+PREFIXES = ("mpich_shm_", "mpich_vci_", FANOUT_PREFIX)
 
 
 def mapped_paths(uid: int) -> dict[str, list[int]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
 from rollhpc.launch.device_mapping import WorldPlan, plan_world
+from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.parent_death import die_with_parent
 
 
@@ -88,8 +89,7 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
     return env
 
 
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIXES = ("mpich_shm_", "rollhpc_fanout_")  # MPICH's segments, the controller's one-to-all payloads
+SHM_PREFIXES = ("mpich_shm_", FANOUT_PREFIX)  # MPICH's segments, the controller's one-to-all payloads
 
 
 def shm_segments() -> set[str]:

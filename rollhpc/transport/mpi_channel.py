@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.transport import wire
 
 TAG_CALL = 11
@@ -37,8 +38,8 @@ TAG_REPLY = 12
 # one-to-all payloads at least this large travel as broadcasts or in shared memory (below it, N small sends
 # are quicker)
 FANOUT_MIN_BYTES = 1 << 20
-SHARED_DIR = "/dev/shm"
-SHARED_PREFIX = "rollhpc_fanout_"  # + controller pid + call: rollhpc.mpi_shm removes those a killed run left
+SHARED_DIR = str(SHM_DIR)
+SHARED_PREFIX = FANOUT_PREFIX  # + controller pid + a counter: rollhpc.mpi_shm removes those a killed run left
 _ALIGN = 4096  # each buffer starts on a page of the file: its arrays are aligned for any dtype
 
 
@@ -74,7 +75,7 @@ class MpiChannel:
         self.my_fanout = my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
         self.fanout_ranks = {role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()}
         # the controller's: roles on its own machine, whose one-to-all payloads go through shared memory
-        self.shared_ranks = {role: sorted(ranks) for role, ranks in (shared or {}).items() if role not in self.fanout}
+        self.shared_ranks = {role: sorted(ranks) for role, ranks in (shared or {}).items()}
         self.fanouts_sent = 0
         self.shared_sent = 0
         self.segments = SharedSegments()  # the controller's files for those payloads
