@@ -1,7 +1,9 @@
 """The agentic pipeline on real processes: an MPI world of controller, Megatron trainer, vLLM generator and
 the env role, playing ``tests.envs_for_tests:MixedEnv`` (by seed: mostly well-behaved episodes, and ones whose
 environment raises, hangs, returns garbage, dies or hangs in C code at its first step), with a random tiny
-policy whose actions earn a reward half the time (odd length), so returns differ and the weights move.
+policy whose actions earn a reward half the time (odd length), so returns differ and the weights move. The
+runs train with PPO: a critic role values each row's generated tokens (GAE) and trains beside the actor, so
+its checkpoint is part of the resume too (GRPO on episode rows runs in the Slurm test).
 
 One uninterrupted run (module fixture) is the reference: faulty episodes end alone and the run finishes with
 nothing left behind; a run SIGKILLed after step 3 and resumed ends with exactly its weights.
@@ -37,7 +39,10 @@ def run_args(model: Path) -> list[str]:
             "roles.generate.options.max_model_len=96", "roles.env.options.env=tests.envs_for_tests:MixedEnv",
             "~roles.env.options.env_options", "+roles.env.options.env_options={max_steps: 2, reward: parity, kinds: [count, raise, count, hang, count, "
             "garbage, count, regex, count, crash, count, count]}", "roles.env.options.step_timeout_s=0.5",
-            "roles.env.options.reset_timeout_s=2"]
+            "roles.env.options.reset_timeout_s=2", "pipeline.options.algorithm=ppo", "pipeline.options.value_clip=null",
+            "+roles.critic.worker=rollhpc.workers.megatron_policy:MegatronCriticWorker", "+roles.critic.procs=1",
+            f"+roles.critic.options.model_dir={model}", "+roles.critic.options.lr=1e-3",
+            "+roles.critic.options.threads=1"]
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +64,8 @@ def test_faulty_episodes_end_alone_and_the_run_finishes(reference):
     assert set(failed) <= {"error", "timeout", "invalid"} and len(failed) >= 2, failed
     assert all(0 < m["reward_mean"] < 2 for m in trained)  # parity rewards of 2-turn episodes (failed ones 0)
     assert len({m["train/loss"] for m in trained}) > 1 and metrics[-1]["accuracy"] >= 0
+    assert all(m["train/critic_value_loss"] > 0 and m["train/critic_grad_norm"] > 0 and m["critic_values_s"] > 0
+               for m in trained)
     rollouts = read_rollouts(reference / "rollouts" / f"step_{STEPS:06d}.h5")
     for resp, mask, ends, rewards, finish in zip(rollouts["response_tokens"], rollouts["response_mask"],
                                                  rollouts["turn_ends"], rollouts["turn_rewards"], rollouts["finish"]):

@@ -95,6 +95,24 @@ def test_gae_discounted_by_hand():
     np.testing.assert_allclose(adv0, [[-0.4, 0.15, 0.3]])
 
 
+def test_gae_along_a_multi_turn_row_skips_the_environments_tokens():
+    """An agentic row: turn 1 (tokens 0-1), the environment's observation (2-3, masked), turn 2 (4-5). Each
+    turn's reward sits on its last token; the observation's tokens are neither valued nor discounted over, so
+    token 1 looks ahead to token 4."""
+    rewards = np.array([[0.0, -0.1, 0.0, 0.0, 0.0, 10.9]])
+    values = np.array([[1.0, 2.0, 99.0, 99.0, 4.0, 8.0]])  # the masked values must not enter
+    mask = np.array([[1, 1, 0, 0, 1, 1]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    np.testing.assert_allclose(ret, [[10.8, 10.8, 0.0, 0.0, 10.9, 10.9]])
+    np.testing.assert_allclose(adv, [[9.8, 8.8, 0.0, 0.0, 6.9, 2.9]])
+    # gamma 0.5, lam 0.5: delta5 = 10.9 - 8 = 2.9; delta4 = 0.5*8 - 4 = 0; delta1 = -0.1 + 0.5*4 - 2 = -0.1;
+    # delta0 = 0.5*2 - 1 = 0. A5 = 2.9, A4 = 0 + 0.25*2.9 = 0.725, A1 = -0.1 + 0.25*0.725 = 0.08125,
+    # A0 = 0 + 0.25*0.08125 = 0.0203125
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5)
+    np.testing.assert_allclose(adv, [[0.0203125, 0.08125, 0.0, 0.0, 0.725, 2.9]])
+    np.testing.assert_allclose(ret, [[1.0203125, 2.08125, 0.0, 0.0, 4.725, 10.9]])
+
+
 def test_token_level_rewards_last_token_and_kl():
     seq = np.array([1.0, -1.0, 5.0])
     mask = np.array([[1, 1, 0], [1, 1, 1], [0, 0, 0]])  # third row: no response at all

@@ -199,3 +199,7 @@ def test_agentic_advantage_follows_the_formulation_and_is_checked():
         load_experiment("frozenlake", ["pipeline.options.formulation=step", "pipeline.options.advantage=episode"])
     with pytest.raises(ConfigError, match="advantage=gigpo with algorithm=rloo"):
         load_experiment("frozenlake", ["pipeline.options.advantage=gigpo", "pipeline.options.algorithm=rloo"])
+    with pytest.raises(ConfigError, match="algorithm 'ppo' needs a 'critic' role"):
+        load_experiment("frozenlake", ["pipeline.options.algorithm=ppo"])
+    with pytest.raises(ConfigError, match="algorithm=ppo takes formulation=trajectory"):
+        load_experiment("frozenlake", ["pipeline.options.algorithm=ppo", "pipeline.options.formulation=step"])

@@ -6,7 +6,8 @@ One step:
      full); the episodes of a group share the reset seed, so a group compares attempts at one task;
   2. rows: one row per episode (``formulation: trajectory``, StarPO-style: prompt || r1 || o2 || r2 ...,
      loss on generated tokens only) or one row per turn (``formulation: step``, GiGPO-style);
-  3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns (``advantage: episode``), or
+  3. advantages (``rollhpc.algo``): GRPO / RLOO / REINFORCE++ on episode returns (``advantage: episode``), PPO
+     (a ``critic`` role's values and GAE over the generated tokens, each turn's reward on its last token), or
      GiGPO's episode-level plus step-level advantage among turns that acted in the same state (``state_key``,
      ``advantage: gigpo``). GiGPO on trajectory rows puts each turn's advantage on that turn's tokens: the
      same loss terms as step rows (a turn's tokens see the same prefix either way, attention being causal),
@@ -130,13 +131,18 @@ class AgenticPipeline(TrainingPipeline):
         warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent
         steps: int = 100
         groups_per_step: int = 8  # groups of episodes (one reset seed each) per batch
-        algorithm: Literal["grpo", "rloo", "reinforce_pp"] = "grpo"
+        algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
         formulation: Literal["trajectory", "step"] = "trajectory"
         # per episode (the algorithm's estimator on returns) or per turn (GiGPO); default: per episode on
         # trajectory rows, GiGPO on step rows
         advantage: Literal["episode", "gigpo"] | None = None
         step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
         grpo_scale: bool = True
+        # PPO: GAE over the generated tokens of a row (the environment's tokens between turns are skipped, so
+        # a turn's last token looks ahead to the next turn's first), discount and lambda per generated token
+        gamma: float = 1.0
+        lam: float = 0.95
+        value_clip: float | None = 0.2  # the critic's value clipping (None: off)
         loss: LossConfig = field(default_factory=LossConfig)
         kl_control: KlControlConfig = field(default_factory=KlControlConfig)
         rollout: SchedulerConfig = field(default_factory=SchedulerConfig)  # max_tokens is per turn
@@ -172,6 +178,10 @@ class AgenticPipeline(TrainingPipeline):
                 self.advantage = "gigpo" if self.formulation == "step" else "episode"
             if self.formulation == "step" and self.advantage != "gigpo":
                 raise ValueError("formulation=step takes advantage=gigpo: step rows exist for per-turn advantages")
+            if self.algorithm == "ppo" and self.formulation != "trajectory":
+                raise ValueError("algorithm=ppo takes formulation=trajectory: GAE runs along an episode's row")
+            if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+                raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
             if self.advantage == "gigpo" and self.algorithm != "grpo":
                 raise ValueError(f"advantage=gigpo with algorithm={self.algorithm}: GiGPO's episode and step "
                                  "terms are group-normalised (grpo); use algorithm=grpo")
@@ -205,8 +215,10 @@ class AgenticPipeline(TrainingPipeline):
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
-        """The env role must name its environment (the warm start plays it)."""
+        """The env role must name its environment (the warm start plays it); PPO needs a critic role."""
         _env_of(roles)
+        if options.algorithm == "ppo" and "critic" not in roles:
+            raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
 
     # ------------------------------------------------------------------ start-up
     def setup(self) -> None:
@@ -254,7 +266,12 @@ class AgenticPipeline(TrainingPipeline):
         batch = self._training_batch(groups, times)
         self.stage("train")
         t = time.perf_counter()
-        stats = train.train_step(batch, self.options.loss)
+        training = train.train_step.submit(batch, self.options.loss)
+        critic = (self.groups["critic"].train_step.submit(self._critic_batch, o.value_clip)
+                  if o.algorithm == "ppo" else None)
+        stats = training.result()
+        if critic is not None:  # the critic trains beside the actor, on its own ranks
+            stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic.result())]
         times["train_s"] = time.perf_counter() - t
         if "gen_logprob_abs_diff" in stats[0]:  # on-policy: measured by the train step (summed over DP already)
             times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
@@ -287,6 +304,8 @@ class AgenticPipeline(TrainingPipeline):
             data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
                 advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
+            elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
+                advantage = self._gae_advantages(data, times)
             else:
                 returns = np.array([[t.episode_return for t in g] for g in trajectories], dtype=np.float64)
                 advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
@@ -322,6 +341,22 @@ class AgenticPipeline(TrainingPipeline):
         # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
         times["logprob_abs_diff"] = float((np.abs(old - data["old_logprob"]) * mask).sum() / max(mask.sum(), 1))
         return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage})
+
+    def _gae_advantages(self, data: dict[str, np.ndarray], times: dict[str, float]) -> np.ndarray:
+        """PPO's token advantages (whitened) from the critic's values; keeps the critic's batch (its returns
+        and the values it had) for the critic's train step."""
+        from rollhpc.algo import advantages as adv_mod
+
+        tokens, mask = data["tokens"], data["loss_mask"]
+        self.stage("values")
+        t = time.perf_counter()
+        values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
+        times["critic_values_s"] = time.perf_counter() - t
+        o = self.options
+        advantage, returns = adv_mod.gae_advantages(data["token_rewards"], values, mask, gamma=o.gamma, lam=o.lam)
+        self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
+                                    "old_values": values.astype(np.float32)})
+        return adv_mod.whiten(advantage, mask)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
