@@ -106,6 +106,11 @@ class SeedStream:
         self.drawn, self.n_seeds = state["drawn"], state["n_seeds"]
 
 
+def _sampled_entropy(samples: list[Sample]) -> float:
+    nll = [-lp for s in samples for lp, g in zip(s.logprobs, s.episode.generated) if g]
+    return float(np.mean(nll)) if nll else float("nan")
+
+
 class _EnvPort:
     """An env rank as the scheduler's ``EnvPort``."""
 
@@ -437,6 +442,9 @@ class AgenticPipeline(TrainingPipeline):
                 "row_len_mean": float(np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])),
                 "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / max(1, sum(len(e.turn_ends) for e in eps))),
                 "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
+                # mean -log p of the generated tokens as sampled: the policy's per-token entropy (at temperature 1);
+                # RL that pushes down more sampled tokens than it pushes up makes it rise, the policy more random
+                "sampled_entropy": _sampled_entropy(samples),
                 "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
                 # what the environment counts (info["metrics"] summed over an episode), per episode
                 **{f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
