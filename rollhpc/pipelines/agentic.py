@@ -45,7 +45,7 @@ from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, check_critic_role
 from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
 from rollhpc.rollout.types import Prompt, Sample
@@ -222,8 +222,7 @@ class AgenticPipeline(TrainingPipeline):
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
         """The env role must name its environment (the warm start plays it); PPO needs a critic role."""
         _env_of(roles)
-        if options.algorithm == "ppo" and "critic" not in roles:
-            raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
+        check_critic_role(options, roles)
 
     # ------------------------------------------------------------------ start-up
     def setup(self) -> None:
@@ -272,11 +271,10 @@ class AgenticPipeline(TrainingPipeline):
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self.options.loss)
-        critic = (self.groups["critic"].train_step.submit(self._critic_batch, o.value_clip)
-                  if o.algorithm == "ppo" else None)
+        critic = self.train_critic() if o.algorithm == "ppo" else None  # beside the actor, on its own ranks
         stats = training.result()
-        if critic is not None:  # the critic trains beside the actor, on its own ranks
-            stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic.result())]
+        if critic is not None:
+            stats = self.with_critic_stats(stats, critic)
         times["train_s"] = time.perf_counter() - t
         if "gen_logprob_abs_diff" in stats[0]:  # on-policy: measured by the train step (summed over DP already)
             times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
@@ -310,7 +308,7 @@ class AgenticPipeline(TrainingPipeline):
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
                 advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
             elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
-                advantage = self._gae_advantages(data, times)
+                advantage = self.ppo_advantages(data["tokens"], data["loss_mask"], data["token_rewards"], times)
             else:
                 returns = np.array([[t.episode_return for t in g] for g in trajectories], dtype=np.float64)
                 advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
@@ -346,22 +344,6 @@ class AgenticPipeline(TrainingPipeline):
         # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
         times["logprob_abs_diff"] = float((np.abs(old - data["old_logprob"]) * mask).sum() / max(mask.sum(), 1))
         return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage})
-
-    def _gae_advantages(self, data: dict[str, np.ndarray], times: dict[str, float]) -> np.ndarray:
-        """PPO's token advantages (whitened) from the critic's values; keeps the critic's batch (its returns
-        and the values it had) for the critic's train step."""
-        from rollhpc.algo import advantages as adv_mod
-
-        tokens, mask = data["tokens"], data["loss_mask"]
-        self.stage("values")
-        t = time.perf_counter()
-        values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
-        times["critic_values_s"] = time.perf_counter() - t
-        o = self.options
-        advantage, returns = adv_mod.gae_advantages(data["token_rewards"], values, mask, gamma=o.gamma, lam=o.lam)
-        self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
-                                    "old_values": values.astype(np.float32)})
-        return adv_mod.whiten(advantage, mask)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -51,7 +51,7 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, check_critic_role
 from rollhpc.rollout.prompts import PromptRenderer
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
@@ -260,8 +260,7 @@ class RlvrPipeline(TrainingPipeline):
         elif "reward" not in roles:
             raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
                              f"configured: {sorted(roles)}")
-        if options.algorithm == "ppo" and "critic" not in roles:
-            raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
+        check_critic_role(options, roles)
         if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles:
             raise ValueError("a KL term (loss.kl_coef or kl_in_reward > 0) needs a 'reference' role "
                              "(rollhpc.workers.megatron_policy:MegatronReferenceWorker)")
@@ -379,7 +378,7 @@ class RlvrPipeline(TrainingPipeline):
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self._loss_config())
-        critic_pending = self._train_critic(batch) if o.algorithm == "ppo" else None
+        critic_pending = self.train_critic() if o.algorithm == "ppo" else None
         if asynchronous and not last:  # generate the next batch with the current policy meanwhile
             self.policy.pending = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version + 1,
                                                          held=self._held_while_training(training, critic_pending))
@@ -387,7 +386,7 @@ class RlvrPipeline(TrainingPipeline):
         if "gen_logprob_abs_diff" in stats[0]:  # on-policy: the train step compared its log-probs with the generator's
             times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])  # summed over DP already
         if critic_pending is not None:
-            stats = [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic_pending.result())]
+            stats = self.with_critic_stats(stats, critic_pending)
         times["train_s"] = time.perf_counter() - t
         if "kl_ref" in times:  # the KL this batch was generated with steers the next batch's coefficient
             times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
@@ -517,15 +516,8 @@ class RlvrPipeline(TrainingPipeline):
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
         reward_kl = kl if kl_in_reward else None  # the per-token KL penalty folded into the rewards, if any
         if o.algorithm == "ppo":
-            self.stage("values")
-            t = time.perf_counter()
-            values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
-            times["critic_values_s"] = time.perf_counter() - t
             token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
-            advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
-            advantage = adv_mod.whiten(advantage, mask)
-            self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
-                                        "old_values": values.astype(np.float32)})
+            advantage = self.ppo_advantages(tokens, mask, token_rewards, times)
         elif o.algorithm == "reinforce_pp" or kl_in_reward > 0:
             token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
             if o.algorithm == "reinforce_pp":
@@ -546,9 +538,6 @@ class RlvrPipeline(TrainingPipeline):
 
         loss = self.options.loss
         return replace(loss, kl_coef=loss.kl_coef * self.kl_control.scale) if loss.kl_coef else loss
-
-    def _train_critic(self, batch: Batch) -> Any:
-        return self.groups["critic"].train_step.submit(self._critic_batch, self.options.value_clip)
 
     def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         from rollhpc.algo import advantages as adv_mod

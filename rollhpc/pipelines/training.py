@@ -5,19 +5,29 @@ to the generators before the first step, the weights digest at the end).
 A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
 implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
 Its ``Options`` carry steps, eval_every, rollout_every, max_wall_s, max_train_s, weight_sync and
-weight_sync_bucket_mb.
+weight_sync_bucket_mb; with ``algorithm: ppo`` also gamma, lam and value_clip (the critic's pieces here).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
 from rollhpc.weight_sync.driver import WeightSync, choose_mode
 
-__all__ = ["PolicyCursor", "RankPort", "TrainingPipeline"]
+__all__ = ["PolicyCursor", "RankPort", "TrainingPipeline", "check_critic_role"]
+
+
+def check_critic_role(options: Any, roles: dict[str, Any]) -> None:
+    """Config-time: PPO's values come from a critic role."""
+    if options.algorithm == "ppo" and "critic" not in roles:
+        raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
 
 
 @dataclass
@@ -106,6 +116,31 @@ class TrainingPipeline(Pipeline):
 
     def residency_metrics(self) -> dict[str, Any]:
         return self.residency.step_metrics() if self.residency is not None else {}
+
+    def ppo_advantages(self, tokens: np.ndarray, mask: np.ndarray, token_rewards: np.ndarray,
+                       times: dict[str, float]) -> np.ndarray:
+        """PPO's token advantages (whitened): the critic's values, GAE with the options' gamma and lam. Keeps
+        the critic's batch (its returns and the values it had) for ``train_critic``."""
+        from rollhpc.algo import advantages as adv_mod
+
+        self.stage("values")
+        t = time.perf_counter()
+        values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
+        times["critic_values_s"] = time.perf_counter() - t
+        o = self.options
+        advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
+        self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
+                                    "old_values": values.astype(np.float32)})
+        return adv_mod.whiten(advantage, mask)
+
+    def train_critic(self) -> Any:
+        """The critic's train step on the batch ``ppo_advantages`` kept, submitted (it runs beside the actor's)."""
+        return self.groups["critic"].train_step.submit(self._critic_batch, self.options.value_clip)
+
+    @staticmethod
+    def with_critic_stats(stats: list[dict[str, float]], critic: Any) -> list[dict[str, float]]:
+        """The actor's per-rank train stats with the critic's (``critic_`` prefixed), once its step is done."""
+        return [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic.result())]
 
     def sync_weights(self) -> float:
         self.stage("weight_sync")
