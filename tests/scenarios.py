@@ -158,6 +158,8 @@ class TrainerLayoutScenario(Pipeline):
         save_after: int = 0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
         resume_from: str = ""  # a train role dir an earlier run saved: load it, then run the steps after save_after
         on_policy: bool = False  # train without old_logprob (the step's own forward gives them)
+        zero_advantage_rows: int = 0  # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
+        entropy_coef: float = 0.01
 
     def run(self) -> None:
         import torch
@@ -167,21 +169,23 @@ class TrainerLayoutScenario(Pipeline):
 
         o, train = self.options, self.groups["train"]
         rng = np.random.default_rng(0)
-        out: dict = {"loss": [], "grad_norm": [], "logprob": []}
+        out: dict = {"loss": [], "grad_norm": [], "logprob": [], "rows_skipped": []}
         if o.resume_from:
             train.load_checkpoint(o.resume_from)
         for step in range(1, o.steps + 1):
             tokens = rng.integers(0, o.vocab, (o.rows, o.length))
             mask = (np.arange(o.length - 1)[None, :] >= rng.integers(2, o.length - 2, (o.rows, 1))).astype(np.float32)
             advantage = rng.standard_normal(o.rows).astype(np.float32)
+            advantage[rng.permutation(o.rows)[:o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:
                 continue  # the resumed run's batches are the ones after its checkpoint
             data = {"tokens": tokens, "loss_mask": mask, "advantage": advantage}
             if not o.on_policy:
                 data["old_logprob"] = logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
                 out["logprob"].append(torch.as_tensor(logp))
-            stats = train.train_step(Batch(data), LossConfig(kl_coef=0.0, entropy_coef=0.01))
+            stats = train.train_step(Batch(data), LossConfig(kl_coef=0.0, entropy_coef=o.entropy_coef))
             out["loss"].append(stats[0]["loss"])
+            out["rows_skipped"].append(stats[0]["rows_skipped"])
             out["grad_norm"].append(stats[0]["grad_norm"])
             if step == o.save_after:
                 train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))

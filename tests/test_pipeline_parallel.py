@@ -138,6 +138,18 @@ def test_an_on_policy_step_needs_no_old_logprob_forward(models, one_stage, exper
     assert_same_training(got, {**one_stage["dense"], "logprob": []})
 
 
+@pytest.mark.slow
+def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(models, experiment, tmp_path):
+    """With no entropy or KL term, a row whose advantage is 0 has an exactly zero gradient: the trainer
+    leaves it out of the forward/backward (``skip_zero_advantage``, on by default) and the losses, grad norms
+    and weights after two steps are those of training on every row. 3 of 8 rows are zero, micro-batches of
+    2, so the trained rows also fall into other micro-batches than without skipping."""
+    runs = {skip: _run(experiment, tmp_path, f"skip_{skip}", models["dense"], 1, {}, rows=8, zero_advantage_rows=3,
+                       entropy_coef=0.0, on_policy=True, train_options={"skip_zero_advantage": skip})
+            for skip in (False, True)}
+    assert runs[True]["rows_skipped"] == [3, 3] and runs[False]["rows_skipped"] == [0, 0]
+    assert_same_training(runs[True], runs[False])
+
 
 @pytest.mark.slow
 def test_bf16_mixed_precision_keeps_float32_weights_and_trains_close_to_float32(models, one_stage, experiment,

@@ -339,6 +339,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         grad_clip: float = 1.0  # global gradient norm cap (0: off)
         mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
         warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
+        # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
+        # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
+        # gradient and the update are unchanged (the global token and row counts still include them); the
+        # trainer's time drops by the share of such rows
+        skip_zero_advantage: bool = True
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -449,9 +454,14 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         t0 = time.perf_counter()
         rows = np.arange(len(batch))
         metrics: dict[str, list[float]] = {}
+        skipped = 0
         for mini in np.array_split(rows, o.mini_batches):
             mask_np = np.asarray(batch["loss_mask"])[mini]
-            n_tokens, n_seqs = self._dp_sum([float(mask_np.sum()), float((mask_np.sum(1) > 0).sum())])
+            trained = self._rows_with_gradient(batch, mini, loss_config) if o.skip_zero_advantage else mini
+            skipped += len(mini) - len(trained)
+            n_tokens, n_seqs, n_trained = self._dp_sum([
+                float(mask_np.sum()), float((mask_np.sum(1) > 0).sum()),
+                float(np.asarray(batch["loss_mask"])[trained].sum())])
             self.optimizer.zero_grad(set_to_none=True)
 
             def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
@@ -466,16 +476,20 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                     kl_coef=loss_config.kl_coef, kl_kind=loss_config.kl_kind, entropy=entropy,
                     entropy_coef=loss_config.entropy_coef, global_tokens=max(n_tokens, 1.0),
                     global_seqs=max(n_seqs, 1.0))
-                weight = float(part["loss_mask"].sum()) / max(n_tokens, 1.0)  # token share, for averaging stats
+                # token share of the trained rows, for averaging rates (skipped rows have no ratio to report)
+                weight = float(part["loss_mask"].sum()) / max(n_trained, 1.0)
                 # loss terms are already shares of the global loss; rates are local
                 kept = {k: float(v) * (weight if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
                 kept["loss"] = float(value.detach())
                 if "gen_logprob" in part:  # the generator's log-probs of these tokens: how far apart the engines are
                     diff = ((logp.detach().float() - part["gen_logprob"].float()).abs() * part["loss_mask"]).sum()
-                    kept["gen_logprob_abs_diff"] = float(diff) / max(n_tokens, 1.0)
+                    kept["gen_logprob_abs_diff"] = float(diff) / max(n_trained, 1.0)
                 return value, kept
 
-            mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
+            mini_batch = Batch({k: np.asarray(v)[trained] for k, v in batch.data.items()})
+            if not len(trained):  # one row with no loss tokens: zero gradients (not none) keep AdamW's step
+                mini_batch = Batch({k: np.asarray(v)[mini[:1]] for k, v in batch.data.items()})
+                mini_batch.data["loss_mask"] = np.zeros_like(np.asarray(mini_batch["loss_mask"]))
             sums: dict[str, float] = {}
             with self._autocast():
                 for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
@@ -485,8 +499,19 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
-                   lr=self.optimizer.param_groups[0]["lr"])
+                   lr=self.optimizer.param_groups[0]["lr"], rows_skipped=self._dp_sum([float(skipped)])[0])
         return [out]
+
+    @staticmethod
+    def _rows_with_gradient(batch: Batch, rows: np.ndarray, loss_config: LossConfig) -> np.ndarray:
+        """The rows of ``rows`` whose loss can have a gradient: with no KL or entropy term, a row whose loss
+        tokens all have advantage 0 contributes exactly zero (clipped or not, -A * ratio is 0)."""
+        if loss_config.entropy_coef > 0 or "ref_logprob" in batch.data:  # (a KL with coefficient 0 is still reported)
+            return rows
+        adv = np.asarray(batch["advantage"])[rows]
+        mask = np.asarray(batch["loss_mask"])[rows] > 0
+        live = (adv != 0) & mask if adv.ndim == 2 else (adv != 0) & mask.any(1)
+        return rows[live.reshape(len(rows), -1).any(1)]
 
     def _finish_mini_batch(self, sums: dict[str, float], metrics: dict[str, list[float]]) -> None:
         """Sum the metrics over DP ranks, reduce and clip the gradients, take the optimizer step."""
