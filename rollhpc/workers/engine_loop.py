@@ -99,6 +99,10 @@ class EngineLoop:
                         return
                     adds, aborts, ticket = self._adds, self._aborts, self._abort_ticket
                     self._adds, self._aborts = [], []
+                    # the taken requests count as running from now on: until the step below reports the
+                    # engine's own count, a call would otherwise see no work left and return at once, and the
+                    # scheduler's calls would spin, holding the GIL this thread needs between torch ops
+                    self._running += len(adds)
                 with self.lock:
                     aborted = self.engine.abort(aborts) if aborts else []
                     for r in adds:
