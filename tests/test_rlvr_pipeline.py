@@ -78,6 +78,21 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
 
 
 @pytest.mark.slow
+def test_rlvr_on_the_torch_engine_stays_in_sync_with_the_trainer(tmp_path, tiny_model):
+    """``engine: torch`` (rollhpc.engines.torch_engine) as the generate role's engine, driven by the same
+    rollout scheduler and engine loop: after every weight sync its log-probs equal the trainer's, and the
+    evaluation runs through its batch path."""
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+                  "pipeline.options.steps=3", "pipeline.options.eval_every=3", "pipeline.options.prompts_per_step=4",
+                  "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
+                  "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
+    run_dir = assert_three_steps_in_sync(res, tmp_path)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert "accuracy" in lines[0] and "accuracy" in lines[-1]
+    assert "torch engine on cpu" in (run_dir / "logs" / "rank2-generate.log").read_text()
+
+
+@pytest.mark.slow
 def test_ppo_with_critic_async_partial_rollout(tmp_path, tiny_model):
     """PPO (critic + GAE) in async mode: the next batch is generated while the trainer works, partial
     responses resume under the new weights, and every sample stays within one version of the policy.

@@ -1,6 +1,6 @@
-"""The options of a role that owns a vLLM engine (generate, judge), and the one place they build it.
+"""The options of a role that owns a generation engine (generate, judge), and the one place they build it.
 
-Kept apart from ``vllm_engine`` so that config validation imports no vLLM.
+Kept apart from the engines so that config validation imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from rollhpc.engines.torch_engine import TorchGenerator
     from rollhpc.engines.vllm_engine import VllmGenerator
 
 __all__ = ["EngineOptions"]
@@ -16,6 +17,10 @@ __all__ = ["EngineOptions"]
 
 @dataclass(kw_only=True)
 class EngineOptions:
+    # vllm: the default, for models of any size. torch: rollhpc.engines.torch_engine, a plain-torch engine for
+    # small dense Qwen2/Llama models, where vLLM's per-step bookkeeping is most of a step (CPU runs of the
+    # tiny task models: bench/README.md has the numbers); its sampling streams differ from vLLM's
+    engine: Literal["vllm", "torch"] = "vllm"
     max_model_len: int = 512
     cpu_kv_cache_mb: int = 256  # KV cache on CPU
     gpu_memory_utilization: float = 0.5  # on GPU (leave room for colocated roles)
@@ -28,13 +33,21 @@ class EngineOptions:
             raise ValueError("need max_model_len >= 1, cpu_kv_cache_mb >= 1, tensor_parallel_size >= 1, threads >= 0")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.engine == "torch" and self.tensor_parallel_size != 1:
+            raise ValueError(f"engine=torch runs on one device; tensor_parallel_size={self.tensor_parallel_size} "
+                             "needs engine=vllm")
 
-    def build_engine(self, model_dir: str, seed: int, **kwargs: Any) -> VllmGenerator:
-        """A ``VllmGenerator`` on ``model_dir`` with these options (``kwargs``: its other arguments)."""
+    def build_engine(self, model_dir: str, seed: int, **kwargs: Any) -> VllmGenerator | TorchGenerator:
+        """The engine on ``model_dir`` with these options (``kwargs``: its other arguments)."""
         import torch
 
         if self.threads:
             torch.set_num_threads(self.threads)
+        if self.engine == "torch":
+            from rollhpc.engines.torch_engine import TorchGenerator
+
+            return TorchGenerator(model_dir, seed=seed, max_model_len=self.max_model_len,
+                                  cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20, dtype=self.dtype, **kwargs)
         from rollhpc.engines.vllm_engine import VllmGenerator
 
         return VllmGenerator(model_dir, seed=seed, max_model_len=self.max_model_len,

@@ -1,4 +1,5 @@
-"""Generate role: one vLLM engine per rank, driven request by request by the rollout scheduler.
+"""Generate role: one engine per rank (vLLM, or ``engine: torch`` for tiny models: rollhpc.engines.torch_engine),
+driven request by request by the rollout scheduler.
 
 ``rollout`` is the scheduler's one call: it hands new requests and aborts to the engine, which steps in a
 thread of its own (``rollhpc.workers.engine_loop``: it does not stand still while a reply travels to the
