@@ -51,6 +51,10 @@ class RoleConfig:
     # given the same list share those GPUs (colocated); roles without a list get GPUs of their own.
     devices: list[int] | None = None
     options: Any = field(default_factory=dict)  # a mapping; after load, the worker's Options instance
+    # Environment variables of this role's ranks, set when a rank learns its role, before the role's modules
+    # load (torch and its OpenMP runtime read theirs at load): e.g. OMP_WAIT_POLICY=PASSIVE where roles share
+    # cores at the same time (async generation), VLLM_* for a generator, NCCL_* for a trainer
+    env_vars: dict[str, Any] = field(default_factory=dict)  # values: strings or numbers
 
     def layout(self) -> ParallelLayout:
         p = self.parallel
@@ -421,6 +425,12 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{where}: role names must be identifiers")
         if role.procs < 1:
             raise ConfigError(f"{where}.procs: must be >= 1, got {role.procs}")
+        for key, value in role.env_vars.items():
+            if not (isinstance(key, str) and key.replace("_", "a").isalnum() and not key[0].isdigit()):
+                raise ConfigError(f"{where}.env_vars: {key!r} is not an environment variable name")
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{where}.env_vars.{key}: give a string (or number), got {value!r}")
+        role.env_vars = {k: str(v) for k, v in role.env_vars.items()}
         try:
             role.layout()
         except ValueError as e:

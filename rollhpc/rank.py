@@ -102,6 +102,17 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
+def set_role_environment(raw: dict, role: str) -> dict[str, str]:
+    """Put ``roles.ROLE.env_vars`` (the raw config's, checked again when the config loads) into this process's
+    environment: done before torch loads, whose OpenMP runtime reads OMP_* once, at load."""
+    env = ((raw.get("roles") or {}).get(role) or {}).get("env_vars") or {}
+    if not isinstance(env, dict):
+        return {}  # the config's load refuses it, with the field's name
+    values = {str(k): str(v) for k, v in env.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    os.environ.update(values)
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     return run_rank(Path(args[0]), args[1] if len(args) > 1 else None)
@@ -127,13 +138,14 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     from mpi4py import MPI
 
     guard.mpi_initialized()
-    cfg = config_mod.load(raw)  # the roles' modules: imports under the guard's limit, until the world formed
-    faults.mpi_stall("collectives")
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     plan = WorldPlan.load(run_dir / "plan.json")
     me = plan.ranks[rank] if rank < plan.world_size else None
     my_role = me.role if me else "unplanned"
+    set_role_environment(raw, my_role)  # before the role's modules load
+    cfg = config_mod.load(raw)  # the roles' modules: imports under the guard's limit, until the world formed
+    faults.mpi_stall("collectives")
     _setup_logging(run_dir, rank, my_role)
     if comm.Get_size() != plan.world_size or (expected_role and expected_role != my_role):
         print(f"rollhpc: rank {rank}: the MPI world ({comm.Get_size()} ranks, this one started as "

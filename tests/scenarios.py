@@ -24,6 +24,7 @@ class DispatchScenario(Pipeline):
         g = self.groups["probe"]
         out: dict = {}
         out["ping"] = g.ping()
+        out["env"] = {role: self.groups[role].environ("ROLLHPC_ROLE_ENV") for role in ("probe", "other")}
         out["echo"] = g.echo({"a": 1})
         out["whoami"] = g.whoami()
         out["whoami_at_2"] = g.at(2).whoami()  # one chosen rank, its dispatch mode bypassed
@@ -174,7 +175,14 @@ class TrainerLayoutScenario(Pipeline):
             train.load_checkpoint(o.resume_from)
         for step in range(1, o.steps + 1):
             tokens = rng.integers(0, o.vocab, (o.rows, o.length))
-            mask = (np.arange(o.length - 1)[None, :] >= rng.integers(2, o.length - 2, (o.rows, 1))).astype(np.float32)
+            # responses of several lengths, right-padded as RLVR's batches are (the trainer cuts each micro-batch
+            # after its last loss token); the first row runs to the last column
+            starts = rng.integers(2, o.length - 2, o.rows)
+            ends = rng.integers(starts + 1, o.length)
+            ends[0] = o.length - 1
+            positions = np.arange(o.length - 1)[None, :]
+            mask = ((positions >= starts[:, None]) & (positions < ends[:, None])).astype(np.float32)
+            tokens[np.arange(o.length)[None, :] > ends[:, None]] = 0  # padding after each row's response
             advantage = rng.standard_normal(o.rows).astype(np.float32)
             advantage[rng.permutation(o.rows)[:o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:
@@ -198,6 +206,11 @@ class TurnTakingProbe(DiagnosticWorker):
     """The diagnostic role with colocation's offload / reload calls: it records them and reports bytes."""
 
     moved: list
+
+    @register(Dispatch.ONE_TO_ALL)
+    def environ(self, name: str) -> str | None:
+        """The variable as this rank's process has it (a role's ``env`` sets it)."""
+        return os.environ.get(name)
 
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self, parts: list[str]) -> dict:

@@ -117,6 +117,16 @@ def test_malformed_or_zero_slurm_time_limits_are_refused(text):
         config.parse_slurm_time(text)
 
 
+def test_role_env_vars_are_names_and_strings_or_numbers():
+    probe = {"worker": PROBE, "procs": 2}
+    cfg = config.load(minimal(roles={"probe": {**probe, "env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": 2}}}))
+    assert cfg.roles["probe"].env_vars == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2"}
+    with pytest.raises(ConfigError, match=r"^roles.probe.env_vars: '2X' is not an environment variable name"):
+        config.load(minimal(roles={"probe": {**probe, "env_vars": {"2X": "1"}}}))
+    with pytest.raises(ConfigError, match=r"^roles.probe.env_vars.X: give a string \(or number\), got True"):
+        config.load(minimal(roles={"probe": {**probe, "env_vars": {"X": True}}}))
+
+
 def test_cluster_time_limit_is_checked_at_load():
     with pytest.raises(ConfigError, match=r"^cluster.time_limit: 'banana' is not a Slurm time limit; accepted forms: "
                        r"minutes, .*, UNLIMITED"):

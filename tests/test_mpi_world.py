@@ -29,7 +29,7 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     path, run_dir = experiment({
         "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
         "roles": {"probe": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 4, "parallel": {"tp": 2}},
-                  "other": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 1}},
+                  "other": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 1, "env_vars": {"ROLLHPC_ROLE_ENV": 7}}},
         "controller": {"one_to_all": "broadcast"},  # "auto" broadcasts only to other machines
     })
     res = rollhpc("train", str(path), cwd=tmp_path)
@@ -37,6 +37,7 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     out = json.loads((run_dir / "scenario.json").read_text())
     assert [p["rank"] for p in out["ping"]] == [1, 2, 3, 4]
     assert len({p["pid"] for p in out["ping"]}) == 4  # separate processes
+    assert out["env"] == {"probe": [None] * 4, "other": ["7"]}  # a role's env_vars reach its ranks only
     assert out["echo"] == [{"a": 1}] * 4  # one-to-all, collect all
     assert out["whoami"] == 0  # rank-zero only
     assert out["whoami_at_2"] == 2 and out["echo_at_3"] == "x"  # a single chosen rank

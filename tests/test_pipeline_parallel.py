@@ -138,6 +138,52 @@ def test_an_on_policy_step_needs_no_old_logprob_forward(models, one_stage, exper
     assert_same_training(got, {**one_stage["dense"], "logprob": []})
 
 
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
+    """Rows go into micro-batches longest first and each micro-batch keeps the columns through its last
+    loss token's target (causal attention: the columns after it change no loss term); every row and loss
+    token is kept once. The interleaved schedule needs one shape: there every micro-batch has the batch's
+    cut. Forward-only calls keep the full width (their log-probs are [B, L-1]), and so does expert parallelism."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollhpc.batch import Batch
+    from rollhpc.workers.megatron_policy import MegatronPolicyWorker
+
+    ends = np.array([3, 9, 5, 4, 9, 2, 7])  # last loss position + 1 per row; width 12, so L-1 = 11
+    mask = (np.arange(11)[None, :] < ends[:, None]) & (np.arange(11)[None, :] >= 1)
+    tokens = np.arange(7 * 12).reshape(7, 12)
+    batch = Batch({"tokens": tokens, "loss_mask": mask.astype(np.float32), "advantage": np.arange(7.0),
+                   "old_logprob": -mask.astype(np.float32) * np.arange(7.0)[:, None]})
+    worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=2 if vpp else 1, vpp=vpp, ep=1)),
+                             options=SimpleNamespace(micro_batch_size=2), device=torch.device("cpu"))
+    worker._shapes_are_local = lambda: MegatronPolicyWorker._shapes_are_local(worker)
+    parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
+    kept = [p for p in parts if p["keep"].any()]
+    rows = [int(r) for p in kept for r, k in zip(p["tokens"][:, 0] // 12, p["keep"]) if k]
+    assert sorted(rows) == list(range(7))
+    if vpp:  # 4 micro-batches of 2 rows (one padding row), all cut at the longest row
+        assert len(parts) == 4 and all(p["tokens"].shape[1] == 10 for p in parts)
+    else:  # longest first: rows 1, 4 | 6, 2 | 3, 0 | 5
+        assert rows == [1, 4, 6, 2, 3, 0, 5]
+        assert [p["tokens"].shape[1] for p in parts] == [10, 8, 5, 3]
+    for p in kept:
+        r = p["tokens"][:, 0] // 12
+        width = p["tokens"].shape[1]
+        assert torch.equal(p["tokens"], torch.as_tensor(tokens[r.numpy(), :width]))
+        assert p["loss_mask"].shape[1] == p["old_logprob"].shape[1] == width - 1
+        assert torch.equal(p["advantage"], torch.as_tensor(np.arange(7.0)[r.numpy()]))
+    assert sum(float(p["loss_mask"].sum()) for p in parts) == mask.sum()
+    assert all(p["tokens"].shape[1] == 12 for p in MegatronPolicyWorker._parts(worker, batch, with_mask=False))
+    # under expert parallelism other DP ranks' rows meet this rank's in the MoE dispatcher's collectives: the
+    # micro-batches keep the batch's rows in order and its width there
+    worker.ctx.layout.ep = 2
+    uncut = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
+    assert all(p["tokens"].shape[1] == 12 for p in uncut)
+    assert torch.equal(torch.cat([p["tokens"][p["keep"]] for p in uncut]), torch.as_tensor(tokens))
+
+
 @pytest.mark.slow
 def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(models, experiment, tmp_path):
     """With no entropy or KL term, a row whose advantage is 0 has an exactly zero gradient: the trainer

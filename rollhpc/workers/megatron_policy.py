@@ -195,17 +195,34 @@ class MegatronPolicyWorker(Worker):
 
     def _parts(self, batch: Batch, with_mask: bool) -> list[dict[str, Any]]:
         """The batch's micro-batches as tensors on this rank's device; padding rows (the interleaved
-        schedule needs whole groups of pp micro-batches) get a zero loss mask and ``keep`` False."""
+        schedule needs whole groups of pp micro-batches) get a zero loss mask and ``keep`` False.
+
+        With the loss mask (training), rows go into micro-batches longest first and each micro-batch is cut
+        after its last loss token: rows are right-padded to the batch's longest, and under causal attention
+        the columns after a micro-batch's last loss token change none of its loss terms, so a batch of mixed
+        lengths costs its tokens, not rows x longest. (The interleaved schedule needs one shape: there the
+        cut is the batch's.) Forward-only calls keep the full width: their outputs are ``[B, L-1]``."""
         import torch
 
         from rollhpc.models.megatron_pipeline import micro_batches
 
         layout = self.ctx.layout
+        interleaved = layout.vpp is not None
+        order = np.arange(len(batch))
+        ends = None
+        if with_mask and self._shapes_are_local():  # tokens each row needs: through its last loss position's target
+            mask = np.asarray(batch["loss_mask"]) > 0
+            ends = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0) + 1
+            order = np.argsort(-ends, kind="stable")
+        splits = micro_batches(len(batch), self.options.micro_batch_size, layout.pp, interleaved)
+        width = int(ends.max(initial=2)) if ends is not None else None
         parts = []
-        for idx in micro_batches(len(batch), self.options.micro_batch_size, layout.pp, layout.vpp is not None):
+        for idx in splits:
             keep = idx >= 0
-            rows = np.where(keep, idx, 0)
-            part = {k: torch.as_tensor(np.asarray(v)[rows], device=self.device)
+            rows = order[np.where(keep, idx, 0)]
+            if ends is not None and not interleaved:
+                width = max(int(ends[rows].max()), 2)
+            part = {k: torch.as_tensor(_cut(np.asarray(v)[rows], width, batch["tokens"].shape[1]), device=self.device)
                     for k, v in batch.data.items() if with_mask or k == "tokens"}
             if with_mask and not keep.all():
                 part["loss_mask"] = part["loss_mask"] * torch.as_tensor(keep[:, None], device=self.device)
@@ -213,6 +230,13 @@ class MegatronPolicyWorker(Worker):
             part["keep"] = torch.as_tensor(keep, device=self.device)
             parts.append(part)
         return parts
+
+    def _shapes_are_local(self) -> bool:
+        """Whether this rank may choose its micro-batches' count and shapes alone. Not under expert parallelism:
+        the MoE token dispatcher gathers activations across the expert-parallel ranks, which are other DP
+        ranks with other rows, and a collective needs the same shapes everywhere. There every DP rank trains
+        all its rows at the batch's width (skipping zero-advantage rows and cutting padding are off)."""
+        return self.ctx.layout.ep == 1
 
     @staticmethod
     def _call_chunk(chunk: Any, part: dict[str, Any]) -> Any:
@@ -342,7 +366,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
         # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
         # gradient and the update are unchanged (the global token and row counts still include them); the
-        # trainer's time drops by the share of such rows
+        # trainer's time drops by the share of such rows. (Off under expert parallelism: DP ranks must run alike.)
         skip_zero_advantage: bool = True
 
         def __post_init__(self) -> None:
@@ -457,7 +481,8 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         skipped = 0
         for mini in np.array_split(rows, o.mini_batches):
             mask_np = np.asarray(batch["loss_mask"])[mini]
-            trained = self._rows_with_gradient(batch, mini, loss_config) if o.skip_zero_advantage else mini
+            skip = o.skip_zero_advantage and self._shapes_are_local()
+            trained = self._rows_with_gradient(batch, mini, loss_config) if skip else mini
             skipped += len(mini) - len(trained)
             n_tokens, n_seqs, n_trained = self._dp_sum([
                 float(mask_np.sum()), float((mask_np.sum(1) > 0).sum()),
@@ -664,6 +689,16 @@ class MegatronCriticWorker(MegatronTrainWorker):
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out["train_time_s"] = time.perf_counter() - t0
         return [out]
+
+
+def _cut(rows: np.ndarray, width: int | None, full: int) -> np.ndarray:
+    """``rows`` cut to ``width`` token columns: ``[b, full]`` tokens to ``width``, ``[b, full - 1]`` per-position
+    arrays (masks, log-probs, advantages) to ``width - 1``; anything else (per-row values) as it is."""
+    if width is None or rows.ndim < 2 or width >= full:
+        return rows
+    if rows.shape[1] == full:
+        return rows[:, :width]
+    return rows[:, :width - 1] if rows.shape[1] == full - 1 else rows
 
 
 def _load_safetensors(model_dir: Path) -> dict[str, Any]:
