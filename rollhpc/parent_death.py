@@ -29,3 +29,29 @@ def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.S
         return
     if parent_pid is not None and os.getppid() != parent_pid:
         os._exit(0)
+
+
+_forking_pid = 0  # the process that is forking, noted just before each fork
+
+
+def _note_forking_process() -> None:
+    global _forking_pid
+    _forking_pid = os.getpid()
+
+
+def _die_with_forking_process() -> None:
+    die_with_parent(_forking_pid)
+
+
+_forks_covered = False
+
+
+def forked_children_die_with_us() -> None:
+    """Every process this one forks from now on (and those they fork) gets a parent-death signal: libraries
+    fork helpers we do not start ourselves. megatron's checkpoint writer forks one process per write bucket;
+    a rank SIGKILLed while one was writing left it behind, blocked flushing its results into a pipe nobody
+    read. (Fork-then-exec through ``subprocess`` runs no Python at-fork hooks; those children are untouched.)"""
+    global _forks_covered
+    if not _forks_covered and not os.environ.get("ROLLHPC_NO_PDEATHSIG"):
+        os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_forking_process)
+        _forks_covered = True

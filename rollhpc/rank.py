@@ -28,7 +28,7 @@ from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.requeue import this_host
 from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.mpi_shm import remove_stale_segments
-from rollhpc.parent_death import die_with_parent
+from rollhpc.parent_death import die_with_parent, forked_children_die_with_us
 
 log = logging.getLogger("rollhpc")
 
@@ -123,6 +123,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     from rollhpc.launch.device_mapping import WorldPlan
 
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
+    forked_children_die_with_us()  # and whatever a library forks under us dies with us
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # until the world forms, a step's end ends us
         signal.signal(signum, signal.SIG_DFL)
     raw = yaml.safe_load((run_dir / "config.yaml").read_text())
