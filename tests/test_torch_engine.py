@@ -95,7 +95,8 @@ def test_greedy_equals_transformers_and_stops_at_eos(models, name):
 
 def test_sampled_logprobs_are_those_of_the_tempered_nucleus(models):
     """temperature 0.7, top-p 0.8: each sampled token lies in the nucleus of softmax(logits / 0.7) and its
-    log-probability is its renormalized one there; the same seed gives the same samples."""
+    log-probability is its renormalized one there; the same seed gives the same samples. The 3 samples of a
+    prompt share its prefill (keys and values copied into their slots); a request alone samples the same."""
     model, path = models["qwen_b"]
     engine = TorchGenerator(path, max_model_len=64)
     out = engine.generate(PROMPTS[:2], n=3, temperature=0.7, top_p=0.8, max_tokens=6, seed=11)

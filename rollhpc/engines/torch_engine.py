@@ -5,7 +5,8 @@ bookkeeping. vLLM's CPU step spends ~10 ms per step in its scheduler, KV block m
 processing whatever the model, which at the quickstart size is most of a rollout and at 6M parameters
 still a third of it (bench/README.md). This engine keeps one fixed KV cache slot per running request and
 runs every running request's next token as one batch: a step is the model's matmuls plus ~100 small torch
-ops. It does none of what large models need (paged KV, prefix sharing, tensor parallelism, CUDA graphs):
+ops; requests that start together with the same prompt (a GRPO group) share its prefill. It does none of
+what large models need (paged KV, a prefix cache, tensor parallelism, CUDA graphs):
 use vLLM for those, which stays the default.
 
 The contract is ``VllmGenerator``'s (``rollhpc.engines.vllm_engine``): token ids in and out, generation
@@ -353,6 +354,28 @@ class TorchGenerator:
     # internals
 
     def _prefill(self, reqs: list[_Request]) -> torch.Tensor:
+        """Logits after each request's prompt. Requests with the same prompt (a GRPO group's samples) share one
+        forward: the first one's keys and values are copied into the others' slots."""
+        first: dict[tuple[int, ...], int] = {}
+        for i, r in enumerate(reqs):
+            first.setdefault(tuple(r.prompt), i)
+        if len(first) == len(reqs):
+            return self._prefill_unique(reqs)
+        unique = list(first.values())
+        logits = self._prefill_unique([reqs[i] for i in unique])
+        row = {i: n for n, i in enumerate(unique)}
+        index = []
+        for r in reqs:
+            leader = reqs[first[tuple(r.prompt)]]
+            if r is not leader:
+                n = len(r.prompt)
+                self.k_cache[:, r.slot, :, :n] = self.k_cache[:, leader.slot, :, :n]
+                self.v_cache[:, r.slot, :, :n] = self.v_cache[:, leader.slot, :, :n]
+                r.cached = n
+            index.append(row[first[tuple(r.prompt)]])
+        return logits[torch.tensor(index, device=logits.device)]
+
+    def _prefill_unique(self, reqs: list[_Request]) -> torch.Tensor:
         """Logits after each request's prompt, prefilled in chunks of at most ~8k padded tokens."""
         out = []
         i = 0
