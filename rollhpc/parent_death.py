@@ -31,16 +31,21 @@ def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.S
         os._exit(0)
 
 
-_forking_pid = 0  # the process that is forking, noted just before each fork
+_forking_pid = 0  # the process that is forking, noted just before each fork (0: from another thread than main)
 
 
 def _note_forking_process() -> None:
+    import threading
+
     global _forking_pid
-    _forking_pid = os.getpid()
+    # the signal follows the forking thread, not the process: a helper forked from a thread that ends first
+    # would be killed with that thread, so only forks from the main thread (which lives as long as we do) get it
+    _forking_pid = os.getpid() if threading.current_thread() is threading.main_thread() else 0
 
 
 def _die_with_forking_process() -> None:
-    die_with_parent(_forking_pid)
+    if _forking_pid:
+        die_with_parent(_forking_pid)
 
 
 _forks_covered = False
