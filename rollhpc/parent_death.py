@@ -57,6 +57,6 @@ def forked_children_die_with_us() -> None:
     a rank SIGKILLed while one was writing left it behind, blocked flushing its results into a pipe nobody
     read. (Fork-then-exec through ``subprocess`` runs no Python at-fork hooks; those children are untouched.)"""
     global _forks_covered
-    if not _forks_covered and not os.environ.get("ROLLHPC_NO_PDEATHSIG"):
+    if not _forks_covered:  # (die_with_parent itself honours ROLLHPC_NO_PDEATHSIG)
         os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_forking_process)
         _forks_covered = True

@@ -102,15 +102,11 @@ def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
 
-def set_role_environment(raw: dict, role: str) -> dict[str, str]:
-    """Put ``roles.ROLE.env_vars`` (the raw config's, checked again when the config loads) into this process's
+def set_role_environment(raw: dict, role: str) -> None:
+    """Put ``roles.ROLE.env_vars`` of the run's config (checked when the launcher loaded it) into this process's
     environment: done before torch loads, whose OpenMP runtime reads OMP_* once, at load."""
     env = ((raw.get("roles") or {}).get(role) or {}).get("env_vars") or {}
-    if not isinstance(env, dict):
-        return {}  # the config's load refuses it, with the field's name
-    values = {str(k): str(v) for k, v in env.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
-    os.environ.update(values)
-    return values
+    os.environ.update({str(k): str(v) for k, v in env.items()})
 
 
 def main(argv: list[str] | None = None) -> int:

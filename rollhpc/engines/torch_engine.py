@@ -356,23 +356,21 @@ class TorchGenerator:
     def _prefill(self, reqs: list[_Request]) -> torch.Tensor:
         """Logits after each request's prompt. Requests with the same prompt (a GRPO group's samples) share one
         forward: the first one's keys and values are copied into the others' slots."""
-        first: dict[tuple[int, ...], int] = {}
-        for i, r in enumerate(reqs):
-            first.setdefault(tuple(r.prompt), i)
-        if len(first) == len(reqs):
+        row: dict[tuple[int, ...], int] = {}  # prompt -> its row among the distinct prompts
+        index = [row.setdefault(tuple(r.prompt), len(row)) for r in reqs]
+        if len(row) == len(reqs):
             return self._prefill_unique(reqs)
-        unique = list(first.values())
-        logits = self._prefill_unique([reqs[i] for i in unique])
-        row = {i: n for n, i in enumerate(unique)}
-        index = []
-        for r in reqs:
-            leader = reqs[first[tuple(r.prompt)]]
+        leaders: dict[int, _Request] = {}  # row -> the first request with that prompt (rows come in order)
+        for r, n in zip(reqs, index):
+            leaders.setdefault(n, r)
+        logits = self._prefill_unique(list(leaders.values()))
+        for r, n in zip(reqs, index):
+            leader = leaders[n]
             if r is not leader:
-                n = len(r.prompt)
-                self.k_cache[:, r.slot, :, :n] = self.k_cache[:, leader.slot, :, :n]
-                self.v_cache[:, r.slot, :, :n] = self.v_cache[:, leader.slot, :, :n]
-                r.cached = n
-            index.append(row[first[tuple(r.prompt)]])
+                k = len(r.prompt)
+                self.k_cache[:, r.slot, :, :k] = self.k_cache[:, leader.slot, :, :k]
+                self.v_cache[:, r.slot, :, :k] = self.v_cache[:, leader.slot, :, :k]
+                r.cached = k
         return logits[torch.tensor(index, device=logits.device)]
 
     def _prefill_unique(self, reqs: list[_Request]) -> torch.Tensor:

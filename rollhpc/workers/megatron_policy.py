@@ -214,15 +214,15 @@ class MegatronPolicyWorker(Worker):
             mask = np.asarray(batch["loss_mask"]) > 0
             ends = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0) + 1
             order = np.argsort(-ends, kind="stable")
-        splits = micro_batches(len(batch), self.options.micro_batch_size, layout.pp, interleaved)
-        width = int(ends.max(initial=2)) if ends is not None else None
+        full = batch["tokens"].shape[1]
+        width = int(ends.max(initial=2)) if ends is not None else None  # the interleaved schedule's one width
         parts = []
-        for idx in splits:
+        for idx in micro_batches(len(batch), self.options.micro_batch_size, layout.pp, interleaved):
             keep = idx >= 0
             rows = order[np.where(keep, idx, 0)]
             if ends is not None and not interleaved:
                 width = max(int(ends[rows].max()), 2)
-            part = {k: torch.as_tensor(_cut(np.asarray(v)[rows], width, batch["tokens"].shape[1]), device=self.device)
+            part = {k: torch.as_tensor(_cut(np.asarray(v)[rows], width, full), device=self.device)
                     for k, v in batch.data.items() if with_mask or k == "tokens"}
             if with_mask and not keep.all():
                 part["loss_mask"] = part["loss_mask"] * torch.as_tensor(keep[:, None], device=self.device)
