@@ -40,6 +40,14 @@ def test_directions_are_read_leniently_but_not_guessed(text, direction):
     assert parse_direction(text) == direction
 
 
+@pytest.mark.parametrize("text, direction", [
+    ("left", "left"), (" Up.", "up"), ("down\n", "down"), (" down right up left", None), ("Go LEFT.", None),
+    ("u", None), ("right, then up", None),
+])
+def test_strict_directions_are_one_word_alone(text, direction):
+    assert parse_direction(text, strict=True) == direction
+
+
 # ---------------------------------------------------------------------------------------------- FrozenLake
 def test_frozenlake_reset_is_a_function_of_the_seed():
     env = FrozenLake(size=5)
@@ -211,6 +219,12 @@ def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
     assert reward == pytest.approx(STEP_REWARD - 1.0)
     with pytest.raises(ValueError, match="format_penalty"):
         Sokoban(format_penalty=-1)
+    one_word = Sokoban(format_penalty=1.0, strict_format=True)  # a move followed by more words is invalid
+    one_word.reset(0)
+    _, reward, _, _, info = one_word.step(" down right up left")
+    assert reward == pytest.approx(STEP_REWARD - 1.0) and info["metrics"]["invalid_action"] == 1.0
+    with pytest.raises(ValueError, match="strict_format"):
+        Sokoban(strict_format=1)
 
 
 # ---------------------------------------------------------------------------------------------- tool use

@@ -21,7 +21,9 @@ turn, +1 for a box pushed onto a target, -1 for one pushed off, +10 when every b
 (terminated, success True). Text that is no direction costs the turn's -0.1, gets the observation
 "Invalid action: ..." and ``metrics.invalid_action`` 1, and ``format_penalty`` (default 0; RAGEN's
 Sokoban takes 1) is subtracted from its reward: without it, text that is no move costs no more than a move
-that goes nowhere, and RL can drift a tiny policy into garbage. A move into a wall or a blocked box counts
+that goes nowhere, and RL can drift a tiny policy into garbage. ``strict_format`` (default False) reads
+only a turn that is one direction word alone, anything more is invalid (``parse_direction(strict=True)``:
+leniently read, the words after the move go unchecked and RL let a tiny policy ramble on past it). A move into a wall or a blocked box counts
 ``metrics.blocked_move`` 1. ``max_turns`` turns truncate the episode.
 
 Dead ends (``end_on_dead_end``, off by default as in gym-sokoban): a push after which no sequence of moves
@@ -58,12 +60,13 @@ class Sokoban:
     (default 20; also the longest solution a level may need), ``min_moves`` (the shortest solution a level
     may have, default 3), ``end_on_dead_end`` (default False: end an episode whose room can no longer be
     solved, charged its remaining turns), ``format_penalty`` (default 0: subtracted from the reward of a
-    turn whose text is no move)."""
+    turn whose text is no move), ``strict_format`` (default False: the first direction word anywhere in a turn's
+    text is its move; True: the text must be one direction word alone)."""
 
     ACTIONS = DIRECTIONS  # what a random policy picks from
 
     def __init__(self, size: int = 5, boxes: int = 1, max_turns: int = 20, min_moves: int = 3,
-                 end_on_dead_end: bool = False, format_penalty: float = 0.0) -> None:
+                 end_on_dead_end: bool = False, format_penalty: float = 0.0, strict_format: bool = False) -> None:
         if not isinstance(size, int) or not 4 <= size <= 8:
             raise ValueError(f"size (the room's interior side) must be an integer in 4..8, got {size!r}")
         if not isinstance(boxes, int) or not 1 <= boxes <= 3:
@@ -77,7 +80,10 @@ class Sokoban:
         if not isinstance(format_penalty, (int, float)) or format_penalty < 0:
             raise ValueError(f"format_penalty must be a number >= 0 (subtracted from an invalid turn's reward), "
                              f"got {format_penalty!r}")
+        if not isinstance(strict_format, bool):
+            raise ValueError(f"strict_format must be true or false, got {strict_format!r}")
         self.format_penalty = float(format_penalty)
+        self.strict_format = strict_format
         self.size, self.n_boxes, self.max_turns, self.min_moves = size, boxes, max_turns, min_moves
         self.end_on_dead_end = end_on_dead_end
         self._level: Level | None = None
@@ -99,7 +105,7 @@ class Sokoban:
         if self._done or self._level is None:
             raise RuntimeError("the episode is over: call reset(seed) first")
         self._turn += 1
-        direction = parse_direction(action)
+        direction = parse_direction(action, strict=self.strict_format)
         reward = STEP_REWARD
         blocked = pushed = False
         if direction is None:
