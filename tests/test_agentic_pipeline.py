@@ -65,6 +65,7 @@ def test_faulty_episodes_end_alone_and_the_run_finishes(reference):
     assert all(0 < m["reward_mean"] < 2 for m in trained)  # parity rewards of 2-turn episodes (failed ones 0)
     assert len({m["train/loss"] for m in trained}) > 1 and metrics[-1]["accuracy"] >= 0
     assert all(0 < m["sampled_entropy"] < np.log(300) for m in trained)  # nats per generated token, < log(vocab)
+    assert all(0 <= m["turns_cut_frac"] <= 1 for m in trained)  # counted turn by turn in test_agentic_scheduler
     assert all(m["train/critic_value_loss"] > 0 and m["train/critic_grad_norm"] > 0 and m["critic_values_s"] > 0
                for m in trained)
     rollouts = read_rollouts(reference / "rollouts" / f"step_{STEPS:06d}.h5")

@@ -68,26 +68,28 @@ class ScriptedGenerator:
         for rid, r in list(self.pending.items()):
             if self.hang and self.hang in rid:
                 continue
-            ids = self.actions[r["seed"] % len(self.actions)][:r["max_tokens"]]
-            finished.append((rid, comp(ids)))
+            action = self.actions[r["seed"] % len(self.actions)]
+            finished.append((rid, comp(action[:r["max_tokens"]], "length" if len(action) > r["max_tokens"] else "stop")))
             del self.pending[rid]
         return Done({"finished": finished, "aborted": aborted, "busy_s": 0.0})
 
 
-def comp(ids: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(token_ids=list(ids), logprobs=[-0.5] * len(ids), finish_reason="stop", version=0)
+def comp(ids: list[int], finish: str = "stop") -> SimpleNamespace:
+    return SimpleNamespace(token_ids=list(ids), logprobs=[-0.5] * len(ids), finish_reason=finish, version=0)
 
 
 def test_episodes_alternate_turns_and_steps_stick_to_one_generator_and_become_rows(tokenizer_dir, tmp_path, tok):
     worker = env_worker(tokenizer_dir, tmp_path, "frozenlake", env_options={"size": 4})
     try:
-        actions = [tok.encode(f" {a}") + [tok.eos_token_id] for a in ("right", "down", "left", "up")]
+        # the last one runs past max_tokens=4: cut, it is a turn that did not end
+        actions = [tok.encode(f" {a}") + [tok.eos_token_id] for a in ("right", "down", "left", "up", "up up up up")]
         gens = [ScriptedGenerator(actions), ScriptedGenerator(actions)]
         sched = RolloutScheduler(gens, None, SchedulerConfig(group_size=3, redundancy=1, max_tokens=4,
                                                              max_model_len=200, dynamic_sampling=False,
                                                              oversample=0.0), seed=5, envs=[EnvPort(worker)])
         groups, stats = sched.collect(SeedStream(7, 1000), 2, version=0)
         assert [len(g) for g in groups] == [3, 3]
+        cut = 0
         assert stats.episodes_started == 8 and stats.samples_aborted_redundant == 2 and stats.episodes_failed == 0
         for g in groups:
             assert len({s.prompt.example.seed for s in g}) == 1  # a group shares its reset seed
@@ -97,6 +99,8 @@ def test_episodes_alternate_turns_and_steps_stick_to_one_generator_and_become_ro
                 assert len(ep.generated) == len(s.response) == len(s.logprobs)
                 assert all(ep.generated[i] == 1 for i in ep.turn_ends)
                 assert s.reward == ep.episode_return == sum(ep.turn_rewards)
+                assert ep.turns_cut == sum(s.response[e] != tok.eos_token_id for e in ep.turn_ends)
+                cut += ep.turns_cut
                 # every turn of an episode was served by the generator of its first turn
                 rid = f"{s.prompt.uid}.{s.index}."
                 served = {i for i, gen in enumerate(gens) if any(x.startswith(rid) for x in gen.seen)}
@@ -112,6 +116,7 @@ def test_episodes_alternate_turns_and_steps_stick_to_one_generator_and_become_ro
                 assert [row.token_rewards[len(ep.prompt_ids) - 1 + e] for e in ep.turn_ends] == ep.turn_rewards
                 observed = tok.decode([t for t, m in zip(s.response, ep.generated) if m == 0])
                 assert all(ch in "P.HG\n>" for ch in observed)  # observation tokens are the env's map text
+        assert cut > 0
         assert worker.metrics()["env_episodes_live"] == 0  # finished, aborted and cut episodes all closed
     finally:
         worker.close()

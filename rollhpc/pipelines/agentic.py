@@ -51,6 +51,8 @@ from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
 from rollhpc.rollout.types import Prompt, Sample
 
 log = logging.getLogger("rollhpc.agentic")
+# a step whose turns were cut at their token budget more often than this warns once (turns_cut_frac)
+CUT_TURNS_WARNING = 0.5
 
 
 
@@ -199,6 +201,7 @@ class AgenticPipeline(TrainingPipeline):
     def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
         super().__init__(groups, run, options)
         self.checkpointer: RunCheckpointer | None = None
+        self._warned_cut_turns = False
 
     @classmethod
     def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
@@ -289,6 +292,13 @@ class AgenticPipeline(TrainingPipeline):
                   **{k: round(v, 6) for k, v in times.items()}, **rstats.as_metrics()}
         for key in stats[0]:
             record[f"train/{key}"] = float(np.mean([s[key] for s in stats]))
+        if record["turns_cut_frac"] > CUT_TURNS_WARNING and not self._warned_cut_turns:
+            self._warned_cut_turns = True
+            log.warning("step %d: %.0f%% of the turns ran into rollout.max_tokens=%d instead of ending: the policy "
+                        "may have stopped ending its turns, and whatever it writes after its action is trained on "
+                        "that action's advantage. Read actions strictly (an environment that refuses extra text, "
+                        "e.g. sokoban's strict_format) or give turns more tokens", step,
+                        100 * record["turns_cut_frac"], o.rollout.max_tokens)
         return StepReport(record, self._record(samples),
                           summary=f"success {record['success_rate']:.3f}, return {record['reward_mean']:.3f}, "
                                   f"{record['turns_mean']:.1f} turns")
@@ -428,6 +438,8 @@ class AgenticPipeline(TrainingPipeline):
                 # RL that pushes down more sampled tokens than it pushes up makes it rise, the policy more random
                 "sampled_entropy": _sampled_entropy(samples),
                 "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
+                # share of turns cut at rollout.max_tokens: near 1 means the policy no longer ends its turns
+                "turns_cut_frac": float(sum(e.turns_cut for e in eps) / max(1, sum(len(e.turn_ends) for e in eps))),
                 # what the environment counts (info["metrics"] summed over an episode), per episode
                 **{f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
                    for k in sorted({k for e in eps for k in e.metrics})}}

@@ -393,6 +393,7 @@ class _Batch:
         """A turn's response is in: mark its tokens as generated and hand it to the episode's env rank."""
         ep = smp.episode
         ep.generated += [1] * n_new
+        ep.turns_cut += smp.finish_reason == "length"
         ep.turn_ends.append(len(smp.response) - 1)
         ep.state_keys.append(ep.state_key)
         self.env_queue[ep.env_rank]["step"].append({"episode": ep.id, "response_ids": smp.response[-n_new:]})

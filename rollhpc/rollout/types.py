@@ -59,6 +59,9 @@ class Episode:
     success: bool = False
     finish: str = ""  # "terminated", "truncated" (env or turn limit), "row_full", "abandoned", or the env role's reason
     tool_calls: int = 0
+    # turns that ran into their token budget (finish "length") instead of ending: a policy that stops ending its
+    # turns writes on past its action, and those tokens are trained on whatever the action earned
+    turns_cut: int = 0
     env_step_s: float = 0.0  # summed over the episode's steps
     started: float = 0.0  # perf_counter at reset (the watchdog's clock)
     warned: bool = False
