@@ -69,7 +69,8 @@ class ScriptedGenerator:
             if self.hang and self.hang in rid:
                 continue
             action = self.actions[r["seed"] % len(self.actions)]
-            finished.append((rid, comp(action[:r["max_tokens"]], "length" if len(action) > r["max_tokens"] else "stop")))
+            cut = len(action) > r["max_tokens"]
+            finished.append((rid, comp(action[:r["max_tokens"]], "length" if cut else "stop")))
             del self.pending[rid]
         return Done({"finished": finished, "aborted": aborted, "busy_s": 0.0})
 

@@ -23,8 +23,8 @@ turn, +1 for a box pushed onto a target, -1 for one pushed off, +10 when every b
 Sokoban takes 1) is subtracted from its reward: without it, text that is no move costs no more than a move
 that goes nowhere, and RL can drift a tiny policy into garbage. ``strict_format`` (default False) reads
 only a turn that is one direction word alone, anything more is invalid (``parse_direction(strict=True)``:
-leniently read, the words after the move go unchecked and RL let a tiny policy ramble on past it). A move into a wall or a blocked box counts
-``metrics.blocked_move`` 1. ``max_turns`` turns truncate the episode.
+leniently read, the words after the move go unchecked and RL let a tiny policy ramble on past it). A move
+into a wall or a blocked box counts ``metrics.blocked_move`` 1. ``max_turns`` turns truncate the episode.
 
 Dead ends (``end_on_dead_end``, off by default as in gym-sokoban): a push after which no sequence of moves
 solves the room (proved by the solver searching every reachable state) ends the episode at once
