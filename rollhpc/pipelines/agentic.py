@@ -428,18 +428,19 @@ class AgenticPipeline(TrainingPipeline):
     @staticmethod
     def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
         eps = [s.episode for s in samples]
+        n_turns = max(1, sum(len(e.turn_ends) for e in eps))
         return {"reward_mean": float(np.mean([s.reward for s in samples])),
                 "success_rate": float(np.mean([e.success for e in eps])),
                 "turns_mean": float(np.mean([len(e.turn_ends) for e in eps])),
                 "row_len_mean": float(np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])),
-                "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / max(1, sum(len(e.turn_ends) for e in eps))),
+                "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / n_turns),
                 "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
                 # mean -log p of the generated tokens as sampled: the policy's per-token entropy (at temperature 1);
                 # RL that pushes down more sampled tokens than it pushes up makes it rise, the policy more random
                 "sampled_entropy": _sampled_entropy(samples),
                 "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
                 # share of turns cut at rollout.max_tokens: near 1 means the policy no longer ends its turns
-                "turns_cut_frac": float(sum(e.turns_cut for e in eps) / max(1, sum(len(e.turn_ends) for e in eps))),
+                "turns_cut_frac": float(sum(e.turns_cut for e in eps) / n_turns),
                 # what the environment counts (info["metrics"] summed over an episode), per episode
                 **{f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
                    for k in sorted({k for e in eps for k in e.metrics})}}
