@@ -207,8 +207,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         _refuse_if_job_active(cfg.run.run_dir.resolve())
     _prepare_inputs(cfg)
     run_dir = _prepare_run_dir(cfg, plan, args.overwrite, args.resume)
-    job = submit(cfg, plan, run_dir)
-    (run_dir / "slurm" / "job_id").write_text(job.job_id + "\n")
+    job = submit(cfg, plan, run_dir)  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
     print(f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
           f"output in {run_dir}", file=sys.stderr)
     if not args.wait:

@@ -81,6 +81,11 @@ class ControllerConfig:
     # an MPI call on the controller that has not returned after this long is stuck on a peer that is gone
     # (rollhpc.controller.mpi_stall): the run is ended and reported, naming a dead worker when there is one
     mpi_stall_s: float = 30.0
+    # a worker's communication error (gloo/NCCL/MPI, a collective's timeout) is usually the echo of a peer's
+    # death that the controller has not seen yet: it looks this long for a dead worker (sideband, Slurm's node
+    # states) before it decides between a lost worker and a lost peer (rollhpc.controller.failure). A dead
+    # node's connections can take TCP keepalive's ~11 s to drop
+    peer_loss_settle_s: float = 15.0
     # how a one-to-all call's payload of 1 MiB or more reaches a role's ranks: "broadcast" (MPI broadcasts
     # over the controller and the role: the network carries each byte once per tree edge), "p2p" (one send
     # per rank), "auto": broadcast to roles with ranks on other machines than the controller's; to a role
@@ -230,8 +235,13 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
     # the image the ranks run in (apptainer or pyxis); kind none: on the host, with the submitting interpreter
     container: ContainerConfig = field(default_factory=ContainerConfig)
-    requeue: bool = True  # Slurm requeues the job after a node failure; the run resumes from its checkpoint
-    max_restarts: int = 5  # requeues after a lost worker before the job gives up
+    # the run continues by itself after a lost node, worker or peer, a time limit or a failed launch: the batch
+    # script submits the next job, and a rescue job waiting on each job (--dependency=afterany) does when the
+    # batch script could not (its node lost); each resumes from the newest good checkpoint. false: the run ends
+    requeue: bool = True
+    max_restarts: int = 5  # restarts after failures (lost workers, peers, batch nodes) before the run gives up
+    # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: cluster.partition
+    rescue_partition: str = ""
     stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
     # a job Slurm left held after a failed relaunch ("launch failed requeued held"): `rollhpc submit --wait`
     # releases it, once per attempt, when true; otherwise it says which command releases it
@@ -460,6 +470,8 @@ def validate(cfg: ExperimentConfig) -> None:
                  "mpi_stall_s"):
         if getattr(cfg.controller, name) <= 0:
             raise ConfigError(f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}")
+    if cfg.controller.peer_loss_settle_s < 0:
+        raise ConfigError(f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}")
 
 
 def load(data: dict[str, Any]) -> ExperimentConfig:

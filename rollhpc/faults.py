@@ -15,7 +15,15 @@ A requeued Slurm job inherits its environment, so each hook says on which attemp
                                                     (deaf: a rank blocked in C whose handler never runs).
                                                     Only on a Slurm job's first attempt.
 
-Both holds end early once RUN_DIR/stop-request exists (the time-limit warning), and keep watching the
+    ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC=N:SECONDS       hold the sender of the N-th broadcast weight sync of this
+                                                    process half-way (its first header sent, the receivers
+                                                    blocked in the collective): a node can die mid-sync.
+                                                    Only before the run's first restart.
+    ROLLHPC_TEST_HOLD_IN_GRAD_SYNC=N:SECONDS         hold the trainer's last data-parallel rank before its
+                                                    gradient all-reduce of its N-th train call (the others
+                                                    wait inside theirs). Only before the run's first restart.
+
+The checkpoint holds end early once RUN_DIR/stop-request exists (the time-limit warning), and keep watching the
 workers meanwhile (``watch``: the controller's liveness check), as the real waits they stand in for do: a
 worker that dies during a hold is noticed at once.
 """
@@ -37,6 +45,8 @@ log = logging.getLogger("rollhpc.faults")
 CHECKPOINT_DELAY = "ROLLHPC_TEST_CHECKPOINT_DELAY"
 HOLD_AFTER_CHECKPOINT = "ROLLHPC_TEST_HOLD_AFTER_CHECKPOINT"
 STALL_MPI_INIT = "ROLLHPC_TEST_STALL_MPI_INIT"
+HOLD_IN_WEIGHT_SYNC = "ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC"
+HOLD_IN_GRAD_SYNC = "ROLLHPC_TEST_HOLD_IN_GRAD_SYNC"
 
 
 Watch = Callable[[], object]
@@ -81,3 +91,21 @@ def mpi_stall(where: str) -> None:
     print(f"{STALL_MPI_INIT}: rank {rank} stalls before {where}{' (deaf to signals)' if phase == 'deaf' else ''}",
           file=sys.stderr, flush=True)  # tests wait for this line (the job's output) before they act
     time.sleep(3600)
+
+
+def _hold_in_collective(variable: str, nth: int, what: str) -> None:
+    at, _, seconds = os.environ.get(variable, "").partition(":")
+    if not at or int(at) != nth or restart_number() != 0:
+        return
+    print(f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True)  # tests wait for it
+    time.sleep(float(seconds))
+
+
+def in_weight_sync(nth: int) -> None:
+    """Called by the weight-sync sender after the first header of its ``nth`` sync (1-based, per process)."""
+    _hold_in_collective(HOLD_IN_WEIGHT_SYNC, nth, "the weight sync")
+
+
+def before_grad_sync(nth: int) -> None:
+    """Called by the trainer's last data-parallel rank before the gradient all-reduce of its ``nth`` train call."""
+    _hold_in_collective(HOLD_IN_GRAD_SYNC, nth, "the gradient all-reduce of train call")

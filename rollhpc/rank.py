@@ -68,6 +68,14 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
     return summary
 
 
+def _last_step(run_dir: Path) -> int | None:
+    """The last step metrics.jsonl records (the step a failure came after), None before the first."""
+    from rollhpc.observability.metrics import read_jsonl
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return records[-1].get("step") if records else None
+
+
 class _Terminated(BaseException):
     """A signal to the controller, raised in its main thread wherever that happens to be. A BaseException
     (like KeyboardInterrupt) so that no `except Exception` on the way swallows it: logging's handleError
@@ -198,14 +206,15 @@ def _broadcast_roles(fanout: dict, plan, everyone, mode: str) -> dict:
 
 
 def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
-    from rollhpc.controller.errors import RunFailed, WorkerDied, WorldNotFormed
+    from rollhpc.controller.errors import WorkerDied, WorldNotFormed
+    from rollhpc.controller.failure import INTERRUPTED, LOST_WORKER, WORLD, Failure, StalledCall, classify
     from rollhpc.controller.mpi_stall import MpiStallWatch
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, WORLD, record_controller_exit,
-                                        record_failed_node, record_startup_failure)
+                                        record_failed_node, record_startup_failure, unresponsive_nodes)
     from rollhpc.startup_gc import startup_gc
     from rollhpc.transport.sideband import ControllerSideband
 
@@ -231,29 +240,40 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
                      cfg.controller.stack_dump_timeout_s)
 
     def fail(e: BaseException) -> NoReturn:
-        """Report the run's failure once (whichever thread comes first) and end the process."""
+        """Report the run's failure once (whichever thread comes first) and end the process. What it was (a
+        lost worker, a lost peer, an error of the run's own) is decided after a bounded look at the workers'
+        liveness and Slurm's view of the nodes (rollhpc.controller.failure), not by which error came first."""
         global _reporting_failure
         _failing.acquire()  # a second failure waits here for the first report's os._exit
         _reporting_failure = True
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
                 signal.signal(sig, signal.SIG_IGN)
-        if not isinstance(e, RunFailed):
-            e = ctl.root_cause(e)
+        if isinstance(e, _Terminated):
+            e = ctl.root_cause(e)  # some launchers interrupt every rank when one dies
+            verdict = None if isinstance(e, WorkerDied) else Failure(INTERRUPTED, str(e), step=_last_step(run_dir))
+        else:
+            verdict = None
+        if verdict is None:
+            e, verdict = classify(e, lambda s: ctl.dead_worker(settle_s=s),
+                                  lambda: unresponsive_nodes(sorted(hosts - {everyone[0][1]})),
+                                  lambda h: [f"rank {r.rank} {r.role}" for r in ranks.values() if r.host == h],
+                                  settle_s=cfg.controller.peer_loss_settle_s, step=_last_step(run_dir))
         summary = _write_error(run_dir, e)
         log.error("run failed: %s", summary)
         if getattr(e, "details", ""):
             log.error("%s", e.details.rstrip())
         elif not hasattr(e, "summary"):
             log.error("%s", "".join(traceback.format_exception(e)).rstrip())
-        status = 1
-        if isinstance(e, WorkerDied):  # restartable: a requeue on other nodes may well succeed
-            status = EXIT_WORKER_LOST
-            record_failed_node(run_dir, e.host, e.summary)
-        elif isinstance(e, WorldNotFormed):  # restartable: which node is at fault is unknown
-            status = EXIT_WORKER_LOST
-            record_startup_failure(run_dir, everyone[0][1], e.summary)
-        record_controller_exit(run_dir, status)
+        status = EXIT_WORKER_LOST if verdict.restartable else 1
+        log.error("failure classified as %s%s", verdict.kind,
+                  "" if verdict.restartable else ": not restartable (a restart would meet it again)")
+        if verdict.kind == LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
+            for host in verdict.hosts:
+                record_failed_node(run_dir, host, e.summary if hasattr(e, "summary") else str(e))
+        elif verdict.kind == WORLD:  # restartable: which node is at fault is unknown
+            record_startup_failure(run_dir, everyone[0][1], verdict.summary)
+        record_controller_exit(run_dir, status, verdict.record())
         for h in logging.getLogger().handlers:
             h.flush()
         if not ctl.release():
@@ -261,9 +281,8 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
         os._exit(status)
 
     def on_mpi_stall(stuck_s: float) -> None:  # the watcher's thread: the main one is stuck in MPI
-        fail(ctl.dead_worker(settle_s=2.0) or RunFailed(
-            f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, or a "
-            "broken network): the run is ended"))
+        fail(StalledCall(f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, "
+                         "or a broken network): the run is ended"))
 
     stall_watch = MpiStallWatch(ctl.channel, on_mpi_stall, cfg.controller.mpi_stall_s).start()
     try:

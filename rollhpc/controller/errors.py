@@ -16,7 +16,13 @@ class RunFailed(RuntimeError):
 
 
 class WorkerError(RunFailed):
-    """A worker raised inside a call; ``details`` holds its traceback."""
+    """A worker raised inside a call; ``details`` holds its traceback. ``role``, ``method``, ``err_type`` and
+    ``message`` are the parts the failure classification reads (``rollhpc.controller.failure``)."""
+
+    def __init__(self, summary: str, details: str = "", *, role: str = "", method: str = "", err_type: str = "",
+                 message: str = ""):
+        super().__init__(summary, details)
+        self.role, self.method, self.err_type, self.message = role, method, err_type, message
 
 
 class WorkerDied(RunFailed):

@@ -124,7 +124,8 @@ class Controller:
         info = self.ranks[rank]
         summary = (f"worker {info.describe()} raised {err['type']} in {err['method']!r}: {err['message']}"
                    f" (log: {self.log_path(rank)})")
-        raise WorkerError(summary, err["traceback"])
+        raise WorkerError(summary, err["traceback"], role=info.role, method=err["method"], err_type=err["type"],
+                          message=err["message"])
 
     def _check_liveness(self) -> None:
         for rank in self.sideband.dead_ranks():

@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.attempt import restart_number, slurm_restart_count
-from rollhpc.launch.resubmit import (JOB_ID, current_job, expand_hostlist, job_alive, resubmit, slurm_dir,
-                                    write_atomic)
+from rollhpc.launch.resubmit import (JOB_ID, cancel_rescue, current_job, expand_hostlist, job_alive, resubmit,
+                                    slurm_dir, write_atomic)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -120,10 +120,42 @@ def _write_json(path: Path, data: dict[str, Any], indent: int | None = None) -> 
     tmp.replace(path)
 
 
-def record_controller_exit(run_dir: Path, status: int) -> None:
+def record_controller_exit(run_dir: Path, status: int, failure: dict[str, Any] | None = None) -> None:
     """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
-    killed worker's 137 hides the controller's 76), so the decision travels through the run directory."""
-    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt(), "restart": restart_number()})
+    killed worker's 137 hides the controller's 76), so the decision travels through the run directory.
+    ``failure``: the controller's verdict on a failure (``rollhpc.controller.failure.Failure.record``)."""
+    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt(), "restart": restart_number(),
+                                                  **({"failure": failure} if failure else {})})
+
+
+def controller_failure(run_dir: Path) -> dict[str, Any]:
+    """This attempt's failure verdict from the controller's exit record ({} when none: no failure, no record)."""
+    try:
+        record = json.loads((Path(run_dir) / CONTROLLER_EXIT).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
+        return {}
+    return record.get("failure") or {}
+
+
+def unresponsive_nodes(hosts: list[str]) -> list[str]:
+    """Of ``hosts``, the nodes Slurm says are DOWN or not responding (none outside a Slurm job, or when
+    scontrol cannot answer): the controller's second witness of a lost node, beside the sideband."""
+    if not hosts or not os.environ.get("SLURM_JOB_ID"):
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(hosts)], capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    down = []
+    for line in out.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        state = fields.get("State", "")
+        if fields.get("NodeName") in hosts and ("DOWN" in state or "NOT_RESPONDING" in state or state.endswith("*")):
+            down.append(fields["NodeName"])
+    return down
 
 
 def controller_exit(run_dir: Path) -> int | None:
@@ -227,7 +259,7 @@ def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s:
         time.sleep(poll_s)
 
 
-def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str]) -> int:
+def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str], failure: dict[str, Any] | None = None) -> int:
     """Continue the run in a new job (``rollhpc.launch.resubmit``: no wait for a lost node to be declared
     DOWN, nor for Slurm's credential expiry), excluding ``exclude`` and whatever this job excluded; where
     sbatch cannot be used from the batch host, requeue this job as before."""
@@ -239,16 +271,16 @@ def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str]) -> int:
     if new_job is not None:
         log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "reason": reason,
                             "exclude": sorted(exclude), "restart": restart_number() + 1,
-                            "slurm_restart_count": slurm_restart_count()})
+                            "slurm_restart_count": slurm_restart_count(), **({"failure": failure} if failure else {})})
         return 0
     print(f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}", file=sys.stderr)
     if exclude:
         wait_for_steps_to_end(run_dir, job_id, exclude)
-    return requeue(run_dir, job_id, reason, exclude)
+    return requeue(run_dir, job_id, reason, exclude, failure=failure)
 
 
 def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
-            per_group: dict[int, set[str]] | None = None) -> int:
+            per_group: dict[int, set[str]] | None = None, failure: dict[str, Any] | None = None) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
     ``per_group[i]`` from het group i only."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requeuehold kills the batch script; finish the release first
@@ -256,7 +288,10 @@ def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
     log_event(run_dir, {"event": "requeue", "job_id": job_id, "reason": reason, "exclude": sorted(exclude),
                         **({"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}} if per_group
                            else {}),
-                        "restart": restart_number() + 1, "slurm_restart_count": slurm_restart_count()})
+                        "restart": restart_number() + 1, "slurm_restart_count": slurm_restart_count(),
+                        **({"failure": failure} if failure else {})})
+    for comp in _job_components(job_id):  # the run's jobs are --no-requeue (a rescue job continues them):
+        _scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
     if not exclude and not per_group:
         res = _scontrol("requeue", job_id)
         return 0 if res.returncode == 0 else _failed(res, "requeue")
@@ -317,7 +352,7 @@ def cmd_start(run_dir: Path) -> int:
     if done:
         log_event(run_dir, {"event": "end", "status": 0, "job_id": os.environ.get("SLURM_JOB_ID"),
                             "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
-                            "reason": f"the run has already finished ({done}): nothing to start"})
+                            "final": True, "reason": f"the run has already finished ({done}): nothing to start"})
         print(f"rollhpc requeue: the run has already finished ({done}): nothing to start", file=sys.stderr)
         print(FINISHED, flush=True)
         return 0
@@ -480,18 +515,42 @@ def allocated_nodes() -> list[str]:
     return hosts
 
 
+def previous_failure(run_dir: Path) -> dict[str, Any]:
+    """The failure verdict that made the run's last restart (its newest requeue event), {} if none."""
+    requeues = [e for e in read_events(run_dir) if e.get("event") == "requeue"]
+    return (requeues[-1].get("failure") or {}) if requeues else {}
+
+
 def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
+    try:
+        return _after(run_dir, srun_status, max_restarts, allow_requeue, job_id)
+    finally:
+        # this batch script continued the run in a new job or ended it: its rescue job (rollhpc.launch.rescue)
+        # has nothing left to do. A job requeued in place keeps its rescue for its next attempt.
+        events = read_events(run_dir)
+        if job_id and (current_job(run_dir) != job_id or (events and events[-1].get("final"))):
+            cancel_rescue(run_dir, job_id)
+
+
+def _end(run_dir: Path, status: int, **fields: Any) -> int:
+    """The run ends here for good (a rescue job finds this and leaves it ended)."""
+    log_event(run_dir, {"event": "end", "status": status, "job_id": os.environ.get("SLURM_JOB_ID"),
+                        "restart": restart_number(), "final": True, **fields})
+    return status
+
+
+def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool, job_id: str) -> int:
     restarts = restart_number()
     said = controller_exit(run_dir)
     status = srun_status if said is None else said
+    failure = controller_failure(run_dir) if said is not None else {}
     if status != srun_status:
         print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
               file=sys.stderr)
     if status != 0 and (done := finished_run(run_dir)):  # e.g. a worker lost after the final checkpoint
-        log_event(run_dir, {"event": "end", "status": 0, "srun_status": srun_status,
-                            "reason": f"the run has finished ({done}); status {status} ends nothing"})
-        return 0
+        return _end(run_dir, 0, srun_status=srun_status, reason=f"the run has finished ({done}); status {status} "
+                                                                 "ends nothing")
     # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
     # the first collectives recorded it), or the controller gave up waiting for a worker to connect
     stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
@@ -500,31 +559,41 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
                           f"are in the output above"}
     if stalled:
         status = EXIT_WORKER_LOST
+        failure = {"kind": "world_not_formed", "summary": stalled["why"]}
         print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
-        log_event(run_dir, {"event": "end", "status": status, "reason": "cluster.requeue is off: continue the run "
-                            f"with slurm/resume.sh {run_dir}"})
-        return status
+        return _end(run_dir, status, failure=failure or None,
+                    reason=f"cluster.requeue is off: continue the run with slurm/resume.sh {run_dir}")
     if status == EXIT_REQUEUE and job_id:
         return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
-        what = f"the MPI world did not form: {stalled['why']}" if stalled else "a worker was lost"
+        kind = failure.get("kind", "lost_worker")
+        what = {"world_not_formed": f"the MPI world did not form: {failure.get('summary', '')}",
+                "lost_peer": f"a lost peer: {failure.get('summary', '')}"}.get(kind, "a worker was lost")
         if restarts >= max_restarts:
-            log_event(run_dir, {"event": "end", "status": status,
-                                "reason": f"{what} and the run already restarted {restarts} times "
-                                          f"(max_restarts={max_restarts}): giving up"})
-            return status
-        if stalled:  # which node is at fault is unknown: the next attempt gets the same chance everywhere
-            return restart(run_dir, job_id, what, set())
+            return _end(run_dir, status, failure=failure or None,
+                        reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
+                               "giving up")
+        sig = failure.get("signature")
+        if kind == "lost_peer" and sig and previous_failure(run_dir).get("signature") == sig:
+            return _end(run_dir, status, failure=failure,
+                        reason=f"the same failure twice in a row at step {failure.get('step')} with no node found "
+                               f"lost ({failure.get('summary', '')}): taken as deterministic, not restarted again")
+        if kind != "lost_worker":  # which node is at fault is unknown: the next attempt gets the same nodes
+            return restart(run_dir, job_id, what, set(), failure)
         try:
             failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
         except (FileNotFoundError, ValueError):
             failed = {}
         return restart(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
-                       set(failed))
-    log_event(run_dir, {"event": "end", "status": status, **({"srun_status": srun_status} if said is not None
-                                                              and said != srun_status else {})})
-    return status
+                       set(failed), failure)
+    extra: dict[str, Any] = {"srun_status": srun_status} if said is not None and said != srun_status else {}
+    if failure:
+        extra["failure"] = failure
+        if failure.get("kind") == "error":
+            extra["reason"] = ("an error in the run's own code or data, not a lost node or peer: not restarted "
+                               f"(a restart would meet it again): {failure.get('summary', '')}")
+    return _end(run_dir, status, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:

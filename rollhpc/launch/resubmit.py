@@ -18,6 +18,7 @@ anyway (its batch node died in the same second), that attempt finds a live succe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -28,6 +29,8 @@ from rollhpc.launch.attempt import RESTART_BASE
 
 BATCH_SCRIPT = "batch.sh"  # in RUN_DIR/slurm: the batch text of the run's jobs
 JOB_ID = "job_id"  # in RUN_DIR/slurm: the run's current job
+RESCUE_SCRIPT = "rescue.sh"  # in RUN_DIR/slurm: the batch text of the rescue jobs (rollhpc.launch.rescue)
+RESCUES = "rescues.json"  # in RUN_DIR/slurm: {job id: the id of the rescue job waiting for it}
 KEEP_SLURM_VARS = ("SLURM_CONF",)  # client settings of the submitting user, not the old job's
 _GROUP = re.compile(r"^# het group \d+:")
 _EXCLUDE = re.compile(r"^#SBATCH\s+(?:--exclude=|-x\s*)(\S+)\s*$")
@@ -112,8 +115,7 @@ def with_exclusions(text: str, exclude: set[str]) -> str:
 def successor_env(restarts: int) -> dict[str, str]:
     """The environment the run was submitted with: the old job's SLURM_* (its id, nodes, restart count) would
     mislead the new one; ROLLHPC_RESTART_BASE carries the count of restarts instead."""
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("SLURM_") and k not in KEEP_SLURM_VARS) and not k.startswith("ROLLHPC_ATTEMPT_")}
+    env = _slurm_free_env()
     env[RESTART_BASE] = str(restarts)
     return env
 
@@ -138,4 +140,52 @@ def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | Non
     write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
     print(f"rollhpc requeue: submitted job {job_id} to continue the run (script {script})", file=sys.stderr,
           flush=True)
+    rescue, why = submit_rescue(run_dir, job_id)
+    if rescue is None and why:
+        print(f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True)
     return job_id, ""
+
+
+def _slurm_free_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not (k.startswith("SLURM_") and k not in KEEP_SLURM_VARS) and not k.startswith("ROLLHPC_ATTEMPT_")}
+
+
+def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
+    """Queue the rescue job of ``job_id``: it waits, holding nothing, until that job has ended
+    (``--dependency=afterany``) and then continues the run if nobody else did (``rollhpc.launch.rescue``).
+    (its id, "") or (None, why not); no rescue script (cluster.requeue=false): (None, "")."""
+    script = slurm_dir(run_dir) / RESCUE_SCRIPT
+    if not script.exists():
+        return None, ""
+    try:
+        res = subprocess.run(["sbatch", "--parsable", f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes",
+                              str(script), job_id], capture_output=True, text=True, timeout=120,
+                             env=_slurm_free_env(), cwd=str(run_dir))
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"sbatch failed: {e}"
+    rescue = res.stdout.strip().split(";")[0]
+    if res.returncode != 0 or not rescue.isdigit():
+        return None, f"sbatch failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}"
+    rescues = rescue_jobs(run_dir)
+    rescues[job_id] = rescue
+    write_atomic(slurm_dir(run_dir) / RESCUES, json.dumps(rescues, indent=1) + "\n")
+    return rescue, ""
+
+
+def rescue_jobs(run_dir: Path) -> dict[str, str]:
+    """{job id: its rescue job's id} of the run (RUN_DIR/slurm/rescues.json; {} when there is none)."""
+    try:
+        return dict(json.loads((slurm_dir(run_dir) / RESCUES).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+
+
+def cancel_rescue(run_dir: Path, job_id: str) -> None:
+    """``job_id``'s batch script continued or ended the run itself: its rescue job has nothing to do."""
+    rescue = rescue_jobs(run_dir).get(job_id)
+    if rescue:
+        try:
+            subprocess.run(["scancel", rescue], capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # it would find the run continued, or ended, and leave at once

@@ -17,7 +17,8 @@ from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ContainerConfig, ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
-from rollhpc.launch.resubmit import BATCH_SCRIPT, TERMINAL, current_job, write_atomic
+from rollhpc.launch.resubmit import (BATCH_SCRIPT, JOB_ID, RESCUE_SCRIPT, TERMINAL, current_job, rescue_jobs,
+                                    submit_rescue, write_atomic)
 
 
 def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
@@ -143,10 +144,9 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         f"#SBATCH --time={cfg.cluster.time_limit}",
     ]
     c = cfg.cluster
-    if c.requeue:  # node failure -> Slurm requeues; the log of every attempt goes to the same file
-        lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
-    else:  # the cluster's JobRequeue default could requeue it anyway
-        lines.append("#SBATCH --no-requeue")
+    # never requeued by Slurm (the cluster's JobRequeue default could): a job whose node died ends NODE_FAIL and
+    # sets off its rescue job (rollhpc.launch.rescue), where a requeue whose relaunch failed would be held forever
+    lines += ["#SBATCH --no-requeue", "#SBATCH --open-mode=append"]
     if c.stop_before_limit_s:  # to the batch shell only (B:): its trap relays it to the controller
         lines.append(f"#SBATCH --signal=B:USR1@{c.stop_before_limit_s}")
     for comp in plan.components:
@@ -201,8 +201,33 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     return "\n".join(lines)
 
 
+def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = None) -> str:
+    """The batch script of the run's rescue jobs (``rollhpc.launch.rescue``): one task, one CPU, minutes. Each is
+    submitted with ``--dependency=afterany:JOB`` and JOB as its argument, so it waits holding nothing."""
+    c = cfg.cluster
+    python = shlex.quote(c.container.batch_python) if c.container.batch_python else (python or
+                                                                                      shlex.quote(sys.executable))
+    lines = [
+        "#!/bin/bash",
+        f"# rollhpc: the rescue job of run {cfg.run.name} (rollhpc.launch.rescue). It waits in the queue, holding",
+        "# nothing, until the run's job named in $1 has ended (--dependency=afterany), then continues the run from",
+        "# its newest good checkpoint if that job's batch script could not (its batch node lost, a failed launch).",
+        f"#SBATCH --job-name=rollhpc-rescue-{cfg.run.name}",
+        f"#SBATCH --output={run_dir / 'slurm' / 'rescue-%j.out'}",
+        "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1", "#SBATCH --time=10", "#SBATCH --no-requeue",
+    ]
+    for key, value in (("partition", c.rescue_partition or c.partition), ("account", c.account), ("qos", c.qos)):
+        if value:
+            lines.append(f"#SBATCH --{key}={value}")
+    lines += ["", "set -euo pipefail", *c.setup,
+              f'exec {python} -m rollhpc.launch.rescue {shlex.quote(str(run_dir))} "$1" --max-restarts {c.max_restarts}',
+              ""]
+    return "\n".join(lines)
+
+
 def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
-    """Submit through submitit; returns its SlurmJob (job_id, state, done())."""
+    """Submit through submitit, then the job's rescue job (``cluster.requeue``); returns submitit's SlurmJob
+    (job_id, state, done())."""
     import submitit
 
     class HetJobExecutor(submitit.SlurmExecutor):
@@ -217,8 +242,19 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     folder = run_dir / "slurm"
     folder.mkdir(parents=True, exist_ok=True)
     write_atomic(folder / BATCH_SCRIPT, render_sbatch(cfg, plan, run_dir))  # what a restart submits again
+    rescue_script = folder / RESCUE_SCRIPT
+    if cfg.cluster.requeue:
+        write_atomic(rescue_script, render_rescue(cfg, run_dir))
+    else:
+        rescue_script.unlink(missing_ok=True)
     executor = HetJobExecutor(folder=folder)
-    return executor._submit_command("rollhpc.rank")  # the command is in the batch text
+    job = executor._submit_command("rollhpc.rank")  # the command is in the batch text
+    write_atomic(folder / JOB_ID, job.job_id + "\n")
+    rescue, why = submit_rescue(run_dir, job.job_id)
+    if why:
+        print(f"rollhpc: warning: job {job.job_id} has no rescue job ({why}): should its batch node be lost, "
+              f"continue the run with slurm/resume.sh {run_dir}", file=sys.stderr)
+    return job
 
 
 
@@ -259,6 +295,10 @@ def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = Non
             if successor and successor != job_id:
                 print(f"rollhpc: job {job_id} ended; job {successor} continues the run", file=sys.stderr, flush=True)
                 job_id, holds = successor, HoldWatch(successor, release_held, run_dir, held_grace_s)
+                continue
+            rescue = rescue_jobs(run_dir).get(job_id) if run_dir is not None else None
+            if rescue and any(st not in TERMINAL for st in component_states(rescue).values()):
+                time.sleep(poll_s)  # its rescue job decides whether the run goes on (rollhpc.launch.rescue)
                 continue
             bad = [st for st in states.values() if st != "COMPLETED"]
             return bad[0] if bad else "COMPLETED"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rollhpc import faults
 from rollhpc.weight_sync.buckets import Bucket, unpack_bucket
 
 __all__ = ["WeightBroadcast", "open_store"]
@@ -51,6 +52,7 @@ class WeightBroadcast:
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         self.bytes_sent = 0
+        self.syncs = 0  # sends so far
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -78,9 +80,12 @@ class WeightBroadcast:
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends weights")
         sent = 0
-        for b in buckets:
+        self.syncs += 1
+        for i, b in enumerate(buckets):
             data = b.data.to(self.device).contiguous()
             self._header((b.names, b.shapes, b.offsets, data.dtype, data.numel()))
+            if i == 0:
+                faults.in_weight_sync(self.syncs)
             self._broadcast(data)
             sent += data.numel() * data.element_size()
         self._header(None)

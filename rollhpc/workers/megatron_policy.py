@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rollhpc import faults
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.workers.base import Collect, Dispatch, Worker, WorkerContext, register
@@ -135,6 +136,7 @@ class MegatronPolicyWorker(Worker):
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        self._grad_syncs = 0  # gradient reductions so far (a test hook counts them: rollhpc.faults)
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.device = next(self.chunks[0].parameters()).device
         for chunk in self.chunks:
@@ -566,6 +568,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         from rollhpc.models.megatron_pipeline import allreduce_tied_embedding_grads
 
         allreduce_tied_embedding_grads(self.chunks)
+        self._grad_syncs += 1
+        if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
+            faults.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
         for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
             params = [p for p in self.params if (not getattr(p, "allreduce", True)) == expert]
             if not params or dist.get_world_size(group) == 1:

@@ -1,0 +1,140 @@
+"""What ended a run: a lost worker, a lost peer, or an error in the run's own code, decided without racing.
+
+When a node dies in the middle of a collective (a weight sync, the trainer's gradient all-reduce, a pipeline
+send), the survivors' collectives fail at once ("Connection reset by peer" from gloo, an NCCL remote error),
+often before the controller has seen the death itself. Taken at its word, the first error to arrive is a
+worker's exception in user code, and the run would end for good. So the controller classifies before it
+decides, in a bounded look:
+
+* a worker found gone (its sideband connection closed, or Slurm says its node is DOWN / not responding)
+  within the look: the run lost a worker; the error was its echo. Restart without that node.
+* no worker found gone, but the error is a communication error (gloo / NCCL / MPI / torch.distributed
+  network errors, a collective's timeout) or the controller's own wait timed out: a lost peer whose loss
+  nobody could pin on a node (a flaky link, a node that hung without dying). Restart on the same nodes;
+  the same failure twice in a row (same role, call, error and step) is taken as deterministic and ends the
+  run (``rollhpc.launch.requeue`` compares the signatures).
+* anything else: an error in the run's code or data. A restart would meet it again: the run ends.
+
+Pure logic: the caller supplies the liveness probes (``rollhpc.rank``), so this module imports nothing above it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rollhpc.controller.errors import CallTimeout, RunFailed, WorkerDied, WorkerError, WorldNotFormed
+
+LOST_WORKER = "lost_worker"  # a worker's process or node is gone
+LOST_PEER = "lost_peer"  # a communication error or timeout, no node to blame
+WORLD = "world_not_formed"  # the MPI world never came together
+ERROR = "error"  # the run's own code or data
+INTERRUPTED = "interrupted"  # a signal to the controller (scancel, Ctrl-C)
+RESTARTABLE = frozenset({LOST_WORKER, LOST_PEER, WORLD})
+
+# Errors that a dead or unreachable peer causes in the survivors, whatever library raised them. Matched against
+# the exception's type and message (not the traceback: user code mentioning "timeout" must not count).
+_COMM_TYPES = re.compile(r"^(DistNetworkError|DistBackendError|DistStoreError|ConnectionResetError|ConnectionAbortedError|"
+                         r"ConnectionRefusedError|BrokenPipeError|NcclError|ProcFailed)$|MPI\.Exception")
+_COMM_TEXT = re.compile(
+    r"gloo/transport|Connection reset by peer|Connection closed by peer|Connection refused|Broken pipe|"
+    r"No route to host|Socket Timeout|Timed out waiting|timed out after|NCCL (?:error|communicator|WARN)|"
+    r"ncclRemoteError|ncclSystemError|ncclInternalError|remote process exited|Watchdog caught collective|"
+    r"ProcessGroup\w* .*(?:abort|timeout)|MPI_ERR_|ProcFailed|ECONNRESET|EPIPE", re.IGNORECASE)
+
+
+def is_communication_error(err_type: str, message: str) -> bool:
+    """Whether an exception (its type name and message) is what a lost peer causes in a collective."""
+    return bool(_COMM_TYPES.search(err_type or "") or _COMM_TEXT.search(message or ""))
+
+
+@dataclass
+class Failure:
+    """The controller's verdict on a failed run: what ``rollhpc.launch.requeue after`` decides by and what
+    ``rollhpc status`` shows. ``hosts``: nodes to keep away from (a lost worker's); ``signature``: the same
+    failure seen again at the same step is deterministic; ``cause``: the error that surfaced first, when the
+    verdict names another (a worker's communication error that was the echo of another worker's death)."""
+
+    kind: str
+    summary: str
+    hosts: list[str] = field(default_factory=list)
+    signature: str = ""
+    cause: str = ""
+    step: int | None = None
+
+    @property
+    def restartable(self) -> bool:
+        return self.kind in RESTARTABLE
+
+    def record(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v not in ("", [], None)}
+
+
+def _normalized(text: str) -> str:
+    """A message without what changes from one occurrence to the next (numbers, addresses, paths' digits)."""
+    return re.sub(r"0x[0-9a-f]+|\d+", "#", text or "", flags=re.IGNORECASE)[:300]
+
+
+def signature(kind: str, role: str, method: str, err_type: str, message: str, step: int | None) -> str:
+    return "|".join([kind, role, method, err_type, _normalized(message), str(step)])
+
+
+def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | None],
+             down_hosts: Callable[[], list[str]], host_ranks: Callable[[str], list[str]] | None = None,
+             settle_s: float = 15.0, step: int | None = None) -> tuple[BaseException, Failure]:
+    """(the exception to report, the verdict). ``dead_worker(settle_s)``: a worker found gone within that
+    look (the sideband); ``down_hosts()``: nodes of the world that Slurm says are down or not responding.
+    A communication error or a timeout gets the whole ``settle_s`` (a dead node's TCP connections may take
+    keepalive's ~11 s to drop); any other worker error a short look, since a death usually comes with it."""
+    if isinstance(exc, WorkerDied):
+        return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
+                            signature(LOST_WORKER, "", "", "", exc.host, step), step=step)
+    if isinstance(exc, WorldNotFormed):
+        return exc, Failure(WORLD, exc.summary, step=step)
+    comm = False
+    role = method = err_type = ""
+    message = str(exc)
+    if isinstance(exc, WorkerError):
+        role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
+        comm = is_communication_error(err_type, message)
+    elif isinstance(exc, (CallTimeout, StalledCall)):
+        comm = True
+        err_type = type(exc).__name__
+    elif not isinstance(exc, RunFailed):
+        err_type = type(exc).__name__
+        comm = is_communication_error(err_type, message)
+    look = settle_s if comm else min(settle_s, 1.0)
+    deadline = time.monotonic() + look
+    while True:
+        dead = dead_worker(0.0)
+        if dead is None:
+            down = down_hosts()
+            if down:
+                who = ", ".join(f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in down)
+                dead = WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)",
+                                  host=down[0])
+                dead.hosts = down
+        if dead is not None:
+            surfaced = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
+            died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {surfaced}",
+                              getattr(exc, "details", "") or dead.details, host=dead.host)
+            hosts = getattr(dead, "hosts", None) or ([dead.host] if dead.host else [])
+            return died, Failure(LOST_WORKER, died.summary, hosts, signature(LOST_WORKER, "", "", "", ",".join(hosts),
+                                                                             step), cause=surfaced, step=step)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
+    if comm:
+        return exc, Failure(LOST_PEER, f"{summary} (a communication error or timeout, and no worker was found "
+                                       f"gone within {look:g} s: a lost peer, restarted on the same nodes)",
+                            signature=signature(LOST_PEER, role, method, err_type, message, step), step=step)
+    return exc, Failure(ERROR, summary, signature=signature(ERROR, role, method, err_type, message, step), step=step)
+
+
+class StalledCall(RunFailed):
+    """An MPI call on the controller that never returned (``rollhpc.controller.mpi_stall``) and no worker
+    found gone: a peer that is unreachable without having died, a broken network."""

@@ -1,0 +1,171 @@
+"""The rescue job: what continues a run when its batch script could not.
+
+    python -m rollhpc.launch.rescue RUN_DIR JOB_ID --max-restarts N
+
+Every job of a run is submitted together with a small rescue job (``rollhpc.launch.resubmit.submit_rescue``)
+that waits in the queue with ``--dependency=afterany:JOB_ID``: it holds no node and runs nothing until that
+job has ended, however it ended. Usually the job's own batch script has decided by then (the run finished,
+failed for good, or continues in a new job) and cancels its rescue. When the batch script could not decide,
+because it died with its node (the batch node lost at any moment, during a restart too), because the job
+ended before it started (a failed launch), or because Slurm ended the job (a time limit without the warning,
+a node failure), the rescue continues the run from its newest good checkpoint in a new job, with a rescue of
+its own. Nobody waits on a login node, and no daemon runs outside Slurm.
+
+The run's jobs are ``--no-requeue``: Slurm ends a job whose node died (NODE_FAIL) instead of requeueing it,
+and a requeued job whose relaunch fails would be held forever ("launch failed requeued held"), with its
+``afterany`` dependants waiting forever too. Ended, it sets its rescue off.
+
+What the rescue never does: start a second copy of a live run (it leaves when any job of the run is pending or
+running), restart a finished run (its last step's checkpoint, or a clean end), undo a decision (the run's
+last event is a final end: an error of its own, out of restarts, requeue off), override a person (a job
+cancelled with scancel stays cancelled), or go beyond ``cluster.max_restarts``. Jobs that end twice in a row
+without ever starting the run (a broken environment) end it too. Each decision is a line in
+RUN_DIR/restarts.jsonl, which ``rollhpc status`` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollhpc.launch.requeue import (FAILED_NODES, finished_run, log_event, read_events)
+from rollhpc.launch.resubmit import current_job, expand_hostlist, job_alive, resubmit
+
+RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
+NOTHING = "nothing to do"  # ... when the run needs nothing from it
+ENDED = "ended"  # ... when it ended the run for good (out of restarts, cancelled, never starting)
+
+
+def final_end(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's final end, if its newest decisive event is one: a start or restart after it reopened the run."""
+    for e in reversed(events):
+        if e.get("event") in ("start", "requeue"):
+            return None
+        if e.get("event") == "end" and e.get("final"):
+            return e
+    return None
+
+
+def job_records(job_id: str) -> list[dict[str, str]] | None:
+    """Slurm's records of ``job_id`` (one per het component; [] when it forgot the job, None when unreachable)."""
+    from rollhpc.launch.status import scontrol_records
+
+    records, _ = scontrol_records(job_id)
+    return records
+
+
+def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
+    """Pending or running jobs of this user named like the run's whose output goes to this run directory:
+    a job submitted for the run but not yet recorded in RUN_DIR/slurm/job_id (its submitter died at once)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", job_name, "-t", "PD,R,CG,S,CF",
+                              "-o", "%i"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    mine = str(Path(run_dir).resolve() / "slurm") + "/"
+    live = []
+    for jid in sorted(set(j.split("+")[0] for j in out.split())):
+        for r in job_records(jid) or []:
+            if r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ("COMPLETING",):
+                live.append(jid)
+                break
+    return live
+
+
+def _job_name(run_dir: Path) -> str:
+    for line in (Path(run_dir) / "slurm" / "batch.sh").read_text().splitlines():
+        if line.startswith("#SBATCH --job-name="):
+            return line.partition("=")[2].strip()
+    return ""
+
+
+def restarts_so_far(events: list[dict[str, Any]]) -> int:
+    """The restart number of the run's newest attempt, started or submitted (0: the first)."""
+    return max((int(e.get("restart") or 0) for e in events if e.get("event") in ("start", "requeue")), default=0)
+
+
+def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+
+    def say(word: str, why: str) -> int:
+        print(f"rollhpc rescue: job {job_id}: {why}", file=sys.stderr, flush=True)
+        print(word, flush=True)
+        return 0
+
+    if done := finished_run(run_dir):
+        return say(NOTHING, f"the run has finished ({done})")
+    if final := final_end(events):
+        return say(NOTHING, f"the run ended for good: {final.get('reason') or 'status ' + str(final.get('status'))}")
+    current = current_job(run_dir)
+    if current and current != job_id and job_alive(current):
+        return say(NOTHING, f"job {current} continues the run")
+    records = job_records(job_id)
+    if records is None:
+        print(f"rollhpc rescue: Slurm did not answer about job {job_id}; trying once more", file=sys.stderr)
+        records = job_records(job_id) or []
+    states = sorted({r.get("JobState", "") for r in records})
+    if any(st not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                      "DEADLINE", "OUT_OF_MEMORY") for st in states):
+        return say(NOTHING, f"job {job_id} is still {'/'.join(states)}")  # requeued in place: it has its rescue still
+    if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
+        return say(NOTHING, f"job {live[0]} of the run is pending or running")
+    how = "/".join(states) or "unknown to Slurm"
+    if states == ["CANCELLED"]:
+        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
+                            "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
+                                      f"slurm/resume.sh {run_dir}"})
+        return say(ENDED, "cancelled by a person: left cancelled")
+    started = [e for e in events if e.get("event") == "start"]
+    restarts = restarts_so_far(events)
+    if restarts >= max_restarts:
+        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
+                            "reason": f"job {job_id} ended {how} without continuing the run, and the run already "
+                                      f"restarted {restarts} times (max_restarts={max_restarts}): giving up"})
+        return say(ENDED, "out of restarts")
+    never = not any(e.get("job_id") == job_id for e in started)
+    requeues = [e for e in events if e.get("event") == "requeue"]
+    if never and requeues and requeues[-1].get("by") == "rescue" and requeues[-1].get("never_started"):
+        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
+                            "reason": f"job {job_id} ended {how} before it started the run, as the job before it "
+                                      "did: the batch script cannot start here (see the jobs' output); giving up"})
+        return say(ENDED, "two jobs in a row never started the run")
+    exclude = set()
+    for r in records:
+        if r.get("ExcNodeList") and r["ExcNodeList"] != "(null)":
+            exclude |= expand_hostlist(r["ExcNodeList"])
+    try:
+        exclude |= set(json.loads((run_dir / FAILED_NODES).read_text()))
+    except (FileNotFoundError, ValueError):
+        pass
+    new_job, why = resubmit(run_dir, exclude, restarts + 1)
+    if new_job is None:
+        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
+                            "reason": f"job {job_id} ended {how} without continuing the run, and its rescue could "
+                                      f"not submit a new job: {why}"})
+        return say(ENDED, f"cannot submit: {why}")
+    reason = (f"job {job_id} ended {how} before it started the run (a failed launch)" if never else
+              f"job {job_id} ended {how} without continuing the run (its batch script was lost with its node, "
+              "or Slurm ended the job first)")
+    log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "by": "rescue",
+                        "reason": reason, "exclude": sorted(exclude), "restart": restarts + 1,
+                        **({"never_started": True} if never else {})})
+    return say(RESCUED, f"{reason}: continued in job {new_job}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rollhpc.launch.rescue", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("job_id", help="the run's job this rescue waited for")
+    p.add_argument("--max-restarts", type=int, default=5, help="restarts of the run, at most (cluster.max_restarts)")
+    args = p.parse_args(argv)
+    return cmd_rescue(args.run_dir, args.job_id, args.max_restarts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
