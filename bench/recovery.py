@@ -9,6 +9,13 @@ checkpoint is logged in metrics.jsonl (polled every 50 ms):
                     the controller notices at once, Slurm marks the node DOWN (SlurmdTimeout) and requeues
   slurm-node-back   the same, but the node's slurmd is back 2 s later, before Slurm noticed: the batch
                     script ends the step srun would wait on forever and requeues without the node
+  slurm-sync-crash  the trainer's node dies inside a weight sync (the sender held half-way by a test hook,
+                    the generator blocked in the broadcast): the generator's gloo error surfaces first and
+                    is classified as the echo of the lost trainer (rollhpc.controller.failure), not as a
+                    failure of the run's own
+  slurm-batch-crash the batch node dies after step 5 (controller, generator, reward worker and the batch
+                    script with it) and is back 8 s later: nobody is left to continue the run but the job's
+                    rescue job, which Slurm starts once the job has ended NODE_FAIL (rollhpc.launch.rescue)
   slurm-time-limit  Slurm's time-limit warning (--signal=B:USR1@N) arrives: the controller checkpoints after
                     its current step, exits 75, the batch script requeues the job; timed from the warning
 
@@ -162,10 +169,15 @@ class Cluster:
         return m.group(1) if m else "UNKNOWN"
 
     def ended(self, run_dir: Path) -> str | None:
-        """The state of the run's last job if it has ended, else None (a restart continues the run in a new
-        job: RUN_DIR/slurm/job_id names the current one)."""
+        """The state of the run's last job if it has ended and its rescue job has nothing more to do, else None
+        (a restart continues the run in a new job: RUN_DIR/slurm/job_id names the current one)."""
+        from rollhpc.launch.resubmit import rescue_jobs
+
         job_id = (run_dir / "slurm" / "job_id").read_text().strip()
         state = self.job_state(job_id)
+        rescue = rescue_jobs(run_dir).get(job_id)
+        if rescue and self.job_state(rescue) not in (*JOB_ENDED, "UNKNOWN"):
+            return None  # it decides whether the run goes on
         return state if state in JOB_ENDED and job_id == (run_dir / "slurm" / "job_id").read_text().strip() else None
 
     def wait_done(self, run_dir: Path, timeout: float = 600) -> str:
@@ -209,14 +221,28 @@ def submit(cluster: Cluster, model: Path, work: Path, *extra: str, env: dict[str
     return (work / "runs" / "rq" / "slurm" / "job_id").read_text().strip()
 
 
-def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: float | None = None) -> dict:
-    """The trainer's node dies; it stays down (Slurm marks it DOWN after SlurmdTimeout), or with
-    ``back_after_s`` its slurmd returns that soon, before Slurm noticed anything."""
+def holding_weight_sync(run_dir: Path, nth: int) -> bool:
+    """Whether the trainer's log says the test hook holds its ``nth`` weight sync half-way."""
+    return any(f"holding the weight sync {nth} " in p.read_text(errors="replace")
+               for p in (run_dir / "logs").glob("rank*-train.log"))
+
+
+def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: float | None = None,
+                     target: str = "train", in_sync: bool = False) -> dict:
+    """A node of the run dies after step 5 (``target``: the trainer's, or the batch node); it stays down (Slurm
+    marks it DOWN after SlurmdTimeout), or with ``back_after_s`` its slurmd returns that soon. ``in_sync``: the
+    crash lands inside the 6th weight sync, the sender held there by ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC."""
     run_dir = work / "runs" / "rq"
-    job_id = submit(cluster, model, work)
-    poll("step 5", lambda: last_step(run_dir) >= 5, 300)
-    world = json.loads((run_dir / "world.json").read_text())
-    (host,) = {w["host"] for w in world if w["role"] == "train"}
+    job_id = submit(cluster, model, work, env={"ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC": "6:120"} if in_sync else None)
+    if in_sync:
+        poll("the 6th weight sync, held", lambda: holding_weight_sync(run_dir, 6), 300, every=0.1)
+    else:
+        poll("step 5", lambda: last_step(run_dir) >= 5, 300)
+    if target == "train":
+        world = json.loads((run_dir / "world.json").read_text())
+        (host,) = {w["host"] for w in world if w["role"] == "train"}
+    else:
+        host = [e for e in read_events(run_dir) if e["event"] == "start"][-1]["batch_host"]
     failed_after = last_step(run_dir)
     t_fail = time.time()
     cluster.script("node-crash", str(cluster.dir), host)
@@ -225,7 +251,8 @@ def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: fl
         cluster.script("node-start", str(cluster.dir), host)
     parts: dict[str, float] = {}
     try:
-        # the attempt is over once the batch script has arranged the restart (a new job), or Slurm ended it
+        # the attempt is over once the batch script (or the rescue job) has arranged the restart (a new job), or
+        # Slurm ended it
         poll("the attempt to end", lambda: event_after(run_dir, "requeue", 0) or cluster.job_state(job_id) != "RUNNING",
              300, every=0.1)
         parts["attempt_ended_s"] = time.time() - t_fail
@@ -236,6 +263,9 @@ def slurm_node_crash(cluster: Cluster, model: Path, work: Path, back_after_s: fl
     finally:
         cluster.script("node-start", str(cluster.dir), host)
         cluster.settle(host)
+    requeue = event_after(run_dir, "requeue", 0) or {}
+    row["restarted_by"] = requeue.get("by", "batch script")
+    row["failure"] = (requeue.get("failure") or {}).get("kind")
     row["steps_redone"] = steps_redone(run_dir, failed_after)
     row["finished"] = state == "COMPLETED" and last_step(run_dir) == STEPS
     return row
@@ -270,7 +300,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=1, help="runs of each scenario (the median is reported)")
     p.add_argument("--slurm-dir", type=Path, help="a running local-cluster.sh directory (default: start one)")
-    p.add_argument("--scenarios", default="local-kill,slurm-node-crash,slurm-node-back,slurm-time-limit")
+    p.add_argument("--scenarios", default="local-kill,slurm-node-crash,slurm-node-back,slurm-sync-crash,"
+                                          "slurm-batch-crash,slurm-time-limit")
     p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
     args = p.parse_args()
 
@@ -283,39 +314,56 @@ def main() -> int:
     scenarios = args.scenarios.split(",")
     cluster = Cluster(args.slurm_dir) if any(s.startswith("slurm") for s in scenarios) else None
     rows: dict[str, list[dict]] = {}
+    runners = {"local-kill": lambda work: local_kill(model, work),
+               "slurm-node-crash": lambda work: slurm_node_crash(cluster, model, work),
+               "slurm-node-back": lambda work: slurm_node_crash(cluster, model, work, back_after_s=2.0),
+               "slurm-sync-crash": lambda work: slurm_node_crash(cluster, model, work, in_sync=True),
+               "slurm-batch-crash": lambda work: slurm_node_crash(cluster, model, work, back_after_s=8.0,
+                                                                  target="batch"),
+               "slurm-time-limit": lambda work: slurm_time_limit(cluster, model, work)}
+    if unknown := [n for n in scenarios if n not in runners]:
+        raise SystemExit(f"unknown scenario(s) {unknown}; known: {', '.join(runners)}")
     try:
         for name in scenarios:
             for i in range(args.repeats):
                 work = root / f"{name}-{i}"
                 work.mkdir()
-                if name == "local-kill":
-                    row = local_kill(model, work)
-                elif name == "slurm-node-crash":
-                    row = slurm_node_crash(cluster, model, work)
-                elif name == "slurm-node-back":
-                    row = slurm_node_crash(cluster, model, work, back_after_s=2.0)
-                elif name == "slurm-time-limit":
-                    row = slurm_time_limit(cluster, model, work)
-                else:
-                    raise SystemExit(f"unknown scenario {name!r}")
+                try:
+                    row = runners[name](work)
+                except RuntimeError as e:  # a run that did not recover: recorded, and the next one goes on
+                    row = {"error": str(e), "finished": False}
+                    run_dir = work / "runs" / "rq"
+                    if cluster is not None and (run_dir / "slurm" / "job_id").exists():  # its jobs and rescues
+                        from rollhpc.launch.resubmit import rescue_jobs
+
+                        jobs = [(run_dir / "slurm" / "job_id").read_text().strip(),
+                                *(x for kv in rescue_jobs(run_dir).items() for x in kv)]
+                        subprocess.run(["scancel", *jobs], env=cluster.env, capture_output=True, timeout=60)
                 print(f"{name} #{i}: {json.dumps(row)}", flush=True)
                 rows.setdefault(name, []).append(row)
     finally:
         if cluster is not None:
             cluster.down()
-    summary = {name: {"recovery_s_median": statistics.median(r["recovery_s"] for r in rs), "runs": rs}
-               for name, rs in rows.items()}
+    summary = {}
+    for name, rs in rows.items():
+        done = [r["recovery_s"] for r in rs if r.get("finished") and r.get("recovery_s") is not None]
+        summary[name] = {"finished": len(done), "runs_total": len(rs),
+                         "recovery_s_median": statistics.median(done) if done else None,
+                         "recovery_s_max": max(done) if done else None, "runs": rs}
     result = {"benchmark": "recovery", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "run": {"steps": STEPS, "checkpoint_every": 2, "model": "tiny random Qwen2 (TinyModelSpec())",
                       "roles": "controller, megatron train, vllm generate, math reward (4 MPI ranks)"},
               "slurmd_timeout_s": 5, "scenarios": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
     for name, s in summary.items():
-        print(f"{name:18s} failure -> first new step: {s['recovery_s_median']:.1f} s (median of {len(s['runs'])})")
+        median = "-" if s["recovery_s_median"] is None else f"{s['recovery_s_median']:.1f} s"
+        print(f"{name:18s} {s['finished']}/{s['runs_total']} finished; failure -> first new step: {median} (median)")
     print(f"results: {args.out}")
-    return 0
+    return 0 if all(s["finished"] == s["runs_total"] for s in summary.values()) else 1
 
 
 if __name__ == "__main__":

@@ -246,7 +246,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"rollhpc status: {e}", file=sys.stderr)
         return 2
     job_id = status.job_id_of(run_dir)
-    report = status.build_report(run_dir, job_id, None if job_id is None else status.query_slurm(job_id))
+    from rollhpc.launch.resubmit import rescue_jobs
+
+    rescue_id = rescue_jobs(run_dir).get(job_id) if job_id else None
+    report = status.build_report(run_dir, job_id, None if job_id is None else status.query_slurm(job_id),
+                                 rescue_id=rescue_id, rescue=status.query_slurm(rescue_id) if rescue_id else None)
     print(json.dumps(report, indent=1) if args.json else "\n".join(status.render(report)))
     return 0
 

@@ -150,6 +150,42 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
 
 
+def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_own_error_ends_it(tmp_path,
+                                                                                                 monkeypatch):
+    """The batch script's side of the controller's verdict (rollhpc.controller.failure): a lost peer with no
+    node to blame restarts without excluding any; the same failure at the same step right after a restart is
+    deterministic and ends the run; an error of the run's own code ends it at once, and says why."""
+    from rollhpc.launch import requeue
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("ROLLHPC_RESTART_BASE", raising=False)
+    monkeypatch.setattr(requeue, "_excluded_now", lambda comp: set())
+    submitted = []
+    monkeypatch.setattr(requeue, "resubmit", lambda run_dir, exclude, n: (submitted.append(exclude), ("124", ""))[1])
+    (tmp_path / "world.json").write_text("[]")
+    sig = "lost_peer|generate|receive_weights|RuntimeError|Connection closed by peer|5"
+    peer = {"kind": "lost_peer", "summary": "gloo: Connection closed by peer", "signature": sig, "step": 5}
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
+    assert requeue.main(["after", str(tmp_path), "1"]) == 0
+    (requeue_event,) = [e for e in read_events(tmp_path) if e["event"] == "requeue"]
+    assert submitted == [set()] and requeue_event["failure"]["kind"] == "lost_peer"
+    assert requeue_event["reason"].startswith("a lost peer: gloo: Connection closed by peer")
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "1")  # the restarted attempt meets it again, at the same step
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
+    assert requeue.main(["after", str(tmp_path), "1"]) == requeue.EXIT_WORKER_LOST and len(submitted) == 1
+    end = read_events(tmp_path)[-1]
+    assert end["event"] == "end" and end["final"] and "the same failure twice in a row at step 5" in end["reason"]
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "2")  # the same error at a later step is another occurrence
+    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, {**peer, "signature": sig[:-1] + "7"})
+    assert requeue.main(["after", str(tmp_path), "1"]) == 0 and len(submitted) == 2
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "3")
+    requeue.record_controller_exit(tmp_path, 1, {"kind": "error", "summary": "ValueError: bad row", "signature": "x"})
+    assert requeue.main(["after", str(tmp_path), "1"]) == 1 and len(submitted) == 2
+    end = read_events(tmp_path)[-1]
+    assert end["final"] and end["failure"]["kind"] == "error" and "not restarted" in end["reason"]
+
+
 def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path, monkeypatch):
     from rollhpc.launch import requeue
 

@@ -180,3 +180,34 @@ def test_held_job_on_real_slurm_is_reported_and_released_by_the_wait(slurm_clust
     releases = [e for e in read_events(run) if e["event"] == "release"]
     assert [(e["job_id"], e["slurm_restart_count"], e["ok"]) for e in releases] == [(job, 0, True), (job, 1, True)]
     assert "held by Slurm (job requeued in held state)" in releases[1]["reason"]
+
+
+def test_a_job_ended_with_its_rescue_pending_is_recovering_and_the_last_failure_is_named(tmp_path):
+    lost = {**REQUEUE, "failure": {"kind": "lost_worker", "hosts": ["node2"], "summary": "worker rank 3 (role "
+                                   "'train') died; the error that surfaced first was its echo: ... gloo ..."}}
+    run = run_dir_with(tmp_path, events=[START, lost, START])
+    view = status.SlurmView(True, "sacct", [{"JobId": f"{JOB}+0", "JobState": "NODE_FAIL"}])
+    rescue = status.SlurmView(True, "scontrol", [{"JobId": "4250", "JobState": "PENDING"}])
+    report = status.build_report(run, JOB, view, rescue_id="4250", rescue=rescue)
+    assert report["state"] == "recovering"
+    assert report["advice"][0].startswith(f"job {JOB} ended NODE_FAIL before its batch script could continue the "
+                                          "run: its rescue job 4250 (PENDING) continues it from step_000004")
+    text = "\n".join(status.render(report))
+    assert "last failure   a lost worker (node or process gone), restarted without node2" in text
+    assert "rescue job     4250 (PENDING)" in text
+    # once the rescue has gone the way of the job, its word is in restarts.jsonl: the usual verdicts follow
+    done = status.SlurmView(True, "sacct", [{"JobId": "4250", "JobState": "CANCELLED"}])
+    assert status.build_report(run, JOB, view, rescue_id="4250", rescue=done)["state"] == "ended"
+
+
+def test_the_same_failure_twice_and_an_error_of_the_runs_own_are_failed_runs(tmp_path):
+    twice = {"time": "2026-01-01T10:09:00+0000", "event": "end", "status": 76, "final": True,
+             "failure": {"kind": "lost_peer", "summary": "gloo: Connection closed by peer"},
+             "reason": "the same failure twice in a row at step 5 with no node found lost (...): taken as "
+                       "deterministic, not restarted again"}
+    report = report_for(run_dir_with(tmp_path, events=[START, REQUEUE, START, twice]), sacct={f"{JOB}+0": "FAILED"})
+    assert report["state"] == "failed" and report["advice"][0].startswith("not restarted again: the same failure")
+    own = {**twice, "status": 1, "failure": {"kind": "error", "summary": "ValueError: bad row"}, "reason": "..."}
+    report = report_for(run_dir_with(tmp_path / "b", events=[START, own]), sacct={f"{JOB}+0": "FAILED"})
+    assert report["state"] == "failed" and "an error of the run's own" in report["advice"][0]
+    assert "last failure   an error of the run's own, ended" in "\n".join(status.render(report))

@@ -186,9 +186,21 @@ def _error(run_dir: Path) -> dict[str, Any] | None:
 
 # ---- the report ----
 
-def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None) -> dict[str, Any]:
+def last_failure(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The newest failure verdict in restarts.jsonl (``rollhpc.controller.failure``, recorded with the restart or
+    end it led to), with what followed: "restarted" or "ended"."""
+    for e in reversed(events):
+        if e.get("failure"):
+            return {**e["failure"], "then": "restarted" if e.get("event") == "requeue" else "ended",
+                    "time": e.get("time", "")}
+    return None
+
+
+def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None, *, rescue_id: str | None = None,
+                 rescue: SlurmView | None = None) -> dict[str, Any]:
     """Everything ``rollhpc status`` says, as JSON-able data: the run directory's part, Slurm's part
-    (``slurm`` None: no job recorded), and the verdict (``state``) with what to do about it (``advice``)."""
+    (``slurm`` None: no job recorded; ``rescue``: what Slurm says of the job's rescue job, ``rescue_id``),
+    and the verdict (``state``) with what to do about it (``advice``)."""
     run_dir = Path(run_dir)
     step, step_note = _last_step(run_dir)
     events = read_events(run_dir)
@@ -201,7 +213,9 @@ def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None) -> 
         # Slurm's own requeues (a lost batch node) log no requeue, only the next start
         "restarts": {"restarts": max(starts - 1, requeues), "attempts": starts, "requeues": requeues,
                      "events": len(events), "last": events[-LAST_EVENTS:]},
-        "checkpoint": _checkpoint(run_dir), "error": _error(run_dir),
+        "checkpoint": _checkpoint(run_dir), "error": _error(run_dir), "last_failure": last_failure(events),
+        "rescue": None if rescue_id is None else {"job_id": rescue_id, "states": sorted(
+            {c.get("JobState", "") for c in (rescue.components if rescue else [])}) or ["unknown to Slurm"]},
         "job_output": [str(p) for p in sorted((run_dir / "slurm").glob("job-*.out"))],
     }
     report["state"], report["advice"] = verdict(report, events)
@@ -209,15 +223,17 @@ def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None) -> 
 
 
 def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """(state, advice): held, pending, running, finished, gave_up, ended (badly, or short of its steps),
-    local or unknown. Slurm's word comes first (a live job is what Slurm says), then the run directory's."""
+    """(state, advice): held, pending, running, recovering (the job ended; its rescue job continues the run),
+    finished, gave_up, failed (an error of its own, or the same failure twice), ended (badly, or short of its
+    steps), local or unknown. Slurm's word comes first (a live job is what Slurm says), then the run directory's."""
     job_id, run_dir = report["job_id"], Path(report["run_dir"])
     slurm = report["slurm"] or {}
     comps = slurm.get("components", [])
     held = [why for c in comps if (why := held_reason(c))]
     if held:
-        return "held", [held_notice(job_id, held[0]), "(`rollhpc submit --wait` releases it itself, once per "
-                        "attempt, with cluster.release_held=true)"]
+        return "held", [held_notice(job_id, held[0]), "(the run's own jobs are --no-requeue, so Slurm never holds "
+                        "them after a failed launch: a person or the site held this one; `rollhpc submit --wait` "
+                        "releases it itself, once per attempt, with cluster.release_held=true)"]
     active = [c for c in comps if c.get("JobState") not in TERMINAL]
     if active and all(c.get("JobState") == "PENDING" for c in active):
         return "pending", [f"waiting for Slurm to start it (reason: {active[0].get('Reason') or 'none given'}); "
@@ -225,6 +241,14 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
     if active:
         return "running", ["nothing to do: after a time limit or a lost node it continues by itself (in a new "
                            "job, which RUN_DIR/slurm/job_id and this command follow)"]
+    rescue = report.get("rescue") or {}
+    if comps and any(st not in TERMINAL and st != "unknown to Slurm" for st in rescue.get("states", [])):
+        states = "/".join(sorted({c.get("JobState", "") for c in comps}))
+        good = report["checkpoint"]["newest_good"]
+        return "recovering", [f"job {job_id} ended {states} before its batch script could continue the run: its "
+                              f"rescue job {rescue['job_id']} ({'/'.join(rescue['states'])}) continues it "
+                              f"{'from ' + good['name'] if good else 'from the start'} in a new job as soon as "
+                              "Slurm starts it; nothing to do"]
     if report["finished"] or (report["step"] is not None and report["step"] == report["steps"]
                               and report["error"] is None):
         why = f" ({report['finished']})" if report["finished"] else ""
@@ -232,6 +256,11 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
     last = events[-1] if events else {}
     if last.get("event") == "end" and "giving up" in str(last.get("reason", "")):
         return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
+    if last.get("event") == "end" and "the same failure twice in a row" in str(last.get("reason", "")):
+        return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
+    if last.get("event") == "end" and (last.get("failure") or {}).get("kind") == "error":
+        return "failed", ["an error of the run's own code or data ended it (a restart would meet it again): fix "
+                          "it, then continue", *_resume_advice(report)]
     bad = sorted({c.get("JobState", "") for c in comps} & ENDED_BADLY)
     if bad:
         return "ended", [f"the job ended {', '.join(bad)}", *_resume_advice(report)]
@@ -279,6 +308,17 @@ def render(report: Mapping[str, Any]) -> list[str]:
     lines += [f"  skipped: {s}" for s in ck["skipped"]]
     if report["error"]:
         lines.append(f"error          {report['error']['summary']}")
+    if failure := report.get("last_failure"):
+        kind = {"lost_worker": "a lost worker (node or process gone)", "lost_peer": "a lost peer (a communication "
+                "error or timeout, no node found gone)", "world_not_formed": "the MPI world did not form",
+                "error": "an error of the run's own", "interrupted": "a signal (scancel, Ctrl-C)"}
+        lines.append(f"last failure   {kind.get(failure.get('kind'), failure.get('kind'))}, {failure['then']}"
+                     + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")
+                     + (f" ({failure['time']})" if failure.get("time") else ""))
+        lines.append(f"  {failure.get('summary', '')[:400]}")
+    if report.get("rescue"):
+        lines.append(f"rescue job     {report['rescue']['job_id']} ({'/'.join(report['rescue']['states'])}): "
+                     "continues the run should this job end without its batch script")
     lines += ["", f"{report['state']}: {report['advice'][0]}", *(f"  {a}" for a in report["advice"][1:])]
     return lines
 

@@ -1,0 +1,87 @@
+"""The controller's verdict on a failure (rollhpc.controller.failure): which error is the echo of a lost node,
+which is a lost peer, which is the run's own; decided in a bounded look, not by which error came first.
+
+The liveness probes are plain functions here; the real ones (sideband, Slurm's node states) are exercised by
+the chaos tests on the local Slurm (tests/test_requeue.py)."""
+
+from __future__ import annotations
+
+import time
+
+from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
+from rollhpc.controller.failure import (ERROR, LOST_PEER, LOST_WORKER, StalledCall, classify,
+                                        is_communication_error)
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+              "[127.0.0.1]:60044")
+
+
+def gen_error(message: str = GLOO_RESET, err_type: str = "RuntimeError") -> WorkerError:
+    return WorkerError(f"worker rank 1 (role 'generate') raised {err_type} in 'receive_weights': {message}",
+                       "Traceback ...", role="generate", method="receive_weights", err_type=err_type,
+                       message=message)
+
+
+def test_communication_errors_are_recognised_by_type_and_message_only():
+    assert is_communication_error("RuntimeError", GLOO_RESET)
+    assert is_communication_error("RuntimeError", "[gloo/transport/tcp/pair.cc:537] Read error [10.0.0.2]:1234: "
+                                                   "Connection reset by peer")
+    assert is_communication_error("DistBackendError", "NCCL error in: ProcessGroupNCCL.cpp:1970, remote process "
+                                                      "exited or there was a network error")
+    assert is_communication_error("DistNetworkError", "failed to recv, got 0 bytes")
+    assert not is_communication_error("ValueError", "reward function returned None for sample 3")
+    assert not is_communication_error("KeyError", "'answer'")
+
+
+def test_a_communication_error_while_a_worker_is_found_dead_is_that_workers_loss():
+    """The generator's gloo error arrives first; the trainer's death shows a moment later: a lost worker on
+    the trainer's node (its host to exclude), the generator's error named as the echo."""
+    t0 = time.monotonic()
+    dead = WorkerDied("worker rank 3 (role 'train') died while running 'broadcast_weights'", host="node2")
+
+    def dead_worker(settle_s: float) -> WorkerDied | None:
+        return dead if time.monotonic() - t0 > 0.3 else None
+
+    exc, verdict = classify(gen_error(), dead_worker, lambda: [], settle_s=5.0, step=5)
+    assert verdict.kind == LOST_WORKER and verdict.hosts == ["node2"] and verdict.restartable
+    assert isinstance(exc, WorkerDied) and exc.host == "node2"
+    assert "its echo" in exc.summary and "receive_weights" in verdict.cause
+    assert time.monotonic() - t0 < 2.0, "decided as soon as the death was seen, not after the whole look"
+
+
+def test_slurm_saying_a_node_is_down_is_a_lost_worker_too():
+    exc, verdict = classify(gen_error(), lambda s: None, lambda: ["node4"], lambda h: ["rank 2 train"],
+                            settle_s=5.0)
+    assert verdict.kind == LOST_WORKER and verdict.hosts == ["node4"]
+    assert "node4 (rank 2 train) of the run is down or not responding" in exc.summary
+
+
+def test_a_communication_error_with_nobody_dead_is_a_lost_peer_after_the_whole_look():
+    t0 = time.monotonic()
+    exc, verdict = classify(gen_error(), lambda s: None, lambda: [], settle_s=0.5, step=7)
+    assert time.monotonic() - t0 >= 0.5
+    assert verdict.kind == LOST_PEER and verdict.restartable and verdict.hosts == []
+    assert verdict.signature.startswith("lost_peer|generate|receive_weights|RuntimeError|") and \
+        verdict.signature.endswith("|7")
+    # the same failure again, from another port and pid, has the same signature: deterministic if it repeats
+    _, again = classify(gen_error(GLOO_RESET.replace("60044", "41999").replace("553", "553")), lambda s: None,
+                        lambda: [], settle_s=0.0, step=7)
+    assert again.signature == verdict.signature
+    _, later = classify(gen_error(), lambda s: None, lambda: [], settle_s=0.0, step=8)
+    assert later.signature != verdict.signature, "at another step it is another occurrence"
+
+
+def test_timeouts_and_stalls_are_lost_peers():
+    for exc in (CallTimeout("train_step: no reply within 900 s from rank 3"),
+                StalledCall("an MPI call on the controller has not returned for 30 s")):
+        _, verdict = classify(exc, lambda s: None, lambda: [], settle_s=0.0)
+        assert verdict.kind == LOST_PEER, exc
+
+
+def test_an_error_of_the_runs_own_code_ends_the_run_after_a_short_look():
+    t0 = time.monotonic()
+    exc = gen_error("reward function returned None for sample 3", "ValueError")
+    same, verdict = classify(exc, lambda s: None, lambda: [], settle_s=30.0, step=2)
+    assert time.monotonic() - t0 < 2.0, "a plain error waits no communication error's look"
+    assert same is exc and verdict.kind == ERROR and not verdict.restartable
+    assert verdict.record()["summary"].startswith("worker rank 1 (role 'generate') raised ValueError")
