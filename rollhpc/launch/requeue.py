@@ -451,11 +451,15 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
     started = time.monotonic()
     while _alive(srun_pid) and not (how := controller_ended(run_dir)):
         if (world_timeout_s is not None and time.monotonic() - started > world_timeout_s
-                and not (Path(run_dir) / WORLD).exists() and startup_failure(run_dir) is None):
-            how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
-                   f"(srun or the process manager is stuck before the ranks run)")
-            record_startup_failure(run_dir, this_host(), how)
-            grace_s = 0
+                and not (Path(run_dir) / WORLD).exists()):
+            failed = startup_failure(run_dir)
+            if failed is None:
+                how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
+                       f"(srun or the process manager is stuck before the ranks run)")
+                record_startup_failure(run_dir, this_host(), how)
+                grace_s = 0
+            else:  # the ranks' guards gave up, and srun waits on: for a task on a node lost while the world formed
+                how = f"the MPI world did not form ({failed['why']})"  # whose slurmd came back knowing nothing
             break
         time.sleep(poll_s)
     if how is None:

@@ -18,9 +18,9 @@ and a requeued job whose relaunch fails would be held forever ("launch failed re
 What the rescue never does: start a second copy of a live run (it leaves when any job of the run is pending or
 running), restart a finished run (its last step's checkpoint, or a clean end), undo a decision (the run's
 last event is a final end: an error of its own, out of restarts, requeue off), override a person (a job
-cancelled with scancel stays cancelled), or go beyond ``cluster.max_restarts``. Jobs that end twice in a row
-without ever starting the run (a broken environment) end it too. Each decision is a line in
-RUN_DIR/restarts.jsonl, which ``rollhpc status`` shows.
+cancelled with scancel stays cancelled), or go beyond ``cluster.max_restarts`` (which also bounds jobs that
+keep ending before they start the run, a broken environment: their batch hosts are excluded as they fail).
+Each decision is a line in RUN_DIR/restarts.jsonl, which ``rollhpc status`` shows.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollhpc.launch.requeue import (FAILED_NODES, finished_run, log_event, read_events)
+from rollhpc.launch.requeue import FAILED_NODES, finished_run, log_event, read_events
 from rollhpc.launch.resubmit import current_job, expand_hostlist, job_alive, resubmit
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
 NOTHING = "nothing to do"  # ... when the run needs nothing from it
-ENDED = "ended"  # ... when it ended the run for good (out of restarts, cancelled, never starting)
+ENDED = "ended"  # ... when it ended the run for good (out of restarts, cancelled, no job to submit)
 
 
 def final_end(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -121,24 +121,20 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
                             "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
                                       f"slurm/resume.sh {run_dir}"})
         return say(ENDED, "cancelled by a person: left cancelled")
-    started = [e for e in events if e.get("event") == "start"]
     restarts = restarts_so_far(events)
     if restarts >= max_restarts:
         log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
                             "reason": f"job {job_id} ended {how} without continuing the run, and the run already "
                                       f"restarted {restarts} times (max_restarts={max_restarts}): giving up"})
         return say(ENDED, "out of restarts")
-    never = not any(e.get("job_id") == job_id for e in started)
-    requeues = [e for e in events if e.get("event") == "requeue"]
-    if never and requeues and requeues[-1].get("by") == "rescue" and requeues[-1].get("never_started"):
-        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
-                            "reason": f"job {job_id} ended {how} before it started the run, as the job before it "
-                                      "did: the batch script cannot start here (see the jobs' output); giving up"})
-        return say(ENDED, "two jobs in a row never started the run")
+    never = not any(e.get("event") == "start" and e.get("job_id") == job_id for e in events)
     exclude = set()
     for r in records:
         if r.get("ExcNodeList") and r["ExcNodeList"] != "(null)":
             exclude |= expand_hostlist(r["ExcNodeList"])
+        # a launch that failed: Slurm may pick that node again before it marks it DOWN (a restart each time)
+        if never and r.get("BatchHost") and r["BatchHost"] != "(null)":
+            exclude.add(r["BatchHost"])
     try:
         exclude |= set(json.loads((run_dir / FAILED_NODES).read_text()))
     except (FileNotFoundError, ValueError):
@@ -153,8 +149,7 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
               f"job {job_id} ended {how} without continuing the run (its batch script was lost with its node, "
               "or Slurm ended the job first)")
     log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "by": "rescue",
-                        "reason": reason, "exclude": sorted(exclude), "restart": restarts + 1,
-                        **({"never_started": True} if never else {})})
+                        "reason": reason, "exclude": sorted(exclude), "restart": restarts + 1})
     return say(RESCUED, f"{reason}: continued in job {new_job}")
 
 
