@@ -243,8 +243,9 @@ class ClusterConfig:
     # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: cluster.partition
     rescue_partition: str = ""
     stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
-    # a job Slurm left held after a failed relaunch ("launch failed requeued held"): `rollhpc submit --wait`
-    # releases it, once per attempt, when true; otherwise it says which command releases it
+    # a held job (a person's or the site's hold: the run's own jobs are --no-requeue, so Slurm never leaves them
+    # "launch failed requeued held"): `rollhpc submit --wait` releases it, once per attempt, when true;
+    # otherwise it says which command releases it
     release_held: bool = False
     # once the controller has ended, how long srun may take to end by itself before the batch script ends
     # the step: srun can wait forever for a task on a lost node that came back under a new slurmd. The

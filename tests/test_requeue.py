@@ -22,6 +22,7 @@ import pytest
 from rollhpc.faults import CHECKPOINT_DELAY as DELAY_ENV
 from rollhpc.faults import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
 from rollhpc.launch.requeue import read_events
+from rollhpc.launch.resubmit import rescue_jobs
 from rollhpc.observability.metrics import read_metrics
 from tests.slurm_cluster import TERMINAL_STATES
 from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
@@ -495,12 +496,14 @@ def job_output(run_dir: Path, tail: int | None = 4000) -> str:
 
 def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> str:
     """The state of the run's last job once it has ended for good: a restart continues the run in a new job
-    (RUN_DIR/slurm/job_id names it), and a job Slurm requeued passes through PENDING again."""
+    (RUN_DIR/slurm/job_id names it), submitted by the batch script or by the ended job's rescue job."""
     deadline = time.monotonic() + timeout
     while True:
         current = (run_dir / "slurm" / "job_id").read_text().strip()
         records = slurm_cluster.job_records(current)
-        if records and all(r.get("JobState") in TERMINAL_STATES for r in records) and \
+        rescue = rescue_jobs(run_dir).get(current)  # a job that ended on its own: its rescue decides what follows
+        rescuing = rescue and any(r.get("JobState") not in TERMINAL_STATES for r in slurm_cluster.job_records(rescue))
+        if records and all(r.get("JobState") in TERMINAL_STATES for r in records) and not rescuing and \
                 (run_dir / "slurm" / "job_id").read_text().strip() == current:
             return records[0]["JobState"]
         if time.monotonic() > deadline:
@@ -588,48 +591,68 @@ def committed(run_dir: Path, step: int) -> bool:
     return CheckpointStore(run_dir / "checkpoints").latest_step() == step
 
 
+def holding(run_dir: Path, what: str) -> bool:
+    """Whether a rank's log says a test hook holds it (rollhpc.faults): ``what`` as the hook words it."""
+    return any(what in p.read_text(errors="replace") for p in (run_dir / "logs").glob("rank*.log"))
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chaos_a_node_back_within_slurmd_timeout_then_the_batch_node_lost(
+def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a_node_lost_while_the_world_forms(
         slurm_cluster, tmp_path, tiny_model, uninterrupted):
-    """Two crashes in one run.
-    1. The trainer's node dies while checkpoint 6 is being written and its slurmd is back 2 s later, before
-       Slurm could mark the node DOWN: srun waits for a task nobody knows any more. The controller has named
-       the node already (76): the batch script ends the step after its grace and requeues without the node
-       (before: the job sat idle until another node was crashed).
-    2. In the next attempt, with checkpoint 6 committed, the batch node itself dies (controller, generator,
-       reward worker and the batch script) and stays down: Slurm notices, requeues the job, and the third
-       attempt resumes from checkpoint 6 on the nodes left."""
+    """Three node crashes in one run, with nobody waiting on a login node and no person acting.
+    1. The trainer's node dies inside the 5th weight sync (the sender held half-way by a test hook, the
+       generator blocked in the broadcast): the generator's gloo error reaches the controller first and is
+       classified as the echo of the trainer's loss (before: "run failed ... raised RuntimeError in
+       'receive_weights'", exit 1, no restart).
+    2. 0.3 s later, while that failure is being handled, the batch node dies too (controller, generator, reward
+       worker and the batch script). Both are back 8 s later. The batch script cannot continue the run; the job
+       is never requeued by Slurm, so never held: it ends NODE_FAIL and its rescue job continues the run.
+    3. While the rescued attempt's world forms, its trainer's node dies and is back 8 s later; that attempt
+       ends too and the run continues in a third.
+    The run ends COMPLETED, every step logged once, with the uninterrupted run's weights."""
+    from rollhpc.faults import HOLD_IN_WEIGHT_SYNC
+
     run_dir = tmp_path / "runs" / "rq"
-    job_id = submit(slurm_cluster, tmp_path, tiny_model, env={DELAY_ENV: "6:600", HOLD_AFTER_CHECKPOINT: "6:120"})
-    ckpts = run_dir / "checkpoints"
-    wait_for("checkpoint 6 being written", lambda: (ckpts / "step_000004").is_dir() and any(
-        (p / "controller" / "state.json").exists() for p in ckpts.glob(".step_000006.tmp-*")), 300)
-    lost = train_host(run_dir)
-    node(slurm_cluster, "node-crash", lost)
-    time.sleep(2)
-    node(slurm_cluster, "node-start", lost)
-    wait_for("checkpoint 6 of the second attempt", lambda: len(starts(run_dir)) == 2 and committed(run_dir, 6), 300,
-             run_dir=run_dir)
-    batch = starts(run_dir)[1]["batch_host"]
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, env={HOLD_IN_WEIGHT_SYNC: "5:120"})
+    wait_for("the 5th weight sync, held", lambda: (run_dir / "logs").is_dir() and holding(
+        run_dir, "holding the weight sync 5 "), 300, run_dir=run_dir)
+    lost, batch = train_host(run_dir), starts(run_dir)[0]["batch_host"]
     try:
+        node(slurm_cluster, "node-crash", lost)
+        time.sleep(0.3)
         node(slurm_cluster, "node-crash", batch)
-        state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
+        time.sleep(8)
     finally:
         node(slurm_cluster, "node-start", batch)
+        node(slurm_cluster, "node-start", lost)
+    second = wait_for("the rescued attempt's start", lambda: len(starts(run_dir)) >= 2 and starts(run_dir)[1], 300,
+                      run_dir=run_dir)
+    forming = [n for n in second["nodes"] if n != second["batch_host"]][0]
+    world_formed = (run_dir / "world.json").exists()
+    try:
+        node(slurm_cluster, "node-crash", forming)
+        time.sleep(8)
+    finally:
+        node(slurm_cluster, "node-start", forming)
+    assert not world_formed, "the third crash was meant to land while the world forms"
+    state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=500)
     assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
+    controller_log = (run_dir / "logs" / "rank0-controller.log").read_text()
+    assert "failure classified as lost_worker" in controller_log
+    assert re.search(r"role 'train'.*died while running 'broadcast_weights'.*the error that surfaced first was its "
+                     r"echo: worker rank \d \(role 'generate'.*in 'receive_weights'", controller_log), controller_log
     events = read_events(run_dir)
-    ended = [e for e in events if e["event"] == "step-ended"]  # the first: srun waiting for the lost node
-    assert "the controller ended with status 76" in ended[0]["reason"], ended
-    (requeued,) = [e for e in events if e["event"] == "requeue"]  # the batch node's loss: Slurm requeued
-    assert requeued["exclude"] == [lost] and "worker lost" in requeued["reason"], requeued
+    rescued = [e for e in events if e["event"] == "requeue" and e.get("by") == "rescue"]
+    assert rescued and "NODE_FAIL" in rescued[0]["reason"] and rescued[0]["job_id"] == job_id, events
+    assert not [e for e in events if e["event"] == "release"], "no held job, nothing released"
     attempts = starts(run_dir)
-    assert [a["previous_attempt"] for a in attempts[1:]] == [
-        "requeue", "killed without a report (its batch node lost, or scancel)"], attempts
-    assert lost not in attempts[1]["nodes"] and batch not in attempts[2]["nodes"], attempts
-    assert [e["step"] for e in events if e["event"] == "resume"] == [4, 6]
+    assert len(attempts) >= 3 and lost not in attempts[1]["nodes"], attempts
+    assert [e["restart"] for e in attempts] == list(range(len(attempts)))
     assert_same_as_uninterrupted(run_dir, uninterrupted)
+    waiting = {r: st for r in rescue_jobs(run_dir).values() if (st := slurm_cluster.job_state(r)) not in TERMINAL_STATES}
+    assert not waiting, f"rescue jobs left in the queue: {waiting}"
 
 
 @pytest.mark.slurm
