@@ -9,7 +9,8 @@ decides, in a bounded look:
 * a worker found gone (its sideband connection closed, or Slurm says its node is DOWN / not responding)
   within the look: the run lost a worker; the error was its echo. Restart without that node.
 * no worker found gone, but the error is a communication error (gloo / NCCL / MPI / torch.distributed
-  network errors, a collective's timeout) or the controller's own wait timed out: a lost peer whose loss
+  network errors, a collective's timeout) or the controller's own wait timed out (a call past its limit, an
+  MPI call that never returned): a lost peer whose loss
   nobody could pin on a node (a flaky link, a node that hung without dying). Restart on the same nodes;
   the same failure twice in a row (same role, call, error and step) is taken as deterministic and ends the
   run (``rollhpc.launch.requeue`` compares the signatures).
@@ -94,41 +95,41 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
                             signature(LOST_WORKER, "", "", "", exc.host, step), step=step)
     if isinstance(exc, WorldNotFormed):
         return exc, Failure(WORLD, exc.summary, step=step)
-    comm = False
+    comm = timeout = False
     role = method = err_type = ""
     message = str(exc)
     if isinstance(exc, WorkerError):
         role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
         comm = is_communication_error(err_type, message)
     elif isinstance(exc, (CallTimeout, StalledCall)):
-        comm = True
+        timeout = True  # the wait itself watched the workers all along: a short look finds a late death
         err_type = type(exc).__name__
     elif not isinstance(exc, RunFailed):
         err_type = type(exc).__name__
         comm = is_communication_error(err_type, message)
     look = settle_s if comm else min(settle_s, 1.0)
     deadline = time.monotonic() + look
+    next_slurm = 0.0  # Slurm's view is asked once a second (a controller of thousands of ranks asks one service)
     while True:
-        dead = dead_worker(0.0)
-        if dead is None:
-            down = down_hosts()
-            if down:
-                who = ", ".join(f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in down)
-                dead = WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)",
-                                  host=down[0])
-                dead.hosts = down
+        dead, hosts = dead_worker(0.0), []
+        if dead is not None:
+            hosts = [dead.host] if dead.host else []
+        elif time.monotonic() >= next_slurm:
+            next_slurm = time.monotonic() + 1.0
+            if hosts := down_hosts():
+                who = ", ".join(f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in hosts)
+                dead = WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)", host=hosts[0])
         if dead is not None:
             surfaced = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
             died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {surfaced}",
                               getattr(exc, "details", "") or dead.details, host=dead.host)
-            hosts = getattr(dead, "hosts", None) or ([dead.host] if dead.host else [])
-            return died, Failure(LOST_WORKER, died.summary, hosts, signature(LOST_WORKER, "", "", "", ",".join(hosts),
-                                                                             step), cause=surfaced, step=step)
+            return died, Failure(LOST_WORKER, died.summary, hosts,
+                                 signature(LOST_WORKER, "", "", "", ",".join(hosts), step), cause=surfaced, step=step)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.1)
     summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
-    if comm:
+    if comm or timeout:
         return exc, Failure(LOST_PEER, f"{summary} (a communication error or timeout, and no worker was found "
                                        f"gone within {look:g} s: a lost peer, restarted on the same nodes)",
                             signature=signature(LOST_PEER, role, method, err_type, message, step), step=step)
