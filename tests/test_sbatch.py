@@ -11,7 +11,7 @@ import pytest
 from rollhpc.cli import load_experiment
 from rollhpc.config import ConfigError, ContainerConfig
 from rollhpc.launch.device_mapping import plan_world
-from rollhpc.launch.slurm import container_mounts, render_sbatch
+from rollhpc.launch.slurm import container_mounts, render_rescue, render_sbatch
 from rollhpc.rank import bind_gpus
 from tests.conftest import cli_env, rollhpc
 
@@ -40,6 +40,19 @@ def test_mpich_over_pmi2_forms_its_world_with_short_pmi_lines_unless_told_otherw
     text = render()
     assert text.index('export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"') > text.index("module load cuda")
     assert "MPIR_CVAR_CH4_NETMOD" not in render("cluster.srun_mpi=pmix")
+
+
+def test_rescue_job_script_matches_golden_file():
+    """The rescue job (rollhpc.launch.rescue): one task for minutes, never requeued, its own partition when one is
+    named, the cluster's setup lines, the run's restart bound; the job it waits for comes as its argument."""
+    cfg = load_experiment("toy_grpo", [*OVERRIDES, "cluster.rescue_partition=cpu", "cluster.max_restarts=7"])
+    text = render_rescue(cfg, Path("/shared/runs/golden"), python="python")
+    golden = GOLDEN.with_name("rescue.sbatch")
+    if not golden.exists():
+        golden.write_text(text)
+        raise AssertionError(f"golden file written to {golden}: review it and commit it")
+    assert text == golden.read_text()
+    assert "#SBATCH --partition=gpu" in render_rescue(load_experiment("toy_grpo", OVERRIDES), Path("/r"), "python")
 
 
 def test_hetjob_batch_script_matches_golden_file():
