@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.attempt import restart_number, slurm_restart_count
-from rollhpc.launch.resubmit import (JOB_ID, cancel_rescue, current_job, expand_hostlist, job_alive, resubmit,
-                                    slurm_dir, write_atomic)
+from rollhpc.launch.resubmit import (JOB_ID, cancel_rescue, current_job, ensure_rescue, expand_hostlist, job_alive,
+                                    resubmit, slurm_dir, write_atomic)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -366,6 +366,8 @@ def cmd_start(run_dir: Path) -> int:
     if job_id and successor != job_id:  # this job takes the run over (submitted by hand, or the record is older)
         slurm_dir(run_dir).mkdir(parents=True, exist_ok=True)
         write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
+    if job_id:
+        ensure_rescue(run_dir, job_id)
     shared = shared_nodes(group_nodes())
     if shared and job_id:
         where = "; ".join(f"het group {i} shares {', '.join(sorted(n))} with an earlier group" for i, n in shared.items())

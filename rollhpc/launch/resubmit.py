@@ -173,6 +173,19 @@ def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
     return rescue, ""
 
 
+def ensure_rescue(run_dir: Path, job_id: str) -> None:
+    """At each start: this job has a rescue job waiting (one submitted with it is; a job whose submitter died
+    between its sbatch and its rescue's, or a job submitted by hand, gets one now)."""
+    if not (slurm_dir(run_dir) / RESCUE_SCRIPT).exists():
+        return
+    rescue = rescue_jobs(run_dir).get(job_id)
+    if rescue and job_alive(rescue):
+        return
+    new, why = submit_rescue(run_dir, job_id)
+    if new is None:
+        print(f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True)
+
+
 def rescue_jobs(run_dir: Path) -> dict[str, str]:
     """{job id: its rescue job's id} of the run (RUN_DIR/slurm/rescues.json; {} when there is none)."""
     try:
