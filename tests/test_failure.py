@@ -37,7 +37,8 @@ def test_a_communication_error_while_a_worker_is_found_dead_is_that_workers_loss
     """The generator's gloo error arrives first; the trainer's death shows a moment later: a lost worker on
     the trainer's node (its host to exclude), the generator's error named as the echo."""
     t0 = time.monotonic()
-    dead = WorkerDied("worker rank 3 (role 'train') died while running 'broadcast_weights'", host="node2")
+    dead = WorkerDied("worker rank 3 (role 'train') died while running 'broadcast_weights'", host="node2",
+                      role="train", method="broadcast_weights")
 
     def dead_worker(settle_s: float) -> WorkerDied | None:
         return dead if time.monotonic() - t0 > 0.3 else None
@@ -46,6 +47,7 @@ def test_a_communication_error_while_a_worker_is_found_dead_is_that_workers_loss
     assert verdict.kind == LOST_WORKER and verdict.hosts == ["node2"] and verdict.restartable
     assert isinstance(exc, WorkerDied) and exc.host == "node2"
     assert "its echo" in exc.summary and "receive_weights" in verdict.cause
+    assert verdict.signature == "lost_worker|train|broadcast_weights|||5", "the same crash again would repeat it"
     assert time.monotonic() - t0 < 2.0, "decided as soon as the death was seen, not after the whole look"
 
 
@@ -78,10 +80,13 @@ def test_timeouts_and_stalls_are_lost_peers():
         assert verdict.kind == LOST_PEER, exc
 
 
-def test_an_error_of_the_runs_own_code_ends_the_run_after_a_short_look():
+def test_an_error_of_the_runs_own_code_ends_the_run_whatever_dies_after_it():
+    """A constructor that raises (lr=-1) takes its peers down with it: their deaths are its consequence."""
     t0 = time.monotonic()
     exc = gen_error("reward function returned None for sample 3", "ValueError")
-    same, verdict = classify(exc, lambda s: None, lambda: [], settle_s=30.0, step=2)
-    assert time.monotonic() - t0 < 2.0, "a plain error waits no communication error's look"
+    peer = WorkerDied("worker rank 2 (role 'train') died while running '__init__'", host="node1", role="train",
+                      method="__init__")
+    same, verdict = classify(exc, lambda s: peer, lambda: ["node1"], settle_s=30.0, step=2)
+    assert time.monotonic() - t0 < 1.0, "a plain error waits no communication error's look"
     assert same is exc and verdict.kind == ERROR and not verdict.restartable
     assert verdict.record()["summary"].startswith("worker rank 1 (role 'generate') raised ValueError")

@@ -609,8 +609,8 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
     2. 0.3 s later, while that failure is being handled, the batch node dies too (controller, generator, reward
        worker and the batch script). Both are back 8 s later. The batch script cannot continue the run; the job
        is never requeued by Slurm, so never held: it ends NODE_FAIL and its rescue job continues the run.
-    3. While the rescued attempt's world forms, its trainer's node dies and is back 8 s later; that attempt
-       ends too and the run continues in a third.
+    3. While the rescued attempt's world forms (its ranks started, world.json not yet written), its trainer's
+       node dies and is back 8 s later; that attempt ends too and the run continues in a third.
     The run ends COMPLETED, every step logged once, with the uninterrupted run's weights."""
     from rollhpc.faults import HOLD_IN_WEIGHT_SYNC
 
@@ -630,6 +630,7 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
     second = wait_for("the rescued attempt's start", lambda: len(starts(run_dir)) >= 2 and starts(run_dir)[1], 300,
                       run_dir=run_dir)
     forming = [n for n in second["nodes"] if n != second["batch_host"]][0]
+    wait_for("the rescued attempt's ranks", lambda: len(task_processes(run_dir)) >= 5, 120, run_dir=run_dir)
     world_formed = (run_dir / "world.json").exists()
     try:
         node(slurm_cluster, "node-crash", forming)

@@ -29,9 +29,9 @@ class WorkerDied(RunFailed):
     """A worker process disappeared (killed, crashed in native code, node lost). ``host``: the node it ran
     on (Slurm's node name under Slurm), which a requeue excludes."""
 
-    def __init__(self, summary: str, details: str = "", host: str = ""):
+    def __init__(self, summary: str, details: str = "", host: str = "", *, role: str = "", method: str = ""):
         super().__init__(summary, details)
-        self.host = host
+        self.host, self.role, self.method = host, role, method  # method: the call it was running, "" if idle
 
 
 class WorldNotFormed(RunFailed):

@@ -7,14 +7,17 @@ worker's exception in user code, and the run would end for good. So the controll
 decides, in a bounded look:
 
 * a worker found gone (its sideband connection closed, or Slurm says its node is DOWN / not responding)
-  within the look: the run lost a worker; the error was its echo. Restart without that node.
+  within the look that follows a communication error: the run lost a worker; the error was its echo.
+  Restart without that node. The same role dying in the same call at the same step right after a restart is
+  a crash of the run's own (in native code, out of memory), not bad luck twice: the run ends.
 * no worker found gone, but the error is a communication error (gloo / NCCL / MPI / torch.distributed
   network errors, a collective's timeout) or the controller's own wait timed out (a call past its limit, an
   MPI call that never returned): a lost peer whose loss
   nobody could pin on a node (a flaky link, a node that hung without dying). Restart on the same nodes;
   the same failure twice in a row (same role, call, error and step) is taken as deterministic and ends the
   run (``rollhpc.launch.requeue`` compares the signatures).
-* anything else: an error in the run's code or data. A restart would meet it again: the run ends.
+* anything else: an error in the run's code or data, whatever dies meanwhile (a worker whose constructor
+  failed, its peers in a collective). A restart would meet it again: the run ends.
 
 Pure logic: the caller supplies the liveness probes (``rollhpc.rank``), so this module imports nothing above it.
 """
@@ -89,10 +92,11 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
     """(the exception to report, the verdict). ``dead_worker(settle_s)``: a worker found gone within that
     look (the sideband); ``down_hosts()``: nodes of the world that Slurm says are down or not responding.
     A communication error or a timeout gets the whole ``settle_s`` (a dead node's TCP connections may take
-    keepalive's ~11 s to drop); any other worker error a short look, since a death usually comes with it."""
+    keepalive's ~11 s to drop); a timeout, or an error on the controller itself, a short one; a worker's error
+    that is no communication error none (a death that follows it is its consequence)."""
     if isinstance(exc, WorkerDied):
         return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
-                            signature(LOST_WORKER, "", "", "", exc.host, step), step=step)
+                            signature(LOST_WORKER, exc.role, exc.method, "", "", step), step=step)
     if isinstance(exc, WorldNotFormed):
         return exc, Failure(WORLD, exc.summary, step=step)
     comm = timeout = False
@@ -101,6 +105,9 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
     if isinstance(exc, WorkerError):
         role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
         comm = is_communication_error(err_type, message)
+        if not comm:  # the run's own: a worker that dies meanwhile is its consequence (its peers in a
+            return exc, Failure(ERROR, exc.summary, signature=signature(  # collective, a failed constructor),
+                ERROR, role, method, err_type, message, step), step=step)  # not its cause
     elif isinstance(exc, (CallTimeout, StalledCall)):
         timeout = True  # the wait itself watched the workers all along: a short look finds a late death
         err_type = type(exc).__name__
@@ -122,9 +129,10 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
         if dead is not None:
             surfaced = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
             died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {surfaced}",
-                              getattr(exc, "details", "") or dead.details, host=dead.host)
-            return died, Failure(LOST_WORKER, died.summary, hosts,
-                                 signature(LOST_WORKER, "", "", "", ",".join(hosts), step), cause=surfaced, step=step)
+                              getattr(exc, "details", "") or dead.details, host=dead.host, role=dead.role,
+                              method=dead.method)
+            return died, Failure(LOST_WORKER, died.summary, hosts, signature(LOST_WORKER, dead.role, dead.method, "",
+                                                                             "", step), cause=surfaced, step=step)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.1)

@@ -136,14 +136,16 @@ class Controller:
     def _died(self, rank: int) -> WorkerDied:
         info = self.ranks[rank]
         running = [(k, o) for k, o in self._outstanding.items() if k[0] == rank]
+        method = ""
         if running:
             (_, cid), o = running[0]
+            method = o.method
             doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
         else:
             doing = "while idle"
         return WorkerDied(
             f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
-            f"or its node was lost); see {self.log_path(rank)}", host=info.host
+            f"or its node was lost); see {self.log_path(rank)}", host=info.host, role=info.role, method=method
         )
 
     def dead_worker(self, settle_s: float = 0.0) -> WorkerDied | None:

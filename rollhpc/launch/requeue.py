@@ -581,10 +581,11 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
                         reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
                                "giving up")
         sig = failure.get("signature")
-        if kind == "lost_peer" and sig and previous_failure(run_dir).get("signature") == sig:
+        if kind in ("lost_peer", "lost_worker") and sig and previous_failure(run_dir).get("signature") == sig:
             return _end(run_dir, status, failure=failure,
-                        reason=f"the same failure twice in a row at step {failure.get('step')} with no node found "
-                               f"lost ({failure.get('summary', '')}): taken as deterministic, not restarted again")
+                        reason=f"the same failure twice in a row at step {failure.get('step')} "
+                               f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
+                               "crash in native code or out of memory), not restarted again")
         if kind != "lost_worker":  # which node is at fault is unknown: the next attempt gets the same nodes
             return restart(run_dir, job_id, what, set(), failure)
         try:
