@@ -19,6 +19,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+## the whole test suite on a busy machine: HOGS busy-loop processes (default 2) beside it, ended with it (tools/cpu_hogs.py)
+.PHONY: test-loaded
+HOGS ?= 2
+test-loaded: $(STAMP)
+	$(PY) tools/cpu_hogs.py -n $(HOGS) -- $(PY) -m pytest $(PYTEST_ARGS)
+
 ## benchmarks (install the comparison baselines, e.g. Ray, into the venv first)
 bench: $(STAMP)
 	bash tools/setup_venv.sh $(VENV) --bench

@@ -23,10 +23,10 @@ if child == 0:
     if grandchild == 0:
         time.sleep(60)
         os._exit(0)
-    print(grandchild, flush=True)
+    os.write(1, f"{grandchild}\\n".encode())  # one write a line: the two processes' lines must not interleave
     time.sleep(60)
     os._exit(0)
-print(child, flush=True)
+os.write(1, f"{child}\\n".encode())
 time.sleep(60)
 """
 
@@ -45,8 +45,9 @@ def _forked_after_sigkill(mode: str) -> list[bool]:
     pids = [int(proc.stdout.readline()), int(proc.stdout.readline())]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    time.sleep(0.5)
-    alive = [_alive(p) for p in pids]
+    deadline = time.monotonic() + 3.0  # the parent-death signal's victims may take a moment on a busy machine
+    while any(alive := [_alive(p) for p in pids]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     for p in pids:
         try:
             os.kill(p, signal.SIGKILL)

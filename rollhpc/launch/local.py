@@ -97,13 +97,44 @@ def shm_segments() -> set[str]:
             else set())
 
 
-def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0) -> int:
+def _fnv1a_32(text: str) -> int:
+    h = 0x811C9DC5
+    for byte in text.encode():
+        h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
+    return h
+
+
+def world_segments(mpiexec: str, mpiexec_pid: int) -> set[str]:
+    """The MPICH segment of the world that ``mpiexec`` (pid ``mpiexec_pid``) starts on this machine, where its
+    name can be known: gforker calls the job's PMI key-value space ``kvs_<its pid>_0``, and MPICH names a node's
+    segment ``mpich_shm_<FNV-1a hash of that name, in hex>_<node index>`` (mpich 5.0). Hydra's name has a random
+    part: empty (unknown). Recorded in launch.json, to tell this run's segments from those another MPI job on the
+    machine creates or leaves meanwhile (a Slurm job, another run, any process that imported mpi4py: an MPI
+    singleton, ``mpich_shm_<its pid in hex>_0``), which a leak check must not blame on this run."""
+    if os.path.basename(os.path.realpath(mpiexec)) != "mpiexec.gforker":
+        return set()
+    return {f"mpich_shm_{_fnv1a_32(f'kvs_{mpiexec_pid}_0'):x}_0"}
+
+
+def singleton_segment() -> set[str]:
+    """This process's own segment, if it is an MPI singleton: the launcher imports mpi4py (MPI_Init) when it
+    loads the worker classes; its MPI_Finalize, at exit, removes the segment."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return set()
+    return {f"mpich_shm_{os.getpid():x}_0"}
+
+
+def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0, ours: set[str] = frozenset()) -> int:
     """Delete MPICH shared-memory segments that appeared since ``existing_before``, are at least
     ``min_age_s`` old and that no live process maps. MPI_Finalize removes them, but a world that ends by a
-    crash or a deliberate abort (every failure path) leaves them in /dev/shm, megabytes each, until reboot."""
-    now = time.time()
+    crash or a deliberate abort (every failure path) leaves them in /dev/shm, megabytes each, until reboot.
+    ``ours``: the world's own segments (``world_segments``), removed even if one of that name was there before
+    it started: MPICH attaches to an existing segment of its name, and pids wrap (pid_max is often 32768), so
+    a segment an earlier, killed world with the same mpiexec pid left became this world's."""
+    now, present = time.time(), shm_segments()
     leaked = set()
-    for name in shm_segments() - existing_before:
+    for name in (present - existing_before) | (present & set(ours)):
         try:
             if now - (SHM_DIR / name).stat().st_mtime >= min_age_s:
                 leaked.add(name)
@@ -163,7 +194,13 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     except BaseException:
         signal.signal(signal.SIGUSR1, previous)
         raise
+    ours = world_segments(cmd[0], proc.pid)
     try:
+        # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown) and the
+        # launcher's own
+        (run_dir / "launch.json").write_text(json.dumps({
+            "command": cmd, "mpiexec_pid": proc.pid, "world_shm": sorted(ours), "launcher_shm": sorted(singleton_segment())},
+            indent=1))
         rc = proc.wait()
     except KeyboardInterrupt:
         # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
@@ -176,7 +213,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     finally:
         signal.signal(signal.SIGUSR1, previous)
         _kill_group(proc.pid)
-        remove_leaked_segments(segments_before)
+        remove_leaked_segments(segments_before, ours=ours)
     said = controller_exit(run_dir)
     if said is not None:
         return said
