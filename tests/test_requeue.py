@@ -603,19 +603,23 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
         slurm_cluster, tmp_path, tiny_model, uninterrupted):
     """Three node crashes in one run, with nobody waiting on a login node and no person acting.
     1. The trainer's node dies inside the 5th weight sync (the sender held half-way by a test hook, the
-       generator blocked in the broadcast): the generator's gloo error reaches the controller first and is
-       classified as the echo of the trainer's loss (before: "run failed ... raised RuntimeError in
-       'receive_weights'", exit 1, no restart).
+       generator blocked in the broadcast): whether the generator's gloo error reaches the controller before the
+       trainer's death does (before: "run failed ... raised RuntimeError in 'receive_weights'", exit 1, no
+       restart) or after, the verdict is the trainer's loss.
     2. 0.3 s later, while that failure is being handled, the batch node dies too (controller, generator, reward
        worker and the batch script). Both are back 8 s later. The batch script cannot continue the run; the job
        is never requeued by Slurm, so never held: it ends NODE_FAIL and its rescue job continues the run.
     3. While the rescued attempt's world forms (its ranks started, world.json not yet written), its trainer's
-       node dies and is back 8 s later; that attempt ends too and the run continues in a third.
+       node dies and is back 8 s later, before Slurm marks it DOWN: the other ranks wait for it until their
+       guards give up (controller.world_timeout_s), srun waits on for the task the node's new slurmd never
+       knew, so the batch script ends the step, and the run continues in a third attempt.
     The run ends COMPLETED, every step logged once, with the uninterrupted run's weights."""
     from rollhpc.faults import HOLD_IN_WEIGHT_SYNC
 
     run_dir = tmp_path / "runs" / "rq"
-    job_id = submit(slurm_cluster, tmp_path, tiny_model, env={HOLD_IN_WEIGHT_SYNC: "5:120"})
+    # a world that lost a rank while forming waits in MPI_Init or the first collectives for the ranks' guards
+    job_id = submit(slurm_cluster, tmp_path, tiny_model, "controller.world_timeout_s=60",
+                    env={HOLD_IN_WEIGHT_SYNC: "5:120"})
     wait_for("the 5th weight sync, held", lambda: (run_dir / "logs").is_dir() and holding(
         run_dir, "holding the weight sync 5 "), 300, run_dir=run_dir)
     lost, batch = train_host(run_dir), starts(run_dir)[0]["batch_host"]
@@ -642,8 +646,9 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
     assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
     controller_log = (run_dir / "logs" / "rank0-controller.log").read_text()
     assert "failure classified as lost_worker" in controller_log
-    assert re.search(r"role 'train'.*died while running 'broadcast_weights'.*the error that surfaced first was its "
-                     r"echo: worker rank \d \(role 'generate'.*in 'receive_weights'", controller_log), controller_log
+    # the trainer's death is seen first (its sideband), or the generator's gloo error is, named as its echo
+    assert re.search(r"role 'train'.*died while running 'broadcast_weights'", controller_log), controller_log
+    assert not re.search(r"run failed: worker rank \d+ \(role 'generate'", controller_log), controller_log
     events = read_events(run_dir)
     rescued = [e for e in events if e["event"] == "requeue" and e.get("by") == "rescue"]
     assert rescued and "NODE_FAIL" in rescued[0]["reason"] and rescued[0]["job_id"] == job_id, events
