@@ -255,7 +255,7 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
         else:
             verdict = None
         if verdict is None:
-            e, verdict = classify(e, lambda s: ctl.dead_worker(settle_s=s),
+            e, verdict = classify(e, ctl.dead_worker,
                                   lambda: unresponsive_nodes(sorted(hosts - {everyone[0][1]})),
                                   lambda h: [f"rank {r.rank} {r.role}" for r in ranks.values() if r.host == h],
                                   settle_s=cfg.controller.peer_loss_settle_s, step=_last_step(run_dir))

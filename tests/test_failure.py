@@ -40,7 +40,7 @@ def test_a_communication_error_while_a_worker_is_found_dead_is_that_workers_loss
     dead = WorkerDied("worker rank 3 (role 'train') died while running 'broadcast_weights'", host="node2",
                       role="train", method="broadcast_weights")
 
-    def dead_worker(settle_s: float) -> WorkerDied | None:
+    def dead_worker() -> WorkerDied | None:
         return dead if time.monotonic() - t0 > 0.3 else None
 
     exc, verdict = classify(gen_error(), dead_worker, lambda: [], settle_s=5.0, step=5)
@@ -52,7 +52,7 @@ def test_a_communication_error_while_a_worker_is_found_dead_is_that_workers_loss
 
 
 def test_slurm_saying_a_node_is_down_is_a_lost_worker_too():
-    exc, verdict = classify(gen_error(), lambda s: None, lambda: ["node4"], lambda h: ["rank 2 train"],
+    exc, verdict = classify(gen_error(), lambda: None, lambda: ["node4"], lambda h: ["rank 2 train"],
                             settle_s=5.0)
     assert verdict.kind == LOST_WORKER and verdict.hosts == ["node4"]
     assert "node4 (rank 2 train) of the run is down or not responding" in exc.summary
@@ -60,23 +60,23 @@ def test_slurm_saying_a_node_is_down_is_a_lost_worker_too():
 
 def test_a_communication_error_with_nobody_dead_is_a_lost_peer_after_the_whole_look():
     t0 = time.monotonic()
-    exc, verdict = classify(gen_error(), lambda s: None, lambda: [], settle_s=0.5, step=7)
+    exc, verdict = classify(gen_error(), lambda: None, lambda: [], settle_s=0.5, step=7)
     assert time.monotonic() - t0 >= 0.5
     assert verdict.kind == LOST_PEER and verdict.restartable and verdict.hosts == []
     assert verdict.signature.startswith("lost_peer|generate|receive_weights|RuntimeError|") and \
         verdict.signature.endswith("|7")
     # the same failure again, from another port and pid, has the same signature: deterministic if it repeats
-    _, again = classify(gen_error(GLOO_RESET.replace("60044", "41999").replace("553", "553")), lambda s: None,
+    _, again = classify(gen_error(GLOO_RESET.replace("60044", "41999").replace("553", "553")), lambda: None,
                         lambda: [], settle_s=0.0, step=7)
     assert again.signature == verdict.signature
-    _, later = classify(gen_error(), lambda s: None, lambda: [], settle_s=0.0, step=8)
+    _, later = classify(gen_error(), lambda: None, lambda: [], settle_s=0.0, step=8)
     assert later.signature != verdict.signature, "at another step it is another occurrence"
 
 
 def test_timeouts_and_stalls_are_lost_peers():
     for exc in (CallTimeout("train_step: no reply within 900 s from rank 3"),
                 StalledCall("an MPI call on the controller has not returned for 30 s")):
-        _, verdict = classify(exc, lambda s: None, lambda: [], settle_s=0.0)
+        _, verdict = classify(exc, lambda: None, lambda: [], settle_s=0.0)
         assert verdict.kind == LOST_PEER, exc
 
 
@@ -86,7 +86,7 @@ def test_an_error_of_the_runs_own_code_ends_the_run_whatever_dies_after_it():
     exc = gen_error("reward function returned None for sample 3", "ValueError")
     peer = WorkerDied("worker rank 2 (role 'train') died while running '__init__'", host="node1", role="train",
                       method="__init__")
-    same, verdict = classify(exc, lambda s: peer, lambda: ["node1"], settle_s=30.0, step=2)
+    same, verdict = classify(exc, lambda: peer, lambda: ["node1"], settle_s=30.0, step=2)
     assert time.monotonic() - t0 < 1.0, "a plain error waits no communication error's look"
     assert same is exc and verdict.kind == ERROR and not verdict.restartable
     assert verdict.record()["summary"].startswith("worker rank 1 (role 'generate') raised ValueError")

@@ -86,14 +86,15 @@ def signature(kind: str, role: str, method: str, err_type: str, message: str, st
     return "|".join([kind, role, method, err_type, _normalized(message), str(step)])
 
 
-def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | None],
+def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
              down_hosts: Callable[[], list[str]], host_ranks: Callable[[str], list[str]] | None = None,
              settle_s: float = 15.0, step: int | None = None) -> tuple[BaseException, Failure]:
-    """(the exception to report, the verdict). ``dead_worker(settle_s)``: a worker found gone within that
-    look (the sideband); ``down_hosts()``: nodes of the world that Slurm says are down or not responding.
-    A communication error or a timeout gets the whole ``settle_s`` (a dead node's TCP connections may take
-    keepalive's ~11 s to drop); a timeout, or an error on the controller itself, a short one; a worker's error
-    that is no communication error none (a death that follows it is its consequence)."""
+    """(the exception to report, the verdict). ``dead_worker()``: a worker found gone now (the sideband);
+    ``down_hosts()``: nodes of the world that Slurm says are down or not responding; ``host_ranks(host)``:
+    the ranks on a node, for the message. A communication error gets the whole ``settle_s`` look (a dead
+    node's TCP connections may take keepalive's ~11 s to drop); a timeout, or an error on the controller
+    itself, a look of a second; a worker's error that is no communication error none: a death that follows it
+    is its consequence (its peers in a collective, a constructor that failed), not its cause."""
     if isinstance(exc, WorkerDied):
         return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
                             signature(LOST_WORKER, exc.role, exc.method, "", "", step), step=step)
@@ -105,9 +106,9 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
     if isinstance(exc, WorkerError):
         role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
         comm = is_communication_error(err_type, message)
-        if not comm:  # the run's own: a worker that dies meanwhile is its consequence (its peers in a
-            return exc, Failure(ERROR, exc.summary, signature=signature(  # collective, a failed constructor),
-                ERROR, role, method, err_type, message, step), step=step)  # not its cause
+        if not comm:
+            return exc, Failure(ERROR, exc.summary, signature=signature(ERROR, role, method, err_type, message, step),
+                                step=step)
     elif isinstance(exc, (CallTimeout, StalledCall)):
         timeout = True  # the wait itself watched the workers all along: a short look finds a late death
         err_type = type(exc).__name__
@@ -118,7 +119,7 @@ def classify(exc: BaseException, dead_worker: Callable[[float], WorkerDied | Non
     deadline = time.monotonic() + look
     next_slurm = 0.0  # Slurm's view is asked once a second (a controller of thousands of ranks asks one service)
     while True:
-        dead, hosts = dead_worker(0.0), []
+        dead, hosts = dead_worker(), []
         if dead is not None:
             hosts = [dead.host] if dead.host else []
         elif time.monotonic() >= next_slurm:
