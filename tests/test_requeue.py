@@ -187,6 +187,54 @@ def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_ow
     assert end["final"] and end["failure"]["kind"] == "error" and "not restarted" in end["reason"]
 
 
+def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, monkeypatch, capsys):
+    """rollhpc.launch.rescue's decisions, Slurm's answers stood in for (the chaos tests below run real rescues):
+    a het job whose components ended NODE_FAIL and COMPLETING is continued, excluding the lost nodes so far; a
+    finished run, a run ended on purpose, a live successor, a cancelled job and a run out of restarts are not."""
+    from rollhpc.launch import requeue, rescue
+
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "job_id").write_text("41\n")
+    (tmp_path / "slurm" / "batch.sh").write_text("#SBATCH --job-name=rollhpc-rq\n")
+    (tmp_path / requeue.FAILED_NODES).write_text('{"node2": "rank 3 died"}')
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("ROLLHPC_RESTART_BASE", raising=False)
+    requeue.main(["start", str(tmp_path)])
+    records = {"41": [{"JobId": "41", "JobState": "NODE_FAIL", "BatchHost": "node1"},
+                      {"JobId": "42", "JobState": "COMPLETING", "ExcNodeList": "node9"}]}
+    submitted = []
+    monkeypatch.setattr(rescue, "job_records", lambda job: records.get(job, []))
+    monkeypatch.setattr(rescue, "live_jobs_of_run", lambda run_dir, name: [])
+    monkeypatch.setattr(rescue, "job_alive", lambda job: False)
+    monkeypatch.setattr(rescue, "expand_hostlist", lambda expr: {expr})
+    monkeypatch.setattr(rescue, "resubmit", lambda run_dir, exclude, n: (submitted.append((exclude, n)), ("43", ""))[1])
+
+    def decide(job: str = "41", max_restarts: int = 5) -> str:
+        assert rescue.main([str(tmp_path), job, "--max-restarts", str(max_restarts)]) == 0
+        return capsys.readouterr().out.strip()
+
+    assert decide() == rescue.RESCUED and submitted == [({"node2", "node9"}, 1)]
+    event = read_events(tmp_path)[-1]
+    assert event["by"] == "rescue" and event["new_job_id"] == "43" and "ended NODE_FAIL" in event["reason"]
+    (tmp_path / "slurm" / "job_id").write_text("43\n")  # resubmit wrote it; 43 lives: nothing more to do
+    monkeypatch.setattr(rescue, "job_alive", lambda job: job == "43")
+    assert decide() == rescue.NOTHING and len(submitted) == 1
+    # 43 never started (its launch failed): its batch host is excluded too
+    monkeypatch.setattr(rescue, "job_alive", lambda job: False)
+    records["43"] = [{"JobId": "43", "JobState": "FAILED", "BatchHost": "node3"}]
+    assert decide("43") == rescue.RESCUED and submitted[-1] == ({"node2", "node3"}, 2)
+    assert "before it started the run" in read_events(tmp_path)[-1]["reason"]
+    records["44"] = [{"JobId": "44", "JobState": "RUNNING"}]  # requeued in place and running: not for us
+    assert decide("44") == rescue.NOTHING
+    records["45"] = [{"JobId": "45", "JobState": "CANCELLED"}]  # a person's scancel stays
+    assert decide("45") == rescue.ENDED and read_events(tmp_path)[-1]["final"]
+    assert decide("41") == rescue.NOTHING, "a run ended on purpose is not undone"
+    requeue.main(["start", str(tmp_path)])  # a new attempt (slurm/resume.sh) reopens the run
+    assert decide("41", max_restarts=2) == rescue.ENDED and "giving up" in read_events(tmp_path)[-1]["reason"]
+    assert len(submitted) == 2
+
+
 def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path, monkeypatch):
     from rollhpc.launch import requeue
 
@@ -418,6 +466,35 @@ def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, un
     assert gen.returncode == 0, gen.stderr[-3000:]
     (line,) = [x for x in gen.stdout.splitlines() if x.startswith("RESULT ")]
     assert json.loads(line[len("RESULT "):]) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_trainer_rank_lost_inside_the_gradient_all_reduce_is_a_lost_worker_not_an_error(tmp_path, tiny_model):
+    """A collective of the trainer's own: two data-parallel trainer ranks, the last held by a test hook before the
+    gradient all-reduce of its 3rd train call while the other waits inside it, then SIGKILLed. Whichever reaches
+    the controller first, the survivor's gloo error or the death, the verdict is a lost worker (restartable,
+    exit 76 for the batch script, its node to exclude), not an error of the run's own. The restart itself is
+    the chaos test's below; tests/test_failure.py has the rules."""
+    from rollhpc.faults import HOLD_IN_GRAD_SYNC
+
+    run_dir = tmp_path / "runs" / "quickstart"
+    proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model),
+                             "pipeline.options.steps=4", "roles.train.procs=2"], cwd=tmp_path,
+                            env={**cli_env(), HOLD_IN_GRAD_SYNC: "3:120"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    held = wait_for("the held all-reduce", lambda: (run_dir / "logs").is_dir() and next(
+        (p for p in (run_dir / "logs").glob("rank*-train.log")
+         if "holding the gradient all-reduce of train call 3 " in p.read_text(errors="replace")), None), 240, proc)
+    rank = int(held.name.split("-")[0].removeprefix("rank"))
+    os.kill(json.loads((run_dir / "world.json").read_text())[rank]["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-3000:]
+    verdict = json.loads((run_dir / "controller-exit.json").read_text())
+    assert verdict["status"] == 76 and verdict["failure"]["kind"] == "lost_worker", verdict
+    assert f"worker rank {rank} (role 'train', group rank 1" in verdict["failure"]["summary"], verdict
+    assert "died while running 'train_step'" in verdict["failure"]["summary"], verdict
+    assert_no_orphans(run_dir)
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.requeue import FAILED_NODES, finished_run, log_event, read_events
+from rollhpc.launch.resubmit import ENDED as ENDED_STATES
 from rollhpc.launch.resubmit import current_job, expand_hostlist, job_alive, resubmit
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
@@ -110,13 +111,13 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
         print(f"rollhpc rescue: Slurm did not answer about job {job_id}; trying once more", file=sys.stderr)
         records = job_records(job_id) or []
     states = sorted({r.get("JobState", "") for r in records})
-    if any(st not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                      "DEADLINE", "OUT_OF_MEMORY") for st in states):
-        return say(NOTHING, f"job {job_id} is still {'/'.join(states)}")  # requeued in place: it has its rescue still
+    # COMPLETING counts as ended: a het job's components end one by one (one NODE_FAIL, another still COMPLETING)
+    if any(st not in ENDED_STATES for st in states):  # requeued in place, running again: its next start makes
+        return say(NOTHING, f"job {job_id} is {'/'.join(states)} again")  # sure it has a rescue (ensure_rescue)
     if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
         return say(NOTHING, f"job {live[0]} of the run is pending or running")
-    how = "/".join(states) or "unknown to Slurm"
-    if states == ["CANCELLED"]:
+    how = "/".join(st for st in states if st != "COMPLETING") or "unknown to Slurm"
+    if set(states) <= {"CANCELLED", "COMPLETING"} and "CANCELLED" in states:
         log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
                             "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
                                       f"slurm/resume.sh {run_dir}"})
