@@ -687,9 +687,9 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
        worker and the batch script). Both are back 8 s later. The batch script cannot continue the run; the job
        is never requeued by Slurm, so never held: it ends NODE_FAIL and its rescue job continues the run.
     3. While the rescued attempt's world forms (its ranks started, world.json not yet written), its trainer's
-       node dies and is back 8 s later, before Slurm marks it DOWN: the other ranks wait for it until their
-       guards give up (controller.world_timeout_s), srun waits on for the task the node's new slurmd never
-       knew, so the batch script ends the step, and the run continues in a third attempt.
+       node dies and is back 15 s later: Slurm ends that job too (or, had the node come back before Slurm
+       noticed, the ranks' guards give up at controller.world_timeout_s and the batch script ends the step
+       srun would wait on forever), and the run continues in a third attempt.
     The run ends COMPLETED, every step logged once, with the uninterrupted run's weights."""
     from rollhpc.faults import HOLD_IN_WEIGHT_SYNC
 
@@ -715,7 +715,7 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
     world_formed = (run_dir / "world.json").exists()
     try:
         node(slurm_cluster, "node-crash", forming)
-        time.sleep(8)
+        time.sleep(15)  # past SlurmdTimeout (5 s): Slurm ends the job (NODE_FAIL), not the guards a minute later
     finally:
         node(slurm_cluster, "node-start", forming)
     assert not world_formed, "the third crash was meant to land while the world forms"
