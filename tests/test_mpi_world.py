@@ -165,8 +165,11 @@ def start_sleeping_world(experiment, tmp_path) -> tuple[subprocess.Popen, Path, 
         "pipeline": {"entry": "tests.scenarios:SleepScenario"},
         "roles": {"probe": {"worker": PROBE, "procs": 2}},
     })
+    # a terminal user's launcher: SIGINT at its default, also when the suite itself runs in the background
+    # (`cmd &` in a script starts it with SIGINT ignored, inherited by every child: Ctrl-C would never arrive)
     proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = run_dir / "logs" / "rank0-controller.log"
     deadline = time.monotonic() + 60
     while not (log.exists() and "world of 3 ranks up" in log.read_text()) and time.monotonic() < deadline:
