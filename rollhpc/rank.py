@@ -207,7 +207,8 @@ def _broadcast_roles(fanout: dict, plan, everyone, mode: str) -> dict:
 
 def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
     from rollhpc.controller.errors import WorkerDied, WorldNotFormed
-    from rollhpc.controller.failure import INTERRUPTED, LOST_WORKER, WORLD, Failure, StalledCall, classify
+    from rollhpc.controller.failure import (INTERRUPTED, LOST_WORKER, WORLD_NOT_FORMED, Failure, StalledCall,
+                                            classify)
     from rollhpc.controller.mpi_stall import MpiStallWatch
     from rollhpc.controller.pipeline import RunContext
     from rollhpc.controller.runtime import Controller, RankInfo
@@ -271,7 +272,7 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
         if verdict.kind == LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
             for host in verdict.hosts:
                 record_failed_node(run_dir, host, e.summary if hasattr(e, "summary") else str(e))
-        elif verdict.kind == WORLD:  # restartable: which node is at fault is unknown
+        elif verdict.kind == WORLD_NOT_FORMED:  # restartable: which node is at fault is unknown
             record_startup_failure(run_dir, everyone[0][1], verdict.summary)
         record_controller_exit(run_dir, status, verdict.record())
         for h in logging.getLogger().handlers:

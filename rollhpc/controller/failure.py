@@ -34,10 +34,10 @@ from rollhpc.controller.errors import CallTimeout, RunFailed, WorkerDied, Worker
 
 LOST_WORKER = "lost_worker"  # a worker's process or node is gone
 LOST_PEER = "lost_peer"  # a communication error or timeout, no node to blame
-WORLD = "world_not_formed"  # the MPI world never came together
+WORLD_NOT_FORMED = "world_not_formed"  # the MPI world never came together
 ERROR = "error"  # the run's own code or data
 INTERRUPTED = "interrupted"  # a signal to the controller (scancel, Ctrl-C)
-RESTARTABLE = frozenset({LOST_WORKER, LOST_PEER, WORLD})
+RESTARTABLE = frozenset({LOST_WORKER, LOST_PEER, WORLD_NOT_FORMED})
 
 # Errors that a dead or unreachable peer causes in the survivors, whatever library raised them. Matched against
 # the exception's type and message (not the traceback: user code mentioning "timeout" must not count).
@@ -99,7 +99,7 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
         return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
                             signature(LOST_WORKER, exc.role, exc.method, "", "", step), step=step)
     if isinstance(exc, WorldNotFormed):
-        return exc, Failure(WORLD, exc.summary, step=step)
+        return exc, Failure(WORLD_NOT_FORMED, exc.summary, step=step)
     comm = timeout = False
     role = method = err_type = ""
     message = str(exc)
