@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from rollhpc.launch.attempt import restart_number
@@ -53,8 +54,15 @@ def mapped_paths(uid: int) -> dict[str, list[int]]:
     return found
 
 
-def stale_segments(before: float, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """This user's MPICH segments in ``shm_dir`` last changed before ``before`` that no live process maps."""
+MIN_AGE_S = 120.0  # a segment younger than this may be another world's that its ranks have not mapped yet
+
+
+def stale_segments(before: float, shm_dir: Path = SHM_DIR, min_age_s: float = MIN_AGE_S) -> list[Path]:
+    """This user's MPICH segments in ``shm_dir`` last changed before ``before`` and at least ``min_age_s`` ago
+    that no live process maps. The age: another MPI job of the same user on the node (a node shared between
+    jobs, simulated nodes sharing one machine) creates its segment in MPI_Init a moment before its ranks map
+    it; removed in between, its ranks end up in two segments of one name and the world never forms."""
+    young = time.time() - min_age_s
     uid = os.getuid()
     candidates = []
     try:
@@ -68,7 +76,7 @@ def stale_segments(before: float, shm_dir: Path = SHM_DIR) -> list[Path]:
             st = path.stat()
         except OSError:
             continue
-        if st.st_uid == uid and max(st.st_mtime, st.st_ctime) < before:
+        if st.st_uid == uid and max(st.st_mtime, st.st_ctime) < before and st.st_mtime < young:
             candidates.append(path)
     if not candidates:
         return []

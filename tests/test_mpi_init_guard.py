@@ -116,6 +116,10 @@ def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_le
         return path
 
     stale, in_use, other = segment("mpich_shm_9a1b_0"), segment("mpich_vci_77_0"), segment("other_file")
+    young = segment("mpich_shm_77aa_0")  # another world's, a moment old, not mapped yet: never removed
+    long_ago = time.time() - 2 * mpi_shm.MIN_AGE_S
+    for path in (stale, in_use, other):
+        os.utime(path, (long_ago, long_ago))
     holder = subprocess.Popen([sys.executable, "-c", MAPPER, str(in_use)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "mapped"
@@ -128,7 +132,7 @@ def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_le
         assert mpi_shm.remove_stale_segments(tmp_path) == []  # a first attempt has nothing to clean
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
         assert mpi_shm.remove_stale_segments(tmp_path) == [stale.name]
-        assert not stale.exists() and in_use.exists() and fresh.exists() and other.exists()
+        assert not stale.exists() and in_use.exists() and fresh.exists() and other.exists() and young.exists()
     finally:
         holder.kill()
         holder.wait()
