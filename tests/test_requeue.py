@@ -205,6 +205,7 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
                       {"JobId": "42", "JobState": "COMPLETING", "ExcNodeList": "node9"}]}
     submitted = []
     monkeypatch.setattr(rescue, "job_records", lambda job: records.get(job, []))
+    live_jobs_of_run = rescue.live_jobs_of_run
     monkeypatch.setattr(rescue, "live_jobs_of_run", lambda run_dir, name: [])
     monkeypatch.setattr(rescue, "job_alive", lambda job: False)
     monkeypatch.setattr(rescue, "expand_hostlist", lambda expr: {expr})
@@ -225,6 +226,17 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
     records["43"] = [{"JobId": "43", "JobState": "FAILED", "BatchHost": "node3"}]
     assert decide("43") == rescue.RESCUED and submitted[-1] == ({"node2", "node3"}, 2)
     assert "before it started the run" in read_events(tmp_path)[-1]["reason"]
+    # an older job of the run whose components end one by one (one COMPLETED, one still COMPLETING on the lost
+    # node) is no live job of the run: squeue names it, its records say it ended
+    monkeypatch.setattr(rescue, "live_jobs_of_run", live_jobs_of_run)
+    monkeypatch.setattr(rescue.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "40+1\n", ""))
+    mine = f"{tmp_path.resolve()}/slurm/job-40.out"
+    records["40"] = [{"JobId": "40", "JobState": "COMPLETED", "StdOut": mine},
+                     {"JobId": "47", "JobState": "COMPLETING", "StdOut": mine}]
+    assert rescue.live_jobs_of_run(tmp_path, "rollhpc-rq") == []
+    records["40"][1]["JobState"] = "RUNNING"
+    assert rescue.live_jobs_of_run(tmp_path, "rollhpc-rq") == ["40"]
+    monkeypatch.setattr(rescue, "live_jobs_of_run", lambda run_dir, name: [])
     records["44"] = [{"JobId": "44", "JobState": "RUNNING"}]  # requeued in place and running: not for us
     assert decide("44") == rescue.NOTHING
     records["45"] = [{"JobId": "45", "JobState": "CANCELLED"}]  # a person's scancel stays

@@ -64,15 +64,15 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
     """Pending or running jobs of this user named like the run's whose output goes to this run directory:
     a job submitted for the run but not yet recorded in RUN_DIR/slurm/job_id (its submitter died at once)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", job_name, "-t", "PD,R,CG,S,CF",
+        out = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", job_name, "-t", "PD,R,S,CF",
                               "-o", "%i"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     mine = str(Path(run_dir).resolve() / "slurm") + "/"
     live = []
     for jid in sorted(set(j.split("+")[0] for j in out.split())):
-        for r in job_records(jid) or []:
-            if r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ("COMPLETING",):
+        for r in job_records(jid) or []:  # every component: one still RUNNING makes the job live, and an
+            if r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ENDED_STATES:  # ended one not
                 live.append(jid)
                 break
     return live
