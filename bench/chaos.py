@@ -272,7 +272,10 @@ def main() -> int:
             print(f"round {i}: {json.dumps({k: v for k, v in result.items() if k != 'crashes'})}", flush=True)
             rounds.append(result)
             for host in {c["node"] for c in result["crashes"] if "node" in c}:
-                cluster.settle(host)  # nothing of the round left on the cluster before the next
+                try:  # nothing of the round left on the cluster before the next
+                    cluster.settle(host)
+                except RuntimeError as e:  # a component that stays COMPLETING on a node that came back
+                    print(f"  settle: {e}; the next round goes on", flush=True)
     finally:
         cluster.down()
     ok = [r["finished"] and r["steps_once"] and r["weights_match"] and not r["released_by_hand"]
