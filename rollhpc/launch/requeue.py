@@ -95,17 +95,21 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl(Path(run_dir) / RESTARTS_LOG)  # a line torn by a kill is skipped
 
 
+def failed_nodes(run_dir: Path) -> dict[str, str]:
+    """{node: why} of the nodes the run lost workers on so far (RUN_DIR/failed-nodes.json; {} when none)."""
+    try:
+        return dict(json.loads((Path(run_dir) / FAILED_NODES).read_text()))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
 def record_failed_node(run_dir: Path, host: str, why: str) -> None:
     """Called by the controller when a worker died: the node to keep away from on the next start."""
     if not host:
         return
-    path = Path(run_dir) / FAILED_NODES
-    try:
-        nodes = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        nodes = {}
+    nodes = failed_nodes(run_dir)
     nodes[host] = why
-    _write_json(path, nodes, indent=1)
+    _write_json(Path(run_dir) / FAILED_NODES, nodes, indent=1)
 
 
 def _attempt() -> dict[str, Any]:
@@ -588,10 +592,7 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
                                "crash in native code or out of memory), not restarted again")
         if kind != "lost_worker":  # which node is at fault is unknown: the next attempt gets the same nodes
             return restart(run_dir, job_id, what, set(), failure)
-        try:
-            failed = json.loads((Path(run_dir) / FAILED_NODES).read_text())
-        except (FileNotFoundError, ValueError):
-            failed = {}
+        failed = failed_nodes(run_dir)
         return restart(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
                        set(failed), failure)
     extra: dict[str, Any] = {"srun_status": srun_status} if said is not None and said != srun_status else {}

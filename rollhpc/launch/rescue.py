@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from rollhpc.launch.requeue import FAILED_NODES, finished_run, log_event, read_events
+from rollhpc.launch.requeue import failed_nodes, finished_run, log_event, read_events
 from rollhpc.launch.resubmit import ENDED as ENDED_STATES
 from rollhpc.launch.resubmit import current_job, expand_hostlist, job_alive, resubmit
 
@@ -136,10 +135,7 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
         # a launch that failed: Slurm may pick that node again before it marks it DOWN (a restart each time)
         if never and r.get("BatchHost") and r["BatchHost"] != "(null)":
             exclude.add(r["BatchHost"])
-    try:
-        exclude |= set(json.loads((run_dir / FAILED_NODES).read_text()))
-    except (FileNotFoundError, ValueError):
-        pass
+    exclude |= set(failed_nodes(run_dir))
     new_job, why = resubmit(run_dir, exclude, restarts + 1)
     if new_job is None:
         log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
