@@ -39,6 +39,8 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
         if not (config_dir / f"{name}.yaml").exists():
             known = sorted(p.stem for p in config_dir.glob("*.yaml"))
             raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml)")
+    check_yaml_syntax(path if path.suffix in (".yaml", ".yml") else config_dir / f"{name}.yaml")
+    check_override_syntax(overrides)
     # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
     # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
     # rollhpc.config then rejects keys that exist nowhere, naming the valid ones.
@@ -49,12 +51,63 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
         with initialize_config_dir(config_dir=str(config_dir), version_base=None):
             composed = hydra_compose(config_name=name, overrides=overrides)
         return OmegaConf.to_container(composed, resolve=True)  # type: ignore[return-value]
+    except yaml.YAMLError as e:  # a file the experiment's defaults list pulls in
+        raise ConfigError(yaml_error_line(e)) from None
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(f"cannot apply overrides {overrides}: {e}") from e
+        raise ConfigError(f"cannot apply overrides {overrides}: {' '.join(str(e).split())}") from e
+
+
+def yaml_error_line(e: yaml.YAMLError, path: Path | None = None) -> str:
+    """A YAML syntax error as one line: FILE:LINE:COLUMN: what is wrong (and what to do about a tab)."""
+    mark = getattr(e, "problem_mark", None)
+    where = str(path or (mark.name if mark else "config"))
+    if mark is not None:
+        where += f":{mark.line + 1}:{mark.column + 1}"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if "'\\t'" in problem or "\t" in problem:
+        problem += " (YAML indents with spaces, never tabs)"
+    return f"{where}: YAML syntax: {problem}"
+
+
+def check_yaml_syntax(path: Path) -> None:
+    """Parse the experiment's file before hydra does: hydra's own error is an 80-line traceback."""
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error_line(e, path)) from None
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """Each ``key=value`` through hydra's own override parser, so a bad one is named alone, in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override if override.startswith(("+", "~")) else f"++{override}")
+        except HydraException as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"override {override!r}: {first} (hydra syntax: key=value; quote a value with "
+                              f"brackets, commas or spaces, e.g. 'key=[1, 2]' or key=\"a b\")") from None
 
 
 def load_experiment(experiment: str, overrides: list[str]) -> ExperimentConfig:
     return config_mod.load(compose(experiment, overrides))
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollhpc")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "(not installed)"
+
+
+def print_config(cfg: ExperimentConfig) -> int:
+    print(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False), end="")
+    return 0
 
 
 def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool = False) -> Path:
@@ -132,7 +185,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     from rollhpc.launch.requeue import EXIT_REQUEUE
 
     cfg = load_experiment(args.experiment, args.overrides)
-    plan = local_plan(cfg)
+    if args.print_config:
+        return print_config(cfg)
+    try:
+        plan = local_plan(cfg)
+    except ConfigError as e:
+        if not args.dry_run:
+            raise
+        # a login node has no GPUs: the dry run still shows the command and the prompts, planned on cluster.*
+        from rollhpc.launch.device_mapping import plan_world
+
+        plan = plan_world(cfg)
+        print(f"rollhpc: warning: {e}; planned on cluster.* instead (`rollhpc submit` runs it there)",
+              file=sys.stderr)
     _check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
@@ -168,6 +233,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rollhpc.launch.plan_report import render
 
     cfg = load_experiment(args.experiment, args.overrides)
+    if args.print_config:
+        return print_config(cfg)
     plan = plan_world(cfg)
     _check_inputs(cfg, refuse=False)
     memory = estimate_memory(cfg, plan) if plan.gpus_total else None
@@ -189,6 +256,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
 
     cfg = load_experiment(args.experiment, args.overrides)
+    if args.print_config:
+        return print_config(cfg)
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
     if plan.gpus_total:
         estimate_memory(cfg, plan).check()  # so does one that cannot fit in cluster.gpu_memory_gb
@@ -431,11 +500,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Experiments are configs/NAME.yaml or a path to a YAML file; append key=value overrides "
         "(hydra syntax), e.g. `rollhpc train quickstart pipeline.options.steps=10`.",
     )
+    p.add_argument("--version", action="version", version=f"rollhpc {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> its parser, for main's errors
 
     def experiment_args(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("experiment", help="experiment name in configs/ or path to a .yaml")
         sp.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
+        sp.add_argument("--print-config", action="store_true", help="print the resolved configuration (the YAML "
+                        "with the overrides applied and every default filled in, as the run's config.yaml will "
+                        "hold it) and exit")
 
     t = sub.add_parser("train", help="run an experiment here, as one MPI world started with mpiexec",
                        description="Run an experiment on this machine: rank 0 is the controller, the other "
@@ -636,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
     stray = [x for x in extra if x.startswith("-") or "=" not in x]
-    if stray and args.command != "convert":
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if stray and args.command != "convert":  # the subcommand's usage, which lists its flags
+        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(stray)}")
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]
     try:

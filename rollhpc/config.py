@@ -10,6 +10,7 @@ mapping that is validated against the component's own ``Options`` dataclass.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import re
 import types
@@ -475,7 +476,23 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}")
 
 
+def _check_role_names(data: dict[str, Any]) -> None:
+    """A role without a worker is almost always a misspelt name (``roles.trian.procs=2`` creates role
+    ``trian``): name the roles there are and the closest one, instead of "missing required key 'worker'"."""
+    roles = data.get("roles")
+    if not isinstance(roles, dict):
+        return
+    named = sorted(k for k, v in roles.items() if isinstance(v, dict) and "worker" in v)
+    for name, role in roles.items():
+        if isinstance(role, dict) and "worker" not in role:
+            close = difflib.get_close_matches(str(name), named, n=1)
+            raise ConfigError(f"unknown role {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                              + f"; roles: {', '.join(named) or 'none'}; a new role needs "
+                              f"roles.{name}.worker=package.module:Class")
+
+
 def load(data: dict[str, Any]) -> ExperimentConfig:
+    _check_role_names(data)
     cfg = from_dict(ExperimentConfig, data, "config")
     validate(cfg)
     return cfg

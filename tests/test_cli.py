@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from rollhpc.observability.metrics import read_metrics
 from tests.conftest import REPO, assert_no_orphans, rollhpc
@@ -134,3 +135,62 @@ def test_plan_shows_what_each_pipeline_stage_holds(tmp_path, tiny_model):
     res = rollhpc("plan", "quickstart", f"pipeline.options.model_dir={tiny_model}", "roles.train.procs=2",
                   "roles.train.parallel.pp=2", "roles.train.parallel.vpp=2", "--no-ranks", cwd=tmp_path)
     assert "2 layers cannot be split evenly into pp=2 x vpp=2 = 4 pipeline stages; the role will refuse" in res.stdout
+
+
+@pytest.mark.parametrize("argv, files, expected", [
+    (["plan", "tab.yaml"], {"tab.yaml": "run:\n  name: x\n\tseed: 1\n"},
+     "rollhpc: config error: tab.yaml:3:1: YAML syntax: found character '\\t' that cannot start any token (YAML "
+     "indents with spaces, never tabs)"),
+    (["train", "open.yaml"], {"open.yaml": "run: {name: x\nroles: {}\n"},
+     "rollhpc: config error: open.yaml:2:6: YAML syntax: expected ',' or '}', but got ':'"),
+    (["plan", "toy_grpo", "roles.trian.procs=2"], {},
+     "rollhpc: config error: unknown role 'trian' (did you mean 'train'?); roles: generate, reward, train; a new "
+     "role needs roles.trian.worker=package.module:Class"),
+    (["submit", "toy_grpo", "pipeline.options.steps=[1,"], {},
+     "rollhpc: config error: override 'pipeline.options.steps=[1,': "),
+])
+def test_yaml_override_and_role_mistakes_are_one_line_with_exit_2(tmp_path, monkeypatch, capsys, argv, files,
+                                                                   expected):
+    from rollhpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_misspelt_flag_shows_the_subcommands_usage_and_version_and_print_config(capsys):
+    from rollhpc.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "toy_grpo", "--dryrun"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: rollhpc train [-h]" in err and "--dry-run" in err, err
+    assert "unrecognized arguments: --dryrun" in err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("rollhpc ")
+    for command in ("train", "plan", "submit"):
+        assert main([command, "toy_grpo", "pipeline.options.steps=3", "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["pipeline"]["options"]["steps"] == 3 and printed["controller"]["world_timeout_s"] == 180.0
+
+
+def test_a_dry_run_of_a_gpu_config_on_a_machine_without_gpus_plans_on_its_cluster(tmp_path, monkeypatch, capsys):
+    """A login node: `train --dry-run` of a GPU config shows its command, planned on cluster.*, and says so."""
+    from rollhpc.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("rollhpc.launch.local.local_gpu_count", lambda: 0)
+    assert main(["train", "qwen2.5-7b_grpo", "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "cannot run on this machine (0 GPUs)" in err and "planned on cluster.* instead" in err
+    assert "rollhpc.rank" in out and "prompts: not shown" in out
+    with pytest.raises(Exception, match="cannot run on this machine"):  # without --dry-run, nothing starts
+        from rollhpc.cli import load_experiment
+        from rollhpc.launch.local import local_plan
+
+        local_plan(load_experiment("qwen2.5-7b_grpo", []))
