@@ -15,11 +15,9 @@ from typing import Any
 import yaml
 
 from rollhpc import config as config_mod
+from rollhpc import experiments
 from rollhpc.checkpoint import convert_cli
 from rollhpc.config import ConfigError, ExperimentConfig
-
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-
 
 def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
     """Experiment name (configs/NAME.yaml) or path to a YAML file, plus hydra overrides -> dict."""
@@ -35,11 +33,13 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"no such config file: {path}")
         config_dir, name = path.resolve().parent, path.stem
     else:
-        config_dir, name = CONFIG_DIR, experiment
-        if not (config_dir / f"{name}.yaml").exists():
-            known = sorted(p.stem for p in config_dir.glob("*.yaml"))
-            raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml)")
-    check_yaml_syntax(path if path.suffix in (".yaml", ".yml") else config_dir / f"{name}.yaml")
+        found = experiments.find(experiment)
+        if found is None:
+            known = [e.name for e in experiments.available()]
+            raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml; "
+                              f"`rollhpc configs` lists them with where they are)")
+        path, config_dir, name = found, found.parent, experiment
+    check_yaml_syntax(path)
     check_override_syntax(overrides)
     # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
     # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
@@ -487,6 +487,15 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_configs(args: argparse.Namespace) -> int:
+    found = experiments.available()
+    width = max((len(e.name) for e in found), default=0)
+    for e in found:
+        print(f"{e.name:<{width}}  {e.description}" + (f"  [{e.path}]" if args.paths else ""))
+    print("searched, first match wins: " + ", ".join(str(d) for d in experiments.search_path()), file=sys.stderr)
+    return 0
+
+
 def cmd_not_yet(args: argparse.Namespace) -> int:
     print(f"rollhpc {args.command}: not implemented in this version of rollhpc yet", file=sys.stderr)
     return 2
@@ -497,7 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollhpc",
         description="RL post-training of language models on Slurm/HPC: a single controller drives worker "
         "groups (train, generate, reference, critic, reward, env) over MPI.",
-        epilog="Experiments are configs/NAME.yaml or a path to a YAML file; append key=value overrides "
+        epilog="Experiments are NAME (NAME.yaml in ./configs, ROLLHPC_CONFIG_PATH or the shipped configs: "
+        "`rollhpc configs` lists them) or a path to a YAML file; append key=value overrides "
         "(hydra syntax), e.g. `rollhpc train quickstart pipeline.options.steps=10`.",
     )
     p.add_argument("--version", action="version", version=f"rollhpc {_version()}")
@@ -505,11 +515,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> its parser, for main's errors
 
     def experiment_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("experiment", help="experiment name in configs/ or path to a .yaml")
+        sp.add_argument("experiment", help="experiment name (`rollhpc configs` lists them) or path to a .yaml")
         sp.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
         sp.add_argument("--print-config", action="store_true", help="print the resolved configuration (the YAML "
                         "with the overrides applied and every default filled in, as the run's config.yaml will "
                         "hold it) and exit")
+
+    cf = sub.add_parser("configs", help="list the experiments found by name, one line each",
+                        description="List every experiment NAME that `rollhpc train NAME` finds, with the first "
+                        "sentence of its leading comment. Searched in order, first match wins: ./configs/, each "
+                        "folder of ROLLHPC_CONFIG_PATH (':'-separated), then the configs rollhpc ships (configs/ "
+                        "of a source checkout, or the copy `pip install` puts under PREFIX/share/rollhpc/configs).")
+    cf.add_argument("--paths", action="store_true", help="also print each experiment's file")
+    cf.set_defaults(func=cmd_configs)
 
     t = sub.add_parser("train", help="run an experiment here, as one MPI world started with mpiexec",
                        description="Run an experiment on this machine: rank 0 is the controller, the other "

@@ -194,3 +194,50 @@ def test_a_dry_run_of_a_gpu_config_on_a_machine_without_gpus_plans_on_its_cluste
         from rollhpc.launch.local import local_plan
 
         local_plan(load_experiment("qwen2.5-7b_grpo", []))
+
+
+def test_experiments_are_found_in_the_project_the_config_path_and_the_shipped_configs(tmp_path, monkeypatch, capsys):
+    """./configs first, then ROLLHPC_CONFIG_PATH, then the shipped configs (a source checkout's, or the copy a
+    wheel installs under PREFIX/share/rollhpc/configs); `rollhpc configs` lists what a name finds."""
+    from rollhpc import experiments
+    from rollhpc.cli import compose, main
+
+    shipped = (REPO / "configs" / "toy_grpo.yaml").read_text()
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "shared.yaml").write_text("# The group's shared run. More words.\n" + shipped)
+    (group / "toy_grpo.yaml").write_text("# The group's own toy.\n" + shipped)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.yaml").write_text("# Mine.\n" + shipped)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(experiments.ENV_PATH, f"{tmp_path / 'absent'}:{group}")
+    assert experiments.find("mine") == tmp_path / "configs" / "mine.yaml"
+    assert experiments.find("toy_grpo") == group / "toy_grpo.yaml"  # earlier in the path hides the shipped one
+    assert experiments.find("quickstart") == REPO / "configs" / "quickstart.yaml"
+    assert compose("shared", ["run.name=s"])["run"]["name"] == "s"
+    assert main(["configs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.split() == ["shared", "The", "group's", "shared", "run."] for line in out), out
+    assert [line.split()[0] for line in out] == sorted(line.split()[0] for line in out) and len(out) >= 14
+
+    installed = tmp_path / "prefix" / "share" / "rollhpc" / "configs"  # a `pip install .`, no source checkout
+    installed.mkdir(parents=True)
+    (installed / "quickstart.yaml").write_text(shipped)
+    monkeypatch.setattr(experiments, "_SOURCE_CONFIGS", tmp_path / "no-checkout")
+    monkeypatch.setattr(experiments, "_INSTALLED_CONFIGS", installed)
+    assert experiments.find("quickstart") == installed / "quickstart.yaml"
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_the_shipped_configs(tmp_path):
+    """What puts them under PREFIX/share/rollhpc/configs: pyproject's data-files, checked in a real wheel."""
+    import subprocess
+    import sys
+    import zipfile
+
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+                          "-q", "-w", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    (wheel,) = tmp_path.glob("rollhpc-*.whl")
+    names = {n.rsplit("/", 1)[-1] for n in zipfile.ZipFile(wheel).namelist() if "/data/share/rollhpc/configs/" in n}
+    assert names == {p.name for p in (REPO / "configs").glob("*.yaml")}
