@@ -58,3 +58,24 @@ def test_time_limits(tmp_path: Path, limit: dict, steps_taken: int) -> None:
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps_taken + 1))  # step 0 is the first evaluation
     assert all(r["eval_s"] == 10.0 and r["step_s"] == 11.0 for r in records[1:])
+
+
+def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path, caplog) -> None:
+    """Each step's line: this step's seconds, the session's elapsed time and the time left at its pace; the
+    held-out accuracy only on the steps that evaluated (every 2nd here), not the last value repeated."""
+    clock = Clock()
+
+    class Summarised(TimedSteps):
+        def step(self, step: int, last: bool) -> StepReport:
+            super().step(step, last)
+            return StepReport({"reward_mean": 0.0}, summary="reward 0.00")
+
+    loop = RunLoop(tmp_path, RunCheckpointer(tmp_path, {}, CheckpointOptions(at_end=False)),
+                   LoopSettings(steps=4, eval_every=2, rollout_every=0), clock)
+    with caplog.at_level("INFO", logger="rollhpc"):
+        assert loop.run(Summarised(clock)) is Outcome.FINISHED
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and "/4" in r.getMessage()]
+    assert lines == ["step 1/4: reward 0.00; 1.0 s/step, 0:01 elapsed, ETA 0:03",
+                     "step 2/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:12 elapsed, ETA 0:12",
+                     "step 3/4: reward 0.00; 1.0 s/step, 0:13 elapsed, ETA 0:04",
+                     "step 4/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:24 elapsed"]

@@ -95,6 +95,20 @@ class LoopSettings:
     max_train_s: float = 0.0
 
 
+def _clock_text(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
+
+
+def progress(done: int, left: int, elapsed: float, step_s: float) -> str:
+    """The console's progress words after a step: this step's seconds, this session's elapsed time, and the
+    time left at this session's mean pace (``done`` steps in ``elapsed`` seconds; evaluations included)."""
+    eta = elapsed / done * left if done > 0 else float("nan")
+    return (f"{step_s:.1f} s/step, {_clock_text(elapsed)} elapsed"
+            + (f", ETA {_clock_text(eta)}" if left and eta == eta else ""))
+
+
 class RunLoop:
     def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopSettings,
                  clock: Any = time.perf_counter):
@@ -163,8 +177,10 @@ class RunLoop:
             record.update(_residency(steps))
             run_log.log_step(step, record, report.rollouts if keep else None)
             if report.summary:
-                log.info("step %d/%d: %s, held-out accuracy %.3f", step, s.steps, report.summary,
-                         metrics.get("accuracy", float("nan")))
+                log.info("step %d/%d: %s%s; %s", step, s.steps, report.summary,
+                         f", held-out accuracy {record['accuracy']:.3f}" if "accuracy" in record else "",
+                         progress(step - start, s.steps - step, self.clock() - t_start,
+                                  record.get("step_s", self.clock() - t_step)))
             if self.checkpointer.due(step, s.steps) or why_stop is not None or (
                     wall_limit and self.checkpointer.options.at_end):
                 self._save(steps, step, objects, restarts, metrics, record)
