@@ -247,3 +247,24 @@ def test_save_json_replaces_atomically(tmp_path):
     save_json(path, {"restarts": 2, "excluded_nodes": ["node3"]})
     assert json.loads(path.read_text()) == {"restarts": 2, "excluded_nodes": ["node3"]}
     assert [p.name for p in tmp_path.iterdir()] == ["run_state.json"]
+
+
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_checkpoints_and_atomic_writes_follow_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """mkstemp/mkdtemp would leave 0600 files and a 0700 step folder whatever the umask (a colleague could not
+    read the run); what is renamed into place has the modes open() and mkdir() would have given it."""
+    import os
+    import stat
+
+    from rollhpc.checkpoint.storage import atomic_write_bytes
+
+    old = os.umask(umask)
+    try:
+        store = CheckpointStore(tmp_path / "checkpoints")
+        ckpt = write_checkpoint(store, 3)
+        atomic_write_bytes(tmp_path / "report.txt", b"x")
+    finally:
+        os.umask(old)
+    made = [ckpt.path, *ckpt.path.rglob("*"), store.root / LATEST, tmp_path / "report.txt"]
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in made}
+    assert modes == {k: dir_mode if (tmp_path / k).is_dir() else file_mode for k in modes}, modes

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import yaml
@@ -98,7 +100,8 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_learns(tmp_path):
-    res = rollhpc("train", "toy_grpo", cwd=tmp_path, timeout=600)
+    """... at umask 027, as on a project filesystem: the run directory is the group's to read, not the world's."""
+    res = rollhpc("train", "toy_grpo", cwd=tmp_path, timeout=600, preexec_fn=lambda: os.umask(0o027))
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "runs" / "toy_grpo"
     metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -110,6 +113,11 @@ def test_quickstart_learns(tmp_path):
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [
         "rank0-controller.log", "rank1-train.log", "rank2-train.log", "rank3-generate.log", "rank4-reward.log"]
     assert_no_orphans(run_dir)
+    report = rollhpc("report", str(run_dir), cwd=tmp_path, timeout=300, preexec_fn=lambda: os.umask(0o027))
+    assert report.returncode == 0, report.stderr[-3000:]
+    modes = {str(p.relative_to(run_dir)): stat.S_IMODE(p.stat().st_mode) for p in [run_dir, *run_dir.rglob("*")]}
+    assert "report/learning.png" in modes and "config.yaml" in modes
+    assert {k: m for k, m in modes.items() if m != (0o750 if (run_dir / k).is_dir() else 0o640)} == {}
 
 
 def test_selfcheck_runs(tmp_path):

@@ -58,6 +58,7 @@ from typing import Any
 
 import torch
 
+from rollhpc import file_modes
 from rollhpc.checkpoint.mcore import HF_EXTRAS_DIR, CheckpointError, copy_hf_extras, replace_dir
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
 from rollhpc.models.megatron_gpt import _hf_dict, arch_weight_map, check_hf_config, padded_vocab_size
@@ -506,7 +507,7 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         plan = [PlannedTensor(name, t.dtype, tuple(t.shape))
                 for w in table for name, t in unshard_to_hf(w.layout, [skeleton[w.megatron]], w.hf, **kw).items()]
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
+        tmp = Path(file_modes.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))
         try:
             writer = SafetensorsWriter(tmp, plan, job["max_shard_bytes"])
             bar = Progress(len(table), f"writing {dst.name}", enabled=job["progress"])

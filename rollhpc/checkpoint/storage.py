@@ -49,12 +49,13 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from rollhpc import file_modes
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +197,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync of the directory.
     Readers see the old content or the new one, never a mix."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = file_modes.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -290,7 +291,7 @@ class CheckpointStore:
             raise ValueError(f"step must be >= 0, got {step}")
         self.root.mkdir(parents=True, exist_ok=True)
         self.recover()
-        path = Path(tempfile.mkdtemp(prefix=f".{step_dir_name(step)}.tmp-", dir=self.root))
+        path = Path(file_modes.mkdtemp(prefix=f".{step_dir_name(step)}.tmp-", dir=self.root))
         self._pending.add(path)
         return PendingCheckpoint(step, path)
 

@@ -17,7 +17,6 @@ import inspect
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rollhpc import file_modes
 from rollhpc.models.sft import SftOptions, greedy_responses, train_sft
 from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 from rollhpc.tasks import task_module
@@ -153,7 +153,7 @@ def build_once(out_dir: Path, settings: dict[str, Any],
         return None
     start = time.perf_counter()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(file_modes.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         with no_transformers_bars():
             staged, report = build(tmp)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rollhpc import file_modes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -187,7 +188,7 @@ def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedT
         raise ValueError("the tokenizer needs eos and pad tokens (use build_tokenizer)")
     config = spec.hf_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = Path(file_modes.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
