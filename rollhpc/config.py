@@ -263,6 +263,13 @@ class ClusterConfig:
                 f"H:MM:SS ({self.time_limit // 3600}:{self.time_limit % 3600 // 60:02d}:{self.time_limit % 60:02d} "
                 f"gives {self.time_limit}): quote it in a YAML file ('4:00:00', '90'), or write it with a colon on "
                 "the command line (cluster.time_limit=90:00 for 90 minutes)")
+        for key, pattern, form in _SLURM_NAMES:  # copied into #SBATCH lines as they are: a space or ';' breaks them
+            value = getattr(self, key)
+            if not isinstance(value, str) or (value and not re.fullmatch(pattern, value)):
+                raise ConfigError(f"cluster.{key}: {value!r} is not {form}")
+        if self.nodes < 1 or self.cpus_per_node < 1 or self.gpus_per_node < 0:
+            raise ConfigError(f"cluster.nodes and cluster.cpus_per_node must be >= 1 and cluster.gpus_per_node >= 0, "
+                              f"got {self.nodes}, {self.cpus_per_node}, {self.gpus_per_node}")
         try:  # sbatch would refuse it only once the job is submitted; a typo must not get that far
             limit_s = parse_slurm_time(self.time_limit)
         except ValueError as e:
@@ -273,6 +280,16 @@ class ClusterConfig:
                 f"{self.time_limit} ({limit_s} s): the time-limit warning would come at once; lower it (0: off) or "
                 "raise the time limit")
 
+
+_SLURM_NAME = r"[A-Za-z0-9_.\-]+"
+_SLURM_NAMES = (  # (key, what Slurm takes, how to say it)
+    ("partition", rf"{_SLURM_NAME}(,{_SLURM_NAME})*", "a Slurm partition name (or a comma-separated list), e.g. gpu"),
+    ("rescue_partition", rf"{_SLURM_NAME}(,{_SLURM_NAME})*", "a Slurm partition name, e.g. cpu"),
+    ("account", _SLURM_NAME, "a Slurm account name, e.g. proj123"),
+    ("qos", _SLURM_NAME, "a Slurm QOS name, e.g. normal"),
+    ("mem_per_node", r"[0-9]+[KMGTkmgt]?", "a Slurm memory size (sbatch --mem): a number of MB or with a unit, "
+     "e.g. 256G, 512000M; 0 is all of the node's memory"),
+)
 
 SLURM_TIME_FORMS = ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
                     "days-hours:minutes:seconds", "UNLIMITED")
@@ -437,6 +454,9 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{where}: role names must be identifiers")
         if role.procs < 1:
             raise ConfigError(f"{where}.procs: must be >= 1, got {role.procs}")
+        if role.cpus_per_proc < 1 or role.gpus_per_proc < 0:
+            raise ConfigError(f"{where}: cpus_per_proc must be >= 1 and gpus_per_proc >= 0, got {role.cpus_per_proc} "
+                              f"and {role.gpus_per_proc}")
         for key, value in role.env_vars.items():
             if not (isinstance(key, str) and key.replace("_", "a").isalnum() and not key[0].isdigit()):
                 raise ConfigError(f"{where}.env_vars: {key!r} is not an environment variable name")
@@ -455,6 +475,15 @@ def validate(cfg: ExperimentConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"{where}.parallel: {e}") from e
         role.options = component_options(cls, role.options, f"{where}.options")
+        try:
+            cls.check_model(role.layout(), role.options)
+        except ValueError as e:
+            raise ConfigError(f"{where}.parallel: {e}") from e
+        engine_tp = getattr(role.options, "tensor_parallel_size", None)
+        if role.gpus_per_proc > 0 and isinstance(engine_tp, int) and engine_tp != role.gpus_per_proc:
+            raise ConfigError(f"{where}.options.tensor_parallel_size={engine_tp} but {where}.gpus_per_proc="
+                              f"{role.gpus_per_proc}: each rank's engine spreads over the GPUs its rank gets (the "
+                              "memory plan counts them so); set both the same")
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
     check_roles = getattr(pipeline, "check_roles", None)
@@ -468,12 +497,29 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
             )
+    _check_token_budget(cfg)
     for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s",
                  "mpi_stall_s"):
         if getattr(cfg.controller, name) <= 0:
             raise ConfigError(f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}")
     if cfg.controller.peer_loss_settle_s < 0:
         raise ConfigError(f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}")
+
+
+def _check_token_budget(cfg: ExperimentConfig) -> None:
+    """The generator's context holds the prompt and the response: a response budget that alone fills
+    ``max_model_len`` fails only at the first request, once the world is up."""
+    gen = cfg.roles.get("generate")
+    max_len = getattr(gen.options, "max_model_len", None) if gen is not None else None
+    rollout = getattr(cfg.pipeline.options, "rollout", None)
+    if not isinstance(max_len, int) or rollout is None:
+        return
+    for key, value in (("rollout.max_tokens", getattr(rollout, "max_tokens", None)),
+                       ("eval_max_tokens", getattr(cfg.pipeline.options, "eval_max_tokens", None))):
+        if isinstance(value, int) and value >= max_len:
+            raise ConfigError(f"pipeline.options.{key}={value} does not fit roles.generate.options.max_model_len="
+                              f"{max_len}, which holds the prompt and the response: raise max_model_len or lower "
+                              f"{key}")
 
 
 def _check_role_names(data: dict[str, Any]) -> None:

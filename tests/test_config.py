@@ -213,3 +213,76 @@ def test_agentic_advantage_follows_the_formulation_and_is_checked():
         load_experiment("frozenlake", ["pipeline.options.algorithm=ppo"])
     with pytest.raises(ConfigError, match="algorithm=ppo takes formulation=trajectory"):
         load_experiment("frozenlake", ["pipeline.options.algorithm=ppo", "pipeline.options.formulation=step"])
+
+
+def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
+    """(overrides of the quickstart, the start of the one-line error): resource, Slurm-syntax, token-budget and
+    model-shape mistakes, each refused at load (the tiny model: 4 heads, 2 KV heads, 2 layers, FFN 352)."""
+    m = [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null"]
+    tp = [*m, "roles.train.procs=4"]
+    return [
+        ([*m, "roles.train.cpus_per_proc=0"], "roles.train: cpus_per_proc must be >= 1"),
+        ([*m, "roles.reward.cpus_per_proc=-1"], "roles.reward: cpus_per_proc must be >= 1"),
+        ([*m, "roles.generate.gpus_per_proc=-1"], "roles.generate: cpus_per_proc must be >= 1 and gpus_per_proc >= 0"),
+        ([*m, "roles.reward.procs=0"], "roles.reward.procs: must be >= 1"),
+        ([*m, "cluster.mem_per_node=lots"], "cluster.mem_per_node: 'lots' is not a Slurm memory size"),
+        ([*m, "cluster.mem_per_node=256 G"], "cluster.mem_per_node: '256 G' is not a Slurm memory size"),
+        ([*m, "cluster.mem_per_node=1.5T"], "cluster.mem_per_node: '1.5T' is not a Slurm memory size"),
+        ([*m, "cluster.partition='gpu debug'"], "cluster.partition: 'gpu debug' is not a Slurm partition name"),
+        ([*m, "cluster.partition='gpu;rm'"], "cluster.partition: 'gpu;rm' is not a Slurm partition name"),
+        ([*m, "cluster.rescue_partition='a b'"], "cluster.rescue_partition: 'a b' is not a Slurm partition name"),
+        ([*m, "cluster.account='my account'"], "cluster.account: 'my account' is not a Slurm account name"),
+        ([*m, "cluster.account='a,b'"], "cluster.account: 'a,b' is not a Slurm account name"),
+        ([*m, "cluster.qos='high prio'"], "cluster.qos: 'high prio' is not a Slurm QOS name"),
+        ([*m, "cluster.qos='$(id)'"], "cluster.qos: '$(id)' is not a Slurm QOS name"),
+        ([*m, "cluster.nodes=0"], "cluster.nodes and cluster.cpus_per_node must be >= 1"),
+        ([*m, "cluster.cpus_per_node=0"], "cluster.nodes and cluster.cpus_per_node must be >= 1"),
+        ([*m, "cluster.gpus_per_node=-8"], "cluster.nodes and cluster.cpus_per_node must be >= 1 and "
+                                           "cluster.gpus_per_node >= 0"),
+        ([*m, "cluster.time_limit='1:2:3:4'"], "cluster.time_limit:"),
+        ([*m, "cluster.time_limit='90:00'", "cluster.stop_before_limit_s=6000"], "cluster.stop_before_limit_s: 6000 s"),
+        ([*m, "pipeline.options.rollout.max_tokens=64"], "pipeline.options.rollout.max_tokens=64 does not fit "
+                                                          "roles.generate.options.max_model_len=64"),
+        ([*m, "pipeline.options.rollout.max_tokens=500"], "pipeline.options.rollout.max_tokens=500 does not fit"),
+        ([*m, "pipeline.options.eval_max_tokens=64"], "pipeline.options.eval_max_tokens=64 does not fit"),
+        ([*m, "roles.generate.options.max_model_len=8"], "pipeline.options.rollout.max_tokens=8 does not fit "
+                                                          "roles.generate.options.max_model_len=8"),
+        ([*m, "roles.generate.gpus_per_proc=2", "cluster.gpus_per_node=2"],
+         "roles.generate.options.tensor_parallel_size=1 but roles.generate.gpus_per_proc=2"),
+        ([*m, "roles.generate.gpus_per_proc=1", "roles.generate.options.tensor_parallel_size=2"],
+         "roles.generate.options.tensor_parallel_size=2 but roles.generate.gpus_per_proc=1"),
+        ([*m, "roles.train.procs=2", "roles.train.parallel.cp=2"], "roles.train.parallel: cp=2: context parallelism"),
+        ([*tp, "roles.train.parallel.tp=3", "roles.train.procs=3"], "roles.train.parallel: tp=3 does not divide the "
+                                                                    "model's 4 attention heads"),
+        ([*m, "roles.train.procs=8", "roles.train.parallel.tp=8"], "roles.train.parallel: tp=8 does not divide"),
+        ([*m, "roles.train.procs=3", "roles.train.parallel.pp=3"], "roles.train.parallel: pp=3 = 3 stages do not "
+                                                                   "divide the model's 2 layers"),
+        ([*m, "roles.train.procs=4", "roles.train.parallel.pp=4"], "roles.train.parallel: pp=4 = 4 stages"),
+        ([*m, "roles.train.procs=2", "roles.train.parallel.pp=2", "roles.train.parallel.vpp=2"],
+         "roles.train.parallel: pp=2 x vpp=2 = 4 stages do not divide the model's 2 layers"),
+        ([*m, "roles.train.procs=2", "roles.train.parallel.ep=2"], "roles.train.parallel: ep=2 does not divide the "
+                                                                   "model's 0 experts"),
+        ([*m, "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+          f"+roles.reference.options.model_dir={model}", "+roles.reference.procs=3", "+roles.reference.parallel.tp=3"],
+         "roles.reference.parallel: tp=3 does not divide"),
+        ([*m, "roles.trian.procs=2"], "unknown role 'trian' (did you mean 'train'?)"),
+        ([*m, "roles.generat.options.max_model_len=9"], "unknown role 'generat' (did you mean 'generate'?)"),
+        ([*m, "roles.train.parallel.tpp=2"], "config.roles.train.parallel: unknown key 'tpp'"),
+        ([*m, "roles.train.procs=two"], "config.roles.train.procs: expected int, got 'two'"),
+        ([*m, "roles.train.env_vars.A_B=[1]"], "roles.train.env_vars.A_B: give a string (or number), got [1]"),
+        ([*m, "controller.world_timeout_s=0"], "controller.world_timeout_s: must be positive"),
+        ([*m, "controller.peer_loss_settle_s=-1"], "controller.peer_loss_settle_s: must be >= 0"),
+        ([*m, "cluster.max_restarts=-1"], "config.cluster: cluster.max_restarts"),
+    ]
+
+
+def test_forty_mistakes_are_refused_at_load_in_one_line(tiny_model):
+    """Table-driven: every mistake a ConfigError naming its keys, before anything starts (the CLI turns it into
+    one line and exit status 2: tests/test_cli.py); the config without them loads."""
+    mistakes = _shape_mistakes(str(tiny_model))
+    assert len(mistakes) >= 40
+    load_experiment("quickstart", mistakes[0][0][:2])
+    for overrides, expected in mistakes:
+        with pytest.raises(ConfigError) as e:
+            load_experiment("quickstart", overrides)
+        assert str(e.value).startswith(expected) and "\n" not in str(e.value), (overrides, str(e.value))

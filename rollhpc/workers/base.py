@@ -44,6 +44,12 @@ class Worker:
         """Raise ValueError for a parallel layout this worker cannot run. Called at config load, so a
         layout the worker would refuse at start-up is refused before any allocation."""
 
+    @classmethod
+    def check_model(cls, layout: ParallelLayout, options: Any) -> None:
+        """Raise ValueError for a model (``options.model_dir``'s config.json, when it is readable here) that
+        this layout cannot split. Called at config load after ``check_layout``; a model that lives only on
+        the cluster is checked there, at start-up."""
+
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:
         """Liveness and placement of each rank, for logs and tests."""

@@ -195,6 +195,39 @@ class MegatronPolicyWorker(Worker):
                              "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
                              "tp/pp/dp (and ep for MoE)")
 
+    @classmethod
+    def check_model(cls, layout: Any, options: Any) -> None:
+        """megatron-core's rules for splitting the model (TransformerConfig's checks, which would otherwise fail
+        in every rank's start-up): tp divides the attention heads, the KV heads (or they divide tp: megatron
+        replicates them) and the FFN width; pp (x vpp) stages divide the layers; ep divides the experts. The
+        vocabulary needs nothing: megatron pads it to a multiple of tp."""
+        import json
+
+        path = Path(getattr(options, "model_dir", "") or "") / "config.json"
+        if not path.is_file():
+            return
+        hf = json.loads(path.read_text())
+        heads = int(hf.get("num_attention_heads") or 0)
+        kv = int(hf.get("num_key_value_heads") or heads)
+        layers = int(hf.get("num_hidden_layers") or 0)
+        ffn = int(hf.get("intermediate_size") or 0)
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        tp, stages = layout.tp, layout.pp * (layout.vpp or 1)
+        problems = []
+        if heads and heads % tp:
+            problems.append(f"tp={tp} does not divide the model's {heads} attention heads")
+        if kv and kv % tp and tp % kv:
+            problems.append(f"tp={tp} and the model's {kv} KV heads: one must divide the other")
+        if ffn and ffn % tp:
+            problems.append(f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})")
+        if layers and layers % stages:
+            problems.append(f"pp={layout.pp}" + (f" x vpp={layout.vpp}" if layout.vpp else "")
+                            + f" = {stages} stages do not divide the model's {layers} layers")
+        if layout.ep > 1 and (not experts or experts % layout.ep):
+            problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
+        if problems:
+            raise ValueError(f"{'; '.join(problems)} ({path})")
+
     def _parts(self, batch: Batch, with_mask: bool) -> list[dict[str, Any]]:
         """The batch's micro-batches as tensors on this rank's device; padding rows (the interleaved
         schedule needs whole groups of pp micro-batches) get a zero loss mask and ``keep`` False.
