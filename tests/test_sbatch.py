@@ -242,6 +242,7 @@ def test_a_judge_on_gpus_of_its_own_is_a_het_component_of_its_own(tmp_path, tiny
     group (no weight sync goes to it, so nothing ties it to the trainer's or the generator's nodes)."""
     judge = ["+roles.judge.worker=rollhpc.workers.judge:JudgeWorker", "+roles.judge.procs=2",
              "+roles.judge.gpus_per_proc=2", "+roles.judge.devices=[8,9,10,11]",
+             "+roles.judge.options.tensor_parallel_size=2",  # its engine spreads over its rank's 2 GPUs
              f"+roles.judge.options.policy_model_dir={tiny_model}", f"+roles.judge.options.judge_model_dir={tiny_model}"]
     args = ["toy_grpo", *OVERRIDES, "cluster.nodes=3", *judge]
     plan = rollhpc("plan", *args, cwd=tmp_path)
