@@ -459,10 +459,13 @@ def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, un
     import torch
     import transformers
 
-    src = uninterrupted_run / "checkpoints" / f"step_{STEPS:06d}" / "train" / "model"
-    hf = tmp_path / "hf"
-    res = rollhpc("convert", "mcore-to-hf", str(src), str(hf), "--verify", cwd=tmp_path, timeout=300)
+    hf = tmp_path / "hf"  # given the run directory, convert reads its newest good checkpoint's trainer model
+    res = rollhpc("convert", "mcore-to-hf", str(uninterrupted_run), str(hf), "--verify", cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    src = uninterrupted_run / "checkpoints" / f"step_{STEPS:06d}" / "train" / "model"
+    assert f"reading {src} (the run's newest good checkpoint, step_{STEPS:06d})" in res.stderr, res.stderr
+    step = rollhpc("convert", "mcore-to-hf", str(src.parents[1]), str(tmp_path / "x"), "--check", cwd=tmp_path)
+    assert step.returncode == 0 and f"reading {src} (the train role's model of checkpoint" in step.stderr, step.stderr
     assert hf_weights_digest(hf) == uninterrupted[-1]["weights_sha256"]
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 EPILOG = ("Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
           "rollhpc convert mcore-to-hf ckpt/qwen-mcore models/qwen-out. A megatron checkpoint saved at one "
@@ -29,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         description="Write a Hugging Face model directory (config.json, safetensors, tokenizer files) from a "
         "checkpoint written by `rollhpc convert hf-to-mcore` or by a training run, streaming one tensor at a time.",
         epilog=EPILOG)
-    m2h.add_argument("src", help="megatron checkpoint directory (with rollhpc_checkpoint.json)")
+    m2h.add_argument("src", help="megatron checkpoint directory (with rollhpc_checkpoint.json), or a run "
+                     "directory, its checkpoints/ or a step_N/ directory: the trainer's model of that step, or of "
+                     "the newest good checkpoint")
     m2h.add_argument("dst", help="Hugging Face model directory to create")
     m2h.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
     m2h.add_argument("--no-checksums", action="store_true",
@@ -44,6 +47,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sp.add_argument("--check", action="store_true",
                         help="only check the inputs (config, tensor names and shapes, layout, files) and exit")
         sp.set_defaults(overrides=[])  # rollhpc.cli appends stray words here; run() refuses them
+
+
+def find_trainer_checkpoint(src: str | Path, role: str = "train") -> tuple[Path, str]:
+    """``src`` as the megatron checkpoint to read, and what it was taken for. A run directory, its
+    checkpoints/ folder or one step_N/ directory all hold the trainer's model at ``step_N/ROLE/model``:
+    the step's, or the newest good checkpoint's (the one a resume would use)."""
+    from rollhpc.checkpoint.mcore import META_FILE
+    from rollhpc.checkpoint.storage import CheckpointStore
+
+    src = Path(src)
+    if (src / META_FILE).is_file() or not src.is_dir():
+        return src, ""
+    if (src / role / "model" / META_FILE).is_file():
+        return src / role / "model", f"the {role} role's model of checkpoint {src.name}"
+    for root, what in ((src / "checkpoints", "the run's"), (src, "the folder's")):
+        if root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir()):
+            newest = CheckpointStore(root).latest_good()
+            if newest is None:
+                raise ValueError(f"{src}: no good checkpoint in {root} (`rollhpc ckpt list {src}` says why)")
+            return newest.path / role / "model", f"{what} newest good checkpoint, {newest.path.name}"
+    return src, ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
     common = dict(overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
     try:
+        if args.direction == "mcore-to-hf":
+            args.src, what = find_trainer_checkpoint(args.src)
+            if what:
+                print(f"rollhpc convert: reading {args.src} ({what})", file=sys.stderr)
         if args.check:
             if args.direction == "hf-to-mcore":
                 world = check_hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
