@@ -590,8 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "learning.png (reward and held-out accuracy against step and against wall time, restarts "
                         "and requeues from restarts.jsonl marked as dashed lines), throughput.png (tokens/s, the "
                         "generators' idle fraction), stages.png (each step's time by stage: rollout, old "
-                        "log-probs, reference, train, weight sync, the rest), kl_entropy.png, summary.txt. Given "
-                        "several runs, each curve is one run. Files are replaced atomically.",
+                        "log-probs, reference, train, weight sync, evaluation, the rest), training.png (loss, "
+                        "gradient norm, clip fraction, response length, entropy, KL: each one logged, raw and "
+                        "smoothed), summary.txt. Given several runs, each curve is one run (named by its "
+                        "directory where two share a name). Files are replaced atomically.",
                         epilog="Example: rollhpc report runs/quickstart runs/quickstart_pp2 --out cmp/. "
                         "Exit status: 0, or 2 when a RUN_DIR has no metrics.jsonl.")
     rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories, runs/NAME")

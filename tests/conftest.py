@@ -111,7 +111,7 @@ def build_env_worker(run_dir: Path, **options):
     return EnvWorker(ctx, EnvWorker.Options(**options))
 
 
-REPORT_AXES = {"learning.png": 4, "throughput.png": 2, "stages.png": 1, "kl_entropy.png": 2}
+REPORT_AXES = {"learning.png": 4, "throughput.png": 2, "stages.png": 1}  # + training.png: a panel per logged quantity
 
 
 def assert_report(run_dir: Path, cwd: Path) -> str:
@@ -119,9 +119,13 @@ def assert_report(run_dir: Path, cwd: Path) -> str:
     of axes (recorded in the PNG's Description chunk); returns summary.txt."""
     from PIL import Image
 
+    from rollhpc.observability.report import load_run, training_panels
+
     res = rollhpc("report", str(run_dir), cwd=cwd, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    for name, axes in REPORT_AXES.items():
+    panels = len(training_panels([load_run(run_dir)]))
+    assert panels >= 2, "a training run logs at least its loss and response length"
+    for name, axes in {**REPORT_AXES, "training.png": panels}.items():
         with Image.open(run_dir / "report" / name) as img:
             assert img.format == "PNG" and img.width > 500 and img.height > 200, (name, img.size)
             assert img.info.get("Description") == f"axes={axes}", (name, img.info)

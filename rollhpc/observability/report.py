@@ -6,8 +6,10 @@ into the output folder:
 * ``learning.png``: reward and held-out accuracy against step and against wall time;
 * ``throughput.png``: generated tokens/s and the generators' idle fraction against step;
 * ``stages.png``: where each step's time went (rollout, old log-probs, reference, critic, train, weight
-  sync, the rest), one panel per run;
-* ``kl_entropy.png``: the policy's KL to the reference and its entropy, where the run logged them;
+  sync, evaluation, the rest), one panel per run;
+* ``training.png``: what the trainer saw, a panel per quantity any of the runs logged (loss, gradient norm,
+  clip fraction, response length, entropy, KL to the reference), each raw (faint) under a smoothed line;
+  not written when none was logged;
 * ``summary.txt``: steps, wall time, accuracy (first, best, last), throughput, time shares, restarts.
 
 Wall time comes from each metrics record's ``time`` (written by ``RunLog``); for runs that predate it,
@@ -31,7 +33,14 @@ from rollhpc.observability.metrics import read_jsonl
 # step timings in metrics.jsonl (seconds), in the order they happen within a step, and their labels
 STAGES = (("rollout_s", "rollout"), ("generate_s", "generate"), ("reward_s", "reward"),
           ("old_logprob_s", "old log-probs"), ("reference_s", "reference"), ("critic_values_s", "critic values"),
-          ("train_s", "train"), ("weight_sync_s", "weight sync"))
+          ("train_s", "train"), ("weight_sync_s", "weight sync"), ("eval_s", "evaluation"))
+# training.png's panels, in this order, each only where a run logged it: (key, title, y-axis label)
+TRAINING_PANELS = (("train/loss", "policy loss", "loss"),
+                   ("train/grad_norm", "gradient norm (before clipping)", "norm"),
+                   ("train/clip_frac", "clipped fraction of tokens", "fraction"),
+                   ("response_len_mean", "response length (mean)", "tokens"),
+                   ("train/entropy", "policy entropy", "nats per token"),
+                   ("train/kl", "KL to the reference policy", "nats per token"))
 RESTART_EVENTS = ("resume", "requeue", "requeued", "start")
 
 
@@ -106,21 +115,52 @@ def _mark_restarts(ax: Any, run: RunSeries, color: str) -> None:
                     va="top", ha="right", color=color)
 
 
-def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str) -> None:
+def _integer_steps(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run's axis
+
+
+def _labels(runs: list[RunSeries]) -> list[str]:
+    """Legend labels: the run's name, or its directory where two runs share a name (runs/a/x vs runs/b/x)."""
+    names = [r.name for r in runs]
+    return [r.name if names.count(r.name) == 1 else str(r.run_dir) for r in runs]
+
+
+def _smoothed(values: list[float]) -> list[float]:
+    """An exponential moving average over about a tenth of the points: the trend under noisy per-step values."""
+    alpha = 1.0 / max(1.0, len(values) / 10)
+    out, level = [], values[0]
+    for v in values:
+        level += alpha * (v - level)
+        out.append(level)
+    return out
+
+
+def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str, ylabel: str = "",
+             smooth: bool = False) -> None:
     colors = [f"C{i}" for i in range(10)]
     drawn = False
-    for run, color in zip(runs, colors):
+    for run, color, label in zip(runs, colors, _labels(runs)):
         steps, values = run.column(key)
         if not steps:
             continue
         drawn = True
         minutes = run.minutes() if wall else {}
         xs = [minutes.get(s, float("nan")) for s in steps] if wall else steps
-        ax.plot(xs, values, color=color, label=run.name, marker="." if len(xs) < 40 else None)
+        if smooth and len(values) > 5:
+            ax.plot(xs, values, color=color, alpha=0.25, linewidth=0.8)
+            ax.plot(xs, _smoothed(values), color=color, label=label)
+        else:
+            ax.plot(xs, values, color=color, label=label, marker="." if len(xs) < 40 else None)
         if wall:
             _mark_restarts(ax, run, color)
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("wall time (min)" if wall else "step")
+    if not wall:
+        _integer_steps(ax)
+    if ylabel:
+        ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if not drawn:
         ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
@@ -140,6 +180,7 @@ def _stage_panel(ax: Any, run: RunSeries) -> None:
     rest = [max(0.0, float(by_step[s]["step_s"]) - b) for s, b in zip(steps, bottom)]
     if any(rest):
         ax.bar(steps, rest, bottom=bottom, width=1.0, label="other", linewidth=0, color="lightgray")
+    _integer_steps(ax)
     ax.set_title(f"{run.name}: time per step by stage", fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
@@ -192,6 +233,11 @@ def summarize(run: RunSeries) -> list[str]:
     return lines
 
 
+def training_panels(runs: list[RunSeries]) -> list[tuple[str, str, str]]:
+    """training.png's panels: those of TRAINING_PANELS that some run logged."""
+    return [panel for panel in TRAINING_PANELS if any(run.column(panel[0])[0] for run in runs)]
+
+
 def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     """Write the figures and summary.txt for ``run_dirs`` (compared on shared axes) into ``out_dir``;
     returns the files written."""
@@ -207,23 +253,36 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     title = " vs ".join(r.name for r in runs)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    _plot_xy(axes[0][0], runs, "reward_mean", wall=False, title="reward (mean over samples)")
-    _plot_xy(axes[0][1], runs, "accuracy", wall=False, title="held-out accuracy")
-    _plot_xy(axes[1][0], runs, "reward_mean", wall=True, title="reward against wall time")
-    _plot_xy(axes[1][1], runs, "accuracy", wall=True, title="held-out accuracy against wall time")
+    _plot_xy(axes[0][0], runs, "reward_mean", wall=False, title="reward (mean over samples)", ylabel="reward",
+             smooth=True)
+    _plot_xy(axes[0][1], runs, "accuracy", wall=False, title="held-out accuracy", ylabel="accuracy")
+    _plot_xy(axes[1][0], runs, "reward_mean", wall=True, title="reward against wall time", ylabel="reward",
+             smooth=True)
+    _plot_xy(axes[1][1], runs, "accuracy", wall=True, title="held-out accuracy against wall time", ylabel="accuracy")
     fig.suptitle(f"{title}: learning")
     written.append(_save(fig, out_dir / "learning.png"))
 
-    for name, heading, panels in (
-            ("throughput.png", "throughput", (("tokens_per_s", "generated tokens/s"),
-                                              ("generator_idle_fraction", "generator idle fraction"))),
-            ("kl_entropy.png", "KL and entropy", (("train/kl", "KL to the reference policy"),
-                                                  ("train/entropy", "policy entropy")))):
-        fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.8), constrained_layout=True)
-        for ax, (key, panel_title) in zip(axes, panels):
-            _plot_xy(ax, runs, key, wall=False, title=panel_title)
-        fig.suptitle(f"{title}: {heading}")
-        written.append(_save(fig, out_dir / name))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
+    _plot_xy(axes[0], runs, "tokens_per_s", wall=False, title="generated tokens/s", ylabel="tokens/s", smooth=True)
+    _plot_xy(axes[1], runs, "generator_idle_fraction", wall=False, title="generator idle fraction",
+             ylabel="fraction of the step", smooth=True)
+    fig.suptitle(f"{title}: throughput")
+    written.append(_save(fig, out_dir / "throughput.png"))
+
+    logged = training_panels(runs)
+    stale = out_dir / "training.png"
+    if logged:
+        cols = min(3, len(logged))
+        rows = -(-len(logged) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), constrained_layout=True, squeeze=False)
+        for ax, (key, panel_title, ylabel) in zip(axes.flat, logged):
+            _plot_xy(ax, runs, key, wall=False, title=panel_title, ylabel=ylabel, smooth=True)
+        for ax in list(axes.flat)[len(logged):]:
+            fig.delaxes(ax)  # no empty panels
+        fig.suptitle(f"{title}: training")
+        written.append(_save(fig, stale))
+    else:
+        stale.unlink(missing_ok=True)  # an earlier report's, of other runs
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
