@@ -39,7 +39,9 @@ TRAINING_PANELS = (("train/loss", "policy loss", "loss"),
                    ("train/grad_norm", "gradient norm (before clipping)", "norm"),
                    ("train/clip_frac", "clipped fraction of tokens", "fraction"),
                    ("response_len_mean", "response length (mean)", "tokens"),
+                   ("row_len_mean", "episode row length (mean, agentic)", "tokens"),
                    ("train/entropy", "policy entropy", "nats per token"),
+                   ("sampled_entropy", "entropy of the sampled tokens (generator)", "nats per token"),
                    ("train/kl", "KL to the reference policy", "nats per token"))
 RESTART_EVENTS = ("resume", "requeue", "requeued", "start")
 
