@@ -143,7 +143,8 @@ def test_plan_shows_what_each_pipeline_stage_holds(tmp_path, tiny_model):
     res = rollhpc("plan", "quickstart", f"pipeline.options.model_dir={tiny_model}", "roles.train.procs=2",
                   "roles.train.parallel.pp=2", "roles.train.parallel.vpp=2", "--no-ranks", cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.startswith(  # refused at load, in one line, before anything starts
-        "rollhpc: config error: roles.train.parallel: pp=2 x vpp=2 = 4 stages do not divide the model's 2 layers"), \
+        "rollhpc: config error: roles.train.parallel: 2 layers cannot be split evenly into pp=2 x vpp=2 = 4 pipeline "
+        "stages"), \
         res.stderr
 
 

@@ -255,11 +255,12 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*tp, "roles.train.parallel.tp=3", "roles.train.procs=3"], "roles.train.parallel: tp=3 does not divide the "
                                                                     "model's 4 attention heads"),
         ([*m, "roles.train.procs=8", "roles.train.parallel.tp=8"], "roles.train.parallel: tp=8 does not divide"),
-        ([*m, "roles.train.procs=3", "roles.train.parallel.pp=3"], "roles.train.parallel: pp=3 = 3 stages do not "
-                                                                   "divide the model's 2 layers"),
-        ([*m, "roles.train.procs=4", "roles.train.parallel.pp=4"], "roles.train.parallel: pp=4 = 4 stages"),
+        ([*m, "roles.train.procs=3", "roles.train.parallel.pp=3"],
+         "roles.train.parallel: 2 layers cannot be split evenly into pp=3 x vpp=1 = 3 pipeline stages"),
+        ([*m, "roles.train.procs=4", "roles.train.parallel.pp=4"],
+         "roles.train.parallel: 2 layers cannot be split evenly into pp=4 x vpp=1 = 4 pipeline stages"),
         ([*m, "roles.train.procs=2", "roles.train.parallel.pp=2", "roles.train.parallel.vpp=2"],
-         "roles.train.parallel: pp=2 x vpp=2 = 4 stages do not divide the model's 2 layers"),
+         "roles.train.parallel: 2 layers cannot be split evenly into pp=2 x vpp=2 = 4 pipeline stages"),
         ([*m, "roles.train.procs=2", "roles.train.parallel.ep=2"], "roles.train.parallel: ep=2 does not divide the "
                                                                    "model's 0 experts"),
         ([*m, "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",

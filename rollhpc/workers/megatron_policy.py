@@ -37,6 +37,7 @@ import numpy as np
 from rollhpc import faults
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
+from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.workers.base import Collect, Dispatch, Worker, WorkerContext, register
 
 log = logging.getLogger("rollhpc.megatron")
@@ -119,10 +120,10 @@ class MegatronPolicyWorker(Worker):
         self.hf_config = _hf_dict(model_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[options.dtype]
-        layers, stages = int(self.hf_config["num_hidden_layers"]), layout.pp * (layout.vpp or 1)
-        if layers % stages:
-            raise ValueError(f"role {ctx.role!r}: {layers} layers cannot be split evenly into pp={layout.pp} x "
-                             f"vpp={layout.vpp or 1} = {stages} pipeline stages")
+        try:
+            pipeline_stage_layers(int(self.hf_config["num_hidden_layers"]), layout.pp, layout.vpp)
+        except ValueError as e:
+            raise ValueError(f"role {ctx.role!r}: {e}") from None
         state = _load_safetensors(model_dir)
         # one chunk per virtual pipeline stage (one chunk without vpp; at pp=1 the whole model)
         self.chunks = [build_gpt_model(self.hf_config, params_dtype=dtype, vp_stage=v if layout.vpp else None)
@@ -212,7 +213,7 @@ class MegatronPolicyWorker(Worker):
         layers = int(hf.get("num_hidden_layers") or 0)
         ffn = int(hf.get("intermediate_size") or 0)
         experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        tp, stages = layout.tp, layout.pp * (layout.vpp or 1)
+        tp = layout.tp
         problems = []
         if heads and heads % tp:
             problems.append(f"tp={tp} does not divide the model's {heads} attention heads")
@@ -220,9 +221,11 @@ class MegatronPolicyWorker(Worker):
             problems.append(f"tp={tp} and the model's {kv} KV heads: one must divide the other")
         if ffn and ffn % tp:
             problems.append(f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})")
-        if layers and layers % stages:
-            problems.append(f"pp={layout.pp}" + (f" x vpp={layout.vpp}" if layout.vpp else "")
-                            + f" = {stages} stages do not divide the model's {layers} layers")
+        if layers:
+            try:
+                pipeline_stage_layers(layers, layout.pp, layout.vpp)  # megatron's even split, as plan draws it
+            except ValueError as e:
+                problems.append(str(e))
         if layout.ep > 1 and (not experts or experts % layout.ep):
             problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
         if problems:
