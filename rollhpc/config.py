@@ -215,6 +215,34 @@ class ContainerConfig:
 
 
 @dataclass(kw_only=True)
+class CpuComponentConfig:
+    """Het group 0 of a Slurm job: the controller and every CPU role (reward, env, judges without GPUs).
+
+    It needs no GPU node: on a cluster with a CPU partition it goes there (its own account, QOS, memory and node
+    size), shares its nodes with other jobs unless ``exclusive``, and leaves every GPU to the GPU groups. Empty
+    values fall back to ``cluster.*``; ``mem_per_node`` falls back only while it shares the GPU groups' partition
+    (a CPU node is rarely the size of a GPU node). The GPU groups are always --exclusive, so that the job's own
+    groups never pack onto one node (Slurm 22.05's srun cannot start such a step; rollhpc.launch.slurm)."""
+
+    partition: str = ""  # e.g. cpu; empty: cluster.partition
+    account: str = ""  # empty: cluster.account
+    qos: str = ""  # empty: cluster.qos
+    mem_per_node: str = ""  # sbatch --mem of its nodes, e.g. 64G
+    cpus_per_node: int = 0  # CPUs of one of its nodes (how many ranks share one); 0: cluster.cpus_per_node
+    nodes: int = 0  # at most this many nodes; 0: cluster.nodes
+    exclusive: bool = False  # whole nodes of its own (--exclusive)
+
+    def __post_init__(self) -> None:
+        for key, pattern, form in _SLURM_NAMES:
+            value = getattr(self, key, "")
+            if not isinstance(value, str) or (value and not re.fullmatch(pattern, value)):
+                raise ConfigError(f"cluster.cpu_component.{key}: {value!r} is not {form}")
+        if self.cpus_per_node < 0 or self.nodes < 0:
+            raise ConfigError(f"cluster.cpu_component.cpus_per_node and .nodes must be >= 0 (0: the cluster's), "
+                              f"got {self.cpus_per_node}, {self.nodes}")
+
+
+@dataclass(kw_only=True)
 class ClusterConfig:
     """The Slurm cluster a plan targets (``rollhpc plan`` and ``rollhpc submit``)."""
 
@@ -236,12 +264,14 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
     # the image the ranks run in (apptainer or pyxis); kind none: on the host, with the submitting interpreter
     container: ContainerConfig = field(default_factory=ContainerConfig)
+    # where the controller and the CPU roles run (het group 0): a CPU partition of their own, not a GPU node
+    cpu_component: CpuComponentConfig = field(default_factory=CpuComponentConfig)
     # the run continues by itself after a lost node, worker or peer, a time limit or a failed launch: the batch
     # script submits the next job, and a rescue job waiting on each job (--dependency=afterany) does when the
     # batch script could not (its node lost); each resumes from the newest good checkpoint. false: the run ends
     requeue: bool = True
     max_restarts: int = 5  # restarts after failures (lost workers, peers, batch nodes) before the run gives up
-    # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: cluster.partition
+    # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: the CPU component's
     rescue_partition: str = ""
     stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
     # a held job (a person's or the site's hold: the run's own jobs are --no-requeue, so Slurm never leaves them

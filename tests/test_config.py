@@ -235,6 +235,12 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*m, "cluster.account='a,b'"], "cluster.account: 'a,b' is not a Slurm account name"),
         ([*m, "cluster.qos='high prio'"], "cluster.qos: 'high prio' is not a Slurm QOS name"),
         ([*m, "cluster.qos='$(id)'"], "cluster.qos: '$(id)' is not a Slurm QOS name"),
+        ([*m, "+cluster.cpu_component.partition='cpu nodes'"],
+         "cluster.cpu_component.partition: 'cpu nodes' is not a Slurm partition name"),
+        ([*m, "+cluster.cpu_component.mem_per_node=64GB"], "cluster.cpu_component.mem_per_node: '64GB' is not a Slurm"),
+        ([*m, "+cluster.cpu_component.qos='a;b'"], "cluster.cpu_component.qos: 'a;b' is not a Slurm QOS name"),
+        ([*m, "+cluster.cpu_component.cpus_per_node=-4"], "cluster.cpu_component.cpus_per_node and .nodes must be >= 0"),
+        ([*m, "+cluster.cpu_component.exclusive=sometimes"], "config.cluster.cpu_component.exclusive: expected bool"),
         ([*m, "cluster.nodes=0"], "cluster.nodes and cluster.cpus_per_node must be >= 1"),
         ([*m, "cluster.cpus_per_node=0"], "cluster.nodes and cluster.cpus_per_node must be >= 1"),
         ([*m, "cluster.gpus_per_node=-8"], "cluster.nodes and cluster.cpus_per_node must be >= 1 and "

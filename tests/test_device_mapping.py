@@ -99,6 +99,11 @@ def test_disaggregated_roles_get_their_own_gpus_without_splitting_a_rank_across_
     ({"train": {"procs": 40, "gpus_per_proc": 1}}, {}, "needs 40 GPUs but the cluster has no 40 free GPUs left (32 in all"),
     ({"train": {"procs": 2, "gpus_per_proc": 1, "devices": [7, 8]}}, {}, "rank 0 would drive GPUs"),
     ({"reward": {"procs": 200}}, {"nodes": 2, "cpus_per_node": 64}, "the controller and CPU roles need 4 nodes"),
+    ({"reward": {"procs": 200}}, {"cpu_component": {"nodes": 1, "cpus_per_node": 128}},
+     "the controller and CPU roles need 2 nodes (201 ranks, 128 per node of 128 CPUs) but cluster.cpu_component.nodes is 1"),
+    ({"reward": {"procs": 2, "cpus_per_proc": 16}}, {"cpu_component": {"cpus_per_node": 8}},
+     "roles.reward.cpus_per_proc: 16 CPUs per rank do not fit on a node of the controller's het group "
+     "(cluster.cpu_component.cpus_per_node = 8)"),
 ])
 def test_impossible_mappings_fail_with_one_message(roles, cluster, msg):
     if roles.get("train", {}).get("devices") == [7, 8]:
@@ -106,6 +111,15 @@ def test_impossible_mappings_fail_with_one_message(roles, cluster, msg):
         roles["train"]["procs"] = 1
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         plan_world(experiment(roles, **cluster))
+
+
+def test_cpu_component_packs_by_its_own_node_size_and_not_against_the_gpu_nodes():
+    """Het group 0 on a CPU partition: ranks per node from cluster.cpu_component.cpus_per_node, its node count
+    bounded by cluster.cpu_component.nodes, not by the GPU nodes of cluster.nodes."""
+    cfg = experiment({"train": {"procs": 8, "gpus_per_proc": 1}, "reward": {"procs": 47, "cpus_per_proc": 2}},
+                     nodes=1, cpu_component={"partition": "cpu", "cpus_per_node": 32, "nodes": 3})
+    comp = plan_world(cfg).components[0]
+    assert (comp.nodes, comp.ntasks, comp.ntasks_per_node, comp.cpus_per_task) == (3, 48, 16, 2)
 
 
 def test_plan_round_trips_through_json(tmp_path):

@@ -63,6 +63,29 @@ def test_hetjob_batch_script_matches_golden_file():
     assert text == GOLDEN.read_text()
 
 
+def test_shipped_7b_config_puts_the_controller_on_a_cpu_partition_and_leaves_the_gpu_nodes_whole():
+    """Issue 34: qwen2.5-7b_grpo's het group 0 (controller + 8 reward ranks) asks for a CPU partition with its own
+    memory and no --exclusive; the GPU group keeps its partition, memory and whole nodes (no two groups of the
+    job can then share a node). Two GPU nodes in all, not three."""
+    cfg = load_experiment("qwen2.5-7b_grpo", [])
+    text = render_sbatch(cfg, plan_world(cfg), Path("/shared/runs/qwen2.5-7b-grpo"), python="python")
+    golden = GOLDEN.with_name("qwen2.5-7b_grpo.sbatch")
+    if not golden.exists():
+        golden.write_text(text)
+        raise AssertionError(f"golden file written to {golden}: review it and commit it")
+    assert text == golden.read_text()
+    groups = text.split("#SBATCH hetjob")
+    assert len(groups) == 2
+    assert "--partition=cpu" in groups[0] and "--mem=64G" in groups[0] and "--exclusive" not in groups[0]
+    assert "--gres" not in groups[0]
+    assert all(opt in groups[1] for opt in ("--nodes=2", "--partition=gpu", "--mem=800G", "--exclusive"))
+    # left to the cluster's values where the CPU component names none; asked for, it holds its nodes alone
+    shared = render("cluster.account=proj1", "cluster.mem_per_node=500G").split("#SBATCH hetjob")[0]
+    assert "--partition=gpu" in shared and "--account=proj1" in shared and "--mem" not in shared
+    own = render("+cluster.cpu_component.exclusive=true", "+cluster.cpu_component.qos=cpu_q").split("#SBATCH hetjob")
+    assert "--exclusive" in own[0] and "--qos=cpu_q" in own[0] and "--qos" not in own[1]
+
+
 # the reviewed container variants of the golden job: the same world, its ranks in an image
 CONTAINERS = {
     # a .sif on the shared filesystem, models read-only; the run dir (not under a mount) is bound by itself

@@ -219,7 +219,14 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
     members = [(CONTROLLER_ROLE, 0, 1)] + [(n, g, cfg.roles[n].cpus_per_proc) for n in cpu_roles
                                              for g in range(cfg.roles[n].procs)]
     cpus_per_task = max(c for _, _, c in members)
-    per_node = max(1, cluster.cpus_per_node // cpus_per_task)
+    cpu_node_cpus = cluster.cpu_component.cpus_per_node or cluster.cpus_per_node
+    cpu_nodes = cluster.cpu_component.nodes or cluster.nodes
+    wide = [n for n in cpu_roles if cfg.roles[n].cpus_per_proc > cpu_node_cpus]
+    if wide:
+        key = "cluster.cpu_component.cpus_per_node" if cluster.cpu_component.cpus_per_node else "cluster.cpus_per_node"
+        raise ConfigError(f"roles.{wide[0]}.cpus_per_proc: {cfg.roles[wide[0]].cpus_per_proc} CPUs per rank do not "
+                          f"fit on a node of the controller's het group ({key} = {cpu_node_cpus})")
+    per_node = max(1, cpu_node_cpus // cpus_per_task)
     nodes0 = math.ceil(len(members) / per_node)
     for i, (role, g, _) in enumerate(members):
         ranks.append(RankPlacement(len(ranks), role, g, 0, i // per_node, ()))
@@ -263,7 +270,8 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
         notes += overlap_notes(cfg, roles, ids)
         components.append(Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt))
         gpu_total += len(ids)
-    if nodes0 > cluster.nodes:
+    if nodes0 > cpu_nodes:
+        key = "cluster.cpu_component.nodes" if cluster.cpu_component.nodes else "cluster.nodes"
         raise ConfigError(f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
-                          f"node of {cluster.cpus_per_node} CPUs) but cluster.nodes is {cluster.nodes}")
+                          f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}")
     return WorldPlan(ranks, components, gpu_total, notes)

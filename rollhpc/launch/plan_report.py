@@ -8,6 +8,7 @@ from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.device_mapping import WorldPlan
+from rollhpc.launch.slurm import component_resources
 from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout, pipeline_stage_layers
 
 
@@ -25,9 +26,11 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
            f"{c.nodes} nodes x {c.gpus_per_node} GPUs x {c.cpus_per_node} CPUs"
            + (f", partition {c.partition}" if c.partition else ""))
     yield "heterogeneous job components (one MPMD srun, world ranks in this order):"
+    het = len(plan.components) > 1
     for comp in plan.components:
         yield (f"  het group {comp.index}: {', '.join(comp.roles)} | {comp.nodes} node(s), {comp.ntasks} tasks "
-               f"({comp.ntasks_per_node}/node), {comp.gpus_per_node} GPUs/node, {comp.cpus_per_task} CPUs/task")
+               f"({comp.ntasks_per_node}/node), {comp.gpus_per_node} GPUs/node, {comp.cpus_per_task} CPUs/task; "
+               f"{component_resources(c, comp, het).describe()}")
     for note in plan.notes:
         yield f"  {note}"
     layouts = {name: role.layout() for name, role in cfg.roles.items()}

@@ -13,23 +13,58 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from rollhpc.config import ContainerConfig, ExperimentConfig
+from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
 from rollhpc.launch.resubmit import (BATCH_SCRIPT, JOB_ID, RESCUE_SCRIPT, TERMINAL, current_job, rescue_jobs,
                                     submit_rescue, write_atomic)
 
 
+@dataclass(frozen=True)
+class ComponentResources:
+    """What one het group asks Slurm for besides its tasks and GPUs."""
+
+    partition: str
+    account: str
+    qos: str
+    mem: str
+    exclusive: bool
+
+    def describe(self) -> str:
+        """One phrase for `rollhpc plan`: where the group runs and whether it holds its nodes alone."""
+        parts = [f"partition {self.partition}" if self.partition else "default partition"]
+        parts += [f"{k} {v}" for k, v in (("account", self.account), ("qos", self.qos), ("mem", self.mem)) if v]
+        return ", ".join(parts) + (", whole nodes (--exclusive)" if self.exclusive else ", nodes shared with other jobs")
+
+
+def component_resources(cluster: ClusterConfig, comp: Component, het: bool) -> ComponentResources:
+    """Group 0 (the controller and the CPU roles) by ``cluster.cpu_component``, the GPU groups by ``cluster.*``.
+
+    The GPU groups of a het job hold their nodes alone (--exclusive): Slurm 22.05's srun cannot start a step
+    whose het groups share a node (it waits forever, seen after two node losses), and an exclusive group keeps
+    every other group of the job off its nodes. Group 0 then needs no --exclusive of its own: it runs on a CPU
+    partition, or on a few CPUs of a node that other jobs share, and never takes a GPU node whole."""
+    if comp.index:
+        return ComponentResources(cluster.partition, cluster.account, cluster.qos, cluster.mem_per_node, het)
+    cpu = cluster.cpu_component
+    # a GPU node's memory is no measure of a CPU node's: cluster.mem_per_node only for a job with no GPU group
+    mem = cpu.mem_per_node or ("" if het else cluster.mem_per_node)
+    return ComponentResources(cpu.partition or cluster.partition, cpu.account or cluster.account,
+                              cpu.qos or cluster.qos, mem, cpu.exclusive)
+
+
 def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
     c = cfg.cluster
+    res = component_resources(c, comp, het)
     opts = [f"--nodes={comp.nodes}", f"--ntasks={comp.ntasks}", f"--ntasks-per-node={comp.ntasks_per_node}",
             f"--cpus-per-task={comp.cpus_per_task}"]
-    if het:  # the plan gives each het group nodes of its own; packed onto one node, srun cannot start the step
+    if res.exclusive:
         opts.append("--exclusive")
     if comp.gpus_per_node:
         opts.append(f"--gres=gpu:{comp.gpus_per_node}")
-    for key, value in (("partition", c.partition), ("account", c.account), ("qos", c.qos), ("mem", c.mem_per_node)):
+    for key, value in (("partition", res.partition), ("account", res.account), ("qos", res.qos), ("mem", res.mem)):
         if value:
             opts.append(f"--{key}={value}")
     return opts + list(c.sbatch_extra)
@@ -216,7 +251,9 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
         f"#SBATCH --output={run_dir / 'slurm' / 'rescue-%j.out'}",
         "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1", "#SBATCH --time=10", "#SBATCH --no-requeue",
     ]
-    for key, value in (("partition", c.rescue_partition or c.partition), ("account", c.account), ("qos", c.qos)):
+    cpu = c.cpu_component  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
+    for key, value in (("partition", c.rescue_partition or cpu.partition or c.partition),
+                       ("account", cpu.account or c.account), ("qos", cpu.qos or c.qos)):
         if value:
             lines.append(f"#SBATCH --{key}={value}")
     lines += ["", "set -euo pipefail", *c.setup,
