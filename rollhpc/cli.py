@@ -135,7 +135,10 @@ def _resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
     now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))  # as config.yaml holds it
     # where the run directory is was settled by finding it (a relative output_dir depends on the cwd), and
     # the machines (cluster.*: partition, time limit, nodes) do not change what a checkpoint holds
-    differ = sorted(k for k in _differing_keys(saved, now) if k != "run.output_dir" and not k.startswith("cluster."))
+    # and export_hf only decides what is written after the last step (resuming a finished run with export_hf=final
+    # exports it)
+    differ = sorted(k for k in _differing_keys(saved, now)
+                    if k not in ("run.output_dir", "pipeline.options.export_hf") and not k.startswith("cluster."))
     if differ:
         raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
                           f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
@@ -203,7 +206,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
         preview = getattr(config_mod.import_object(cfg.pipeline.entry, "pipeline.entry"), "preview", None)
         if preview is not None:  # what the policy will be shown: chat template or plain text
-            print("\n".join(preview(cfg.pipeline.options)))
+            try:
+                print("\n".join(preview(cfg.pipeline.options, roles=cfg.roles)))
+            except ValueError as e:  # a prompt that leaves no room for its response
+                raise ConfigError(f"pipeline.options.task: {e}") from None
         return 0
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
@@ -433,6 +439,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return convert_cli.run(args)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from rollhpc.checkpoint import export
+
+    return export.run(args)
+
+
 def cmd_sandbox(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
@@ -639,6 +651,20 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cli.add_arguments(cv)
     cv.set_defaults(func=cmd_convert)
 
+    from rollhpc.checkpoint import export
+
+    ex = sub.add_parser("export", help="a run's trained model as a Hugging Face directory (safetensors, config, "
+                        "tokenizer, generation config)",
+                        description="Write OUT_DIR, a Hugging Face model directory that transformers and vLLM load, "
+                        "from the trainer's model of a run's checkpoint (RUN_DIR/checkpoints/step_N/train/model): "
+                        "by default the newest good checkpoint, the one a resume would use; with --step N that "
+                        "step's. Dense and MoE models; safetensors, config.json, and the tokenizer and generation "
+                        "config of the model the run started from (one derived from config.json where it had "
+                        "none). Runs here, in a local worker process, one tensor at a time; OUT_DIR appears complete "
+                        "or not at all.", epilog=export.EPILOG)
+    export.add_arguments(ex)
+    ex.set_defaults(func=cmd_export)
+
     ck = sub.add_parser("ckpt", help="list, inspect and verify a run's checkpoints",
                         description="Read-only views of RUN_DIR/checkpoints/ (step_N/ directories with a "
                         "manifest.json of every file's size and sha256, and a `latest` pointer). Safe to run "
@@ -729,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
-    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
     if stray and args.command != "convert":  # the subcommand's usage, which lists its flags
         parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(stray)}")
     if hasattr(args, "overrides"):

@@ -4,6 +4,7 @@ prompts rendered with a model's chat template (exact token ids; trainer and vLLM
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,16 @@ def test_chat_template_prompts_train_in_sync_with_vllm(chat_model, tmp_path):
     dry = rollhpc("train", "jsonl_example", *args, "--dry-run", cwd=tmp_path, timeout=60)
     assert dry.returncode == 0, dry.stderr
     assert "prompts (in the model's chat template)" in dry.stdout and "<|im_start|>user\n" in dry.stdout
+    # every prompt of both splits measured against the generator's context: one that leaves no room is refused
+    lengths = re.search(r"training: (\d+) prompts, the longest (\d+) tokens \+ rollout.max_tokens 8 of "
+                        r"max_model_len 96; held-out: 16 prompts", dry.stdout)
+    assert lengths, dry.stdout[-2000:]
+    longest = int(lengths[2])
+    short = rollhpc("train", "jsonl_example", *args, f"roles.generate.options.max_model_len={longest + 7}", "--dry-run",
+                    cwd=tmp_path, timeout=60)
+    assert short.returncode == 2 and short.stderr.count("\n") == 1, short.stderr
+    assert (f"is {longest} tokens: with pipeline.options.rollout.max_tokens=8 it needs {longest + 8} > "
+            f"roles.generate.options.max_model_len={longest + 7}") in short.stderr, short.stderr
     res = rollhpc("train", "jsonl_example", *args, cwd=tmp_path, timeout=600)
     run_dir = tmp_path / "runs" / "jsonl_example"
     assert res.returncode == 0, res.stderr[-3000:]

@@ -44,15 +44,15 @@ from rollhpc.algo.kl_control import KlControlConfig, KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
-from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
+from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.controller.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, check_critic_role
-from rollhpc.rollout.prompts import PromptRenderer
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
+from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.types import Prompt, Sample
 
@@ -124,11 +124,18 @@ class PromptStream:
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
 
 
+def _max_model_len(roles: dict[str, Any] | None) -> int | None:
+    """The generator's context length (prompt + response), when its worker has one."""
+    gen = (roles or {}).get("generate")
+    value = getattr(getattr(gen, "options", None), "max_model_len", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
 class RlvrPipeline(TrainingPipeline):
     required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
 
     @dataclass(kw_only=True)
-    class Options:
+    class Options(TrainingOptions):  # checkpoint, export_hf
         model_dir: str  # the starting policy (Hugging Face directory), e.g. the SFT warm start
         task: TaskConfig = field(default_factory=TaskConfig)  # with domains: its n_train/n_heldout are the totals
         # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
@@ -165,12 +172,12 @@ class RlvrPipeline(TrainingPipeline):
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
         max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
-        checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
         # colocated roles take turns on their devices: each stage offloads what it does not use
         # (rollhpc.controller.colocation); off: they stay resident together
         offload: bool = False
 
         def __post_init__(self) -> None:
+            super().__post_init__()
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
             self._check_group_size()
@@ -226,10 +233,17 @@ class RlvrPipeline(TrainingPipeline):
         paths = getattr(task_module(options.task.name), "data_paths", None)
         return [(f"pipeline.options.task.options.{k}", p) for k, p in (paths(options.task.options) if paths else [])]
 
+    @staticmethod
+    def prompt_splits(options: Options, train: list, heldout: list) -> list[tuple[str, list, str, int]]:
+        """Each split's prompts with the response budget they are generated with (``check_prompt_budget``)."""
+        return [("training", train, "rollout.max_tokens", options.rollout.max_tokens),
+                ("held-out", heldout, "eval_max_tokens", options.eval_max_tokens)]
+
     @classmethod
-    def preview(cls, options: Options, n: int = 2) -> list[str]:
+    def preview(cls, options: Options, n: int = 2, roles: dict[str, Any] | None = None) -> list[str]:
         """For ``rollhpc train --dry-run``: the first training prompts exactly as the policy will see them
-        (chat template or plain text), with their token counts. Needs the model's tokenizer here."""
+        (chat template or plain text), with their token counts, and the longest prompt of each split against
+        the generator's ``max_model_len`` (ValueError when one does not fit). Needs the model's tokenizer here."""
         from transformers import AutoTokenizer
 
         from rollhpc.tasks import task_module
@@ -244,12 +258,15 @@ class RlvrPipeline(TrainingPipeline):
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         render = PromptRenderer(tokenizer, options.chat_template)
         opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.task_options.items()}
-        train, _ = task_module(options.task_name).make_splits(options.task.split_seed, n, 1, **opts)
+        train, heldout = task_module(options.task_name).make_splits(options.task.split_seed, options.task.n_train,
+                                                                    options.task.n_heldout, **opts)
         how = "in the model's chat template" if render.uses_template else "plain text, no chat template"
         lines = [f"prompts ({how}), the first {len(train[:n])} of task {options.task_name}:"]
         for i, ex in enumerate(train[:n], 1):
             lines.append(f"--- prompt {i}: {len(render(ex))} tokens, reference answer {getattr(ex, 'answer', '?')!r}")
             lines.append(render.text(ex))
+        lines.append("prompt lengths: " + check_prompt_budget(render, cls.prompt_splits(options, train, heldout),
+                                                              _max_model_len(roles)))
         return lines
 
     @classmethod
@@ -326,6 +343,10 @@ class RlvrPipeline(TrainingPipeline):
             self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
                                                             **opts)
         self.task = task
+        # every prompt, before the first step: one that leaves no room for its response would fail hours in
+        budget = check_prompt_budget(self.render, self.prompt_splits(o, self.train_set, self.heldout),
+                                     _max_model_len(getattr(self.run_ctx.config, "roles", None)))
+        log.info("prompt lengths: %s", budget)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> Outcome:

@@ -12,6 +12,7 @@ list of role/content dicts) to give more than one user turn; otherwise ``prompt`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 ChatTemplateMode = Literal["auto", "on", "off"]
@@ -46,3 +47,38 @@ class PromptRenderer:
             return list(self.tokenizer.encode(example.prompt))
         # the template writes the special tokens itself: none added around it
         return list(self.tokenizer.encode(self.text(example), add_special_tokens=False))
+
+    def lengths(self, examples: Sequence[Any]) -> list[int]:
+        """Token counts of many prompts, encoded in one batch call (the same ids ``__call__`` gives)."""
+        if not examples:
+            return []
+        if not self.uses_template:
+            return [len(ids) for ids in self.tokenizer([ex.prompt for ex in examples])["input_ids"]]
+        texts = [self.text(ex) for ex in examples]
+        return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def check_prompt_budget(render: PromptRenderer, splits: Sequence[tuple[str, Sequence[Any], str, int]],
+                        max_model_len: int | None) -> str:
+    """The generator's context holds a prompt and its response: every prompt plus its split's response budget
+    must fit ``max_model_len``, or a request fails (or is cut) only once it is drawn, hours into a run.
+
+    ``splits``: (name, examples, budget key, max new tokens), e.g. ("training", train, "rollout.max_tokens", 64).
+    Returns one line on the longest prompt of each split; raises ValueError (one line, the example named)
+    when one does not fit."""
+    lines = []
+    for name, examples, key, max_tokens in splits:
+        counts = render.lengths(examples)
+        if not counts:
+            continue
+        i = max(range(len(counts)), key=counts.__getitem__)
+        if max_model_len and counts[i] + max_tokens > max_model_len:
+            too_long = sum(n + max_tokens > max_model_len for n in counts)
+            raise ValueError(
+                f"the longest {name} prompt ({name} example {i}, {getattr(examples[i], 'prompt', '')[:40]!r}...) is "
+                f"{counts[i]} tokens: with pipeline.options.{key}={max_tokens} it needs {counts[i] + max_tokens} > "
+                f"roles.generate.options.max_model_len={max_model_len} ({too_long} of {len(counts)} {name} prompts "
+                f"do not fit): raise max_model_len, lower {key} or drop the long prompts")
+        lines.append(f"{name}: {len(counts)} prompts, the longest {counts[i]} tokens + {key} {max_tokens}"
+                     + (f" of max_model_len {max_model_len}" if max_model_len else ""))
+    return "; ".join(lines)
