@@ -16,7 +16,7 @@ from tests.conftest import REPO, assert_no_orphans, rollhpc
 def test_help_lists_every_command(tmp_path):
     res = rollhpc("--help", cwd=tmp_path)
     assert res.returncode == 0
-    for cmd in ("train", "plan", "submit", "status", "convert", "ckpt"):
+    for cmd in ("train", "plan", "submit", "status", "convert", "export", "ckpt"):
         assert cmd in res.stdout
     assert "--dry-run" in rollhpc("train", "--help", cwd=tmp_path).stdout
 
@@ -96,6 +96,18 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
     res = rollhpc("train", "toy_grpo", "--resume", "pipeline.options.steps=7", cwd=tmp_path)
     assert res.returncode == 2
     assert "differs from the run's" in res.stderr and "pipeline.options.steps" in res.stderr, res.stderr
+
+    # export_hf only decides what is written after the last step: a resume may turn it on (a finished run resumed
+    # with export_hf=final exports its final checkpoint), and config.yaml then says so
+    from rollhpc.cli import _resume_run_dir
+    from rollhpc.launch.device_mapping import plan_world
+
+    quick = tmp_path / "quickstart"
+    quick.mkdir()
+    (quick / "config.yaml").write_text(yaml.safe_dump(to_dict(load_experiment("quickstart", []))))
+    cfg = load_experiment("quickstart", ["pipeline.options.export_hf=final"])
+    assert _resume_run_dir(cfg, plan_world(cfg), quick) == quick
+    assert yaml.safe_load((quick / "config.yaml").read_text())["pipeline"]["options"]["export_hf"] == "final"
 
 
 @pytest.mark.slow

@@ -280,6 +280,10 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*m, "controller.world_timeout_s=0"], "controller.world_timeout_s: must be positive"),
         ([*m, "controller.peer_loss_settle_s=-1"], "controller.peer_loss_settle_s: must be >= 0"),
         ([*m, "cluster.max_restarts=-1"], "config.cluster: cluster.max_restarts"),
+        ([*m, "pipeline.options.export_hf=all"], "pipeline.options.export_hf: 'all' is not one of ['none', 'final']"),
+        ([*m, "pipeline.options.export_hf=final", "pipeline.options.checkpoint.at_end=false"],
+         "pipeline.options: export_hf=final exports the run's final checkpoint, but checkpoint.at_end=false saves "
+         "none"),
     ]
 
 
@@ -293,3 +297,13 @@ def test_forty_mistakes_are_refused_at_load_in_one_line(tiny_model):
         with pytest.raises(ConfigError) as e:
             load_experiment("quickstart", overrides)
         assert str(e.value).startswith(expected) and "\n" not in str(e.value), (overrides, str(e.value))
+
+
+def test_export_hf_final_is_an_option_of_both_training_pipelines():
+    """RLVR and agentic share it (pipelines.training.TrainingOptions): final needs the checkpoint after the last
+    step, which it exports."""
+    for name in ("quickstart", "frozenlake"):
+        assert load_experiment(name, ["pipeline.options.export_hf=final"]).pipeline.options.export_hf == "final"
+        assert load_experiment(name, []).pipeline.options.export_hf == "none"
+        with pytest.raises(ConfigError, match="export_hf=final exports the run's final checkpoint"):
+            load_experiment(name, ["pipeline.options.export_hf=final", "pipeline.options.checkpoint.at_end=false"])

@@ -136,8 +136,16 @@ def test_other_families_roundtrip_and_match_transformers_logits(kind: str, tmp_p
     to_mcore = hf_to_mcore(src, tmp_path / "mcore", tp=2, ep=ep, verify=True, progress=False)
     v = to_mcore.verify
     assert v["ok"] and v["max_abs_diff"] < 1e-4 and v["argmax_agree"] == 1.0, to_mcore.summary()
+    (tmp_path / "mcore" / "hf" / "generation_config.json").unlink(missing_ok=True)  # as from a model saved without one
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", progress=False)
     _assert_bitwise(src, tmp_path / "hf")
+    # the converted directory is complete all the same: a generation config derived from config.json (its special
+    # tokens: vLLM stops at its eos_token_id), as transformers' from_model_config derives one
+    derived = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    expected = transformers.GenerationConfig.from_model_config(json.loads((src / "config.json").read_text()))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(derived, key) == getattr(expected, key), key
+    assert kind != "llama" or derived.eos_token_id == 2  # not vacuous: Llama's config.json names its EOS
 
 
 def _hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:

@@ -407,8 +407,11 @@ def test_watcher_ends_a_step_whose_world_never_forms(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
+    """The reference run; it also ends by exporting its model (export_hf=final: RUN_DIR/export/hf), which decides
+    nothing about its weights, so the runs compared with it leave that out."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
-    res = rollhpc("train", "quickstart", *run_args(tiny_model), cwd=cwd, timeout=600)
+    res = rollhpc("train", "quickstart", *run_args(tiny_model), "pipeline.options.export_hf=final", cwd=cwd,
+                  timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return cwd / "runs" / "quickstart"
 
@@ -452,21 +455,46 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_a_run_checkpoint_converts_to_hf_and_vllm_generates_from_it(tmp_path, uninterrupted_run, uninterrupted):
-    """Issue 6: the trainer's part of a run checkpoint is a Megatron dist checkpoint that `rollhpc convert`
-    turns into HF safetensors holding exactly the run's final weights; transformers and vLLM load it and
-    agree on greedy continuations."""
+def test_a_run_exports_to_hf_and_vllm_generates_from_it(tmp_path, uninterrupted_run, uninterrupted):
+    """Issues 6 and 34: `rollhpc export RUN_DIR OUT_DIR` turns the trainer's part of the run's newest good
+    checkpoint (a Megatron dist checkpoint) into a Hugging Face directory holding exactly the run's final weights,
+    with its tokenizer and generation config; transformers and vLLM load it and agree on greedy continuations. The
+    run itself, with export_hf=final, wrote the same directory to RUN_DIR/export/hf when it finished; `--step N`
+    exports an earlier checkpoint, and `rollhpc convert` takes a step directory."""
     import torch
     import transformers
 
-    hf = tmp_path / "hf"  # given the run directory, convert reads its newest good checkpoint's trainer model
-    res = rollhpc("convert", "mcore-to-hf", str(uninterrupted_run), str(hf), "--verify", cwd=tmp_path, timeout=300)
+    final = uninterrupted[-1]["weights_sha256"]
+    checkpoints = uninterrupted_run / "checkpoints"
+    hf = tmp_path / "hf"
+    res = rollhpc("export", str(uninterrupted_run), str(hf), "--verify", "--no-progress", cwd=tmp_path, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    src = uninterrupted_run / "checkpoints" / f"step_{STEPS:06d}" / "train" / "model"
-    assert f"reading {src} (the run's newest good checkpoint, step_{STEPS:06d})" in res.stderr, res.stderr
+    src = checkpoints / f"step_{STEPS:06d}" / "train" / "model"
+    assert f"rollhpc export: reading {src} (the run's newest good checkpoint, step_{STEPS:06d})" in res.stderr
+    assert re.search(rf"rollhpc export: wrote {re.escape(str(hf.resolve()))}: 1 safetensors file\(s\), [0-9.]+ MiB, "
+                     r"and config.json, generation_config.json, .*tokenizer.json.*; verify: .* \(ok, ", res.stderr), \
+        res.stderr
+    assert hf_weights_digest(hf) == final
+
+    # export_hf=final: the run ended by writing the same directory, file for file
+    exported = uninterrupted_run / "export" / "hf"
+    assert {p.name: p.read_bytes() for p in exported.iterdir()} == {p.name: p.read_bytes() for p in hf.iterdir()}
+    log = (uninterrupted_run / "logs" / "rank0-controller.log").read_text()
+    assert f"export_hf=final: wrote {exported}, a Hugging Face directory of the trainer's model of " \
+           f"step_{STEPS:06d}" in log
+
+    # --step: an earlier checkpoint (checkpoint.every=2, keep_last=2: steps 6 and 8 are kept), or a clear refusal
+    earlier = rollhpc("export", str(uninterrupted_run), str(tmp_path / "step6"), "--step", str(STEPS - 2),
+                      "--no-progress", cwd=tmp_path, timeout=300)
+    assert earlier.returncode == 0 and f"(the checkpoint --step {STEPS - 2} asks for, step_{STEPS - 2:06d})" in \
+        earlier.stderr, earlier.stderr[-3000:]
+    assert hf_weights_digest(tmp_path / "step6") != final
+    missing = rollhpc("export", str(uninterrupted_run), str(tmp_path / "x"), "--step", "3", cwd=tmp_path)
+    assert missing.returncode == 2 and missing.stderr.strip() == (
+        f"rollhpc export: {uninterrupted_run}: no good checkpoint of step 3; steps there: {STEPS - 2}, {STEPS}")
     step = rollhpc("convert", "mcore-to-hf", str(src.parents[1]), str(tmp_path / "x"), "--check", cwd=tmp_path)
     assert step.returncode == 0 and f"reading {src} (the train role's model of checkpoint" in step.stderr, step.stderr
-    assert hf_weights_digest(hf) == uninterrupted[-1]["weights_sha256"]
+    assert not (tmp_path / "x").exists()
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     prompts = [tokenizer.encode(text) for text in ("12+34=", "7+58=", "99+1=")]

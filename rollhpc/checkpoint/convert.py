@@ -59,7 +59,13 @@ from typing import Any
 import torch
 
 from rollhpc import file_modes
-from rollhpc.checkpoint.mcore import HF_EXTRAS_DIR, CheckpointError, copy_hf_extras, replace_dir
+from rollhpc.checkpoint.mcore import (
+    HF_EXTRAS_DIR,
+    CheckpointError,
+    copy_hf_extras,
+    replace_dir,
+    write_generation_config_if_missing,
+)
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
 from rollhpc.models.megatron_gpt import _hf_dict, arch_weight_map, check_hf_config, padded_vocab_size
 
@@ -275,7 +281,9 @@ def hf_to_mcore(src: str | Path, dst: str | Path, *, tp: int = 1, pp: int = 1, e
 def mcore_to_hf(src: str | Path, dst: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD,
                 overwrite: bool = False, verify: bool = False, progress: bool = True, checksums: bool = True) -> Report:
     """Convert the megatron dist checkpoint ``src`` (any layout) into an HF model directory ``dst``
-    (safetensors files of at most ``max_shard_size``). ``checksums``: check the files' sha256 first."""
+    (safetensors files of at most ``max_shard_size``, config.json, the checkpoint's ``hf/`` files: tokenizer,
+    generation_config.json, or one derived from config.json when the source had none). ``checksums``: check
+    the files' sha256 first."""
     src, dst = Path(src).absolute(), Path(dst).absolute()
     check_mcore_to_hf(src, dst, overwrite=overwrite)
     if verify:
@@ -522,6 +530,7 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             if (src / HF_EXTRAS_DIR).is_dir():
                 copy_hf_extras(src / HF_EXTRAS_DIR, tmp)
+            write_generation_config_if_missing(tmp, cfg)  # as save_pretrained would have: vLLM reads its EOS
             _replace(tmp, dst, job["overwrite"])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -102,6 +102,28 @@ def copy_hf_extras(src_dir: Path, dst_dir: Path) -> list[str]:
     return copied
 
 
+GENERATION_CONFIG = "generation_config.json"
+_GENERATION_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def generation_config_from(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The generation_config.json transformers' ``GenerationConfig.from_model_config`` derives from a
+    config.json (its special token ids that are set; ``_from_model_config`` marks it as derived): what
+    ``save_pretrained`` would have written beside the weights. vLLM stops at its ``eos_token_id``."""
+    ids = {k: hf_config[k] for k in _GENERATION_TOKEN_IDS if hf_config.get(k) is not None}
+    return {"_from_model_config": True, **ids}
+
+
+def write_generation_config_if_missing(model_dir: Path, hf_config: Mapping[str, Any]) -> bool:
+    """Give an HF directory whose source had no generation_config.json one derived from its config
+    (``generation_config_from``), so that an exported model is complete; True if one was written."""
+    path = Path(model_dir) / GENERATION_CONFIG
+    if path.exists():
+        return False
+    path.write_text(json.dumps(generation_config_from(hf_config), indent=2, sort_keys=True) + "\n")
+    return True
+
+
 _write_results_manager = None
 
 

@@ -39,13 +39,13 @@ import numpy as np
 from rollhpc.algo.kl_control import KlControlConfig, KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
-from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
+from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.controller.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, check_critic_role
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
 from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
 from rollhpc.rollout.types import Prompt, Sample
@@ -133,7 +133,7 @@ class AgenticPipeline(TrainingPipeline):
     required_roles = ("train", "generate", "env")
 
     @dataclass(kw_only=True)
-    class Options:
+    class Options(TrainingOptions):  # checkpoint, export_hf
         model_dir: str  # the starting policy (Hugging Face directory), e.g. the expert-SFT warm start
         warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent
         steps: int = 100
@@ -167,13 +167,13 @@ class AgenticPipeline(TrainingPipeline):
         rollout_every: int = 1
         max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
         max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
-        checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
         offload: bool = False  # colocated roles take turns on their devices (rollhpc.controller.colocation)
         # with one optimizer step per batch the update is exactly on-policy (rollouts are synchronous here):
         # the train step's own forward gives the old log-probs, no separate forward (as in the RLVR pipeline)
         skip_on_policy_logprobs: bool = True
 
         def __post_init__(self) -> None:
+            super().__post_init__()
             if self.steps < 1 or self.groups_per_step < 1 or self.eval_every < 0 or self.n_heldout < 0:
                 raise ValueError("steps and groups_per_step must be >= 1, eval_every and n_heldout >= 0")
             if not 0 < self.train_seeds <= HELDOUT_SEED_BASE:

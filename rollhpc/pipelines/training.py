@@ -4,24 +4,47 @@ to the generators before the first step, the weights digest at the end).
 
 A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
 implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
-Its ``Options`` carry steps, eval_every, rollout_every, max_wall_s, max_train_s, weight_sync and
-weight_sync_bucket_mb; with ``algorithm: ppo`` also gamma, lam and value_clip (the critic's pieces here).
+Its ``Options`` derive from ``TrainingOptions`` (checkpoints and the final export, declared once here) and
+carry steps, eval_every, rollout_every, max_wall_s, max_train_s, weight_sync and weight_sync_bucket_mb; with
+``algorithm: ppo`` also gamma, lam and value_clip (the critic's pieces here).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
 from rollhpc.batch import Batch
+from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
 from rollhpc.weight_sync.driver import WeightSync, choose_mode
 
-__all__ = ["PolicyCursor", "RankPort", "TrainingPipeline", "check_critic_role"]
+__all__ = ["PolicyCursor", "RankPort", "TrainingOptions", "TrainingPipeline", "check_critic_role"]
+
+log = logging.getLogger("rollhpc.run")
+
+
+@dataclass(kw_only=True)
+class TrainingOptions:
+    """What every training pipeline's ``Options`` has (RLVR's and agentic's derive from this and call
+    ``super().__post_init__()``): what the run leaves in its directory besides metrics and rollouts."""
+
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
+    # final: when the run ends (its last step, or max_wall_s / max_train_s; not a stop for a requeue), the
+    # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
+    # `rollhpc export RUN_DIR RUN_DIR/export/hf` would write it); none: `rollhpc export` it when wanted
+    export_hf: Literal["none", "final"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.export_hf == "final" and not self.checkpoint.at_end:
+            raise ValueError("export_hf=final exports the run's final checkpoint, but checkpoint.at_end=false saves "
+                             "none: set checkpoint.at_end=true, or export_hf=none and `rollhpc export RUN_DIR --step "
+                             "N OUT_DIR` a checkpoint of your choice")
 
 
 def check_critic_role(options: Any, roles: dict[str, Any]) -> None:
@@ -105,7 +128,29 @@ class TrainingPipeline(Pipeline):
                                     max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
         self.outcome = loop.run(self)
         self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE  # read by rank.py
+        if o.export_hf == "final" and not self.stopped_for_requeue:
+            self.export_final()
         return self.outcome
+
+    def export_final(self) -> None:
+        """``export_hf: final``: the trainer's model of the checkpoint just saved (the ``latest`` pointer: the
+        last commit, not an older good one in its place) to RUN_DIR/export/hf, replacing an earlier attempt's. A
+        run resumed from its last step's checkpoint (``Outcome.ALREADY_DONE``: e.g. a node lost during the
+        export) exports it again. Runs here, in the controller, once the workers' checkpoint is committed:
+        the conversion forks worker processes of its own and needs no world."""
+        from rollhpc.checkpoint.convert import ConversionError
+        from rollhpc.checkpoint.export import ExportError, export_run, final_export_dir
+
+        run_dir = self.run_ctx.run_dir
+        out = final_export_dir(run_dir)
+        step = self.checkpointer.store.latest_step()
+        try:
+            source, report = export_run(run_dir, out, step=step, overwrite=True, progress=False)
+        except (ExportError, ConversionError) as e:
+            raise RuntimeError(f"the run ended with checkpoint step {step} saved, but export_hf=final could not "
+                               f"write {out}: {e}; `rollhpc export {run_dir} {out} --overwrite` retries it") from e
+        log.info("export_hf=final: wrote %s, a Hugging Face directory of the trainer's model of %s (%.1f s)", out,
+                 source.checkpoint.path.name, report.seconds)
 
     residency: Any = None
 
