@@ -102,10 +102,12 @@ class MegatronPolicyWorker(Worker):
             raise FileNotFoundError(f"role {ctx.role!r}: {model_dir} has no config.json (options.model_dir must be "
                                     "a Hugging Face checkpoint directory)")
         init_role_distributed(ctx)
+        from rollhpc.models import megatron_cpu
+
+        megatron_cpu.import_megatron()  # first: on CPU, without torch.compile's imports
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from rollhpc.models import megatron_cpu
         from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights
 
         megatron_cpu.enable_cpu_megatron()
