@@ -408,10 +408,11 @@ def test_watcher_ends_a_step_whose_world_never_forms(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_model, tmp_path_factory) -> Path:
     """The reference run; it also ends by exporting its model (export_hf=final: RUN_DIR/export/hf), which decides
-    nothing about its weights, so the runs compared with it leave that out."""
+    nothing about its weights, so the runs compared with it leave that out. Made at umask 022, a shared
+    cluster's usual one (the quickstart test runs at 027)."""
     cwd = tmp_path_factory.mktemp("uninterrupted")
     res = rollhpc("train", "quickstart", *run_args(tiny_model), "pipeline.options.export_hf=final", cwd=cwd,
-                  timeout=600)
+                  timeout=600, preexec_fn=lambda: os.umask(0o022))
     assert res.returncode == 0, res.stderr[-3000:]
     return cwd / "runs" / "quickstart"
 
@@ -461,8 +462,17 @@ def test_a_run_exports_to_hf_and_vllm_generates_from_it(tmp_path, uninterrupted_
     with its tokenizer and generation config; transformers and vLLM load it and agree on greedy continuations. The
     run itself, with export_hf=final, wrote the same directory to RUN_DIR/export/hf when it finished; `--step N`
     exports an earlier checkpoint, and `rollhpc convert` takes a step directory."""
+    import stat
+
     import torch
     import transformers
+
+    # made at umask 022: everything the run wrote (logs, metrics, checkpoints and their manifests, `latest`, the
+    # export) is readable by every user, every folder enterable: a colleague can read the run and its model
+    modes = {str(p.relative_to(uninterrupted_run)): stat.S_IMODE(p.lstat().st_mode)
+             for p in [uninterrupted_run, *uninterrupted_run.rglob("*")] if not p.is_symlink()}
+    assert {"export/hf/model.safetensors", "checkpoints/latest", "metrics.jsonl", "logs/rank1-train.log"} <= set(modes)
+    assert {k: oct(m) for k, m in modes.items() if m != (0o755 if (uninterrupted_run / k).is_dir() else 0o644)} == {}
 
     final = uninterrupted[-1]["weights_sha256"]
     checkpoints = uninterrupted_run / "checkpoints"
