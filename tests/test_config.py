@@ -93,13 +93,23 @@ def test_hydra_rejects_unknown_override_and_unknown_experiment():
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (config.Path(__file__).parents[1] / "configs").glob("*.yaml")))
-def test_every_shipped_experiment_loads_and_plans(name):
-    """configs/ are documentation users copy from: each one must load and map onto its cluster."""
+def test_every_shipped_experiment_loads_and_plans(name, tmp_path, monkeypatch, capsys):
+    """configs/ are documentation users copy from: each one must load and map onto its cluster, and `plan`,
+    `train --dry-run` and `submit --dry-run` of it succeed on this machine without GPUs (a login node), where
+    its models and data are not (issue 34)."""
+    from rollhpc.cli import main
     from rollhpc.launch.device_mapping import plan_world
 
     cfg = load_experiment(name, [])
     plan = plan_world(cfg)
     assert plan.world_size == cfg.world_size()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("rollhpc.launch.local.local_gpu_count", lambda: 0)
+    for command in (["plan", name, "--no-ranks"], ["train", name, "--dry-run"], ["submit", name, "--dry-run"]):
+        assert main(command) == 0, command
+        out = capsys.readouterr().out
+        assert ("rollhpc.rank" in out) if "--dry-run" in command else (f"{plan.world_size} MPI ranks" in out), command
+    assert not (tmp_path / "runs").exists(), "a dry run writes nothing"
 
 
 @pytest.mark.parametrize("text, seconds", [
