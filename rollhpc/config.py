@@ -233,10 +233,7 @@ class CpuComponentConfig:
     exclusive: bool = False  # whole nodes of its own (--exclusive)
 
     def __post_init__(self) -> None:
-        for key, pattern, form in _SLURM_NAMES:
-            value = getattr(self, key, "")
-            if not isinstance(value, str) or (value and not re.fullmatch(pattern, value)):
-                raise ConfigError(f"cluster.cpu_component.{key}: {value!r} is not {form}")
+        _check_slurm_names(self, "cluster.cpu_component")
         if self.cpus_per_node < 0 or self.nodes < 0:
             raise ConfigError(f"cluster.cpu_component.cpus_per_node and .nodes must be >= 0 (0: the cluster's), "
                               f"got {self.cpus_per_node}, {self.nodes}")
@@ -293,10 +290,7 @@ class ClusterConfig:
                 f"H:MM:SS ({self.time_limit // 3600}:{self.time_limit % 3600 // 60:02d}:{self.time_limit % 60:02d} "
                 f"gives {self.time_limit}): quote it in a YAML file ('4:00:00', '90'), or write it with a colon on "
                 "the command line (cluster.time_limit=90:00 for 90 minutes)")
-        for key, pattern, form in _SLURM_NAMES:  # copied into #SBATCH lines as they are: a space or ';' breaks them
-            value = getattr(self, key)
-            if not isinstance(value, str) or (value and not re.fullmatch(pattern, value)):
-                raise ConfigError(f"cluster.{key}: {value!r} is not {form}")
+        _check_slurm_names(self, "cluster")
         if self.nodes < 1 or self.cpus_per_node < 1 or self.gpus_per_node < 0:
             raise ConfigError(f"cluster.nodes and cluster.cpus_per_node must be >= 1 and cluster.gpus_per_node >= 0, "
                               f"got {self.nodes}, {self.cpus_per_node}, {self.gpus_per_node}")
@@ -320,6 +314,17 @@ _SLURM_NAMES = (  # (key, what Slurm takes, how to say it)
     ("mem_per_node", r"[0-9]+[KMGTkmgt]?", "a Slurm memory size (sbatch --mem): a number of MB or with a unit, "
      "e.g. 256G, 512000M; 0 is all of the node's memory"),
 )
+
+def _check_slurm_names(section: Any, where: str) -> None:
+    """The ``_SLURM_NAMES`` fields ``section`` has, in Slurm's syntax: they are copied into #SBATCH lines as they
+    are, where a space or ';' breaks them."""
+    for key, pattern, form in _SLURM_NAMES:
+        if not hasattr(section, key):
+            continue
+        value = getattr(section, key)
+        if not isinstance(value, str) or (value and not re.fullmatch(pattern, value)):
+            raise ConfigError(f"{where}.{key}: {value!r} is not {form}")
+
 
 SLURM_TIME_FORMS = ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
                     "days-hours:minutes:seconds", "UNLIMITED")
@@ -536,11 +541,18 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}")
 
 
+def generator_max_model_len(roles: dict[str, Any] | None) -> int | None:
+    """The generator's context length (prompt + response), when the run has a ``generate`` role whose worker
+    has one (``roles.generate.options.max_model_len``)."""
+    gen = (roles or {}).get("generate")
+    value = getattr(getattr(gen, "options", None), "max_model_len", None)
+    return value if isinstance(value, int) else None
+
+
 def _check_token_budget(cfg: ExperimentConfig) -> None:
     """The generator's context holds the prompt and the response: a response budget that alone fills
     ``max_model_len`` fails only at the first request, once the world is up."""
-    gen = cfg.roles.get("generate")
-    max_len = getattr(gen.options, "max_model_len", None) if gen is not None else None
+    max_len = generator_max_model_len(cfg.roles)
     rollout = getattr(cfg.pipeline.options, "rollout", None)
     if not isinstance(max_len, int) or rollout is None:
         return

@@ -48,6 +48,12 @@ def component_resources(cluster: ClusterConfig, comp: Component, het: bool) -> C
     partition, or on a few CPUs of a node that other jobs share, and never takes a GPU node whole."""
     if comp.index:
         return ComponentResources(cluster.partition, cluster.account, cluster.qos, cluster.mem_per_node, het)
+    return cpu_group_resources(cluster, het)
+
+
+def cpu_group_resources(cluster: ClusterConfig, het: bool = True) -> ComponentResources:
+    """Het group 0's: ``cluster.cpu_component``, its empty values taken from ``cluster.*`` (the rescue job
+    runs where it does)."""
     cpu = cluster.cpu_component
     # a GPU node's memory is no measure of a CPU node's: cluster.mem_per_node only for a job with no GPU group
     mem = cpu.mem_per_node or ("" if het else cluster.mem_per_node)
@@ -251,9 +257,8 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
         f"#SBATCH --output={run_dir / 'slurm' / 'rescue-%j.out'}",
         "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1", "#SBATCH --time=10", "#SBATCH --no-requeue",
     ]
-    cpu = c.cpu_component  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
-    for key, value in (("partition", c.rescue_partition or cpu.partition or c.partition),
-                       ("account", cpu.account or c.account), ("qos", cpu.qos or c.qos)):
+    cpu = cpu_group_resources(c)  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
+    for key, value in (("partition", c.rescue_partition or cpu.partition), ("account", cpu.account), ("qos", cpu.qos)):
         if value:
             lines.append(f"#SBATCH --{key}={value}")
     lines += ["", "set -euo pipefail", *c.setup,

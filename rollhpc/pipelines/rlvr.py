@@ -45,6 +45,7 @@ from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
+from rollhpc.config import generator_max_model_len
 from rollhpc.controller.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
@@ -122,13 +123,6 @@ class PromptStream:
                              f"this run has {len(self.examples)}: resume with the task settings it was saved with")
         self._rng.setstate(state["rng"])
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
-
-
-def _max_model_len(roles: dict[str, Any] | None) -> int | None:
-    """The generator's context length (prompt + response), when its worker has one."""
-    gen = (roles or {}).get("generate")
-    value = getattr(getattr(gen, "options", None), "max_model_len", None)
-    return value if isinstance(value, int) and value > 0 else None
 
 
 class RlvrPipeline(TrainingPipeline):
@@ -266,7 +260,7 @@ class RlvrPipeline(TrainingPipeline):
             lines.append(f"--- prompt {i}: {len(render(ex))} tokens, reference answer {getattr(ex, 'answer', '?')!r}")
             lines.append(render.text(ex))
         lines.append("prompt lengths: " + check_prompt_budget(render, cls.prompt_splits(options, train, heldout),
-                                                              _max_model_len(roles)))
+                                                              generator_max_model_len(roles)))
         return lines
 
     @classmethod
@@ -345,7 +339,7 @@ class RlvrPipeline(TrainingPipeline):
         self.task = task
         # every prompt, before the first step: one that leaves no room for its response would fail hours in
         budget = check_prompt_budget(self.render, self.prompt_splits(o, self.train_set, self.heldout),
-                                     _max_model_len(getattr(self.run_ctx.config, "roles", None)))
+                                     generator_max_model_len(getattr(self.run_ctx.config, "roles", None)))
         log.info("prompt lengths: %s", budget)
 
     # ------------------------------------------------------------------ loop
