@@ -25,6 +25,7 @@ import yaml
 from rollhpc import config as config_mod
 from rollhpc import faults
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
+from rollhpc.launch.console import adopt_console
 from rollhpc.launch.requeue import this_host
 from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.mpi_shm import remove_stale_segments
@@ -126,6 +127,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
     from rollhpc.launch.device_mapping import WorldPlan
 
+    adopt_console()  # a local world: write to the launcher's console, not through mpiexec's pipes
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     forked_children_die_with_us()  # and whatever a library forks under us dies with us
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # until the world forms, a step's end ends us

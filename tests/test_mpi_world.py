@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -105,6 +106,9 @@ def test_killed_worker_mid_call_is_named_and_nothing_hangs(experiment, tmp_path)
     last = res.stderr.strip().splitlines()[-1]
     assert "worker rank 3 (role 'probe', group rank 2" in last
     assert "died while running 'crash_on'" in last
+    # the controller's words after a rank died reach the console: mpiexec.gforker stops forwarding output at a
+    # rank's exit, so they come through the console the launcher handed the ranks (rollhpc.launch.console)
+    assert "failure classified as lost_worker" in res.stderr, res.stderr[-4000:]
     assert json.loads((run_dir / "error.json").read_text())["type"] == "WorkerDied"
     assert_no_orphans(run_dir)
 
@@ -306,3 +310,28 @@ def no_leaked_shared_memory(request, tmp_path):
         ours = own_segments(tmp_path, before)
         left = shm_segments() & ours if ours is not None else shm_segments() - before
         assert left == set()
+
+
+def test_a_rank_adopts_only_the_console_descriptors_it_really_inherited(tmp_path):
+    """``adopt_console`` takes over stdout/stderr from ``ROLLHPC_CONSOLE`` only where the named descriptor is the
+    same file (device, inode): a stale or foreign entry leaves the rank's own streams alone."""
+    from rollhpc.launch.console import ENV
+
+    code = ("import os, sys; from rollhpc.launch.console import adopt_console; "
+            "print(adopt_console(), os.environ.get('ROLLHPC_CONSOLE')); print('to stderr', file=sys.stderr)")
+    console = tmp_path / "console"
+    with open(console, "w") as f:
+        out, err = os.dup(f.fileno()), os.dup(f.fileno())
+        st = os.fstat(out)
+        try:
+            runs = {}
+            for name, ino in (("same", st.st_ino), ("foreign", st.st_ino + 1)):
+                spec = f"1={out}:{st.st_dev}:{ino},2={err}:{st.st_dev}:{ino}"
+                runs[name] = subprocess.run([sys.executable, "-c", code], pass_fds=(out, err), capture_output=True,
+                                            text=True, env={**cli_env(), ENV: spec}, timeout=60)
+        finally:
+            os.close(out)
+            os.close(err)
+    assert runs["same"].stdout == runs["same"].stderr == ""
+    assert console.read_text() == "True None\nto stderr\n"
+    assert runs["foreign"].stdout == "False None\n" and runs["foreign"].stderr == "to stderr\n"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
+from rollhpc.launch.console import console_for_ranks
 from rollhpc.launch.device_mapping import WorldPlan, plan_world
 from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.parent_death import die_with_parent
@@ -220,11 +221,16 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
     previous = signal.signal(signal.SIGUSR1, lambda *_: (run_dir / "stop-request").write_text(
         f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
+    console_env, console_fds = console_for_ranks()  # the ranks write to our console, not through mpiexec
     try:
-        proc = subprocess.Popen(cmd, env=rank_environment(cfg), start_new_session=True, preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, env={**rank_environment(cfg), **console_env}, start_new_session=True,
+                                preexec_fn=die_with_parent, pass_fds=console_fds)
     except BaseException:
         signal.signal(signal.SIGUSR1, previous)
         raise
+    finally:
+        for fd in console_fds:
+            os.close(fd)
     ours = world_segments(cmd[0], proc.pid)
     try:
         # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown) and the
