@@ -3,6 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rollhpc-stamp
 PYTEST_ARGS ?=
+# two pytest-xdist workers: much of the suite waits on Slurm and timeouts, and a second worker fills those waits
+# (tests/conftest.py says how modules are grouped); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: run test venv bench clean
 
@@ -17,13 +21,13 @@ run: $(STAMP)
 
 ## command 2: the whole test suite (real MPI processes)
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## the whole test suite on a busy machine: HOGS busy-loop processes (default 2) beside it, ended with it (tools/cpu_hogs.py)
 .PHONY: test-loaded
 HOGS ?= 2
 test-loaded: $(STAMP)
-	$(PY) tools/cpu_hogs.py -n $(HOGS) -- $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) tools/cpu_hogs.py -n $(HOGS) -- $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 ## benchmarks (install the comparison baselines, e.g. Ray, into the venv first)
 bench: $(STAMP)

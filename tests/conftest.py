@@ -135,3 +135,31 @@ def assert_report(run_dir: Path, cwd: Path) -> str:
     assert summary in res.stdout
     return summary
 
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """How `make test` spreads the suite over pytest-xdist workers (``-n 2 --dist loadgroup``): much of the
+    suite waits rather than computes (Slurm noticing a dead node, a world timeout, a time-limit warning), so a
+    second worker fills those waits on a 2-core machine.
+
+    - Every module is one work unit, so module fixtures (a reference run, built models) are made once.
+    - The modules that use the local Slurm cluster form one unit together: one cluster per session, and the
+      chaos tests crash its nodes, which another worker's Slurm job must never see.
+    - Units go out longest first (that Slurm unit, then modules by their count of `slow` tests), so
+      the short ones even out the two workers' ends.
+    Without xdist nothing changes: the marks are ignored and the order stays the usual one."""
+    if getattr(config.option, "dist", "no") == "no":
+        return
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    slurm = {m for m, its in by_module.items() if any(i.get_closest_marker("slurm") for i in its)}
+
+    def weight(module: str) -> tuple:
+        slow = sum(1 for i in by_module[module] if i.get_closest_marker("slow"))
+        return (module not in slurm, -slow, module)
+
+    items[:] = [i for m in sorted(by_module, key=weight) for i in by_module[m]]
+    for module, its in by_module.items():
+        for item in its:
+            item.add_marker(pytest.mark.xdist_group("slurm" if module in slurm else module))
