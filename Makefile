@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # two pytest-xdist workers: much of the suite waits on Slurm and timeouts, and a second worker fills those waits
 # (tests/conftest.py says how modules are grouped); TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 .PHONY: run test venv bench clean
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -137,29 +138,50 @@ def assert_report(run_dir: Path, cwd: Path) -> str:
 
 
 
-def pytest_collection_modifyitems(config, items) -> None:
-    """How `make test` spreads the suite over pytest-xdist workers (``-n 2 --dist loadgroup``): much of the
-    suite waits rather than computes (Slurm noticing a dead node, a world timeout, a time-limit warning), so a
-    second worker fills those waits on a 2-core machine.
+SLURM_MARK = re.compile(r"\bmark\.slurm\b")
+
+
+def _slurm_modules(root: Path) -> set[str]:
+    """Test modules that use the local Slurm cluster (a test marked `slurm`), as the paths node ids start with."""
+    return {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if SLURM_MARK.search(p.read_text())}
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """How `make test` spreads the suite over two pytest-xdist workers (``-n 2``): much of the suite waits
+    rather than computes (Slurm noticing a dead node, a world timeout, a time-limit warning), and a second
+    worker fills those waits on a 2-core machine.
 
     - Every module is one work unit, so module fixtures (a reference run, built models) are made once.
     - The modules that use the local Slurm cluster form one unit together: one cluster per session, and the
       chaos tests crash its nodes, which another worker's Slurm job must never see.
-    - Units go out longest first (that Slurm unit, then modules by their count of `slow` tests), so
-      the short ones even out the two workers' ends.
-    Without xdist nothing changes: the marks are ignored and the order stays the usual one."""
-    if getattr(config.option, "dist", "no") == "no":
+    - Units go out in the workers' collection order, which puts the longest first (below).
+    A scheduler of our own rather than xdist's ``loadgroup``: that one names a test's group by rewriting a node
+    attribute pytest 9.2 no longer reads, so its groups are silently ignored."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    slurm = _slurm_modules(Path(str(config.rootpath)))
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "slurm" if module in slurm else module
+
+    config.option.loadscopereorder = False  # keep the order of pytest_collection_modifyitems below
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """In an xdist worker: the Slurm modules first, then modules by their count of `slow` tests, so the longest
+    units go out first and the short ones even out the two workers' ends. A plain run keeps the usual order."""
+    if not hasattr(config, "workerinput"):
         return
     by_module: dict[str, list] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    slurm = {m for m, its in by_module.items() if any(i.get_closest_marker("slurm") for i in its)}
+    slurm = _slurm_modules(Path(str(config.rootpath)))
 
     def weight(module: str) -> tuple:
         slow = sum(1 for i in by_module[module] if i.get_closest_marker("slow"))
         return (module not in slurm, -slow, module)
 
     items[:] = [i for m in sorted(by_module, key=weight) for i in by_module[m]]
-    for module, its in by_module.items():
-        for item in its:
-            item.add_marker(pytest.mark.xdist_group("slurm" if module in slurm else module))
