@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -49,6 +50,22 @@ def cli_env() -> dict[str, str]:
 def rollhpc(*args: str, cwd: Path, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rollhpc.cli", *args], cwd=cwd, env=cli_env(), text=True,
                           capture_output=True, timeout=timeout, **kw)
+
+
+_INHERITED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"))
+
+
+@pytest.fixture(autouse=True)
+def signal_dispositions_restored():
+    """What a test's in-process product code does to this process's signals ends with the test. The batch-side
+    code (e.g. rollhpc.launch.requeue.restart) ignores SIGTERM on purpose; left so, every process a later test
+    of this worker starts inherits SIGTERM ignored across exec, and a rank that should die of SIGTERM did not
+    (seen under pytest-xdist, where tests/test_requeue.py's in-process tests ran before tests/test_mpi_init_guard.py)."""
+    saved = {s: signal.getsignal(s) for s in _INHERITED_SIGNALS}
+    yield
+    for s, handler in saved.items():
+        if signal.getsignal(s) is not handler and handler is not None:
+            signal.signal(s, handler)
 
 
 @pytest.fixture(scope="session")
