@@ -22,6 +22,9 @@ A requeued Slurm job inherits its environment, so each hook says on which attemp
     ROLLHPC_TEST_HOLD_IN_GRAD_SYNC=N:SECONDS         hold the trainer's last data-parallel rank before its
                                                     gradient all-reduce of its N-th train call (the others
                                                     wait inside theirs). Only before the run's first restart.
+    ROLLHPC_TEST_CORRUPT_WEIGHT_SYNC=N               the sender of the N-th weight sync of this process flips a
+                                                    bit of its first bucket after stamping it (verify after
+                                                    sync must catch it), as a stream race on a GPU would.
 
 The checkpoint holds end early once RUN_DIR/stop-request exists (the time-limit warning), and keep watching the
 workers meanwhile (``watch``: the controller's liveness check), as the real waits they stand in for do: a
@@ -36,7 +39,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from rollhpc.launch.attempt import restart_number
 
@@ -47,6 +50,7 @@ HOLD_AFTER_CHECKPOINT = "ROLLHPC_TEST_HOLD_AFTER_CHECKPOINT"
 STALL_MPI_INIT = "ROLLHPC_TEST_STALL_MPI_INIT"
 HOLD_IN_WEIGHT_SYNC = "ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC"
 HOLD_IN_GRAD_SYNC = "ROLLHPC_TEST_HOLD_IN_GRAD_SYNC"
+CORRUPT_WEIGHT_SYNC = "ROLLHPC_TEST_CORRUPT_WEIGHT_SYNC"
 
 
 Watch = Callable[[], object]
@@ -104,6 +108,18 @@ def _hold_in_collective(variable: str, nth: int, what: str) -> None:
 def in_weight_sync(nth: int) -> None:
     """Called by the weight-sync sender after the first header of its ``nth`` sync (1-based, per process)."""
     _hold_in_collective(HOLD_IN_WEIGHT_SYNC, nth, "the weight sync")
+
+
+def corrupt_weight_sync(nth: int, bucket: int, data: Any) -> None:
+    """Called by a weight-sync sender with each bucket's data once it is stamped: on the ``nth`` sync, the first
+    bucket gets its lowest bit of its first byte flipped."""
+    if bucket != 0 or os.environ.get(CORRUPT_WEIGHT_SYNC, "") != str(nth):
+        return
+    import torch
+
+    raw = data.view(-1).view(torch.uint8)
+    raw[0] ^= 1
+    print(f"rollhpc test hook: corrupted the first bucket of weight sync {nth}", file=sys.stderr, flush=True)
 
 
 def before_grad_sync(nth: int) -> None:

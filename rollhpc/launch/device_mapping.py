@@ -274,4 +274,21 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
         key = "cluster.cpu_component.nodes" if cluster.cpu_component.nodes else "cluster.nodes"
         raise ConfigError(f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
                           f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}")
-    return WorldPlan(ranks, components, gpu_total, notes)
+    plan = WorldPlan(ranks, components, gpu_total, notes)
+    weight_sync_routing(cfg, plan)  # a layout whose weight sync would fail at the first sync fails here
+    return plan
+
+
+def weight_sync_routing(cfg: ExperimentConfig, plan: WorldPlan) -> Any:
+    """The weight sync's routing for a pipeline with a ``weight_sync`` option (a ``weight_sync.routing.Routing``),
+    or None (no such option, or ``relay``, which forms no group). Raises ConfigError for a layout no sync serves."""
+    from rollhpc.weight_sync.routing import RoutingError, route_weights
+
+    options = cfg.pipeline.options
+    mode = options.get("weight_sync", "auto") if isinstance(options, dict) else getattr(options, "weight_sync", None)
+    if mode is None or mode == "relay" or "train" not in cfg.roles or "generate" not in cfg.roles:
+        return None
+    try:
+        return route_weights(plan, mode)
+    except RoutingError as e:
+        raise ConfigError(f"pipeline.options.weight_sync={mode}: {e}") from None

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
-from rollhpc.launch.device_mapping import WorldPlan
+from rollhpc.launch.device_mapping import WorldPlan, weight_sync_routing
+from rollhpc.launch.memory_plan import ModelShape, dtype_bytes
 from rollhpc.launch.slurm import component_resources
 from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout, pipeline_stage_layers
 
@@ -47,6 +48,7 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
     for name, role in cfg.roles.items():
         if role.parallel.pp > 1:
             yield from _stages(name, role)
+    yield from _weight_sync(cfg, plan)
     if groups:
         for name, layout in layouts.items():
             world_of = plan.ranks_of(name)
@@ -97,3 +99,20 @@ def _stages(name: str, role) -> Iterator[str]:  # noqa: ANN001 - a RoleConfig
         if s == p.pp - 1:
             parts.append("final norm, output layer" + (" (a copy of the tied embedding)" if tied else ""))
         yield f"  stage {s}: " + " + ".join(parts)
+
+
+def _weight_sync(cfg: ExperimentConfig, plan: WorldPlan) -> Iterator[str]:
+    """Each generator's source, transport and bytes per sync (the trainer's weights in its dtype, when the
+    model's config.json is on this machine)."""
+    routing = weight_sync_routing(cfg, plan)
+    if routing is None or not routing.routes:
+        return
+    train = cfg.roles["train"].options
+    model_dir = getattr(train, "model_dir", None)
+    shape = ModelShape.from_dir(model_dir) if isinstance(model_dir, str) else None
+    dtype = getattr(train, "dtype", "float32")
+    size = shape.total * dtype_bytes(dtype) if shape is not None and dtype in ("float32", "bfloat16", "float16") \
+        else None
+    mode = getattr(cfg.pipeline.options, "weight_sync", "auto")
+    yield f"weight sync ({mode}: {routing.mode}), per generator rank:"
+    yield from routing.describe(size)

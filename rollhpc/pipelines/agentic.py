@@ -160,8 +160,9 @@ class AgenticPipeline(TrainingPipeline):
         # held-out episodes act as in training (sampled at the generators' temperature, seeded, so the same
         # weights give the same result) or greedily; a tiny greedy policy often walks in circles forever
         eval_greedy: bool = False
-        # trainer -> generators: auto (CUDA IPC when they share the trainer's GPU, else broadcast), broadcast
-        # (a direct process group), relay (through the controller) or ipc (rollhpc.weight_sync.driver)
+        # trainer -> generators: auto (per generator from the plan: CUDA IPC on the GPU of the trainer's rank 0,
+        # the broadcast group elsewhere; rollhpc.weight_sync.routing), broadcast (a direct process group),
+        # relay (through the controller) or ipc (rollhpc.weight_sync.driver)
         weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1

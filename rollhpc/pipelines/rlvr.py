@@ -159,8 +159,9 @@ class RlvrPipeline(TrainingPipeline):
         # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
         # without one), or plain text (off); rollhpc.rollout.prompts
         chat_template: Literal["auto", "on", "off"] = "auto"
-        # trainer -> generators: auto (CUDA IPC when they share the trainer's GPU, else broadcast), broadcast
-        # (a direct process group), relay (through the controller) or ipc (rollhpc.weight_sync.driver)
+        # trainer -> generators: auto (per generator from the plan: CUDA IPC on the GPU of the trainer's rank 0,
+        # the broadcast group elsewhere; rollhpc.weight_sync.routing), broadcast (a direct process group),
+        # relay (through the controller) or ipc (rollhpc.weight_sync.driver)
         weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
         weight_sync_bucket_mb: float = 64.0
         rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)

@@ -22,7 +22,8 @@ from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
-from rollhpc.weight_sync.driver import WeightSync, choose_mode
+from rollhpc.weight_sync.driver import WeightSync
+from rollhpc.weight_sync.routing import route_weights
 
 __all__ = ["PolicyCursor", "RankPort", "TrainingOptions", "TrainingPipeline", "check_critic_role"]
 
@@ -39,8 +40,13 @@ class TrainingOptions:
     # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
     # `rollhpc export RUN_DIR RUN_DIR/export/hf` would write it); none: `rollhpc export` it when wanted
     export_hf: Literal["none", "final"] = "none"
+    # verify after sync: the first weight sync and every this many after it carry a checksum per tensor, checked
+    # by the generators before they load anything (a mismatch stops the run naming the parameter); 0: never
+    weight_sync_verify_every: int = 50
 
     def __post_init__(self) -> None:
+        if self.weight_sync_verify_every < 0:
+            raise ValueError(f"weight_sync_verify_every must be >= 0 (0: never), got {self.weight_sync_verify_every}")
         if self.export_hf == "final" and not self.checkpoint.at_end:
             raise ValueError("export_hf=final exports the run's final checkpoint, but checkpoint.at_end=false saves "
                              "none: set checkpoint.at_end=true, or export_hf=none and `rollhpc export RUN_DIR --step "
@@ -112,13 +118,16 @@ class TrainingPipeline(Pipeline):
         """Weight sync and (offload on) the colocated roles' turns set up, then the shared run loop over this
         pipeline's steps."""
         o = self.options
-        mode = o.weight_sync
-        if mode == "auto":
+        mode, routing = o.weight_sync, None
+        plan_path = self.run_ctx.run_dir / "plan.json"
+        if mode != "relay" and plan_path.exists():
             from rollhpc.launch.device_mapping import WorldPlan
 
-            plan_path = self.run_ctx.run_dir / "plan.json"
-            mode = choose_mode(mode, WorldPlan.load(plan_path)) if plan_path.exists() else "broadcast"
-        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], mode, o.weight_sync_bucket_mb)
+            routing = route_weights(WorldPlan.load(plan_path), mode)  # checked at load too (plan_world)
+        if mode == "auto":
+            mode = routing.mode if routing is not None and routing.routes else "broadcast"
+        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], mode, o.weight_sync_bucket_mb,
+                                      routing=routing, verify_every=o.weight_sync_verify_every)
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocation_of
 

@@ -8,7 +8,8 @@ straight from the trainer to every generator in one broadcast per bucket: no con
 no host copy at all.
 
 Wire format, per bucket: a header (int64 length, then the pickled ``(names, shapes, offsets, dtype,
-numel)``), then the bucket's flat data; an empty header ends the stream.
+numel, checksums)``), then the bucket's flat data; an empty header ends the stream. ``checksums`` (per tensor,
+``buckets.stamp``) travel on a verified sync and the receiver checks them before anything is loaded.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from rollhpc import faults
-from rollhpc.weight_sync.buckets import Bucket, unpack_bucket
+from rollhpc.weight_sync.buckets import Bucket, stamp, verified
 
 __all__ = ["WeightBroadcast", "open_store"]
 
@@ -52,7 +53,7 @@ class WeightBroadcast:
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         self.bytes_sent = 0
-        self.syncs = 0  # sends so far
+        self.syncs = 0  # sends (rank 0) or receives so far
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -75,19 +76,23 @@ class WeightBroadcast:
         raw = self._broadcast(torch.empty(n, dtype=torch.uint8, device=self.device))
         return pickle.loads(raw.cpu().numpy().tobytes())
 
-    def send(self, buckets: Iterable[Bucket]) -> int:
-        """Broadcast every bucket, then the end marker; returns the bytes sent."""
+    def send(self, buckets: Iterable[Bucket], verify: bool = False) -> int:
+        """Broadcast every bucket, then the end marker; returns the bytes sent. ``verify``: each tensor's
+        checksum goes with it, for the receivers to check."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends weights")
         sent = 0
         self.syncs += 1
         for i, b in enumerate(buckets):
-            data = b.data.to(self.device).contiguous()
-            self._header((b.names, b.shapes, b.offsets, data.dtype, data.numel()))
+            b.data = b.data.to(self.device).contiguous()
+            if verify:
+                stamp(b)
+            faults.corrupt_weight_sync(self.syncs, i, b.data)
+            self._header((b.names, b.shapes, b.offsets, b.data.dtype, b.data.numel(), b.checksums))
             if i == 0:
                 faults.in_weight_sync(self.syncs)
-            self._broadcast(data)
-            sent += data.numel() * data.element_size()
+            self._broadcast(b.data)
+            sent += b.nbytes
         self._header(None)
         self.bytes_sent += sent
         return sent
@@ -96,7 +101,8 @@ class WeightBroadcast:
         """``(name, tensor)`` of every weight sent, bucket by bucket, until the end marker."""
         if self.rank == 0:
             raise RuntimeError("rank 0 is the sender")
+        self.syncs += 1
         while (meta := self._header(None)) is not None:
-            names, shapes, offsets, dtype, numel = meta
+            names, shapes, offsets, dtype, numel, checksums = meta
             data = self._broadcast(torch.empty(numel, dtype=dtype, device=self.device))
-            yield from unpack_bucket(Bucket(data, list(names), list(shapes), list(offsets)))
+            yield from verified(Bucket(data, list(names), list(shapes), list(offsets), checksums), self.syncs)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "pack_buckets", "unpack_bucket"]
+__all__ = ["Bucket", "WeightSyncMismatch", "pack_buckets", "stamp", "tensor_checksum", "unpack_bucket", "verified"]
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Bucket:
     names: list[str] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # element offset of each tensor in ``data``
+    checksums: list[int] | None = None  # per tensor (``stamp``), when this sync is verified
 
     @property
     def nbytes(self) -> int:
@@ -68,3 +69,59 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         for d in shape:
             n *= d
         yield name, bucket.data[offset:offset + n].view(shape)
+
+
+# -- verify after sync ----------------------------------------------------------------------------------------
+# Peers' weight-sync bugs were silent: a generator held other weights than the trainer's (a bucket read before
+# the sender's stream had written it, a tensor loaded under another name) and the run learned nothing. The
+# sender stamps each tensor with a checksum of its bytes; the receiver recomputes it on what arrived, before the
+# engine loads anything, and a difference stops the run with the parameter's name.
+
+class WeightSyncMismatch(RuntimeError):
+    """A tensor arrived with other bytes than the trainer sent: the run stops instead of training against
+    weights the generator does not hold."""
+
+
+_ROW = 1024  # words per row of the checksum's matrix view
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """An exact, order-sensitive fingerprint of a tensor's bytes, computed where it lives (no host copy of the
+    data). Its 32-bit words (16- or 8-bit when the size asks) seen as rows of 1024: the total, the sum of each
+    row's sum times its row number and of each column's sum times its column number (a swap of two words moves
+    one of them), in integer arithmetic modulo 2**64, which is associative, so any device and reduction order
+    gives the same value. Reductions cast on the fly (``sum(dtype=int64)``): no 64-bit copy of the tensor."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    n = raw.numel()
+    words = raw.view(torch.int32 if n % 4 == 0 else torch.int16 if n % 2 == 0 else torch.uint8)
+    rows_n = words.numel() // _ROW
+    main, tail = words[:rows_n * _ROW].view(rows_n, _ROW), words[rows_n * _ROW:]
+    i64 = dict(dtype=torch.int64, device=words.device)
+    rows, cols = main.sum(1, dtype=torch.int64), main.sum(0, dtype=torch.int64)
+    tail_pos = torch.arange(rows_n * _ROW, words.numel(), **i64) + 1
+    parts = (rows.sum() + tail.sum(dtype=torch.int64),
+             (rows * (torch.arange(rows_n, **i64) + 1)).sum() + (tail.to(torch.int64) * tail_pos).sum(),
+             (cols * (torch.arange(_ROW, **i64) + 1)).sum())
+    plain, by_row, by_col = (int(p) & 0xFFFFFFFFFFFFFFFF for p in parts)
+    return plain ^ (by_row * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF) ^ (by_col << 1) ^ n
+
+
+def stamp(bucket: Bucket) -> Bucket:
+    """Give ``bucket`` the checksum of each of its tensors (before it leaves the sender)."""
+    bucket.checksums = [tensor_checksum(t) for _, t in unpack_bucket(bucket)]
+    return bucket
+
+
+def verified(bucket: Bucket, sync: int | str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """``unpack_bucket``, checking each tensor against the sender's checksum when the bucket carries them."""
+    if bucket.checksums is None:
+        yield from unpack_bucket(bucket)
+        return
+    tensors = list(unpack_bucket(bucket))
+    for (name, t), want in zip(tensors, bucket.checksums):
+        if tensor_checksum(t) != want:
+            raise WeightSyncMismatch(
+                f"weight sync {sync}: parameter {name} {tuple(t.shape)} {t.dtype} arrived with other bytes than the "
+                f"trainer sent (checksum {tensor_checksum(t):#x}, sent {want:#x}); the run stops rather than "
+                f"generate with weights the trainer does not hold")
+    yield from tensors

@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from rollhpc.weight_sync.buckets import Bucket, pack_buckets, unpack_bucket
+from rollhpc.weight_sync.buckets import Bucket, pack_buckets, stamp, verified
 
 __all__ = ["SharedBucket", "SharedWeights", "share_weights", "open_buckets"]
 
@@ -32,6 +32,7 @@ class SharedBucket:
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
     nbytes: int = 0
+    checksums: list[int] | None = None  # per tensor, on a verified sync (``buckets.stamp``)
 
 
 @dataclass
@@ -50,23 +51,28 @@ class SharedWeights:
         self._storage.clear()
 
 
-def share_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20) -> SharedWeights:
-    """Pack CUDA tensors into buckets on their GPU and describe each by an IPC handle."""
+def share_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
+                  verify: bool = False) -> SharedWeights:
+    """Pack CUDA tensors into buckets on their GPU and describe each by an IPC handle (``verify``: with a
+    checksum per tensor, which the receiver checks on what it maps)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     buckets, storage = [], []
     for b in pack_buckets(named_tensors, bucket_bytes):
         if b.data.device.type != "cuda":
             raise ValueError(f"CUDA IPC shares GPU memory, got a bucket on {b.data.device}: use the broadcast sync")
+        if verify:
+            stamp(b)
         storage.append(b.data)
-        buckets.append(SharedBucket(reduce_tensor(b.data), b.names, b.shapes, b.offsets, b.nbytes))
+        buckets.append(SharedBucket(reduce_tensor(b.data), b.names, b.shapes, b.offsets, b.nbytes, b.checksums))
     torch.cuda.current_stream().synchronize()  # the buckets are written before any receiver reads them
     return SharedWeights(buckets, storage)
 
 
-def open_buckets(shared: Iterable[SharedBucket], device: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def open_buckets(shared: Iterable[SharedBucket], device: int | None = None,
+                 sync: int | str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into the sender's buckets, mapped into this process (no copy): copy them
-    into your own tensors before telling the sender you are done."""
+    into your own tensors before telling the sender you are done. A stamped bucket is checked first."""
     for sb in shared:
         rebuild, args = sb.handle
         if device is not None:  # the same GPU under this process's index for it
@@ -74,4 +80,4 @@ def open_buckets(shared: Iterable[SharedBucket], device: int | None = None) -> I
             args[6] = device  # torch's rebuild_cuda_tensor: (cls, size, stride, offset, storage_cls, dtype, device, ...)
             args = tuple(args)
         data = rebuild(*args)
-        yield from unpack_bucket(Bucket(data, sb.names, sb.shapes, sb.offsets))
+        yield from verified(Bucket(data, sb.names, sb.shapes, sb.offsets, sb.checksums), sync)

@@ -361,15 +361,16 @@ class _WeightChannelMixin:
         self._channel = WeightBroadcast(0, world, "", 0, store=self._store, device=self.device)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def broadcast_weights(self, bucket_mb: float = 64.0) -> int | None:
-        """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent."""
+    def broadcast_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> int | None:
+        """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent.
+        ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``)."""
         from rollhpc.weight_sync.buckets import pack_buckets
 
         named = self._exported_on_rank_zero()
-        return None if named is None else self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))))
+        return None if named is None else self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))), verify)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def share_weights(self, bucket_mb: float = 512.0) -> list[Any] | None:
+    def share_weights(self, bucket_mb: float = 512.0, verify: bool = False) -> list[Any] | None:
         """The weights as CUDA-IPC handles of buckets on rank 0's GPU (``weight_sync.cuda_ipc``), for
         generators on that same GPU; the buckets stay alive until ``release_shared_weights``."""
         from rollhpc.weight_sync.cuda_ipc import share_weights
@@ -377,7 +378,7 @@ class _WeightChannelMixin:
         named = self._exported_on_rank_zero()
         if named is None:
             return None
-        self._shared = share_weights(named, int(bucket_mb * (1 << 20)))
+        self._shared = share_weights(named, int(bucket_mb * (1 << 20)), verify=verify)
         return self._shared.buckets
 
     @register(Dispatch.RANK_ZERO)
@@ -651,18 +652,19 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         return norm
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def export_weights(self, bucket_mb: float = 64.0) -> list[Any] | None:
+    def export_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> list[Any] | None:
         """The full weights in Hugging Face names, packed into buckets, from group rank 0.
 
         Collective inside the first data-parallel replica (its TP ranks all-gather each parameter);
         the other replicas hold the same weights and return at once.
         """
-        from rollhpc.weight_sync.buckets import pack_buckets
+        from rollhpc.weight_sync.buckets import pack_buckets, stamp
 
         named = self._exported_on_rank_zero()
         if named is None:
             return None
-        return list(pack_buckets(((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20))))
+        buckets = pack_buckets(((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20)))
+        return [stamp(b) if verify else b for b in buckets]
 
 
 class MegatronCriticWorker(MegatronTrainWorker):

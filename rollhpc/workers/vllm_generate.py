@@ -80,19 +80,22 @@ class VllmGenerateWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def update_weights(self, buckets: list[Any], version: int) -> float:
         """Load the trainer's bucketed weights in place; returns the seconds it took."""
-        from rollhpc.weight_sync.buckets import unpack_bucket
+        from rollhpc.weight_sync.buckets import verified
 
         t = time.perf_counter()
         with self.loop.lock:
-            self.engine.update_weights((item for b in buckets for item in unpack_bucket(b)), version)
+            self.engine.update_weights((item for b in buckets for item in verified(b, f"to version {version}")),
+                                       version)
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
-    def join_weight_channel(self, address: tuple[str, int], world: int) -> None:
-        """Join the trainer's broadcast group as rank 1 + group rank (see ``weight_sync.broadcast``)."""
+    def join_weight_channel(self, address: tuple[str, int], world: int, member: int | None = None) -> None:
+        """Join the trainer's broadcast group as rank ``member`` (default 1 + group rank: every generator is in
+        it; a routed sync names the members, see ``weight_sync.routing``)."""
         from rollhpc.weight_sync.broadcast import WeightBroadcast
 
-        self._channel = WeightBroadcast(1 + self.ctx.group_rank, world, address[0], address[1])
+        rank = 1 + self.ctx.group_rank if member is None else member
+        self._channel = WeightBroadcast(rank, world, address[0], address[1])
 
     @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, version: int) -> float:
@@ -110,7 +113,7 @@ class VllmGenerateWorker(Worker):
 
         t = time.perf_counter()
         with self.loop.lock:
-            self.engine.update_weights(open_buckets(buckets), version)
+            self.engine.update_weights(open_buckets(buckets, sync=f"to version {version}"), version)
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)

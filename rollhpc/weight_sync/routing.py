@@ -1,0 +1,109 @@
+"""Where each generator's weights come from, decided from the placement plan before anything starts.
+
+The trainer's group rank 0 holds the full weights after a step (its first data-parallel replica gathers
+them over tensor and pipeline parallelism), so it is the source of every sync. How a generator rank receives
+them depends on where it sits:
+
+- on the GPU of the trainer's rank 0 (the same het group, node and GPU: colocated): by CUDA IPC, device to
+  device, never through NCCL, since NCCL refuses a communicator with two ranks on one GPU;
+- anywhere else: in one broadcast group with the trainer's rank 0 (NCCL on GPUs, across nodes too; gloo
+  on CPU), where each member works on its first GPU. Two members on one GPU would make NCCL refuse the
+  group at the first sync, hours into a job, so such a layout is refused when the plan is made.
+
+A generator rank's "place" is its first GPU: vLLM's driver process (the generator rank) uses its first visible
+GPU as its device, and its tensor-parallel workers receive their shards from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["BROADCAST", "IPC", "Route", "Routing", "RoutingError", "route_weights"]
+
+IPC = "ipc"
+BROADCAST = "broadcast"
+
+
+class RoutingError(ValueError):
+    """A layout whose weight sync cannot work (said in one line, with what to change)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    generator: int  # the generator's group rank
+    source: int  # the trainer group rank it receives from
+    transport: str  # IPC or BROADCAST
+    place: tuple[int, int, int] | None  # (het group, node, GPU) where it receives; None on CPU
+
+
+@dataclass
+class Routing:
+    routes: list[Route]
+
+    @property
+    def mode(self) -> str:
+        """``ipc`` or ``broadcast`` when every route is the one kind, ``mixed`` when some of each."""
+        kinds = {r.transport for r in self.routes}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    def ranks(self, transport: str) -> list[int]:
+        """The generator group ranks that receive by ``transport``."""
+        return [r.generator for r in self.routes if r.transport == transport]
+
+    def describe(self, bytes_per_sync: int | None) -> list[str]:
+        """One line per generator rank: source, transport, where, bytes per sync (when the model is known)."""
+        size = f"{bytes_per_sync / 2**30:.2f} GiB" if bytes_per_sync else "size unknown (no config.json here)"
+        lines = []
+        for r in self.routes:
+            where = "CPU" if r.place is None else f"het group {r.place[0]} node {r.place[1]} GPU {r.place[2]}"
+            how = ("CUDA IPC (same GPU, device to device)" if r.transport == IPC else
+                   f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {1 + len(self.ranks(BROADCAST))})")
+            lines.append(f"  generate {r.generator:>3} <- train rank {r.source}: {how}; receives on {where}; {size}")
+        return lines
+
+
+def _place(rank: Any) -> tuple[int, int, int] | None:
+    return (rank.component, rank.node, rank.gpus[0]) if rank.gpus else None
+
+
+def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
+                  generate_role: str = "generate") -> Routing:
+    """The routing of ``plan`` (a WorldPlan) under the pipeline's ``weight_sync`` mode (``auto`` chooses per
+    generator as above; ``broadcast`` and ``ipc`` force one transport; ``relay`` sends through the controller
+    and forms no group). Raises RoutingError for a layout no sync can serve."""
+    source = next((p for p in plan.ranks if p.role == train_role and p.group_rank == 0), None)
+    gens = sorted((p for p in plan.ranks if p.role == generate_role), key=lambda p: p.group_rank)
+    if source is None or not gens:
+        return Routing([])
+    home = _place(source)
+    routes = []
+    for g in gens:
+        colocated = home is not None and _place(g) == home
+        if mode == IPC and not colocated:
+            raise RoutingError(
+                f"pipeline.options.weight_sync=ipc needs every generator on the GPU of the trainer's rank 0 "
+                f"({_where(home)}); generate rank {g.group_rank} receives on {_where(_place(g))}: use auto")
+        transport = IPC if (colocated and mode in ("auto", IPC)) else BROADCAST
+        routes.append(Route(g.group_rank, source.group_rank, transport, _place(g)))
+    routing = Routing(routes)
+    if mode == "relay":
+        return routing
+    members = [("the trainer's rank 0", home)] + [(f"generate rank {r.generator}", r.place)
+                                                  for r in routes if r.transport == BROADCAST]
+    seen: dict[tuple[int, int, int], str] = {}
+    for who, place in members:
+        if place is None:
+            continue
+        if place in seen:
+            raise RoutingError(
+                f"weight sync: {seen[place]} and {who} would both be in the broadcast group on {_where(place)}, "
+                f"and NCCL refuses two ranks of one GPU in a group: give each generator a first GPU of its own"
+                + (", or put it on the trainer's rank 0's GPU (then it receives by CUDA IPC)" if mode == "auto" else
+                   ", or set pipeline.options.weight_sync=auto"))
+        seen[place] = who
+    return routing
+
+
+def _where(place: tuple[int, int, int] | None) -> str:
+    return "CPU" if place is None else f"GPU {place[2]} of node {place[1]} in het group {place[0]}"
