@@ -204,5 +204,9 @@ def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(cuda, tiny_dir, tmp_p
         again = _megatron(tiny_dir, torch.float32, cuda)
         load_mcore_checkpoint(again, tmp_path / "from_cpu")
         assert all(torch.equal(p.cpu(), trained[n]) for n, p in again.named_parameters())
+        # no forward of the CPU copy: megatron-core on a CUDA machine puts its rotary frequencies and causal mask
+        # on the current CUDA device whatever the model's (rollhpc.models.megatron_cpu patches that only where
+        # there is no CUDA); its weights are checked above, and the model back on the GPU computes the loss the
+        # trained one does
         with torch.no_grad():
-            assert _loss(again, ids.to(cuda)).item() == pytest.approx(_loss(cpu, ids).item(), rel=1e-4)
+            assert _loss(again, ids.to(cuda)).item() == pytest.approx(_loss(gpu, ids.to(cuda)).item(), rel=1e-6)

@@ -109,11 +109,16 @@ class VllmGenerateWorker(Worker):
     def receive_shared_weights(self, buckets: list[Any], version: int) -> float:
         """Copy the weights the colocated trainer shares through CUDA IPC into the engine, device to device;
         returns the seconds it took."""
+        import torch
+
         from rollhpc.weight_sync.cuda_ipc import open_buckets
 
         t = time.perf_counter()
         with self.loop.lock:
             self.engine.update_weights(open_buckets(buckets, sync=f"to version {version}"), version)
+            # the engine's copies out of the trainer's buckets are queued on this process's stream: they must have
+            # run before this call returns, since the trainer frees the buckets then (release_shared_weights)
+            torch.cuda.synchronize()
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
