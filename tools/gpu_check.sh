@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The prepared check of the GPU path, for a lent GPU machine: one call, under 8 minutes, everything it
+# measures in one folder. What it runs, in order (each step's status and seconds in OUT/steps.jsonl):
+#   1. env      the machine: GPU, driver, Python, torch and its CUDA (OUT/env.txt)
+#   2. install  a venv over the machine's own Python and torch (--system-site-packages: its CUDA torch stays)
+#               and the wheels carried in WHEELS (megatron-core, mpich, mpi4py, hydra-core, pytest, ...; fetched
+#               by tools/fetch_gpu_wheels.sh), --no-deps, offline; rollhpc itself from this tree (PYTHONPATH)
+#   3. gpu      the -m gpu tests (tests/test_gpu.py): bf16 Megatron against the CPU loss, offload and reload,
+#               CUDA-IPC weight sync, a checkpoint moved between GPU and CPU; their numbers in
+#               OUT/gpu_tests.jsonl (ROLLHPC_GPU_RESULTS)
+#   4. bandwidth the device's own copy bandwidth and pinned host <-> device copies, the yardsticks of the
+#               offload and IPC numbers (tools/gpu_bandwidth.py -> OUT/bandwidth.json)
+#   5. rlvr     a 1-GPU RLVR run of the quickstart on CUDA: trainer and the torch engine colocated on GPU 0
+#               with offload, the weight sync by CUDA IPC, verify after every sync, bf16 (OUT/rlvr/)
+# A step that fails is recorded and the next one still runs; the exit status is 1 if any failed.
+# vLLM's CUDA build is too large to carry, so generation on the GPU uses the torch engine (INSTALL.md).
+#
+#   tools/gpu_check.sh [--dry-run] [--out DIR] [--wheels DIR] [--python PY] [--steps env,install,...]
+#
+# --dry-run prints each step's commands and runs none (CI runs it on machines without a GPU).
+set -uo pipefail
+
+here="$(cd "$(dirname "$0")/.." && pwd)"
+out="${OUT:-$here/gpu-check-out}"
+wheels="$here/gpu-wheels"
+python="python3"
+dry=0
+steps="env,install,gpu,bandwidth,rlvr"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) out="$2"; shift ;;
+    --wheels) wheels="$2"; shift ;;
+    --python) python="$2"; shift ;;
+    --steps) steps="$2"; shift ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (--help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+venv="$out/venv"
+py="$venv/bin/python"
+failed=0
+mkdir -p "$out"
+: > "$out/steps.jsonl"
+
+# run STEP CMD...: one command of a step, echoed; in a dry run only echoed
+run() {
+  echo "+ $*"
+  [ "$dry" = 1 ] && return 0
+  "$@"
+}
+
+# step NAME FUNCTION: time a step, record it, go on whatever it did
+step() {
+  local name="$1" fn="$2" t0 rc ms
+  case ",$steps," in *",$name,"*) ;; *) return 0 ;; esac
+  echo "== gpu_check: $name" >&2
+  t0=$(date +%s%N)
+  "$fn" 2>&1 | tee "$out/$name.log"
+  rc=${PIPESTATUS[0]}
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf '{"step": "%s", "status": %d, "seconds": %d.%03d, "dry_run": %s}\n' "$name" "$rc" $((ms / 1000)) \
+    $((ms % 1000)) "$([ "$dry" = 1 ] && echo true || echo false)" >> "$out/steps.jsonl"
+  [ "$rc" = 0 ] || { failed=1; echo "gpu_check: step $name failed ($rc); see $out/$name.log" >&2; }
+}
+
+do_env() {
+  run nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  run "$python" -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+}
+
+do_install() {
+  if [ "$dry" = 0 ] && ! ls "$wheels"/*.whl > /dev/null 2>&1; then
+    echo "no wheels in $wheels: run tools/fetch_gpu_wheels.sh on a machine with the package index, carry $wheels" >&2
+    return 1
+  fi
+  run "$python" -m venv --system-site-packages "$venv"
+  run "$py" -m pip install --disable-pip-version-check --no-index --no-deps "$wheels"/*.whl
+  run "$py" -c "import megatron.core, mpi4py.MPI, rollhpc.cli, rollhpc.workers.megatron_policy; print('imports ok')"
+}
+
+do_gpu() {
+  run env ROLLHPC_GPU_RESULTS="$out/gpu_tests.jsonl" "$py" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider \
+    -q -o addopts="" --timeout 300 --junitxml "$out/gpu_tests.xml"
+}
+
+do_bandwidth() {
+  run "$py" tools/gpu_bandwidth.py --out "$out/bandwidth.json"
+}
+
+do_rlvr() {
+  run "$py" -m rollhpc.cli train quickstart --overwrite run.name=gpu-check "run.output_dir=$out/rlvr" \
+    cluster.nodes=1 cluster.gpus_per_node=1 \
+    roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
+    roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
+    roles.generate.options.dtype=bfloat16 pipeline.options.offload=true pipeline.options.weight_sync=auto \
+    pipeline.options.weight_sync_verify_every=1 pipeline.options.steps=5 pipeline.options.eval_every=5
+  run "$py" -m rollhpc.cli plan quickstart cluster.nodes=1 cluster.gpus_per_node=1 roles.train.gpus_per_proc=1 \
+    "roles.train.devices=[0]" roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]"
+}
+
+cd "$here"
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+step env do_env
+step install do_install
+step gpu do_gpu
+step bandwidth do_bandwidth
+step rlvr do_rlvr
+echo "gpu_check: results in $out (steps.jsonl$([ "$dry" = 1 ] && echo '; dry run: nothing was run'))" >&2
+exit "$failed"
