@@ -113,6 +113,5 @@ def _weight_sync(cfg: ExperimentConfig, plan: WorldPlan) -> Iterator[str]:
     dtype = getattr(train, "dtype", "float32")
     size = shape.total * dtype_bytes(dtype) if shape is not None and dtype in ("float32", "bfloat16", "float16") \
         else None
-    mode = getattr(cfg.pipeline.options, "weight_sync", "auto")
-    yield f"weight sync ({mode}: {routing.mode}), per generator rank:"
+    yield f"weight sync ({routing.requested}: {routing.mode}), per generator rank:"
     yield from routing.describe(size)

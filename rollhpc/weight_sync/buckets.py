@@ -119,9 +119,9 @@ def verified(bucket: Bucket, sync: int | str = "") -> Iterator[tuple[str, torch.
         return
     tensors = list(unpack_bucket(bucket))
     for (name, t), want in zip(tensors, bucket.checksums):
-        if tensor_checksum(t) != want:
+        if (got := tensor_checksum(t)) != want:
             raise WeightSyncMismatch(
                 f"weight sync {sync}: parameter {name} {tuple(t.shape)} {t.dtype} arrived with other bytes than the "
-                f"trainer sent (checksum {tensor_checksum(t):#x}, sent {want:#x}); the run stops rather than "
+                f"trainer sent (checksum {got:#x}, sent {want:#x}); the run stops rather than "
                 f"generate with weights the trainer does not hold")
     yield from tensors

@@ -40,6 +40,7 @@ class Route:
 @dataclass
 class Routing:
     routes: list[Route]
+    requested: str = "auto"  # the pipeline's weight_sync option it was made for
 
     @property
     def mode(self) -> str:
@@ -54,11 +55,12 @@ class Routing:
     def describe(self, bytes_per_sync: int | None) -> list[str]:
         """One line per generator rank: source, transport, where, bytes per sync (when the model is known)."""
         size = f"{bytes_per_sync / 2**30:.2f} GiB" if bytes_per_sync else "size unknown (no config.json here)"
+        group = 1 + len(self.ranks(BROADCAST))
         lines = []
         for r in self.routes:
             where = "CPU" if r.place is None else f"het group {r.place[0]} node {r.place[1]} GPU {r.place[2]}"
             how = ("CUDA IPC (same GPU, device to device)" if r.transport == IPC else
-                   f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {1 + len(self.ranks(BROADCAST))})")
+                   f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {group})")
             lines.append(f"  generate {r.generator:>3} <- train rank {r.source}: {how}; receives on {where}; {size}")
         return lines
 
@@ -75,7 +77,7 @@ def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
     source = next((p for p in plan.ranks if p.role == train_role and p.group_rank == 0), None)
     gens = sorted((p for p in plan.ranks if p.role == generate_role), key=lambda p: p.group_rank)
     if source is None or not gens:
-        return Routing([])
+        return Routing([], mode)
     home = _place(source)
     routes = []
     for g in gens:
@@ -86,7 +88,7 @@ def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
                 f"({_where(home)}); generate rank {g.group_rank} receives on {_where(_place(g))}: use auto")
         transport = IPC if (colocated and mode in ("auto", IPC)) else BROADCAST
         routes.append(Route(g.group_rank, source.group_rank, transport, _place(g)))
-    routing = Routing(routes)
+    routing = Routing(routes, mode)
     if mode == "relay":
         return routing
     members = [("the trainer's rank 0", home)] + [(f"generate rank {r.generator}", r.place)
