@@ -7,8 +7,8 @@ Contract with the trainer:
 - each completion carries the log-probability of every sampled token under the distribution it was
   sampled from (after temperature and top-p: vLLM's ``logprobs_mode="processed_logprobs"``);
 - ``update_weights`` takes tensors in Hugging Face naming, loads them in place (vLLM's
-  ``reload_weights`` with a weights iterator, which also redoes CPU repacking), drops the prefix cache
-  and records ``version``;
+  ``reload_weights`` with a weights iterator, which also redoes CPU repacking; with TP > 1 vLLM's
+  weight-transfer protocol, see ``vllm_weight_transfer``), drops the prefix cache and records ``version``;
 - a rollout scheduler that works sample by sample uses the step API instead of ``generate``:
   ``add_request`` one prompt at a time, ``step`` to get the requests that finished in that engine step,
   ``abort`` to stop requests and keep their partial tokens (a later request resumes from them).
@@ -71,8 +71,9 @@ class VllmGenerator:
         cpu_kv_cache_bytes: KV cache size on CPU (``kv_cache_memory_bytes``; the byte-exact form of
             ``VLLM_CPU_KVCACHE_SPACE``, which is whole GiB and defaults to 4 GiB).
         enforce_eager: no torch.compile / CUDA graphs (fast start; the default for tests and CPU).
-        tensor_parallel_size: >1 makes vLLM start worker processes; weights then travel pickled
-            through vLLM's RPC queue, fine for small models only.
+        tensor_parallel_size: >1 makes vLLM start worker processes; weights then reach them through
+            vLLM's weight-transfer protocol (shared memory on CPU, CUDA IPC on GPU:
+            rollhpc.engines.vllm_weight_transfer), in chunks of ``weight_chunk_bytes``.
         dtype: "float32", "bfloat16", "auto", ...
         stop_token_ids: extra ids that end every completion (e.g. when the checkpoint has no
             generation_config.json, vLLM would otherwise never stop before ``max_tokens``).
@@ -81,7 +82,8 @@ class VllmGenerator:
     def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = 256 << 20,
                  enforce_eager: bool = True, tensor_parallel_size: int = 1, dtype: str = "auto",
-                 stop_token_ids: Sequence[int] = (), **engine_kwargs: Any) -> None:
+                 stop_token_ids: Sequence[int] = (), weight_chunk_bytes: int = 256 << 20,
+                 **engine_kwargs: Any) -> None:
         # Engine core in this process (weights can then be handed over as live tensors). Must be set
         # before vllm is imported; so must VLLM_CONFIGURE_LOGGING=0 (vLLM logs through this process's
         # logging config instead of installing its own handlers).
@@ -94,6 +96,8 @@ class VllmGenerator:
         _freeze_imported_heap()
         if self.on_cpu:
             _eager_token_ranks_on_cpu()
+            if tensor_parallel_size > 1:
+                _bind_cpu_workers(tensor_parallel_size)
             # No chunked prefill on CPU: a prefill split over two engine steps discards the token sampled after
             # its first part and rewinds that request's seeded generator (``gen.set_offset``), which a CPU
             # torch.Generator does not support: "CPU Generator does not use offset" ends the engine. Long
@@ -107,11 +111,20 @@ class VllmGenerator:
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings"))
         self.cpu_moe = self.on_cpu and is_moe_config(hf_config)  # see vllm_cpu_moe_repack
+        self.weight_transfer = _weight_transfer_backend(self.on_cpu) if tensor_parallel_size > 1 else None
+        if self.weight_transfer:
+            engine_kwargs.setdefault("weight_transfer_config", {"backend": self.weight_transfer})
+        self.weight_chunk_bytes = int(weight_chunk_bytes)
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
                        **memory, **engine_kwargs)
         self.tensor_parallel_size = tensor_parallel_size
+        if self.weight_transfer:
+            from rollhpc.engines import vllm_weight_transfer
+
+            self.llm.collective_rpc("init_weight_transfer_engine",
+                                    args=(vllm_weight_transfer.init_info(self.weight_transfer),))
         self.stop_token_ids = list(stop_token_ids)
         self.version = 0
         self.asleep = False  # no generation until the KV cache is back
@@ -250,15 +263,22 @@ class VllmGenerator:
         self._check_idle("update_weights()", generating=False)
         if isinstance(named_tensors, (list, tuple)) and not named_tensors:
             raise ValueError("update_weights() needs the model's tensors, got none")
-        # The in-process executor calls the worker directly, so a lazy iterator is fine; worker
-        # processes (TP > 1) need the list pickled.
         weights = _with_tied_head(named_tensors) if self.tied_embeddings else iter(named_tensors)
         gates: dict[int, torch.Tensor] = {}
         if self.cpu_moe:
             weights = capture_expert0_gates(weights, gates)
-        if self.tensor_parallel_size > 1:
-            weights = list(weights)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        if self.weight_transfer:  # worker processes (TP > 1): vLLM's weight-transfer protocol
+            from rollhpc.engines import vllm_weight_transfer
+
+            if self.weight_transfer == vllm_weight_transfer.SHM_BACKEND:
+                vllm_weight_transfer.send_shm(self.llm.collective_rpc, weights, self.weight_chunk_bytes)
+            else:
+                vllm_weight_transfer.send_cuda_ipc(self.llm.collective_rpc, weights, self.weight_chunk_bytes,
+                                                   self.tensor_parallel_size)
+        elif self.tensor_parallel_size > 1:  # fallback: the whole model pickled to every worker
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
+        else:  # the in-process executor calls the worker directly: a lazy iterator is fine
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if gates:
             packed = self.llm.collective_rpc(repack_after_reload, args=(gates,))
             if any(packed) and self.version == 0:
@@ -301,6 +321,39 @@ class VllmGenerator:
         if self._live:
             raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
                                "finish them (step/run_until) or abort them first")
+
+
+def _bind_cpu_workers(tp: int) -> None:
+    """Give each of vLLM's CPU worker processes its share of this process's cores, where vLLM cannot itself.
+
+    vLLM's CPU default (``VLLM_CPU_OMP_THREADS_BIND=auto``) binds each TP worker to a NUMA node of its own and
+    refuses to start with fewer NUMA nodes than workers, which is the usual case below a large CPU server. Then
+    the cores this process may use (its Slurm / MPI binding) are split evenly among the workers, in order. A
+    binding set by the user, or enough NUMA nodes for ``auto``, is left alone; with fewer cores than workers
+    nothing is bound ("nobind")."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    numa_nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
+    if numa_nodes >= tp:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // tp
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+        "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(tp)) if share else "nobind")
+
+
+def _weight_transfer_backend(on_cpu: bool) -> str | None:
+    """The weight-transfer backend for worker processes, or None (with a warning) where there is none: the
+    CPU one is ours, a vLLM plugin that needs rollhpc installed (see vllm_weight_transfer)."""
+    from rollhpc.engines import vllm_weight_transfer
+
+    backend = vllm_weight_transfer.backend_for(on_cpu)
+    if backend == vllm_weight_transfer.SHM_BACKEND and not vllm_weight_transfer.shm_backend_registered():
+        log.warning("vLLM with tensor_parallel_size > 1 on CPU: the '%s' weight-transfer plugin is not loaded "
+                    "(rollhpc not pip-installed, or VLLM_PLUGINS leaves it out); every weight update will be "
+                    "pickled whole to each worker process", backend)
+        return None
+    return backend
 
 
 def _freeze_imported_heap() -> None:
