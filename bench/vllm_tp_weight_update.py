@@ -10,12 +10,13 @@ weight transfer beside the pickled path it replaces, on one engine, same weights
 
 The model is the Qwen2.5-0.5B shape with random weights in bfloat16 (``--size 0.5b``, 0.99 GB as the trainer
 exports it: tied, no lm_head; the engine adds the head, so 1.26 GB travel) or the quickstart's tiny model. Each
-path in turn makes one untimed update, then ``--repeats`` timed ones, alternating between two weight sets. At the
+path in turn makes a block of one untimed update and ``--repeats`` timed ones, alternating between two weight
+sets; ``--rounds`` blocks of each path, alternating (noise on two cores is as large as the difference). At the
 end every worker's parameter shards are hashed after an shm update and after a pickled update of the same
-weights, and must be equal. Median of ``--repeats`` updates per path (seconds per GB of the model's bytes), with
+weights, and must be equal. Median of all timed updates per path (seconds per GB of the model's bytes), with
 the extra memory the machine needed at the update's peak (MemAvailable sampled every 5 ms).
 
-    python bench/vllm_tp_weight_update.py [--size 0.5b] [--repeats 5]
+    python bench/vllm_tp_weight_update.py [--size 0.5b] [--rounds 3] [--repeats 3]
 
 Results: bench/results/vllm_tp_weight_update.json.
 """
@@ -119,7 +120,8 @@ def commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="0.5b", choices=["0.5b", "quickstart"])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3, help="blocks of each path, alternating")
+    ap.add_argument("--repeats", type=int, default=3, help="timed updates per block")
     ap.add_argument("--chunk-mb", type=float, default=256.0, help="the engine's weight_chunk_bytes, in MiB")
     ap.add_argument("--out", default=str(HERE / "results" / "vllm_tp_weight_update.json"))
     args = ap.parse_args()
@@ -143,9 +145,11 @@ def main() -> int:
     times: dict[str, list[float]] = {"shm": [], "pickled": []}
     peaks: dict[str, list[int]] = {"shm": [], "pickled": []}
     version = 0
-    for path in ("shm", "pickled"):  # one path at a time: what one leaves freed but held must not count for the other
+    # in blocks of one path (what one path leaves freed but held must not count for the other), the blocks
+    # alternating so that the machine's drift over the run falls on both
+    for path in ("shm", "pickled") * args.rounds:
         engine.weight_transfer = backend if path == "shm" else None  # None: the pickled fallback
-        for i in range(args.repeats + 1):  # the first one untimed: the path's first use
+        for i in range(args.repeats + 1):  # the first one untimed: the block's first update
             version += 1
             with MemoryDip() as dip:
                 t = time.perf_counter()
@@ -169,10 +173,11 @@ def main() -> int:
         med = statistics.median(ts)
         rows[path] = {"median_s": round(med, 3), "min_s": round(min(ts), 3), "max_s": round(max(ts), 3),
                       "s_per_gb": round(med / (nbytes / 1e9), 3),
-                      "peak_extra_memory_gb": round(statistics.median(peaks[path]) / 1e9, 2)}
+                      "peak_extra_memory_gb": round(statistics.median(peaks[path]) / 1e9, 2),
+                      "all_s": [round(x, 3) for x in ts]}
     out = {"bench": "vllm_tp_weight_update", "commit": commit(), "size": args.size,
            "dtype": str(weights[0][1].dtype).removeprefix("torch."), "tensors": len(weights), "bytes": nbytes,
-           "tensor_parallel_size": 2, "chunk_mb": args.chunk_mb, "repeats": args.repeats,
+           "tensor_parallel_size": 2, "chunk_mb": args.chunk_mb, "rounds": args.rounds, "repeats": args.repeats,
            "engine_start_s": round(start_s, 1), "paths": rows,
            "shm_speedup": round(rows["pickled"]["median_s"] / rows["shm"]["median_s"], 2),
            "shards_equal_after_both_paths": after_shm == after_pickled,
