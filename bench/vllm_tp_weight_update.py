@@ -120,6 +120,7 @@ def commit() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="0.5b", choices=["0.5b", "quickstart"])
+    ap.add_argument("--tp", type=int, default=2, help="tensor_parallel_size (worker processes)")
     ap.add_argument("--rounds", type=int, default=3, help="blocks of each path, alternating")
     ap.add_argument("--repeats", type=int, default=3, help="timed updates per block")
     ap.add_argument("--chunk-mb", type=float, default=256.0, help="the engine's weight_chunk_bytes, in MiB")
@@ -136,7 +137,7 @@ def main() -> int:
         other = [(n, t + 1e-2 if t.is_floating_point() else t) for n, t in weights]  # a second weight set
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         t0 = time.perf_counter()
-        engine = VllmGenerator(tmp, tensor_parallel_size=2, dtype=str(weights[0][1].dtype).removeprefix("torch."),
+        engine = VllmGenerator(tmp, tensor_parallel_size=args.tp, dtype=str(weights[0][1].dtype).removeprefix("torch."),
                                max_model_len=256, cpu_kv_cache_bytes=64 << 20,
                                weight_chunk_bytes=int(args.chunk_mb * (1 << 20)))
         start_s = time.perf_counter() - t0
@@ -177,7 +178,7 @@ def main() -> int:
                       "all_s": [round(x, 3) for x in ts]}
     out = {"bench": "vllm_tp_weight_update", "commit": commit(), "size": args.size,
            "dtype": str(weights[0][1].dtype).removeprefix("torch."), "tensors": len(weights), "bytes": nbytes,
-           "tensor_parallel_size": 2, "chunk_mb": args.chunk_mb, "rounds": args.rounds, "repeats": args.repeats,
+           "tensor_parallel_size": args.tp, "chunk_mb": args.chunk_mb, "rounds": args.rounds, "repeats": args.repeats,
            "engine_start_s": round(start_s, 1), "paths": rows,
            "shm_speedup": round(rows["pickled"]["median_s"] / rows["shm"]["median_s"], 2),
            "shards_equal_after_both_paths": after_shm == after_pickled,
