@@ -36,11 +36,20 @@ RNG tracker's streams are silently never seeded / never switched.
   copy of the embedding is zeroed and all-reduced from the first stage after ``weight.data.cuda()``;
   during that call ``Tensor.cuda`` returns the tensor itself.
 
-Not patched (GPU only): megatron's optimizers (``get_megatron_optimizer``: ``device='cuda'`` tensors,
-multi-tensor kernels, ``torch.cuda.FloatTensor`` type checks: use ``torch.optim`` on CPU), megatron's
-``clip_grad_norm_fp32``, ``finalize_model_grads`` (it expects megatron's DDP wrapper), CUDA graphs,
-sliding-window attention masks, Transformer Engine / apex fused kernels (keep the ``*_fusion`` options
-off).
+* megatron's optimizers (``get_megatron_optimizer``: mixed precision with fp32 main parameters, the
+  distributed optimizer, gradient clipping) and its DDP wrapper. Their tensors made with ``device='cuda'``
+  (the loss-scale constants, the overflow flag, the grad-norm reductions of ``optimizer``, ``clip_grads``
+  and the local multi-tensor fallbacks in ``megatron.core.utils``) come from a view of torch like the
+  schedules'. They sort parameters by ``Tensor.type()`` names ("torch.cuda.BFloat16Tensor", ...), which
+  CPU tensors do not have: while the optimizer is built, and while gradients are clipped, ``Tensor.type()``
+  without arguments gives a CPU tensor its CUDA type's name (``_cuda_type_names``). DDP's buckets, its
+  reduce-scatter and the distributed optimizer's all-gather run on gloo as they are (gloo has both). Checked
+  end to end with megatron-core 0.16.1: DDP + distributed optimizer at DP=2 match DP=1, bf16 parameters
+  with fp32 main parameters (tests/test_megatron_optimizer.py).
+
+Not patched (GPU only): CUDA graphs, sliding-window attention masks, Transformer Engine / apex fused kernels
+(keep the ``*_fusion`` options off), DDP's overlapped communication (``overlap_grad_reduce`` and
+``overlap_param_gather`` use CUDA streams: keep them off on CPU).
 
 ``enable_cpu_megatron()`` is idempotent and does nothing where ``torch.cuda.is_available()``. Call it
 before ``model_parallel_cuda_manual_seed``; no other module needs to know about these patches.
@@ -79,15 +88,50 @@ def _set_tracked_rng_state(new_state: torch.Tensor, device: object = -1, graph_s
     torch.set_rng_state(new_state)
 
 
+def _on_cpu(device: object) -> object:
+    return "cpu" if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda") else device
+
+
 class _TorchOnCpu:
-    """torch, except that ``zeros(..., device="cuda")`` makes a CPU tensor (for the pipeline schedules)."""
+    """torch, except that ``zeros``, ``empty`` and ``tensor`` given ``device="cuda"`` make a CPU tensor (for
+    the pipeline schedules and the optimizers)."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*size: object, device: object = None, **kw: object) -> torch.Tensor:
-        return torch.zeros(*size, device="cpu" if device == "cuda" else device, **kw)
+        return torch.zeros(*size, device=_on_cpu(device), **kw)
+
+    @staticmethod
+    def empty(*size: object, device: object = None, **kw: object) -> torch.Tensor:
+        return torch.empty(*size, device=_on_cpu(device), **kw)
+
+    @staticmethod
+    def tensor(data: object, device: object = None, **kw: object) -> torch.Tensor:
+        return torch.tensor(data, device=_on_cpu(device), **kw)
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_real_tensor_type = torch.Tensor.type
+
+
+def _type_as_on_cuda(self: torch.Tensor, *args: object, **kw: object) -> object:
+    name = _real_tensor_type(self, *args, **kw)
+    return _CUDA_TYPE_NAMES.get(name, name) if not args and not kw else name
+
+
+def _cuda_type_names(fn):  # noqa: ANN001, ANN202 - a function wrapper
+    """``fn`` with ``Tensor.type()`` naming CPU float tensors by their CUDA types while it runs."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        torch.Tensor.type = _type_as_on_cuda
+        try:
+            return fn(*args, **kw)
+        finally:
+            torch.Tensor.type = _real_tensor_type
+    return wrapped
 
 
 def _tensor_stays(t: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
@@ -150,8 +194,11 @@ def enable_cpu_megatron() -> bool:
     if torch.cuda.is_available():
         return False
     import_megatron()
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core import utils as mcore_utils
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -162,7 +209,10 @@ def enable_cpu_megatron() -> bool:
     mcore_random._get_cuda_rng_state = _get_tracked_rng_state
     mcore_random._set_cuda_rng_state = _set_tracked_rng_state
     fused_softmax.get_default_causal_mask = _default_causal_mask
-    schedules.torch = _TorchOnCpu()
+    for module in (schedules, optimizer, distrib_optimizer, clip_grads, mcore_utils):
+        module.torch = _TorchOnCpu()
+    mcore_optimizer.get_megatron_optimizer = _cuda_type_names(mcore_optimizer.get_megatron_optimizer)
+    optimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(optimizer.clip_grad_by_total_norm_fp32)
     LanguageModule.setup_embeddings_and_output_layer = _without_cuda_copies(
         LanguageModule.setup_embeddings_and_output_layer)
     _ENABLED = True
