@@ -7,7 +7,8 @@ exported weights. Each layout is compared with the pp=1 run of the same model: P
 micro-batch count is padded to a whole number of pipeline groups), TP2 x PP2 on 4 ranks, a Qwen2-MoE
 policy at PP2 x EP2, and a PP2 checkpoint resumed at PP1 (DP2), whose next-step loss must match. The
 dense model ties its embeddings, so the first and last stage's copies must stay equal (their gradients
-summed across stages): the exported weights would differ from pp=1's otherwise.
+summed across stages): the exported weights would differ from pp=1's otherwise. The same holds for the train
+role on megatron-core's own optimizer stack (``optimizer: megatron``), checkpoint and resume included.
 """
 
 from __future__ import annotations
@@ -126,6 +127,21 @@ def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment,
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_megatron_optimizer_trains_like_adamw_and_resumes_at_another_layout(models, one_stage, experiment, tmp_path):
+    """``optimizer: megatron`` (megatron-core's DDP, distributed optimizer and clipping) at PP2 computes what the
+    one-stage run with torch's AdamW computes (the tied embedding's gradient summed across stages by megatron's
+    finalize_model_grads); its checkpoint after step 1, resumed by two data-parallel ranks of the whole model
+    (the optimizer state resharded from PP2 to DP2, gradients reduce-scattered), computes step 2 as the PP2 run."""
+    megatron = {"optimizer": "megatron"}
+    pp2 = _run(experiment, tmp_path, "mcore_pp2", models["dense"], 2, {"pp": 2}, train_options=megatron)
+    assert_same_training(pp2, one_stage["dense"])
+    resumed = _run(experiment, tmp_path, "mcore_dp2_resumed", models["dense"], 2, {}, train_options=megatron,
+                   resume_from=str(pp2["run_dir"] / "ckpt"))
+    assert len(resumed["loss"]) == 1
+    assert_same_training(resumed, pp2, steps=slice(1, 2))
 
 
 @pytest.mark.slow

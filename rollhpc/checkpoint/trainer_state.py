@@ -5,7 +5,10 @@ Inside the run checkpoint's directory, the role ``train`` (likewise ``critic``) 
     train/model/       the GPT model: a megatron dist checkpoint (``checkpoint.mcore``), loadable at any
                        TP/PP/EP layout and convertible to Hugging Face (``rollhpc convert mcore-to-hf``)
     train/optimizer/   AdamW's moments, a megatron dist checkpoint sharded exactly like the parameters
-                       (keys ``optimizer.state.exp_avg.<param key>``), so it reshards with the model
+                       (keys ``optimizer.state.exp_avg.<param key>``), so it reshards with the model; with
+                       ``optimizer: megatron``, megatron's own optimizer checkpoint (fp32 main parameters,
+                       moments, step; its ``fully_reshardable`` form: gathered over the DP group at save,
+                       each rank reading what it needs at load, so it loads at another DP, TP or PP layout)
     train/ranks/rank_00003.pt   what each rank holds alone: its RNG states, the optimizer step count and
                        hyper-parameters, modules outside the GPT model (the critic's value head)
 
@@ -82,6 +85,8 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     rank = dist.get_rank()
     save_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR, worker.options.model_dir,
                           {"optimizer_steps": worker.optimizer_steps})
+    if getattr(worker, "megatron_optimizer", False):
+        return _save_megatron_optimizer(worker, role_dir, t0)
     opt_sd = worker.optimizer.state_dict()
     in_model = _model_param_ids(worker.chunks, worker.optimizer)
     moments = {i: s for i, s in opt_sd["state"].items() if i in in_model}
@@ -135,6 +140,11 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     if own["world"] != world:
         raise CheckpointError(f"{role_dir} was saved by {own['world']} ranks, this role has {world}")
     load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
+    if getattr(worker, "megatron_optimizer", False) != ("megatron_optimizer" in own):
+        raise CheckpointError(f"{role_dir} holds the optimizer state of optimizer="
+                              f"{'megatron' if 'megatron_optimizer' in own else 'torch'}; this role uses the other one")
+    if "megatron_optimizer" in own:
+        return _load_megatron_optimizer(worker, role_dir, own, t0)
     for name, module in worker.extra_modules().items():
         module.load_state_dict(own["extra_modules"][name])
     opt = worker.optimizer
@@ -170,3 +180,117 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     restore_rng_states(own["rng"])
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
+
+
+# -- optimizer: megatron ------------------------------------------------------------------------------------------
+_MEGATRON_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _megatron_optimizer_state(worker: Any, is_loading: bool) -> dict[str, Any]:
+    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
+
+    return worker.optimizer.sharded_state_dict(chunks_sharded_state_dict(worker.chunks), is_loading=is_loading,
+                                               metadata=_MEGATRON_FORMAT)
+
+
+def _save_megatron_optimizer(worker: Any, role_dir: Path, t0: float) -> dict[str, Any]:
+    """megatron's optimizer checkpoint (with the model already saved) and the rank files (RNG, counters)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from rollhpc.checkpoint.mcore import save_strategy
+    from rollhpc.checkpoint.run_state import save_rng_states
+
+    rank = dist.get_rank()
+    stepped = worker.optimizer_steps > 0  # before the first step megatron's optimizer has no state to save
+    if stepped:
+        opt_dir = role_dir / OPTIMIZER_DIR
+        if rank == 0:
+            opt_dir.mkdir(parents=True)
+        dist.barrier()
+        dist_checkpointing.save(_megatron_optimizer_state(worker, is_loading=False), str(opt_dir),
+                                sharded_strategy=save_strategy())
+    own = {"rank": rank, "world": dist.get_world_size(), "optimizer_steps": worker.optimizer_steps,
+           "megatron_optimizer": {"stepped": stepped}, "rng": save_rng_states()}
+    path = _rank_file(role_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(own, path)
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
+
+
+def _load_megatron_optimizer(worker: Any, role_dir: Path, own: dict[str, Any], t0: float) -> dict[str, Any]:
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from rollhpc.checkpoint.mcore import CheckpointError
+    from rollhpc.checkpoint.run_state import restore_rng_states
+
+    _load_without_per_parameter_step()
+    worker.optimizer.reload_model_params()  # the fp32 main parameters from the model just loaded
+    if own["megatron_optimizer"]["stepped"]:  # then the saved ones (the exact fp32 values), moments and step
+        _give_state_to_load_into(worker.optimizer)
+        try:
+            state = dist_checkpointing.load(_megatron_optimizer_state(worker, is_loading=True),
+                                            str(role_dir / OPTIMIZER_DIR))
+        except Exception as e:  # noqa: BLE001 - megatron raises several types for a bad directory
+            raise CheckpointError(f"cannot load the optimizer state in {role_dir / OPTIMIZER_DIR}: "
+                                  f"{type(e).__name__}: {e}") from e
+        worker.optimizer.load_state_dict(state)
+        _unshare_steps(worker.optimizer)
+    worker.optimizer_steps = own["optimizer_steps"]
+    restore_rng_states(own["rng"])
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
+
+
+def _give_state_to_load_into(optimizer: Any) -> None:
+    """A new megatron optimizer has no Adam state until its first step, and the distributed optimizer's loading
+    state dict reads the step count from it (torch's Adam, without apex or Transformer Engine): take one step of
+    zero gradients on the inner optimizers, as megatron does before loading for its FSDP format. The state it
+    makes is overwritten by the load, main parameters included."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        if inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"] if p.numel()]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
+def _load_without_per_parameter_step() -> None:
+    """megatron-core 0.16.1's distributed optimizer with torch's Adam (no apex, no Transformer Engine) cannot load
+    its own reshardable checkpoint: ``load_state_dict`` gives every parameter's Adam state a ``step`` (from the
+    param groups, where the checkpoint keeps it), then ``_set_main_param_and_optimizer_states`` copies the loaded
+    tensors over every key of that state, ``step`` included, which the checkpoint's per-parameter tensors (main
+    parameter and moments) do not have: KeyError 'step'. Here the step the state already holds is copied onto
+    itself. Patched once per process; nothing changes where the loaded tensors carry a step."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    real = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(real, "_rollhpc_step_kept", False):
+        return
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            step = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        real(self, model_param, tensors)
+
+    set_states._rollhpc_step_kept = True  # type: ignore[attr-defined]
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
+def _unshare_steps(optimizer: Any) -> None:
+    """megatron's load (torch's Adam, no apex or Transformer Engine) puts one ``step`` tensor into every parameter's
+    Adam state; torch's Adam then adds 1 to it once per parameter per step, and from the next step on every bias
+    correction uses a step count in the thousands (found by a resumed run whose next update differed from the
+    uninterrupted run's by a third of the learning rate). Each state gets its own copy."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in sub.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()

@@ -45,7 +45,9 @@ RNG tracker's streams are silently never seeded / never switched.
   without arguments gives a CPU tensor its CUDA type's name (``_cuda_type_names``). DDP's buckets, its
   reduce-scatter and the distributed optimizer's all-gather run on gloo as they are (gloo has both). Checked
   end to end with megatron-core 0.16.1: DDP + distributed optimizer at DP=2 match DP=1, bf16 parameters
-  with fp32 main parameters (tests/test_megatron_optimizer.py).
+  with fp32 main parameters (tests/test_megatron_optimizer.py). Its checkpoint gathers each DP group's shards
+  (``DistributedOptimizer.get_parameter_state_dp_zero``) after ``send_tensor.cuda()``: during that call
+  ``Tensor.cuda`` returns the tensor itself, as for the embeddings above.
 
 Not patched (GPU only): CUDA graphs, sliding-window attention masks, Transformer Engine / apex fused kernels
 (keep the ``*_fusion`` options off), DDP's overlapped communication (``overlap_grad_reduce`` and
@@ -212,6 +214,8 @@ def enable_cpu_megatron() -> bool:
     for module in (schedules, optimizer, distrib_optimizer, clip_grads, mcore_utils):
         module.torch = _TorchOnCpu()
     mcore_optimizer.get_megatron_optimizer = _cuda_type_names(mcore_optimizer.get_megatron_optimizer)
+    dist_opt = distrib_optimizer.DistributedOptimizer
+    dist_opt.get_parameter_state_dp_zero = _without_cuda_copies(dist_opt.get_parameter_state_dp_zero)
     optimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(optimizer.clip_grad_by_total_norm_fp32)
     LanguageModule.setup_embeddings_and_output_layer = _without_cuda_copies(
         LanguageModule.setup_embeddings_and_output_layer)

@@ -167,7 +167,14 @@ class MegatronPolicyWorker(Worker):
             from rollhpc.workers.offload import StateOffloader
 
             modules = self._trained_modules() if self.trainable else self.chunks
-            self._state_offloader = StateOffloader(modules, getattr(self, "optimizer", None), self.device)
+            optimizer = getattr(self, "optimizer", None)
+            if getattr(self, "megatron_optimizer", False):
+                if self.device.type == "cuda":  # parameters live in DDP's buckets, main parameters in the optimizer
+                    raise NotImplementedError("offload with optimizer=megatron is not built yet (it needs megatron's "
+                                              "own buffer and optimizer offload): set pipeline.options.offload "
+                                              "false or use optimizer=torch")
+                optimizer = None  # on CPU nothing moves; the optimizer's tensors are not counted
+            self._state_offloader = StateOffloader(modules, optimizer, self.device)
         return self._state_offloader
 
     @classmethod
@@ -404,6 +411,13 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         grad_clip: float = 1.0  # global gradient norm cap (0: off)
         mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
         warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
+        # "torch": torch's AdamW over the parameters in dtype, gradients summed over DP by a hand-written all-reduce.
+        # "megatron": megatron-core's own stack: the model chunks in its DistributedDataParallel (gradients in fp32
+        # buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and Adam moments
+        # (dtype=bfloat16 then learns at small lr: the bf16 weights are the rounded main parameters), the global
+        # grad norm and clipping through it, no weight decay on biases and norms. Not yet for the critic.
+        optimizer: Literal["torch", "megatron"] = "torch"
+        distributed_optimizer: bool = True  # megatron: main parameters and moments sharded over the DP group
         # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
         # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
         # gradient and the update are unchanged (the global token and row counts still include them); the
@@ -414,6 +428,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             super().__post_init__()
             if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
                 raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
+            if self.optimizer == "megatron" and self.mixed_precision != "off":
+                raise ValueError("optimizer=megatron keeps fp32 main parameters itself: for bf16 compute use "
+                                 "dtype=bfloat16, not mixed_precision=bf16")
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
@@ -421,11 +438,47 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
         self._add_modules()
         self.params = [p for m in self._trained_modules() for p in m.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
-                                           betas=options.betas)
+        self.megatron_optimizer = options.optimizer == "megatron"
+        self.model_chunks = self.chunks  # what forward/backward runs through (megatron's DDP wrappers, or the chunks)
+        if self.megatron_optimizer:
+            self._build_megatron_optimizer()
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
+                                               betas=options.betas)
         self.optimizer_steps = 0
         for chunk in self.chunks:
             chunk.train()
+
+    def _build_megatron_optimizer(self) -> None:
+        """The chunks in megatron's DistributedDataParallel and ``get_megatron_optimizer`` over them (on CPU through
+        rollhpc.models.megatron_cpu). Communication is not overlapped with compute (that needs CUDA streams)."""
+        import torch
+        from megatron.core import optimizer as mcore_optimizer
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from rollhpc.models.megatron_pipeline import configure_chunks
+
+        o: MegatronTrainWorker.Options = self.options
+        if self.extra_modules():
+            raise ValueError(f"role {self.ctx.role!r}: optimizer=megatron does not train modules outside the GPT model "
+                             f"yet ({', '.join(self.extra_modules())}); use optimizer=torch")
+        configure_chunks(self.chunks)  # losses divided by global counts: DDP sums gradients instead of averaging
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                   use_distributed_optimizer=o.distributed_optimizer)
+        self.model_chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+                             for i, c in enumerate(self.chunks)]
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
+        config = mcore_optimizer.OptimizerConfig(
+            optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
+            clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=o.distributed_optimizer)
+        self.optimizer = mcore_optimizer.get_megatron_optimizer(config, self.model_chunks)
+
+    def _zero_grad(self) -> None:
+        if self.megatron_optimizer:
+            for chunk in self.model_chunks:
+                chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _add_modules(self) -> None:
         """Hook for subclasses: modules trained next to the GPT model (the critic's value head)."""
@@ -528,7 +581,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             n_tokens, n_seqs, n_trained = self._dp_sum([
                 float(mask_np.sum()), float((mask_np.sum(1) > 0).sum()),
                 float(np.asarray(batch["loss_mask"])[trained].sum())])
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
 
             def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
                 logp, entropy = self._logprobs(logits, part["tokens"], with_entropy=loss_config.entropy_coef > 0)
@@ -558,8 +611,8 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                 mini_batch.data["loss_mask"] = np.zeros_like(np.asarray(mini_batch["loss_mask"]))
             sums: dict[str, float] = {}
             with self._autocast():
-                for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
-                                         forward_only=False):
+                for kept in run_schedule(self.model_chunks, self._parts(mini_batch, with_mask=True), self._call_chunk,
+                                         loss, forward_only=False):
                     for k, v in kept.items():
                         sums[k] = sums.get(k, 0.0) + v
             self._finish_mini_batch(sums, metrics)
@@ -584,6 +637,16 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         keys = sorted(sums)
         for k, v in zip(keys, self._dp_sum([sums[k] for k in keys])):
             metrics.setdefault(k, []).append(v)
+        if self.megatron_optimizer:
+            from megatron.core.distributed import finalize_model_grads
+
+            self._before_grad_sync()
+            finalize_model_grads(self.model_chunks)  # DP reduction of the buckets, tied embedding across stages
+            self._set_lr()
+            _, norm, _ = self.optimizer.step()  # clips to grad_clip, steps the main parameters, copies them back
+            metrics.setdefault("grad_norm", []).append(float(norm or 0.0))
+            self.optimizer_steps += 1
+            return
         self._reduce_gradients()
         metrics.setdefault("grad_norm", []).append(self._clip_gradients(self.options.grad_clip))
         self._set_lr()
@@ -607,9 +670,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         from rollhpc.models.megatron_pipeline import allreduce_tied_embedding_grads
 
         allreduce_tied_embedding_grads(self.chunks)
-        self._grad_syncs += 1
-        if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
-            faults.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
+        self._before_grad_sync()
         for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
             params = [p for p in self.params if (not getattr(p, "allreduce", True)) == expert]
             if not params or dist.get_world_size(group) == 1:
@@ -622,6 +683,13 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                 n = g.numel()
                 p.grad = flat[offset:offset + n].view_as(p).clone()
                 offset += n
+
+    def _before_grad_sync(self) -> None:
+        import torch.distributed as dist
+
+        self._grad_syncs += 1
+        if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
+            faults.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
 
     def _clip_gradients(self, max_norm: float) -> float:
         """Global norm over the full model, each parameter counted once: summed over the whole role
@@ -727,8 +795,8 @@ class MegatronCriticWorker(MegatronTrainWorker):
             mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
             sums: dict[str, float] = {}
             with self._autocast():
-                for kept in run_schedule(self.chunks, self._parts(mini_batch, with_mask=True), self._call_chunk, loss,
-                                         forward_only=False):
+                for kept in run_schedule(self.model_chunks, self._parts(mini_batch, with_mask=True), self._call_chunk,
+                                         loss, forward_only=False):
                     sums["value_loss"] = sums.get("value_loss", 0.0) + kept["value_loss"]
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
