@@ -286,6 +286,11 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*m, "roles.generat.options.max_model_len=9"], "unknown role 'generat' (did you mean 'generate'?)"),
         ([*m, "roles.train.parallel.tpp=2"], "config.roles.train.parallel: unknown key 'tpp'"),
         ([*m, "roles.train.procs=two"], "config.roles.train.procs: expected int, got 'two'"),
+        ([*m, "roles.train.options.dtype=bfloat16"], "roles.train.options: dtype=bfloat16 with optimizer=torch steps "
+                                                     "AdamW on the bf16 weights themselves"),
+        ([*m, "roles.train.options.optimizer=megatron", "roles.train.options.mixed_precision=bf16"],
+         "roles.train.options: optimizer=megatron keeps fp32 main parameters itself"),
+        ([*m, "roles.train.options.optimizer=adam"], "roles.train.options.optimizer: 'adam' is not one of"),
         ([*m, "roles.train.env_vars.A_B=[1]"], "roles.train.env_vars.A_B: give a string (or number), got [1]"),
         ([*m, "controller.world_timeout_s=0"], "controller.world_timeout_s: must be positive"),
         ([*m, "controller.peer_loss_settle_s=-1"], "controller.peer_loss_settle_s: must be >= 0"),

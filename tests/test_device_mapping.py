@@ -195,7 +195,7 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
         "generate", "reference", "old_logprob", "train", "weight_sync", "train:", "reference:", "generate:"}
     resident = rollhpc("plan", *args, "cluster.gpu_memory_gb=80", "pipeline.options.offload=false", cwd=tmp_path)
     assert resident.returncode == 2 and "held at once, more than cluster.gpu_memory_gb=80 GB" in resident.stderr
-    assert "set pipeline.options.offload=true (the colocated roles then take turns: about 65" in resident.stderr
+    assert "set pipeline.options.offload=true (the colocated roles then take turns: about 63" in resident.stderr
     half = "[0,1,2,3,4,5,6,7]"  # trainer and reference on half of the generators' GPUs, generating async
     partial = rollhpc("plan", *args, "roles.train.procs=8", f"roles.train.devices={half}", "roles.reference.procs=8",
                       f"roles.reference.devices={half}", "pipeline.options.rollout.max_staleness=1", cwd=tmp_path)

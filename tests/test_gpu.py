@@ -11,6 +11,7 @@ with ROLLHPC_GPU_RESULTS=PATH, appended to PATH as JSON lines.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -95,6 +96,77 @@ def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
            freed_fraction=1 - left / held, offload_s=out["seconds"], reload_s=back["seconds"],
            offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9)
     assert left <= 0.1 * held, f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU"
+
+
+@contextlib.contextmanager
+def nccl_world():
+    """A world of this one process on NCCL (megatron's DDP runs its collectives on the GPU tensors)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel()
+        model_parallel_cuda_manual_seed(0)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cuda):
+    """optimizer: megatron on CUDA (megatron's DDP and distributed optimizer, bf16 parameters with fp32 main
+    parameters): megatron's own RL offload through MegatronStateOffloader frees the role's memory, and after the
+    reload the parameters, main parameters and moments are bit-identical and training goes on."""
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from rollhpc.models.megatron_gpt import build_gpt_model
+    from rollhpc.workers.offload import MegatronStateOffloader
+
+    with nccl_world():
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        model = build_gpt_model(MEDIUM, params_dtype=torch.bfloat16, parallel_output=False, bf16=True,
+                                calculate_per_token_loss=True).to(cuda)
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        optimizer = mcore_optimizer.get_megatron_optimizer(mcore_optimizer.OptimizerConfig(
+            optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+            clip_grad=1.0), [ddp])
+        ids = torch.randint(0, MEDIUM["vocab_size"], (2, 128), device=cuda)
+
+        def step() -> float:
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            positions = torch.arange(ids.shape[1], device=cuda).expand_as(ids)
+            logits = ddp(ids, positions, None)[..., :MEDIUM["vocab_size"]].float()
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            loss.backward()
+            ddp.finish_grad_sync()
+            optimizer.step()
+            return loss.item()
+
+        step()
+        main = [p for g in optimizer.param_groups for p in g["params"]]
+        state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        before = [t.detach().cpu().clone() for t in [*model.parameters(), *main, *state]]
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base
+        offloader = MegatronStateOffloader([ddp], optimizer, cuda)
+        out = offloader.offload(["parameters", "gradients", "optimizer"])
+        left = torch.cuda.memory_allocated() - base
+        back = offloader.reload(["parameters", "gradients", "optimizer"])
+        main = [p for g in optimizer.param_groups for p in g["params"]]
+        state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        after = [t.detach().cpu() for t in [*model.parameters(), *main, *state]]
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+        step()  # and it trains on
+        report("megatron_offload", role_gib=held / 2**30, left_gib=left / 2**30, freed_fraction=1 - left / held,
+               offload_s=out["seconds"], reload_s=back["seconds"],
+               offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9)
+        assert left <= 0.1 * held, f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU"
 
 
 # ------------------------------------------------------------------------------------------------ CUDA IPC

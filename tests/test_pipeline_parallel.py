@@ -87,8 +87,12 @@ def test_pipeline_stages_train_like_one_stage(models, one_stage, experiment, tmp
 
 
 @pytest.mark.slow
-def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path):
-    got = _run(experiment, tmp_path, "moe", models["moe"], 4, {"pp": 2, "ep": 2})
+@pytest.mark.parametrize("optimizer", ["torch", "megatron"])
+def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path, optimizer):
+    """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group (on the megatron
+    stack by its expert buffers, the experts' optimizer state sharded over that group)."""
+    got = _run(experiment, tmp_path, f"moe_{optimizer}", models["moe"], 4, {"pp": 2, "ep": 2},
+               train_options={"optimizer": optimizer})
     assert_same_training(got, one_stage["moe"])
 
 

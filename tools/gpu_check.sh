@@ -11,7 +11,8 @@
 #   4. bandwidth the device's own copy bandwidth and pinned host <-> device copies, the yardsticks of the
 #               offload and IPC numbers (tools/gpu_bandwidth.py -> OUT/bandwidth.json)
 #   5. rlvr     a 1-GPU RLVR run of the quickstart on CUDA: trainer and the torch engine colocated on GPU 0
-#               with offload, the weight sync by CUDA IPC, verify after every sync, bf16 (OUT/rlvr/)
+#               with offload, the weight sync by CUDA IPC, verify after every sync, bf16 on megatron-core's
+#               optimizer (fp32 main weights) (OUT/rlvr/)
 # A step that fails is recorded and the next one still runs; the exit status is 1 if any failed.
 # vLLM's CUDA build is too large to carry, so generation on the GPU uses the torch engine (INSTALL.md).
 #
@@ -33,7 +34,7 @@ while [ $# -gt 0 ]; do
     --wheels) wheels="$2"; shift ;;
     --python) python="$2"; shift ;;
     --steps) steps="$2"; shift ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (--help)" >&2; exit 2 ;;
   esac
   shift
@@ -94,6 +95,7 @@ do_rlvr() {
   run "$py" -m rollhpc.cli train quickstart --overwrite run.name=gpu-check "run.output_dir=$out/rlvr" \
     cluster.nodes=1 cluster.gpus_per_node=1 \
     roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
+    roles.train.options.optimizer=megatron \
     roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
     roles.generate.options.dtype=bfloat16 pipeline.options.offload=true pipeline.options.weight_sync=auto \
     pipeline.options.weight_sync_verify_every=1 pipeline.options.steps=5 pipeline.options.eval_every=5

@@ -166,15 +166,13 @@ class MegatronPolicyWorker(Worker):
         if getattr(self, "_state_offloader", None) is None:
             from rollhpc.workers.offload import StateOffloader
 
+            if getattr(self, "megatron_optimizer", False):  # parameters in DDP's buffers, main ones in the optimizer
+                from rollhpc.workers.offload import MegatronStateOffloader
+
+                self._state_offloader = MegatronStateOffloader(self.model_chunks, self.optimizer, self.device)
+                return self._state_offloader
             modules = self._trained_modules() if self.trainable else self.chunks
-            optimizer = getattr(self, "optimizer", None)
-            if getattr(self, "megatron_optimizer", False):
-                if self.device.type == "cuda":  # parameters live in DDP's buckets, main parameters in the optimizer
-                    raise NotImplementedError("offload with optimizer=megatron is not built yet (it needs megatron's "
-                                              "own buffer and optimizer offload): set pipeline.options.offload "
-                                              "false or use optimizer=torch")
-                optimizer = None  # on CPU nothing moves; the optimizer's tensors are not counted
-            self._state_offloader = StateOffloader(modules, optimizer, self.device)
+            self._state_offloader = StateOffloader(modules, getattr(self, "optimizer", None), self.device)
         return self._state_offloader
 
     @classmethod
@@ -191,8 +189,16 @@ class MegatronPolicyWorker(Worker):
                         // shape.layers)
         if not cls.trainable:
             return {**out, "activations": forward}
-        return {**out, "gradients": float(params * size),
-                "optimizer": float(2 * params * size),  # AdamW's two moments, in the parameters' dtype
+        if getattr(options, "optimizer", "torch") == "megatron":
+            # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves)
+            # and two fp32 Adam moments, sharded over the data-parallel group by the distributed optimizer (expert
+            # parameters are sharded over the expert-DP group; counted at the dense DP size here)
+            state = params * (4 * 2 + (0 if size == 4 else 4))
+            shards = layout.dp if options.distributed_optimizer else 1
+            grads, optimizer = float(params * 4), float(state / shards)
+        else:
+            grads, optimizer = float(params * size), float(2 * params * size)  # AdamW's moments, in dtype
+        return {**out, "gradients": grads, "optimizer": optimizer,
                 "activations": float(activation_bytes(shape, layout.tp, layout.pp, options.micro_batch_size,
                                                       seq_len, size)),
                 "forward_activations": forward}
@@ -428,6 +434,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             super().__post_init__()
             if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
                 raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
+            if self.dtype == "bfloat16" and self.optimizer == "torch":
+                raise ValueError("dtype=bfloat16 with optimizer=torch steps AdamW on the bf16 weights themselves: an "
+                                 "update under half a bf16 step (lr 1e-6 on weights of ~0.01) rounds away and the "
+                                 "model barely learns. Use optimizer=megatron (bf16 weights, fp32 main weights) or "
+                                 "mixed_precision=bf16 (bf16 compute over float32 weights)")
             if self.optimizer == "megatron" and self.mixed_precision != "off":
                 raise ValueError("optimizer=megatron keeps fp32 main parameters itself: for bf16 compute use "
                                  "dtype=bfloat16, not mixed_precision=bf16")
@@ -739,6 +750,14 @@ class MegatronCriticWorker(MegatronTrainWorker):
     """PPO's critic: the policy's GPT trunk (initialised from the same checkpoint) with a scalar value
     head on the final-norm hidden states of the last pipeline stage. The language-model head is
     computed but unused. Every rank builds the head (same seed); only the last stage's is used and trained."""
+
+    @dataclass(kw_only=True)
+    class Options(MegatronTrainWorker.Options):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.optimizer == "megatron":  # its DDP wraps the GPT chunks; the value head is outside them
+                raise ValueError("optimizer=megatron does not train the critic's value head yet: use optimizer=torch "
+                                 "(with dtype=float32, or mixed_precision=bf16)")
 
     def _add_modules(self) -> None:
         import torch
