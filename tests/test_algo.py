@@ -298,3 +298,21 @@ def test_running_reward_moments_match_the_whole_history_and_resume():
     np.testing.assert_allclose(a, np.full(4, 1.25 / np.sqrt(1.6875)), rtol=1e-5)
     np.testing.assert_allclose(resumed(np.array([100.0])), [1.5])  # clipped
     assert RewardNormalizer(RewardNormConfig())(np.array([7.0])) == 7.0  # kind none: untouched
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    from rollhpc.algo.lr_schedule import learning_rate
+
+    kw = dict(lr=1.0, warmup_steps=4, decay_steps=10, min_lr=0.1)
+    assert [learning_rate(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # warm-up, whatever the schedule
+    assert all(learning_rate(s, **kw) == 1.0 for s in range(4, 40))  # constant by default
+    for schedule in ("linear", "cosine"):
+        rates = [learning_rate(s, schedule=schedule, **kw) for s in range(3, 20)]
+        assert rates[0] == rates[1] == 1.0  # the last warm-up step and the first decay step
+        assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
+        assert rates[-1] == learning_rate(100, schedule=schedule, **kw) == pytest.approx(0.1)  # the floor
+    assert learning_rate(9, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way
+    assert learning_rate(9, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert learning_rate(6, schedule="cosine", **kw) > learning_rate(6, schedule="linear", **kw)  # cosine: slow start
+    with pytest.raises(ValueError, match="unknown learning-rate schedule"):
+        learning_rate(5, schedule="step", **kw)

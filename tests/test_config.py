@@ -291,6 +291,8 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*m, "roles.train.options.optimizer=megatron", "roles.train.options.mixed_precision=bf16"],
          "roles.train.options: optimizer=megatron keeps fp32 main parameters itself"),
         ([*m, "roles.train.options.optimizer=adam"], "roles.train.options.optimizer: 'adam' is not one of"),
+        ([*m, "roles.train.options.lr_schedule=cosine"], "roles.train.options: lr_schedule=cosine decays lr to min_lr "
+                                                         "over lr_decay_steps"),
         ([*m, "roles.train.env_vars.A_B=[1]"], "roles.train.env_vars.A_B: give a string (or number), got [1]"),
         ([*m, "controller.world_timeout_s=0"], "controller.world_timeout_s: must be positive"),
         ([*m, "controller.peer_loss_settle_s=-1"], "controller.peer_loss_settle_s: must be >= 0"),

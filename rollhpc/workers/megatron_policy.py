@@ -417,6 +417,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         grad_clip: float = 1.0  # global gradient norm cap (0: off)
         mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
         warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
+        # after the warm-up: lr throughout, or a decay to min_lr over lr_decay_steps optimizer steps (rollhpc.algo.
+        # lr_schedule; a run's optimizer steps are its steps x mini_batches)
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+        lr_decay_steps: int = 0
+        min_lr: float = 0.0
         # "torch": torch's AdamW over the parameters in dtype, gradients summed over DP by a hand-written all-reduce.
         # "megatron": megatron-core's own stack: the model chunks in its DistributedDataParallel (gradients in fp32
         # buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and Adam moments
@@ -434,6 +439,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             super().__post_init__()
             if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
                 raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
+            if self.lr_schedule != "constant" and (self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr):
+                raise ValueError(f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
+                                 f"lr_decay_steps >= 1 and 0 <= min_lr <= lr (got {self.lr_decay_steps}, {self.min_lr})")
             if self.dtype == "bfloat16" and self.optimizer == "torch":
                 raise ValueError("dtype=bfloat16 with optimizer=torch steps AdamW on the bf16 weights themselves: an "
                                  "update under half a bf16 step (lr 1e-6 on weights of ~0.01) rounds away and the "
@@ -665,10 +673,13 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         self.optimizer_steps += 1
 
     def _set_lr(self) -> None:
+        from rollhpc.algo.lr_schedule import learning_rate
+
         o = self.options
-        scale = min(1.0, (self.optimizer_steps + 1) / o.warmup_steps) if o.warmup_steps else 1.0
+        lr = learning_rate(self.optimizer_steps, lr=o.lr, warmup_steps=o.warmup_steps, schedule=o.lr_schedule,
+                           decay_steps=o.lr_decay_steps, min_lr=o.min_lr)
         for group in self.optimizer.param_groups:
-            group["lr"] = o.lr * scale
+            group["lr"] = lr
 
     def _reduce_gradients(self) -> None:
         """Sum the two copies of a tied embedding's gradient (first and last pipeline stage), then sum
