@@ -4,6 +4,7 @@
 - DP=2 with the distributed optimizer (gradients reduce-scattered in DDP's buckets, fp32 main parameters and Adam
   moments sharded over the two ranks, parameters all-gathered after the step) against DP=1: the same losses, grad
   norms and weights after 3 steps, and half the optimizer-state bytes per rank.
+- Activation recomputation (selective, full) gives the gradients computed without it.
 - Why bf16 needs fp32 main parameters: at lr 1e-6, 20 steps of bf16 parameters with megatron's fp32 main
   parameters follow an all-fp32 run, while torch's AdamW on the bf16 parameters themselves leaves nearly every
   weight where it was (each update is below half a bf16 step and rounds away).
@@ -132,6 +133,22 @@ def _bf16_runs() -> dict:
     return out
 
 
+def _recompute_grads() -> dict[str, dict]:
+    """Loss and gradients of one forward-backward with each kind of activation recomputation."""
+    from rollhpc.models.megatron_gpt import build_gpt_model, recompute_overrides
+
+    out = {}
+    for kind in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = build_gpt_model(TINY, params_dtype=torch.float32, parallel_output=False, **recompute_overrides(kind))
+        model.train()
+        loss = _loss(model, _batch())
+        loss.backward()
+        out[kind] = {"loss": float(loss), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                     "granularity": model.config.recompute_granularity}
+    return out
+
+
 def _rank(rank: int, world: int, port: int, path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -150,6 +167,7 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
         out = {"dp": _dp_run(rank, world)}
         if world == 1:
             out["bf16"] = _bf16_runs()
+            out["recompute"] = _recompute_grads()
         torch.save(out, f"{path}.{rank}")
     finally:
         parallel_state.destroy_model_parallel()
@@ -208,3 +226,17 @@ def test_bf16_learns_at_small_lr_only_with_fp32_main_parameters(worlds):
     assert fp32_moved > 0.9  # lr 1e-6 moves nearly every weight in fp32 ...
     print(f"weights moved: fp32 {fp32_moved:.3f}, bf16 AdamW {plain_moved:.4f}")
     assert plain_moved < 0.05, plain_moved  # ... and nearly none when bf16 weights take the updates themselves
+
+
+@pytest.mark.slow
+def test_recomputed_activations_give_the_same_gradients(worlds):
+    """Selective (attention's scores) and full (each layer from its input) recomputation through megatron's
+    TransformerConfig, on CPU through the shim's RNG tracker: the loss and every gradient as without."""
+    (one,), _ = worlds
+    runs = one["recompute"]
+    assert runs["none"]["granularity"] is None
+    for kind in ("selective", "full"):
+        assert runs[kind]["granularity"] == kind  # megatron was asked to recompute
+        assert runs[kind]["loss"] == runs["none"]["loss"]
+        for name, g in runs["none"]["grads"].items():
+            torch.testing.assert_close(runs[kind]["grads"][name], g, rtol=0, atol=0, msg=f"{kind}: {name}")

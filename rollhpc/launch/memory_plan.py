@@ -92,13 +92,30 @@ def megatron_stage_params(shape: ModelShape, tp: int, pp: int, ep: int, etp: int
     return body + (first + last if pp == 1 else max(first, last))
 
 
-def activation_bytes(shape: ModelShape, tp: int, pp: int, micro_batch: int, seq_len: int, dtype: int) -> int:
+def activation_bytes(shape: ModelShape, tp: int, pp: int, micro_batch: int, seq_len: int, dtype: int,
+                     recompute: str = "none") -> int:
     """Activations of one forward-backward in flight (pp of them on the first stage under 1F1B), and the
-    float32 logits and log-softmax of a micro-batch on the last."""
+    float32 logits and log-softmax of a micro-batch on the last.
+
+    Per layer (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", for 16-bit
+    activations, scaled by ``dtype / 2``): 34·s·b·h bytes outside attention's score matrices and 5·a·s²·b for them
+    (megatron's local attention materializes them), both split over TP. ``recompute``: "selective" recomputes the
+    scores in the backward (drops the 5·a·s²·b); "full" keeps only each layer's input (2·s·b·h, not split) and
+    recomputes one layer at a time, whose full activations are then held once more."""
     layers = -(-shape.layers // pp)
-    per_layer = 34 * seq_len * micro_batch * shape.hidden * dtype // 2 // tp
+    sbh = seq_len * micro_batch * shape.hidden
+    outside = 34 * sbh * dtype // 2 // tp
+    scores = 5 * shape.heads * seq_len * seq_len * micro_batch * dtype // 2 // tp
+    if recompute == "none":
+        held = layers * (outside + scores) * pp
+    elif recompute == "selective":
+        held = layers * outside * pp
+    elif recompute == "full":
+        held = layers * sbh * dtype * pp + outside + scores
+    else:
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     logits = 2 * micro_batch * seq_len * (shape.vocab // tp) * 4
-    return layers * per_layer * pp + logits
+    return held + logits
 
 
 @dataclass

@@ -377,6 +377,18 @@ def _parallel_sizes() -> dict[str, int]:
     return sizes
 
 
+def recompute_overrides(kind: str) -> dict[str, Any]:
+    """megatron's ``TransformerConfig`` settings for activation recomputation: ``none``, ``selective`` (attention's
+    core, the score matrices) or ``full`` (every layer from its input, one layer per checkpoint)."""
+    if kind == "none":
+        return {}
+    if kind == "selective":
+        return {"recompute_granularity": "selective"}
+    if kind == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    raise ValueError(f"recompute must be none, selective or full, got {kind!r}")
+
+
 def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torch.dtype = torch.float32,
                     parallel_output: bool = True, vocab_divisible_by: int = 128, padded_vocab: int | None = None,
                     vp_stage: int | None = None, **overrides: Any):

@@ -108,7 +108,7 @@ class MegatronPolicyWorker(Worker):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights
+        from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights, recompute_overrides
 
         megatron_cpu.enable_cpu_megatron()
         parallel_state.initialize_model_parallel(
@@ -128,7 +128,8 @@ class MegatronPolicyWorker(Worker):
             raise ValueError(f"role {ctx.role!r}: {e}") from None
         state = _load_safetensors(model_dir)
         # one chunk per virtual pipeline stage (one chunk without vpp; at pp=1 the whole model)
-        self.chunks = [build_gpt_model(self.hf_config, params_dtype=dtype, vp_stage=v if layout.vpp else None)
+        self.chunks = [build_gpt_model(self.hf_config, params_dtype=dtype, vp_stage=v if layout.vpp else None,
+                                       **recompute_overrides(getattr(options, "recompute", "none")))
                        for v in range(layout.vpp or 1)]
         for chunk in self.chunks:
             load_hf_weights(chunk, state, parallel_state.get_tensor_model_parallel_rank(), layout.tp)
@@ -200,7 +201,7 @@ class MegatronPolicyWorker(Worker):
             grads, optimizer = float(params * size), float(2 * params * size)  # AdamW's moments, in dtype
         return {**out, "gradients": grads, "optimizer": optimizer,
                 "activations": float(activation_bytes(shape, layout.tp, layout.pp, options.micro_batch_size,
-                                                      seq_len, size)),
+                                                      seq_len, size, options.recompute)),
                 "forward_activations": forward}
 
     @classmethod
@@ -428,6 +429,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         # (dtype=bfloat16 then learns at small lr: the bf16 weights are the rounded main parameters), the global
         # grad norm and clipping through it, no weight decay on biases and norms. Not yet for the critic.
         optimizer: Literal["torch", "megatron"] = "torch"
+        # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
+        # score matrices, "full" each layer from its input; the memory plan counts what each keeps
+        recompute: Literal["none", "selective", "full"] = "none"
         distributed_optimizer: bool = True  # megatron: main parameters and moments sharded over the DP group
         # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
         # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
