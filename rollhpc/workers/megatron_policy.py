@@ -486,11 +486,17 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             raise ValueError(f"role {self.ctx.role!r}: optimizer=megatron does not train modules outside the GPT model "
                              f"yet ({', '.join(self.extra_modules())}); use optimizer=torch")
         configure_chunks(self.chunks)  # losses divided by global counts: DDP sums gradients instead of averaging
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
+        if dtype != torch.float32:
+            # the whole model in one 16-bit dtype, as megatron's Float16Module makes it: the local layer spec builds
+            # its norms in fp32, and the distributed optimizer's reshardable checkpoint cannot gather a model whose
+            # parameters fill two DDP buffers of different dtypes (a size mismatch at the first save)
+            for chunk in self.chunks:
+                chunk.to(dtype)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                    use_distributed_optimizer=o.distributed_optimizer)
         self.model_chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
                              for i, c in enumerate(self.chunks)]
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
         config = mcore_optimizer.OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
             clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
