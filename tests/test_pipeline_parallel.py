@@ -149,7 +149,8 @@ def test_megatron_optimizer_trains_like_adamw_and_resumes_at_another_layout(mode
     """``optimizer: megatron`` (megatron-core's DDP, distributed optimizer and clipping) at PP2 computes what the
     one-stage run with torch's AdamW computes (the tied embedding's gradient summed across stages by megatron's
     finalize_model_grads); its checkpoint after step 1, resumed by two data-parallel ranks of the whole model
-    (the optimizer state resharded from PP2 to DP2, gradients reduce-scattered), computes step 2 as the PP2 run."""
+    (the optimizer state resharded from PP2 to DP2, gradients reduce-scattered) and by one rank, computes step 2
+    as the PP2 run."""
     megatron = {"optimizer": "megatron"}
     pp2 = _run(experiment, tmp_path, "mcore_pp2", models["dense"], 2, {"pp": 2}, train_options=megatron)
     assert_same_training(pp2, one_stage["dense"])
@@ -157,6 +158,10 @@ def test_megatron_optimizer_trains_like_adamw_and_resumes_at_another_layout(mode
                    resume_from=str(pp2["run_dir"] / "ckpt"))
     assert len(resumed["loss"]) == 1
     assert_same_training(resumed, pp2, steps=slice(1, 2))
+    # and by one rank: the optimizer state gathered from its two shards (the rank files' RNG states start fresh)
+    alone = _run(experiment, tmp_path, "mcore_dp1_resumed", models["dense"], 1, {}, train_options=megatron,
+                 resume_from=str(pp2["run_dir"] / "ckpt"))
+    assert_same_training(alone, pp2, steps=slice(1, 2))
 
 
 @pytest.mark.slow

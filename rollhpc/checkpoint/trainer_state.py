@@ -121,7 +121,8 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
 def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     """Collective: put back what ``save_trainer_state`` wrote (model, optimizer, counters, RNG). The model
     and the optimizer moments load at any layout (another TP or PP split); the rank files need the same
-    number of ranks."""
+    number of ranks, except with ``optimizer: megatron``, whose checkpoint also reshards over the DP size (the
+    ranks' RNG states then start fresh)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -132,6 +133,17 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     role_dir = Path(role_dir)
     rank, world = dist.get_rank(), dist.get_world_size()
     path = _rank_file(role_dir, rank)
+    first = _rank_file(role_dir, 0)
+    saved_by = torch.load(first, weights_only=False) if first.is_file() else None
+    if saved_by is not None and "megatron_optimizer" in saved_by and saved_by["world"] != world:
+        # megatron's optimizer checkpoint reshards to any layout, DP size included; what the rank files hold alone
+        # (RNG states) has no counterpart at another rank count, and starts fresh
+        log.info("%s: saved by %d ranks, resumed by %d: the optimizer state is resharded, the ranks' RNG states "
+                 "start fresh", role_dir, saved_by["world"], world)
+        load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
+        if not getattr(worker, "megatron_optimizer", False):
+            raise CheckpointError(f"{role_dir} holds the optimizer state of optimizer=megatron; this role uses torch")
+        return _load_megatron_optimizer(worker, role_dir, {**saved_by, "rng": None}, t0)
     if not path.is_file():
         saved = sorted((role_dir / RANKS_DIR).glob("rank_*.pt"))
         raise CheckpointError(f"{role_dir}: no state for rank {rank} (the checkpoint holds {len(saved)} rank "
@@ -239,7 +251,8 @@ def _load_megatron_optimizer(worker: Any, role_dir: Path, own: dict[str, Any], t
         worker.optimizer.load_state_dict(state)
         _unshare_steps(worker.optimizer)
     worker.optimizer_steps = own["optimizer_steps"]
-    restore_rng_states(own["rng"])
+    if own["rng"] is not None:
+        restore_rng_states(own["rng"])
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
 
