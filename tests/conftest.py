@@ -129,6 +129,20 @@ def build_env_worker(run_dir: Path, **options):
     return EnvWorker(ctx, EnvWorker.Options(**options))
 
 
+def run_probe(script: str, spec: dict, work: Path, timeout: float = 300) -> dict:
+    """Run ``tests/<script>`` (a probe that needs a process of its own, e.g. vLLM's ``__main__`` guard) on ``spec``
+    written as work/spec.json; returns the JSON it wrote to work/result.json, or fails with its output."""
+    import json
+
+    (work / "spec.json").write_text(json.dumps(spec))
+    result = work / "result.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / script), str(work / "spec.json"), str(result)],
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
+    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(result.read_text())
+
+
 REPORT_AXES = {"learning.png": 4, "throughput.png": 2, "stages.png": 1}  # + training.png: a panel per logged quantity
 
 

@@ -11,7 +11,6 @@ with ROLLHPC_GPU_RESULTS=PATH, appended to PATH as JSON lines.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -98,23 +97,6 @@ def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
     assert left <= 0.1 * held, f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU"
 
 
-@contextlib.contextmanager
-def nccl_world():
-    """A world of this one process on NCCL (megatron's DDP runs its collectives on the GPU tensors)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel()
-        model_parallel_cuda_manual_seed(0)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
 def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cuda):
     """optimizer: megatron on CUDA (megatron's DDP and distributed optimizer, bf16 parameters with fp32 main
     parameters): megatron's own RL offload through MegatronStateOffloader frees the role's memory, and after the
@@ -122,10 +104,11 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
     from megatron.core import optimizer as mcore_optimizer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    from rollhpc.checkpoint.mcore import single_process_world
     from rollhpc.models.megatron_gpt import build_gpt_model
     from rollhpc.workers.offload import MegatronStateOffloader
 
-    with nccl_world():
+    with single_process_world("nccl"):  # megatron's DDP runs its collectives on the GPU tensors
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
         model = build_gpt_model(MEDIUM, params_dtype=torch.bfloat16, parallel_output=False, bf16=True,

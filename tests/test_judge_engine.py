@@ -9,33 +9,23 @@ no verdict for other text, so both the parsed and the unparsed paths run on one 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_probe
 from tests.judge_models import TEMPLATE, yes_judge
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def probe(tiny_model, tmp_path_factory) -> dict:
     judge_dir = yes_judge(tmp_path_factory.getbasetemp(), tiny_model)
     work = tmp_path_factory.mktemp("judge_engine")
-    (work / "spec.json").write_text(json.dumps({"policy_dir": str(tiny_model), "judge_dir": str(judge_dir),
-                                                "template": TEMPLATE}))
-    result = work / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "judge_engine_probe.py"), str(work / "spec.json"),
-                           str(result)], cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads(result.read_text())
+    res = run_probe("judge_engine_probe.py", {"policy_dir": str(tiny_model), "judge_dir": str(judge_dir),
+                                              "template": TEMPLATE}, work)
     print(json.dumps({k: round(res[k], 3) for k in ("start_s", "batch_s")}))
     return res
 

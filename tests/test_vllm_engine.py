@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_probe
 
 pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 300
 MAX_TOKENS = 12
 PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [77]]
@@ -68,13 +65,7 @@ def probe(tmp_path_factory):
         model.generation_config.eos_token_id = eos
         model.save_pretrained(work / name, safe_serialization=True)
     spec = {"model_a": str(work / "a"), "model_b": str(work / "b"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    (work / "spec.json").write_text(json.dumps(spec))
-    result = work / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_engine_probe.py"), str(work / "spec.json"),
-                           str(result)], cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads(result.read_text())
+    res = run_probe("vllm_engine_probe.py", spec, work)
     print(json.dumps({k: res[k] for k in ("start_s", "tokens_per_s", "update_weights_s", "update_weights_again_s")}))
     refs["eos"] = eos
     return res, refs

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +19,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("vllm")
 
 from rollhpc.engines import vllm_weight_transfer as wt  # noqa: E402
+from tests.conftest import run_probe  # noqa: E402
 from tests.test_vllm_engine import MAX_TOKENS, PROMPTS, assert_matches, hf_greedy, tiny_qwen2  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +34,7 @@ def probe(tmp_path_factory):
         model.save_pretrained(work / name, safe_serialization=True)
     spec = {"model_a": str(work / "a"), "model_b": str(work / "b"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
             "chunk_bytes": 16 << 10}
-    (work / "spec.json").write_text(json.dumps(spec))
-    result = work / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "vllm_tp_probe.py"), str(work / "spec.json"),
-                           str(result)], cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
-    assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
-    res = json.loads(result.read_text())
+    res = run_probe("vllm_tp_probe.py", spec, work)
     print(json.dumps({k: res[k] for k in ("start_s", "update_1_s", "update_2_s", "update_bytes")}))
     return res, refs
 

@@ -293,9 +293,10 @@ def _check_model_matches(model: torch.nn.Module, meta: dict[str, Any]) -> None:
 
 
 @contextlib.contextmanager
-def single_process_world() -> Iterator[None]:
+def single_process_world(backend: str = "gloo") -> Iterator[None]:
     """torch.distributed (gloo, an in-process store) and megatron's parallel state for a world of one
-    process: what megatron's dist_checkpointing needs to read a checkpoint offline."""
+    process: what megatron's dist_checkpointing needs to read a checkpoint offline (``backend="nccl"``: where
+    megatron's DDP runs collectives on GPU tensors)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -305,7 +306,7 @@ def single_process_world() -> Iterator[None]:
     if dist.is_initialized():
         raise RuntimeError("single_process_world: torch.distributed is already initialised in this process")
     megatron_cpu.enable_cpu_megatron()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(0)

@@ -140,15 +140,15 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         # (RNG states) has no counterpart at another rank count, and starts fresh
         log.info("%s: saved by %d ranks, resumed by %d: the optimizer state is resharded, the ranks' RNG states "
                  "start fresh", role_dir, saved_by["world"], world)
-        load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
         if not getattr(worker, "megatron_optimizer", False):
             raise CheckpointError(f"{role_dir} holds the optimizer state of optimizer=megatron; this role uses torch")
+        load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
         return _load_megatron_optimizer(worker, role_dir, {**saved_by, "rng": None}, t0)
     if not path.is_file():
         saved = sorted((role_dir / RANKS_DIR).glob("rank_*.pt"))
         raise CheckpointError(f"{role_dir}: no state for rank {rank} (the checkpoint holds {len(saved)} rank "
                               f"file(s); this role now has {world} ranks: resume with the layout it was saved with)")
-    own = torch.load(path, weights_only=False)
+    own = saved_by if rank == 0 else torch.load(path, weights_only=False)
     if own["world"] != world:
         raise CheckpointError(f"{role_dir} was saved by {own['world']} ranks, this role has {world}")
     load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)

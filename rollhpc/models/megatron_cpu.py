@@ -124,32 +124,29 @@ def _type_as_on_cuda(self: torch.Tensor, *args: object, **kw: object) -> object:
     return _CUDA_TYPE_NAMES.get(name, name) if not args and not kw else name
 
 
-def _cuda_type_names(fn):  # noqa: ANN001, ANN202 - a function wrapper
-    """``fn`` with ``Tensor.type()`` naming CPU float tensors by their CUDA types while it runs."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        torch.Tensor.type = _type_as_on_cuda
-        try:
-            return fn(*args, **kw)
-        finally:
-            torch.Tensor.type = _real_tensor_type
-    return wrapped
+def _with_tensor_method(name: str, replacement):  # noqa: ANN001, ANN202 - a function wrapper
+    """A decorator: ``torch.Tensor.<name>`` is ``replacement`` while the wrapped function runs, then the real one."""
+    def wrap(fn):  # noqa: ANN001, ANN202
+        @functools.wraps(fn)
+        def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+            real = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, replacement)
+            try:
+                return fn(*args, **kw)
+            finally:
+                setattr(torch.Tensor, name, real)
+        return wrapped
+    return wrap
 
 
 def _tensor_stays(t: torch.Tensor, *args: object, **kw: object) -> torch.Tensor:
     return t
 
 
-def _without_cuda_copies(method):  # noqa: ANN001, ANN202 - a method wrapper
-    @functools.wraps(method)
-    def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
-        real = torch.Tensor.cuda
-        torch.Tensor.cuda = _tensor_stays
-        try:
-            return method(*args, **kw)
-        finally:
-            torch.Tensor.cuda = real
-    return wrapped
+# ``fn`` with ``Tensor.type()`` naming CPU float tensors by their CUDA types while it runs
+_cuda_type_names = _with_tensor_method("type", _type_as_on_cuda)
+# ``fn`` with ``Tensor.cuda()`` returning the tensor itself while it runs
+_without_cuda_copies = _with_tensor_method("cuda", _tensor_stays)
 
 
 @functools.lru_cache(maxsize=32)
