@@ -286,11 +286,10 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
         ([*m, "roles.generat.options.max_model_len=9"], "unknown role 'generat' (did you mean 'generate'?)"),
         ([*m, "roles.train.parallel.tpp=2"], "config.roles.train.parallel: unknown key 'tpp'"),
         ([*m, "roles.train.procs=two"], "config.roles.train.procs: expected int, got 'two'"),
-        ([*m, "roles.train.options.dtype=bfloat16"], "roles.train.options: dtype=bfloat16 with optimizer=torch steps "
-                                                     "AdamW on the bf16 weights themselves"),
-        ([*m, "roles.train.options.optimizer=megatron", "roles.train.options.mixed_precision=bf16"],
-         "roles.train.options: optimizer=megatron keeps fp32 main parameters itself"),
-        ([*m, "roles.train.options.optimizer=adam"], "roles.train.options.optimizer: 'adam' is not one of"),
+        ([*m, "roles.train.options.optimizer=torch"], "roles.train.options: optimizer='torch': the trainer runs on "
+                                                      "megatron-core's DDP and optimizer"),
+        ([*m, "roles.train.options.dtype=bfloat16", "roles.train.options.mixed_precision=bf16"],
+         "roles.train.options: mixed_precision=bf16 computes in bfloat16 over float32 parameters"),
         ([*m, "roles.train.options.lr_schedule=cosine"], "roles.train.options: lr_schedule=cosine decays lr to min_lr "
                                                          "over lr_decay_steps"),
         ([*m, "roles.train.env_vars.A_B=[1]"], "roles.train.env_vars.A_B: give a string (or number), got [1]"),

@@ -7,8 +7,8 @@ exported weights. Each layout is compared with the pp=1 run of the same model: P
 micro-batch count is padded to a whole number of pipeline groups), TP2 x PP2 on 4 ranks, a Qwen2-MoE
 policy at PP2 x EP2, and a PP2 checkpoint resumed at PP1 (DP2), whose next-step loss must match. The
 dense model ties its embeddings, so the first and last stage's copies must stay equal (their gradients
-summed across stages): the exported weights would differ from pp=1's otherwise. The same holds for the train
-role on megatron-core's own optimizer stack (``optimizer: megatron``), checkpoint and resume included.
+summed across stages by megatron's finalize_model_grads): the exported weights would differ from pp=1's
+otherwise. Every run trains on megatron-core's DDP and (distributed) optimizer.
 """
 
 from __future__ import annotations
@@ -77,24 +77,23 @@ def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> N
 
 @pytest.mark.slow
 @pytest.mark.parametrize("procs, parallel", [
-    (2, {"pp": 2}),
     (2, {"pp": 2, "vpp": 2}),
     (4, {"tp": 2, "pp": 2}),
-], ids=["pp2", "pp2-vpp2", "tp2-pp2"])
+], ids=["pp2-vpp2", "tp2-pp2"])  # pp2 alone: test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm
 def test_pipeline_stages_train_like_one_stage(models, one_stage, experiment, tmp_path, procs, parallel):
     got = _run(experiment, tmp_path, "pp", models["dense"], procs, parallel)
     assert_same_training(got, one_stage["dense"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["torch", "megatron-bf16"])
-def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path, stack):
-    """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group. On the megatron
-    stack in bf16 (its expert buffers, the experts' fp32 main parameters sharded over that group, the model cast
-    whole to bf16 as megatron's Float16Module does, its checkpoint saved after step 1) the run is the fp32 one
-    within bf16's precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR."""
-    options = {"optimizer": "megatron", "dtype": "bfloat16"} if stack == "megatron-bf16" else {}
-    got = _run(experiment, tmp_path, f"moe_{stack}", models["moe"], 4, {"pp": 2, "ep": 2}, train_options=options)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path, dtype):
+    """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group (DDP's expert
+    buffers; the experts' fp32 main parameters sharded over that group). In bf16 (the model cast whole to bf16 as
+    megatron's Float16Module does, its checkpoint saved after step 1) the run is the fp32 one within bf16's
+    precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR."""
+    options = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    got = _run(experiment, tmp_path, f"moe_{dtype}", models["moe"], 4, {"pp": 2, "ep": 2}, train_options=options)
     want = one_stage["moe"]
     if not options:
         assert_same_training(got, want)
@@ -108,11 +107,12 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment, tmp_path):
-    """Saved by two pipeline stages after step 1, resumed by two data-parallel ranks of the whole model:
-    step 2's loss, log-probs and weights are the ones the PP2 run computed. The checkpoint's model
-    converts to a Hugging Face directory holding exactly the trained weights, and vLLM generates from it
-    the greedy tokens transformers gives."""
+def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one_stage, experiment, tmp_path):
+    """Two pipeline stages train like one. Their checkpoint after step 1, resumed by two data-parallel ranks of
+    the whole model (the distributed optimizer's state resharded from PP2 to DP2, gradients reduce-scattered) and
+    by one rank (gathered from its two shards; the rank files' RNG states start fresh), computes step 2's loss,
+    log-probs and weights as the PP2 run did. The checkpoint's model converts to a Hugging Face directory holding
+    exactly the trained weights, and vLLM generates from it the greedy tokens transformers gives."""
     import json
     import os
     import subprocess
@@ -124,10 +124,12 @@ def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment,
     from tests.test_convert import PROMPTS, _hf_greedy
 
     pp2 = _run(experiment, tmp_path, "pp2", models["dense"], 2, {"pp": 2})
-    resumed = _run(experiment, tmp_path, "resumed", models["dense"], 2, {},
-                   resume_from=str(pp2["run_dir"] / "ckpt"))
-    assert len(resumed["loss"]) == 1
-    assert_same_training(resumed, pp2, steps=slice(1, 2))
+    assert_same_training(pp2, one_stage["dense"])
+    for procs in (2, 1):
+        resumed = _run(experiment, tmp_path, f"resumed_dp{procs}", models["dense"], procs, {},
+                       resume_from=str(pp2["run_dir"] / "ckpt"))
+        assert len(resumed["loss"]) == 1
+        assert_same_training(resumed, pp2, steps=slice(1, 2))
 
     hf = tmp_path / "hf"
     res = rollhpc("convert", "mcore-to-hf", str(pp2["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)
@@ -142,26 +144,6 @@ def test_pp2_checkpoint_resumes_at_pp1_and_converts_for_vllm(models, experiment,
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
-
-
-@pytest.mark.slow
-def test_megatron_optimizer_trains_like_adamw_and_resumes_at_another_layout(models, one_stage, experiment, tmp_path):
-    """``optimizer: megatron`` (megatron-core's DDP, distributed optimizer and clipping) at PP2 computes what the
-    one-stage run with torch's AdamW computes (the tied embedding's gradient summed across stages by megatron's
-    finalize_model_grads); its checkpoint after step 1, resumed by two data-parallel ranks of the whole model
-    (the optimizer state resharded from PP2 to DP2, gradients reduce-scattered) and by one rank, computes step 2
-    as the PP2 run."""
-    megatron = {"optimizer": "megatron"}
-    pp2 = _run(experiment, tmp_path, "mcore_pp2", models["dense"], 2, {"pp": 2}, train_options=megatron)
-    assert_same_training(pp2, one_stage["dense"])
-    resumed = _run(experiment, tmp_path, "mcore_dp2_resumed", models["dense"], 2, {}, train_options=megatron,
-                   resume_from=str(pp2["run_dir"] / "ckpt"))
-    assert len(resumed["loss"]) == 1
-    assert_same_training(resumed, pp2, steps=slice(1, 2))
-    # and by one rank: the optimizer state gathered from its two shards (the rank files' RNG states start fresh)
-    alone = _run(experiment, tmp_path, "mcore_dp1_resumed", models["dense"], 1, {}, train_options=megatron,
-                 resume_from=str(pp2["run_dir"] / "ckpt"))
-    assert_same_training(alone, pp2, steps=slice(1, 2))
 
 
 @pytest.mark.slow

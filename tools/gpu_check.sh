@@ -95,7 +95,6 @@ do_rlvr() {
   run "$py" -m rollhpc.cli train quickstart --overwrite run.name=gpu-check "run.output_dir=$out/rlvr" \
     cluster.nodes=1 cluster.gpus_per_node=1 \
     roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
-    roles.train.options.optimizer=megatron \
     roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
     roles.generate.options.dtype=bfloat16 pipeline.options.offload=true pipeline.options.weight_sync=auto \
     pipeline.options.weight_sync_verify_every=1 pipeline.options.steps=5 pipeline.options.eval_every=5

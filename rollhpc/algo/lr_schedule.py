@@ -2,7 +2,7 @@
 floor, as megatron's ``OptimizerParamScheduler`` shapes it.
 
 A pure function of the optimizer step count, which the run checkpoint saves: a resumed run continues the schedule
-exactly, on either optimizer stack (``optimizer: torch`` or ``megatron``), without a scheduler state of its own.
+exactly, without a scheduler state of its own.
 """
 
 from __future__ import annotations

@@ -84,12 +84,19 @@ def dtype_bytes(dtype: str) -> int:
 def megatron_stage_params(shape: ModelShape, tp: int, pp: int, ep: int, etp: int) -> int:
     """Parameters of a rank on the heaviest pipeline stage: its share of the layers (dense parts split by tp,
     routed experts by ep x etp), plus the embedding on the first stage and the output layer on the last."""
+    return sum(megatron_stage_split(shape, tp, pp, ep, etp))
+
+
+def megatron_stage_split(shape: ModelShape, tp: int, pp: int, ep: int, etp: int) -> tuple[int, int]:
+    """``megatron_stage_params`` as (dense, routed experts): the distributed optimizer shards the first over the
+    data-parallel group and the second over the (smaller) expert-data-parallel group."""
     layers = -(-shape.layers // pp)
-    body = layers * (shape.layer_dense // tp + shape.layer_experts // (ep * etp))
+    experts = layers * (shape.layer_experts // (ep * etp))
+    body = layers * (shape.layer_dense // tp)
     first = shape.embedding // tp
     # the last stage's output layer: its own weights, or with pp > 1 a copy of the tied embedding
     last = (shape.head if not shape.tied or pp > 1 else 0) // tp + shape.hidden
-    return body + (first + last if pp == 1 else max(first, last))
+    return body + (first + last if pp == 1 else max(first, last)), experts
 
 
 def activation_bytes(shape: ModelShape, tp: int, pp: int, micro_batch: int, seq_len: int, dtype: int,

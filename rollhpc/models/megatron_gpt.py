@@ -69,6 +69,9 @@ LAYOUTS = ("replicated", "vocab", "qkv", "gate_up", "row")
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "llama")
 MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+# a critic's scalar value head, a submodule of its last stage's chunk (rollhpc.workers.megatron_policy): trained and
+# checkpointed with the model, but without a Hugging Face name (not loaded from, nor exported to, HF weights)
+VALUE_HEAD = "value_head"
 
 
 @dataclass(frozen=True)
@@ -463,6 +466,11 @@ def _moe_experts(model: torch.nn.Module) -> Any:
     return None
 
 
+def _hf_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters that have Hugging Face counterparts: all but a critic's value head."""
+    return {n: p for n, p in model.named_parameters() if not n.startswith(VALUE_HEAD + ".")}
+
+
 def model_weight_map(model: torch.nn.Module) -> tuple[list[WeightMapping], list[WeightMapping]]:
     """(this rank's map, the whole model's map) for a model built by ``build_gpt_model``: this pipeline
     stage's layers, embedding and output, this expert-parallel rank's experts."""
@@ -488,7 +496,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
     model (``lm_head.weight`` of a tied checkpoint is ignored). Reads ``hf_state_dict[name]`` once per
     use, one parameter at a time."""
     config = model.config
-    params = dict(model.named_parameters())
+    params = _hf_params(model)
     table, whole = model_weight_map(model)
     missing = set(params) - {w.megatron for w in table}
     if missing:
@@ -556,7 +564,7 @@ def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
     etp_rank, etp_size = _group_coords(etp_group)
     ep_rank, ep_size = _group_coords(ep_group)
     config = model.config
-    params = dict(model.named_parameters())
+    params = _hf_params(model)
     table, _ = model_weight_map(model)
     missing = set(params) - {w.megatron for w in table}
     if missing:

@@ -7,7 +7,7 @@ how the controller's DP split and megatron's gradient groups agree.
 
 The trainer takes batches of padded token rows (prompt + response) with a loss mask over response
 targets, runs the policy loss of ``rollhpc.algo.losses`` in micro-batches with gradients summed over
-data-parallel ranks (denominators are global, so DP=2 gives the DP=1 gradient), and exports its weights
+data-parallel ranks by megatron's DDP (denominators are global, so DP=2 gives the DP=1 gradient), and exports its weights
 in Hugging Face names, bucketed, for the generators. The reference role is the same model frozen; the critic
 (PPO) is the same trunk with a value head.
 
@@ -16,9 +16,11 @@ pipeline parallelism (``pp``, and ``vpp`` virtual stages: a rank holds one model
 is the same code path as pp=1: the loss, log-probs and values are computed on the last stage, which is
 why the last stage's TP rank 0 is its replica's DP leader (``parallel.RankCoords.is_dp_leader``).
 
+The trainer and critic run on megatron-core's own DistributedDataParallel and optimizer (fp32 main parameters,
+the distributed optimizer, clipping by the global norm); on CPU through ``models.megatron_cpu``.
+
 Left out here: context parallelism (megatron-core's local attention asserts cp == 1; it needs Transformer
-Engine's attention on CUDA: refused at config load), megatron's distributed optimizer (torch AdamW is
-used; megatron's optimizer is CUDA-only), sequence packing.
+Engine's attention on CUDA: refused at config load), sequence packing.
 """
 
 from __future__ import annotations
@@ -73,10 +75,10 @@ class MegatronPolicyWorker(Worker):
         model_dir: str  # Hugging Face checkpoint (config.json + safetensors)
         micro_batch_size: int = 16  # rows per forward/backward
         dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
-        # bf16: forward and backward matmuls in bfloat16 under torch.autocast while parameters, gradients and
-        # AdamW's moments stay in dtype (float32 master weights: updates of lr size are not rounded away, as
-        # they are with dtype=bfloat16); log-probs and the loss are computed in float32. On CPUs with bf16 units
-        # (AVX512-BF16, AMX) a matmul runs ~3x faster
+        # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
+        # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
+        # keeps the weights themselves in bf16 (half the memory) beside the optimizer's fp32 main copy. On CPUs
+        # with bf16 units (AVX512-BF16, AMX) a matmul runs ~3x faster
         mixed_precision: Literal["off", "bf16"] = "off"
         threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
 
@@ -165,22 +167,20 @@ class MegatronPolicyWorker(Worker):
 
     def _offloader(self) -> Any:
         if getattr(self, "_state_offloader", None) is None:
-            from rollhpc.workers.offload import StateOffloader
+            from rollhpc.workers.offload import MegatronStateOffloader, StateOffloader
 
-            if getattr(self, "megatron_optimizer", False):  # parameters in DDP's buffers, main ones in the optimizer
-                from rollhpc.workers.offload import MegatronStateOffloader
-
+            if self.trainable:  # parameters in DDP's buffers, main parameters and moments in megatron's optimizer
                 self._state_offloader = MegatronStateOffloader(self.model_chunks, self.optimizer, self.device)
-                return self._state_offloader
-            modules = self._trained_modules() if self.trainable else self.chunks
-            self._state_offloader = StateOffloader(modules, getattr(self, "optimizer", None), self.device)
+            else:
+                self._state_offloader = StateOffloader(self.chunks, None, self.device)
         return self._state_offloader
 
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
         """Bytes a rank holds on its GPU (rollhpc.launch.memory_plan): its stage's parameters, and the
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
-        from rollhpc.launch.memory_plan import activation_bytes, dtype_bytes, megatron_stage_params
+        from rollhpc.launch.memory_plan import (activation_bytes, dtype_bytes, megatron_stage_params,
+                                                megatron_stage_split)
 
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
@@ -190,15 +190,13 @@ class MegatronPolicyWorker(Worker):
                         // shape.layers)
         if not cls.trainable:
             return {**out, "activations": forward}
-        if getattr(options, "optimizer", "torch") == "megatron":
-            # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves)
-            # and two fp32 Adam moments, sharded over the data-parallel group by the distributed optimizer (expert
-            # parameters are sharded over the expert-DP group; counted at the dense DP size here)
-            state = params * (4 * 2 + (0 if size == 4 else 4))
-            shards = layout.dp if options.distributed_optimizer else 1
-            grads, optimizer = float(params * 4), float(state / shards)
-        else:
-            grads, optimizer = float(params * size), float(2 * params * size)  # AdamW's moments, in dtype
+        # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
+        # two fp32 Adam moments, sharded by the distributed optimizer: dense parameters over the data-parallel
+        # group, routed experts over the expert-data-parallel group
+        dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        state = 4 * 2 + (0 if size == 4 else 4)
+        shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
+        grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
         return {**out, "gradients": grads, "optimizer": optimizer,
                 "activations": float(activation_bytes(shape, layout.tp, layout.pp, options.micro_batch_size,
                                                       seq_len, size, options.recompute)),
@@ -423,16 +421,16 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
         lr_decay_steps: int = 0
         min_lr: float = 0.0
-        # "torch": torch's AdamW over the parameters in dtype, gradients summed over DP by a hand-written all-reduce.
-        # "megatron": megatron-core's own stack: the model chunks in its DistributedDataParallel (gradients in fp32
-        # buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and Adam moments
-        # (dtype=bfloat16 then learns at small lr: the bf16 weights are the rounded main parameters), the global
-        # grad norm and clipping through it, no weight decay on biases and norms. Not yet for the critic.
-        optimizer: Literal["torch", "megatron"] = "torch"
+        # the optimizer stack, megatron-core's own (the only one; "torch", a hand-written gradient all-reduce and
+        # torch's AdamW over the parameters in dtype, was removed): the model chunks in its DistributedDataParallel
+        # (gradients in fp32 buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and
+        # Adam moments (dtype=bfloat16 learns at small lr: the bf16 weights are the rounded main parameters), the
+        # global grad norm and clipping through it, no weight decay on biases and norms
+        optimizer: str = "megatron"
         # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
         # score matrices, "full" each layer from its input; the memory plan counts what each keeps
         recompute: Literal["none", "selective", "full"] = "none"
-        distributed_optimizer: bool = True  # megatron: main parameters and moments sharded over the DP group
+        distributed_optimizer: bool = True  # main parameters and moments sharded over the DP group (ZeRO-1)
         # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
         # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
         # gradient and the update are unchanged (the global token and row counts still include them); the
@@ -446,35 +444,28 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             if self.lr_schedule != "constant" and (self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr):
                 raise ValueError(f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
                                  f"lr_decay_steps >= 1 and 0 <= min_lr <= lr (got {self.lr_decay_steps}, {self.min_lr})")
-            if self.dtype == "bfloat16" and self.optimizer == "torch":
-                raise ValueError("dtype=bfloat16 with optimizer=torch steps AdamW on the bf16 weights themselves: an "
-                                 "update under half a bf16 step (lr 1e-6 on weights of ~0.01) rounds away and the "
-                                 "model barely learns. Use optimizer=megatron (bf16 weights, fp32 main weights) or "
-                                 "mixed_precision=bf16 (bf16 compute over float32 weights)")
-            if self.optimizer == "megatron" and self.mixed_precision != "off":
-                raise ValueError("optimizer=megatron keeps fp32 main parameters itself: for bf16 compute use "
-                                 "dtype=bfloat16, not mixed_precision=bf16")
+            if self.optimizer != "megatron":
+                raise ValueError(f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
+                                 "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
+                                 "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away")
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
-        import torch
-
         self._add_modules()
-        self.params = [p for m in self._trained_modules() for p in m.parameters() if p.requires_grad]
-        self.megatron_optimizer = options.optimizer == "megatron"
-        self.model_chunks = self.chunks  # what forward/backward runs through (megatron's DDP wrappers, or the chunks)
-        if self.megatron_optimizer:
-            self._build_megatron_optimizer()
-        else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=options.lr, weight_decay=options.weight_decay,
-                                               betas=options.betas)
+        self._build_optimizer()
         self.optimizer_steps = 0
         for chunk in self.chunks:
             chunk.train()
 
-    def _build_megatron_optimizer(self) -> None:
-        """The chunks in megatron's DistributedDataParallel and ``get_megatron_optimizer`` over them (on CPU through
-        rollhpc.models.megatron_cpu). Communication is not overlapped with compute (that needs CUDA streams)."""
+    def _build_optimizer(self) -> None:
+        """The chunks in megatron's DistributedDataParallel (``self.model_chunks``, what forward and backward run
+        through) and ``get_megatron_optimizer`` over them; on CPU through rollhpc.models.megatron_cpu.
+
+        On CUDA each gradient bucket is reduced (reduce-scattered under the distributed optimizer) as soon as the
+        backward has filled it, overlapping the last micro-batch's backward; the schedule runs the other micro-batches
+        under DDP's ``no_sync``. The parameter all-gather after the step is not deferred to the next forward
+        (``overlap_param_gather``): in RL the weights leave for the generators right after each step, which needs
+        them gathered at once. On CPU nothing overlaps (gloo has no reduce-scatter: the shim's is synchronous)."""
         import torch
         from megatron.core import optimizer as mcore_optimizer
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -482,9 +473,6 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         from rollhpc.models.megatron_pipeline import configure_chunks
 
         o: MegatronTrainWorker.Options = self.options
-        if self.extra_modules():
-            raise ValueError(f"role {self.ctx.role!r}: optimizer=megatron does not train modules outside the GPT model "
-                             f"yet ({', '.join(self.extra_modules())}); use optimizer=torch")
         configure_chunks(self.chunks)  # losses divided by global counts: DDP sums gradients instead of averaging
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
         if dtype != torch.float32:
@@ -493,10 +481,14 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             # parameters fill two DDP buffers of different dtypes (a size mismatch at the first save)
             for chunk in self.chunks:
                 chunk.to(dtype)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+        overlap = self.device.type == "cuda"
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                                    use_distributed_optimizer=o.distributed_optimizer)
         self.model_chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
                              for i, c in enumerate(self.chunks)]
+        no_sync = [c.no_sync for c in self.model_chunks]
+        for chunk in self.chunks:  # the schedules read it from the (shared) model config
+            chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config = mcore_optimizer.OptimizerConfig(
             optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
             clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
@@ -504,20 +496,13 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         self.optimizer = mcore_optimizer.get_megatron_optimizer(config, self.model_chunks)
 
     def _zero_grad(self) -> None:
-        if self.megatron_optimizer:
-            for chunk in self.model_chunks:
-                chunk.zero_grad_buffer()
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _add_modules(self) -> None:
-        """Hook for subclasses: modules trained next to the GPT model (the critic's value head)."""
-
-    def _trained_modules(self) -> list[Any]:
-        return list(self.chunks)
-
-    def extra_modules(self) -> dict[str, Any]:
-        """Trained modules outside the GPT model, by name (saved in the checkpoint's rank files)."""
-        return {}
+        """Hook for subclasses: modules trained with the GPT model (the critic's value head), added to its chunks
+        before DDP wraps them, so that buckets, the optimizer and checkpoints take them like any parameter."""
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def save_checkpoint(self, role_dir: str) -> dict[str, Any]:
@@ -536,7 +521,8 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def weights_digest(self) -> str | None:
         """sha256 over the full weights in Hugging Face names and bytes (name order): equal digests mean
-        bitwise-equal models whatever the layout. Collective like ``export_weights``."""
+        bitwise-equal models whatever the layout (a critic's value head, which has no HF name, is left out).
+        Collective like ``export_weights``."""
         import hashlib
 
         import torch
@@ -551,26 +537,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         for name, t in named:
             h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
-        for name, state in sorted(self._last_stage_extra_states().items()):
-            for key, t in sorted(state.items()):
-                h.update(f"{name}.{key}".encode())
-                h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest() if self.ctx.group_rank == 0 else None
-
-    def _last_stage_extra_states(self) -> dict[str, dict[str, Any]]:
-        """``extra_modules``' state dicts as the last pipeline stage (the one that trains them) holds
-        them: sent over the pipeline group when pp > 1. Collective over that group."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        states = {name: {k: t.detach().cpu() for k, t in m.state_dict().items()}
-                  for name, m in self.extra_modules().items()}
-        if not states or self.ctx.layout.pp == 1:
-            return states
-        group = ps.get_pipeline_model_parallel_group()
-        box = [states]
-        dist.broadcast_object_list(box, src=dist.get_process_group_ranks(group)[-1], group=group)
-        return box[0]
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         import torch
@@ -635,7 +602,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                 return value, kept
 
             mini_batch = Batch({k: np.asarray(v)[trained] for k, v in batch.data.items()})
-            if not len(trained):  # one row with no loss tokens: zero gradients (not none) keep AdamW's step
+            if not len(trained):  # one row with no loss tokens: zero gradients (not none) keep the optimizer's step
                 mini_batch = Batch({k: np.asarray(v)[mini[:1]] for k, v in batch.data.items()})
                 mini_batch.data["loss_mask"] = np.zeros_like(np.asarray(mini_batch["loss_mask"]))
             sums: dict[str, float] = {}
@@ -666,20 +633,13 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         keys = sorted(sums)
         for k, v in zip(keys, self._dp_sum([sums[k] for k in keys])):
             metrics.setdefault(k, []).append(v)
-        if self.megatron_optimizer:
-            from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import finalize_model_grads
 
-            self._before_grad_sync()
-            finalize_model_grads(self.model_chunks)  # DP reduction of the buckets, tied embedding across stages
-            self._set_lr()
-            _, norm, _ = self.optimizer.step()  # clips to grad_clip, steps the main parameters, copies them back
-            metrics.setdefault("grad_norm", []).append(float(norm or 0.0))
-            self.optimizer_steps += 1
-            return
-        self._reduce_gradients()
-        metrics.setdefault("grad_norm", []).append(self._clip_gradients(self.options.grad_clip))
+        self._before_grad_sync()
+        finalize_model_grads(self.model_chunks)  # DP reduction of the buckets, tied embedding across stages
         self._set_lr()
-        self.optimizer.step()
+        _, norm, _ = self.optimizer.step()  # clips to grad_clip, steps the main parameters, copies them back
+        metrics.setdefault("grad_norm", []).append(float(norm or 0.0))
         self.optimizer_steps += 1
 
     def _set_lr(self) -> None:
@@ -691,65 +651,12 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def _reduce_gradients(self) -> None:
-        """Sum the two copies of a tied embedding's gradient (first and last pipeline stage), then sum
-        gradients over data-parallel replicas (the loss already divides by global counts): dense
-        parameters over the data-parallel group, routed experts under EP over the expert data-parallel
-        group (megatron marks them ``allreduce=False``: their DP peers hold other experts)."""
-        import torch
-        import torch.distributed as dist
-
-        from rollhpc.models.megatron_pipeline import allreduce_tied_embedding_grads
-
-        allreduce_tied_embedding_grads(self.chunks)
-        self._before_grad_sync()
-        for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
-            params = [p for p in self.params if (not getattr(p, "allreduce", True)) == expert]
-            if not params or dist.get_world_size(group) == 1:
-                continue
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for p, g in zip(params, grads):
-                n = g.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
-                offset += n
-
     def _before_grad_sync(self) -> None:
         import torch.distributed as dist
 
         self._grad_syncs += 1
         if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
             faults.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
-
-    def _clip_gradients(self, max_norm: float) -> float:
-        """Global norm over the full model, each parameter counted once: summed over the whole role
-        (every TP shard, pipeline stage and expert), a TP-replicated tensor on TP rank 0 only, the
-        last stage's copy of a tied embedding not at all, then divided by how many data-parallel
-        replicas hold each kind (the gradients are equal across replicas after the reduction)."""
-        import torch
-        import torch.distributed as dist
-
-        from megatron.core import parallel_state as ps
-
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [dense, routed experts under EP]
-        for p in self.params:
-            if p.grad is None or getattr(p, "shared", False):
-                continue
-            if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
-                continue
-            sq[0 if getattr(p, "allreduce", True) else 1] += p.grad.detach().double().pow(2).sum()
-        if dist.get_world_size() > 1:
-            dist.all_reduce(sq)
-        replicas = torch.tensor([dist.get_world_size(self.dp_group), ps.get_expert_data_parallel_world_size()],
-                                dtype=torch.float64, device=self.device)
-        norm = float((sq / replicas).sum().sqrt())
-        if max_norm > 0 and norm > max_norm:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def export_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> list[Any] | None:
@@ -770,36 +677,29 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 class MegatronCriticWorker(MegatronTrainWorker):
     """PPO's critic: the policy's GPT trunk (initialised from the same checkpoint) with a scalar value
     head on the final-norm hidden states of the last pipeline stage. The language-model head is
-    computed but unused. Every rank builds the head (same seed); only the last stage's is used and trained."""
-
-    @dataclass(kw_only=True)
-    class Options(MegatronTrainWorker.Options):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.optimizer == "megatron":  # its DDP wraps the GPT chunks; the value head is outside them
-                raise ValueError("optimizer=megatron does not train the critic's value head yet: use optimizer=torch "
-                                 "(with dtype=float32, or mixed_precision=bf16)")
+    computed but unused. The value head is a submodule of the last stage's model chunk (``value_head``, a name
+    without a Hugging Face counterpart), so megatron's DDP, optimizer and checkpoints treat it like the trunk's
+    parameters; every TP and DP replica initialises it alike (same seed)."""
 
     def _add_modules(self) -> None:
         import torch
 
-        first = self.chunks[0]
-        hidden = first.config.hidden_size
-        self.value_head = torch.nn.Linear(hidden, 1, device=self.device, dtype=next(first.parameters()).dtype)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)  # same head on every rank (it is replicated over TP and DP)
-            torch.nn.init.normal_(self.value_head.weight, std=0.02)
-        torch.nn.init.zeros_(self.value_head.bias)
+        from rollhpc.models.megatron_gpt import VALUE_HEAD
+
+        self.value_head: Any = None
         self._hidden: Any = None
         last = next((c for c in self.chunks if c.post_process), None)
-        if last is not None:
-            last.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
-
-    def _trained_modules(self) -> list[Any]:
-        return [*self.chunks, self.value_head]
-
-    def extra_modules(self) -> dict[str, Any]:
-        return {"value_head": self.value_head}
+        if last is None:  # not the last pipeline stage: no values computed here
+            return
+        head = torch.nn.Linear(last.config.hidden_size, 1, device=self.device,
+                               dtype=next(last.parameters()).dtype)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.ctx.seed)  # same head on every rank (it is replicated over TP and DP)
+            torch.nn.init.normal_(head.weight, std=0.02)
+        torch.nn.init.zeros_(head.bias)
+        last.add_module(VALUE_HEAD, head)
+        self.value_head = head
+        last.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
 
     def _values(self) -> Any:
         """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions, from
@@ -824,7 +724,7 @@ class MegatronCriticWorker(MegatronTrainWorker):
         metrics: dict[str, list[float]] = {}
         for mini in np.array_split(rows, o.mini_batches):
             (n_tokens,) = self._dp_sum([float(np.asarray(batch["loss_mask"])[mini].sum())])
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
 
             def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
                 per_token = value_loss(self._values(), part["old_values"].float(), part["returns"].float(),

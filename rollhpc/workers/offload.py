@@ -104,7 +104,7 @@ class StateOffloader:
 
 
 class MegatronStateOffloader:
-    """The same three parts for a role on megatron-core's own stack (``optimizer: megatron``), moved by megatron's
+    """The same three parts for a trainer role (megatron-core's DDP and optimizer), moved by megatron's
     own RL offload: DDP's buffers (``offload_to_cpu`` / ``reload_from_cpu``: the parameters, which the distributed
     optimizer keeps in the buffers, copied to pinned host memory; the fp32 gradient buffers freed and zeroed on
     return) and the optimizer's (``offload_to_cpu`` / ``restore_from_cpu``: fp32 main parameters and Adam moments).
@@ -136,9 +136,10 @@ class MegatronStateOffloader:
         if part == "gradients":
             return sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers)
         if part == "optimizer":
-            subs = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            return sum(v.numel() * v.element_size() for sub in subs for s in sub.optimizer.state.values()
-                       for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+            from rollhpc.checkpoint.trainer_state import inner_optimizers
+
+            return sum(v.numel() * v.element_size() for inner in inner_optimizers(self.optimizer)
+                       for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
         raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
 
     def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
@@ -150,7 +151,11 @@ class MegatronStateOffloader:
     def _move(self, parts: Iterable[str], to_host: bool) -> dict[str, float]:
         import torch
 
-        parts = [p for p in PARTS if p in set(parts)]
+        parts = list(parts)
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
+        parts = [p for p in PARTS if p in parts]
         start = time.perf_counter()
         todo = [p for p in parts if (p in self.offloaded) != to_host]
         moved = sum(self._bytes(p) for p in todo)  # counted before the buffers give their storage back
