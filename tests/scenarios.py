@@ -170,7 +170,7 @@ class TrainerLayoutScenario(Pipeline):
 
         o, train = self.options, self.groups["train"]
         rng = np.random.default_rng(0)
-        out: dict = {"loss": [], "grad_norm": [], "logprob": [], "rows_skipped": []}
+        out: dict = {"loss": [], "grad_norm": [], "logprob": [], "rows_skipped": [], "micro_batches": []}
         if o.resume_from:
             train.load_checkpoint(o.resume_from)
         for step in range(1, o.steps + 1):
@@ -195,6 +195,7 @@ class TrainerLayoutScenario(Pipeline):
             out["loss"].append(stats[0]["loss"])
             out["rows_skipped"].append(stats[0]["rows_skipped"])
             out["grad_norm"].append(stats[0]["grad_norm"])
+            out["micro_batches"].append(stats[0]["micro_batches"])
             if step == o.save_after:
                 train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))
                 out["saved_weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}

@@ -89,13 +89,16 @@ def test_pipeline_stages_train_like_one_stage(models, one_stage, experiment, tmp
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path, dtype):
     """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group (DDP's expert
-    buffers; the experts' fp32 main parameters sharded over that group). In bf16 (the model cast whole to bf16 as
+    buffers; the experts' fp32 main parameters sharded over that group). In fp32 its micro-batches follow a token
+    budget (their count agreed over the EP ranks by a collective): the same training as fixed rows. In bf16 (the model cast whole to bf16 as
     megatron's Float16Module does, its checkpoint saved after step 1) the run is the fp32 one within bf16's
     precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR."""
-    options = {"dtype": "bfloat16"} if dtype == "bfloat16" else {}
+    # fp32 under a token budget of 3 full rows: one micro-batch per DP rank (3 rows) where the pp=1 run took 3
+    options = {"dtype": "bfloat16"} if dtype == "bfloat16" else {"max_tokens_per_micro_batch": 36}
     got = _run(experiment, tmp_path, f"moe_{dtype}", models["moe"], 4, {"pp": 2, "ep": 2}, train_options=options)
     want = one_stage["moe"]
-    if not options:
+    if dtype == "float32":
+        assert got["micro_batches"] == [1, 1] and want["micro_batches"] == [3, 3]
         assert_same_training(got, want)
         return
     assert got["loss"] == pytest.approx(want["loss"], rel=5e-2, abs=1e-3)
@@ -147,6 +150,17 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
 
 
 @pytest.mark.slow
+def test_token_budget_micro_batches_train_like_fixed_rows(models, one_stage, experiment, tmp_path):
+    """Rows of unequal length packed up to 40 tokens per micro-batch instead of 2 rows each: fewer micro-batches,
+    the same losses, grad norms (the gradients) and weights, since the loss divides by the batch's global token
+    count however the rows are split."""
+    got = _run(experiment, tmp_path, "token_budget", models["dense"], 1, {},
+               train_options={"max_tokens_per_micro_batch": 40})
+    assert one_stage["dense"]["micro_batches"] == [3, 3] and all(m < 3 for m in got["micro_batches"])
+    assert_same_training(got, one_stage["dense"])
+
+
+@pytest.mark.slow
 def test_an_on_policy_step_needs_no_old_logprob_forward(models, one_stage, experiment, tmp_path):
     """Without old_logprob the train step takes its own forward's log-probs as the old ones (the RLVR
     pipeline skips the separate forward when the update is exactly on-policy): same losses, gradients
@@ -154,6 +168,16 @@ def test_an_on_policy_step_needs_no_old_logprob_forward(models, one_stage, exper
     got = _run(experiment, tmp_path, "on_policy", models["dense"], 1, {}, on_policy=True)
     assert got["logprob"] == []
     assert_same_training(got, {**one_stage["dense"], "logprob": []})
+
+
+def _bind(worker, peer_max=None) -> None:
+    """``MegatronPolicyWorker``'s micro-batch methods on a stand-in worker of one process; ``peer_max``: what the
+    other ranks' all-reduce would bring (default: this rank's own values)."""
+    from rollhpc.workers.megatron_policy import MegatronPolicyWorker
+
+    for name in ("_shapes_are_local", "_micro_batch_index"):
+        setattr(worker, name, getattr(MegatronPolicyWorker, name).__get__(worker))
+    worker._role_max = lambda values: [max(a, b) for a, b in zip(values, peer_max or values)]
 
 
 @pytest.mark.parametrize("vpp", [None, 2])
@@ -176,7 +200,7 @@ def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
                    "old_logprob": -mask.astype(np.float32) * np.arange(7.0)[:, None]})
     worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=2 if vpp else 1, vpp=vpp, ep=1)),
                              options=SimpleNamespace(micro_batch_size=2), device=torch.device("cpu"))
-    worker._shapes_are_local = lambda: MegatronPolicyWorker._shapes_are_local(worker)
+    _bind(worker)
     parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
     kept = [p for p in parts if p["keep"].any()]
     rows = [int(r) for p in kept for r, k in zip(p["tokens"][:, 0] // 12, p["keep"]) if k]
@@ -200,6 +224,48 @@ def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
     uncut = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
     assert all(p["tokens"].shape[1] == 12 for p in uncut)
     assert torch.equal(torch.cat([p["tokens"][p["keep"]] for p in uncut]), torch.as_tensor(tokens))
+
+
+def test_token_budget_packs_rows_of_unequal_length():
+    """``max_tokens_per_micro_batch``: longest first, each micro-batch as many rows as its longest row's width fits
+    in the budget (a longer row alone); the interleaved schedule's one shape gets budget // the batch's cut rows.
+    Under expert parallelism the ranks agree on the count and rows per micro-batch by an all-reduce of the largest:
+    a rank holding fewer rows than a peer runs as many micro-batches, padded with rows it does not keep."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from rollhpc.batch import Batch
+    from rollhpc.workers.megatron_policy import MegatronPolicyWorker
+
+    ends = np.array([3, 9, 5, 4, 9, 2, 7])  # token counts through the last target: 4 10 6 5 10 3 8
+    mask = (np.arange(11)[None, :] < ends[:, None]) & (np.arange(11)[None, :] >= 1)
+    batch = Batch({"tokens": np.arange(7 * 12).reshape(7, 12), "loss_mask": mask.astype(np.float32),
+                   "advantage": np.arange(7.0)})
+    worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=1, vpp=None, ep=1)),
+                             options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=24),
+                             device=torch.device("cpu"))
+    _bind(worker)
+
+    def shapes(parts):
+        return [(int(p["keep"].sum()), p["tokens"].shape[1]) for p in parts]
+
+    parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
+    assert shapes(parts) == [(2, 10), (3, 8), (2, 4)]  # rows 1 4 | 6 2 3 | 0 5
+    assert sum(float(p["loss_mask"].sum()) for p in parts) == mask.sum()
+    worker.options.max_tokens_per_micro_batch = 7  # under any row: one row each
+    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [
+        (1, 10), (1, 10), (1, 8), (1, 6), (1, 5), (1, 4), (1, 3)]
+    worker.options.max_tokens_per_micro_batch = 24
+    worker.ctx.layout.pp, worker.ctx.layout.vpp = 2, 2  # one shape: 24 // 10 = 2 rows, 4 micro-batches (pp groups)
+    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [(2, 10), (2, 10), (2, 10), (1, 10)]
+    worker.ctx.layout.pp, worker.ctx.layout.vpp, worker.ctx.layout.ep = 1, None, 2
+    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [(2, 12)] * 3 + [(1, 12)]
+    # a peer holds 9 rows: ceil(9 / 2) = 5 micro-batches of ceil(9 / 5) = 2 rows; this rank's 7 rows pad to 10
+    _bind(worker, peer_max=[5, 9])
+    parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
+    assert [p["tokens"].shape for p in parts] == [(2, 12)] * 5 and shapes(parts)[-1] == (0, 12)
+    assert float(parts[-1]["loss_mask"].sum()) == 0
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ has one chunk; at pp=1 that chunk is the whole model. Everything here works on t
 trainer has one code path for every layout:
 
 * ``micro_batches``: row indices of each micro-batch, as many as the interleaved schedule accepts;
+* ``token_budget_micro_batches``: micro-batches of rows of unequal length packed up to a token budget;
 * ``run_schedule``: forward (and backward) of every micro-batch through megatron's own schedule
   (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved 1F1B); the loss function runs on
   the last stage only, and what it returns comes back there;
@@ -44,6 +45,20 @@ def micro_batches(rows: int, micro_batch_size: int, pp: int = 1, interleaved: bo
     size = math.ceil(rows / count)
     index = np.concatenate([index, np.full(count * size - rows, -1)])
     return list(index.reshape(count, size))
+
+
+def token_budget_micro_batches(ends: np.ndarray, budget: int) -> list[np.ndarray]:
+    """Positions into ``ends`` (each row's token count, sorted longest first) of each micro-batch when one may hold
+    ``budget`` tokens, counted as its rows x its longest row (rows are right-padded to that, so padding costs like
+    tokens): rows taken greedily in order, a row longer than the budget alone. Longest first keeps the few long rows
+    together and packs the many short ones into large micro-batches, where a fixed row count would pad short rows
+    to a long one's width, or run long rows many at a time."""
+    out, start = [], 0
+    while start < len(ends):
+        size = max(1, budget // max(int(ends[start]), 1))
+        out.append(np.arange(start, min(start + size, len(ends))))
+        start += size
+    return out
 
 
 def configure_chunks(chunks: Sequence[torch.nn.Module]) -> None:

@@ -26,6 +26,7 @@ Engine's attention on CUDA: refused at config load), sequence packing.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -74,6 +75,11 @@ class MegatronPolicyWorker(Worker):
     class Options:
         model_dir: str  # Hugging Face checkpoint (config.json + safetensors)
         micro_batch_size: int = 16  # rows per forward/backward
+        # > 0: micro-batches packed up to this many tokens each (rows x the micro-batch's longest row) instead of
+        # micro_batch_size rows: rows of unequal length (long-tailed responses) cost their tokens, and each
+        # forward's activations stay bounded. Losses and gradients are the fixed-size ones (the loss divides by
+        # the batch's global token count, whatever the split)
+        max_tokens_per_micro_batch: int = 0
         dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
         # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
         # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
@@ -83,8 +89,9 @@ class MegatronPolicyWorker(Worker):
         threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
 
         def __post_init__(self) -> None:
-            if self.micro_batch_size < 1:
-                raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
+                raise ValueError(f"micro_batch_size must be >= 1 and max_tokens_per_micro_batch >= 0, got "
+                                 f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}")
             if self.mixed_precision == "bf16" and self.dtype != "float32":
                 raise ValueError(f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
                                  f"dtype={self.dtype} the parameters are already 16-bit: use one of the two")
@@ -184,9 +191,12 @@ class MegatronPolicyWorker(Worker):
 
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        rows = options.micro_batch_size  # per micro-batch; under a token budget its worst case: full-length rows
+        if options.max_tokens_per_micro_batch:
+            rows = max(1, options.max_tokens_per_micro_batch // seq_len)
         out = {"parameters": float(params * size)}
         # a forward alone keeps one layer's activations at a time, and the logits
-        forward = float(activation_bytes(shape, layout.tp, shape.layers, options.micro_batch_size, seq_len, size)
+        forward = float(activation_bytes(shape, layout.tp, shape.layers, rows, seq_len, size)
                         // shape.layers)
         if not cls.trainable:
             return {**out, "activations": forward}
@@ -198,7 +208,7 @@ class MegatronPolicyWorker(Worker):
         shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
         grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
         return {**out, "gradients": grads, "optimizer": optimizer,
-                "activations": float(activation_bytes(shape, layout.tp, layout.pp, options.micro_batch_size,
+                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows,
                                                       seq_len, size, options.recompute)),
                 "forward_activations": forward}
 
@@ -256,10 +266,7 @@ class MegatronPolicyWorker(Worker):
         cut is the batch's.) Forward-only calls keep the full width: their outputs are ``[B, L-1]``."""
         import torch
 
-        from rollhpc.models.megatron_pipeline import micro_batches
-
-        layout = self.ctx.layout
-        interleaved = layout.vpp is not None
+        interleaved = self.ctx.layout.vpp is not None
         order = np.arange(len(batch))
         ends = None
         if with_mask and self._shapes_are_local():  # tokens each row needs: through its last loss position's target
@@ -269,7 +276,7 @@ class MegatronPolicyWorker(Worker):
         full = batch["tokens"].shape[1]
         width = int(ends.max(initial=2)) if ends is not None else None  # the interleaved schedule's one width
         parts = []
-        for idx in micro_batches(len(batch), self.options.micro_batch_size, layout.pp, interleaved):
+        for idx in self._micro_batch_index(len(batch), None if ends is None else ends[order], full):
             keep = idx >= 0
             rows = order[np.where(keep, idx, 0)]
             if ends is not None and not interleaved:
@@ -282,6 +289,43 @@ class MegatronPolicyWorker(Worker):
             part["keep"] = torch.as_tensor(keep, device=self.device)
             parts.append(part)
         return parts
+
+    def _micro_batch_index(self, n: int, ends: np.ndarray | None, full: int) -> list[np.ndarray]:
+        """Positions (into the rows' order; -1 a padding row) of each micro-batch: ``micro_batch_size`` rows, or
+        with ``max_tokens_per_micro_batch`` as many as the token budget holds. ``ends``: each row's token count,
+        longest first, where this rank shapes its micro-batches alone (training without expert parallelism);
+        else None: every row at the batch's ``full`` width.
+
+        Under the token budget, rows of unequal length pack greedily (``token_budget_micro_batches``); the
+        interleaved schedule's one shape gets as many rows as the budget holds at the batch's cut. The stages of a
+        pipeline hold the same rows and compute the same micro-batches. Under expert parallelism the MoE token
+        dispatch is a collective over other DP ranks, which hold other rows: the ranks agree on the count and the
+        rows per micro-batch by an all-reduce (the largest of each), padding with -1 rows where they hold fewer."""
+        from rollhpc.models.megatron_pipeline import micro_batches, token_budget_micro_batches
+
+        pp, interleaved = self.ctx.layout.pp, self.ctx.layout.vpp is not None
+        budget = getattr(self.options, "max_tokens_per_micro_batch", 0)
+        if budget and ends is not None and not interleaved:
+            return token_budget_micro_batches(ends, budget)
+        width = int(ends.max(initial=2)) if ends is not None else full
+        size = max(1, budget // width) if budget else self.options.micro_batch_size
+        if self._shapes_are_local():
+            return micro_batches(n, size, pp, interleaved)
+        count, most = (int(v) for v in self._role_max([math.ceil(n / size), n]))
+        if interleaved:
+            count = max(pp, math.ceil(count / pp) * pp)
+        rows = max(1, math.ceil(most / count))
+        return list(np.concatenate([np.arange(n), np.full(count * rows - n, -1)]).reshape(count, rows))
+
+    def _role_max(self, values: list[float]) -> list[float]:
+        """The largest of each value over every rank of the role (a collective)."""
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
     def _shapes_are_local(self) -> bool:
         """Whether this rank may choose its micro-batches' count and shapes alone. Not under expert parallelism:
@@ -407,6 +451,9 @@ class MegatronReferenceWorker(MegatronPolicyWorker):
 
 class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
     trainable = True
+    # under overlap_grad_reduce a bucket is reduced once each of its parameters' gradients is ready; a parameter the
+    # loss never reaches would hold its bucket back (megatron asserts at finalize): no overlap then
+    every_parameter_gets_a_gradient = True
 
     @dataclass(kw_only=True)
     class Options(MegatronPolicyWorker.Options):
@@ -462,10 +509,10 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         through) and ``get_megatron_optimizer`` over them; on CPU through rollhpc.models.megatron_cpu.
 
         On CUDA each gradient bucket is reduced (reduce-scattered under the distributed optimizer) as soon as the
-        backward has filled it, overlapping the last micro-batch's backward; the schedule runs the other micro-batches
-        under DDP's ``no_sync``. The parameter all-gather after the step is not deferred to the next forward
+        backward has filled it, overlapping the last micro-batch's backward (the schedule runs the other micro-batches
+        under DDP's ``no_sync``), in roles whose every parameter gets a gradient (not the critic). The parameter all-gather after the step is not deferred to the next forward
         (``overlap_param_gather``): in RL the weights leave for the generators right after each step, which needs
-        them gathered at once. On CPU nothing overlaps (gloo has no reduce-scatter: the shim's is synchronous)."""
+        them gathered at once. On CPU nothing overlaps (megatron's overlap runs on CUDA streams)."""
         import torch
         from megatron.core import optimizer as mcore_optimizer
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -481,7 +528,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             # parameters fill two DDP buffers of different dtypes (a size mismatch at the first save)
             for chunk in self.chunks:
                 chunk.to(dtype)
-        overlap = self.device.type == "cuda"
+        overlap = self.device.type == "cuda" and self.every_parameter_gets_a_gradient
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
                                                    use_distributed_optimizer=o.distributed_optimizer)
         self.model_chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
@@ -568,7 +615,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         t0 = time.perf_counter()
         rows = np.arange(len(batch))
         metrics: dict[str, list[float]] = {}
-        skipped = 0
+        skipped = micro = 0
         for mini in np.array_split(rows, o.mini_batches):
             mask_np = np.asarray(batch["loss_mask"])[mini]
             skip = o.skip_zero_advantage and self._shapes_are_local()
@@ -606,15 +653,17 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
                 mini_batch = Batch({k: np.asarray(v)[mini[:1]] for k, v in batch.data.items()})
                 mini_batch.data["loss_mask"] = np.zeros_like(np.asarray(mini_batch["loss_mask"]))
             sums: dict[str, float] = {}
+            parts = self._parts(mini_batch, with_mask=True)
+            micro += len(parts)
             with self._autocast():
-                for kept in run_schedule(self.model_chunks, self._parts(mini_batch, with_mask=True), self._call_chunk,
-                                         loss, forward_only=False):
+                for kept in run_schedule(self.model_chunks, parts, self._call_chunk, loss, forward_only=False):
                     for k, v in kept.items():
                         sums[k] = sums.get(k, 0.0) + v
             self._finish_mini_batch(sums, metrics)
         out = {k: float(np.mean(v)) for k, v in metrics.items()}
         out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
-                   lr=self.optimizer.param_groups[0]["lr"], rows_skipped=self._dp_sum([float(skipped)])[0])
+                   lr=self.optimizer.param_groups[0]["lr"], rows_skipped=self._dp_sum([float(skipped)])[0],
+                   micro_batches=float(micro))  # this rank's (its replica's), over the mini-batches
         return [out]
 
     @staticmethod
@@ -680,6 +729,8 @@ class MegatronCriticWorker(MegatronTrainWorker):
     computed but unused. The value head is a submodule of the last stage's model chunk (``value_head``, a name
     without a Hugging Face counterpart), so megatron's DDP, optimizer and checkpoints treat it like the trunk's
     parameters; every TP and DP replica initialises it alike (same seed)."""
+
+    every_parameter_gets_a_gradient = False  # the language-model head's output is unused
 
     def _add_modules(self) -> None:
         import torch
