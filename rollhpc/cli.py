@@ -677,11 +677,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "left by a crash; ignored on resume). The last line says which checkpoint a resume uses.")
     c.add_argument("path", type=Path, metavar="PATH", help="run directory or checkpoints/ folder")
     c.add_argument("--deep", action="store_true", help="also compare every file's sha256 (reads everything)")
-    c = cks.add_parser("inspect", help="one checkpoint: manifest summary, meta, files by size, tensor shapes",
+    c = cks.add_parser("inspect", help="one checkpoint: manifest summary, meta, optimizer state, files by size, "
+                       "tensor shapes",
                        description="Print a checkpoint's step, time, size and status, its meta (JSON given at "
-                       "commit), its files largest first, and the tensor names, dtypes and shapes of its "
-                       ".safetensors (header only) and .pt files. A run directory shows the checkpoint `latest` "
-                       "names.")
+                       "commit), per trainer role (train, critic) its optimizer: the stack that saved it (megatron's "
+                       "distributed optimizer, megatron's optimizer without it, or older runs' torch AdamW), the "
+                       "ranks that saved it and their TP/PP/DP, the optimizer step, the format and whether it loads "
+                       "at another layout, and per kind of state (main params, exp_avg, exp_avg_sq) its tensors, "
+                       "elements, dtype and bytes, the shard files and their bytes on disk; then its files largest "
+                       "first, and the tensor names, dtypes and shapes of its .safetensors (header only) and .pt "
+                       "files. A run directory shows the checkpoint `latest` names. Reads files only, builds no "
+                       "model.")
     c.add_argument("path", type=Path, metavar="PATH", help="checkpoint directory (or run directory: latest)")
     c.add_argument("--max-files", type=int, default=20, metavar="N", help="files listed (0 = all; default 20)")
     c = cks.add_parser("verify", help="check files against manifests; exit 0 if good, 1 with one line per problem",

@@ -218,6 +218,28 @@ def test_cli_list_inspect_verify(tmp_path, capsys):
     assert res.returncode == 2 and "no such directory" in res.stderr
 
 
+
+def test_inspect_names_the_optimizer_of_each_trainer_role(tmp_path, capsys):
+    """Rank files as trainer_state writes them (numpy's RNG state included, which a tensors-only load refuses
+    unless allowed): a torch-AdamW role (optimizer=torch, of older runs) is one line, a megatron role saved before
+    its first step says it holds no optimizer state. The megatron state itself is checked on a real checkpoint in
+    test_pipeline_parallel."""
+    store = CheckpointStore(tmp_path / "checkpoints")
+    pending = store.begin(3)
+    megatron = {"megatron_optimizer": {"stepped": False, "distributed": True}}
+    for role, world, extra in (("critic", 2, {}), ("train", 1, megatron)):
+        (pending.path / role / "ranks").mkdir(parents=True)
+        for rank in range(world):
+            torch.save({"rank": rank, "world": world, "optimizer_steps": 3 if role == "critic" else 0,
+                        "rng": save_rng_states(), **extra}, pending.path / role / "ranks" / f"rank_{rank:05d}.pt")
+    store.commit(pending, {})
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert ("optimizer:\n  critic: torch AdamW (optimizer=torch of older runs, removed), saved by 2 ranks, step 3: "
+            "this rollhpc does not resume it; its model/ converts (rollhpc convert mcore-to-hf)\n"
+            "  train: megatron distributed optimizer, saved by 1 rank, step 0: no optimizer state (saved before the "
+            "first optimizer step)\nfiles,") in out
+
 def test_rng_states_restore_the_same_draws(tmp_path):
     def draws(gen: np.random.Generator, tgen: torch.Generator) -> list:
         return [random.random(), np.random.rand(3).tolist(), gen.integers(0, 1 << 30, 4).tolist(),

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollhpc.checkpoint.optimizer_report import optimizer_lines
 from rollhpc.checkpoint.storage import (MANIFEST, STEP_DIR_RE, TMP_DIR_RE, CheckpointStatus, CheckpointStorageError,
                                         CheckpointStore, check_dir, human_bytes, status_of, step_dir_name)
 
@@ -127,6 +128,7 @@ def inspect_lines(path: Path, max_files: int) -> list[str]:
     if manifest is not None:
         lines.append("meta:" if manifest.meta else "meta: (none)")
         lines += ["  " + line for line in json.dumps(manifest.meta, indent=2).splitlines()] if manifest.meta else []
+    lines += optimizer_lines(ckpt)
     sizes = sorted(on_disk.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = sizes if max_files <= 0 else sizes[:max_files]
     lines.append(f"files, largest first ({len(shown)} of {len(sizes)}):")
