@@ -55,6 +55,16 @@ def _run(experiment, tmp_path: Path, name: str, model: Path, procs: int, paralle
 
 
 @pytest.fixture(scope="module")
+def pp2(models, tmp_path_factory) -> dict:
+    """The dense model at PP2, its train role checkpointed after step 1 into RUN_DIR/ckpt: the run the resume test
+    continues and ``ckpt inspect`` reads."""
+    from tests.conftest import experiment_writer
+
+    tmp = tmp_path_factory.mktemp("pp2")
+    return _run(experiment_writer(tmp), tmp, "pp2", models["dense"], 2, {"pp": 2})
+
+
+@pytest.fixture(scope="module")
 def one_stage(models, tmp_path_factory) -> dict[str, dict]:
     """pp=1 runs (one rank) of both models: the reference every layout is compared with."""
     from tests.conftest import experiment_writer
@@ -110,7 +120,7 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one_stage, experiment, tmp_path):
+def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one_stage, pp2, experiment, tmp_path):
     """Two pipeline stages train like one. Their checkpoint after step 1, resumed by two data-parallel ranks of
     the whole model (the distributed optimizer's state resharded from PP2 to DP2, gradients reduce-scattered) and
     by one rank (gathered from its two shards; the rank files' RNG states start fresh), computes step 2's loss,
@@ -126,7 +136,6 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
     from tests.conftest import REPO
     from tests.test_convert import PROMPTS, _hf_greedy
 
-    pp2 = _run(experiment, tmp_path, "pp2", models["dense"], 2, {"pp": 2})
     assert_same_training(pp2, one_stage["dense"])
     for procs in (2, 1):
         resumed = _run(experiment, tmp_path, f"resumed_dp{procs}", models["dense"], procs, {},
@@ -147,6 +156,51 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_ckpt_inspect_shows_the_optimizer_state(pp2, tmp_path, capsys):
+    """``rollhpc ckpt inspect`` on a run checkpoint holding the PP2 run's train role: megatron's distributed optimizer,
+    saved by the two pipeline ranks (DP 1) after step 1 in its fully_reshardable format, its fp32 main parameters and
+    both Adam moments each as many elements as the model has parameters (counted here from the exported weights and
+    the padded vocabulary), one shard file per stage."""
+    import json
+    import re
+    import shutil
+
+    from rollhpc.checkpoint.storage import CheckpointStore, human_bytes
+    from rollhpc.cli import main
+
+    saved = pp2["run_dir"] / "ckpt"
+    store = CheckpointStore(tmp_path / "run" / "checkpoints")
+    pending = store.begin(1)
+    shutil.copytree(saved, pending.path / "train")
+    store.commit(pending, {})
+    assert main(["ckpt", "inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("\noptimizer:\n") + 1:out.index("\nfiles, largest first")].splitlines()
+    print("\n".join(section))
+
+    meta = json.loads((saved / "model" / "rollhpc_checkpoint.json").read_text())
+    hf = meta["hf_config"]
+    params = (sum(t.numel() for t in pp2["saved_weights"].values())  # the tied embedding once
+              + (meta["padded_vocab_size"] - hf["vocab_size"]) * hf["hidden_size"])
+    shards = sorted((saved / "optimizer").glob("*.distcp"))
+    assert section[:3] == [
+        "optimizer:",
+        "  train: megatron distributed optimizer, saved by 2 ranks (tp 1, pp 2, dp 1), step 1",
+        "    format torch_dist, fully_reshardable: gathered over DP at save, loads at any TP/PP/DP layout"]
+    rows = {m["kind"]: m for m in (re.fullmatch(r"    (?P<kind>main params|exp_avg_sq|exp_avg) +(?P<tensors>\d+) +"
+                                                r"(?P<elements>[\d,]+) +(?P<dtype>\S+) +(?P<bytes>.+)", line)
+                                   for line in section) if m}
+    assert sorted(rows) == ["exp_avg", "exp_avg_sq", "main params"]
+    for kind, row in rows.items():
+        assert int(row["elements"].replace(",", "")) == params, kind
+        assert (row["dtype"], row["bytes"]) == ("float32", human_bytes(4 * params)), kind
+        assert row["tensors"] == rows["exp_avg"]["tensors"], kind
+    assert len(shards) == 2  # one per pipeline stage: each DP group of one rank wrote its own
+    assert section[-1] == (f"    2 shard files, {human_bytes(sum(f.stat().st_size for f in shards))} on disk; "
+                           f"the model: {params:,} parameters, float32")
 
 
 @pytest.mark.slow
