@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
 LR = 1e-4
+RESHARDABLE = {"optimizer_checkpoint": "reshardable"}  # the optimizer state per parameter: loads at any layout
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,7 @@ def pp2(models, tmp_path_factory) -> dict:
     from tests.conftest import experiment_writer
 
     tmp = tmp_path_factory.mktemp("pp2")
-    return _run(experiment_writer(tmp), tmp, "pp2", models["dense"], 2, {"pp": 2})
+    return _run(experiment_writer(tmp), tmp, "pp2", models["dense"], 2, {"pp": 2}, train_options=RESHARDABLE)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,8 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
 
 @pytest.mark.slow
 def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one_stage, pp2, experiment, tmp_path):
-    """Two pipeline stages train like one. Their checkpoint after step 1, resumed by two data-parallel ranks of
+    """Two pipeline stages train like one. Their checkpoint after step 1 (optimizer_checkpoint: reshardable), resumed by
+    two data-parallel ranks of
     the whole model (the distributed optimizer's state resharded from PP2 to DP2, gradients reduce-scattered) and
     by one rank (gathered from its two shards; the rank files' RNG states start fresh), computes step 2's loss,
     log-probs and weights as the PP2 run did. The checkpoint's model converts to a Hugging Face directory holding
@@ -139,7 +141,7 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
     assert_same_training(pp2, one_stage["dense"])
     for procs in (2, 1):
         resumed = _run(experiment, tmp_path, f"resumed_dp{procs}", models["dense"], procs, {},
-                       resume_from=str(pp2["run_dir"] / "ckpt"))
+                       train_options=RESHARDABLE, resume_from=str(pp2["run_dir"] / "ckpt"))
         assert len(resumed["loss"]) == 1
         assert_same_training(resumed, pp2, steps=slice(1, 2))
 
@@ -156,6 +158,30 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_dp2_sharded_optimizer_checkpoint_resumes_at_dp2_and_dp1(models, experiment, tmp_path):
+    """The default optimizer checkpoint (``sharded``: each rank writes its shard of the distributed optimizer, as
+    Megatron-LM saves by default) of a DP2 run after step 1, resumed by two ranks and by one, computes step 2's loss,
+    log-probs and weights as the DP2 run did. Resumed at another pipeline split it is refused before anything loads,
+    naming the layout change and the option that allows it."""
+    dp2 = _run(experiment, tmp_path, "dp2", models["dense"], 2, {})
+    for procs in (2, 1):
+        resumed = _run(experiment, tmp_path, f"dp2_resumed_dp{procs}", models["dense"], procs, {},
+                       resume_from=str(dp2["run_dir"] / "ckpt"))
+        assert len(resumed["loss"]) == 1
+        assert_same_training(resumed, dp2, steps=slice(1, 2))
+    path, _ = experiment({
+        "pipeline": {"entry": "tests.scenarios:TrainerLayoutScenario",
+                     "options": {"save_after": 1, "resume_from": str(dp2["run_dir"] / "ckpt")}},
+        "roles": {"train": {"worker": TRAIN, "procs": 2, "parallel": {"pp": 2},
+                            "options": {"model_dir": str(models["dense"]), "micro_batch_size": 2, "lr": LR}}},
+    }, name="dp2_resumed_pp2")
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=240)
+    assert res.returncode != 0
+    assert "saved sharded (optimizer_checkpoint: sharded), which reshards over DP only, and this role's layout " \
+           "differs (pp 1 -> 2)" in res.stderr + res.stdout
 
 
 @pytest.mark.slow
@@ -189,7 +215,7 @@ def test_ckpt_inspect_shows_the_optimizer_state(pp2, tmp_path, capsys):
     assert section[:3] == [
         "optimizer:",
         "  train: megatron distributed optimizer, saved by 2 ranks (tp 1, pp 2, dp 1), step 1",
-        "    format torch_dist, fully_reshardable: gathered over DP at save, loads at any TP/PP/DP layout"]
+        "    format torch_dist, fully_reshardable: gathered on DP rank 0 at save, loads at any TP/PP/DP layout"]
     rows = {m["kind"]: m for m in (re.fullmatch(r"    (?P<kind>main params|exp_avg_sq|exp_avg) +(?P<tensors>\d+) +"
                                                 r"(?P<elements>[\d,]+) +(?P<dtype>\S+) +(?P<bytes>.+)", line)
                                    for line in section) if m}

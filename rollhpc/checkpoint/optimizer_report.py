@@ -5,7 +5,7 @@ What an engineer resuming at another layout wants before starting the job: which
 ranks saved it and at which TP/PP/DP, the optimizer step, the format (whether it reshards), and the state itself::
 
     train: megatron distributed optimizer, saved by 2 ranks (tp 1, pp 2, dp 1), step 1
-      format torch_dist, fully_reshardable: gathered over DP at save, loads at any TP/PP/DP layout
+      format torch_dist, fully_reshardable: gathered on DP rank 0 at save, loads at any TP/PP/DP layout
       state        tensors  elements  dtype      bytes
       main params        9   788,608  float32  3.0 MiB
       ...
@@ -39,7 +39,7 @@ from rollhpc.checkpoint.storage import human_bytes
 _STATE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(\w+)\.")
 _KIND_NAMES = {"param": "main params", "fp32_param": "main params"}  # distributed / non-distributed megatron
 _KIND_ORDER = ("main params", "exp_avg", "exp_avg_sq")
-_RESHARDS = {"fully_reshardable": "gathered over DP at save, loads at any TP/PP/DP layout",
+_RESHARDS = {"fully_reshardable": "gathered on DP rank 0 at save, loads at any TP/PP/DP layout",
              "fully_sharded_model_space": "each parameter sharded like the model, loads at any TP/PP/DP layout",
              "dp_reshardable": "megatron's DP buffers as saved, loads at the same TP/PP (any DP) only"}
 

@@ -5,9 +5,14 @@ Inside the run checkpoint's directory, the role ``train`` (likewise ``critic``) 
     train/model/       the GPT model (a critic's value head included): a megatron dist checkpoint
                        (``checkpoint.mcore``), loadable at any TP/PP/EP layout and convertible to Hugging Face
                        (``rollhpc convert mcore-to-hf``)
-    train/optimizer/   megatron's own optimizer checkpoint (fp32 main parameters, Adam moments, step) in its
-                       ``fully_reshardable`` form: gathered over the DP group at save, each rank reading what it
-                       needs at load, so it loads at another DP, TP or PP layout. Absent before the first step
+    train/optimizer/   megatron's own optimizer checkpoint (fp32 main parameters, Adam moments, step), in one of
+                       its two forms (the role's ``optimizer_checkpoint``): ``sharded`` (megatron's
+                       ``dp_reshardable``, as Megatron-LM saves by default): each rank writes its own shard of
+                       the distributed optimizer's buffers, no gather, no extra memory; loads at another DP size
+                       with the same TP/PP/EP. ``reshardable`` (``fully_reshardable``): the state gathered onto
+                       each DP group's rank 0 (the whole role's optimizer state in that rank's memory) and saved
+                       per parameter; loads at any TP/PP/DP layout, every rank reading the whole state.
+                       Absent before the first step
     train/ranks/rank_00003.pt   what each rank holds alone: its RNG states and the optimizer step count
 
 Why dist checkpoints for the optimizer too: a run may resume on a different layout (fewer nodes after
@@ -29,8 +34,9 @@ log = logging.getLogger(__name__)
 MODEL_DIR = "model"
 OPTIMIZER_DIR = "optimizer"
 RANKS_DIR = "ranks"
-# megatron's distributed optimizer checkpoint format: resharded at load to any DP (and TP / PP) layout
-MEGATRON_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# the role's optimizer_checkpoint -> megatron's distributed optimizer checkpoint format
+SHARDING_TYPES = {"sharded": "dp_reshardable", "reshardable": "fully_reshardable"}
+LAYOUT_KEYS = ("tp", "pp", "vpp", "ep", "etp")  # what a dp_reshardable optimizer checkpoint is pinned to
 
 
 def _rank_file(role_dir: Path, rank: int) -> Path:
@@ -65,10 +71,12 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         if rank == 0:
             opt_dir.mkdir(parents=True)
         dist.barrier()
-        dist_checkpointing.save(_megatron_optimizer_state(worker, is_loading=False), str(opt_dir),
-                                sharded_strategy=save_strategy())
+        dist_checkpointing.save(_megatron_optimizer_state(worker, _sharding_type(worker), is_loading=False),
+                                str(opt_dir), sharded_strategy=save_strategy())
+    layout = {k: getattr(worker.ctx.layout, k) for k in LAYOUT_KEYS}
     own = {"rank": rank, "world": dist.get_world_size(), "optimizer_steps": worker.optimizer_steps,
-           "megatron_optimizer": {"stepped": stepped, "distributed": bool(worker.options.distributed_optimizer)},
+           "megatron_optimizer": {"stepped": stepped, "distributed": bool(worker.options.distributed_optimizer),
+                                  "sharding_type": _sharding_type(worker), "layout": layout},
            "rng": save_rng_states()}
     path = _rank_file(role_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +86,10 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
 
 
 def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
-    """Collective: put back what ``save_trainer_state`` wrote (model, optimizer, counters, RNG), at any layout:
-    megatron's checkpoints reshard over TP, PP and DP; at another rank count the ranks' RNG states start fresh."""
+    """Collective: put back what ``save_trainer_state`` wrote (model, optimizer, counters, RNG). The model reshards
+    to any layout; the optimizer state to another DP size, or to any layout where saved ``reshardable`` (another
+    TP/PP/EP of a ``sharded`` one is refused before anything loads). At another rank count the ranks' RNG states
+    start fresh."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -97,6 +107,15 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{role_dir} holds the state of optimizer=torch (AdamW on the weights), which was "
                               "removed: resume it with the rollhpc that wrote it, or start from its model "
                               f"({role_dir / MODEL_DIR}, e.g. converted with `rollhpc convert mcore-to-hf`)")
+    marker = saved_by["megatron_optimizer"]
+    sharding = marker.get("sharding_type", "fully_reshardable")  # (checkpoints of 2026-11-26 do not say)
+    layout = {k: getattr(worker.ctx.layout, k) for k in LAYOUT_KEYS}
+    if marker["stepped"] and sharding == "dp_reshardable" and marker.get("layout", layout) != layout:
+        changed = ", ".join(f"{k} {marker['layout'][k]} -> {layout[k]}" for k in LAYOUT_KEYS
+                            if marker["layout"][k] != layout[k])
+        raise CheckpointError(f"{role_dir}: its optimizer state was saved sharded (optimizer_checkpoint: sharded), "
+                              f"which reshards over DP only, and this role's layout differs ({changed}): resume "
+                              "with the saved TP/PP/EP, or save with optimizer_checkpoint: reshardable")
     if saved_by["world"] == world:
         own = saved_by if rank == 0 else torch.load(_rank_file(role_dir, rank), weights_only=False)
     else:
@@ -109,12 +128,13 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     if own["megatron_optimizer"]["stepped"]:  # then the saved ones (the exact fp32 values), moments and step
         _give_state_to_load_into(worker.optimizer)
         try:
-            state = dist_checkpointing.load(_megatron_optimizer_state(worker, is_loading=True),
+            state = dist_checkpointing.load(_megatron_optimizer_state(worker, sharding, is_loading=True),
                                             str(role_dir / OPTIMIZER_DIR))
         except Exception as e:  # noqa: BLE001 - megatron raises several types for a bad directory
             raise CheckpointError(f"cannot load the optimizer state in {role_dir / OPTIMIZER_DIR}: "
                                   f"{type(e).__name__}: {e}") from e
-        worker.optimizer.load_state_dict(state)
+        with torch.no_grad():  # fp32 parameters are their own main parameters: the load copies into the model's leaves
+            worker.optimizer.load_state_dict(state)
         _unshare_steps(worker.optimizer)
     worker.optimizer_steps = own["optimizer_steps"]
     if own["rng"] is not None:
@@ -123,11 +143,20 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
 
 
-def _megatron_optimizer_state(worker: Any, is_loading: bool) -> dict[str, Any]:
+def _sharding_type(worker: Any) -> str:
+    return SHARDING_TYPES[worker.options.optimizer_checkpoint]
+
+
+def _megatron_optimizer_state(worker: Any, sharding_type: str, is_loading: bool) -> dict[str, Any]:
+    """megatron's sharded state dict of the optimizer in ``sharding_type``; ``fully_reshardable`` gathers on each
+    DP group's rank 0 only (megatron's memory-efficient variant: the default gathers the whole state onto every
+    rank, ~12 bytes a parameter on each, which a 0.5B model at DP 2 on a 24 GiB node did not survive)."""
     from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
 
+    metadata = {"distrib_optim_sharding_type": sharding_type,
+                "distrib_optim_fully_reshardable_mem_efficient": sharding_type == "fully_reshardable"}
     return worker.optimizer.sharded_state_dict(chunks_sharded_state_dict(worker.chunks), is_loading=is_loading,
-                                               metadata=MEGATRON_FORMAT)
+                                               metadata=metadata)
 
 
 def _give_state_to_load_into(optimizer: Any) -> None:

@@ -478,6 +478,11 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         # score matrices, "full" each layer from its input; the memory plan counts what each keeps
         recompute: Literal["none", "selective", "full"] = "none"
         distributed_optimizer: bool = True  # main parameters and moments sharded over the DP group (ZeRO-1)
+        # how checkpoints hold the distributed optimizer's state (rollhpc.checkpoint.trainer_state): "sharded", each
+        # rank its own shard (no gather, no extra memory; resumes at another DP size, same TP/PP/EP), or
+        # "reshardable", gathered per parameter on each DP group's rank 0 (which then holds the role's whole
+        # optimizer state in memory; resumes at any TP/PP/DP layout). Megatron-LM saves the first by default
+        optimizer_checkpoint: Literal["sharded", "reshardable"] = "sharded"
         # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
         # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
         # gradient and the update are unchanged (the global token and row counts still include them); the
