@@ -15,7 +15,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollhpc.models.tiny import EOS_TOKEN, TinyModelSpec, build_tokenizer, create_tiny_model
+from rollhpc.models.tiny import (EOS_TOKEN, QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB, TinyModelSpec, build_tokenizer,
+                                  create_tiny_model)
 from rollhpc.tasks import arithmetic, countdown
 
 SAMPLES = ["123 + 456 = 579", "9071 - 88 = 8983\n", "Numbers: 3 7 25 50\nTarget: 46\nAnswer: (50 - 25) + 3 * 7",
@@ -91,6 +92,34 @@ def test_unmerged_characters_stay_one_token_each(tmp_path):
     assert loaded(board + "> down")["input_ids"] == apart(board + "> down")["input_ids"]
     assert sorted(loaded.get_vocab().values()) == list(range(len(loaded)))
     assert (loaded.eos_token_id, loaded.pad_token_id) == (0, 1)
+
+
+def test_padded_vocabulary_has_the_size_asked_and_tokenizes_as_trained(tokenizer, tmp_path):
+    texts = [*arithmetic.corpus(arithmetic.make_splits(0, 300, 0)[0]),
+             *countdown.corpus(countdown.make_splits(0, 300, 0)[0])]
+    padded = build_tokenizer(texts, vocab_size=300, pad_to=4096)
+    assert len(padded) == 4096
+    for text in SAMPLES:  # the reserved entries are never produced: the trained tokenization
+        assert padded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert padded.decode([len(tokenizer), 4095]) == "<|reserved_0|><|reserved_{}|>".format(4095 - len(tokenizer))
+    with pytest.raises(ValueError, match="pad_to=200 is below"):
+        build_tokenizer(texts, vocab_size=300, pad_to=200)
+    spec = TinyModelSpec(num_hidden_layers=1, rope_theta=QWEN2_5_0_5B.rope_theta)
+    model_dir = create_tiny_model(tmp_path / "m", spec, padded, dtype="bfloat16")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["vocab_size"], config["dtype"]) == (4096, "bfloat16")
+    assert {t.dtype for t in _tensors(model_dir).values()} == {torch.bfloat16}
+    assert len(AutoTokenizer.from_pretrained(model_dir)) == 4096
+
+
+def test_qwen2_5_0_5b_shape_has_its_published_parameter_count():
+    from transformers import AutoModelForCausalLM
+
+    config = QWEN2_5_0_5B.hf_config(QWEN2_5_0_5B_VOCAB, eos_token_id=0, pad_token_id=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768  # Qwen2.5-0.5B's, embedding tied
+    assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases
 
 
 def test_dense_model_loads_offline_and_generates(tokenizer, dense_dir):

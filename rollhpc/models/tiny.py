@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+RESERVED_TOKEN = "<|reserved_{}|>"  # the vocabulary's padding entries (build_tokenizer's pad_to)
 MIN_HEAD_DIM = 32  # vLLM's attention backends refuse smaller heads (16 is rejected on CPU)
 
 
@@ -104,10 +105,23 @@ class TinyModelSpec:
         )
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "") -> PreTrainedTokenizerFast:
+# Qwen2.5-0.5B's published config.json shape (Qwen/Qwen2.5-0.5B and -Instruct: 494M parameters, the 151936 x 896
+# embedding tied to the output layer); with build_tokenizer(..., pad_to=QWEN2_5_0_5B_VOCAB) a random model of its size
+QWEN2_5_0_5B = TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24,
+                             intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
+                             rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN2_5_0_5B_VOCAB = 151936
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "",
+                    pad_to: int | None = None) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts``; returns a Qwen2 tokenizer (a ``PreTrainedTokenizerFast``).
 
     ``vocab_size`` is a ceiling: a small corpus runs out of merges first, so size models by ``len(tok)``.
+    ``pad_to``: the vocabulary then has exactly this many entries, the trained ones followed by ``<|reserved_N|>``
+    entries that no merge produces (encoding never emits them; decoding gives their text). A model sized by
+    ``len(tok)`` then has a real model's embedding and output layer, e.g. Qwen2.5's 151936 rows, however small the
+    corpus; the tokenization is the trained one.
 
     Byte-level so that any text round-trips (no unknown token). The normaliser and pre-tokenizer are
     Qwen2's own, taken from transformers rather than chosen here: transformers 5 rebuilds the
@@ -139,6 +153,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "") -
     vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
     if unmerged:
         vocab, merges = _without_merges_of(vocab, merges, unmerged)
+    if pad_to is not None:
+        vocab = _padded(vocab, pad_to)
     return Qwen2Tokenizer(vocab=vocab, merges=merges,
                           eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
                           clean_up_tokenization_spaces=False)
@@ -162,6 +178,19 @@ def _without_merges_of(vocab: dict[str, int], merges: list[tuple[str, str]],
     return {t: i for i, t in enumerate(kept)}, kept_merges
 
 
+def _padded(vocab: dict[str, int], size: int) -> dict[str, int]:
+    """``vocab`` with ``RESERVED_TOKEN`` entries appended up to ``size`` entries (ids ``len(vocab)`` .. ``size - 1``)."""
+    if size < len(vocab):
+        raise ValueError(f"pad_to={size} is below the {len(vocab)} tokens the trained vocabulary already has")
+    out = dict(vocab)
+    for i in range(size - len(vocab)):
+        token = RESERVED_TOKEN.format(i)
+        if token in out:
+            raise ValueError(f"the trained vocabulary already has {token!r}")
+        out[token] = len(vocab) + i
+    return out
+
+
 def _byte_symbol(char: str) -> str:
     """The byte-level BPE symbol of a one-byte character (GPT-2's bytes-to-unicode table)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -171,12 +200,14 @@ def _byte_symbol(char: str) -> str:
     return bytes_to_unicode()[ord(char)]
 
 
-def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Path:
+def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
+                      dtype: str = "float32") -> Path:
     """Write a randomly initialised model and ``tokenizer`` to ``out_dir``; returns ``out_dir``.
 
     The directory is built beside the target and renamed into place, so a crash leaves either a
     complete model or none. An existing ``out_dir`` is an error rather than silently replaced.
-    Initialisation is seeded without disturbing the caller's torch RNG.
+    Initialisation is seeded without disturbing the caller's torch RNG. ``dtype``: of the saved weights and
+    the config's ``dtype`` ("bfloat16" as Qwen2.5's published checkpoints); initialised in float32 either way.
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -193,6 +224,9 @@ def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedT
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if dtype != "float32":
+            model = model.to(getattr(torch, dtype))
+            model.config.dtype = dtype
         model.generation_config = GenerationConfig(
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False)
         model.save_pretrained(tmp)
