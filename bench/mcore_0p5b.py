@@ -342,33 +342,46 @@ def run_world(args: argparse.Namespace, config_path: Path, run_dir: Path, work: 
         try:
             rc = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()
+            proc.terminate()  # its ranks die with it (rollhpc.parent_death)
             rc = proc.wait()
-            raise RuntimeError(f"{label} took longer than --timeout-s={args.timeout_s}; see {work / label}.log")
+            rc = f"timeout after --timeout-s={args.timeout_s:g}"
         finally:
             sampler.stop()
     wall = time.monotonic() - t0
     want = 0 if resume else EXIT_REQUEUE
-    if rc != want:
-        tail = (work / f"{label}.log").read_text()[-4000:]
-        raise RuntimeError(f"{label}: `rollhpc train` exited {rc}, expected {want}:\n{tail}")
-    assign_ranks(sampler, run_dir)
-    return {"wall_s": wall, "sampler": sampler}
+    out = {"wall_s": wall, "sampler": sampler, "rc": rc, "ok": rc == want}
+    if rc != want:  # e.g. a rank killed by the kernel for memory: what was measured until then is still recorded
+        tail = (work / f"{label}.log").read_text()[-3000:]
+        error = run_dir / "error.json"
+        summary = json.loads(error.read_text()).get("summary") if error.exists() else None
+        out["error"] = {"rc": rc, "expected": want, "summary": summary, "log_tail": tail}
+        print(f"[bench] {label}: `rollhpc train` exited {rc}, expected {want}: {summary}\n{tail}", flush=True)
+    try:
+        assign_ranks(sampler, run_dir)
+    except (OSError, ValueError, RuntimeError) as e:
+        if out["ok"]:
+            raise
+        out["error"]["ranks"] = str(e)  # ranks stay -1 (a world that never formed has no world.json)
+    return out
 
 
 def phases(sampler: Sampler, resume: bool, steps: list[int], wall_s: float) -> dict[str, tuple[float, float]]:
-    """Named time windows of a run on the sampler's clock."""
+    """Named time windows of a run on the sampler's clock, as far as the run got (a failed run's last window ends
+    with it)."""
     end = wall_s + 1.0
+    last = sampler.first("step", steps[-1]) if steps else None
     if resume:
-        loaded = sampler.first("resumed")
-        last = sampler.first("step", steps[-1]) if steps else None
-        if loaded is None or last is None:
-            raise RuntimeError("run 2's log has no resume line or no last step")
-        return {"startup_and_load": (0.0, loaded), "steps": (loaded, last), "end": (last, end)}
-    start, last, saved = sampler.first("step", 0), sampler.first("step", steps[-1]), sampler.first("saved")
-    if start is None or last is None or saved is None:
-        raise RuntimeError("run 1's log has no step 0, no last step or no checkpoint line")
-    return {"startup": (0.0, start), "steps": (start, last), "checkpoint_save": (last, saved), "end": (saved, end)}
+        marks = [("startup_and_load", 0.0), ("steps", sampler.first("resumed")), ("end", last)]
+    else:
+        marks = [("startup", 0.0), ("steps", sampler.first("step", 0)), ("checkpoint_save", last),
+                 ("end", sampler.first("saved"))]
+    windows = {}
+    for i, (name, start) in enumerate(marks):
+        if start is None:
+            break
+        stop = marks[i + 1][1] if i + 1 < len(marks) else None
+        windows[name] = (start, end if stop is None else stop)
+    return windows
 
 
 def memory_summary(sampler: Sampler, windows: dict[str, tuple[float, float]]) -> list[dict]:
@@ -476,6 +489,9 @@ def main() -> int:
     full = (args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab) == \
         (24, 896, 14, 2, 4864, 151936)
     out_path = Path(args.out or HERE / "results" / ("mcore_0p5b.json" if full else "mcore_0p5b_shrunk.json"))
+    # on a shared machine a run that outgrows its memory should be what the kernel kills, not a neighbour's process:
+    # the model build, the probes and every rank inherit this
+    Path("/proc/self/oom_score_adj").write_text("1000\n")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mcore_0p5b_"))
     work.mkdir(parents=True, exist_ok=True)
     shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
@@ -510,6 +526,8 @@ def main() -> int:
         for label, resume in (("run1", False), ("run2_resumed", True)):
             print(f"[bench] {label}: rollhpc train {'--resume' if resume else ''} ...", flush=True)
             runs[label] = run_world(args, config_path, run_dir, work, label, resume)
+            if not runs[label]["ok"]:
+                break
         from rollhpc.observability.metrics import read_jsonl
 
         records = read_jsonl(run_dir / "metrics.jsonl")
@@ -518,14 +536,18 @@ def main() -> int:
         run2_steps = [r["step"] for r in result["stages"] if r["step"] > args.steps]
         result["runs"] = {}
         for label, resume, steps in (("run1", False, run1_steps), ("run2_resumed", True, run2_steps)):
+            if label not in runs:
+                continue
             sampler, wall = runs[label]["sampler"], runs[label]["wall_s"]
             windows = phases(sampler, resume, steps, wall)
             saved = next((info for _, k, _, info in sampler.events if k == "saved"), None)
             loaded = next((info for _, k, _, info in sampler.events if k == "resumed"), None)
             result["runs"][label] = {
+                "ok": runs[label]["ok"], **({"error": runs[label]["error"]} if "error" in runs[label] else {}),
                 "wall_s": round(wall, 1), "steps": steps,
                 "phases_s": {k: [round(a, 2), round(b, 2)] for k, (a, b) in windows.items()},
-                "startup_s": round(windows["startup_and_load" if resume else "startup"][1], 1),
+                "startup_s": round(windows["startup_and_load" if resume else "startup"][1], 1)
+                if len(windows) > 1 else None,
                 **({"checkpoint_save": saved} if saved else {}), **({"checkpoint_load": loaded} if loaded else {}),
                 "ranks": memory_summary(sampler, windows),
                 # the largest sum of the ranks' (and their children's) VmRSS at one sample: pages two processes share
@@ -534,6 +556,7 @@ def main() -> int:
                 # MemAvailable at the start less its lowest value during the run: other users' processes included
                 "mem_available_drop_bytes": sampler.available_start - sampler.available_min}
         result["comparison"] = compare(result)
+        result["ok"] = len(runs) == 2 and all(r["ok"] for r in runs.values())
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
@@ -542,8 +565,9 @@ def main() -> int:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_path, (json.dumps(result, indent=1) + "\n").encode())
     print_table(result)
-    print(f"[bench] wrote {out_path}", flush=True)
-    return 0
+    print(f"[bench] wrote {out_path}" + ("" if result["ok"] else " (the runs did not complete: see 'error')"),
+          flush=True)
+    return 0 if result["ok"] else 1
 
 
 def compare(result: dict) -> list[dict]:
@@ -583,7 +607,9 @@ def print_table(result: dict) -> None:
             extra += f", checkpoint save {run['checkpoint_save']['seconds']:.1f} s"
         if "checkpoint_load" in run:
             extra += f", checkpoint load {run['checkpoint_load']['seconds']:.1f} s"
-        print(f"{label}: wall {run['wall_s']:.1f} s, start-up {run['startup_s']:.1f} s{extra}; all ranks at once: "
+        status = "" if run["ok"] else f" FAILED ({run['error']['rc']}: {run['error']['summary']})"
+        startup = "-" if run["startup_s"] is None else f"{run['startup_s']:.1f}"
+        print(f"{label}{status}: wall {run['wall_s']:.1f} s, start-up {startup} s{extra}; all ranks at once: "
               f"{gib(run['machine_total_peak_rss_bytes'])} GiB at the peak (MemAvailable fell by "
               f"{gib(run['mem_available_drop_bytes'])} GiB)")
     print(f"\n{'run':<13} {'role':<9} {'rk':>2} {'baseline':>9} {'steps pk':>9} {'run pk':>8} {'(phase)':<17} "
