@@ -135,7 +135,7 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
                                   f"{type(e).__name__}: {e}") from e
         with torch.no_grad():  # fp32 parameters are their own main parameters: the load copies into the model's leaves
             worker.optimizer.load_state_dict(state)
-        _unshare_steps(worker.optimizer)
+        _restore_steps(worker.optimizer)
     worker.optimizer_steps = own["optimizer_steps"]
     if own["rng"] is not None:
         restore_rng_states(own["rng"])
@@ -199,12 +199,18 @@ def _load_without_per_parameter_step() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
-def _unshare_steps(optimizer: Any) -> None:
-    """megatron's load (torch's Adam, no apex or Transformer Engine) puts one ``step`` tensor into every parameter's
-    Adam state; torch's Adam then adds 1 to it once per parameter per step, and from the next step on every bias
-    correction uses a step count in the thousands (found by a resumed run whose next update differed from the
-    uninterrupted run's by a third of the learning rate). Each state gets its own copy."""
+def _restore_steps(optimizer: Any) -> None:
+    """Give every parameter's Adam state its own ``step``, the count megatron's checkpoint keeps in the param groups.
+    megatron's load (torch's Adam, no apex or Transformer Engine) puts one shared ``step`` tensor into every state,
+    which torch's Adam then advances once per parameter per step: from the next step on every bias correction used a
+    count in the thousands (found by a resumed run whose next update differed from the uninterrupted run's by a third
+    of the learning rate). And the ``dp_reshardable`` load copies each state's tensors over it again, leaving the
+    step of the zero-gradient step taken to have a state to load into (found by the exact-resume tests)."""
     for inner in inner_optimizers(optimizer):
-        for state in inner.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if torch.is_tensor(state.get("step")):
+                    saved = group.get("step")
+                    state["step"] = (torch.tensor(float(saved), dtype=state["step"].dtype) if saved is not None
+                                     else state["step"].clone())
