@@ -161,17 +161,17 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
 
 
 @pytest.mark.slow
-def test_dp2_sharded_optimizer_checkpoint_resumes_at_dp2_and_dp1(models, experiment, tmp_path):
+def test_dp2_sharded_optimizer_checkpoint_resumes_at_dp1(models, experiment, tmp_path):
     """The default optimizer checkpoint (``sharded``: each rank writes its shard of the distributed optimizer, as
-    Megatron-LM saves by default) of a DP2 run after step 1, resumed by two ranks and by one, computes step 2's loss,
-    log-probs and weights as the DP2 run did. Resumed at another pipeline split it is refused before anything loads,
-    naming the layout change and the option that allows it."""
+    Megatron-LM saves by default) of a DP2 run after step 1, resumed by one rank (its two shards joined), computes
+    step 2's loss, log-probs and weights as the DP2 run did (resumes at the same layout: the exact-resume tests of
+    tests/test_requeue.py). Resumed at another pipeline split it is refused before anything loads, naming the layout
+    change and the option that allows it."""
     dp2 = _run(experiment, tmp_path, "dp2", models["dense"], 2, {})
-    for procs in (2, 1):
-        resumed = _run(experiment, tmp_path, f"dp2_resumed_dp{procs}", models["dense"], procs, {},
-                       resume_from=str(dp2["run_dir"] / "ckpt"))
-        assert len(resumed["loss"]) == 1
-        assert_same_training(resumed, dp2, steps=slice(1, 2))
+    resumed = _run(experiment, tmp_path, "dp2_resumed_dp1", models["dense"], 1, {},
+                   resume_from=str(dp2["run_dir"] / "ckpt"))
+    assert len(resumed["loss"]) == 1
+    assert_same_training(resumed, dp2, steps=slice(1, 2))
     path, _ = experiment({
         "pipeline": {"entry": "tests.scenarios:TrainerLayoutScenario",
                      "options": {"save_after": 1, "resume_from": str(dp2["run_dir"] / "ckpt")}},
