@@ -34,8 +34,7 @@ Measured:
   with the measured peak during the steps above the role's baseline (the plan has no checkpoint stage: the
   checkpoint's peak is reported beside it).
 
-    python bench/mcore_0p5b.py    # the 0.5B shape: ~20 GiB in the steps, ~10 minutes on 2 cores (bench/README.md:
-                                  # its optimizer checkpoint, as saved now, needs more memory than that)
+    python bench/mcore_0p5b.py    # the 0.5B shape: ~21 GiB at once, ~5 minutes on 2 cores (bench/README.md)
     python bench/mcore_0p5b.py --layers 2 --hidden 128 --heads 4 --intermediate 352 --vocab 4096   # smoke test
 
 Results: bench/results/mcore_0p5b.json (another shape: mcore_0p5b_shrunk.json unless --out says otherwise).
