@@ -61,6 +61,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from bench.provenance import commit  # noqa: E402
+
 GIB = 1 << 30
 EXIT_REQUEUE = 75  # rollhpc.launch.requeue: the run checkpointed on a stop request and asks to be started again
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
@@ -424,13 +426,6 @@ def stage_times(records: list[dict]) -> list[dict]:
         row["cpu_cores"] = {k.split("/")[1]: v for k, v in r.items() if k.startswith("load/") and k.endswith("cpu_cores")}
         out.append(row)
     return out
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("+dirty" if dirty else "")
 
 
 def machine() -> dict:

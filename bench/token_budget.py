@@ -42,6 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from rollhpc.controller.pipeline import Pipeline  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
 
@@ -120,13 +121,6 @@ def _run(root: Path, model: Path, name: str, train_options: dict, args: argparse
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     return json.loads((run_dir / "token_budget.json").read_text())
-
-
-def commit() -> str:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return head + ("-dirty" if dirty else "")
 
 
 def main() -> None:

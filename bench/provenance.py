@@ -1,0 +1,16 @@
+"""What a benchmark's result file records about the code that produced it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def commit() -> str:
+    """HEAD's hash, with ``+dirty`` when tracked files differ from it (then the numbers are not from a commit)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
