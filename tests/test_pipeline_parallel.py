@@ -279,7 +279,8 @@ def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
     batch = Batch({"tokens": tokens, "loss_mask": mask.astype(np.float32), "advantage": np.arange(7.0),
                    "old_logprob": -mask.astype(np.float32) * np.arange(7.0)[:, None]})
     worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=2 if vpp else 1, vpp=vpp, ep=1)),
-                             options=SimpleNamespace(micro_batch_size=2), device=torch.device("cpu"))
+                             options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=0),
+                             device=torch.device("cpu"))
     _bind(worker)
     parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
     kept = [p for p in parts if p["keep"].any()]

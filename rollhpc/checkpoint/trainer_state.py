@@ -73,7 +73,7 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         dist.barrier()
         dist_checkpointing.save(_megatron_optimizer_state(worker, _sharding_type(worker), is_loading=False),
                                 str(opt_dir), sharded_strategy=save_strategy())
-    layout = {k: getattr(worker.ctx.layout, k) for k in LAYOUT_KEYS}
+    layout = _layout(worker)
     own = {"rank": rank, "world": dist.get_world_size(), "optimizer_steps": worker.optimizer_steps,
            "megatron_optimizer": {"stepped": stepped, "distributed": bool(worker.options.distributed_optimizer),
                                   "sharding_type": _sharding_type(worker), "layout": layout},
@@ -109,7 +109,7 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
                               f"({role_dir / MODEL_DIR}, e.g. converted with `rollhpc convert mcore-to-hf`)")
     marker = saved_by["megatron_optimizer"]
     sharding = marker.get("sharding_type", "fully_reshardable")  # (checkpoints of 2026-11-26 do not say)
-    layout = {k: getattr(worker.ctx.layout, k) for k in LAYOUT_KEYS}
+    layout = _layout(worker)
     if marker["stepped"] and sharding == "dp_reshardable" and marker.get("layout", layout) != layout:
         changed = ", ".join(f"{k} {marker['layout'][k]} -> {layout[k]}" for k in LAYOUT_KEYS
                             if marker["layout"][k] != layout[k])
@@ -141,6 +141,11 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         restore_rng_states(own["rng"])
     dist.barrier()
     return {"seconds": time.perf_counter() - t0, "optimizer_steps": worker.optimizer_steps}
+
+
+def _layout(worker: Any) -> dict[str, Any]:
+    """The role's model-parallel layout, which a dp_reshardable optimizer checkpoint is pinned to."""
+    return {k: getattr(worker.ctx.layout, k) for k in LAYOUT_KEYS}
 
 
 def _sharding_type(worker: Any) -> str:

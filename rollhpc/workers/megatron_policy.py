@@ -304,7 +304,7 @@ class MegatronPolicyWorker(Worker):
         from rollhpc.models.megatron_pipeline import micro_batches, token_budget_micro_batches
 
         pp, interleaved = self.ctx.layout.pp, self.ctx.layout.vpp is not None
-        budget = getattr(self.options, "max_tokens_per_micro_batch", 0)
+        budget = self.options.max_tokens_per_micro_batch
         if budget and ends is not None and not interleaved:
             return token_budget_micro_batches(ends, budget)
         width = int(ends.max(initial=2)) if ends is not None else full
@@ -319,12 +319,18 @@ class MegatronPolicyWorker(Worker):
 
     def _role_max(self, values: list[float]) -> list[float]:
         """The largest of each value over every rank of the role (a collective)."""
+        import torch.distributed as dist
+
+        return self._all_reduce(values, dist.ReduceOp.MAX, None)
+
+    def _all_reduce(self, values: list[float], op: Any, group: Any) -> list[float]:
+        """``values`` reduced by ``op`` over ``group`` (None: the role's ranks), in float64; a collective."""
         import torch
         import torch.distributed as dist
 
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if values and dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=op, group=group)
         return t.tolist()
 
     def _shapes_are_local(self) -> bool:
@@ -592,13 +598,9 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         return h.hexdigest() if self.ctx.group_rank == 0 else None
 
     def _dp_sum(self, values: list[float]) -> list[float]:
-        import torch
         import torch.distributed as dist
 
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if values and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(t, group=self.dp_group)
-        return t.tolist()
+        return self._all_reduce(values, dist.ReduceOp.SUM, self.dp_group)
 
     @register(Dispatch.DP_SPLIT)
     def train_step(self, batch: Batch, loss_config: LossConfig) -> list[dict[str, float]]:
