@@ -152,7 +152,7 @@ class _FusedAdamW(torch.optim.AdamW):
     """torch's AdamW on its fused CPU kernel. Without Transformer Engine or apex megatron builds a plain
     ``torch.optim.AdamW``, which on CPU tensors runs the per-parameter loop: two temporaries the size of each
     parameter (the largest, the embedding's shard, is the step's memory peak) and ~6x slower than the fused
-    kernel (bench/cpu_collectives.py: 68M parameters, one thread, 0.67 s and +518 MiB against 0.11 s and nothing). The fused kernel updates in place, to within float32 rounding of the loop.
+    kernel (bench/cpu_collectives.py: 68M parameters, one thread, 0.64 s and +519 MiB against 0.11 s and nothing). The fused kernel updates in place, to within float32 rounding of the loop.
     A checkpoint's parameter groups (``fused`` among their keys) do not turn it off."""
 
     def __init__(self, params: object, *args: object, **kw: object) -> None:
@@ -202,8 +202,8 @@ def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op:
     """DDP's reduce-scatter of a gradient bucket (``output``: this rank's shard of ``input``) as gloo's
     in-place all-reduce of the whole bucket: the shard gets the same sums, the rest of the bucket (which the
     distributed optimizer does not read) gets them too. gloo's own reduce-scatter copies its whole input
-    first and is slower than its all-reduce: a 1 GiB fp32 bucket over 2 ranks, +1.0 GiB and 2.9 s against
-    nothing and 1.5 s (bench/cpu_collectives.py, torch 2.13)."""
+    first and is slower than its all-reduce: a 1 GiB fp32 bucket over 2 ranks, +1.0 GiB and 1.7-2.9 s against
+    nothing and 0.8-1.5 s (bench/cpu_collectives.py, torch 2.13)."""
     import torch.distributed as dist
 
     work = _all_reduce_in_place(input, op if op is not None else dist.ReduceOp.SUM, group, async_op)
@@ -221,7 +221,7 @@ def _all_gather_by_all_reduce(output: torch.Tensor, input: torch.Tensor, group: 
     """The distributed optimizer's all-gather of a parameter bucket (``input``: this rank's shard of
     ``output``) as an in-place sum of the bucket with every other rank's shard zeroed: x + 0 is exact in any
     float dtype, so every rank ends with each rank's shard bit for bit. gloo's all-gather copies the bucket's
-    other shards first (a 512 MiB bf16 bucket over 2 ranks: +512 MiB, 0.69 s; the sum: nothing, 0.59 s)."""
+    other shards first (a 512 MiB bf16 bucket over 2 ranks: +512 MiB, 0.7 s; the sum: nothing, 0.55-0.6 s)."""
     import torch.distributed as dist
 
     flat = output.view(-1)
