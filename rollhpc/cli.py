@@ -297,7 +297,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _refuse_if_job_active(run_dir: Path) -> None:
     """Two jobs must never write one run directory: a resubmission waits until the last job has ended."""
-    from rollhpc.launch.slurm import TERMINAL, component_states
+    from rollhpc.launch.slurm_cli import TERMINAL, component_states
 
     id_file = run_dir / "slurm" / "job_id"
     if not id_file.is_file():

@@ -161,7 +161,7 @@ def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_ow
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("ROLLHPC_RESTART_BASE", raising=False)
-    monkeypatch.setattr(requeue, "_excluded_now", lambda comp: set())
+    monkeypatch.setattr(requeue, "excluded_nodes", lambda comp: set())
     submitted = []
     monkeypatch.setattr(requeue, "resubmit", lambda run_dir, exclude, n: (submitted.append(exclude), ("124", ""))[1])
     (tmp_path / "world.json").write_text("[]")
@@ -208,7 +208,7 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
     live_jobs_of_run = rescue.live_jobs_of_run
     monkeypatch.setattr(rescue, "live_jobs_of_run", lambda run_dir, name: [])
     monkeypatch.setattr(rescue, "job_alive", lambda job: False)
-    monkeypatch.setattr(rescue, "expand_hostlist", lambda expr: {expr})
+    monkeypatch.setattr(rescue, "hostnames", lambda expr: {expr})
     monkeypatch.setattr(rescue, "resubmit", lambda run_dir, exclude, n: (submitted.append((exclude, n)), ("43", ""))[1])
 
     def decide(job: str = "41", max_restarts: int = 5) -> str:

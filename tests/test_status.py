@@ -13,7 +13,7 @@ import yaml
 
 from rollhpc import cli
 from rollhpc.checkpoint.storage import CheckpointStore
-from rollhpc.launch import slurm, status
+from rollhpc.launch import slurm, slurm_cli, status
 from rollhpc.launch.requeue import read_events
 from tests.conftest import cli_env
 
@@ -52,7 +52,7 @@ def run_dir_with(tmp_path: Path, steps: int = 10, last_step: int = 4, events: li
 
 def report_for(run: Path, scontrol_text: str | None = None, sacct: dict[str, str] | None = None) -> dict:
     if scontrol_text is not None:
-        view = status.SlurmView(True, "scontrol", status.components_of(status.parse_job_records(scontrol_text)))
+        view = status.SlurmView(True, "scontrol", status.components_of(slurm_cli.parse_job_records(scontrol_text)))
     else:
         view = status.SlurmView(True, "sacct", [{"JobId": k, "JobState": v} for k, v in (sacct or {}).items()])
     report = status.build_report(run, JOB, view)
@@ -69,15 +69,15 @@ GAVE_UP = {"time": "2026-01-01T10:09:00+0000", "event": "end", "status": 76,
 
 
 def test_scontrol_lines_parse_into_fields_and_holds_are_recognised():
-    held, other = status.parse_job_records(HELD)
+    held, other = slurm_cli.parse_job_records(HELD)
     assert held["Reason"] == "launch_failed_requeued_held" and held["Comment"] == "two words"
     assert held["ExcNodeList"] == "node2" and other["JobId"] == "4243"
-    assert status.held_reason(held) == "launch failed requeued held"
-    assert status.restart_count([held, other]) == 1
-    assert status.held_reason({"JobState": "PENDING", "Reason": "JobHeldUser"}) == "JobHeldUser"
-    assert status.held_reason({"JobState": "PENDING", "Reason": "JobHeldAdmin"}) == "JobHeldAdmin"
-    assert status.held_reason({"JobState": "PENDING", "Reason": "Resources"}) is None
-    assert status.held_reason({"JobState": "RUNNING", "Reason": "None"}) is None
+    assert slurm_cli.held_reason(held) == "launch failed requeued held"
+    assert slurm_cli.restart_count([held, other]) == 1
+    assert slurm_cli.held_reason({"JobState": "PENDING", "Reason": "JobHeldUser"}) == "JobHeldUser"
+    assert slurm_cli.held_reason({"JobState": "PENDING", "Reason": "JobHeldAdmin"}) == "JobHeldAdmin"
+    assert slurm_cli.held_reason({"JobState": "PENDING", "Reason": "Resources"}) is None
+    assert slurm_cli.held_reason({"JobState": "RUNNING", "Reason": "None"}) is None
 
 
 def test_held_job_is_told_how_to_release(tmp_path):
@@ -140,7 +140,7 @@ def test_status_of_a_directory_that_is_no_run_exits_2(tmp_path, capsys):
 
 def test_hold_watch_speaks_and_releases_once_per_attempt(monkeypatch, capsys):
     attempts = iter([0, 0, 0, 1, 1])
-    monkeypatch.setattr(status, "scontrol_records", lambda job_id: (
+    monkeypatch.setattr(slurm, "job_records", lambda job_id: (
         [{"JobId": job_id, "JobState": "PENDING", "Reason": "JobHeldUser", "Restarts": str(next(attempts))}], ""))
     released = []
     monkeypatch.setattr(slurm.HoldWatch, "_release", lambda self, attempt, reason: released.append(attempt))

@@ -57,8 +57,9 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.attempt import restart_number, slurm_restart_count
-from rollhpc.launch.resubmit import (JOB_ID, cancel_rescue, current_job, ensure_rescue, expand_hostlist, job_alive,
-                                    resubmit, slurm_dir, write_atomic)
+from rollhpc.launch.resubmit import JOB_ID, cancel_rescue, current_job, ensure_rescue, resubmit, slurm_dir, write_atomic
+from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, scancel_detached, scontrol,
+                                      slurmd_started_since, step_ids)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -148,18 +149,7 @@ def unresponsive_nodes(hosts: list[str]) -> list[str]:
     scontrol cannot answer): the controller's second witness of a lost node, beside the sideband."""
     if not hosts or not os.environ.get("SLURM_JOB_ID"):
         return []
-    try:
-        out = subprocess.run(["scontrol", "show", "node", "-o", ",".join(hosts)], capture_output=True, text=True,
-                             timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    down = []
-    for line in out.splitlines():
-        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-        state = fields.get("State", "")
-        if fields.get("NodeName") in hosts and ("DOWN" in state or "NOT_RESPONDING" in state or state.endswith("*")):
-            down.append(fields["NodeName"])
-    return down
+    return down_nodes(hosts)
 
 
 def controller_exit(run_dir: Path) -> int | None:
@@ -198,41 +188,10 @@ def startup_failure(run_dir: Path) -> dict[str, Any] | None:
     return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
 
 
-def _scontrol(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
-
-
 def _job_components(job_id: str) -> list[str]:
     """"123" for a plain job, ["123+0", "123+1", ...] for a heterogeneous one."""
     n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
     return [f"{job_id}+{i}" for i in range(n)] if n > 1 else [job_id]
-
-
-def _excluded_now(component: str) -> set[str]:
-    out = _scontrol("show", "job", "-o", component).stdout
-    for field in out.split():
-        if field.startswith("ExcNodeList="):
-            value = field.partition("=")[2]
-            if value and value != "(null)":
-                return expand_hostlist(value)
-    return set()
-
-
-def slurmd_restarted_since(node: str, since: float) -> bool:
-    """Whether ``node``'s slurmd started after ``since`` (epoch seconds): it came back from a crash and no
-    longer knows the steps it ran, which Slurm then never ends."""
-    try:
-        out = subprocess.run(["scontrol", "show", "node", "-o", node], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    for field in out.split():
-        if field.startswith("SlurmdStartTime="):
-            try:
-                return time.mktime(time.strptime(field.partition("=")[2], "%Y-%m-%dT%H:%M:%S")) >= since
-            except ValueError:
-                return False
-    return False
 
 
 def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s: float = 180.0,
@@ -252,7 +211,7 @@ def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s:
     began = float(os.environ.get(ATTEMPT_STARTED, "0") or 0) or time.time()
 
     def settled() -> bool:
-        return not _job_steps(job_id) or (bool(lost) and all(slurmd_restarted_since(n, began) for n in lost))
+        return not _job_steps(job_id) or (bool(lost) and all(slurmd_started_since(n, began) for n in lost))
 
     if settled():
         return
@@ -270,7 +229,7 @@ def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str], failure:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a kill now would lose the run's continuation
     excluded = set(exclude)
     for comp in _job_components(job_id):
-        excluded |= _excluded_now(comp)
+        excluded |= excluded_nodes(comp)
     new_job, why = resubmit(run_dir, excluded, restart_number() + 1)
     if new_job is not None:
         log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "reason": reason,
@@ -295,21 +254,21 @@ def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
                         "restart": restart_number() + 1, "slurm_restart_count": slurm_restart_count(),
                         **({"failure": failure} if failure else {})})
     for comp in _job_components(job_id):  # the run's jobs are --no-requeue (a rescue job continues them):
-        _scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
+        scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
     if not exclude and not per_group:
-        res = _scontrol("requeue", job_id)
+        res = scontrol("requeue", job_id)
         return 0 if res.returncode == 0 else _failed(res, "requeue")
-    res = _scontrol("requeuehold", job_id)
+    res = scontrol("requeuehold", job_id)
     if res.returncode != 0:
         return _failed(res, "requeuehold")
     for i, comp in enumerate(_job_components(job_id)):
         if not (exclude | per_group.get(i, set())):
             continue
-        nodes = ",".join(sorted(_excluded_now(comp) | exclude | per_group.get(i, set())))
-        upd = _scontrol("update", f"JobId={comp}", f"ExcNodeList={nodes}")
+        nodes = ",".join(sorted(excluded_nodes(comp) | exclude | per_group.get(i, set())))
+        upd = scontrol("update", f"JobId={comp}", f"ExcNodeList={nodes}")
         if upd.returncode != 0:
             print(f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}", file=sys.stderr)
-    res = _scontrol("release", job_id)
+    res = scontrol("release", job_id)
     return 0 if res.returncode == 0 else _failed(res, "release")
 
 
@@ -437,12 +396,11 @@ def _job_steps(job_id: str) -> list[str]:
     steps = []
     for comp in [c for c in components if c] or [job_id]:
         try:
-            out = subprocess.run(["squeue", "-h", "-s", "-j", comp, "-o", "%i"], capture_output=True, text=True,
-                                 timeout=30).stdout
+            out = step_ids(comp)
         except (OSError, subprocess.TimeoutExpired) as e:  # srun itself is still killed below
             print(f"rollhpc requeue: cannot list the steps of {comp}: {e}", file=sys.stderr)
             continue
-        steps += [s for s in out.split() if s.startswith(f"{comp}.") and s.split(".")[1].isdigit()]
+        steps += [s for s in out if s.startswith(f"{comp}.") and s.split(".")[1].isdigit()]
     return steps
 
 
@@ -481,8 +439,7 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
                         "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended"})
     for step in steps:  # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
         try:             # requeue that follows ends whatever of the step is left anyway
-            subprocess.Popen(["timeout", "60", "scancel", "--signal=KILL", step], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+            scancel_detached("--signal=KILL", step)
         except OSError as e:
             print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
     deadline = time.monotonic() + 1  # a srun waiting for a lost node's task may outlive its cancelled step
@@ -500,7 +457,7 @@ def group_nodes() -> list[list[str]]:
     lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
     out = []
     for nodelist in filter(None, lists):
-        res = _scontrol("show", "hostnames", nodelist)
+        res = scontrol("show", "hostnames", nodelist)
         out.append(res.stdout.split() if res.returncode == 0 else [nodelist])
     return out
 

@@ -33,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.requeue import failed_nodes, finished_run, log_event, read_events
-from rollhpc.launch.resubmit import ENDED as ENDED_STATES
-from rollhpc.launch.resubmit import current_job, expand_hostlist, job_alive, resubmit
+from rollhpc.launch.resubmit import current_job, resubmit
+from rollhpc.launch.slurm_cli import ENDED as ENDED_STATES
+from rollhpc.launch.slurm_cli import hostnames, job_alive, jobs_named
+from rollhpc.launch.slurm_cli import job_records as _job_records
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
 NOTHING = "nothing to do"  # ... when the run needs nothing from it
@@ -53,9 +55,7 @@ def final_end(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def job_records(job_id: str) -> list[dict[str, str]] | None:
     """Slurm's records of ``job_id`` (one per het component; [] when it forgot the job, None when unreachable)."""
-    from rollhpc.launch.status import scontrol_records
-
-    records, _ = scontrol_records(job_id)
+    records, _ = _job_records(job_id)
     return records
 
 
@@ -63,8 +63,7 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
     """Pending or running jobs of this user named like the run's whose output goes to this run directory:
     a job submitted for the run but not yet recorded in RUN_DIR/slurm/job_id (its submitter died at once)."""
     try:
-        out = subprocess.run(["squeue", "-h", "-u", getpass.getuser(), "-n", job_name, "-t", "PD,R,S,CF",
-                              "-o", "%i"], capture_output=True, text=True, timeout=60).stdout
+        out = "\n".join(jobs_named(getpass.getuser(), job_name, "PD,R,S,CF", "%i"))
     except (OSError, subprocess.TimeoutExpired):
         return []
     mine = str(Path(run_dir).resolve() / "slurm") + "/"
@@ -131,7 +130,7 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
     exclude = set()
     for r in records:
         if r.get("ExcNodeList") and r["ExcNodeList"] != "(null)":
-            exclude |= expand_hostlist(r["ExcNodeList"])
+            exclude |= hostnames(r["ExcNodeList"])
         # a launch that failed: Slurm may pick that node again before it marks it DOWN (a restart each time)
         if never and r.get("BatchHost") and r["BatchHost"] != "(null)":
             exclude.add(r["BatchHost"])

@@ -25,7 +25,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rollhpc.launch import slurm_cli
 from rollhpc.launch.attempt import RESTART_BASE
+from rollhpc.launch.slurm_cli import job_alive
 
 BATCH_SCRIPT = "batch.sh"  # in RUN_DIR/slurm: the batch text of the run's jobs
 JOB_ID = "job_id"  # in RUN_DIR/slurm: the run's current job
@@ -54,31 +56,6 @@ def current_job(run_dir: Path) -> str | None:
         return None
 
 
-# Slurm's end states of a job (here, light for the batch script's side; rollhpc.launch.slurm uses the same set)
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                      "DEADLINE", "OUT_OF_MEMORY"})
-ENDED = TERMINAL | {"COMPLETING"}  # a job that only completes on a dead node will not run the run again
-
-
-def job_alive(job_id: str) -> bool:
-    """Whether Slurm still has ``job_id`` pending or running (any het component); unknown -> False."""
-    try:
-        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    states = re.findall(r"\bJobState=(\S+)", out.stdout)
-    return out.returncode == 0 and any(st not in ENDED for st in states)
-
-
-def expand_hostlist(expr: str) -> set[str]:
-    """``node[1-3],gpu7`` -> its hosts (scontrol does the expansion; the text itself if it cannot)."""
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", expr], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return {expr}
-    return set(out.stdout.split()) if out.returncode == 0 and out.stdout.strip() else {expr}
-
-
 def with_exclusions(text: str, exclude: set[str]) -> str:
     """The batch text with ``exclude`` added to every het component's ``--exclude`` (placed at the end of
     each component's #SBATCH block, merged with one already there)."""
@@ -103,7 +80,7 @@ def with_exclusions(text: str, exclude: set[str]) -> str:
         if in_block:
             m = _EXCLUDE.match(line)
             if m:
-                have |= expand_hostlist(m.group(1))
+                have |= slurm_cli.hostnames(m.group(1))
                 continue
             if line.strip() == "#SBATCH hetjob" or not line.startswith("#SBATCH"):
                 close_block()
@@ -130,8 +107,7 @@ def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | Non
     script = slurm_dir(run_dir) / f"batch-restart-{restarts}.sh"
     write_atomic(script, with_exclusions(text, exclude))
     try:
-        res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=120,
-                             env=successor_env(restarts), cwd=str(run_dir))
+        res = slurm_cli.sbatch(str(script), env=successor_env(restarts), cwd=str(run_dir))
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"sbatch failed: {e}"
     job_id = res.stdout.strip().split(";")[0]
@@ -159,9 +135,8 @@ def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
     if not script.exists():
         return None, ""
     try:
-        res = subprocess.run(["sbatch", "--parsable", f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes",
-                              str(script), job_id], capture_output=True, text=True, timeout=120,
-                             env=_slurm_free_env(), cwd=str(run_dir))
+        res = slurm_cli.sbatch(f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes", str(script), job_id,
+                               env=_slurm_free_env(), cwd=str(run_dir))
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"sbatch failed: {e}"
     rescue = res.stdout.strip().split(";")[0]
@@ -199,6 +174,6 @@ def cancel_rescue(run_dir: Path, job_id: str) -> None:
     rescue = rescue_jobs(run_dir).get(job_id)
     if rescue:
         try:
-            subprocess.run(["scancel", rescue], capture_output=True, timeout=60)
+            slurm_cli.scancel(rescue)
         except (OSError, subprocess.TimeoutExpired):
             pass  # it would find the run continued, or ended, and leave at once

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import posixpath
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -18,8 +17,10 @@ from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
-from rollhpc.launch.resubmit import (BATCH_SCRIPT, JOB_ID, RESCUE_SCRIPT, TERMINAL, current_job, rescue_jobs,
-                                    submit_rescue, write_atomic)
+from rollhpc.launch.resubmit import (BATCH_SCRIPT, JOB_ID, RESCUE_SCRIPT, current_job, rescue_jobs, submit_rescue,
+                                    write_atomic)
+from rollhpc.launch.slurm_cli import (TERMINAL, component_states, held_notice, held_reason, job_records,  # noqa: F401
+                                      restart_count, scontrol)
 
 
 @dataclass(frozen=True)
@@ -301,22 +302,6 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
 
 
 
-def component_states(job_id: str) -> dict[str, str]:
-    """State of each heterogeneous component ("123+0" -> "RUNNING"), from sacct.
-
-    submitit's watcher looks the job up by its plain id, which sacct never lists for a heterogeneous
-    job (only "123+0", "123+1", ...), so it would wait forever; this reads the components instead.
-    """
-    out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State"], capture_output=True,
-                         text=True, timeout=60).stdout
-    states = {}
-    for line in out.splitlines():
-        jid, _, state = line.partition("|")
-        if jid == job_id or jid.startswith(f"{job_id}+"):
-            states[jid] = state.split()[0] if state else "UNKNOWN"
-    return states
-
-
 def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, *, release_held: bool = False,
                  run_dir: Path | None = None, held_grace_s: float = 30.0) -> str:
     """Block until the run's job has ended for good; COMPLETED if all its components completed, else the first
@@ -360,9 +345,7 @@ class HoldWatch:
         self._handled: set[int] = set()  # attempts already reported (and released)
 
     def poll(self) -> None:
-        from rollhpc.launch.status import held_notice, held_reason, restart_count, scontrol_records
-
-        records, _ = scontrol_records(self.job_id)
+        records, _ = job_records(self.job_id)
         held = [why for r in records or [] if (why := held_reason(r))]
         if not held:
             self._held_since = None
@@ -380,7 +363,7 @@ class HoldWatch:
     def _release(self, attempt: int, reason: str) -> None:
         from rollhpc.launch.requeue import log_event
 
-        res = subprocess.run(["scontrol", "release", self.job_id], capture_output=True, text=True, timeout=60)
+        res = scontrol("release", self.job_id)
         outcome = "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"
         print(f"rollhpc: job {self.job_id}: {outcome} (cluster.release_held=true)", file=sys.stderr, flush=True)
         if self.run_dir is not None:

@@ -7,14 +7,13 @@ nodes, restart count). Both are read separately -- ``query_slurm`` is the only p
 finished, running) is testable from hand-made inputs.
 
 A held job is the one case that needs a person (or ``cluster.release_held``): Slurm requeues a job whose
-launch failed *held* ("launch failed requeued held") and it then waits forever. ``held_reason`` is the one
+launch failed *held* ("launch failed requeued held") and it then waits forever. ``slurm_cli.held_reason`` is the one
 place that recognises it; ``rollhpc submit --wait`` (``launch.slurm.wait_for_job``) uses it too.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import time
@@ -23,22 +22,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from rollhpc.checkpoint.report import resume_choice
 from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch.requeue import configured_steps, finished_run, read_events
-from rollhpc.launch.slurm import TERMINAL, component_states
+from rollhpc.launch.slurm_cli import TERMINAL, component_states, held_notice, held_reason, job_records
 from rollhpc.observability.metrics import read_metrics
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
 SCONTROL_FIELDS = ("JobId", "JobState", "Reason", "NodeList", "ExcNodeList", "Restarts", "BatchHost")
-HOLD_STATES = {"REQUEUE_HOLD", "SPECIAL_EXIT"}  # requeued and held, whatever the Reason says
 ENDED_BADLY = TERMINAL - {"COMPLETED"}  # FAILED, CANCELLED, NODE_FAIL, TIMEOUT, ...
 LAST_EVENTS = 5  # restarts.jsonl events shown
-# `Key=value` pairs of `scontrol show job -o`; a value runs up to the next ` Key=` (Slurm writes a Reason's
-# spaces as underscores, but Comment=, Command= ... may hold spaces)
-_FIELD = re.compile(r"([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
 
 
 class NotARunDirectory(ValueError):
@@ -58,32 +52,9 @@ class SlurmView:
     error: str = ""
 
 
-def parse_job_records(text: str) -> list[dict[str, str]]:
-    """``scontrol show job -o`` output -> one dict per line (a het job has one line per component)."""
-    return [{m.group(1): m.group(2) for m in _FIELD.finditer(line)}
-            for line in text.splitlines() if line.startswith("JobId=")]
-
-
-def scontrol_records(job_id: str) -> tuple[list[dict[str, str]] | None, str]:
-    """(records, error): [] when slurmctld does not know the job (any more), None with the error when it
-    cannot be asked (no scontrol here, the controller down)."""
-    if shutil.which("scontrol") is None:
-        return None, "scontrol not found (not a Slurm machine)"
-    try:
-        res = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"scontrol: {e}"
-    if res.returncode == 0:
-        return parse_job_records(res.stdout), ""
-    if "invalid job id" in res.stderr.lower():
-        return [], ""
-    said = [line for line in res.stderr.splitlines() if line.strip()]
-    return None, said[-1].strip() if said else f"scontrol exited {res.returncode}"
-
-
 def query_slurm(job_id: str) -> SlurmView:
     """scontrol's records of the job; sacct's component states when scontrol no longer knows it."""
-    records, error = scontrol_records(job_id)
+    records, error = job_records(job_id)
     if records:
         return SlurmView(True, "scontrol", components_of(records))
     if shutil.which("sacct") is None:
@@ -107,25 +78,6 @@ def components_of(records: list[Mapping[str, str]]) -> list[dict[str, str]]:
         name = {"Component": f"{het}+{offset}"} if het and offset and het != "(null)" else {}
         out.append({k: r.get(k, "") for k in SCONTROL_FIELDS} | name)
     return out
-
-
-def held_reason(record: Mapping[str, str]) -> str | None:
-    """Why Slurm holds this component ("launch failed requeued held", "JobHeldUser", ...), or None when it
-    is not held. A held job never starts by itself: it waits for ``scontrol release``."""
-    state, reason = record.get("JobState", ""), record.get("Reason", "").replace("_", " ")
-    if state in HOLD_STATES or (state == "PENDING" and "held" in reason.lower()):
-        return reason if reason and reason != "None" else state
-    return None
-
-
-def restart_count(records: list[Mapping[str, str]]) -> int:
-    """Slurm's restart count of the job (its attempt number): the highest ``Restarts`` of its components."""
-    return max((int(r["Restarts"]) for r in records if r.get("Restarts", "").isdigit()), default=0)
-
-
-def held_notice(job_id: str, reason: str) -> str:
-    """The one line that tells a person a job is held and how to release it."""
-    return f"job {job_id} is held by Slurm ({reason}): release it with: scontrol release {job_id}"
 
 
 # ---- the run directory ----
