@@ -555,7 +555,7 @@ def main() -> int:
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    from rollhpc.checkpoint.storage import atomic_write_bytes
+    from rollhpc.rundir import atomic_write_bytes
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out_path, (json.dumps(result, indent=1) + "\n").encode())

@@ -166,7 +166,7 @@ def main() -> None:
            "loss_rel_diff": abs(results[fixed]["first_loss"] - results[budget]["first_loss"])
            / max(abs(results[fixed]["first_loss"]), 1e-12),
            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}}
-    from rollhpc.checkpoint.storage import atomic_write_bytes
+    from rollhpc.rundir import atomic_write_bytes
 
     atomic_write_bytes(Path(args.out), (json.dumps(out, indent=1) + "\n").encode())
     print(f"\n{'setting':12s} {'step s':>8s} {'range':>15s} {'micro-batches':>14s}")

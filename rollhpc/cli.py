@@ -18,6 +18,7 @@ from rollhpc import config as config_mod
 from rollhpc import experiments
 from rollhpc.checkpoint import convert_cli
 from rollhpc.config import ConfigError, ExperimentConfig
+from rollhpc.rundir import RunPaths, atomic_write_text
 
 def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
     """Experiment name (configs/NAME.yaml) or path to a YAML file, plus hydra overrides -> dict."""
@@ -119,16 +120,16 @@ def _prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool 
             raise ConfigError(f"run directory {run_dir} exists; pick another run.name=..., pass --resume to "
                               "continue it from its checkpoint, or --overwrite to start again")
         shutil.rmtree(run_dir)
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
-    plan.save(run_dir / "plan.json")
+    RunPaths(run_dir).logs.mkdir(parents=True)
+    atomic_write_text(RunPaths(run_dir).config, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
+    plan.save(RunPaths(run_dir).plan)
     return run_dir
 
 
 def _resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
     """An existing run continues only with the configuration it was started with (its checkpoint's layout
     and data cursor depend on it); the world's processes find its newest good checkpoint themselves."""
-    saved_path = run_dir / "config.yaml"
+    saved_path = RunPaths(run_dir).config
     if not saved_path.is_file():
         raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume")
     saved = yaml.safe_load(saved_path.read_text())
@@ -142,12 +143,12 @@ def _resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
     if differ:
         raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
                           f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
-    (run_dir / "error.json").unlink(missing_ok=True)  # the last attempt's failure is history now
+    RunPaths(run_dir).error.unlink(missing_ok=True)  # the last attempt's failure is history now
     if now != saved:
-        from rollhpc.checkpoint.storage import atomic_write_bytes
+        from rollhpc.rundir import atomic_write_bytes
 
         atomic_write_bytes(saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode())
-    plan.save(run_dir / "plan.json")
+    plan.save(RunPaths(run_dir).plan)
     return run_dir
 
 
@@ -221,7 +222,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"rollhpc: run {cfg.run.name} stopped after saving a checkpoint (stop request); continue it with the "
               f"same command and --resume", file=sys.stderr)
         return EXIT_REQUEUE
-    if rc != 0 or (run_dir / "error.json").exists():
+    if rc != 0 or RunPaths(run_dir).error.exists():
         print(f"rollhpc: run failed: {failure_summary(run_dir, rc)}", file=sys.stderr)
         return 1
     print(f"rollhpc: run {cfg.run.name} finished; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
@@ -288,7 +289,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     state = wait_for_job(job.job_id, release_held=cfg.cluster.release_held, run_dir=run_dir)
-    if state != "COMPLETED" or (run_dir / "error.json").exists():
+    if state != "COMPLETED" or RunPaths(run_dir).error.exists():
         print(f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}", file=sys.stderr)
         return 1
     print(f"rollhpc: job {job.job_id} completed; metrics in {run_dir / 'metrics.jsonl'}", file=sys.stderr)
@@ -299,7 +300,7 @@ def _refuse_if_job_active(run_dir: Path) -> None:
     """Two jobs must never write one run directory: a resubmission waits until the last job has ended."""
     from rollhpc.launch.slurm_cli import TERMINAL, component_states
 
-    id_file = run_dir / "slurm" / "job_id"
+    id_file = RunPaths(run_dir).job_id
     if not id_file.is_file():
         return
     job_id = id_file.read_text().strip()

@@ -8,7 +8,6 @@ RUN_DIR/error.json, make every rank exit, and leave with a non-zero status.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -29,13 +28,14 @@ from rollhpc.launch.console import adopt_console
 from rollhpc.launch.requeue import this_host
 from rollhpc.mpi_init_guard import MpiInitGuard
 from rollhpc.mpi_shm import remove_stale_segments
+from rollhpc.rundir import RunPaths, atomic_write_json
 from rollhpc.parent_death import die_with_parent, forked_children_die_with_us
 
 log = logging.getLogger("rollhpc")
 
 
 def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
-    logs = run_dir / "logs"
+    logs = RunPaths(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / (f"rank{rank}-{role}.log")
     fmt = logging.Formatter(f"%(asctime)s [{role}:{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
@@ -62,10 +62,8 @@ def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
 def _write_error(run_dir: Path, exc: BaseException) -> str:
     summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
     details = getattr(exc, "details", "") or "".join(traceback.format_exception(exc))
-    tmp = run_dir / "error.json.tmp"
-    tmp.write_text(json.dumps({"summary": summary, "type": type(exc).__name__, "details": details,
-                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
-    tmp.replace(run_dir / "error.json")
+    atomic_write_json(RunPaths(run_dir).error, {"summary": summary, "type": type(exc).__name__, "details": details,
+                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
     return summary
 
 
@@ -73,7 +71,7 @@ def _last_step(run_dir: Path) -> int | None:
     """The last step metrics.jsonl records (the step a failure came after), None before the first."""
     from rollhpc.observability.metrics import read_jsonl
 
-    records = read_jsonl(run_dir / "metrics.jsonl")
+    records = read_jsonl(RunPaths(run_dir).metrics)
     return records[-1].get("step") if records else None
 
 
@@ -132,7 +130,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     forked_children_die_with_us()  # and whatever a library forks under us dies with us
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # until the world forms, a step's end ends us
         signal.signal(signum, signal.SIG_DFL)
-    raw = yaml.safe_load((run_dir / "config.yaml").read_text())
+    raw = yaml.safe_load(RunPaths(run_dir).config.read_text())
     # the guard comes first: loading the config imports the worker classes, and with them mpi4py (MPI_Init);
     # its limit is read from the controller section alone, which imports nothing
     controller = config_mod.from_dict(config_mod.ControllerConfig, raw.get("controller"), "config.controller")
@@ -147,7 +145,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     guard.mpi_initialized()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    plan = WorldPlan.load(run_dir / "plan.json")
+    plan = WorldPlan.load(RunPaths(run_dir).plan)
     me = plan.ranks[rank] if rank < plan.world_size else None
     my_role = me.role if me else "unplanned"
     set_role_environment(raw, my_role)  # before the role's modules load
@@ -216,14 +214,14 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
-    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, WORLD, record_controller_exit,
+    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit,
                                         record_failed_node, record_startup_failure, unresponsive_nodes)
     from rollhpc.startup_gc import startup_gc
     from rollhpc.transport.sideband import ControllerSideband
 
     hosts = {e[1] for e in everyone}
-    (run_dir / WORLD).write_text(json.dumps(
-        [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)]))
+    atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]}
+                                        for r, e in enumerate(everyone)])
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
     else:  # workers on other machines reach the controller by its host name

@@ -278,7 +278,7 @@ def test_checkpoints_and_atomic_writes_follow_the_umask(tmp_path, umask, file_mo
     import os
     import stat
 
-    from rollhpc.checkpoint.storage import atomic_write_bytes
+    from rollhpc.rundir import atomic_write_bytes
 
     old = os.umask(umask)
     try:
@@ -290,3 +290,20 @@ def test_checkpoints_and_atomic_writes_follow_the_umask(tmp_path, umask, file_mo
     made = [ckpt.path, *ckpt.path.rglob("*"), store.root / LATEST, tmp_path / "report.txt"]
     modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in made}
     assert modes == {k: dir_mode if (tmp_path / k).is_dir() else file_mode for k in modes}, modes
+
+
+def test_a_file_written_through_a_name_is_whole_or_not_there(tmp_path):
+    """rundir.atomic_file (for writers that need a file name, e.g. h5py): a failed write leaves the old file and
+    no temporary behind; a finished one replaces it."""
+    from rollhpc.rundir import atomic_file
+
+    target = tmp_path / "record.h5"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="writer failed"):
+        with atomic_file(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("writer failed")
+    assert target.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["record.h5"]
+    with atomic_file(target) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["record.h5"]

@@ -16,7 +16,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "rollhpc"
 
 KNOWN_KNOT = {
-    ("checkpoint", "controller"), ("checkpoint", "faults"),
+    ("checkpoint", "faults"),
     ("config", "workers"),
     ("controller", "checkpoint"), ("controller", "config"), ("controller", "launch"), ("controller", "observability"),
     ("controller", "transport"),
@@ -24,7 +24,7 @@ KNOWN_KNOT = {
     ("launch", "checkpoint"), ("launch", "config"), ("launch", "mpi_shm"), ("launch", "observability"),
     ("launch", "weight_sync"),
     ("mpi_shm", "launch"),
-    ("observability", "checkpoint"), ("observability", "launch"),
+    ("observability", "launch"),
     ("transport", "mpi_shm"),
     ("weight_sync", "faults"),
     ("workers", "checkpoint"), ("workers", "controller"), ("workers", "faults"),

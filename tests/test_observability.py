@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from rollhpc.observability import rollouts as rollouts_mod
+from rollhpc import rundir
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.observability.rollouts import RolloutRecord, read_rollouts, write_rollouts
 from rollhpc.observability.run_log import RunLog
@@ -74,7 +74,7 @@ def test_rollouts_refuse_mismatched_fields(tmp_path):
 
 def test_a_failed_rollout_write_leaves_neither_file_nor_temp(tmp_path, monkeypatch):
     target = tmp_path / "rollouts" / "step_000001.h5"
-    monkeypatch.setattr(rollouts_mod.os, "replace", _fail)  # fails after the temp file is fully written
+    monkeypatch.setattr(rundir.os, "replace", _fail)  # fails after the temp file is fully written
     with pytest.raises(OSError, match="disk full"):
         write_rollouts(target, 1, _ragged_record())
     assert not target.exists() and list(target.parent.iterdir()) == []
@@ -90,7 +90,7 @@ def test_a_failed_rollout_write_leaves_neither_file_nor_temp(tmp_path, monkeypat
 
 def test_a_failed_rewrite_keeps_the_previous_file(tmp_path, monkeypatch):
     target = write_rollouts(tmp_path / "r.h5", 1, _ragged_record())
-    monkeypatch.setattr(rollouts_mod.os, "replace", _fail)
+    monkeypatch.setattr(rundir.os, "replace", _fail)
     with pytest.raises(OSError, match="disk full"):
         write_rollouts(target, 2, _ragged_record())
     assert read_rollouts(target)["step"] == 1 and [p.name for p in tmp_path.iterdir()] == ["r.h5"]

@@ -24,6 +24,7 @@ from rollhpc.faults import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
 from rollhpc.launch.requeue import read_events
 from rollhpc.launch.resubmit import rescue_jobs
 from rollhpc.observability.metrics import read_metrics
+from rollhpc.rundir import RunPaths
 from tests.slurm_cluster import TERMINAL_STATES
 from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
@@ -122,13 +123,13 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(var, raising=False)
     assert requeue.main(["start", str(tmp_path)]) == 0
     assert requeue.main(["start", str(tmp_path)]) == 0  # the first attempt ended without a word
-    with open(tmp_path / requeue.RESTARTS_LOG, "a") as f:
+    with open(tmp_path / RunPaths.RESTARTS, "a") as f:
         f.write('{"event": "requ')  # a line torn by a kill is skipped
     starts_ = [e for e in read_events(tmp_path) if e["event"] == "start"]
     assert starts_[0]["previous_attempt"] is None and "killed without a report" in starts_[1]["previous_attempt"]
     requeue.record_failed_node(tmp_path, "node2", "rank 3 died")
     requeue.record_failed_node(tmp_path, "node4", "rank 5 died")
-    assert set(json.loads((tmp_path / requeue.FAILED_NODES).read_text())) == {"node2", "node4"}
+    assert set(json.loads((tmp_path / RunPaths.FAILED_NODES).read_text())) == {"node2", "node4"}
     (tmp_path / "world.json").write_text("[]")  # the attempts below formed their world
     # outside a Slurm job nothing can be requeued: the status passes through and the end is logged
     assert requeue.main(["after", str(tmp_path), "75"]) == 75
@@ -148,7 +149,7 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
     assert [e["status"] for e in ends] == [75, 0, 76, 76, 137, 75] and "giving up" in ends[2]["reason"]
     assert "slurm/resume.sh" in ends[-1]["reason"]
-    assert all(line.strip() for line in (tmp_path / requeue.RESTARTS_LOG).read_text().splitlines())
+    assert all(line.strip() for line in (tmp_path / RunPaths.RESTARTS).read_text().splitlines())
 
 
 def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_own_error_ends_it(tmp_path,
@@ -196,7 +197,7 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "job_id").write_text("41\n")
     (tmp_path / "slurm" / "batch.sh").write_text("#SBATCH --job-name=rollhpc-rq\n")
-    (tmp_path / requeue.FAILED_NODES).write_text('{"node2": "rank 3 died"}')
+    (tmp_path / RunPaths.FAILED_NODES).write_text('{"node2": "rank 3 died"}')
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
     monkeypatch.delenv("ROLLHPC_RESTART_BASE", raising=False)
@@ -380,11 +381,11 @@ def test_watcher_ends_a_step_that_outlives_its_controller(tmp_path, monkeypatch)
     (ended,) = read_events(tmp_path)
     assert ended["event"] == "step-ended" and "the controller ended with status 76" in ended["reason"]
     # the controller's process gone without a word (it ran on this host, as rank 0 runs on the batch host)
-    (tmp_path / requeue.CONTROLLER_EXIT).unlink()
+    (tmp_path / RunPaths.CONTROLLER_EXIT).unlink()
     gone = subprocess.Popen(["true"])
     gone.wait()
     monkeypatch.setenv("SLURMD_NODENAME", "nodeX")
-    (tmp_path / requeue.WORLD).write_text(json.dumps([{"rank": 0, "host": "nodeX", "pid": gone.pid}]))
+    (tmp_path / RunPaths.WORLD).write_text(json.dumps([{"rank": 0, "host": "nodeX", "pid": gone.pid}]))
     srun = start_standin_srun()
     requeue.cmd_watch(tmp_path, srun.pid, grace_s=0.1, poll_s=0.05)
     assert srun.wait(timeout=5) == -signal.SIGKILL

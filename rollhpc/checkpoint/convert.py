@@ -63,10 +63,10 @@ from rollhpc.checkpoint.mcore import (
     HF_EXTRAS_DIR,
     CheckpointError,
     copy_hf_extras,
-    replace_dir,
     write_generation_config_if_missing,
 )
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir, SafetensorsError
+from rollhpc.rundir import atomic_write_json, replace_dir
 from rollhpc.models.megatron_gpt import _hf_dict, arch_weight_map, check_hf_config, padded_vocab_size
 
 # The worker fork server imports megatron; its "Transformer Engine / Apex not installed" notes are noise here.
@@ -417,9 +417,7 @@ def _worker(rank: int, job: dict[str, Any], out: str) -> None:
         clear = isinstance(e, _CLEAR_ERRORS)
         Path(out, f"error-{rank}.json").write_text(json.dumps({"message": message, "clear": clear}))
         raise
-    tmp = Path(out, f"result-{rank}.json.tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.rename(Path(out, f"result-{rank}.json"))
+    atomic_write_json(Path(out, f"result-{rank}.json"), result)
 
 
 def _memory(baseline: int) -> dict[str, int]:

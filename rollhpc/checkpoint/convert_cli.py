@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from rollhpc.rundir import RunPaths
+
 EPILOG = ("Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
           "rollhpc convert mcore-to-hf ckpt/qwen-mcore models/qwen-out. A megatron checkpoint saved at one "
           "layout loads at any other (megatron reshards on load); --tp/--pp/--ep choose how it is written.")
@@ -61,7 +63,7 @@ def find_trainer_checkpoint(src: str | Path, role: str = "train") -> tuple[Path,
         return src, ""
     if (src / role / "model" / META_FILE).is_file():
         return src / role / "model", f"the {role} role's model of checkpoint {src.name}"
-    for root, what in ((src / "checkpoints", "the run's"), (src, "the folder's")):
+    for root, what in ((RunPaths(src).checkpoints, "the run's"), (src, "the folder's")):
         if root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir()):
             newest = CheckpointStore(root).latest_good()
             if newest is None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollhpc.checkpoint.storage import MANIFEST, STEP_DIR_RE, Checkpoint, CheckpointStore, step_dir_name
+from rollhpc.rundir import RunPaths
 
 if TYPE_CHECKING:
     from rollhpc.checkpoint.convert import Report
@@ -30,7 +31,6 @@ __all__ = ["ExportError", "ExportSource", "FINAL_EXPORT", "add_arguments", "expo
 
 FINAL_EXPORT = Path("export") / "hf"  # where ``export_hf: final`` writes, under the run directory
 TRAINER_ROLE = "train"
-CHECKPOINTS = "checkpoints"
 
 
 class ExportError(ValueError):
@@ -62,18 +62,18 @@ def find_source(run_dir: str | Path, step: int | None = None, role: str = TRAINE
     from rollhpc.checkpoint.trainer_state import MODEL_DIR
 
     run_dir = Path(run_dir)
-    root = run_dir / CHECKPOINTS
+    root = RunPaths(run_dir).checkpoints
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such directory (give a run directory, runs/NAME)")
     if not root.is_dir():
         step_dir = STEP_DIR_RE.fullmatch(run_dir.name)
-        if step_dir and run_dir.parent.name == CHECKPOINTS:
+        if step_dir and run_dir.parent.name == RunPaths.CHECKPOINTS:
             raise ExportError(f"{run_dir} is one checkpoint of a run: give the run directory and the step, "
                               f"`rollhpc export {run_dir.parent.parent} --step {int(step_dir.group(1))} OUT_DIR`")
-        if (run_dir / MANIFEST).is_file() or step_dir or run_dir.name == CHECKPOINTS:
+        if (run_dir / MANIFEST).is_file() or step_dir or run_dir.name == RunPaths.CHECKPOINTS:
             raise ExportError(f"{run_dir} is part of a run's checkpoints: give the run directory (and --step N for "
                               "one checkpoint)")
-        if not (run_dir / "config.yaml").is_file():
+        if not RunPaths(run_dir).config.is_file():
             raise ExportError(f"{run_dir} is not a run directory (no config.yaml, no checkpoints/)")
         raise ExportError(f"{run_dir} has no checkpoints yet (pipeline.options.checkpoint.every writes them during "
                           "the run, checkpoint.at_end after its last step)")

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from rollhpc.rundir import replace_dir
+
 FORMAT = "rollhpc-mcore"
 FORMAT_VERSION = 1
 META_FILE = "rollhpc_checkpoint.json"
@@ -155,19 +157,6 @@ def save_strategy():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-
-
-def replace_dir(tmp: Path, dst: Path) -> None:
-    """Put the finished directory ``tmp`` at ``dst``, moving an existing ``dst`` aside first and
-    deleting it only once the new one is in place."""
-    if not dst.exists():
-        tmp.rename(dst)
-        return
-    old = dst.parent / f".{dst.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    dst.rename(old)
-    tmp.rename(dst)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: str | Path, hf_config: Any,

@@ -10,6 +10,7 @@ from typing import Any
 from rollhpc.checkpoint.optimizer_report import optimizer_lines
 from rollhpc.checkpoint.storage import (MANIFEST, STEP_DIR_RE, TMP_DIR_RE, CheckpointStatus, CheckpointStorageError,
                                         CheckpointStore, check_dir, human_bytes, status_of, step_dir_name)
+from rollhpc.rundir import RunPaths
 
 _MAX_TENSORS = 20  # per file, in `inspect`
 
@@ -19,8 +20,8 @@ def open_path(path: Path) -> tuple[CheckpointStore, Path | None]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointStorageError(f"{path}: no such directory")
-    if (path / "checkpoints").is_dir():
-        return CheckpointStore(path / "checkpoints"), None
+    if RunPaths(path).checkpoints.is_dir():
+        return CheckpointStore(RunPaths(path).checkpoints), None
     if (path / MANIFEST).exists() or STEP_DIR_RE.fullmatch(path.name) or TMP_DIR_RE.fullmatch(path.name):
         return CheckpointStore(path.parent), path
     return CheckpointStore(path), None

@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from rollhpc import faults
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
-from rollhpc.controller.stop import STOP_FILE
+from rollhpc.rundir import RunPaths
 
 log = logging.getLogger("rollhpc.checkpoint")
 
@@ -57,7 +57,7 @@ class RunCheckpointer:
 
     def __init__(self, run_dir: Path, groups: dict[str, Any], options: CheckpointOptions):
         self.options = options
-        self.store = CheckpointStore(Path(run_dir) / "checkpoints", keep_last=options.keep_last)
+        self.store = CheckpointStore(RunPaths(run_dir).checkpoints, keep_last=options.keep_last)
         self.groups = groups
         self.roles = sorted(r for r, g in groups.items() if hasattr(g.worker_cls, "save_checkpoint"))
         self._searched = False
@@ -80,7 +80,7 @@ class RunCheckpointer:
                 pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
             (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
-            stop_file = self.store.root.parent / STOP_FILE
+            stop_file = RunPaths(self.store.root.parent).stop_request
             faults.checkpoint_commit(step, summary.get("restarts", 0), stop_file, self._watch_workers)
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException:

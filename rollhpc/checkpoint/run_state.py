@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from rollhpc.checkpoint.storage import atomic_write_bytes
+from rollhpc.rundir import atomic_write_bytes
 
 Generator = Any  # numpy.random.Generator | torch.Generator
 

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollhpc import file_modes
+from rollhpc.rundir import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -172,15 +173,6 @@ def _hash(path: Path, fsync: bool) -> tuple[int, str]:
     return n, h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make the directory's entries (creations, renames) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsync every file and directory under ``path`` (for a writer on a node other than the committer's)."""
     for dirpath, _, names in os.walk(path, topdown=False):
@@ -191,23 +183,6 @@ def fsync_tree(path: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp file in the same directory, fsync, rename, fsync of the directory.
-    Readers see the old content or the new one, never a mix."""
-    path = Path(path)
-    fd, tmp = file_modes.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def _files(root: Path) -> dict[str, Path]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
+from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 
@@ -61,7 +62,7 @@ class Controller:
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
 
     def log_path(self, rank: int) -> Path:
-        return self.run_dir / "logs" / f"rank{rank}-{self.ranks[rank].role}.log"
+        return RunPaths(self.run_dir).logs / f"rank{rank}-{self.ranks[rank].role}.log"
 
     # -- sending -----------------------------------------------------------------------------
     def submit(self, method: str, payloads: dict[int, Encoded]) -> list[tuple[int, int]]:
@@ -219,12 +220,12 @@ class Controller:
 
     def _timeout(self, what: str, missing: list[int], limit: float) -> None:
         stacks = self.sideband.collect_stacks(self.stack_dump_timeout_s)
-        path = self.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
+        path = RunPaths(self.run_dir).logs / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
         parts = [f"=== rank 0 (controller) ===\n{format_all_stacks()}"]
         for rank in sorted(stacks):
             parts.append(f"=== {self.ranks[rank].describe()} ===\n{stacks[rank]}")
-        path.write_text("\n".join(parts))
+        atomic_write_text(path, "\n".join(parts))
         who = ", ".join(self.ranks[r].describe() for r in missing)
         raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}; stacks of all ranks: {path}")
 

@@ -14,14 +14,14 @@ import signal
 import threading
 from pathlib import Path
 
-log = logging.getLogger("rollhpc.controller")
+from rollhpc.rundir import RunPaths
 
-STOP_FILE = "stop-request"
+log = logging.getLogger("rollhpc.controller")
 
 
 class StopRequest:
     def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / STOP_FILE
+        self.path = RunPaths(run_dir).stop_request
         self._signalled: str | None = None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, self._on_signal)

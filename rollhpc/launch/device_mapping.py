@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.config import CONTROLLER_ROLE, ClusterConfig, ConfigError, ExperimentConfig
+from rollhpc.rundir import atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,7 @@ class WorldPlan:
         return cls(ranks, [Component(**c) for c in d["components"]], d["gpus_total"], d["notes"])
 
     def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        atomic_write_text(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> "WorldPlan":

@@ -24,6 +24,7 @@ from rollhpc.launch.console import console_for_ranks
 from rollhpc.launch.device_mapping import WorldPlan, plan_world
 from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.parent_death import die_with_parent
+from rollhpc.rundir import RunPaths, atomic_write_json, atomic_write_text
 
 
 def find_mpiexec(setting: str) -> str:
@@ -209,18 +210,18 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     """Run the world to completion; returns the controller's exit status (0 = success). mpiexec's own
     status cannot tell: gforker's is 0 whatever its ranks did, so a controller that ended without saying
     how (killed, or a second signal cut its report short) counts as a failure, never as success."""
-    from rollhpc.launch.requeue import CONTROLLER_EXIT, controller_exit
+    from rollhpc.launch.requeue import controller_exit
 
     cmd = build_command(cfg, plan, run_dir)
-    (run_dir / CONTROLLER_EXIT).unlink(missing_ok=True)  # an earlier world's
+    RunPaths(run_dir).controller_exit.unlink(missing_ok=True)  # an earlier world's
     # leftovers of earlier worlds that could not clean up (their launcher was SIGKILLed); the age keeps
     # the segments of an MPI job that is starting right now, not yet mapped, out of the sweep
     remove_leaked_segments(set(), min_age_s=120)
     segments_before = shm_segments()
-    (run_dir / "launch.json").write_text(json.dumps({"command": cmd}, indent=1))
+    atomic_write_json(RunPaths(run_dir).launch, {"command": cmd}, indent=1)
     # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
-    previous = signal.signal(signal.SIGUSR1, lambda *_: (run_dir / "stop-request").write_text(
-        f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
+    previous = signal.signal(signal.SIGUSR1, lambda *_: atomic_write_text(
+        RunPaths(run_dir).stop_request, f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
     console_env, console_fds = console_for_ranks()  # the ranks write to our console, not through mpiexec
     try:
         proc = subprocess.Popen(cmd, env={**rank_environment(cfg), **console_env}, start_new_session=True,
@@ -235,10 +236,10 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     try:
         # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown) and the
         # launcher's own
-        (run_dir / "launch.json").write_text(json.dumps({
+        atomic_write_json(RunPaths(run_dir).launch, {
             "command": cmd, "mpiexec_pid": proc.pid, "world_shm": sorted(ours), "launcher_shm": sorted(singleton_segment())},
-            indent=1))
-        rc = _wait_for_world(proc, run_dir / CONTROLLER_EXIT)
+            indent=1)
+        rc = _wait_for_world(proc, RunPaths(run_dir).controller_exit)
     except KeyboardInterrupt:
         # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
         os.killpg(proc.pid, signal.SIGINT)
@@ -258,7 +259,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
 
 
 def failure_summary(run_dir: Path, rc: int) -> str:
-    err = run_dir / "error.json"
+    err = RunPaths(run_dir).error
     if err.exists():
         return json.loads(err.read_text())["summary"]
     return (f"the MPI world ended (status {rc}) before the controller reported how; "

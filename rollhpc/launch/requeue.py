@@ -57,17 +57,13 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.attempt import restart_number, slurm_restart_count
-from rollhpc.launch.resubmit import JOB_ID, cancel_rescue, current_job, ensure_rescue, resubmit, slurm_dir, write_atomic
+from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
 from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, scancel_detached, scontrol,
                                       slurmd_started_since, step_ids)
+from rollhpc.rundir import RunPaths, atomic_write_json, atomic_write_text
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
-RESTARTS_LOG = "restarts.jsonl"
-FAILED_NODES = "failed-nodes.json"
-CONTROLLER_EXIT = "controller-exit.json"
-STARTUP_FAILED = "startup-failed.json"
-WORLD = "world.json"  # written by the controller once every rank has joined (rollhpc.rank)
 FINISHED = "finished"  # what ``start`` prints when the run has nothing left to do
 SUPERSEDED = "superseded"  # what ``start`` prints when a newer job of the run is pending or running
 REQUEUED = "requeued"  # what ``start`` prints when it requeued the job before srun (het groups sharing a node)
@@ -80,7 +76,7 @@ def this_host() -> str:
 
 def log_event(run_dir: Path, event: dict[str, Any]) -> None:
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event}
-    path = Path(run_dir) / RESTARTS_LOG
+    path = RunPaths(run_dir).restarts
     with open(path, "ab+") as f:
         torn = False
         if f.seek(0, os.SEEK_END) > 0:
@@ -93,13 +89,13 @@ def log_event(run_dir: Path, event: dict[str, Any]) -> None:
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     from rollhpc.observability.metrics import read_jsonl
 
-    return read_jsonl(Path(run_dir) / RESTARTS_LOG)  # a line torn by a kill is skipped
+    return read_jsonl(RunPaths(run_dir).restarts)  # a line torn by a kill is skipped
 
 
 def failed_nodes(run_dir: Path) -> dict[str, str]:
     """{node: why} of the nodes the run lost workers on so far (RUN_DIR/failed-nodes.json; {} when none)."""
     try:
-        return dict(json.loads((Path(run_dir) / FAILED_NODES).read_text()))
+        return dict(json.loads(RunPaths(run_dir).failed_nodes.read_text()))
     except (FileNotFoundError, ValueError):
         return {}
 
@@ -110,7 +106,7 @@ def record_failed_node(run_dir: Path, host: str, why: str) -> None:
         return
     nodes = failed_nodes(run_dir)
     nodes[host] = why
-    _write_json(Path(run_dir) / FAILED_NODES, nodes, indent=1)
+    atomic_write_json(RunPaths(run_dir).failed_nodes, nodes, indent=1)
 
 
 def _attempt() -> dict[str, Any]:
@@ -118,25 +114,18 @@ def _attempt() -> dict[str, Any]:
             "restart_count": slurm_restart_count()}
 
 
-def _write_json(path: Path, data: dict[str, Any], indent: int | None = None) -> None:
-    """Whole or not at all (temp + rename); the temp name is per process: several ranks may write at once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
-    tmp.replace(path)
-
-
 def record_controller_exit(run_dir: Path, status: int, failure: dict[str, Any] | None = None) -> None:
     """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
     killed worker's 137 hides the controller's 76), so the decision travels through the run directory.
     ``failure``: the controller's verdict on a failure (``rollhpc.controller.failure.Failure.record``)."""
-    _write_json(Path(run_dir) / CONTROLLER_EXIT, {"status": status, **_attempt(), "restart": restart_number(),
+    atomic_write_json(RunPaths(run_dir).controller_exit, {"status": status, **_attempt(), "restart": restart_number(),
                                                   **({"failure": failure} if failure else {})})
 
 
 def controller_failure(run_dir: Path) -> dict[str, Any]:
     """This attempt's failure verdict from the controller's exit record ({} when none: no failure, no record)."""
     try:
-        record = json.loads((Path(run_dir) / CONTROLLER_EXIT).read_text())
+        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
     except (FileNotFoundError, ValueError):
         return {}
     if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
@@ -155,7 +144,7 @@ def unresponsive_nodes(hosts: list[str]) -> list[str]:
 def controller_exit(run_dir: Path) -> int | None:
     """This attempt's controller exit status, or None (it died before saying, or the file is older)."""
     try:
-        record = json.loads((Path(run_dir) / CONTROLLER_EXIT).read_text())
+        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
     except (FileNotFoundError, ValueError):
         return None
     if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
@@ -172,17 +161,17 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
     earlier = startup_failure(run_dir)
     if earlier is not None and (earlier.get("culprit") or not culprit):
         return
-    _write_json(run_dir / STARTUP_FAILED, {"host": host, "why": why, "culprit": culprit, **_attempt()})
-    error = run_dir / "error.json"
+    atomic_write_json(RunPaths(run_dir).startup_failed, {"host": host, "why": why, "culprit": culprit, **_attempt()})
+    error = RunPaths(run_dir).error
     if not error.exists() or (culprit and earlier is not None):  # the culprit's word over a waiting rank's
-        _write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
+        atomic_write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
                             "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def startup_failure(run_dir: Path) -> dict[str, Any] | None:
     """This attempt's start-up failure record, or None (none, or one left by an earlier attempt)."""
     try:
-        record = json.loads((Path(run_dir) / STARTUP_FAILED).read_text())
+        record = json.loads(RunPaths(run_dir).startup_failed.read_text())
     except (FileNotFoundError, ValueError):
         return None
     return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
@@ -282,7 +271,7 @@ def finished_run(run_dir: Path) -> str | None:
     newest good checkpoint is at the configured last step (``pipeline.options.steps``)."""
     run_dir = Path(run_dir)
     try:
-        record = json.loads((run_dir / CONTROLLER_EXIT).read_text())
+        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
     except (FileNotFoundError, ValueError):
         record = {}
     if record.get("status") == 0:
@@ -293,7 +282,7 @@ def finished_run(run_dir: Path) -> str | None:
         return None
     from rollhpc.checkpoint.storage import CheckpointStore
 
-    newest = CheckpointStore(run_dir / "checkpoints").latest_good(deep=False)
+    newest = CheckpointStore(RunPaths(run_dir).checkpoints).latest_good(deep=False)
     if newest is not None and newest.step >= steps:
         return f"its newest checkpoint, {newest.path.name}, is its last step (steps={steps})"
     return None
@@ -304,7 +293,7 @@ def configured_steps(run_dir: Path) -> int | None:
     import yaml
 
     try:
-        steps = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})["pipeline"]["options"]["steps"]
+        steps = (yaml.safe_load(RunPaths(run_dir).config.read_text()) or {})["pipeline"]["options"]["steps"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return None
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
@@ -327,8 +316,8 @@ def cmd_start(run_dir: Path) -> int:
         print(SUPERSEDED, flush=True)
         return 0
     if job_id and successor != job_id:  # this job takes the run over (submitted by hand, or the record is older)
-        slurm_dir(run_dir).mkdir(parents=True, exist_ok=True)
-        write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
+        RunPaths(run_dir).slurm.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
     if job_id:
         ensure_rescue(run_dir, job_id)
     shared = shared_nodes(group_nodes())
@@ -347,7 +336,7 @@ def cmd_start(run_dir: Path) -> int:
         later = events[events.index(last) + 1:]
         ended = [e for e in later if e.get("event") in ("requeue", "end")]
         previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
-    (Path(run_dir) / WORLD).unlink(missing_ok=True)  # an earlier attempt's world; this one's proves it formed
+    RunPaths(run_dir).world.unlink(missing_ok=True)  # an earlier attempt's world; this one's proves it formed
     log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
                         "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
                         "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
@@ -362,7 +351,7 @@ def controller_ended(run_dir: Path) -> str | None:
     if status is not None:
         return f"the controller ended with status {status}"
     try:
-        controller = json.loads((Path(run_dir) / WORLD).read_text())[0]
+        controller = json.loads(RunPaths(run_dir).world.read_text())[0]
     except (FileNotFoundError, ValueError, IndexError, KeyError):
         return None
     if controller.get("host") != this_host():
@@ -415,7 +404,7 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
     started = time.monotonic()
     while _alive(srun_pid) and not (how := controller_ended(run_dir)):
         if (world_timeout_s is not None and time.monotonic() - started > world_timeout_s
-                and not (Path(run_dir) / WORLD).exists()):
+                and not RunPaths(run_dir).world.exists()):
             failed = startup_failure(run_dir)
             if failed is None:
                 how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
@@ -521,7 +510,7 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
     # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
     # the first collectives recorded it), or the controller gave up waiting for a worker to connect
     stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
-    if stalled is None and said is None and srun_status != 0 and not (Path(run_dir) / WORLD).exists():
+    if stalled is None and said is None and srun_status != 0 and not RunPaths(run_dir).world.exists():
         stalled = {"why": f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
                           f"are in the output above"}
     if stalled:

@@ -37,6 +37,7 @@ from rollhpc.launch.resubmit import current_job, resubmit
 from rollhpc.launch.slurm_cli import ENDED as ENDED_STATES
 from rollhpc.launch.slurm_cli import hostnames, job_alive, jobs_named
 from rollhpc.launch.slurm_cli import job_records as _job_records
+from rollhpc.rundir import RunPaths
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
 NOTHING = "nothing to do"  # ... when the run needs nothing from it
@@ -66,7 +67,7 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
         out = "\n".join(jobs_named(getpass.getuser(), job_name, "PD,R,S,CF", "%i"))
     except (OSError, subprocess.TimeoutExpired):
         return []
-    mine = str(Path(run_dir).resolve() / "slurm") + "/"
+    mine = str(RunPaths(Path(run_dir).resolve()).slurm) + "/"
     live = []
     for jid in sorted(set(j.split("+")[0] for j in out.split())):
         for r in job_records(jid) or []:  # every component: one still RUNNING makes the job live, and an
@@ -77,7 +78,7 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
 
 
 def _job_name(run_dir: Path) -> str:
-    for line in (Path(run_dir) / "slurm" / "batch.sh").read_text().splitlines():
+    for line in RunPaths(run_dir).batch_script.read_text().splitlines():
         if line.startswith("#SBATCH --job-name="):
             return line.partition("=")[2].strip()
     return ""

@@ -28,30 +28,17 @@ from pathlib import Path
 from rollhpc.launch import slurm_cli
 from rollhpc.launch.attempt import RESTART_BASE
 from rollhpc.launch.slurm_cli import job_alive
+from rollhpc.rundir import RunPaths, atomic_write_text
 
-BATCH_SCRIPT = "batch.sh"  # in RUN_DIR/slurm: the batch text of the run's jobs
-JOB_ID = "job_id"  # in RUN_DIR/slurm: the run's current job
-RESCUE_SCRIPT = "rescue.sh"  # in RUN_DIR/slurm: the batch text of the rescue jobs (rollhpc.launch.rescue)
-RESCUES = "rescues.json"  # in RUN_DIR/slurm: {job id: the id of the rescue job waiting for it}
 KEEP_SLURM_VARS = ("SLURM_CONF",)  # client settings of the submitting user, not the old job's
 _GROUP = re.compile(r"^# het group \d+:")
 _EXCLUDE = re.compile(r"^#SBATCH\s+(?:--exclude=|-x\s*)(\S+)\s*$")
 
 
-def slurm_dir(run_dir: Path) -> Path:
-    return Path(run_dir) / "slurm"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def current_job(run_dir: Path) -> str | None:
     """The run's current Slurm job (RUN_DIR/slurm/job_id), or None."""
     try:
-        return (slurm_dir(run_dir) / JOB_ID).read_text().strip() or None
+        return RunPaths(run_dir).job_id.read_text().strip() or None
     except OSError:
         return None
 
@@ -99,13 +86,13 @@ def successor_env(restarts: int) -> dict[str, str]:
 
 def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | None, str]:
     """Submit the run's successor job; (its id, "") or (None, why it could not be submitted)."""
-    template = slurm_dir(run_dir) / BATCH_SCRIPT
+    template = RunPaths(run_dir).batch_script
     try:
         text = template.read_text()
     except OSError as e:
         return None, f"no batch script to resubmit ({e})"
-    script = slurm_dir(run_dir) / f"batch-restart-{restarts}.sh"
-    write_atomic(script, with_exclusions(text, exclude))
+    script = RunPaths(run_dir).slurm / f"batch-restart-{restarts}.sh"
+    atomic_write_text(script, with_exclusions(text, exclude))
     try:
         res = slurm_cli.sbatch(str(script), env=successor_env(restarts), cwd=str(run_dir))
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -113,7 +100,7 @@ def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | Non
     job_id = res.stdout.strip().split(";")[0]
     if res.returncode != 0 or not job_id.isdigit():
         return None, f"sbatch failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}"
-    write_atomic(slurm_dir(run_dir) / JOB_ID, job_id + "\n")
+    atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
     print(f"rollhpc requeue: submitted job {job_id} to continue the run (script {script})", file=sys.stderr,
           flush=True)
     rescue, why = submit_rescue(run_dir, job_id)
@@ -131,7 +118,7 @@ def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
     """Queue the rescue job of ``job_id``: it waits, holding nothing, until that job has ended
     (``--dependency=afterany``) and then continues the run if nobody else did (``rollhpc.launch.rescue``).
     (its id, "") or (None, why not); no rescue script (cluster.requeue=false): (None, "")."""
-    script = slurm_dir(run_dir) / RESCUE_SCRIPT
+    script = RunPaths(run_dir).rescue_script
     if not script.exists():
         return None, ""
     try:
@@ -144,14 +131,14 @@ def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
         return None, f"sbatch failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}"
     rescues = rescue_jobs(run_dir)
     rescues[job_id] = rescue
-    write_atomic(slurm_dir(run_dir) / RESCUES, json.dumps(rescues, indent=1) + "\n")
+    atomic_write_text(RunPaths(run_dir).rescues, json.dumps(rescues, indent=1) + "\n")
     return rescue, ""
 
 
 def ensure_rescue(run_dir: Path, job_id: str) -> None:
     """At each start: this job has a rescue job waiting (one submitted with it is; a job whose submitter died
     between its sbatch and its rescue's, or a job submitted by hand, gets one now)."""
-    if not (slurm_dir(run_dir) / RESCUE_SCRIPT).exists():
+    if not RunPaths(run_dir).rescue_script.exists():
         return
     rescue = rescue_jobs(run_dir).get(job_id)
     if rescue and job_alive(rescue):
@@ -164,7 +151,7 @@ def ensure_rescue(run_dir: Path, job_id: str) -> None:
 def rescue_jobs(run_dir: Path) -> dict[str, str]:
     """{job id: its rescue job's id} of the run (RUN_DIR/slurm/rescues.json; {} when there is none)."""
     try:
-        return dict(json.loads((slurm_dir(run_dir) / RESCUES).read_text()))
+        return dict(json.loads(RunPaths(run_dir).rescues.read_text()))
     except (OSError, ValueError, TypeError):
         return {}
 

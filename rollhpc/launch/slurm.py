@@ -17,10 +17,10 @@ from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
 from rollhpc.launch.device_mapping import Component, WorldPlan
-from rollhpc.launch.resubmit import (BATCH_SCRIPT, JOB_ID, RESCUE_SCRIPT, current_job, rescue_jobs, submit_rescue,
-                                    write_atomic)
+from rollhpc.launch.resubmit import current_job, rescue_jobs, submit_rescue
 from rollhpc.launch.slurm_cli import (TERMINAL, component_states, held_notice, held_reason, job_records,  # noqa: F401
                                       restart_count, scontrol)
+from rollhpc.rundir import RunPaths, atomic_write_text
 
 
 @dataclass(frozen=True)
@@ -282,17 +282,18 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
         def _num_tasks(self) -> int:
             return plan.world_size
 
-    folder = run_dir / "slurm"
+    paths = RunPaths(run_dir)
+    folder = paths.slurm
     folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / BATCH_SCRIPT, render_sbatch(cfg, plan, run_dir))  # what a restart submits again
-    rescue_script = folder / RESCUE_SCRIPT
+    atomic_write_text(paths.batch_script, render_sbatch(cfg, plan, run_dir))  # what a restart submits again
+    rescue_script = paths.rescue_script
     if cfg.cluster.requeue:
-        write_atomic(rescue_script, render_rescue(cfg, run_dir))
+        atomic_write_text(rescue_script, render_rescue(cfg, run_dir))
     else:
         rescue_script.unlink(missing_ok=True)
     executor = HetJobExecutor(folder=folder)
     job = executor._submit_command("rollhpc.rank")  # the command is in the batch text
-    write_atomic(folder / JOB_ID, job.job_id + "\n")
+    atomic_write_text(paths.job_id, job.job_id + "\n")
     rescue, why = submit_rescue(run_dir, job.job_id)
     if why:
         print(f"rollhpc: warning: job {job.job_id} has no rescue job ({why}): should its batch node be lost, "

@@ -28,6 +28,7 @@ from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch.requeue import configured_steps, finished_run, read_events
 from rollhpc.launch.slurm_cli import TERMINAL, component_states, held_notice, held_reason, job_records
 from rollhpc.observability.metrics import read_metrics
+from rollhpc.rundir import RunPaths
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
 SCONTROL_FIELDS = ("JobId", "JobState", "Reason", "NodeList", "ExcNodeList", "Restarts", "BatchHost")
@@ -85,7 +86,7 @@ def components_of(records: list[Mapping[str, str]]) -> list[dict[str, str]]:
 def check_run_dir(path: Path) -> Path:
     """The run directory, resolved; NotARunDirectory unless it holds a config.yaml."""
     path = Path(path)
-    if not (path / "config.yaml").is_file():
+    if not RunPaths(path).config.is_file():
         why = "no config.yaml" if path.is_dir() else "no such directory"
         raise NotARunDirectory(f"{path} is not a run directory ({why}); pass runs/NAME of a run rollhpc started")
     return path.resolve()
@@ -93,13 +94,13 @@ def check_run_dir(path: Path) -> Path:
 
 def job_id_of(run_dir: Path) -> str | None:
     """The run's last Slurm job (``rollhpc submit`` writes RUN_DIR/slurm/job_id); None for a local run."""
-    path = Path(run_dir) / "slurm" / "job_id"
+    path = RunPaths(run_dir).job_id
     return (path.read_text().strip() or None) if path.is_file() else None
 
 
 def _last_step(run_dir: Path) -> tuple[int | None, str]:
     """(step of metrics.jsonl's last line, a note when it cannot be read)."""
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     if not path.exists():
         return None, "no metrics.jsonl yet"
     try:
@@ -112,7 +113,7 @@ def _last_step(run_dir: Path) -> tuple[int | None, str]:
 def _checkpoint(run_dir: Path) -> dict[str, Any]:
     """The checkpoint a resume would use (as ``rollhpc ckpt list`` picks it, sizes checked) and the newer
     ones it would skip."""
-    rows = [r for r in CheckpointStore(run_dir / "checkpoints").statuses(deep=False) if not r.name.startswith(".")]
+    rows = [r for r in CheckpointStore(RunPaths(run_dir).checkpoints).statuses(deep=False) if not r.name.startswith(".")]
     good = resume_choice(rows)
     skipped = [f"{r.name}: {r.status}: {r.problems[0]}" for r in rows if r.status != "ok" and
                (good is None or r.step > good.step)]
@@ -125,7 +126,7 @@ def _checkpoint(run_dir: Path) -> dict[str, Any]:
 
 
 def _error(run_dir: Path) -> dict[str, Any] | None:
-    path = run_dir / "error.json"
+    path = RunPaths(run_dir).error
     if not path.exists():
         return None
     try:
@@ -168,7 +169,7 @@ def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None, *, 
         "checkpoint": _checkpoint(run_dir), "error": _error(run_dir), "last_failure": last_failure(events),
         "rescue": None if rescue_id is None else {"job_id": rescue_id, "states": sorted(
             {c.get("JobState", "") for c in (rescue.components if rescue else [])}) or ["unknown to Slurm"]},
-        "job_output": [str(p) for p in sorted((run_dir / "slurm").glob("job-*.out"))],
+        "job_output": [str(p) for p in sorted(RunPaths(run_dir).slurm.glob("job-*.out"))],
     }
     report["state"], report["advice"] = verdict(report, events)
     return report

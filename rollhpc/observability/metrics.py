@@ -42,7 +42,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep the records up to ``last_step`` (a resume from that step's checkpoint), atomically; returns
     how many were dropped. A torn last line (the process died while writing it) is dropped too."""
-    from rollhpc.checkpoint.storage import atomic_write_bytes
+    from rollhpc.rundir import atomic_write_bytes
 
     path = Path(path)
     if not path.exists():

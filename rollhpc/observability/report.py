@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollhpc.checkpoint.storage import atomic_write_bytes
+from rollhpc.rundir import RunPaths, atomic_write_bytes
 from rollhpc.launch.requeue import read_events
 from rollhpc.observability.metrics import read_jsonl
 
@@ -80,7 +80,7 @@ class RunSeries:
 def load_run(run_dir: Path) -> RunSeries:
     """The run's metrics and restarts; raises FileNotFoundError naming what is missing."""
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = RunPaths(run_dir).metrics
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a rollhpc run directory?)")
     records = [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]

@@ -30,15 +30,15 @@ crash never sees a half-written file.
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from rollhpc.rundir import atomic_file
 
 FORMAT = 1
 
@@ -80,7 +80,7 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
 
 
 def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
-    """Write ``record`` to ``path`` atomically (temp file in the same directory, then os.replace)."""
+    """Write ``record`` to ``path`` atomically (rollhpc.rundir.atomic_file)."""
     import h5py
 
     path = Path(path)
@@ -108,25 +108,19 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
             raise ValueError(f"rollout record for step {step}: {k} has {len(v)} entries, expected {n}")
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"  # same directory, so os.replace is atomic
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(step=int(step), time=time.time(), n=n, format=FORMAT)
-            for name, data in (("prompt_tokens", prompt), ("prompt_offsets", prompt_off),
-                               ("response_tokens", response), ("response_offsets", response_off),
-                               ("logprobs", logprobs), ("reward", reward), ("version", version)):
-                f.create_dataset(name, data=data)
-            for k, v in texts.items():
-                # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
-                f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
-            for k, v in components.items():
-                f.create_dataset(f"components/{k}", data=v)
-            for k, v in episode.items():
-                f.create_dataset(k, data=v)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
+        f.attrs.update(step=int(step), time=time.time(), n=n, format=FORMAT)
+        for name, data in (("prompt_tokens", prompt), ("prompt_offsets", prompt_off),
+                           ("response_tokens", response), ("response_offsets", response_off),
+                           ("logprobs", logprobs), ("reward", reward), ("version", version)):
+            f.create_dataset(name, data=data)
+        for k, v in texts.items():
+            # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
+            f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
+        for k, v in components.items():
+            f.create_dataset(f"components/{k}", data=v)
+        for k, v in episode.items():
+            f.create_dataset(k, data=v)
     return path
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from rollhpc.observability.metrics import MetricsLog, truncate_metrics
 from rollhpc.observability.rollouts import RolloutRecord, RolloutWriter
 from rollhpc.observability.tensorboard import TensorBoardLog
+from rollhpc.rundir import RunPaths
 
 
 class RunLog:
@@ -25,14 +26,14 @@ class RunLog:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
-            truncate_metrics(self.run_dir / "metrics.jsonl", resume_step)
-            for path in (self.run_dir / "rollouts").glob("step_*.h5"):
+            truncate_metrics(RunPaths(self.run_dir).metrics, resume_step)
+            for path in RunPaths(self.run_dir).rollouts.glob("step_*.h5"):
                 if path.stem.removeprefix("step_").isdigit() and int(path.stem.removeprefix("step_")) > resume_step:
                     path.unlink()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.tensorboard = (TensorBoardLog(self.run_dir / "tb", purge_from=None if resume_step is None else resume_step + 1)
+        self.metrics = MetricsLog(RunPaths(self.run_dir).metrics)
+        self.tensorboard = (TensorBoardLog(RunPaths(self.run_dir).tensorboard, purge_from=None if resume_step is None else resume_step + 1)
                             if tensorboard else None)
-        self.rollouts = RolloutWriter(self.run_dir / "rollouts")
+        self.rollouts = RolloutWriter(RunPaths(self.run_dir).rollouts)
         self._closed = False
 
     def log_step(self, step: int, metrics: dict[str, Any], rollouts: RolloutRecord | None = None) -> None:

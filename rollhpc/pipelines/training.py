@@ -22,6 +22,7 @@ from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
+from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync
 from rollhpc.weight_sync.routing import route_weights
 
@@ -119,7 +120,7 @@ class TrainingPipeline(Pipeline):
         pipeline's steps."""
         o = self.options
         mode, routing = o.weight_sync, None
-        plan_path = self.run_ctx.run_dir / "plan.json"
+        plan_path = RunPaths(self.run_ctx.run_dir).plan
         if mode != "relay" and plan_path.exists():
             from rollhpc.launch.device_mapping import WorldPlan
 
