@@ -28,7 +28,7 @@ Measured:
 - each role's baseline: a fresh process with the imports a rank of that role has before its model exists
   (mpi4py, torch, megatron-core / vLLM, rollhpc's worker module), its VmRSS;
 - the plan's per-rank estimate: the worker classes' `gpu_memory` hooks that `rollhpc plan` sums per GPU
-  (rollhpc.launch.memory_plan; the plan itself skips CPU roles), on the same config: the trainer's parameters,
+  (rollhpc.placement.memory_plan; the plan itself skips CPU roles), on the same config: the trainer's parameters,
   fp32 gradient buckets, sharded fp32 main parameters and moments and activations; the generator's weights and,
   on CPU, `cpu_kv_cache_mb` as its KV cache (the hook's GPU form, a share of the GPU, has no CPU meaning). Compared
   with the measured peak during the steps above the role's baseline (the plan has no checkpoint stage: the
@@ -125,7 +125,7 @@ def plan_estimate(config_path: Path) -> dict:
     """Per rank of the train and generate roles: the parts the memory plan's hooks give, in bytes."""
     from rollhpc.cli import load_experiment
     from rollhpc.config import import_object
-    from rollhpc.launch.memory_plan import ModelShape, seq_len_of
+    from rollhpc.placement.memory_plan import ModelShape, seq_len_of
 
     cfg = load_experiment(str(config_path), [])
     seq_len = seq_len_of(cfg)
@@ -344,7 +344,7 @@ def run_world(args: argparse.Namespace, config_path: Path, run_dir: Path, work: 
         try:
             rc = proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()  # its ranks die with it (rollhpc.parent_death)
+            proc.terminate()  # its ranks die with it (rollhpc.proc.parent_death)
             rc = proc.wait()
             rc = f"timeout after --timeout-s={args.timeout_s:g}"
         finally:
@@ -523,7 +523,7 @@ def main() -> int:
             runs[label] = run_world(args, config_path, run_dir, work, label, resume)
             if not runs[label]["ok"]:
                 break
-        from rollhpc.observability.metrics import read_jsonl
+        from rollhpc.rundir import read_jsonl
 
         records = read_jsonl(run_dir / "metrics.jsonl")
         result["stages"] = stage_times(records)

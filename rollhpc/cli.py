@@ -197,7 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.dry_run:
             raise
         # a login node has no GPUs: the dry run still shows the command and the prompts, planned on cluster.*
-        from rollhpc.launch.device_mapping import plan_world
+        from rollhpc.placement.device_mapping import plan_world
 
         plan = plan_world(cfg)
         print(f"rollhpc: warning: {e}; planned on cluster.* instead (`rollhpc submit` runs it there)",
@@ -230,13 +230,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def estimate_memory(cfg: Any, plan: Any) -> Any:
-    from rollhpc.launch.memory_plan import estimate
+    from rollhpc.placement.memory_plan import estimate
 
     return estimate(cfg, plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.placement.device_mapping import plan_world
     from rollhpc.launch.plan_report import render
 
     cfg = load_experiment(args.experiment, args.overrides)
@@ -258,7 +258,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.placement.device_mapping import plan_world
     from rollhpc.launch.local import failure_summary
     from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
 

@@ -43,7 +43,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class RoleConfig:
-    worker: str  # "package.module:Class", a subclass of rollhpc.workers.base.Worker
+    worker: str  # "package.module:Class", a subclass of rollhpc.protocol.worker.Worker
     procs: int = 1  # MPI ranks of this role
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     gpus_per_proc: int = 0  # GPUs each rank drives (0: a CPU role; a vLLM engine with TP 4: 4)
@@ -481,7 +481,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("roles: an experiment needs at least one worker role")
     if CONTROLLER_ROLE in cfg.roles:
         raise ConfigError(f"roles.{CONTROLLER_ROLE}: the name is reserved for rank 0")
-    from rollhpc.workers.base import Worker
+    from rollhpc.protocol.worker import Worker
 
     for name, role in cfg.roles.items():
         where = f"roles.{name}"

@@ -22,14 +22,14 @@ from typing import NoReturn
 import yaml
 
 from rollhpc import config as config_mod
-from rollhpc import faults
+from rollhpc.testing import fault_injection
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.console import adopt_console
-from rollhpc.launch.requeue import this_host
-from rollhpc.mpi_init_guard import MpiInitGuard
-from rollhpc.mpi_shm import remove_stale_segments
+from rollhpc.launch.mpi_init_guard import MpiInitGuard
+from rollhpc.proc.mpi_shm import remove_stale_segments
 from rollhpc.rundir import RunPaths, atomic_write_json
-from rollhpc.parent_death import die_with_parent, forked_children_die_with_us
+from rollhpc.rundir.records import this_host
+from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
 
 log = logging.getLogger("rollhpc")
 
@@ -69,7 +69,7 @@ def _write_error(run_dir: Path, exc: BaseException) -> str:
 
 def _last_step(run_dir: Path) -> int | None:
     """The last step metrics.jsonl records (the step a failure came after), None before the first."""
-    from rollhpc.observability.metrics import read_jsonl
+    from rollhpc.rundir import read_jsonl
 
     records = read_jsonl(RunPaths(run_dir).metrics)
     return records[-1].get("step") if records else None
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
-    from rollhpc.launch.device_mapping import WorldPlan
+    from rollhpc.placement.device_mapping import WorldPlan
 
     adopt_console()  # a local world: write to the launcher's console, not through mpiexec's pipes
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
@@ -135,7 +135,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     # its limit is read from the controller section alone, which imports nothing
     controller = config_mod.from_dict(config_mod.ControllerConfig, raw.get("controller"), "config.controller")
     guard = MpiInitGuard(run_dir, controller.world_timeout_s, expected_role)
-    faults.mpi_stall("mpi_init")
+    fault_injection.mpi_stall("mpi_init")
     stale = remove_stale_segments()  # MPI shared memory that killed ranks of an earlier attempt left
     if stale:
         print(f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}", file=sys.stderr,
@@ -150,7 +150,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     my_role = me.role if me else "unplanned"
     set_role_environment(raw, my_role)  # before the role's modules load
     cfg = config_mod.load(raw)  # the roles' modules: imports under the guard's limit, until the world formed
-    faults.mpi_stall("collectives")
+    fault_injection.mpi_stall("collectives")
     _setup_logging(run_dir, rank, my_role)
     if comm.Get_size() != plan.world_size or (expected_role and expected_role != my_role):
         print(f"rollhpc: rank {rank}: the MPI world ({comm.Get_size()} ranks, this one started as "
@@ -178,7 +178,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
 def _run_worker(comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
-    from rollhpc.workers.base import WorkerContext
+    from rollhpc.protocol.worker import WorkerContext
     from rollhpc.workers.serve import serve
 
     role, rank = me.role, me.rank
@@ -214,9 +214,9 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
-    from rollhpc.launch.requeue import (EXIT_REQUEUE, EXIT_WORKER_LOST, record_controller_exit,
-                                        record_failed_node, record_startup_failure, unresponsive_nodes)
-    from rollhpc.startup_gc import startup_gc
+    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, unresponsive_nodes
+    from rollhpc.rundir.records import record_controller_exit, record_failed_node, record_startup_failure
+    from rollhpc.proc.startup_gc import startup_gc
     from rollhpc.transport.sideband import ControllerSideband
 
     hosts = {e[1] for e in everyone}

@@ -121,7 +121,7 @@ def env_tok(env_tokenizer_dir):
 def build_env_worker(run_dir: Path, **options):
     """The env role's worker built directly, as one rank of its own (no MPI: its methods are plain calls)."""
     from rollhpc.parallel import ParallelLayout
-    from rollhpc.workers.base import WorkerContext
+    from rollhpc.protocol.worker import WorkerContext
     from rollhpc.workers.env import EnvWorker
 
     ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,

@@ -21,7 +21,7 @@ def main(spec_path: str, result_path: str) -> None:
     from rollhpc.parallel import RankCoords
     from rollhpc.rewards.judge import JudgeCounters, judge_outputs
     from rollhpc.tasks import arithmetic
-    from rollhpc.workers.base import WorkerContext
+    from rollhpc.protocol.worker import WorkerContext
     from rollhpc.workers.judge import JudgeWorker
 
     spec = json.loads(Path(spec_path).read_text())

@@ -11,7 +11,7 @@ import numpy as np
 
 from rollhpc.batch import Batch
 from rollhpc.controller.pipeline import Pipeline
-from rollhpc.workers.base import Dispatch, Worker, register
+from rollhpc.protocol.worker import Dispatch, Worker, register
 from rollhpc.workers.diagnostic import DiagnosticWorker
 
 

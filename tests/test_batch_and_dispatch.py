@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollhpc.batch import Batch
-from rollhpc.controller.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
+from rollhpc.protocol.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
 from rollhpc.parallel import ParallelLayout
 from rollhpc.workers.diagnostic import DiagnosticWorker
 

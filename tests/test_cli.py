@@ -100,7 +100,7 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
     # export_hf only decides what is written after the last step: a resume may turn it on (a finished run resumed
     # with export_hf=final exports its final checkpoint), and config.yaml then says so
     from rollhpc.cli import _resume_run_dir
-    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.placement.device_mapping import plan_world
 
     quick = tmp_path / "quickstart"
     quick.mkdir()

@@ -14,7 +14,7 @@ from rollhpc.parallel import RankCoords
 from rollhpc.sandbox import SandboxPool, SandboxUnavailable
 from rollhpc.tasks import pyfunc, task_module
 from rollhpc.tasks.pyfunc import PyfuncExample, read_response
-from rollhpc.workers.base import WorkerContext
+from rollhpc.protocol.worker import WorkerContext
 
 # x % 5 on hidden inputs 0 4 5 7 9: " x" passes 0 and 4, so partial scores are easy to predict.
 MOD5 = PyfuncExample(family="mod", expression="x%5", shown=((1, 1), (3, 3), (6, 1)), hidden_inputs=(0, 4, 5, 7, 9),

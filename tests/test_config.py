@@ -98,7 +98,7 @@ def test_every_shipped_experiment_loads_and_plans(name, tmp_path, monkeypatch, c
     `train --dry-run` and `submit --dry-run` of it succeed on this machine without GPUs (a login node), where
     its models and data are not (issue 34)."""
     from rollhpc.cli import main
-    from rollhpc.launch.device_mapping import plan_world
+    from rollhpc.placement.device_mapping import plan_world
 
     cfg = load_experiment(name, [])
     plan = plan_world(cfg)

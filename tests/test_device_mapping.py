@@ -2,7 +2,7 @@ import pytest
 
 from rollhpc import config
 from rollhpc.config import ConfigError
-from rollhpc.launch.device_mapping import WorldPlan, plan_world
+from rollhpc.placement.device_mapping import WorldPlan, plan_world
 
 TOY = "rollhpc.workers.toy_policy"
 
@@ -149,7 +149,7 @@ def test_local_plan_keeps_everything_on_this_machine():
         local_plan(load_experiment("toy_grpo", ["roles.train.gpus_per_proc=1"]))
 
 
-# -- GPU memory, stage by stage (rollhpc.launch.memory_plan) ----------------------------------------------
+# -- GPU memory, stage by stage (rollhpc.placement.memory_plan) ----------------------------------------------
 QWEN25_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
              "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
              "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
@@ -170,7 +170,7 @@ def test_parameter_counts_match_the_models_transformers_builds(hf):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollhpc.launch.memory_plan import ModelShape
+    from rollhpc.placement.memory_plan import ModelShape
 
     with torch.device("meta"):  # shapes only: a 7B model costs no memory
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))

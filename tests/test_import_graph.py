@@ -1,11 +1,10 @@
 """rollhpc's imports, read from the source (no module is imported): no file imports itself back through others,
-and the folder-level knot shrinks only.
+and no folder does either.
 
 Every ``import rollhpc...`` / ``from rollhpc... import`` counts, at module level or inside a function (a lazy
 import that points back up a layer is a cycle that merely waits). Folders are rollhpc's subpackages; a top-level
-module (``rollhpc/faults.py``) is a folder of its own. ``KNOWN_KNOT`` lists the folder-to-folder imports that lie
-on a folder cycle today (issue 35 removes them); an import that closes a new cycle fails, and so does an entry
-that no longer exists, so the list only ever gets shorter.
+module (``rollhpc/config.py``) is a folder of its own. With no cycle between folders they fall into layers by
+themselves (README.md, "How a run is built"): an import that points up closes a cycle and fails here.
 """
 
 from __future__ import annotations
@@ -14,22 +13,6 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rollhpc"
-
-KNOWN_KNOT = {
-    ("checkpoint", "faults"),
-    ("config", "workers"),
-    ("controller", "checkpoint"), ("controller", "config"), ("controller", "launch"), ("controller", "observability"),
-    ("controller", "transport"),
-    ("faults", "launch"),
-    ("launch", "checkpoint"), ("launch", "config"), ("launch", "mpi_shm"), ("launch", "observability"),
-    ("launch", "weight_sync"),
-    ("mpi_shm", "launch"),
-    ("observability", "launch"),
-    ("transport", "mpi_shm"),
-    ("weight_sync", "faults"),
-    ("workers", "checkpoint"), ("workers", "controller"), ("workers", "faults"),
-    ("workers", "launch"), ("workers", "transport"), ("workers", "weight_sync"),
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -114,16 +97,15 @@ def test_no_module_imports_itself_back():
     assert not cycles, f"import cycles between files: {[sorted(c) for c in cycles]}"
 
 
-def test_the_folder_knot_only_shrinks():
+def test_no_folder_imports_itself_back():
     folders: dict[str, set[str]] = {}
     for module, targets in _graph().items():
         for target in targets:
             if _folder(module) != _folder(target):
                 folders.setdefault(_folder(module), set()).add(_folder(target))
-    knot = {(a, b) for component in _cycles(folders) for a in component for b in folders.get(a, ()) if b in component}
-    new, gone = knot - KNOWN_KNOT, KNOWN_KNOT - knot
-    assert not new, f"imports that close a folder cycle: {sorted(new)} (import downwards, or move the code)"
-    assert not gone, f"no longer on a folder cycle, take them off KNOWN_KNOT: {sorted(gone)}"
+    cycles = _cycles(folders)
+    edges = sorted((a, b) for c in cycles for a in c for b in folders.get(a, ()) if b in c)
+    assert not cycles, f"folders importing each other round: {edges} (import downwards, or move the code)"
 
 
 def test_the_cycle_finder_finds_cycles():

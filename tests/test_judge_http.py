@@ -22,7 +22,7 @@ import pytest
 
 from rollhpc.parallel import RankCoords
 from rollhpc.rewards.judge_http import HttpJudge
-from rollhpc.workers.base import WorkerContext
+from rollhpc.protocol.worker import WorkerContext
 from rollhpc.workers.judge import JudgeWorker
 from tests.judge_models import TEMPLATE, yes_judge
 

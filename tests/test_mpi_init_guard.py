@@ -24,7 +24,7 @@ from tests.conftest import cli_env
 RANK = """
 import signal, sys, time
 from pathlib import Path
-from rollhpc.mpi_init_guard import MpiInitGuard
+from rollhpc.launch.mpi_init_guard import MpiInitGuard
 guard = MpiInitGuard(Path(sys.argv[1]), timeout_s=float(sys.argv[2]), role="probe")
 if sys.argv[3] == "deaf":  # a rank blocked in C: its signals stay pending
     signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
@@ -57,7 +57,7 @@ def start_rank(tmp_path):
 
 
 def test_guard_outlives_step_signals_and_kills_a_rank_deaf_to_them(tmp_path, start_rank):
-    from rollhpc.mpi_init_guard import SIGNAL_GRACE_S
+    from rollhpc.launch.mpi_init_guard import SIGNAL_GRACE_S
 
     signals = ("SIGHUP", "SIGINT", "SIGTERM")  # each would end a guard with default actions
 
@@ -108,7 +108,7 @@ time.sleep(600)
 def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_left(tmp_path, monkeypatch):
     """A requeued job keeps its job id, so MPICH names its node segments as the killed attempt did; those must
     go before MPI_Init, but never a segment of this attempt (newer) or of a live job (mapped)."""
-    from rollhpc import mpi_shm
+    from rollhpc.proc import mpi_shm
 
     def segment(name: str) -> Path:
         path = tmp_path / name

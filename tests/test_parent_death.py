@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 FORKER = """
 import os, sys, time
-from rollhpc.parent_death import forked_children_die_with_us
+from rollhpc.proc.parent_death import forked_children_die_with_us
 if sys.argv[1] == "covered":
     forked_children_die_with_us()
 child = os.fork()

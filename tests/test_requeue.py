@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from rollhpc.faults import CHECKPOINT_DELAY as DELAY_ENV
-from rollhpc.faults import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
-from rollhpc.launch.requeue import read_events
+from rollhpc.testing.fault_injection import CHECKPOINT_DELAY as DELAY_ENV
+from rollhpc.testing.fault_injection import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
+from rollhpc.rundir.records import read_events
 from rollhpc.launch.resubmit import rescue_jobs
 from rollhpc.observability.metrics import read_metrics
-from rollhpc.rundir import RunPaths
+from rollhpc.rundir import RunPaths, records
 from tests.slurm_cluster import TERMINAL_STATES
 from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
@@ -127,8 +127,8 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
         f.write('{"event": "requ')  # a line torn by a kill is skipped
     starts_ = [e for e in read_events(tmp_path) if e["event"] == "start"]
     assert starts_[0]["previous_attempt"] is None and "killed without a report" in starts_[1]["previous_attempt"]
-    requeue.record_failed_node(tmp_path, "node2", "rank 3 died")
-    requeue.record_failed_node(tmp_path, "node4", "rank 5 died")
+    records.record_failed_node(tmp_path, "node2", "rank 3 died")
+    records.record_failed_node(tmp_path, "node4", "rank 5 died")
     assert set(json.loads((tmp_path / RunPaths.FAILED_NODES).read_text())) == {"node2", "node4"}
     (tmp_path / "world.json").write_text("[]")  # the attempts below formed their world
     # outside a Slurm job nothing can be requeued: the status passes through and the end is logged
@@ -139,11 +139,11 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
     assert requeue.main(["after", str(tmp_path), str(requeue.EXIT_WORKER_LOST), "--max-restarts", "2"]) == 76
     # srun's status is the worst of all tasks (a killed worker's 137): the controller's own status decides
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
-    assert requeue.controller_exit(tmp_path) == 76
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    assert records.controller_exit(tmp_path) == 76
     assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "2"]) == 76
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")  # the next attempt: the file speaks of an earlier one
-    assert requeue.controller_exit(tmp_path) is None
+    assert records.controller_exit(tmp_path) is None
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
     assert requeue.main(["after", str(tmp_path), "75", "--no-requeue"]) == 75  # cluster.requeue=false
     ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
@@ -168,21 +168,21 @@ def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_ow
     (tmp_path / "world.json").write_text("[]")
     sig = "lost_peer|generate|receive_weights|RuntimeError|Connection closed by peer|5"
     peer = {"kind": "lost_peer", "summary": "gloo: Connection closed by peer", "signature": sig, "step": 5}
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
     assert requeue.main(["after", str(tmp_path), "1"]) == 0
     (requeue_event,) = [e for e in read_events(tmp_path) if e["event"] == "requeue"]
     assert submitted == [set()] and requeue_event["failure"]["kind"] == "lost_peer"
     assert requeue_event["reason"].startswith("a lost peer: gloo: Connection closed by peer")
     monkeypatch.setenv("ROLLHPC_RESTART_BASE", "1")  # the restarted attempt meets it again, at the same step
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
     assert requeue.main(["after", str(tmp_path), "1"]) == requeue.EXIT_WORKER_LOST and len(submitted) == 1
     end = read_events(tmp_path)[-1]
     assert end["event"] == "end" and end["final"] and "the same failure twice in a row at step 5" in end["reason"]
     monkeypatch.setenv("ROLLHPC_RESTART_BASE", "2")  # the same error at a later step is another occurrence
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, {**peer, "signature": sig[:-1] + "7"})
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, {**peer, "signature": sig[:-1] + "7"})
     assert requeue.main(["after", str(tmp_path), "1"]) == 0 and len(submitted) == 2
     monkeypatch.setenv("ROLLHPC_RESTART_BASE", "3")
-    requeue.record_controller_exit(tmp_path, 1, {"kind": "error", "summary": "ValueError: bad row", "signature": "x"})
+    records.record_controller_exit(tmp_path, 1, {"kind": "error", "summary": "ValueError: bad row", "signature": "x"})
     assert requeue.main(["after", str(tmp_path), "1"]) == 1 and len(submitted) == 2
     end = read_events(tmp_path)[-1]
     assert end["final"] and end["failure"]["kind"] == "error" and "not restarted" in end["reason"]
@@ -253,33 +253,33 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
 
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
-    requeue.record_startup_failure(tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7 on node3)")
+    records.record_startup_failure(tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7 on node3)")
     assert json.loads((tmp_path / "error.json").read_text())["type"] == "WorldNotFormed"
-    assert requeue.startup_failure(tmp_path)["host"] == "node3"
+    assert records.startup_failure(tmp_path)["host"] == "node3"
     # srun's 137 (the guard's SIGKILL) with no word from the controller: a restart, counted like a lost worker
     assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "5"]) == requeue.EXIT_WORKER_LOST
     (end,) = [e for e in read_events(tmp_path) if e["event"] == "end"]
     assert "MPI world did not form" in end["reason"] and "giving up" in end["reason"]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "6")  # the record belongs to the attempt before
-    assert requeue.startup_failure(tmp_path) is None
+    assert records.startup_failure(tmp_path) is None
     (tmp_path / "world.json").write_text("[]")  # and this attempt's world formed: srun's status stands
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
-    requeue.record_controller_exit(tmp_path, 0)
-    requeue.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
+    records.record_controller_exit(tmp_path, 0)
+    records.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
     assert requeue.main(["after", str(tmp_path), "137"]) == 0
     # the controller itself gave up on a worker that never connected: the world did not form either
     monkeypatch.setenv("SLURM_RESTART_COUNT", "7")
     (tmp_path / "world.json").unlink()
-    requeue.record_startup_failure(tmp_path, "node1", "worker ranks [3] did not connect to the controller")
-    requeue.record_startup_failure(tmp_path, "node2", "a later rank's timeout")  # the first cause is kept
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    records.record_startup_failure(tmp_path, "node1", "worker ranks [3] did not connect to the controller")
+    records.record_startup_failure(tmp_path, "node2", "a later rank's timeout")  # the first cause is kept
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     assert requeue.main(["after", str(tmp_path), "1", "--max-restarts", "7"]) == requeue.EXIT_WORKER_LOST
     end = [e for e in read_events(tmp_path) if e["event"] == "end"][-1]
     assert "MPI world did not form: worker ranks [3] did not connect" in end["reason"], end
     # the rank stuck in MPI_Init itself replaces the record of a rank that was only waiting for it
-    requeue.record_startup_failure(tmp_path, "node4", "MPI_Init did not finish within 5 s", culprit=True)
-    requeue.record_startup_failure(tmp_path, "node2", "the MPI world did not form within 5 s")
-    assert requeue.startup_failure(tmp_path)["host"] == "node4"
+    records.record_startup_failure(tmp_path, "node4", "MPI_Init did not finish within 5 s", culprit=True)
+    records.record_startup_failure(tmp_path, "node2", "the MPI world did not form within 5 s")
+    assert records.startup_failure(tmp_path)["host"] == "node4"
     # srun failed and no world formed in this attempt (a rank crashed in start-up): a restart is worth it too
     monkeypatch.setenv("SLURM_RESTART_COUNT", "8")
     assert requeue.main(["after", str(tmp_path), "134", "--max-restarts", "8"]) == requeue.EXIT_WORKER_LOST
@@ -305,7 +305,7 @@ def test_a_finished_run_is_never_started_again(tmp_path, monkeypatch, capsys):
     # a worker lost after the final checkpoint: nothing is requeued, the job ends 0
     store.commit(store.begin(3))
     assert "its newest checkpoint, step_000003, is its last step (steps=3)" in requeue.finished_run(tmp_path)
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     (tmp_path / "world.json").write_text("[]")
     assert requeue.main(["after", str(tmp_path), "137"]) == 0
     # Slurm requeued it anyway (a node failure): the next attempt says so and starts nothing
@@ -316,7 +316,7 @@ def test_a_finished_run_is_never_started_again(tmp_path, monkeypatch, capsys):
     assert [e["event"] for e in read_events(tmp_path)] == ["start", "end", "end"]
     # a clean controller exit is enough on its own
     (tmp_path / "checkpoints").rename(tmp_path / "moved")
-    requeue.record_controller_exit(tmp_path, 0)
+    records.record_controller_exit(tmp_path, 0)
     assert requeue.finished_run(tmp_path).startswith("its controller ended cleanly (job 123, restart 1)")
 
 
@@ -374,7 +374,7 @@ def test_watcher_ends_a_step_that_outlives_its_controller(tmp_path, monkeypatch)
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     srun = start_standin_srun()
-    requeue.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
+    records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     t0 = time.monotonic()
     assert requeue.cmd_watch(tmp_path, srun.pid, grace_s=0.5, poll_s=0.05) == 0
     assert srun.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - t0 < 5
@@ -403,7 +403,7 @@ def test_watcher_ends_a_step_whose_world_never_forms(tmp_path, monkeypatch):
     srun = start_standin_srun()
     requeue.cmd_watch(tmp_path, srun.pid, grace_s=1, world_timeout_s=0.5, poll_s=0.05)
     assert srun.wait(timeout=5) == -signal.SIGKILL
-    assert "no MPI world formed within 0.5 s of srun's start" in requeue.startup_failure(tmp_path)["why"]
+    assert "no MPI world formed within 0.5 s of srun's start" in records.startup_failure(tmp_path)["why"]
 
 
 @pytest.fixture(scope="module")
@@ -530,7 +530,7 @@ def test_a_trainer_rank_lost_inside_the_gradient_all_reduce_is_a_lost_worker_not
     the controller first, the survivor's gloo error or the death, the verdict is a lost worker (restartable,
     exit 76 for the batch script, its node to exclude), not an error of the run's own. The restart itself is
     the chaos test's below; tests/test_failure.py has the rules."""
-    from rollhpc.faults import HOLD_IN_GRAD_SYNC
+    from rollhpc.testing.fault_injection import HOLD_IN_GRAD_SYNC
 
     run_dir = tmp_path / "runs" / "quickstart"
     proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model),
@@ -723,7 +723,7 @@ def committed(run_dir: Path, step: int) -> bool:
 
 
 def holding(run_dir: Path, what: str) -> bool:
-    """Whether a rank's log says a test hook holds it (rollhpc.faults): ``what`` as the hook words it."""
+    """Whether a rank's log says a test hook holds it (rollhpc.testing.fault_injection): ``what`` as the hook words it."""
     return any(what in p.read_text(errors="replace") for p in (run_dir / "logs").glob("rank*.log"))
 
 
@@ -745,7 +745,7 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
        noticed, the ranks' guards give up at controller.world_timeout_s and the batch script ends the step
        srun would wait on forever), and the run continues in a third attempt.
     The run ends COMPLETED, every step logged once, with the uninterrupted run's weights."""
-    from rollhpc.faults import HOLD_IN_WEIGHT_SYNC
+    from rollhpc.testing.fault_injection import HOLD_IN_WEIGHT_SYNC
 
     run_dir = tmp_path / "runs" / "rq"
     # a world that lost a rank while forming waits in MPI_Init or the first collectives for the ranks' guards

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from rollhpc.launch.device_mapping import WorldPlan
+from rollhpc.placement.device_mapping import WorldPlan
 from rollhpc.observability.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm

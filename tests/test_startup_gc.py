@@ -1,4 +1,4 @@
-"""rollhpc.startup_gc: no automatic collection while a rank starts, then one collection and a freeze."""
+"""rollhpc.proc.startup_gc: no automatic collection while a rank starts, then one collection and a freeze."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import weakref
 
 import pytest
 
-from rollhpc.startup_gc import startup_gc
+from rollhpc.proc.startup_gc import startup_gc
 
 
 @pytest.fixture

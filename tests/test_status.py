@@ -14,7 +14,7 @@ import yaml
 from rollhpc import cli
 from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch import slurm, slurm_cli, status
-from rollhpc.launch.requeue import read_events
+from rollhpc.rundir.records import read_events
 from tests.conftest import cli_env
 
 JOB = "4242"

@@ -46,7 +46,7 @@ def test_broadcast_reaches_every_generator_bitwise_and_a_corrupted_bucket_is_nam
     """Two receivers in processes of their own (gloo): a verified sync, an unverified one, then a verified one
     whose first bucket the sender corrupts after stamping it (a bit flipped, as a stream race would): each
     receiver stops at the parameter concerned, before handing anything of that bucket on."""
-    from rollhpc.faults import CORRUPT_WEIGHT_SYNC
+    from rollhpc.testing.fault_injection import CORRUPT_WEIGHT_SYNC
 
     monkeypatch.setenv(CORRUPT_WEIGHT_SYNC, "3")
     store = open_store(timeout_s=60)
@@ -91,7 +91,7 @@ def test_the_checksum_is_exact_order_sensitive_and_the_same_on_any_layout():
 
 
 def _plan(*ranks: tuple[str, int, int, int, tuple[int, ...]]):
-    from rollhpc.launch.device_mapping import RankPlacement, WorldPlan
+    from rollhpc.placement.device_mapping import RankPlacement, WorldPlan
 
     return WorldPlan([RankPlacement(i, role, g, comp, node, gpus) for i, (role, g, comp, node, gpus)
                       in enumerate([("controller", 0, 0, 0, ()), *ranks])], [])
@@ -154,7 +154,7 @@ def test_each_generator_gets_cuda_ipc_on_the_trainers_gpu_and_the_broadcast_grou
 ], ids=["7b", "30b", "0.5b", "moe4096", "partial-overlap"])
 def test_shipped_layouts_route_every_generator_once_and_no_group_holds_two_ranks_of_a_gpu(name, overrides, ipc):
     from rollhpc.cli import load_experiment
-    from rollhpc.launch.device_mapping import plan_world, weight_sync_routing
+    from rollhpc.placement.device_mapping import plan_world, weight_sync_routing
 
     from rollhpc.weight_sync.routing import route_weights
 

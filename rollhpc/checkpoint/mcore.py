@@ -143,7 +143,7 @@ def _write_results_queue_that_dies_with_us() -> None:
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    from rollhpc.parent_death import die_with_parent
+    from rollhpc.proc.parent_death import die_with_parent
 
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))

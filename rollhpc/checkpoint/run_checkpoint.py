@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollhpc import faults
+from rollhpc.testing import fault_injection
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.rundir import RunPaths
 
@@ -81,12 +81,12 @@ class RunCheckpointer:
             (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
             stop_file = RunPaths(self.store.root.parent).stop_request
-            faults.checkpoint_commit(step, summary.get("restarts", 0), stop_file, self._watch_workers)
+            fault_injection.checkpoint_commit(step, summary.get("restarts", 0), stop_file, self._watch_workers)
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException:
             self.store.abort(pending)
             raise
-        faults.checkpoint_committed(step, stop_file, self._watch_workers)
+        fault_injection.checkpoint_committed(step, stop_file, self._watch_workers)
         seconds = time.perf_counter() - t0
         log.info("checkpoint %s saved in %.2f s (%s; %s)", checkpoint.path, seconds,
                  ", ".join(f"{r} {s['seconds']:.2f} s" for r, s in role_stats.items()) or "no stateful roles",

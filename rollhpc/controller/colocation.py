@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollhpc.controller.dispatch import remote_methods
+from rollhpc.protocol.dispatch import remote_methods
 
 log = logging.getLogger("rollhpc.colocation")
 
@@ -51,7 +51,7 @@ def colocation_of(roles: dict[str, Any]) -> Colocation:
     GPUs meet another role's; without GPU roles, every role and rank (they share the host). Roles that cannot
     offload (no ``offload_states``) are left out, as are sets of one."""
     from rollhpc.config import import_object
-    from rollhpc.launch.device_mapping import nested_groups, rank_devices
+    from rollhpc.placement.device_mapping import nested_groups, rank_devices
 
     def offloads(name: str) -> bool:
         return "offload_states" in remote_methods(import_object(roles[name].worker, f"roles.{name}.worker"))

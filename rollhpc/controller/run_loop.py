@@ -207,7 +207,7 @@ class RunLoop:
 
     def _log_restart(self, path: Path, step: int, restarts: int) -> None:
         """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
-        from rollhpc.launch.requeue import log_event
+        from rollhpc.rundir.records import log_event
 
         log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
         log_event(self.run_dir, {"event": "resume", "checkpoint": str(path), "step": step, "restarts": restarts,

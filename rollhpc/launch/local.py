@@ -21,9 +21,9 @@ from pathlib import Path
 
 from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
 from rollhpc.launch.console import console_for_ranks
-from rollhpc.launch.device_mapping import WorldPlan, plan_world
-from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
-from rollhpc.parent_death import die_with_parent
+from rollhpc.placement.device_mapping import WorldPlan, plan_world
+from rollhpc.proc.mpi_shm import FANOUT_PREFIX, SHM_DIR
+from rollhpc.proc.parent_death import die_with_parent
 from rollhpc.rundir import RunPaths, atomic_write_json, atomic_write_text
 
 
@@ -210,7 +210,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     """Run the world to completion; returns the controller's exit status (0 = success). mpiexec's own
     status cannot tell: gforker's is 0 whatever its ranks did, so a controller that ended without saying
     how (killed, or a second signal cut its report short) counts as a failure, never as success."""
-    from rollhpc.launch.requeue import controller_exit
+    from rollhpc.rundir.records import controller_exit
 
     cmd = build_command(cfg, plan, run_dir)
     RunPaths(run_dir).controller_exit.unlink(missing_ok=True)  # an earlier world's

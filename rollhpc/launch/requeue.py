@@ -27,11 +27,11 @@ srun's: srun reports the worst status of all tasks, and a killed worker's 137 wo
   (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): restart.
 * ``EXIT_WORKER_LOST`` (76): a worker process vanished (its node died, it was killed): the controller
   wrote the node to RUN_DIR/failed-nodes.json; restart with those nodes excluded, up to ``--max-restarts``
-  restarts (counted across jobs: ``rollhpc.launch.attempt``). The requeue fallback goes
+  restarts (counted across jobs: ``rollhpc.proc.attempt``). The requeue fallback goes
   ``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release`` (a running job's excluded nodes cannot
   be changed, a held one's can), once the lost node's step has ended.
 * the world never formed: a rank's MPI_Init or first collectives timed out, or the controller gave up on
-  a worker that never connected (RUN_DIR/startup-failed.json, from ``rollhpc.mpi_init_guard`` and
+  a worker that never connected (RUN_DIR/startup-failed.json, from ``rollhpc.launch.mpi_init_guard`` and
   ``rollhpc.rank``), or srun failed before the controller wrote RUN_DIR/world.json for this attempt (a
   rank crashed in start-up, e.g. inside the MPI library): restart like a lost worker, nodes unchanged.
 * anything else (0, a Python error in a worker, a bad config): no restart; the job ends with it.
@@ -49,18 +49,19 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from rollhpc.launch.attempt import restart_number, slurm_restart_count
+from rollhpc.proc.attempt import restart_number, slurm_restart_count
 from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
 from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, scancel_detached, scontrol,
                                       slurmd_started_since, step_ids)
-from rollhpc.rundir import RunPaths, atomic_write_json, atomic_write_text
+from rollhpc.rundir import RunPaths, atomic_write_text
+from rollhpc.rundir.records import (controller_exit, controller_failure, failed_nodes, log_event, read_events,
+                                    record_startup_failure, startup_failure, this_host)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -69,112 +70,12 @@ SUPERSEDED = "superseded"  # what ``start`` prints when a newer job of the run i
 REQUEUED = "requeued"  # what ``start`` prints when it requeued the job before srun (het groups sharing a node)
 
 
-def this_host() -> str:
-    """This node's name as Slurm knows it (simulated nodes of one machine share its hostname)."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def log_event(run_dir: Path, event: dict[str, Any]) -> None:
-    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **event}
-    path = RunPaths(run_dir).restarts
-    with open(path, "ab+") as f:
-        torn = False
-        if f.seek(0, os.SEEK_END) > 0:
-            f.seek(-1, os.SEEK_END)
-            torn = f.read(1) != b"\n"  # the last writer was killed mid-line
-        f.write((("\n" if torn else "") + json.dumps(record) + "\n").encode())
-    print(f"rollhpc requeue: {json.dumps(record)}", file=sys.stderr, flush=True)
-
-
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    from rollhpc.observability.metrics import read_jsonl
-
-    return read_jsonl(RunPaths(run_dir).restarts)  # a line torn by a kill is skipped
-
-
-def failed_nodes(run_dir: Path) -> dict[str, str]:
-    """{node: why} of the nodes the run lost workers on so far (RUN_DIR/failed-nodes.json; {} when none)."""
-    try:
-        return dict(json.loads(RunPaths(run_dir).failed_nodes.read_text()))
-    except (FileNotFoundError, ValueError):
-        return {}
-
-
-def record_failed_node(run_dir: Path, host: str, why: str) -> None:
-    """Called by the controller when a worker died: the node to keep away from on the next start."""
-    if not host:
-        return
-    nodes = failed_nodes(run_dir)
-    nodes[host] = why
-    atomic_write_json(RunPaths(run_dir).failed_nodes, nodes, indent=1)
-
-
-def _attempt() -> dict[str, Any]:
-    return {"job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart_count": slurm_restart_count()}
-
-
-def record_controller_exit(run_dir: Path, status: int, failure: dict[str, Any] | None = None) -> None:
-    """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
-    killed worker's 137 hides the controller's 76), so the decision travels through the run directory.
-    ``failure``: the controller's verdict on a failure (``rollhpc.controller.failure.Failure.record``)."""
-    atomic_write_json(RunPaths(run_dir).controller_exit, {"status": status, **_attempt(), "restart": restart_number(),
-                                                  **({"failure": failure} if failure else {})})
-
-
-def controller_failure(run_dir: Path) -> dict[str, Any]:
-    """This attempt's failure verdict from the controller's exit record ({} when none: no failure, no record)."""
-    try:
-        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
-        return {}
-    return record.get("failure") or {}
-
-
 def unresponsive_nodes(hosts: list[str]) -> list[str]:
     """Of ``hosts``, the nodes Slurm says are DOWN or not responding (none outside a Slurm job, or when
     scontrol cannot answer): the controller's second witness of a lost node, beside the sideband."""
     if not hosts or not os.environ.get("SLURM_JOB_ID"):
         return []
     return down_nodes(hosts)
-
-
-def controller_exit(run_dir: Path) -> int | None:
-    """This attempt's controller exit status, or None (it died before saying, or the file is older)."""
-    try:
-        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
-        return None
-    return int(record["status"])
-
-
-def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = False) -> None:
-    """The MPI world did not form (a rank's guard, rollhpc.mpi_init_guard, or the controller waiting for
-    connections): RUN_DIR/startup-failed.json for ``after`` (worth a restart), and error.json for the user
-    unless a rank already wrote one. Of an attempt's records the first is kept, unless a later one comes
-    from the ``culprit`` (a rank stuck in MPI_Init itself, which the others were only waiting for)."""
-    run_dir = Path(run_dir)
-    earlier = startup_failure(run_dir)
-    if earlier is not None and (earlier.get("culprit") or not culprit):
-        return
-    atomic_write_json(RunPaths(run_dir).startup_failed, {"host": host, "why": why, "culprit": culprit, **_attempt()})
-    error = RunPaths(run_dir).error
-    if not error.exists() or (culprit and earlier is not None):  # the culprit's word over a waiting rank's
-        atomic_write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
-                            "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-
-
-def startup_failure(run_dir: Path) -> dict[str, Any] | None:
-    """This attempt's start-up failure record, or None (none, or one left by an earlier attempt)."""
-    try:
-        record = json.loads(RunPaths(run_dir).startup_failed.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
 
 
 def _job_components(job_id: str) -> list[str]:
@@ -195,7 +96,7 @@ def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s:
     worker lost on a live node: its step ends within a second. Waiting after ``requeuehold`` is no option: it
     ends this script (SIGKILL after KillWait)."""
     deadline = time.monotonic() + timeout_s
-    from rollhpc.mpi_shm import ATTEMPT_STARTED
+    from rollhpc.proc.mpi_shm import ATTEMPT_STARTED
 
     began = float(os.environ.get(ATTEMPT_STARTED, "0") or 0) or time.time()
 

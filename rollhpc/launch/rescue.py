@@ -32,12 +32,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollhpc.launch.requeue import failed_nodes, finished_run, log_event, read_events
+from rollhpc.launch.requeue import finished_run
 from rollhpc.launch.resubmit import current_job, resubmit
 from rollhpc.launch.slurm_cli import ENDED as ENDED_STATES
 from rollhpc.launch.slurm_cli import hostnames, job_alive, jobs_named
 from rollhpc.launch.slurm_cli import job_records as _job_records
 from rollhpc.rundir import RunPaths
+from rollhpc.rundir.records import failed_nodes, log_event, read_events
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
 NOTHING = "nothing to do"  # ... when the run needs nothing from it

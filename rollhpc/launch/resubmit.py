@@ -11,7 +11,7 @@ script is the usual "job chaining" of long HPC trainings.
 What the successor gets: the batch script ``rollhpc submit`` wrote (RUN_DIR/slurm/batch.sh), with
 ``--exclude`` in every het component for the nodes lost so far (and any the old job excluded), and the
 submitting environment without the old job's SLURM_* variables, plus ROLLHPC_RESTART_BASE so that restarts
-keep counting across jobs (``rollhpc.launch.attempt``). RUN_DIR/slurm/job_id then names the successor:
+keep counting across jobs (``rollhpc.proc.attempt``). RUN_DIR/slurm/job_id then names the successor:
 ``rollhpc status``, ``submit --wait`` and ``slurm/resume.sh`` follow it. Should Slurm requeue the old job
 anyway (its batch node died in the same second), that attempt finds a live successor and ends at once.
 """
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from rollhpc.launch import slurm_cli
-from rollhpc.launch.attempt import RESTART_BASE
+from rollhpc.proc.attempt import RESTART_BASE
 from rollhpc.launch.slurm_cli import job_alive
 from rollhpc.rundir import RunPaths, atomic_write_text
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
-from rollhpc.launch.device_mapping import Component, WorldPlan
+from rollhpc.placement.device_mapping import Component, WorldPlan
 from rollhpc.launch.resubmit import current_job, rescue_jobs, submit_rescue
 from rollhpc.launch.slurm_cli import (TERMINAL, component_states, held_notice, held_reason, job_records,  # noqa: F401
                                       restart_count, scontrol)
@@ -223,7 +223,7 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
     lines += ["", "set +e",
               "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
               "# 0: one no-op step per earlier attempt gives this attempt's world an id of its own, so it never",
-              "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.mpi_shm removes those",
+              "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.proc.mpi_shm removes those",
               f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
               f'timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
               *_container_notes(container, c.srun_mpi),
@@ -362,7 +362,7 @@ class HoldWatch:
             self._release(attempt, held[0])
 
     def _release(self, attempt: int, reason: str) -> None:
-        from rollhpc.launch.requeue import log_event
+        from rollhpc.rundir.records import log_event
 
         res = scontrol("release", self.job_id)
         outcome = "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"

@@ -25,10 +25,11 @@ from typing import Any
 
 from rollhpc.checkpoint.report import resume_choice
 from rollhpc.checkpoint.storage import CheckpointStore
-from rollhpc.launch.requeue import configured_steps, finished_run, read_events
+from rollhpc.launch.requeue import configured_steps, finished_run
 from rollhpc.launch.slurm_cli import TERMINAL, component_states, held_notice, held_reason, job_records
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths
+from rollhpc.rundir.records import read_events
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
 SCONTROL_FIELDS = ("JobId", "JobState", "Reason", "NodeList", "ExcNodeList", "Restarts", "BatchHost")

@@ -20,21 +20,6 @@ class MetricsLog:
         self._f.close()
 
 
-def read_jsonl(path: Path) -> list[Any]:
-    """Every JSON value of a file of one per line (none when the file is absent), skipping a line torn by a
-    kill (a run in progress, or one that died mid-write)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
-
-
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

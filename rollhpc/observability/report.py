@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollhpc.rundir import RunPaths, atomic_write_bytes
-from rollhpc.launch.requeue import read_events
-from rollhpc.observability.metrics import read_jsonl
+from rollhpc.rundir import RunPaths, atomic_write_bytes, read_jsonl
+from rollhpc.rundir.records import read_events
 
 # step timings in metrics.jsonl (seconds), in the order they happen within a step, and their labels
 STAGES = (("rollout_s", "rollout"), ("generate_s", "generate"), ("reward_s", "reward"),

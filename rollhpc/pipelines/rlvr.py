@@ -434,7 +434,7 @@ class RlvrPipeline(TrainingPipeline):
     def _reward_counters(self) -> dict[str, float]:
         """The reward roles' own counters (a judge's unparsed verdicts and failures, a sandbox's timeouts),
         summed over each role's ranks, as ``ROLE/NAME``: roles that offer a remote ``metrics`` method."""
-        from rollhpc.controller.dispatch import remote_methods
+        from rollhpc.protocol.dispatch import remote_methods
 
         out: dict[str, float] = {}
         for role in self._reward_roles():

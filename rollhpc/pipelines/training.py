@@ -92,7 +92,7 @@ class TrainingPipeline(Pipeline):
     policy: PolicyCursor
     checkpointer: Any
 
-    # what each stage of a step holds on the GPU, by role and part (rollhpc.launch.memory_plan): colocated
+    # what each stage of a step holds on the GPU, by role and part (rollhpc.placement.memory_plan): colocated
     # roles take turns, each stage loading only these; a role that is absent from the run drops out
     memory_stages: dict[str, dict[str, tuple[str, ...]]] = {
         "generate": {"generate": ("weights", "kv_cache")},
@@ -122,7 +122,7 @@ class TrainingPipeline(Pipeline):
         mode, routing = o.weight_sync, None
         plan_path = RunPaths(self.run_ctx.run_dir).plan
         if mode != "relay" and plan_path.exists():
-            from rollhpc.launch.device_mapping import WorldPlan
+            from rollhpc.placement.device_mapping import WorldPlan
 
             routing = route_weights(WorldPlan.load(plan_path), mode)  # checked at load too (plan_world)
         if mode == "auto":

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from rollhpc.mpi_shm import FANOUT_PREFIX, SHM_DIR
+from rollhpc.proc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.transport import wire
 
 TAG_CALL = 11
@@ -39,7 +39,7 @@ TAG_REPLY = 12
 # are quicker)
 FANOUT_MIN_BYTES = 1 << 20
 SHARED_DIR = str(SHM_DIR)
-SHARED_PREFIX = FANOUT_PREFIX  # + controller pid + a counter: rollhpc.mpi_shm removes those a killed run left
+SHARED_PREFIX = FANOUT_PREFIX  # + controller pid + a counter: rollhpc.proc.mpi_shm removes those a killed run left
 _ALIGN = 4096  # each buffer starts on a page of the file: its arrays are aligned for any dtype
 
 

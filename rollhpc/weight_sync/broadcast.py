@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rollhpc import faults
+from rollhpc.testing import fault_injection
 from rollhpc.weight_sync.buckets import Bucket, stamp, verified
 
 __all__ = ["WeightBroadcast", "open_store"]
@@ -87,10 +87,10 @@ class WeightBroadcast:
             b.data = b.data.to(self.device).contiguous()
             if verify:
                 stamp(b)
-            faults.corrupt_weight_sync(self.syncs, i, b.data)
+            fault_injection.corrupt_weight_sync(self.syncs, i, b.data)
             self._header((b.names, b.shapes, b.offsets, b.data.dtype, b.data.numel(), b.checksums))
             if i == 0:
-                faults.in_weight_sync(self.syncs)
+                fault_injection.in_weight_sync(self.syncs)
             self._broadcast(b.data)
             sent += b.nbytes
         self._header(None)

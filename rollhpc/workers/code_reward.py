@@ -23,7 +23,7 @@ from typing import Any
 from rollhpc.rewards.components import Components
 from rollhpc.sandbox import Sandbox, SandboxPool, SandboxResult, SandboxUnavailable
 from rollhpc.tasks import task_module
-from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 __all__ = ["CodeCounters", "CodeRewardWorker"]
 

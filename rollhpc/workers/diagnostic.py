@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from rollhpc.batch import Batch
-from rollhpc.workers.base import Collect, Dispatch, Worker, register
+from rollhpc.protocol.worker import Collect, Dispatch, Worker, register
 
 
 class DiagnosticWorker(Worker):

@@ -68,8 +68,8 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.envs import env_class, make_env
-from rollhpc.parent_death import die_with_parent
-from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+from rollhpc.proc.parent_death import die_with_parent
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 __all__ = ["EnvWorker", "EnvCounters"]
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollhpc.tasks import task_module
-from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 class MathRewardWorker(Worker):
     @dataclass(kw_only=True)

@@ -37,11 +37,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rollhpc import faults
+from rollhpc.testing import fault_injection
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.parallel import pipeline_stage_layers
-from rollhpc.workers.base import Collect, Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
 
 log = logging.getLogger("rollhpc.megatron")
 
@@ -149,7 +149,7 @@ class MegatronPolicyWorker(Worker):
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
-        self._grad_syncs = 0  # gradient reductions so far (a test hook counts them: rollhpc.faults)
+        self._grad_syncs = 0  # gradient reductions so far (a test hook counts them: rollhpc.testing.fault_injection)
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.device = next(self.chunks[0].parameters()).device
         for chunk in self.chunks:
@@ -184,9 +184,9 @@ class MegatronPolicyWorker(Worker):
 
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
-        """Bytes a rank holds on its GPU (rollhpc.launch.memory_plan): its stage's parameters, and the
+        """Bytes a rank holds on its GPU (rollhpc.placement.memory_plan): its stage's parameters, and the
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
-        from rollhpc.launch.memory_plan import (activation_bytes, dtype_bytes, megatron_stage_params,
+        from rollhpc.placement.memory_plan import (activation_bytes, dtype_bytes, megatron_stage_params,
                                                 megatron_stage_split)
 
         size = dtype_bytes(options.dtype)
@@ -712,7 +712,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
         self._grad_syncs += 1
         if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
-            faults.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
+            fault_injection.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def export_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> list[Any] | None:

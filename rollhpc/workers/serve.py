@@ -11,10 +11,10 @@ import time
 import traceback
 from typing import Any
 
-from rollhpc.startup_gc import startup_gc
+from rollhpc.proc.startup_gc import startup_gc
 from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import WorkerSideband
-from rollhpc.workers.base import Worker, WorkerContext
+from rollhpc.protocol.worker import Worker, WorkerContext
 
 log = logging.getLogger("rollhpc.worker")
 
@@ -35,7 +35,7 @@ def _error(exc: BaseException, ctx: WorkerContext, method: str) -> dict[str, Any
 def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
           options: Any) -> None:
     try:
-        with startup_gc():  # construction is mostly imports: see rollhpc.startup_gc
+        with startup_gc():  # construction is mostly imports: see rollhpc.proc.startup_gc
             worker = worker_cls(ctx, options)
         channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready"})
     except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from rollhpc.batch import Batch
-from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 
 def build_policy(modulus: int, hidden: int, seed: int):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollhpc.engines.options import EngineOptions
-from rollhpc.workers.base import Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 
 class VllmGenerateWorker(Worker):
@@ -46,9 +46,9 @@ class VllmGenerateWorker(Worker):
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int,  # noqa: ARG003
                    gpu_bytes: float) -> dict[str, float]:
-        """Bytes a rank's engine holds over its GPUs (rollhpc.launch.memory_plan): the weights, and the KV
+        """Bytes a rank's engine holds over its GPUs (rollhpc.placement.memory_plan): the weights, and the KV
         cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU."""
-        from rollhpc.launch.memory_plan import dtype_bytes
+        from rollhpc.placement.memory_plan import dtype_bytes
 
         weights = float(shape.total * dtype_bytes(options.dtype))
         budget = options.gpu_memory_utilization * gpu_bytes * options.tensor_parallel_size

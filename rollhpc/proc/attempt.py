@@ -5,7 +5,8 @@ A run restarts in two ways. Slurm requeues the same job (its batch node died: SL
 those), or the batch script submits the job again as a new one (``rollhpc.launch.resubmit``: a time-limit
 checkpoint, a lost worker, a world that did not form), which starts with no SLURM_RESTART_COUNT at all.
 The resubmission therefore passes the restarts so far in ROLLHPC_RESTART_BASE, and the attempt's number is
-the sum. Light on purpose: every rank reads it before MPI_Init (``rollhpc.faults``, ``rollhpc.mpi_shm``).
+the sum. Light on purpose: every rank reads it before MPI_Init (``rollhpc.testing.fault_injection``,
+``rollhpc.proc.mpi_shm``).
 """
 
 from __future__ import annotations

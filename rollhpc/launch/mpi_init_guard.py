@@ -30,8 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from rollhpc.launch.requeue import record_startup_failure, this_host
-from rollhpc.parent_death import die_with_parent
+from rollhpc.proc.parent_death import die_with_parent
+from rollhpc.rundir.records import record_startup_failure, this_host
 
 _MPI_INITIALIZED = b"i"
 _WORLD_FORMED = b"w"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollhpc.controller.dispatch import Collect, Dispatch, register
+from rollhpc.protocol.dispatch import Collect, Dispatch, register
 from rollhpc.parallel import ParallelLayout, RankCoords
 
 __all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from rollhpc.launch.attempt import restart_number
+from rollhpc.proc.attempt import restart_number
 
-log = logging.getLogger("rollhpc.mpi_shm")
+log = logging.getLogger("rollhpc.proc.mpi_shm")
 
 ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
 SHM_DIR = Path("/dev/shm")

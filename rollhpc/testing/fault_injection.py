@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rollhpc.launch.attempt import restart_number
+from rollhpc.proc.attempt import restart_number
 
-log = logging.getLogger("rollhpc.faults")
+log = logging.getLogger("rollhpc.testing.fault_injection")
 
 CHECKPOINT_DELAY = "ROLLHPC_TEST_CHECKPOINT_DELAY"
 HOLD_AFTER_CHECKPOINT = "ROLLHPC_TEST_HOLD_AFTER_CHECKPOINT"

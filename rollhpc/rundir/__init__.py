@@ -2,7 +2,8 @@
 checkpoints, exports, reports): whole or not at all, and durable once written.
 
 ``RunPaths(run_dir).world`` and its siblings are the only place a run directory's file names are spelled out;
-which module writes or reads each one is said beside it.
+which module writes or reads each one is said beside it. The run's own records (its events, lost nodes, the
+controller's exit, a world that did not form) are ``rollhpc.rundir.records``.
 
 A file goes to a temporary name in its own directory (so the rename is atomic), is fsynced, renamed over the
 target, and the directory is fsynced (so the rename survives a crash of the node). Readers, on this node or
@@ -31,7 +32,7 @@ class RunPaths:
     """The files and folders of one run directory (what submitit's ``JobPaths`` is for one job)."""
 
     CONFIG = "config.yaml"  # the resolved config (cli, at the start; read by every rank and by requeue)
-    PLAN = "plan.json"  # the world plan (cli / launch.device_mapping)
+    PLAN = "plan.json"  # the world plan (cli / placement.device_mapping)
     WORLD = "world.json"  # every rank's host and pid, written by the controller once the world has formed (rank)
     LAUNCH = "launch.json"  # the local launcher's command and shared memory (launch.local)
     ERROR = "error.json"  # why the run failed, for the user (rank, launch.requeue)
@@ -131,6 +132,21 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any, indent: int | None = None) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=indent).encode())
+
+
+def read_jsonl(path: Path) -> list[Any]:
+    """Every JSON value of a file of one per line (none when the file is absent), skipping a line torn by a
+    kill (a run in progress, or one that died mid-write)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
 
 
 def replace_dir(tmp: Path, dst: Path) -> None:
