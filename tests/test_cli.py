@@ -99,14 +99,14 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
 
     # export_hf only decides what is written after the last step: a resume may turn it on (a finished run resumed
     # with export_hf=final exports its final checkpoint), and config.yaml then says so
-    from rollhpc.cli import _resume_run_dir
+    from rollhpc.cli.experiment import resume_run_dir
     from rollhpc.placement.device_mapping import plan_world
 
     quick = tmp_path / "quickstart"
     quick.mkdir()
     (quick / "config.yaml").write_text(yaml.safe_dump(to_dict(load_experiment("quickstart", []))))
     cfg = load_experiment("quickstart", ["pipeline.options.export_hf=final"])
-    assert _resume_run_dir(cfg, plan_world(cfg), quick) == quick
+    assert resume_run_dir(cfg, plan_world(cfg), quick) == quick
     assert yaml.safe_load((quick / "config.yaml").read_text())["pipeline"]["options"]["export_hf"] == "final"
 
 

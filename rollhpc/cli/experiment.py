@@ -1,0 +1,188 @@
+"""Reading an experiment: hydra composes configs/EXP.yaml (or a YAML path) with ``key=value`` overrides; the
+result is handed to rollhpc.config as a plain dict and validated there, so the library never sees hydra (this is
+the only module that imports it). Also what train, plan and submit share: the run directory and the inputs."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rollhpc import config as config_mod
+from rollhpc import experiments
+from rollhpc.config import ConfigError, ExperimentConfig
+from rollhpc.rundir import RunPaths, atomic_write_text
+
+
+def experiment_args(sp: argparse.ArgumentParser) -> None:
+    """The arguments every command that reads an experiment takes."""
+    sp.add_argument("experiment", help="experiment name (`rollhpc configs` lists them) or path to a .yaml")
+    sp.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
+    sp.add_argument("--print-config", action="store_true", help="print the resolved configuration (the YAML "
+                    "with the overrides applied and every default filled in, as the run's config.yaml will "
+                    "hold it) and exit")
+
+
+def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
+    """Experiment name (configs/NAME.yaml) or path to a YAML file, plus hydra overrides -> dict."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = Path(experiment)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"no such config file: {path}")
+        config_dir, name = path.resolve().parent, path.stem
+    else:
+        found = experiments.find(experiment)
+        if found is None:
+            known = [e.name for e in experiments.available()]
+            raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml; "
+                              f"`rollhpc configs` lists them with where they are)")
+        path, config_dir, name = found, found.parent, experiment
+    check_yaml_syntax(path)
+    check_override_syntax(overrides)
+    # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
+    # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
+    # rollhpc.config then rejects keys that exist nowhere, naming the valid ones.
+    overrides = [o if o.startswith(("+", "~")) else f"++{o}" for o in overrides]
+    # ${range:a,b} -> [a, ..., b-1]: device lists of thousands of GPUs without writing them out
+    OmegaConf.register_new_resolver("range", lambda a, b: list(range(int(a), int(b))), replace=True)
+    try:
+        with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+            composed = hydra_compose(config_name=name, overrides=overrides)
+        return OmegaConf.to_container(composed, resolve=True)  # type: ignore[return-value]
+    except yaml.YAMLError as e:  # a file the experiment's defaults list pulls in
+        raise ConfigError(yaml_error_line(e)) from None
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(f"cannot apply overrides {overrides}: {' '.join(str(e).split())}") from e
+
+
+def yaml_error_line(e: yaml.YAMLError, path: Path | None = None) -> str:
+    """A YAML syntax error as one line: FILE:LINE:COLUMN: what is wrong (and what to do about a tab)."""
+    mark = getattr(e, "problem_mark", None)
+    where = str(path or (mark.name if mark else "config"))
+    if mark is not None:
+        where += f":{mark.line + 1}:{mark.column + 1}"
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    if "'\\t'" in problem or "\t" in problem:
+        problem += " (YAML indents with spaces, never tabs)"
+    return f"{where}: YAML syntax: {problem}"
+
+
+def check_yaml_syntax(path: Path) -> None:
+    """Parse the experiment's file before hydra does: hydra's own error is an 80-line traceback."""
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(yaml_error_line(e, path)) from None
+
+
+def check_override_syntax(overrides: list[str]) -> None:
+    """Each ``key=value`` through hydra's own override parser, so a bad one is named alone, in one line."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_override(override if override.startswith(("+", "~")) else f"++{override}")
+        except HydraException as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"override {override!r}: {first} (hydra syntax: key=value; quote a value with "
+                              f"brackets, commas or spaces, e.g. 'key=[1, 2]' or key=\"a b\")") from None
+
+
+def load_experiment(experiment: str, overrides: list[str]) -> ExperimentConfig:
+    return config_mod.load(compose(experiment, overrides))
+
+
+def print_config(cfg: ExperimentConfig) -> int:
+    print(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool = False) -> Path:
+    run_dir = cfg.run.run_dir.resolve()
+    if resume:
+        return resume_run_dir(cfg, plan, run_dir)
+    if run_dir.exists():
+        if not overwrite:
+            raise ConfigError(f"run directory {run_dir} exists; pick another run.name=..., pass --resume to "
+                              "continue it from its checkpoint, or --overwrite to start again")
+        shutil.rmtree(run_dir)
+    RunPaths(run_dir).logs.mkdir(parents=True)
+    atomic_write_text(RunPaths(run_dir).config, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
+    plan.save(RunPaths(run_dir).plan)
+    return run_dir
+
+
+def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
+    """An existing run continues only with the configuration it was started with (its checkpoint's layout
+    and data cursor depend on it); the world's processes find its newest good checkpoint themselves."""
+    saved_path = RunPaths(run_dir).config
+    if not saved_path.is_file():
+        raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume")
+    saved = yaml.safe_load(saved_path.read_text())
+    now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))  # as config.yaml holds it
+    # where the run directory is was settled by finding it (a relative output_dir depends on the cwd), and
+    # the machines (cluster.*: partition, time limit, nodes) do not change what a checkpoint holds
+    # and export_hf only decides what is written after the last step (resuming a finished run with export_hf=final
+    # exports it)
+    differ = sorted(k for k in _differing_keys(saved, now)
+                    if k not in ("run.output_dir", "pipeline.options.export_hf") and not k.startswith("cluster."))
+    if differ:
+        raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
+                          f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
+    RunPaths(run_dir).error.unlink(missing_ok=True)  # the last attempt's failure is history now
+    if now != saved:
+        from rollhpc.rundir import atomic_write_bytes
+
+        atomic_write_bytes(saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode())
+    plan.save(RunPaths(run_dir).plan)
+    return run_dir
+
+
+def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            out += _differing_keys(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [prefix.rstrip(".")]
+
+
+def prepare_inputs(cfg: ExperimentConfig) -> None:
+    """Inputs the ranks load at start-up, made before any process starts (e.g. the quickstart's SFT
+    warm start): the pipeline's ``prepare`` classmethod, when it has one."""
+    pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+    prepare = getattr(pipeline_cls, "prepare", None)
+    if prepare is not None:
+        try:
+            prepare(cfg.pipeline.options, cfg.run.seed, cfg.roles)
+        except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included
+            raise ConfigError(f"preparing the run's inputs: {e}") from e
+
+
+def check_inputs(cfg: ExperimentConfig, refuse: bool) -> None:
+    """Model directories the run would load (``config.missing_inputs``): a run started without one fails only
+    once its world is up, so ``train`` and ``submit`` refuse it here; ``plan`` and ``--dry-run`` only print, for
+    a model that may exist on the cluster alone, and warn."""
+    problems = config_mod.missing_inputs(cfg)
+    if problems and refuse:
+        raise ConfigError("; ".join(problems))
+    for problem in problems:
+        print(f"rollhpc: warning: {problem}; train and submit refuse to start without it", file=sys.stderr)
+
+
+def estimate_memory(cfg: Any, plan: Any) -> Any:
+    from rollhpc.placement.memory_plan import estimate
+
+    return estimate(cfg, plan)
