@@ -205,23 +205,16 @@ def _broadcast_roles(fanout: dict, plan, everyone, mode: str) -> dict:
     return {role: c for role, c in fanout.items() if mode == "broadcast" or machines[role] - {everyone[0][4]}}
 
 
-def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
-    from rollhpc.controller.errors import WorkerDied, WorldNotFormed
-    from rollhpc.controller.failure import (INTERRUPTED, LOST_WORKER, WORLD_NOT_FORMED, Failure, StalledCall,
-                                            classify)
-    from rollhpc.controller.mpi_stall import MpiStallWatch
-    from rollhpc.controller.pipeline import RunContext
+def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone,  # noqa: ANN001
+                     guard: MpiInitGuard):  # noqa: ANN202 - a Controller (imported lazily)
+    """The formed world recorded (world.json), the sideband opened and its address given to every rank, signals
+    turned into reported failures, and the controller runtime over the MPI channel."""
     from rollhpc.controller.runtime import Controller, RankInfo
-    from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.transport.mpi_channel import MpiChannel
-    from rollhpc.launch.requeue import EXIT_REQUEUE, EXIT_WORKER_LOST, unresponsive_nodes
-    from rollhpc.rundir.records import record_controller_exit, record_failed_node, record_startup_failure
-    from rollhpc.proc.startup_gc import startup_gc
     from rollhpc.transport.sideband import ControllerSideband
 
-    hosts = {e[1] for e in everyone}
-    atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2], "cuda_visible_devices": e[3]}
-                                        for r, e in enumerate(everyone)])
+    atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2],
+                                                 "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)])
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
     else:  # workers on other machines reach the controller by its host name
@@ -236,50 +229,85 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     broadcast = _broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)
     shared = ({role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
               if cfg.controller.one_to_all == "auto" else {})  # roles on this machine: one shared-memory copy
-    ctl = Controller(MpiChannel(comm, fanout=broadcast, shared=shared),
-                     sideband, ranks, run_dir, cfg.controller.call_timeout_s,
-                     cfg.controller.stack_dump_timeout_s)
+    return Controller(MpiChannel(comm, fanout=broadcast, shared=shared), sideband, ranks, run_dir,
+                      cfg.controller.call_timeout_s, cfg.controller.stack_dump_timeout_s)
 
-    def fail(e: BaseException) -> NoReturn:
-        """Report the run's failure once (whichever thread comes first) and end the process. What it was (a
-        lost worker, a lost peer, an error of the run's own) is decided after a bounded look at the workers'
-        liveness and Slurm's view of the nodes (rollhpc.controller.failure), not by which error came first."""
+
+class _FailureReport:
+    """Report the run's failure once (whichever thread comes first) and end the process. What it was (a lost
+    worker, a lost peer, an error of the run's own) is decided after a bounded look at the workers' liveness and
+    Slurm's view of the nodes (rollhpc.controller.failure), not by which error came first."""
+
+    def __init__(self, comm, ctl, cfg: ExperimentConfig, run_dir: Path, everyone) -> None:  # noqa: ANN001
+        self.comm, self.ctl, self.cfg, self.run_dir, self.everyone = comm, ctl, cfg, run_dir, everyone
+
+    def __call__(self, e: BaseException) -> NoReturn:
         global _reporting_failure
         _failing.acquire()  # a second failure waits here for the first report's os._exit
         _reporting_failure = True
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
                 signal.signal(sig, signal.SIG_IGN)
-        if isinstance(e, _Terminated):
-            e = ctl.root_cause(e)  # some launchers interrupt every rank when one dies
-            verdict = None if isinstance(e, WorkerDied) else Failure(INTERRUPTED, str(e), step=_last_step(run_dir))
-        else:
-            verdict = None
-        if verdict is None:
-            e, verdict = classify(e, ctl.dead_worker,
-                                  lambda: unresponsive_nodes(sorted(hosts - {everyone[0][1]})),
-                                  lambda h: [f"rank {r.rank} {r.role}" for r in ranks.values() if r.host == h],
-                                  settle_s=cfg.controller.peer_loss_settle_s, step=_last_step(run_dir))
-        summary = _write_error(run_dir, e)
+        e, verdict = self._classify(e)
+        summary = _write_error(self.run_dir, e)
         log.error("run failed: %s", summary)
         if getattr(e, "details", ""):
             log.error("%s", e.details.rstrip())
         elif not hasattr(e, "summary"):
             log.error("%s", "".join(traceback.format_exception(e)).rstrip())
+        status = self._record(e, verdict)
+        for h in logging.getLogger().handlers:
+            h.flush()
+        if not self.ctl.release():
+            self.comm.Abort(status)
+        os._exit(status)
+
+    def _classify(self, e: BaseException):  # noqa: ANN202
+        from rollhpc.controller.errors import WorkerDied
+        from rollhpc.controller.failure import INTERRUPTED, Failure, classify
+        from rollhpc.launch.requeue import unresponsive_nodes
+
+        ctl, run_dir = self.ctl, self.run_dir
+        if isinstance(e, _Terminated):
+            e = ctl.root_cause(e)  # some launchers interrupt every rank when one dies
+            if not isinstance(e, WorkerDied):
+                return e, Failure(INTERRUPTED, str(e), step=_last_step(run_dir))
+        others = sorted({h for _, h, *_ in self.everyone} - {self.everyone[0][1]})
+        return classify(e, ctl.dead_worker, lambda: unresponsive_nodes(others),
+                        lambda h: [f"rank {r.rank} {r.role}" for r in ctl.ranks.values() if r.host == h],
+                        settle_s=self.cfg.controller.peer_loss_settle_s, step=_last_step(run_dir))
+
+    def _record(self, e: BaseException, verdict) -> int:  # noqa: ANN001
+        """The verdict in the run directory for the batch script's decision; the exit status that says it."""
+        from rollhpc.controller.failure import LOST_WORKER, WORLD_NOT_FORMED
+        from rollhpc.launch.requeue import EXIT_WORKER_LOST
+        from rollhpc.rundir.records import record_controller_exit, record_failed_node, record_startup_failure
+
         status = EXIT_WORKER_LOST if verdict.restartable else 1
         log.error("failure classified as %s%s", verdict.kind,
                   "" if verdict.restartable else ": not restartable (a restart would meet it again)")
         if verdict.kind == LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
             for host in verdict.hosts:
-                record_failed_node(run_dir, host, e.summary if hasattr(e, "summary") else str(e))
+                record_failed_node(self.run_dir, host, e.summary if hasattr(e, "summary") else str(e))
         elif verdict.kind == WORLD_NOT_FORMED:  # restartable: which node is at fault is unknown
-            record_startup_failure(run_dir, everyone[0][1], verdict.summary)
-        record_controller_exit(run_dir, status, verdict.record())
-        for h in logging.getLogger().handlers:
-            h.flush()
-        if not ctl.release():
-            comm.Abort(status)
-        os._exit(status)
+            record_startup_failure(self.run_dir, self.everyone[0][1], verdict.summary)
+        record_controller_exit(self.run_dir, status, verdict.record())
+        return status
+
+
+def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
+    from rollhpc.controller.errors import WorldNotFormed
+    from rollhpc.controller.failure import StalledCall
+    from rollhpc.controller.mpi_stall import MpiStallWatch
+    from rollhpc.controller.pipeline import RunContext
+    from rollhpc.controller.run_loop import Outcome
+    from rollhpc.controller.worker_group import WorkerGroup
+    from rollhpc.launch.requeue import EXIT_REQUEUE
+    from rollhpc.proc.startup_gc import startup_gc
+    from rollhpc.rundir.records import record_controller_exit
+
+    ctl = _open_controller(comm, fanout, cfg, plan, run_dir, everyone, guard)
+    fail = _FailureReport(comm, ctl, cfg, run_dir, everyone)
 
     def on_mpi_stall(stuck_s: float) -> None:  # the watcher's thread: the main one is stuck in MPI
         fail(StalledCall(f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, "
@@ -288,7 +316,7 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     stall_watch = MpiStallWatch(ctl.channel, on_mpi_stall, cfg.controller.mpi_stall_s).start()
     try:
         try:
-            sideband.accept(set(ranks), cfg.controller.world_timeout_s)
+            ctl.sideband.accept(set(ctl.ranks), cfg.controller.world_timeout_s)
         except TimeoutError as e:
             raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
         groups = {
@@ -299,12 +327,11 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
         pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
         with startup_gc():
             pipeline.setup()  # the controller's own start-up, while the workers build theirs
-        ctl.wait([(r, 0) for r in ranks], "worker start-up", cfg.controller.startup_timeout_s)
-        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted(hosts)),
+        ctl.wait([(r, 0) for r in ctl.ranks], "worker start-up", cfg.controller.startup_timeout_s)
+        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted({e[1] for e in everyone})),
                  ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
-        pipeline.run()
+        requeue = pipeline.run() is Outcome.STOPPED_FOR_REQUEUE
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
-        requeue = getattr(pipeline, "stopped_for_requeue", False)
         log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
     except BaseException as e:  # noqa: BLE001 - every failure ends the whole run, with one message
         fail(e)
@@ -315,7 +342,6 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     record_controller_exit(run_dir, status)
     MPI.Finalize()
     return status
-
 
 if __name__ == "__main__":
     sys.exit(main())

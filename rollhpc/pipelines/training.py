@@ -136,11 +136,10 @@ class TrainingPipeline(Pipeline):
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
-        self.outcome = loop.run(self)
-        self.stopped_for_requeue = self.outcome is Outcome.STOPPED_FOR_REQUEUE  # read by rank.py
-        if o.export_hf == "final" and not self.stopped_for_requeue:
+        outcome = loop.run(self)
+        if o.export_hf == "final" and outcome is not Outcome.STOPPED_FOR_REQUEUE:
             self.export_final()
-        return self.outcome
+        return outcome  # rank.py acts on it (a requeue's exit status)
 
     def export_final(self) -> None:
         """``export_hf: final``: the trainer's model of the checkpoint just saved (the ``latest`` pointer: the
