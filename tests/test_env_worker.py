@@ -219,7 +219,7 @@ def test_close_closes_every_env_and_leaves_nothing_running(make_worker, tok, tmp
 def test_a_lost_host_ends_its_episodes_and_is_started_again(make_worker, tok):
     w = make_worker()
     w.reset([{"episode": "a", "seed": seed("count")}])
-    (host,) = [p for p in psutil.Process().children() if "rollhpc.workers.env" in " ".join(p.cmdline())]
+    (host,) = [p for p in psutil.Process().children() if "rollhpc.envs.host" in " ".join(p.cmdline())]
     host.kill()  # as the OOM killer would: its episode processes die with it
     host.wait(5)
     assert w.step(go(tok, "a"))[0]["ended"] == "error: the environment process died"
