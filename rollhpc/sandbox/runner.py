@@ -117,23 +117,7 @@ def run_process(argv: list[str], *, stdin_fd: int, pass_fds: tuple[int, ...], wa
     without a status line, exit statuses 129..192 mean signal 1..64 (bwrap's way). ``user``: uid and gid
     to start argv as (root dropping to an unprivileged uid), through setpriv where there is one."""
     t0 = time.monotonic()
-    ids: dict = {}
-    if user is not None and _setpriv():
-        argv = [_setpriv(), f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
-    elif user is not None:
-        ids = {"user": user, "group": user, "extra_groups": []}
-    try:
-        proc = subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=pass_fds, cwd=cwd, env=env if env is not None else {},
-                                start_new_session=True, **ids)
-    except BaseException:
-        for fd in (status_fd, info_fd):
-            if fd is not None:
-                os.close(fd)
-        raise
-    finally:
-        for fd in pass_fds:
-            os.close(fd)
+    proc = _spawn(argv, stdin_fd, pass_fds, (status_fd, info_fd), cwd, env, user)
     assert proc.stdout is not None and proc.stderr is not None
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = _Streams(out_fd, err_fd, (status_fd, info_fd), output_bytes)
@@ -177,18 +161,42 @@ def run_process(argv: list[str], *, stdin_fd: int, pass_fds: tuple[int, ...], wa
     if report is not None:
         code, cpu_s = report
     else:
-        code = proc.returncode
-        if signal_exit_codes and 128 < code <= 128 + 64:
-            code = -(code - 128)
+        code = -signal.SIGKILL if killed_for is not None else _exit_code(proc.returncode, signal_exit_codes)
         cpu_s = kill_cpu_s if kill_cpu_s is not None else rusage.ru_utime + rusage.ru_stime
-    if killed_for is not None and report is None:
-        code = -signal.SIGKILL
     if leftovers:
         log.warning("sandbox: processes of a sandbox still ran %.0f s after its end or kill (argv[0] %s)",
                     DRAIN_AFTER_KILL_S, argv[0])
     return Finished(returncode=code, stdout=bytes(streams.bufs[out_fd]), stderr=bytes(streams.bufs[err_fd]),
                     truncated=streams.overflow, killed_for=killed_for, cpu_s=cpu_s, wall_s=time.monotonic() - t0,
                     leftovers=leftovers)
+
+
+def _spawn(argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], read_ends: tuple[int | None, ...], cwd: str,
+           env: dict[str, str] | None, user: int | None) -> subprocess.Popen:
+    """``argv`` started in a session of its own with stdout and stderr piped, as ``user`` when given; the
+    ``pass_fds`` are closed here once the child has them, and the ``read_ends`` too if it cannot start."""
+    ids: dict = {}
+    if user is not None and _setpriv():
+        argv = [_setpriv(), f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
+    elif user is not None:
+        ids = {"user": user, "group": user, "extra_groups": []}
+    try:
+        return subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=pass_fds, cwd=cwd, env=env if env is not None else {},
+                                start_new_session=True, **ids)
+    except BaseException:
+        for fd in read_ends:
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in pass_fds:
+            os.close(fd)
+
+
+def _exit_code(returncode: int, signal_exit_codes: bool) -> int:
+    """A process's exit code with no status line to say it; 129..192 mean signal 1..64 where asked (bwrap's way)."""
+    return -(returncode - 128) if signal_exit_codes and 128 < returncode <= 128 + 64 else returncode
 
 
 @functools.cache
