@@ -36,8 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rollhpc.algo.kl_control import KlControlConfig, KlController
-from rollhpc.algo.objective import LossConfig
+from rollhpc.algo.kl_control import KlController
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.controller.pipeline import RunContext
@@ -46,7 +45,7 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
-from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler
 from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
 from rollhpc.rollout.types import Prompt, Sample
 
@@ -133,45 +132,22 @@ class AgenticPipeline(TrainingPipeline):
     required_roles = ("train", "generate", "env")
 
     @dataclass(kw_only=True)
-    class Options(TrainingOptions):  # checkpoint, export_hf
-        model_dir: str  # the starting policy (Hugging Face directory), e.g. the expert-SFT warm start
+    class Options(TrainingOptions):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
+        # here rollout.max_tokens is per turn, and PPO's GAE runs over the generated tokens of a row (the
+        # environment's tokens between turns are skipped: a turn's last token looks ahead to the next turn's first)
         warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent
-        steps: int = 100
         groups_per_step: int = 8  # groups of episodes (one reset seed each) per batch
-        algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
         formulation: Literal["trajectory", "step"] = "trajectory"
         # per episode (the algorithm's estimator on returns) or per turn (GiGPO); default: per episode on
         # trajectory rows, GiGPO on step rows
         advantage: Literal["episode", "gigpo"] | None = None
         step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
-        grpo_scale: bool = True
-        # PPO: GAE over the generated tokens of a row (the environment's tokens between turns are skipped, so
-        # a turn's last token looks ahead to the next turn's first), discount and lambda per generated token
-        gamma: float = 1.0
-        lam: float = 0.95
-        value_clip: float | None = 0.2  # the critic's value clipping (None: off)
-        loss: LossConfig = field(default_factory=LossConfig)
-        kl_control: KlControlConfig = field(default_factory=KlControlConfig)
-        rollout: SchedulerConfig = field(default_factory=SchedulerConfig)  # max_tokens is per turn
         train_seeds: int = 100_000  # training episodes draw reset seeds from [0, train_seeds)
         n_heldout: int = 64  # held-out episodes (seeds from HELDOUT_SEED_BASE on)
-        eval_every: int = 10
         eval_max_turns: int = 32  # a held-out episode is cut after this many turns (the env's own limit first)
         # held-out episodes act as in training (sampled at the generators' temperature, seeded, so the same
         # weights give the same result) or greedily; a tiny greedy policy often walks in circles forever
         eval_greedy: bool = False
-        # trainer -> generators: auto (per generator from the plan: CUDA IPC on the GPU of the trainer's rank 0,
-        # the broadcast group elsewhere; rollhpc.weight_sync.routing), broadcast (a direct process group),
-        # relay (through the controller) or ipc (rollhpc.weight_sync.driver)
-        weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
-        weight_sync_bucket_mb: float = 64.0
-        rollout_every: int = 1
-        max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
-        max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
-        offload: bool = False  # colocated roles take turns on their devices (rollhpc.controller.colocation)
-        # with one optimizer step per batch the update is exactly on-policy (rollouts are synchronous here):
-        # the train step's own forward gives the old log-probs, no separate forward (as in the RLVR pipeline)
-        skip_on_policy_logprobs: bool = True
 
         def __post_init__(self) -> None:
             super().__post_init__()

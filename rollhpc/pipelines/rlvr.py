@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from rollhpc.algo.advantages import GROUP_BASELINES
-from rollhpc.algo.kl_control import KlControlConfig, KlController
+from rollhpc.algo.kl_control import KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
@@ -54,7 +54,7 @@ from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
-from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
 
 log = logging.getLogger("rollhpc.rlvr")
@@ -129,47 +129,22 @@ class RlvrPipeline(TrainingPipeline):
     required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
 
     @dataclass(kw_only=True)
-    class Options(TrainingOptions):  # checkpoint, export_hf
-        model_dir: str  # the starting policy (Hugging Face directory), e.g. the SFT warm start
+    class Options(TrainingOptions):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
         task: TaskConfig = field(default_factory=TaskConfig)  # with domains: its n_train/n_heldout are the totals
         # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
         domains: dict[str, DomainConfig] = field(default_factory=dict)
         warm_start: WarmStart | None = None  # build the tiny model + SFT into model_dir when it is absent
-        steps: int = 100
         prompts_per_step: int = 16  # groups per batch
-        algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
-        grpo_scale: bool = True  # divide by the group's std (False: Dr. GRPO)
-        loss: LossConfig = field(default_factory=LossConfig)
         kl_in_reward: float = 0.0  # coefficient of KL(policy || reference) subtracted from token rewards
-        kl_control: KlControlConfig = field(default_factory=KlControlConfig)  # fixed, or adaptive to a target KL
         reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)  # running mean/std of rewards
-        gamma: float = 1.0  # PPO/GAE discount and lambda
-        lam: float = 0.95
-        value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
-        rollout: SchedulerConfig = field(default_factory=SchedulerConfig)
         # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.
         # Async (max_staleness >= 1) wants "generator": the trainer's are those of the weights being trained, so a
         # one-step update has ratio 1 and its clip never bounds the step away from the policy that sampled
         old_logprob_source: Literal["trainer", "generator"] = "trainer"
-        # an exactly on-policy update (old_logprob_source=trainer, synchronous rollout, one optimizer step per
-        # batch, no KL) needs no separate old-log-prob forward: the train step's own forward gives them
-        skip_on_policy_logprobs: bool = True
-        eval_every: int = 10
         eval_max_tokens: int = 16
         # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
         # without one), or plain text (off); rollhpc.rollout.prompts
         chat_template: Literal["auto", "on", "off"] = "auto"
-        # trainer -> generators: auto (per generator from the plan: CUDA IPC on the GPU of the trainer's rank 0,
-        # the broadcast group elsewhere; rollhpc.weight_sync.routing), broadcast (a direct process group),
-        # relay (through the controller) or ipc (rollhpc.weight_sync.driver)
-        weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
-        weight_sync_bucket_mb: float = 64.0
-        rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
-        max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
-        max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
-        # colocated roles take turns on their devices: each stage offloads what it does not use
-        # (rollhpc.controller.colocation); off: they stay resident together
-        offload: bool = False
 
         def __post_init__(self) -> None:
             super().__post_init__()

@@ -4,9 +4,9 @@ to the generators before the first step, the weights digest at the end).
 
 A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
 implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
-Its ``Options`` derive from ``TrainingOptions`` (checkpoints and the final export, declared once here) and
-carry steps, eval_every, rollout_every, max_wall_s, max_train_s, weight_sync and weight_sync_bucket_mb; with
-``algorithm: ppo`` also gamma, lam and value_clip (the critic's pieces here).
+Its ``Options`` derive from ``TrainingOptions``: what both pipelines take (the policy, steps, the algorithm and
+loss, the rollout, evaluation and logging cadence, weight sync, time limits, offload, checkpoints and the final
+export) is declared once there.
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from rollhpc.algo.kl_control import KlControlConfig
+from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
 from rollhpc.controller.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
+from rollhpc.rollout.scheduler import SchedulerConfig
 from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync
 from rollhpc.weight_sync.routing import route_weights
@@ -34,8 +37,34 @@ log = logging.getLogger("rollhpc.run")
 @dataclass(kw_only=True)
 class TrainingOptions:
     """What every training pipeline's ``Options`` has (RLVR's and agentic's derive from this and call
-    ``super().__post_init__()``): what the run leaves in its directory besides metrics and rollouts."""
+    ``super().__post_init__()``): the policy, the step budget, the objective, the rollout, the weight sync, and
+    what the run leaves in its directory besides metrics and rollouts."""
 
+    model_dir: str  # the starting policy (Hugging Face directory), e.g. the SFT warm start
+    steps: int = 100
+    algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
+    grpo_scale: bool = True  # divide by the group's std (False: Dr. GRPO)
+    loss: LossConfig = field(default_factory=LossConfig)
+    kl_control: KlControlConfig = field(default_factory=KlControlConfig)  # fixed, or adaptive to a target KL
+    gamma: float = 1.0  # PPO/GAE discount and lambda
+    lam: float = 0.95
+    value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
+    rollout: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # an exactly on-policy update (the trainer's own old log-probs, synchronous rollout, one optimizer step per
+    # batch, no KL) needs no separate old-log-prob forward: the train step's own forward gives them
+    skip_on_policy_logprobs: bool = True
+    eval_every: int = 10
+    # trainer -> generators: auto (per generator from the plan: CUDA IPC on the GPU of the trainer's rank 0,
+    # the broadcast group elsewhere; rollhpc.weight_sync.routing), broadcast (a direct process group),
+    # relay (through the controller) or ipc (rollhpc.weight_sync.driver)
+    weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
+    weight_sync_bucket_mb: float = 64.0
+    rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
+    max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
+    max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
+    # colocated roles take turns on their devices: each stage offloads what it does not use
+    # (rollhpc.controller.colocation); off: they stay resident together
+    offload: bool = False
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
     # final: when the run ends (its last step, or max_wall_s / max_train_s; not a stop for a requeue), the
     # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
