@@ -53,11 +53,11 @@ sys.path.insert(0, str(REPO))
 from recovery import (STEPS, Cluster, event_after, last_step, poll, run_args, step_of_session,  # noqa: E402
                       submit)
 
-from rollhpc.testing.fault_injection import HOLD_IN_GRAD_SYNC, HOLD_IN_WEIGHT_SYNC  # noqa: E402
 from rollhpc.launch.requeue import finished_run  # noqa: E402
-from rollhpc.rundir.records import read_events  # noqa: E402
 from rollhpc.launch.resubmit import current_job, rescue_jobs  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
+from rollhpc.rundir.records import read_events  # noqa: E402
+from rollhpc.testing.fault_injection import HOLD_IN_GRAD_SYNC, HOLD_IN_WEIGHT_SYNC  # noqa: E402
 
 TYPES = ("random", "sync", "grad-sync", "batch-meanwhile", "batch-back", "world")
 TARGETS = ("train", "batch", "any")

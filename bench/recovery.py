@@ -49,8 +49,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from rollhpc.rundir.records import read_events  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
+from rollhpc.rundir.records import read_events  # noqa: E402
 
 STEPS = 10
 CLUSTER = REPO / "slurm" / "local-cluster.sh"

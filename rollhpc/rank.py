@@ -22,14 +22,14 @@ from typing import NoReturn
 import yaml
 
 from rollhpc import config as config_mod
-from rollhpc.testing import fault_injection
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.console import adopt_console
 from rollhpc.launch.mpi_init_guard import MpiInitGuard
 from rollhpc.proc.mpi_shm import remove_stale_segments
+from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
 from rollhpc.rundir import RunPaths, atomic_write_json
 from rollhpc.rundir.records import this_host
-from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
+from rollhpc.testing import fault_injection
 
 log = logging.getLogger("rollhpc")
 

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from rollhpc.batch import Batch
-from rollhpc.protocol.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
 from rollhpc.parallel import ParallelLayout
+from rollhpc.protocol.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
 from rollhpc.workers.diagnostic import DiagnosticWorker
 
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from rollhpc.parallel import RankCoords
+from rollhpc.protocol.worker import WorkerContext
 from rollhpc.sandbox import SandboxPool, SandboxUnavailable
 from rollhpc.tasks import pyfunc, task_module
 from rollhpc.tasks.pyfunc import PyfuncExample, read_response
-from rollhpc.protocol.worker import WorkerContext
 
 # x % 5 on hidden inputs 0 4 5 7 9: " x" passes 0 and 4, so partial scores are easy to predict.
 MOD5 = PyfuncExample(family="mod", expression="x%5", shown=((1, 1), (3, 3), (6, 1)), hidden_inputs=(0, 4, 5, 7, 9),

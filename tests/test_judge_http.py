@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from rollhpc.parallel import RankCoords
-from rollhpc.rewards.judge_http import HttpJudge
 from rollhpc.protocol.worker import WorkerContext
+from rollhpc.rewards.judge_http import HttpJudge
 from rollhpc.workers.judge import JudgeWorker
 from tests.judge_models import TEMPLATE, yes_judge
 

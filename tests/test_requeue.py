@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from rollhpc.testing.fault_injection import CHECKPOINT_DELAY as DELAY_ENV
-from rollhpc.testing.fault_injection import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
-from rollhpc.rundir.records import read_events
 from rollhpc.launch.resubmit import rescue_jobs
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths, records
+from rollhpc.rundir.records import read_events
+from rollhpc.testing.fault_injection import CHECKPOINT_DELAY as DELAY_ENV
+from rollhpc.testing.fault_injection import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
 from tests.slurm_cluster import TERMINAL_STATES
 from tests.conftest import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 

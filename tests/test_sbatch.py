@@ -10,8 +10,8 @@ import pytest
 
 from rollhpc.cli import load_experiment
 from rollhpc.config import ConfigError, ContainerConfig
-from rollhpc.placement.device_mapping import plan_world
 from rollhpc.launch.slurm import container_mounts, render_rescue, render_sbatch
+from rollhpc.placement.device_mapping import plan_world
 from rollhpc.rank import bind_gpus
 from tests.conftest import cli_env, rollhpc
 

@@ -9,8 +9,8 @@ from collections import defaultdict
 
 import pytest
 
-from rollhpc.placement.device_mapping import WorldPlan
 from rollhpc.observability.metrics import read_metrics
+from rollhpc.placement.device_mapping import WorldPlan
 
 pytestmark = pytest.mark.slurm
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollhpc.testing import fault_injection
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.rundir import RunPaths
+from rollhpc.testing import fault_injection
 
 log = logging.getLogger("rollhpc.checkpoint")
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from rollhpc.protocol.dispatch import Contract, Dispatch, collect, contract_of, split_arguments, targets
 from rollhpc.controller.runtime import Controller
 from rollhpc.parallel import ParallelLayout
+from rollhpc.protocol.dispatch import Contract, Dispatch, collect, contract_of, split_arguments, targets
 from rollhpc.transport.mpi_channel import Encoded
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
-from rollhpc.placement.device_mapping import WorldPlan, weight_sync_routing
-from rollhpc.placement.memory_plan import ModelShape, dtype_bytes
 from rollhpc.launch.slurm import component_resources
 from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout, pipeline_stage_layers
+from rollhpc.placement.device_mapping import WorldPlan, weight_sync_routing
+from rollhpc.placement.memory_plan import ModelShape, dtype_bytes
 
 
 def _ids(ids) -> str:

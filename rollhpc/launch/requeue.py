@@ -55,10 +55,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollhpc.proc.attempt import restart_number, slurm_restart_count
 from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
 from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, scancel_detached, scontrol,
                                       slurmd_started_since, step_ids)
+from rollhpc.proc.attempt import restart_number, slurm_restart_count
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.rundir.records import (controller_exit, controller_failure, failed_nodes, log_event, read_events,
                                     record_startup_failure, startup_failure, this_host)

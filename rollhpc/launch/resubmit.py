@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 
 from rollhpc.launch import slurm_cli
-from rollhpc.proc.attempt import RESTART_BASE
 from rollhpc.launch.slurm_cli import job_alive
+from rollhpc.proc.attempt import RESTART_BASE
 from rollhpc.rundir import RunPaths, atomic_write_text
 
 KEEP_SLURM_VARS = ("SLURM_CONF",)  # client settings of the submitting user, not the old job's

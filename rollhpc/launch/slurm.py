@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
-from rollhpc.placement.device_mapping import Component, WorldPlan
 from rollhpc.launch.resubmit import current_job, rescue_jobs, submit_rescue
 from rollhpc.launch.slurm_cli import (TERMINAL, component_states, held_notice, held_reason, job_records,  # noqa: F401
                                       restart_count, scontrol)
+from rollhpc.placement.device_mapping import Component, WorldPlan
 from rollhpc.rundir import RunPaths, atomic_write_text
 
 

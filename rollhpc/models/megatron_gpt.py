@@ -52,6 +52,9 @@ Pipeline parallelism: ``build_gpt_model``/``load_hf_weights`` place each stage's
 layers; ``export_hf_weights`` gathers within one stage (``megatron_pipeline.export_pipeline_hf_weights``
 streams every stage's). Padded vocab rows are zero: their logits (``[..., vocab_size:]``) are not
 part of the HF model and must be left out of comparisons and, for exact HF log-probs, out of the softmax.
+
+Longer than our ~600-line rule on purpose: the model's construction and its Hugging Face name map (dense,
+MoE, tied or not, per TP/PP/EP shard) must agree tensor for tensor, and are kept side by side for that.
 """
 
 from __future__ import annotations

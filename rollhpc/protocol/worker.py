@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollhpc.protocol.dispatch import Collect, Dispatch, register
 from rollhpc.parallel import ParallelLayout, RankCoords
+from rollhpc.protocol.dispatch import Collect, Dispatch, register
 
 __all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]
 

@@ -33,6 +33,10 @@ set per domain, and the stats count groups and tokens per domain.
 Pure logic: generators, env ranks and reward workers are reached through ``GeneratorPort`` / ``EnvPort``
 / ``RewardPort`` (controller worker-group calls in a run, direct engine calls in a benchmark or test), so
 this module imports neither vLLM nor MPI.
+
+Longer than our ~600-line rule on purpose: it is one state machine (a sample's life cycle across generation,
+environment turns, reward and the group's fate), whose transitions read best in one place; the types it moves
+are ``rollout.types`` and ``rollout.trajectory``.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rewards.components import Components
 from rollhpc.sandbox import Sandbox, SandboxPool, SandboxResult, SandboxUnavailable
 from rollhpc.tasks import task_module
-from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 __all__ = ["CodeCounters", "CodeRewardWorker"]
 

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollhpc.engines.options import EngineOptions
+from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rewards.components import Components
 from rollhpc.rewards.judge import (DEFAULT_TEMPLATES, JudgeBackend, JudgeCounters, check_template, judge_fields,
                                    judge_outputs, render_prompt)
 from rollhpc.rewards.judge_parse import JudgeMode
-from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 
 __all__ = ["EngineJudge", "JudgeWorker", "encode_judge_prompt"]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rollhpc.tasks import task_module
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
+from rollhpc.tasks import task_module
 
 class MathRewardWorker(Worker):
     @dataclass(kw_only=True)

@@ -21,6 +21,11 @@ the distributed optimizer, clipping by the global norm); on CPU through ``models
 
 Left out here: context parallelism (megatron-core's local attention asserts cp == 1; it needs Transformer
 Engine's attention on CUDA: refused at config load), sequence packing.
+
+Longer than our ~600-line rule on purpose: the reference, train and critic roles are one class hierarchy over one
+model build, and their import paths (``rollhpc.workers.megatron_policy:MegatronTrainWorker``, ...) are the role
+names in every user's config; their pieces that stand alone live beside it (``models.megatron_pipeline``,
+``checkpoint.trainer_state``, ``workers.offload``).
 """
 
 from __future__ import annotations
@@ -37,11 +42,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from rollhpc.testing import fault_injection
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
+from rollhpc.testing import fault_injection
 
 log = logging.getLogger("rollhpc.megatron")
 

@@ -12,9 +12,9 @@ import traceback
 from typing import Any
 
 from rollhpc.proc.startup_gc import startup_gc
+from rollhpc.protocol.worker import Worker, WorkerContext
 from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import WorkerSideband
-from rollhpc.protocol.worker import Worker, WorkerContext
 
 log = logging.getLogger("rollhpc.worker")
 
