@@ -316,3 +316,25 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
     assert learning_rate(6, schedule="cosine", **kw) > learning_rate(6, schedule="linear", **kw)  # cosine: slow start
     with pytest.raises(ValueError, match="unknown learning-rate schedule"):
         learning_rate(5, schedule="step", **kw)
+
+
+def test_outcome_advantages_pick_the_estimator_and_fold_kl_into_token_rewards():
+    """algo.advantages.outcome_advantages, what the RLVR pipeline calls for every algorithm but PPO."""
+    from rollhpc.algo import advantages as adv
+
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=(3, 4))
+    mask = np.zeros((12, 6))
+    for i in range(12):
+        mask[i, 1:2 + i % 5] = 1.0
+    kl = rng.normal(size=(12, 6)) * mask
+    assert np.allclose(adv.outcome_advantages("grpo", rewards, mask), adv.grpo_advantages(rewards).reshape(-1))
+    assert np.allclose(adv.outcome_advantages("grpo", rewards, mask, scale=False),
+                       (rewards - rewards.mean(1, keepdims=True)).reshape(-1))
+    assert np.allclose(adv.outcome_advantages("rloo", rewards, mask), adv.rloo_advantages(rewards).reshape(-1))
+    token = adv.token_level_rewards(rewards.reshape(-1), mask, kl, 0.1)
+    assert np.allclose(adv.outcome_advantages("reinforce_pp", rewards, mask, kl, 0.1),
+                       adv.reinforce_pp_advantages(token, mask))
+    with_kl = adv.outcome_advantages("grpo", rewards, mask, kl, 0.1)
+    assert with_kl.shape == mask.shape and not with_kl[mask == 0].any()
+    assert np.allclose(with_kl, adv.grpo_advantages(token.sum(1).reshape(3, 4)).reshape(-1, 1) * mask)

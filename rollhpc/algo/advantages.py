@@ -126,3 +126,24 @@ def token_level_rewards(seq_rewards: np.ndarray, mask: np.ndarray, kl: np.ndarra
     last = mask.shape[1] - 1 - np.argmax(valid[rows, ::-1], axis=1)
     out[rows, last] += seq_rewards[rows]
     return out
+
+
+def group_advantages(algorithm: str, rewards: np.ndarray, scale: bool = True) -> np.ndarray:
+    """The group baseline ``algorithm`` names ("rloo", else GRPO's, scaled by the group's std unless ``scale`` is
+    False) over rewards [n_prompts, group]."""
+    return rloo_advantages(rewards) if algorithm == "rloo" else grpo_advantages(rewards, scale=scale)
+
+
+def outcome_advantages(algorithm: str, rewards: np.ndarray, mask: np.ndarray, kl: np.ndarray | None = None,
+                       kl_coef: float = 0.0, scale: bool = True) -> np.ndarray:
+    """Advantages of a batch scored by outcome rewards [n_prompts, group], for GRPO, RLOO and REINFORCE++ (PPO's
+    need a critic's values). Without a KL term in the reward, GRPO and RLOO give one value per sample [B];
+    REINFORCE++, and any of them with ``kl_coef > 0`` (``-kl_coef * kl`` on every generated token, ``kl`` and
+    ``mask`` [B, T]), one value per token [B, T], 0 where ``mask`` is."""
+    if algorithm == "reinforce_pp" or kl_coef > 0:
+        token_rewards = token_level_rewards(rewards.reshape(-1), mask, kl if kl_coef else None, kl_coef)
+        if algorithm == "reinforce_pp":
+            return reinforce_pp_advantages(token_rewards, mask)
+        return group_advantages(algorithm, token_rewards.sum(1).reshape(rewards.shape), scale).reshape(-1, 1) * mask
+    return group_advantages(algorithm, rewards, scale).reshape(-1)
+

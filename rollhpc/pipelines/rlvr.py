@@ -365,7 +365,7 @@ class RlvrPipeline(TrainingPipeline):
                         step, rstats.groups_started)
             return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
                                **rstats.as_metrics()}, trained=False)
-        batch, samples = self._training_batch(groups, ref, times)
+        batch, samples, kl_ref = self._training_batch(groups, ref, times)
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self._loss_config())
@@ -379,8 +379,8 @@ class RlvrPipeline(TrainingPipeline):
         if critic_pending is not None:
             stats = self.with_critic_stats(stats, critic_pending)
         times["train_s"] = time.perf_counter() - t
-        if "kl_ref" in times:  # the KL this batch was generated with steers the next batch's coefficient
-            times["kl_scale"] = self.kl_control.update(times["kl_ref"], len(samples))
+        if kl_ref is not None:  # the KL this batch was generated with steers the next batch's coefficient
+            times["kl_scale"] = self.kl_control.update(kl_ref, len(samples))
         self.policy.version += 1
         t = time.perf_counter()
         times["weight_sync_s"] = self.sync_weights()
@@ -466,7 +466,9 @@ class RlvrPipeline(TrainingPipeline):
                 and self.trains_once_per_batch() and o.loss.kl_coef == 0 and o.kl_in_reward == 0)
 
     def _training_batch(self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
-                        ) -> tuple[Batch, list[Sample]]:
+                        ) -> tuple[Batch, list[Sample], float | None]:
+        """The batch to train on, its samples in row order, and the policy's KL from the reference per token
+        (None without a reference forward)."""
         from rollhpc.algo import advantages as adv_mod
 
         o = self.options
@@ -500,28 +502,21 @@ class RlvrPipeline(TrainingPipeline):
             times["reference_s"] = time.perf_counter() - t
         rewards = (self.reward_norm(groups) if self.options.domains
                    else self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64)))
-        kl = None
+        kl, kl_ref = None, None
         if "ref_logprob" in data:
             kl = (data["old_logprob"] - data["ref_logprob"]) * mask
-            times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
+            kl_ref = times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
-        reward_kl = kl if kl_in_reward else None  # the per-token KL penalty folded into the rewards, if any
         if o.algorithm == "ppo":
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
+            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
+                                                        kl_in_reward)
             advantage = self.ppo_advantages(tokens, mask, token_rewards, times)
-        elif o.algorithm == "reinforce_pp" or kl_in_reward > 0:
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, reward_kl, kl_in_reward)
-            if o.algorithm == "reinforce_pp":
-                advantage = adv_mod.reinforce_pp_advantages(token_rewards, mask)
-            else:
-                seq_rewards = token_rewards.sum(1).reshape(rewards.shape)
-                advantage = self._group_advantages(seq_rewards).reshape(-1, 1) * mask
         else:
-            advantage = self._group_advantages(rewards).reshape(-1)
+            advantage = adv_mod.outcome_advantages(o.algorithm, rewards, mask, kl, kl_in_reward, o.grpo_scale)
         data["advantage"] = advantage.astype(np.float32)
         if "ref_logprob" in data and o.loss.kl_coef == 0:
             del data["ref_logprob"]  # used in the reward only
-        return Batch(data), samples
+        return Batch(data), samples, kl_ref
 
     def _loss_config(self) -> LossConfig:
         """The loss settings of this step: the configured ones with the KL controller's coefficient."""
@@ -529,13 +524,6 @@ class RlvrPipeline(TrainingPipeline):
 
         loss = self.options.loss
         return replace(loss, kl_coef=loss.kl_coef * self.kl_control.scale) if loss.kl_coef else loss
-
-    def _group_advantages(self, rewards: np.ndarray) -> np.ndarray:
-        from rollhpc.algo import advantages as adv_mod
-
-        if self.options.algorithm == "rloo":
-            return adv_mod.rloo_advantages(rewards)
-        return adv_mod.grpo_advantages(rewards, scale=self.options.grpo_scale)
 
     # ------------------------------------------------------------------ logging
     def _metrics(self, step: int, version: int, samples: list[Sample], rstats: Any, train_stats: list[dict],
