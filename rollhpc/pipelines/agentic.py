@@ -245,23 +245,14 @@ class AgenticPipeline(TrainingPipeline):
         if not groups:
             log.warning("step %d: no group with differing returns in %d started; no update this step", step,
                         rstats.groups_started)
-            return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
-                               **rstats.as_metrics()}, trained=False)
+            return self.skipped_step(rstats)
         batch = self._training_batch(groups, times)
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self.options.loss)
         critic = self.train_critic() if o.algorithm == "ppo" else None  # beside the actor, on its own ranks
-        stats = training.result()
-        if critic is not None:
-            stats = self.with_critic_stats(stats, critic)
-        times["train_s"] = time.perf_counter() - t
-        if "gen_logprob_abs_diff" in stats[0]:  # on-policy: measured by the train step (summed over DP already)
-            times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
-        self.policy.version += 1
-        t = time.perf_counter()
-        times["weight_sync_s"] = self.sync_weights()
-        times["weight_sync_total_s"] = time.perf_counter() - t
+        stats = self.training_result(training, critic, t, times)
+        self.publish_policy(times)
         samples = [s for g in groups for s in g]
         record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
                   "rollout_success_rate": rstats.episodes_succeeded / max(rstats.episodes_finished, 1),
@@ -324,12 +315,7 @@ class AgenticPipeline(TrainingPipeline):
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return Batch({"tokens": tokens, "loss_mask": mask, "gen_logprob": data["old_logprob"],
                           "advantage": advantage})
-        self.stage("old_logprob")
-        t = time.perf_counter()
-        old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
-        times["old_logprob_s"] = time.perf_counter() - t
-        # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
-        times["logprob_abs_diff"] = float((np.abs(old - data["old_logprob"]) * mask).sum() / max(mask.sum(), 1))
+        old = self.old_logprobs_from_trainer(tokens, mask, data["old_logprob"], times)
         return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage})
 
     # ------------------------------------------------------------------ evaluation

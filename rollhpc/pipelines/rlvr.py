@@ -363,8 +363,7 @@ class RlvrPipeline(TrainingPipeline):
         if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
             log.warning("step %d: no group with differing rewards in %d started; no update this step",
                         step, rstats.groups_started)
-            return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
-                               **rstats.as_metrics()}, trained=False)
+            return self.skipped_step(rstats)
         batch, samples, kl_ref = self._training_batch(groups, ref, times)
         self.stage("train")
         t = time.perf_counter()
@@ -373,18 +372,10 @@ class RlvrPipeline(TrainingPipeline):
         if asynchronous and not last:  # generate the next batch with the current policy meanwhile
             self.policy.pending = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version + 1,
                                                          held=self._held_while_training(training, critic_pending))
-        stats = training.result()
-        if "gen_logprob_abs_diff" in stats[0]:  # on-policy: the train step compared its log-probs with the generator's
-            times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])  # summed over DP already
-        if critic_pending is not None:
-            stats = self.with_critic_stats(stats, critic_pending)
-        times["train_s"] = time.perf_counter() - t
+        stats = self.training_result(training, critic_pending, t, times)
         if kl_ref is not None:  # the KL this batch was generated with steers the next batch's coefficient
             times["kl_scale"] = self.kl_control.update(kl_ref, len(samples))
-        self.policy.version += 1
-        t = time.perf_counter()
-        times["weight_sync_s"] = self.sync_weights()
-        times["weight_sync_total_s"] = time.perf_counter() - t
+        self.publish_policy(times)
         record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
         return StepReport(record, self._record(samples), summary=f"reward {record['reward_mean']:.3f}, "
                                                                  f"{record['tokens_per_s']:.0f} tok/s")
@@ -484,17 +475,14 @@ class RlvrPipeline(TrainingPipeline):
             mask[i, p - 1:p - 1 + r] = 1.0
             gen_logp[i, p - 1:p - 1 + r] = s.logprobs
         data: dict[str, Any] = {"tokens": tokens, "loss_mask": mask}
-        t = time.perf_counter()
         if self._on_policy():
             data["gen_logprob"] = gen_logp  # the train step reports its distance from these (logprob_abs_diff)
+            times["old_logprob_s"] = 0.0
         elif o.old_logprob_source == "trainer":
-            self.stage("old_logprob")
-            data["old_logprob"] = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
-            # trainer vs generator on the same tokens and weights: the weight sync and both engines' numerics
-            times["logprob_abs_diff"] = float((np.abs(data["old_logprob"] - gen_logp) * mask).sum() / max(mask.sum(), 1))
+            data["old_logprob"] = self.old_logprobs_from_trainer(tokens, mask, gen_logp, times)
         else:
             data["old_logprob"] = gen_logp
-        times["old_logprob_s"] = time.perf_counter() - t
+            times["old_logprob_s"] = 0.0
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
             self.stage("reference")
             t = time.perf_counter()

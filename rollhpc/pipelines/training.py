@@ -23,7 +23,7 @@ from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
 from rollhpc.controller.pipeline import Pipeline
-from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop
+from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, StepReport
 from rollhpc.rollout.scheduler import SchedulerConfig
 from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync
@@ -228,6 +228,43 @@ class TrainingPipeline(Pipeline):
     def sync_weights(self) -> float:
         self.stage("weight_sync")
         return self.weight_sync(self.policy.version)
+
+    # ---- the pieces of a step both pipelines take
+    def skipped_step(self, rstats: Any) -> StepReport:
+        """The report of a step with nothing to learn from (every group uniform): no update, no new version."""
+        return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
+                           **rstats.as_metrics()}, trained=False)
+
+    def old_logprobs_from_trainer(self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray,
+                                  times: dict[str, float]) -> np.ndarray:
+        """The trainer's log-probs of ``tokens`` under the weights the batch was generated with, and how far the
+        generator's were from them (``logprob_abs_diff``, per generated token: the weight sync and both engines'
+        numerics)."""
+        self.stage("old_logprob")
+        t = time.perf_counter()
+        old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+        times["old_logprob_s"] = time.perf_counter() - t
+        times["logprob_abs_diff"] = float((np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1))
+        return old
+
+    def training_result(self, training: Any, critic: Any, started: float,
+                        times: dict[str, float]) -> list[dict[str, float]]:
+        """The train call's statistics (with the critic's, when it trained beside it), ``train_s`` since
+        ``started``, and on-policy the train step's own distance from the generator's log-probs."""
+        stats = training.result()
+        if critic is not None:
+            stats = self.with_critic_stats(stats, critic)
+        times["train_s"] = time.perf_counter() - started
+        if "gen_logprob_abs_diff" in stats[0]:  # measured by the train step (summed over DP already)
+            times["logprob_abs_diff"] = float(stats[0]["gen_logprob_abs_diff"])
+        return stats
+
+    def publish_policy(self, times: dict[str, float]) -> None:
+        """The trained weights become the next policy version, on every generator."""
+        self.policy.version += 1
+        t = time.perf_counter()
+        times["weight_sync_s"] = self.sync_weights()
+        times["weight_sync_total_s"] = time.perf_counter() - t
 
     def begin(self, resumed: bool) -> None:
         self.sync_weights()  # the generators start from exactly the trainer's weights
