@@ -112,18 +112,8 @@ def atomic_file(path: Path) -> Iterator[Path]:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` (temp file, fsync, rename, fsync of the directory)."""
-    path = Path(path)
-    fd, tmp = file_modes.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
