@@ -246,7 +246,7 @@ def main() -> int:
     if unknown := set(types) - set(TYPES):
         p.error(f"unknown round type(s) {sorted(unknown)}; known: {', '.join(TYPES)}")
 
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     rng = random.Random(args.seed)

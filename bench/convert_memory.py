@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from rollhpc.checkpoint.convert import Report, hf_to_mcore, mcore_to_hf  # noqa: E402
+    from rollhpc.conversion.convert import Report, hf_to_mcore, mcore_to_hf  # noqa: E402
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
 
 # hidden size and layers per size; the other shapes follow from them

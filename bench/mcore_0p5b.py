@@ -1,7 +1,7 @@
 """Qwen2.5-0.5B's architecture on CPU: RLVR steps, a checkpoint and a resume on the megatron stack, with each
 role's peak resident memory per rank beside the memory plan's per-rank estimate (issue 33).
 
-The model is Qwen2.5-0.5B's published config.json shape (rollhpc.models.tiny.QWEN2_5_0_5B: 24 layers, hidden 896,
+The model is Qwen2.5-0.5B's published config.json shape (rollhpc.warm_start.tiny.QWEN2_5_0_5B: 24 layers, hidden 896,
 FFN 4864, 14 heads / 2 KV heads, q/k/v biases, tied 151936-row embedding, rope_theta 1e6) with random weights in
 bfloat16, and a tokenizer trained here on the task's corpus and padded to the same 151936 entries (nothing is
 downloaded). The run is `rollhpc train` on a config this script writes: the quickstart's 2-digit additions with
@@ -82,7 +82,7 @@ BASELINE_IMPORTS = {
 # ----------------------------------------------------------------------------------------------- the model
 def build_model(model_dir: str, shape: dict, seed: int) -> None:
     """In its own process (the bench's stays small): tokenizer padded to the vocabulary, random bf16 weights."""
-    from rollhpc.models.tiny import QWEN2_5_0_5B, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import QWEN2_5_0_5B, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     spec = replace(QWEN2_5_0_5B, num_hidden_layers=shape["layers"], hidden_size=shape["hidden"],

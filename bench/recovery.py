@@ -305,7 +305,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
     args = p.parse_args()
 
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-recovery-"))

@@ -97,14 +97,14 @@ def load_settings(size: dict, setting: dict, wall_s: float | None) -> tuple[Sett
 
 def splits(s: Settings) -> tuple[list, list]:
     """The warm start's own splits (the pipeline trains and evaluates on them)."""
-    from rollhpc.models.policy_prep import policy_splits
+    from rollhpc.warm_start.policy_prep import policy_splits
 
     train, heldout = policy_splits(s.model_dir, n_train=s.n_train)
     return train, heldout[:s.n_heldout]
 
 
 def heldout_accuracy(model, tokenizer, s: Settings) -> float:
-    from rollhpc.models.policy_prep import evaluate_greedy
+    from rollhpc.warm_start.policy_prep import evaluate_greedy
     from rollhpc.tasks import task_module
 
     return evaluate_greedy(model, splits(s)[1], task_module(s.task), tokenizer=tokenizer,
@@ -306,7 +306,7 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
                  "trl": run_trl(s_k, run_work)}
         summarize(sides, s.target_accuracy)
         runs.append(sides)
-    from rollhpc.models.policy_prep import read_report
+    from rollhpc.warm_start.policy_prep import read_report
 
     model = read_report(s.model_dir)
     medians = median_sides(runs)

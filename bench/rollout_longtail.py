@@ -141,7 +141,7 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+        from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
         from rollhpc.tasks import arithmetic
 
         train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))

@@ -90,7 +90,7 @@ class TrainStepBench(Pipeline):
 
 
 def _model(root: Path, hidden: int, layers: int) -> Path:
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))

@@ -60,7 +60,7 @@ def write_checkpoint(size: str, where: Path) -> list:
 
 
 def _quickstart_config() -> str:
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))

@@ -39,7 +39,7 @@ QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num
 
 def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
     """Named tensors in Hugging Face names, as the trainer exports them."""
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     if size == "quickstart":

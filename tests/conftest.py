@@ -71,7 +71,7 @@ def signal_dispositions_restored():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 (HF directory) with a tokenizer for 2-digit additions: the pipelines' test policy."""
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
@@ -102,7 +102,7 @@ def env_tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE tokenizer trained on text-environment transcripts (FrozenLake maps and moves, the test
     environments' counting game), saved as a model directory: what the env role and the scheduler tests encode
     observations with."""
-    from rollhpc.models.tiny import build_tokenizer
+    from rollhpc.warm_start.tiny import build_tokenizer
 
     texts = ["Reach G.\nP..H\n.H..\n...G\n> right\n> down\n> left\n> up"] * 20 + [
         f"Say go.\ncount {s}\n>\n> go\nyou said 'go' at step {n}\n> stop" for s in range(50) for n in range(4)]

@@ -34,7 +34,7 @@ def yes_judge(base: Path, policy_dir: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollhpc.models.sft import SftOptions, train_sft
+    from rollhpc.warm_start.sft import SftOptions, train_sft
 
     tmp = base / "yes_judge.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The agentic warm start (rollhpc.models.agentic_prep): expert rows are exactly rollout's concatenation of
+"""The agentic warm start (rollhpc.warm_start.agentic_prep): expert rows are exactly rollout's concatenation of
 token ids, batched greedy play builds the same rows, a short SFT run writes a report with held-out success
 rates, the directory is reused for the same settings and refused for others, and the settings hash follows
 every setting."""
@@ -19,16 +19,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rollhpc.models.agentic_prep as prep
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.envs.episodes import run_episodes
-from rollhpc.models.agentic_prep import (ACTION_PREFIX, agentic_settings, episode_examples, expert_episode,
-                                         play_episodes, prepare_agentic_policy)
-from rollhpc.models.policy_prep import read_report, settings_hash
-from rollhpc.models.sft import SftOptions, train_sft_ids
-from rollhpc.models.tiny import TinyModelSpec, build_tokenizer
 from rollhpc.rollout.turns import PlainTextTurns
+from rollhpc.warm_start.agentic_prep import (ACTION_PREFIX, agentic_settings, episode_examples, expert_episode,
+                                         play_episodes, prepare_agentic_policy)
+from rollhpc.warm_start.policy_prep import read_report, settings_hash
+from rollhpc.warm_start.sft import SftOptions, train_sft_ids
+from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer
+import rollhpc.warm_start.agentic_prep as prep
 
 ENV, ENV_OPTIONS = "frozenlake", {"size": 4, "is_slippery": False}
 SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,

@@ -1,6 +1,6 @@
-"""Checkpoint conversion Hugging Face <-> megatron-core (rollhpc.checkpoint.convert, ``rollhpc convert``).
+"""Checkpoint conversion Hugging Face <-> megatron-core (rollhpc.conversion.convert, ``rollhpc convert``).
 
-Tiny Qwen2 models from rollhpc.models.tiny: a dense one (GQA, tied embeddings, vocab padded from
+Tiny Qwen2 models from rollhpc.warm_start.tiny: a dense one (GQA, tied embeddings, vocab padded from
 len(tokenizer) to 512 at TP=2) and a Qwen2-MoE one (4 experts, shared expert with its gate, untied).
 HF -> mcore at tp2 (ep2 for MoE) -> HF must give back every tensor bit for bit; ``verify`` loads the
 tp2/ep2 checkpoint into a TP=1 megatron model and compares its logits with transformers'. The converted
@@ -28,7 +28,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("megatron.core")
 
-from rollhpc.checkpoint.convert import (  # noqa: E402
+from rollhpc.checkpoint.mcore import META_FILE, read_metadata  # noqa: E402
+from rollhpc.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
+from rollhpc.conversion.convert import (  # noqa: E402
     ConversionError,
     check_hf_to_mcore,
     expected_hf_shapes,
@@ -36,8 +38,6 @@ from rollhpc.checkpoint.convert import (  # noqa: E402
     mcore_to_hf,
     parse_size,
 )
-from rollhpc.checkpoint.mcore import META_FILE, read_metadata  # noqa: E402
-from rollhpc.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
 from rollhpc.models.megatron_gpt import hf_arch, weight_map  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 
     root = tmp_path_factory.mktemp("convert")
     tok = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(25) for b in range(25)], 300)
@@ -220,8 +220,8 @@ def test_trainer_loads_any_layout_and_its_checkpoint_converts(converted, tmp_pat
     checkpoint with save_mcore_checkpoint, and that one converts back to the original HF tensors."""
     import multiprocessing
 
-    from rollhpc.checkpoint import convert
-    from rollhpc.checkpoint.convert import _free_port
+    from rollhpc.conversion import convert
+    from rollhpc.conversion.convert import _free_port
 
     c = converted["moe"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(convert._PRELOAD))

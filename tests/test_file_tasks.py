@@ -128,7 +128,7 @@ QWEN2_STYLE = ("{% for message in messages %}{{ '<|im_start|>' + message['role']
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """A tiny Qwen2 whose tokenizer has a Qwen2-style chat template and its two special tokens."""
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 
     rows = [json.loads(x) for x in (REPO / "examples" / "word_problems" / "train.jsonl").read_text().splitlines()]
     tok = build_tokenizer([f"{r['question']} {r['answer']}" for r in rows[:500]] + ["system user assistant"], 400)

@@ -29,7 +29,7 @@ RESHARDABLE = {"optimizer_checkpoint": "reshardable"}  # the optimizer state per
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """A dense Qwen2 of 4 layers with tied embeddings, and a Qwen2-MoE of 2 layers with an untied head."""
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))

@@ -126,7 +126,7 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught
     vLLM's CPU MoE kernel keeping unpacked experts after a reload (rollhpc.engines.vllm_cpu_moe_repack):
     mean |diff| 0.05 without the repack."""
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))

@@ -16,7 +16,7 @@ PROBE = Path(__file__).with_name("rollout_probe.py")
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
-    from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))

@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import rollhpc.models.sft as sft_mod
-from rollhpc.models.policy_prep import (REPORT, evaluate_greedy, policy_splits, prepare_policy, read_report,
+from rollhpc.warm_start.policy_prep import (REPORT, evaluate_greedy, policy_splits, prepare_policy, read_report,
                                         resolve_task_options, task_splits)
-from rollhpc.models.sft import SftOptions, lr_factor, train_sft
+from rollhpc.warm_start.sft import SftOptions, lr_factor, train_sft
+import rollhpc.warm_start.sft as sft_mod
 from tests.conftest import rollhpc
 
 # One-digit sums (100 problems): the smallest setting that still exercises every stage.
@@ -68,7 +68,7 @@ def test_same_settings_give_the_same_weights(policy, tmp_path):
 
 
 def test_existing_policy_with_the_same_settings_is_reused_without_training(policy, monkeypatch, caplog):
-    monkeypatch.setattr("rollhpc.models.policy_prep.train_sft", lambda *a, **k: pytest.fail("retrained"))
+    monkeypatch.setattr("rollhpc.warm_start.policy_prep.train_sft", lambda *a, **k: pytest.fail("retrained"))
     before = (policy / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
     with caplog.at_level(logging.INFO, logger="rollhpc.sft"):

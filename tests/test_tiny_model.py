@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rollhpc.models.tiny import (EOS_TOKEN, QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB, TinyModelSpec, build_tokenizer,
-                                  create_tiny_model)
 from rollhpc.tasks import arithmetic, countdown
+from rollhpc.warm_start.tiny import (EOS_TOKEN, QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB, TinyModelSpec, build_tokenizer,
+                                  create_tiny_model)
 
 SAMPLES = ["123 + 456 = 579", "9071 - 88 = 8983\n", "Numbers: 3 7 25 50\nTarget: 46\nAnswer: (50 - 25) + 3 * 7",
            "Answer:  -12 .", "unseen words: zebra, quixotic! ~^"]

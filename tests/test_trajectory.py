@@ -153,7 +153,7 @@ PLAIN_ROLES = (  # no special tokens between turns: "assistant: " then the respo
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from rollhpc.models.tiny import build_tokenizer
+    from rollhpc.warm_start.tiny import build_tokenizer
 
     probe = [ChatTemplateTurns.PROBE_INSTRUCTION, *ChatTemplateTurns.PROBE_OBSERVATIONS,
              *ChatTemplateTurns.PROBE_RESPONSES]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rollhpc.checkpoint import convert_cli  # noqa: E402
+from rollhpc.conversion import convert_cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollhpc.checkpoint import convert_cli
+from rollhpc.conversion import convert_cli
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -13,7 +13,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rollhpc.checkpoint import export
+    from rollhpc.conversion import export
 
     return export.run(args)
 
@@ -30,7 +30,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
 
-    from rollhpc.checkpoint import export
+    from rollhpc.conversion import export
 
     ex = sub.add_parser("export", help="a run's trained model as a Hugging Face directory (safetensors, config, "
                         "tokenizer, generation config)",

@@ -16,8 +16,8 @@ def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dic
     """KEY=VALUE (YAML values) -> (task options, spec.KEY fields, sft.KEY fields)."""
     from dataclasses import fields
 
-    from rollhpc.models.sft import SftOptions
-    from rollhpc.models.tiny import TinyModelSpec
+    from rollhpc.warm_start.sft import SftOptions
+    from rollhpc.warm_start.tiny import TinyModelSpec
 
     task: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {"spec": {}, "sft": {}}
@@ -49,9 +49,9 @@ def _accuracy_or_none(text: str) -> float | str:
 def cmd_sft(args: argparse.Namespace) -> int:
     import logging
 
-    from rollhpc.models.policy_prep import prepare_policy, read_report
-    from rollhpc.models.sft import SftOptions
-    from rollhpc.models.tiny import TinyModelSpec
+    from rollhpc.warm_start.policy_prep import prepare_policy, read_report
+    from rollhpc.warm_start.sft import SftOptions
+    from rollhpc.warm_start.tiny import TinyModelSpec
 
     logging.basicConfig(level=logging.INFO, format="rollhpc: %(message)s")
     from rollhpc.tasks import task_module
@@ -84,7 +84,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    from rollhpc.models.sft import SftOptions
+    from rollhpc.warm_start.sft import SftOptions
     from rollhpc.tasks import available_tasks
 
     sft = SftOptions()
@@ -97,8 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "other settings it is an error.",
                         epilog="Settings are KEY=VALUE (YAML values): a plain KEY is a task option (arithmetic: "
                         "digits, ops, allow_negative; countdown: num_numbers, max_number, max_target), spec.KEY a "
-                        "model size (rollhpc.models.tiny.TinyModelSpec), sft.KEY an SFT option "
-                        "(rollhpc.models.sft.SftOptions). Example: `rollhpc sft policies/add3 digits=3 "
+                        "model size (rollhpc.warm_start.tiny.TinyModelSpec), sft.KEY an SFT option "
+                        "(rollhpc.warm_start.sft.SftOptions). Example: `rollhpc sft policies/add3 digits=3 "
                         "'ops=[+, -]' spec.num_hidden_layers=3 --steps 2000`.")
     sf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write (or reuse)")
     sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="task options, spec.KEY, sft.KEY")

@@ -71,7 +71,7 @@ class StepAdvantage:
 
 @dataclass(kw_only=True)
 class AgenticWarmStart:
-    """A tiny policy built here and fine-tuned on expert trajectories (``rollhpc.models.agentic_prep``)."""
+    """A tiny policy built here and fine-tuned on expert trajectories (``rollhpc.warm_start.agentic_prep``)."""
 
     seed: int = 0
     vocab_size: int = 512
@@ -187,9 +187,9 @@ class AgenticPipeline(TrainingPipeline):
         if w is None:
             return
         from rollhpc.config import from_dict
-        from rollhpc.models.agentic_prep import prepare_agentic_policy
-        from rollhpc.models.sft import SftOptions
-        from rollhpc.models.tiny import TinyModelSpec
+        from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
+        from rollhpc.warm_start.sft import SftOptions
+        from rollhpc.warm_start.tiny import TinyModelSpec
 
         env_name, env_options = _env_of(roles or {})
         prepare_agentic_policy(options.model_dir, env=env_name, env_options=env_options,

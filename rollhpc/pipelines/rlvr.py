@@ -80,7 +80,7 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class WarmStart:
-    """A tiny policy built and fine-tuned here (``rollhpc.models.policy_prep``), cached in model_dir."""
+    """A tiny policy built and fine-tuned here (``rollhpc.warm_start.policy_prep``), cached in model_dir."""
 
     seed: int = 0  # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
     vocab_size: int = 512
@@ -268,9 +268,9 @@ class RlvrPipeline(TrainingPipeline):
         if w is None:
             return
         from rollhpc.config import from_dict
-        from rollhpc.models.policy_prep import prepare_policy
-        from rollhpc.models.sft import SftOptions
-        from rollhpc.models.tiny import TinyModelSpec
+        from rollhpc.warm_start.policy_prep import prepare_policy
+        from rollhpc.warm_start.sft import SftOptions
+        from rollhpc.warm_start.tiny import TinyModelSpec
 
         prepare_policy(options.model_dir, task=options.task_name, task_options=options.task_options,
                        spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
@@ -298,7 +298,7 @@ class RlvrPipeline(TrainingPipeline):
         self.render = PromptRenderer(self.tokenizer, o.chat_template)
         task = task_module(o.task_name)
         if (Path(o.model_dir) / "sft_report.json").is_file():  # the policy's own splits: held-out stays unseen
-            from rollhpc.models.policy_prep import policy_splits, read_report
+            from rollhpc.warm_start.policy_prep import policy_splits, read_report
 
             sft_task = read_report(o.model_dir)["settings"]["task"]
             if sft_task != o.task_name:

@@ -176,8 +176,8 @@ class TrainingPipeline(Pipeline):
         run resumed from its last step's checkpoint (``Outcome.ALREADY_DONE``: e.g. a node lost during the
         export) exports it again. Runs here, in the controller, once the workers' checkpoint is committed:
         the conversion forks worker processes of its own and needs no world."""
-        from rollhpc.checkpoint.convert import ConversionError
-        from rollhpc.checkpoint.export import ExportError, export_run, final_export_dir
+        from rollhpc.conversion.convert import ConversionError
+        from rollhpc.conversion.export import ExportError, export_run, final_export_dir
 
         run_dir = self.run_ctx.run_dir
         out = final_export_dir(run_dir)

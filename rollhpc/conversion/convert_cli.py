@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "overrides", None):
         print(f"rollhpc convert: unrecognized arguments: {' '.join(args.overrides)}", file=sys.stderr)
         return 2
-    from rollhpc.checkpoint.convert import (
+    from rollhpc.conversion.convert import (
         ConversionError,
         check_hf_to_mcore,
         check_mcore_to_hf,

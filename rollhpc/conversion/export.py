@@ -24,7 +24,7 @@ from rollhpc.checkpoint.storage import MANIFEST, STEP_DIR_RE, Checkpoint, Checkp
 from rollhpc.rundir import RunPaths
 
 if TYPE_CHECKING:
-    from rollhpc.checkpoint.convert import Report
+    from rollhpc.conversion.convert import Report
 
 __all__ = ["ExportError", "ExportSource", "FINAL_EXPORT", "add_arguments", "export_run", "final_export_dir",
            "find_source", "run"]
@@ -127,7 +127,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     ``ExportError`` for the input, ``convert.ConversionError`` when the conversion itself fails."""
     source = find_source(run_dir, step)
     out = check_out_dir(out_dir, source, overwrite)
-    from rollhpc.checkpoint.convert import mcore_to_hf
+    from rollhpc.conversion.convert import mcore_to_hf
 
     report = mcore_to_hf(source.model_dir, out, max_shard_size=max_shard_size, overwrite=overwrite, verify=verify,
                          progress=progress)
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = find_source(args.run_dir, args.step)
         out = check_out_dir(args.out_dir, source, args.overwrite)
-        from rollhpc.checkpoint.convert import ConversionError, mcore_to_hf, parse_size
+        from rollhpc.conversion.convert import ConversionError, mcore_to_hf, parse_size
 
         parse_size(args.max_shard_size)
     except (ExportError, ValueError) as e:  # parse_size's ValueError: a bad --max-shard-size

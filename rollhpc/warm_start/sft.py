@@ -6,7 +6,7 @@ Prompt and completion are tokenized separately and concatenated, exactly as the 
 them (a prompt's ids, then sampled ids), and the loss covers the completion and its EOS only.
 ``train_sft`` takes text pairs and stops on greedy exact match (RLVR); ``train_sft_ids`` takes
 pairs already encoded (multi-turn rows, built by concatenating ids) and stops on whatever a
-caller's monitor measures (episode success for agentic warm starts, ``rollhpc.models.agentic_prep``).
+caller's monitor measures (episode success for agentic warm starts, ``rollhpc.warm_start.agentic_prep``).
 Left out: packing, gradient accumulation, mixed precision and multi-process data parallelism
 (the tiny model trains in minutes on one CPU process).
 """

@@ -1,7 +1,7 @@
 """The RL pipeline's starting policy: a tiny Qwen2 model fine-tuned on a task, as a cached HF directory.
 
 ``prepare_policy`` trains a tokenizer on the task's train split, creates the tiny model
-(``rollhpc.models.tiny``), runs SFT on the same split and writes an ordinary Hugging Face directory
+(``rollhpc.warm_start.tiny``), runs SFT on the same split and writes an ordinary Hugging Face directory
 with ``sft_report.json`` beside the weights. The directory appears whole or not at all (built
 in a temp dir beside it, renamed into place). It doubles as a cache: asked again with the same
 settings it is returned untouched; asked with other settings it is refused, never overwritten.
@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollhpc import file_modes
-from rollhpc.models.sft import SftOptions, greedy_responses, train_sft
-from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 from rollhpc.tasks import task_module
+from rollhpc.warm_start.sft import SftOptions, greedy_responses, train_sft
+from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

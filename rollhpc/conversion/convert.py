@@ -380,7 +380,7 @@ def run_workers(job: dict[str, Any], nprocs: int) -> list[dict[str, Any]]:
         return [json.loads((Path(tmp) / f"result-{r}.json").read_text()) for r in range(nprocs)]
 
 
-_PRELOAD = ("rollhpc.checkpoint.convert", "rollhpc.checkpoint.mcore", "megatron.core.models.gpt",
+_PRELOAD = ("rollhpc.conversion.convert", "rollhpc.checkpoint.mcore", "megatron.core.models.gpt",
             "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch")
 
 

@@ -3,7 +3,7 @@
 Why a warm start: a random tiny model never writes a valid move, let alone reaches a goal, so RL on
 episode returns would have nothing to compare. ``prepare_agentic_policy`` plays expert episodes
 (``expert_action``: BFS / optimal play) on training seeds, trains a tokenizer on their text, creates a
-tiny model (``rollhpc.models.tiny``) and fine-tunes it on every turn of every episode, stopping as soon
+tiny model (``rollhpc.warm_start.tiny``) and fine-tunes it on every turn of every episode, stopping as soon
 as the model, playing episodes, succeeds on a small share of them (``SftOptions.target_accuracy`` read as
 an episode success rate). RL then starts from a policy that sometimes succeeds and has room to improve.
 
@@ -33,7 +33,7 @@ The directory is an ordinary Hugging Face model with ``sft_report.json`` (held-o
 seeds ``HELDOUT_SEED_BASE + i``, the seeds the agentic pipeline evaluates greedily on, so RL's first
 evaluation is comparable; the sampled success rate on the same seeds, what RL's first rollouts see; the
 expert's success on them; train success; mean turns; settings and their hash),
-written atomically and cached like ``rollhpc.models.policy_prep.prepare_policy``: the same settings reuse
+written atomically and cached like ``rollhpc.warm_start.policy_prep.prepare_policy``: the same settings reuse
 it, other settings are refused (FileExistsError), never overwritten.
 """
 
@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
-from rollhpc.models.policy_prep import build_once, torch_threads
-from rollhpc.models.sft import SftOptions, train_sft_ids
-from rollhpc.models.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 from rollhpc.rollout.turns import PlainTextTurns
+from rollhpc.warm_start.policy_prep import build_once, torch_threads
+from rollhpc.warm_start.sft import SftOptions, train_sft_ids
+from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
