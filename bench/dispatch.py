@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from rollhpc.controller.pipeline import Pipeline  # noqa: E402
+from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 
 LARGE_BYTES = 64 << 20
 SMALL = {"step": 1, "tokens": list(range(16)), "note": "ping"}

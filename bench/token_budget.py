@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from rollhpc.controller.pipeline import Pipeline  # noqa: E402
+from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 from bench.provenance import commit  # noqa: E402
 
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"

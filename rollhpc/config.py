@@ -68,7 +68,7 @@ class RoleConfig:
 
 @dataclass(kw_only=True)
 class PipelineConfig:
-    entry: str  # "package.module:Class", a subclass of rollhpc.controller.pipeline.Pipeline
+    entry: str  # "package.module:Class", a subclass of rollhpc.protocol.pipeline.Pipeline
     options: Any = field(default_factory=dict)  # a mapping; after load, the pipeline's Options instance
 
 
@@ -484,6 +484,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("roles: an experiment needs at least one worker role")
     if CONTROLLER_ROLE in cfg.roles:
         raise ConfigError(f"roles.{CONTROLLER_ROLE}: the name is reserved for rank 0")
+    from rollhpc.protocol.pipeline import Pipeline
     from rollhpc.protocol.worker import Worker
 
     for name, role in cfg.roles.items():
@@ -523,14 +524,14 @@ def validate(cfg: ExperimentConfig) -> None:
                               f"{role.gpus_per_proc}: each rank's engine spreads over the GPUs its rank gets (the "
                               "memory plan counts them so); set both the same")
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
+    if not (isinstance(pipeline, type) and issubclass(pipeline, Pipeline)):
+        raise ConfigError(f"pipeline.entry: {cfg.pipeline.entry} is not a rollhpc Pipeline subclass")
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
-    check_roles = getattr(pipeline, "check_roles", None)
-    if check_roles is not None:
-        try:
-            check_roles(cfg.pipeline.options, cfg.roles)
-        except ValueError as e:
-            raise ConfigError(f"pipeline.options: {e}") from e
-    for role in getattr(pipeline, "required_roles", ()):
+    try:
+        pipeline.check_roles(cfg.pipeline.options, cfg.roles)
+    except ValueError as e:
+        raise ConfigError(f"pipeline.options: {e}") from e
+    for role in pipeline.required_roles:
         if role not in cfg.roles:
             raise ConfigError(
                 f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
@@ -599,8 +600,7 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     Without the check a missing model fails only once the world is up, in a worker's start-up.
     """
     pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
-    prepared_paths = getattr(pipeline, "prepared_paths", None)
-    built = prepared_paths(cfg.pipeline.options) if prepared_paths is not None else []
+    built = pipeline.prepared_paths(cfg.pipeline.options)
     prepared = {Path(p).expanduser().resolve() for p in built}
     keys_by_path: dict[Path, list[str]] = {}
     options = [("pipeline.options", cfg.pipeline.options)]

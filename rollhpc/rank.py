@@ -299,7 +299,7 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     from rollhpc.controller.errors import WorldNotFormed
     from rollhpc.controller.failure import StalledCall
     from rollhpc.controller.mpi_stall import MpiStallWatch
-    from rollhpc.controller.pipeline import RunContext
+    from rollhpc.protocol.pipeline import RunContext
     from rollhpc.controller.run_loop import Outcome
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.launch.requeue import EXIT_REQUEUE

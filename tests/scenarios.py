@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollhpc.batch import Batch
-from rollhpc.controller.pipeline import Pipeline
+from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.protocol.worker import Dispatch, Worker, register
 from rollhpc.workers.diagnostic import DiagnosticWorker
 

@@ -161,14 +161,12 @@ def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def prepare_inputs(cfg: ExperimentConfig) -> None:
     """Inputs the ranks load at start-up, made before any process starts (e.g. the quickstart's SFT
-    warm start): the pipeline's ``prepare`` classmethod, when it has one."""
+    warm start): the pipeline's ``prepare`` classmethod."""
     pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-    prepare = getattr(pipeline_cls, "prepare", None)
-    if prepare is not None:
-        try:
-            prepare(cfg.pipeline.options, cfg.run.seed, cfg.roles)
-        except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included
-            raise ConfigError(f"preparing the run's inputs: {e}") from e
+    try:
+        pipeline_cls.prepare(cfg.pipeline.options, cfg.run.seed, cfg.roles)
+    except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included
+        raise ConfigError(f"preparing the run's inputs: {e}") from e
 
 
 def check_inputs(cfg: ExperimentConfig, refuse: bool) -> None:

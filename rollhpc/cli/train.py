@@ -33,12 +33,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
-        preview = getattr(config_mod.import_object(cfg.pipeline.entry, "pipeline.entry"), "preview", None)
-        if preview is not None:  # what the policy will be shown: chat template or plain text
-            try:
-                print("\n".join(preview(cfg.pipeline.options, roles=cfg.roles)))
-            except ValueError as e:  # a prompt that leaves no room for its response
-                raise ConfigError(f"pipeline.options.task: {e}") from None
+        pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+        try:  # what the policy will be shown: chat template or plain text
+            lines = pipeline_cls.preview(cfg.pipeline.options, roles=cfg.roles)
+        except ValueError as e:  # a prompt that leaves no room for its response
+            raise ConfigError(f"pipeline.options.task: {e}") from None
+        if lines is not None:
+            print("\n".join(lines))
         return 0
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")

@@ -39,7 +39,7 @@ import numpy as np
 from rollhpc.algo.kl_control import KlController
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
-from rollhpc.controller.pipeline import RunContext
+from rollhpc.protocol.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE

@@ -46,7 +46,7 @@ from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.config import generator_max_model_len
-from rollhpc.controller.pipeline import RunContext
+from rollhpc.protocol.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollhpc.batch import Batch
-from rollhpc.controller.pipeline import Pipeline
+from rollhpc.protocol.pipeline import Pipeline
 
 log = logging.getLogger("rollhpc.selfcheck")
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from rollhpc.algo.advantages import GROUP_BASELINES, grpo_advantages
 from rollhpc.batch import Batch
-from rollhpc.controller.pipeline import Pipeline
+from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
 from rollhpc.tasks import modsum

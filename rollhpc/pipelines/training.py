@@ -22,7 +22,7 @@ from rollhpc.algo.kl_control import KlControlConfig
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
-from rollhpc.controller.pipeline import Pipeline
+from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, StepReport
 from rollhpc.rollout.scheduler import SchedulerConfig
 from rollhpc.rundir import RunPaths

@@ -230,18 +230,19 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
         if role.gpus_per_proc == 0:
             continue
         worker = import_object(role.worker, f"roles.{name}.worker")
-        hook = getattr(worker, "gpu_memory", None)
         model_dir = getattr(role.options, "model_dir", None)
         shape = ModelShape.from_dir(model_dir) if isinstance(model_dir, str) else None
-        if hook is None or shape is None:
-            why = "its worker says nothing of its memory" if hook is None else \
-                f"the model's config.json is not on this machine ({model_dir})"
+        parts = (worker.gpu_memory(role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=gpu_bytes)
+                 if shape is not None else None)
+        if parts is None:
+            why = ("its options name no model_dir" if not isinstance(model_dir, str) else
+                   f"the model's config.json is not on this machine ({model_dir})" if shape is None else
+                   "its worker says nothing of its memory")
             unknown.append(f"{name}: not estimated: {why}")
             per_rank[name] = None
             continue
-        parts = hook(role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=gpu_bytes)
         per_rank[name] = {k: v / role.gpus_per_proc for k, v in parts.items()}  # spread over the rank's GPUs
-    stages = getattr(import_object(cfg.pipeline.entry, "pipeline.entry"), "memory_stages", None)
+    stages = import_object(cfg.pipeline.entry, "pipeline.entry").memory_stages
     # GPU (het group, node, position) -> roles with a rank on it; GPUs holding the same roles form one group
     holders: dict[tuple[int, int, int], list[str]] = {}
     for p in plan.ranks:

@@ -50,6 +50,14 @@ class Worker:
         this layout cannot split. Called at config load after ``check_layout``; a model that lives only on
         the cluster is checked there, at start-up."""
 
+    @classmethod
+    def gpu_memory(cls, options: Any, layout: ParallelLayout, shape: Any, *, seq_len: int,
+                   gpu_bytes: float) -> dict[str, float] | None:
+        """Bytes a rank of this role holds on its GPUs, by part (``rollhpc plan``: placement.memory_plan), for
+        the model ``shape`` (placement.memory_plan.ModelShape) and rows of ``seq_len`` tokens on GPUs of
+        ``gpu_bytes``; None: this worker does not say."""
+        return None
+
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:
         """Liveness and placement of each rank, for logs and tests."""
