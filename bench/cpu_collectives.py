@@ -95,46 +95,37 @@ def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, r
         rows[name]["seconds"].append(s)
         rows[name]["extra_bytes"].append(extra)
 
+    def as_megatron_issues(name: str, base: "torch.Tensor", call) -> "torch.Tensor":  # noqa: ANN001
+        """A copy of ``base`` (the bucket), ``call(bucket, this rank's shard of it)`` run on it inside megatron's
+        ``_coalescing_manager`` and measured as ``name``; the bucket after."""
+        bucket = base.clone()
+        mine = bucket[rank * shard:(rank + 1) * shard]
+
+        def issue() -> None:
+            with _coalescing_manager(group, async_ops=False):
+                call(bucket, mine)
+        record(name, issue)
+        return bucket
+
     gen = torch.Generator().manual_seed(rank)
     grads = torch.randn(elements, generator=gen)
     checks = {}
     for _ in range(repeats):
-        bucket = grads.clone()
-        mine = bucket[rank * shard:(rank + 1) * shard]
-
-        def gloo_reduce_scatter() -> None:
-            with _coalescing_manager(group, async_ops=False):
-                dist.reduce_scatter_tensor(mine, bucket, group=group)
-        record("reduce_scatter/gloo", gloo_reduce_scatter)
-        expected = mine.clone()
-        bucket = grads.clone()
-        mine = bucket[rank * shard:(rank + 1) * shard]
-
-        def shim_reduce_scatter() -> None:
-            with _coalescing_manager(group, async_ops=False):
-                _reduce_scatter_by_all_reduce(mine, bucket, op=dist.ReduceOp.SUM, group=group)
-        record("reduce_scatter/all_reduce", shim_reduce_scatter)
-        checks["reduce_scatter_max_abs_diff"] = float((mine - expected).abs().max())
-        del bucket, mine, expected
+        own = slice(rank * shard, (rank + 1) * shard)
+        expected = as_megatron_issues("reduce_scatter/gloo", grads, lambda bucket, mine: dist.reduce_scatter_tensor(
+            mine, bucket, group=group))[own].clone()
+        reduced = as_megatron_issues("reduce_scatter/all_reduce", grads, lambda bucket, mine: (
+            _reduce_scatter_by_all_reduce(mine, bucket, op=dist.ReduceOp.SUM, group=group)))[own]
+        checks["reduce_scatter_max_abs_diff"] = float((reduced - expected).abs().max())
+        del expected, reduced
 
         params = torch.randn(elements, generator=gen).to(torch.bfloat16)
-        gathered = params.clone()
-        own = gathered[rank * shard:(rank + 1) * shard]
-
-        def gloo_all_gather() -> None:
-            with _coalescing_manager(group, async_ops=False):
-                dist.all_gather_into_tensor(gathered, own, group=group)
-        record("all_gather/gloo", gloo_all_gather)
-        expected = gathered.clone()
-        summed = params.clone()
-        own = summed[rank * shard:(rank + 1) * shard]
-
-        def shim_all_gather() -> None:
-            with _coalescing_manager(group, async_ops=False):
-                _all_gather_by_all_reduce(summed, own, group=group)
-        record("all_gather/all_reduce", shim_all_gather)
+        expected = as_megatron_issues("all_gather/gloo", params, lambda bucket, mine: dist.all_gather_into_tensor(
+            bucket, mine, group=group))
+        summed = as_megatron_issues("all_gather/all_reduce", params, lambda bucket, mine: _all_gather_by_all_reduce(
+            bucket, mine, group=group))
         checks["all_gather_bitwise_equal"] = bool(torch.equal(summed.view(torch.int16), expected.view(torch.int16)))
-        del params, gathered, summed, expected, own
+        del params, summed, expected
 
         results = {}
         for name, cls in (("adam/per_parameter", torch.optim.AdamW), ("adam/fused", _FusedAdamW)):

@@ -24,9 +24,11 @@ HOLD_STATES = {"REQUEUE_HOLD", "SPECIAL_EXIT"}  # requeued and held, whatever th
 _FIELD = re.compile(r"([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
 
 
-def run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run(args: list[str], timeout: float, env: Mapping[str, str] | None = None,
+        cwd: str | None = None) -> subprocess.CompletedProcess:
     """A Slurm command, its output captured as text (OSError / TimeoutExpired are the caller's)."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else dict(env), cwd=cwd)
 
 
 # ---- scontrol show job ----
@@ -166,12 +168,11 @@ def scontrol(*args: str) -> subprocess.CompletedProcess:
 def sbatch(*args: str, env: Mapping[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
     """``sbatch --parsable ARGS`` (options, the script, its arguments): the job id on stdout when the return code
     is 0."""
-    return subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True, timeout=120,
-                          env=None if env is None else dict(env), cwd=cwd)
+    return run(["sbatch", "--parsable", *args], 120, env, cwd)
 
 
 def scancel(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["scancel", *args], capture_output=True, timeout=60)
+    return run(["scancel", *args], 60)
 
 
 def scancel_detached(*args: str) -> None:

@@ -1,8 +1,8 @@
 """Run megatron-core on CPU (gloo): the few ``torch.cuda`` calls it hard-codes, pointed at the CPU.
 
 megatron-core 0.16 builds, trains and checkpoints a ``GPTModel`` (local, non-Transformer-Engine layer
-spec, ``use_cpu_initialization=True``, optimizer: torch's AdamW, on its fused CPU kernel) on CPU once these calls
-stop asking for a CUDA device. Checked one at a time (megatron-core 0.16.1, torch 2.13 CPU): without
+spec, ``use_cpu_initialization=True``, optimizer: torch's AdamW, on its fused CPU kernel) on CPU once these
+calls stop asking for a CUDA device. Checked one at a time (megatron-core 0.16.1, torch 2.13 CPU): without
 ``current_device``, ``get_rng_state``, ``_get_cuda_rng_state`` or ``get_default_causal_mask`` the seed
 or the forward raises "Torch not compiled with CUDA enabled"; without ``manual_seed`` or
 ``_set_cuda_rng_state`` nothing raises (torch queues the call for a CUDA init that never comes) but the
@@ -43,15 +43,15 @@ RNG tracker's streams are silently never seeded / never switched.
   schedules'. They sort parameters by ``Tensor.type()`` names ("torch.cuda.BFloat16Tensor", ...), which
   CPU tensors do not have: while the optimizer is built, and while gradients are clipped, ``Tensor.type()``
   without arguments gives a CPU tensor its CUDA type's name (``_cuda_type_names``). While the optimizer is
-  built, ``torch.optim.AdamW`` is ``_FusedAdamW`` (the fused CPU kernel: no per-parameter temporaries). DDP's buckets run on gloo as
-  they are; its reduce-scatter and the distributed optimizer's all-gather (``param_and_grad_buffer``'s
-  ``dist_reduce_scatter_func`` / ``dist_all_gather_func``) become gloo's in-place all-reduce: gloo's own
-  reduce-scatter and all-gather copy the whole bucket first, and without overlap megatron makes the whole
-  model one bucket (Qwen2.5-0.5B's shape at DP=2: +1.84 GiB per rank at every step). Checked
-  end to end with megatron-core 0.16.1: DDP + distributed optimizer at DP=2 match DP=1, bf16 parameters
-  with fp32 main parameters (tests/test_megatron_optimizer.py). Its checkpoint gathers each DP group's shards
-  (``DistributedOptimizer.get_parameter_state_dp_zero``) after ``send_tensor.cuda()``: during that call
-  ``Tensor.cuda`` returns the tensor itself, as for the embeddings above.
+  built, ``torch.optim.AdamW`` is ``_FusedAdamW`` (the fused CPU kernel: no per-parameter temporaries).
+  DDP's buckets run on gloo as they are; its reduce-scatter and the distributed optimizer's all-gather
+  (``param_and_grad_buffer``'s ``dist_reduce_scatter_func`` / ``dist_all_gather_func``) become gloo's
+  in-place all-reduce: gloo's own reduce-scatter and all-gather copy the whole bucket first, and without
+  overlap megatron makes the whole model one bucket (Qwen2.5-0.5B's shape at DP=2: +1.84 GiB per rank at
+  every step). Checked end to end with megatron-core 0.16.1: DDP + distributed optimizer at DP=2 match
+  DP=1, bf16 parameters with fp32 main parameters (tests/test_megatron_optimizer.py). Its checkpoint gathers
+  each DP group's shards (``DistributedOptimizer.get_parameter_state_dp_zero``) after ``send_tensor.cuda()``:
+  during that call ``Tensor.cuda`` returns the tensor itself, as for the embeddings above.
 
 Not patched (GPU only): CUDA graphs, sliding-window attention masks, Transformer Engine / apex fused kernels
 (keep the ``*_fusion`` options off), DDP's overlapped communication (``overlap_grad_reduce`` and
@@ -152,8 +152,9 @@ class _FusedAdamW(torch.optim.AdamW):
     """torch's AdamW on its fused CPU kernel. Without Transformer Engine or apex megatron builds a plain
     ``torch.optim.AdamW``, which on CPU tensors runs the per-parameter loop: two temporaries the size of each
     parameter (the largest, the embedding's shard, is the step's memory peak) and ~6x slower than the fused
-    kernel (bench/cpu_collectives.py: 68M parameters, one thread, 0.64 s and +519 MiB against 0.11 s and nothing). The fused kernel updates in place, to within float32 rounding of the loop.
-    A checkpoint's parameter groups (``fused`` among their keys) do not turn it off."""
+    kernel (bench/cpu_collectives.py: 68M parameters, one thread, 0.64 s and +519 MiB against 0.11 s and
+    nothing). The fused kernel updates in place, to within float32 rounding of the loop. A checkpoint's
+    parameter groups (``fused`` among their keys) do not turn it off."""
 
     def __init__(self, params: object, *args: object, **kw: object) -> None:
         kw["fused"] = True
@@ -190,11 +191,12 @@ def _all_reduce_in_place(tensor: torch.Tensor, op: object, group: object, async_
     return None
 
 
-def _own_slice(whole: torch.Tensor, part: torch.Tensor, group: object) -> torch.Tensor:
+def _own_range(shard: int, group: object) -> tuple[int, int]:
+    """Where this rank's shard of ``shard`` elements lies in a bucket the group shares out in rank order."""
     import torch.distributed as dist
 
-    n = part.numel()
-    return whole.view(-1)[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+    rank = dist.get_rank(group)
+    return rank * shard, (rank + 1) * shard
 
 
 def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op: object = None,
@@ -207,7 +209,8 @@ def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op:
     import torch.distributed as dist
 
     work = _all_reduce_in_place(input, op if op is not None else dist.ReduceOp.SUM, group, async_op)
-    mine = _own_slice(input, output, group)
+    lo, hi = _own_range(output.numel(), group)
+    mine = input.view(-1)[lo:hi]
     if mine.data_ptr() != output.data_ptr():
         if work is not None:
             work.wait()
@@ -225,13 +228,11 @@ def _all_gather_by_all_reduce(output: torch.Tensor, input: torch.Tensor, group: 
     import torch.distributed as dist
 
     flat = output.view(-1)
-    n = input.numel()
-    rank = dist.get_rank(group)
-    mine = flat[rank * n:(rank + 1) * n]
-    if mine.data_ptr() != input.data_ptr():
-        mine.copy_(input)
-    flat[:rank * n].zero_()
-    flat[(rank + 1) * n:].zero_()
+    lo, hi = _own_range(input.numel(), group)
+    if flat[lo:hi].data_ptr() != input.data_ptr():
+        flat[lo:hi].copy_(input)
+    flat[:lo].zero_()
+    flat[hi:].zero_()
     return _all_reduce_in_place(output, dist.ReduceOp.SUM, group, async_op)
 
 

@@ -22,8 +22,8 @@ from rollhpc.algo.kl_control import KlControlConfig
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
 from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
-from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, StepReport
+from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.rollout.scheduler import SchedulerConfig
 from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync

@@ -71,26 +71,25 @@ def record_controller_exit(run_dir: Path, status: int, failure: dict[str, Any] |
                                                           **({"failure": failure} if failure else {})})
 
 
+def _this_attempts(path: Path) -> dict[str, Any] | None:
+    """The record at ``path`` if this attempt (Slurm job id and restart count) wrote it; None when there is none,
+    it is unreadable, or an earlier attempt left it."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
+
+
 def controller_failure(run_dir: Path) -> dict[str, Any]:
     """This attempt's failure verdict from the controller's exit record ({} when none: no failure, no record)."""
-    try:
-        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
-    except (FileNotFoundError, ValueError):
-        return {}
-    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
-        return {}
-    return record.get("failure") or {}
+    return (_this_attempts(RunPaths(run_dir).controller_exit) or {}).get("failure") or {}
 
 
 def controller_exit(run_dir: Path) -> int | None:
     """This attempt's controller exit status, or None (it died before saying, or the file is older)."""
-    try:
-        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    if {k: record.get(k) for k in ("job_id", "restart_count")} != _attempt():
-        return None
-    return int(record["status"])
+    record = _this_attempts(RunPaths(run_dir).controller_exit)
+    return None if record is None else int(record["status"])
 
 
 def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = False) -> None:
@@ -111,8 +110,4 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
 
 def startup_failure(run_dir: Path) -> dict[str, Any] | None:
     """This attempt's start-up failure record, or None (none, or one left by an earlier attempt)."""
-    try:
-        record = json.loads(RunPaths(run_dir).startup_failed.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    return record if {k: record.get(k) for k in ("job_id", "restart_count")} == _attempt() else None
+    return _this_attempts(RunPaths(run_dir).startup_failed)
