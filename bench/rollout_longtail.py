@@ -59,21 +59,22 @@ def lengths(rng: random.Random, n: int, short: tuple[int, int], long: tuple[int,
 
 
 def run_barrier(engine: MeteredEngine, prompts, args) -> dict:
+    from rollhpc.rollout.ports import GenerationRequest
     from rollhpc.workers.vllm_generate import drive_engine
 
     t0 = time.perf_counter()
     tokens = 0
     for b in range(args.batches):
         batch = prompts[b * args.groups:(b + 1) * args.groups]
-        adds = [{"id": f"{p.uid}.{i}", "prompt": list(p.tokens), "max_tokens": p.max_tokens, "seed": p.uid * 100 + i}
+        adds = [GenerationRequest(f"{p.uid}.{i}", list(p.tokens), p.max_tokens, p.uid * 100 + i)
                 for p in batch for i in range(args.group_size)]
         pending = len(adds)
         done = []
         while pending:  # the barrier: nothing moves on until the last request of the batch is back
             reply = drive_engine(engine, adds, [], temperature=1.0, top_p=1.0, max_wait_s=0.05, ignore_eos=True)
             adds = []
-            pending -= len(reply["finished"])
-            done += reply["finished"]
+            pending -= len(reply.finished)
+            done += reply.finished
         tokens += sum(len(c.token_ids) for _, c in done)
         _score([c.token_ids for _, c in done])
     wall = time.perf_counter() - t0
@@ -81,7 +82,8 @@ def run_barrier(engine: MeteredEngine, prompts, args) -> dict:
 
 
 def run_scheduler(engine: MeteredEngine, prompts, args, partial: bool, weights: dict) -> dict:
-    from rollhpc.rollout.scheduler import Done, RolloutScheduler, SchedulerConfig
+    from rollhpc.rollout.ports import Done
+    from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
     from rollhpc.workers.vllm_generate import drive_engine
 
     class Port:

@@ -133,12 +133,13 @@ def test_gigpo_on_trajectory_rows_is_the_step_rows_loss_and_gradient():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rollhpc.algo.losses import policy_loss
-    from rollhpc.rollout.trajectory import Trajectory, Turn, pad_rows, step_rows, trajectory_row
+    from rollhpc.rollout.episode import Episode, Turn
+    from rollhpc.rollout.rows import pad_rows, step_rows, trajectory_row
 
     rng = np.random.default_rng(0)
 
-    def episode(turns: int, index: int) -> Trajectory:
-        return Trajectory(prompt=rng.integers(3, 60, 5).tolist(), group=0, index=index, seed=1, turns=[
+    def episode(turns: int, index: int) -> Episode:
+        return Episode(prompt=rng.integers(3, 60, 5).tolist(), group=0, index=index, seed=1, turns=[
             Turn(response=rng.integers(3, 60, 2).tolist(), logprobs=(-rng.random(2)).tolist(), version=0,
                  observation=rng.integers(3, 60, 3).tolist(), reward=float(rng.normal()), state_key=f"s{k % 2}")
             for k in range(turns)])

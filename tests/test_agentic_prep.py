@@ -22,9 +22,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.envs.episodes import run_episodes
+from rollhpc.rollout.episode import Episode
 from rollhpc.rollout.turns import PlainTextTurns
-from rollhpc.warm_start.agentic_prep import (ACTION_PREFIX, agentic_settings, episode_examples, expert_episode,
-                                         play_episodes, prepare_agentic_policy)
+from rollhpc.warm_start.agentic_prep import (ACTION_PREFIX, agentic_settings, clean_success, episode_examples,
+                                             episode_texts, expert_episode, play_episodes, prepare_agentic_policy)
 from rollhpc.warm_start.policy_prep import read_report, settings_hash
 from rollhpc.warm_start.sft import SftOptions, train_sft_ids
 from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer
@@ -50,7 +51,7 @@ def policy(tmp_path_factory) -> Iterator[Path]:
     torch.set_num_threads(threads)
 
 
-def expert_episodes(seeds: range) -> list[prep.ExpertEpisode]:
+def expert_episodes(seeds: range) -> list[Episode]:
     env = make_env(ENV, ENV_OPTIONS)
     try:
         return [expert_episode(env, s) for s in seeds]
@@ -61,7 +62,7 @@ def expert_episodes(seeds: range) -> list[prep.ExpertEpisode]:
 def test_expert_rows_are_the_turn_by_turn_concatenation_of_ids():
     episodes = expert_episodes(range(8))
     turns = PlainTextTurns()
-    tok = build_tokenizer((t for ep in episodes for t in ep.texts(turns)), 300)
+    tok = build_tokenizer((t for ep in episodes for t in episode_texts(ep, turns)), 300)
     ep = max(episodes, key=lambda e: len(e.actions))
     assert ep.success and len(ep.actions) >= 2 and len(ep.observations) == len(ep.actions) + 1
     row, examples = episode_examples(ep, tok)
@@ -121,7 +122,7 @@ class ExpertModel:
 
 def test_batched_greedy_play_builds_the_expert_rows_and_counts_success():
     episodes = expert_episodes(range(100, 110))
-    tok = build_tokenizer((t for ep in episodes for t in ep.texts(PlainTextTurns())), 300)
+    tok = build_tokenizer((t for ep in episodes for t in episode_texts(ep, PlainTextTurns())), 300)
     answers, rows = {}, {}
     for ep in episodes:
         rows[ep.seed], examples = episode_examples(ep, tok)
@@ -129,13 +130,13 @@ def test_batched_greedy_play_builds_the_expert_rows_and_counts_success():
     model = ExpertModel(answers, len(tok))
     played = play_episodes(model, tok, ENV, ENV_OPTIONS, range(100, 110), max_new_tokens=8, batch_size=4)
     assert [p.seed for p in played] == list(range(100, 110)) and all(p.success for p in played)
-    assert [p.turns for p in played] == [len(ep.actions) for ep in episodes]
+    assert [len(p.turns) for p in played] == [len(ep.actions) for ep in episodes]
     # the final row holds the last turn's ids and no observation after it: the expert row exactly
-    assert [p.row_tokens for p in played] == [len(rows[ep.seed]) for ep in episodes]
+    assert [p.length for p in played] == [len(rows[ep.seed]) for ep in episodes]
     assert model.batches == [4, 4, 2]  # open episodes share forward passes, batch_size at a time
     # a turn cut by its budget has no EOS: counted, and with end_unstopped the episode ends there
     cut = play_episodes(model, tok, ENV, ENV_OPTIONS, [100, 101], max_new_tokens=1, end_unstopped=True)
-    assert [(p.turns, p.unstopped_turns, p.truncated, p.clean_success) for p in cut] == [(1, 1, True, False)] * 2
+    assert [(len(p.turns), p.turns_cut, p.truncated, clean_success(p)) for p in cut] == [(1, 1, True, False)] * 2
 
 
 def test_short_sft_run_reports_heldout_success_and_is_reused(policy, monkeypatch):
@@ -156,9 +157,9 @@ def test_short_sft_run_reports_heldout_success_and_is_reused(policy, monkeypatch
     played = play_episodes(model, tok, ENV, ENV_OPTIONS, heldout, max_new_tokens=4)
     assert sum(p.success for p in played) / 6 == report["heldout_success_rate"]
     # the cached, batched player plays exactly as generate() does episode by episode (rollhpc env's ModelPolicy)
-    alone = run_episodes(ENV, ENV_OPTIONS, str(policy), 6, seed0=HELDOUT_SEED_BASE, max_new_tokens=4).transcripts
-    assert [(t.success, len(t.turns), t.row_tokens) for t in alone] == [(p.success, p.turns, p.row_tokens)
-                                                                         for p in played]
+    alone = run_episodes(ENV, ENV_OPTIONS, str(policy), 6, seed0=HELDOUT_SEED_BASE, max_new_tokens=4).played
+    assert [(t.success, len(t.turns), t.length) for t in alone] == [(p.success, len(p.turns), p.length)
+                                                                    for p in played]
     rng = torch.get_rng_state()
     sampled = play_episodes(model, tok, ENV, ENV_OPTIONS, heldout, max_new_tokens=4, temperature=1.0, sample_seed=1)
     assert torch.equal(torch.get_rng_state(), rng)

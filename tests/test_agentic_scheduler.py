@@ -13,9 +13,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from rollhpc.pipelines.agentic import SeedStream, episode_trajectory
-from rollhpc.rollout.scheduler import Done, RolloutScheduler, SchedulerConfig
-from rollhpc.rollout.trajectory import trajectory_row
+from rollhpc.pipelines.agentic import SeedStream
+from rollhpc.rollout.ports import Done, GenerationReply
+from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.episode import episode_of
+from rollhpc.rollout.rows import trajectory_row
 from rollhpc.workers.env import EnvWorker
 from tests.conftest import build_env_worker
 from tests.envs_for_tests import MixedEnv
@@ -62,17 +64,17 @@ class ScriptedGenerator:
     def submit(self, adds, aborts):
         aborted = [(rid, comp([])) for rid in aborts if self.pending.pop(rid, None) is not None]
         for r in adds:
-            self.pending[r["id"]] = r
-            self.seen.append(r["id"])
+            self.pending[r.id] = r
+            self.seen.append(r.id)
         finished = []
         for rid, r in list(self.pending.items()):
             if self.hang and self.hang in rid:
                 continue
-            action = self.actions[r["seed"] % len(self.actions)]
-            cut = len(action) > r["max_tokens"]
-            finished.append((rid, comp(action[:r["max_tokens"]], "length" if cut else "stop")))
+            action = self.actions[r.seed % len(self.actions)]
+            cut = len(action) > r.max_tokens
+            finished.append((rid, comp(action[:r.max_tokens], "length" if cut else "stop")))
             del self.pending[rid]
-        return Done({"finished": finished, "aborted": aborted, "busy_s": 0.0})
+        return Done(GenerationReply(finished, aborted, 0.0))
 
 
 def comp(ids: list[int], finish: str = "stop") -> SimpleNamespace:
@@ -108,7 +110,7 @@ def test_episodes_alternate_turns_and_steps_stick_to_one_generator_and_become_ro
                 assert served == {ep.generator}
                 # the row is the prompt and the response as generated, up to the last turn (an observation
                 # after it, one that filled the context, is no training input): nothing re-encoded
-                row = trajectory_row(episode_trajectory(s))
+                row = trajectory_row(episode_of(s))
                 end = ep.turn_ends[-1] + 1
                 assert list(row.tokens) == ep.prompt_ids + s.response[:end] and len(row.tokens) <= 200
                 mask = np.zeros(len(row.tokens) - 1)

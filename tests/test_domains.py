@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from rollhpc.pipelines.domains import DomainConfig, DomainNormalizers, MixedPromptStream, sample_metrics
-from rollhpc.rollout.scheduler import Done, RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.ports import Done, GenerationReply
+from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.scoring import DomainScoring, combine
 from rollhpc.rollout.types import Prompt
 
@@ -20,10 +21,10 @@ class Engine:
     """Answers every request at once with the prompt's last token repeated (seeded by nothing)."""
 
     def submit(self, adds, aborts):
-        done = [(a["id"], SimpleNamespace(token_ids=[a["prompt"][-1], len(a["prompt"]) + int(a["id"].split(".")[1])],
-                                          logprobs=[-0.1, -0.2], finish_reason="stop", version=0)) for a in adds]
-        return Done({"finished": done, "aborted": [(i, SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort",
-                                                                        version=0)) for i in aborts], "busy_s": 0.0})
+        done = [(a.id, SimpleNamespace(token_ids=[a.prompt[-1], len(a.prompt) + int(a.id.split(".")[1])],
+                                       logprobs=[-0.1, -0.2], finish_reason="stop", version=0)) for a in adds]
+        return Done(GenerationReply(done, [(i, SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort",
+                                                               version=0)) for i in aborts], 0.0))
 
 
 class Role:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from rollhpc.rollout.ports import GenerationReply, GenerationRequest
 from rollhpc.workers.engine_loop import EngineLoop
 
 
@@ -35,9 +36,9 @@ class BrokenEngine:
 def test_a_failing_engine_fails_the_next_call_and_a_closed_loop_refuses_calls():
     loop = EngineLoop(BrokenEngine(), temperature=1.0, top_p=1.0)
     with pytest.raises(RuntimeError, match="the engine loop failed: RuntimeError\\('kernel failed'\\)"):
-        loop.call([{"id": "0.0.0", "prompt": [1, 2], "max_tokens": 4}], [], max_wait_s=5.0)
+        loop.call([GenerationRequest("0.0.0", [1, 2], 4)], [], max_wait_s=5.0)
     idle = EngineLoop(BrokenEngine(), temperature=1.0, top_p=1.0)
-    assert idle.call([], [], max_wait_s=0.01) == {"finished": [], "aborted": [], "busy_s": 0.0}
+    assert idle.call([], [], max_wait_s=0.01) == GenerationReply([], [], 0.0)
     idle.close()
     with pytest.raises(RuntimeError, match="has stopped"):
         idle.call([], [], max_wait_s=0.01)
@@ -70,11 +71,11 @@ def test_calls_wait_while_the_engine_steps_requests_it_has_just_taken():
     engine for idle: it returned at once, the scheduler called again at once, and the spinning calls held the
     GIL the engine's thread needs (measured: a 0.5 s rollout took 2.8 s)."""
     loop = EngineLoop(SlowFirstStepEngine(), temperature=1.0, top_p=1.0)
-    finished = loop.call([{"id": "a", "prompt": [1], "max_tokens": 1}], [], max_wait_s=0.02)["finished"]
+    finished = loop.call([GenerationRequest("a", [1], 1)], [], max_wait_s=0.02).finished
     calls = 0
     while not finished:
         calls += 1
         assert calls < 100, "calls return at once while the engine works"
-        finished = loop.call([], [], max_wait_s=0.02)["finished"]
+        finished = loop.call([], [], max_wait_s=0.02).finished
     assert finished == [("a", "completion")]
     loop.close()

@@ -18,6 +18,7 @@ import pytest
 
 from rollhpc.rollout import turns as turn_formats
 from rollhpc.rollout.turns import PlainTextTurns
+from rollhpc.rollout.ports import ResetRequest, StepRequest
 from rollhpc.workers.env import EnvWorker
 from tests.conftest import REPO, build_env_worker, cli_env
 from tests.envs_for_tests import MixedEnv
@@ -54,9 +55,9 @@ def make_worker(tokenizer_dir, tmp_path):
         w.close()
 
 
-def go(tok, *episodes: str, text: str = "go") -> list[dict]:
+def go(tok, *episodes: str, text: str = "go") -> list[StepRequest]:
     """A step item per episode whose response is ``text`` then EOS (skipped when decoding)."""
-    return [{"episode": e, "response_ids": tok.encode(text) + [tok.eos_token_id]} for e in episodes]
+    return [StepRequest(e, tok.encode(text) + [tok.eos_token_id]) for e in episodes]
 
 
 def descendants() -> list[psutil.Process]:
@@ -88,24 +89,24 @@ def test_options_are_checked(tokenizer_dir):
 
 def test_good_episodes_step_and_are_tokenized_on_the_rank(make_worker, tok):
     w = make_worker()
-    replies = w.reset([{"episode": "a", "seed": seed("count", 0)}, {"episode": "b", "seed": seed("count", 1)}])
-    assert [r["ended"] for r in replies] == [None, None]
-    assert replies[0]["prompt_ids"] == tok.encode(PLAIN.first("Say go.", "count 0"))
-    assert replies[1]["prompt_ids"] == tok.encode(PLAIN.first("Say go.", "count 1"))
-    assert replies[0]["state_key"] == ("count", 0) and replies[0]["rank"] == 0
-    assert replies[0]["instruction"] == "Say go." and replies[0]["info"]["state_key"] == ("count", 0)
+    replies = w.reset([ResetRequest("a", seed("count", 0)), ResetRequest("b", seed("count", 1))])
+    assert [r.ended for r in replies] == [None, None]
+    assert replies[0].prompt_ids == tok.encode(PLAIN.first("Say go.", "count 0"))
+    assert replies[1].prompt_ids == tok.encode(PLAIN.first("Say go.", "count 1"))
+    assert replies[0].state_key == ("count", 0) and replies[0].rank == 0
+    assert replies[0].instruction == "Say go." and replies[0].info["state_key"] == ("count", 0)
 
     for n in (1, 2):
         a, b = w.step(go(tok, "a") + go(tok, "b", text=" stop "))
-        assert a["obs_ids"] == tok.encode(PLAIN.next(f"you said 'go' at step {n}"))
-        assert b["obs_ids"] == tok.encode(PLAIN.next(f"you said 'stop' at step {n}"))  # the action is stripped
-        assert (a["reward"], b["reward"]) == (1.0, 0.0)
-        assert a["ended"] is None and a["success"] is None and not a["terminated"] and not a["truncated"]
-        assert a["state_key"] == ("count", n) and b["metrics"] == {"chars": 4.0}
-        assert a["use_tool"] == (n == 2) and a["step_s"] > 0
+        assert a.obs_ids == tok.encode(PLAIN.next(f"you said 'go' at step {n}"))
+        assert b.obs_ids == tok.encode(PLAIN.next(f"you said 'stop' at step {n}"))  # the action is stripped
+        assert (a.reward, b.reward) == (1.0, 0.0)
+        assert a.ended is None and a.success is None and not a.terminated and not a.truncated
+        assert a.state_key == ("count", n) and b.metrics == {"chars": 4.0}
+        assert a.use_tool == (n == 2) and a.step_s > 0
     a, b = w.step(go(tok, "a") + go(tok, "b", text="stop"))
-    assert a["ended"] == b["ended"] == "terminated" and a["terminated"] and a["obs_ids"] == []
-    assert (a["success"], b["success"]) == (True, False)
+    assert a.ended == b.ended == "terminated" and a.terminated and a.obs_ids == []
+    assert (a.success, b.success) == (True, False)
 
     with pytest.raises(ValueError, match="not held"):  # an ended episode is gone: stepping it is a caller bug
         w.step(go(tok, "a"))
@@ -122,19 +123,19 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
              **{f"garbage{k}": seed("garbage", k) for k in range(7)},  # k: which kind of garbage
              "good0": seed("count", 0), "good1": seed("count", 1)}
     ids = list(seeds)
-    replies = w.reset([{"episode": e, "seed": s} for e, s in seeds.items()])
-    assert all(r["ended"] is None for r in replies)
+    replies = w.reset([ResetRequest(e, s) for e, s in seeds.items()])
+    assert all(r.ended is None for r in replies)
 
     t0 = time.perf_counter()
-    replies = {r["episode"]: r for r in w.step(go(tok, *ids))}
+    replies = {r.episode: r for r in w.step(go(tok, *ids))}
     took = time.perf_counter() - t0
     assert took < STEP_S + 1.0, f"a batch with hung envs took {took:.2f} s (limit {STEP_S} s)"
 
-    assert replies["hang"]["ended"] == "timeout"
-    assert replies["regex"]["ended"] == "timeout"  # hung in C code holding the GIL: killed all the same
-    assert replies["raise"]["ended"] == "error: RuntimeError: board exploded at step 1"  # first line only
-    assert replies["crash"]["ended"] == "error: the environment process died"
-    invalid = [replies[f"garbage{k}"]["ended"] for k in range(7)]
+    assert replies["hang"].ended == "timeout"
+    assert replies["regex"].ended == "timeout"  # hung in C code holding the GIL: killed all the same
+    assert replies["raise"].ended == "error: RuntimeError: board exploded at step 1"  # first line only
+    assert replies["crash"].ended == "error: the environment process died"
+    invalid = [replies[f"garbage{k}"].ended for k in range(7)]
     assert invalid == ["invalid: step returned a 3-tuple, not a 5-tuple (observation, reward, terminated, "
                        "truncated, info)",
                        "invalid: observation is int, not str",
@@ -146,10 +147,10 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
                        "truncated, info)"]
     for e in ids[:-2]:
         r = replies[e]
-        assert r["obs_ids"] == [] and r["reward"] == 0.0 and r["truncated"] and not r["terminated"]
+        assert r.obs_ids == [] and r.reward == 0.0 and r.truncated and not r.terminated
     for e in ("good0", "good1"):
-        assert replies[e]["ended"] is None and replies[e]["reward"] == 1.0
-        assert replies[e]["obs_ids"] == tok.encode(PLAIN.next("you said 'go' at step 1"))
+        assert replies[e].ended is None and replies[e].reward == 1.0
+        assert replies[e].obs_ids == tok.encode(PLAIN.next("you said 'go' at step 1"))
 
     # The hung processes were killed, not abandoned: only the host and the two good episodes run, and the
     # next batch is not held up by anything of the last one.
@@ -163,7 +164,7 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
     t0 = time.perf_counter()
     again = w.step(go(tok, "good0", "good1"))
     assert time.perf_counter() - t0 < STEP_S
-    assert [r["ended"] for r in again] == [None, None]
+    assert [r.ended for r in again] == [None, None]
     with pytest.raises(ValueError, match="not held"):
         w.step(go(tok, "hang"))
 
@@ -176,14 +177,14 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
 def test_reset_faults_end_their_episode(make_worker, tok):
     w = make_worker(reset_timeout_s=1.0)
     t0 = time.perf_counter()
-    replies = w.reset([{"episode": "ok", "seed": seed("count")}, {"episode": "bad", "seed": seed("reset_raise")},
-                       {"episode": "stuck", "seed": seed("reset_hang")}])
+    replies = w.reset([ResetRequest("ok", seed("count")), ResetRequest("bad", seed("reset_raise")),
+                       ResetRequest("stuck", seed("reset_hang"))])
     assert time.perf_counter() - t0 < 1.0 + 1.0
-    assert [r["ended"] for r in replies] == [None, "error: ValueError: no level for seed 700", "timeout"]
-    assert replies[1]["prompt_ids"] == [] and replies[0]["prompt_ids"]
-    assert w.step(go(tok, "ok"))[0]["ended"] is None
+    assert [r.ended for r in replies] == [None, "error: ValueError: no level for seed 700", "timeout"]
+    assert replies[1].prompt_ids == [] and replies[0].prompt_ids
+    assert w.step(go(tok, "ok"))[0].ended is None
     with pytest.raises(ValueError, match="already held"):
-        w.reset([{"episode": "ok", "seed": 1}])
+        w.reset([ResetRequest("ok", 1)])
     m = w.metrics()
     assert (m["env_errors"], m["env_timeouts"], m["env_episodes_live"]) == (1, 1, 1)
 
@@ -191,9 +192,9 @@ def test_reset_faults_end_their_episode(make_worker, tok):
 def test_steps_of_a_batch_run_in_parallel(make_worker, tok):
     w = make_worker(workers=4, step_timeout_s=5.0)
     ids = [f"s{k}" for k in range(4)]
-    w.reset([{"episode": e, "seed": seed("slow", k)} for k, e in enumerate(ids)])
+    w.reset([ResetRequest(e, seed("slow", k)) for k, e in enumerate(ids)])
     t0 = time.perf_counter()
-    assert all(r["ended"] is None for r in w.step(go(tok, *ids)))
+    assert all(r.ended is None for r in w.step(go(tok, *ids)))
     assert time.perf_counter() - t0 < 2.5 * 0.3  # four 0.3 s steps, overlapping
 
 
@@ -201,9 +202,9 @@ def test_close_closes_every_env_and_leaves_nothing_running(make_worker, tok, tmp
     threads_before = {t for t in threading.enumerate() if not t.daemon}
     children_before = {p.pid for p in descendants()}
     w = make_worker(env_options={"marker_dir": str(tmp_path)})
-    w.reset([{"episode": e, "seed": seed(kind, k)}
+    w.reset([ResetRequest(e, seed(kind, k))
              for k, (e, kind) in enumerate([("a", "count"), ("b", "count"), ("c", "count"), ("h", "hang")])])
-    assert [r["ended"] for r in w.step(go(tok, "a", "h"))] == [None, "timeout"]
+    assert [r.ended for r in w.step(go(tok, "a", "h"))] == [None, "timeout"]
     assert w.close_episodes(["b", "b", "never-seen"]) == 1
     assert w.close_episodes(["b"]) == 0  # idempotent
     assert w.metrics()["env_ended_closed"] == 1
@@ -218,24 +219,25 @@ def test_close_closes_every_env_and_leaves_nothing_running(make_worker, tok, tmp
 
 def test_a_lost_host_ends_its_episodes_and_is_started_again(make_worker, tok):
     w = make_worker()
-    w.reset([{"episode": "a", "seed": seed("count")}])
+    w.reset([ResetRequest("a", seed("count"))])
     (host,) = [p for p in psutil.Process().children() if "rollhpc.envs.host" in " ".join(p.cmdline())]
     host.kill()  # as the OOM killer would: its episode processes die with it
     host.wait(5)
-    assert w.step(go(tok, "a"))[0]["ended"] == "error: the environment process died"
-    (r,) = w.reset([{"episode": "b", "seed": seed("count")}])
-    assert r["ended"] is None and w.step(go(tok, "b"))[0]["ended"] is None
+    assert w.step(go(tok, "a"))[0].ended == "error: the environment process died"
+    (r,) = w.reset([ResetRequest("b", seed("count"))])
+    assert r.ended is None and w.step(go(tok, "b"))[0].ended is None
 
 
 KILLED_RANK = """
 import json, sys, psutil
+from rollhpc.rollout.ports import ResetRequest, StepRequest
 from tests.conftest import build_env_worker
 from tests.envs_for_tests import MixedEnv
 
 w = build_env_worker(sys.argv[2], env="tests.envs_for_tests:MixedEnv", model_dir=sys.argv[1], step_timeout_s=60.0)
-w.reset([{"episode": "h", "seed": MixedEnv.seed_for("hang")}, {"episode": "a", "seed": MixedEnv.seed_for("count")}])
+w.reset([ResetRequest("h", MixedEnv.seed_for("hang")), ResetRequest("a", MixedEnv.seed_for("count"))])
 print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]), flush=True)
-w.step([{"episode": "h", "response_ids": []}])  # hangs: the rank is killed while its env is stuck
+w.step([StepRequest("h", [])])  # hangs: the rank is killed while its env is stuck
 """
 
 
@@ -267,14 +269,14 @@ def test_chat_turns_format_and_encode_on_the_rank(make_worker, tok, tokenizer_di
     chat_tok.save_pretrained(tmp_path / "chat")
     w = make_worker(model_dir=tmp_path / "chat", turns="chat", system="Be brief.", eos_token="<|im_end|>")
     fmt = chat_turns(chat_tok, system="Be brief.", eos_token="<|im_end|>")
-    w.reset([{"episode": "a", "seed": seed("count", 0)}, {"episode": "b", "seed": seed("count", 1)}])
-    r = w.reset([{"episode": "c", "seed": seed("count", 2)}])[0]
-    assert r["prompt_ids"] == chat_tok.encode(fmt.first("Say go.", "count 2"), add_special_tokens=False)
+    w.reset([ResetRequest("a", seed("count", 0)), ResetRequest("b", seed("count", 1))])
+    r = w.reset([ResetRequest("c", seed("count", 2))])[0]
+    assert r.prompt_ids == chat_tok.encode(fmt.first("Say go.", "count 2"), add_special_tokens=False)
     im_end = chat_tok.convert_tokens_to_ids("<|im_end|>")
-    stopped, cut = w.step([{"episode": "a", "response_ids": chat_tok.encode("go") + [im_end]},
-                           {"episode": "b", "response_ids": chat_tok.encode("go")}])  # b ran out of budget
-    assert stopped["obs_ids"] == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=True),
+    stopped, cut = w.step([StepRequest("a", chat_tok.encode("go") + [im_end]),
+                           StepRequest("b", chat_tok.encode("go"))])  # b ran out of budget
+    assert stopped.obs_ids == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=True),
                                                  add_special_tokens=False)
-    assert cut["obs_ids"] == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=False),
+    assert cut.obs_ids == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=False),
                                              add_special_tokens=False)
-    assert cut["obs_ids"][0] == im_end and stopped["obs_ids"][0] != im_end  # the turn is closed once either way
+    assert cut.obs_ids[0] == im_end and stopped.obs_ids[0] != im_end  # the turn is closed once either way

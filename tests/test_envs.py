@@ -133,7 +133,7 @@ def test_sokoban_rendering_and_determinism():
 def test_sokoban_expert_solves_with_gym_sokoban_rewards_and_random_does_not():
     expert = run_episodes("sokoban", {}, "expert", episodes=20)
     assert expert.success_rate == 1.0 and expert.metrics["invalid_action"] == 0
-    for t in expert.transcripts:  # -0.1 a turn, +1 onto a target, +10 solved (1 box)
+    for t in expert.played:  # -0.1 a turn, +1 onto a target, +10 solved (1 box)
         assert t.episode_return == pytest.approx(len(t.turns) * STEP_REWARD + 1.0 + SOLVED_REWARD)
     random = run_episodes("sokoban", {}, "random", episodes=20)
     assert random.success_rate < 0.5
@@ -281,19 +281,19 @@ def test_model_policy_grows_the_row_by_concatenation_and_stops_at_the_context(ti
     policy = ModelPolicy(tiny_model, max_new_tokens=8)
     encode = lambda text: policy.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     turns = PlainTextTurns()
-    policy.begin("Walk P to G.", "P.\n.G", seed=0)
-    prompt = list(policy.row)
-    assert prompt == encode(turns.first("Walk P to G.", "P.\n.G"))
+    prompt = policy.begin("Walk P to G.", "P.\n.G", seed=0)
+    assert prompt == policy.row == encode(turns.first("Walk P to G.", "P.\n.G"))
     action = policy.act()
     generated = policy.row[len(prompt):]
-    assert 1 <= len(generated) <= 8 and isinstance(action, str)
-    policy.observe("P.\n.G")
+    assert 1 <= len(generated) <= 8 and isinstance(action.text, str) and action.ids == generated
+    assert policy.observe("P.\n.G") == encode(turns.next("P.\n.G"))
     assert policy.row == prompt + generated + encode(turns.next("P.\n.G"))
 
-    transcript = run_episode(FrozenLake(max_turns=1000), policy, seed=0)  # a random model: the row fills first
-    assert transcript.truncated and not transcript.success and len(transcript.turns) < 1000
-    next_text = encode(turns.next(transcript.turns[-1].observation))
-    assert transcript.row_tokens <= policy.max_len < transcript.row_tokens + len(next_text)
+    episode = run_episode(FrozenLake(max_turns=1000), policy, seed=0)  # a random model: the row fills first
+    assert episode.truncated and not episode.success and len(episode.turns) < 1000
+    assert episode.length == len(policy.row) and episode.prompt == policy.row[:len(episode.prompt)]
+    next_text = encode(turns.next(episode.turns[-1].observation_text))
+    assert episode.length <= policy.max_len < episode.length + len(next_text)
 
 
 def test_expert_policy_needs_an_expert():

@@ -69,7 +69,8 @@ def test_held_generators_take_work_only_once_released(release_at):
     """A partial overlap's generators on the trainer's GPUs (held) start only once the pipeline releases them;
     the others fill the batch meanwhile, and alone when the release never comes (scripted generators: the
     engine path is the probe's)."""
-    from rollhpc.rollout.scheduler import Done, HeldGenerators, RolloutScheduler
+    from rollhpc.rollout.ports import Done
+    from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
     from rollhpc.rollout.types import Prompt
     from tests.test_agentic_scheduler import ScriptedGenerator
 

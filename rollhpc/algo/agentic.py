@@ -4,7 +4,7 @@ Inputs are per-episode lists of per-turn values (episodes of a group have differ
 ragged list reads better than a padded array): ``turn_rewards[e][k]`` is the env reward of episode e's turn k,
 ``state_keys[e][k]`` the state that turn acted from (``Turn.state_key``).
 
-Trajectory-wise: one row per episode (``rollhpc.rollout.trajectory.trajectory_row``).
+Trajectory-wise: one row per episode (``rollhpc.rollout.rows.trajectory_row``).
 - GRPO / RLOO: ``trajectory_advantages`` on the episodes' returns, one advantage per episode, spread over its
   generated tokens (``advantage[:, None] * loss_mask``).
 - REINFORCE++ / PPO: run ``rollhpc.algo.advantages.reinforce_pp_advantages`` or ``gae_advantages`` on the rows'

@@ -34,7 +34,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         return 2
     print(stats.summary())
     if args.show:
-        print(stats.transcripts[0].render())
+        print(stats.played[0].render())
     return 0
 
 

@@ -9,84 +9,47 @@ own ``reset``/``step`` and nothing else.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rollhpc.envs import make_env
 from rollhpc.envs.base import TextEnv
 from rollhpc.envs.policies import Policy, make_policy
+from rollhpc.rollout.episode import Episode, Turn
 
-__all__ = ["Turn", "Transcript", "EpisodeStats", "run_episode", "run_episodes"]
+__all__ = ["EpisodeStats", "run_episode", "run_episodes"]
 
 TURN_GUARD = 10_000  # an environment that never ends its episodes is cut here (truncated)
-
-
-@dataclass
-class Turn:
-    action: str
-    observation: str
-    reward: float
-
-
-@dataclass
-class Transcript:
-    """One episode: what the policy saw and did, and how it ended."""
-
-    seed: int
-    instruction: str
-    observation: str  # the first one
-    turns: list[Turn] = field(default_factory=list)
-    success: bool = False
-    truncated: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)  # the steps' metrics, summed over the episode
-    row_tokens: int | None = None  # a model policy's row length at the end
-
-    @property
-    def episode_return(self) -> float:
-        return sum(t.reward for t in self.turns)
-
-    def render(self) -> str:
-        """Human-readable, in the order the policy met it."""
-        lines = [f"--- episode seed {self.seed}"]
-        if self.instruction:
-            lines.append(self.instruction)
-        lines.append(self.observation)
-        for turn in self.turns:
-            lines += [f"> {turn.action}    (reward {turn.reward:g})", turn.observation]
-        end = "success" if self.success else "truncated" if self.truncated else "failed"
-        tokens = f", row {self.row_tokens} tokens" if self.row_tokens is not None else ""
-        lines.append(f"--- {end} after {len(self.turns)} turns, return {self.episode_return:g}{tokens}")
-        return "\n".join(lines)
 
 
 @dataclass
 class EpisodeStats:
     env: str
     policy: str
-    transcripts: list[Transcript]
+    played: list[Episode]
 
     @property
     def episodes(self) -> int:
-        return len(self.transcripts)
+        return len(self.played)
 
     @property
     def success_rate(self) -> float:
-        return sum(t.success for t in self.transcripts) / max(self.episodes, 1)
+        return sum(e.success for e in self.played) / max(self.episodes, 1)
 
     @property
     def mean_turns(self) -> float:
-        return sum(len(t.turns) for t in self.transcripts) / max(self.episodes, 1)
+        return sum(len(e.turns) for e in self.played) / max(self.episodes, 1)
 
     @property
     def mean_return(self) -> float:
-        return sum(t.episode_return for t in self.transcripts) / max(self.episodes, 1)
+        return sum(e.episode_return for e in self.played) / max(self.episodes, 1)
 
     @property
     def metrics(self) -> dict[str, float]:
         """Each metric's per-episode sum, averaged over episodes (invalid_action: invalid turns per episode)."""
         totals: dict[str, float] = defaultdict(float)
-        for t in self.transcripts:
-            for k, v in t.metrics.items():
+        for e in self.played:
+            for k, v in e.metrics.items():
                 totals[k] += v
         return {k: v / max(self.episodes, 1) for k, v in sorted(totals.items())}
 
@@ -96,29 +59,30 @@ class EpisodeStats:
                 f"mean turns {self.mean_turns:.2f}, mean return {self.mean_return:.3f}{extra}")
 
 
-def run_episode(env: TextEnv, policy: Policy, seed: int) -> Transcript:
-    """One episode from ``env.reset(seed)`` until the environment ends it or the policy cannot go on."""
+def run_episode(env: TextEnv, policy: Policy, seed: int, max_turns: int = TURN_GUARD) -> Episode:
+    """One episode from ``env.reset(seed)`` until the environment ends it, the policy cannot go on or it has had
+    ``max_turns`` turns (then it ends truncated). The record holds the policy's token ids where it has any."""
     observation, info = env.reset(seed)
-    transcript = Transcript(seed=seed, instruction=str(info.get("instruction", "")), observation=observation)
-    policy.begin(transcript.instruction, observation, seed)
+    episode = Episode(seed=seed, instruction=str(info.get("instruction", "")), observation=observation)
+    episode.prompt = policy.begin(episode.instruction, observation, seed)
     metrics: dict[str, float] = defaultdict(float)
     while True:
-        action = policy.act() if len(transcript.turns) < TURN_GUARD else None
-        if action is None:
-            transcript.truncated = True
+        act = policy.act() if len(episode.turns) < max_turns else None
+        if act is None:
+            episode.finish = "truncated"
             break
-        observation, reward, terminated, truncated, info = env.step(action)
-        transcript.turns.append(Turn(action, observation, float(reward)))
+        observation, reward, terminated, truncated, info = env.step(act.text)
+        episode.turns.append(Turn(response=act.ids, action=act.text, observation_text=observation,
+                                  reward=float(reward), finish_reason=act.finish_reason))
         for k, v in (info.get("metrics") or {}).items():
             metrics[k] += float(v)
         if terminated or truncated:
-            transcript.success, transcript.truncated = bool(info.get("success", False)), bool(truncated)
+            episode.success = bool(info.get("success", False))
+            episode.finish = "truncated" if truncated else "terminated"
             break
-        policy.observe(observation)
-    transcript.metrics = dict(metrics)
-    row = getattr(policy, "row", None)
-    transcript.row_tokens = len(row) if isinstance(row, list) else None
-    return transcript
+        episode.turns[-1].observation = policy.observe(observation)
+    episode.metrics = dict(metrics)
+    return episode
 
 
 def run_episodes(env_name: str, options: dict[str, Any] | None, policy: str, episodes: int, seed0: int = 0,
@@ -134,7 +98,7 @@ def run_episodes(env_name: str, options: dict[str, Any] | None, policy: str, epi
     env = make_env(env_name, options)
     try:
         player = make_policy(policy, env, max_new_tokens)
-        transcripts = [run_episode(env, player, seed0 + i) for i in range(episodes)]
+        played = [run_episode(env, player, seed0 + i) for i in range(episodes)]
     finally:
         env.close()
-    return EpisodeStats(env=env_name, policy=policy, transcripts=transcripts)
+    return EpisodeStats(env=env_name, policy=policy, played=played)

@@ -5,8 +5,9 @@ where random already succeeds, or the expert does not, measures nothing); a mode
 checkpoint does, turn by turn, before or after RL.
 
 A policy sees an episode as the pipeline's policy does: ``begin`` with the instruction and first
-observation, then ``act`` (the next action text, or None when it cannot go on) and ``observe`` (the
-environment's answer) in turn.
+observation, then ``act`` (the next action, or None when it cannot go on) and ``observe`` (the
+environment's answer) in turn. A model policy also hands back the token ids it read and wrote, so the
+episode's record (``rollhpc.rollout.episode``) holds its row as training would.
 
 ``ModelPolicy`` builds the episode's row exactly as rollout does (rollhpc.rollout.turns): the prompt's ids,
 then each turn's generated ids as generated (EOS included, never decoded and re-encoded), then the ids of
@@ -18,26 +19,36 @@ truncated.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from rollhpc.rollout.turns import PlainTextTurns, TurnFormatter
 from rollhpc.tasks.arithmetic import randint
 
-__all__ = ["Policy", "RandomPolicy", "ExpertPolicy", "ModelPolicy", "make_policy"]
+__all__ = ["Action", "Policy", "RandomPolicy", "ExpertPolicy", "ModelPolicy", "make_policy"]
+
+
+@dataclass(frozen=True)
+class Action:
+    text: str  # what the environment is given
+    ids: list[int] = field(default_factory=list)  # a model policy's generated ids, as generated (EOS included)
+    finish_reason: str = ""  # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
 
 
 class Policy(Protocol):
-    def begin(self, instruction: str, observation: str, seed: int) -> None:
-        """A new episode: its instruction (may be empty), first observation and seed."""
+    def begin(self, instruction: str, observation: str, seed: int) -> list[int]:
+        """A new episode: its instruction (may be empty), first observation and seed. Returns the prompt ids
+        the policy reads (empty for a policy that reads text)."""
         ...
 
-    def act(self) -> str | None:
-        """The next action's text; None when the policy cannot go on (its context is full)."""
+    def act(self) -> Action | None:
+        """The next action; None when the policy cannot go on (its context is full)."""
         ...
 
-    def observe(self, observation: str) -> None:
-        """The environment's answer to the last action (not called after the episode ended)."""
+    def observe(self, observation: str) -> list[int]:
+        """The environment's answer to the last action (not called after the episode ended). Returns the ids
+        it added to the policy's row (empty for a policy that reads text, or when they no longer fit)."""
         ...
 
 
@@ -50,14 +61,15 @@ class RandomPolicy:
         self.actions = tuple(actions)
         self._rng = random.Random(0)
 
-    def begin(self, instruction: str, observation: str, seed: int) -> None:
+    def begin(self, instruction: str, observation: str, seed: int) -> list[int]:
         self._rng = random.Random(seed)
+        return []
 
-    def act(self) -> str | None:
-        return self.actions[randint(self._rng, 0, len(self.actions) - 1)]
+    def act(self) -> Action | None:
+        return Action(self.actions[randint(self._rng, 0, len(self.actions) - 1)])
 
-    def observe(self, observation: str) -> None:
-        pass
+    def observe(self, observation: str) -> list[int]:
+        return []
 
 
 class ExpertPolicy:
@@ -68,14 +80,14 @@ class ExpertPolicy:
             raise ValueError(f"{type(env).__name__} has no expert (no expert_action method)")
         self.env = env
 
-    def begin(self, instruction: str, observation: str, seed: int) -> None:
-        pass
+    def begin(self, instruction: str, observation: str, seed: int) -> list[int]:
+        return []
 
-    def act(self) -> str | None:
-        return self.env.expert_action()
+    def act(self) -> Action | None:
+        return Action(self.env.expert_action())
 
-    def observe(self, observation: str) -> None:
-        pass
+    def observe(self, observation: str) -> list[int]:
+        return []
 
 
 class ModelPolicy:
@@ -98,11 +110,11 @@ class ModelPolicy:
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def begin(self, instruction: str, observation: str, seed: int) -> None:
+    def begin(self, instruction: str, observation: str, seed: int) -> list[int]:
         self.row, self.full = [], False
-        self._append(self._encode(self.turns.first(instruction, observation)))
+        return self._append(self._encode(self.turns.first(instruction, observation)))
 
-    def act(self) -> str | None:
+    def act(self) -> Action | None:
         import torch
 
         room = self.max_len - len(self.row)
@@ -114,17 +126,20 @@ class ModelPolicy:
                                       do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
         generated = out[0, len(self.row):].tolist()
         self.row += generated
-        return self.turns.action(self.tokenizer.decode(generated, skip_special_tokens=True))
+        return Action(self.turns.action(self.tokenizer.decode(generated, skip_special_tokens=True)), generated,
+                      "stop" if generated[-1:] == [self.eos] else "length")
 
-    def observe(self, observation: str) -> None:
-        self._append(self._encode(self.turns.next(observation)))
+    def observe(self, observation: str) -> list[int]:
+        return self._append(self._encode(self.turns.next(observation)))
 
-    def _append(self, ids: list[int]) -> None:
-        """Ids that do not fit in the context end the episode (the row is never cut mid-turn)."""
+    def _append(self, ids: list[int]) -> list[int]:
+        """Ids that do not fit in the context end the episode (the row is never cut mid-turn); returns the ids
+        appended (none when they did not fit)."""
         if len(self.row) + len(ids) > self.max_len:
             self.full = True
-        else:
-            self.row += ids
+            return []
+        self.row += ids
+        return list(ids)
 
 
 def make_policy(spec: str, env: Any, max_new_tokens: int = 32) -> Policy:

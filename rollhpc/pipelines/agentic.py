@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -45,13 +45,16 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
+from rollhpc.rollout.ports import ResetRequest, StepRequest
 from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler
-from rollhpc.rollout.trajectory import FINISHES, Trajectory, Turn
+from rollhpc.rollout.episode import episode_of
 from rollhpc.rollout.types import Prompt, Sample
 
 log = logging.getLogger("rollhpc.agentic")
 # a step whose turns were cut at their token budget more often than this warns once (turns_cut_frac)
 CUT_TURNS_WARNING = 0.5
+# evaluation samples with the run's seed plus this: its draws are not those of the training batches' first prompts
+EVAL_SEED_OFFSET = 7919
 
 
 
@@ -118,10 +121,10 @@ class _EnvPort:
     def __init__(self, rank_proxy: Any):
         self._rank = rank_proxy
 
-    def reset(self, items: list[dict[str, Any]]) -> Any:
+    def reset(self, items: list[ResetRequest]) -> Any:
         return self._rank.reset.submit(items)
 
-    def step(self, items: list[dict[str, Any]]) -> Any:
+    def step(self, items: list[StepRequest]) -> Any:
         return self._rank.step.submit(items)
 
     def close(self, ids: list[str]) -> Any:
@@ -217,13 +220,20 @@ class AgenticPipeline(TrainingPipeline):
     def run(self) -> Outcome:
         o = self.options
         self.setup()
-        gen, env = self.groups["generate"], self.groups["env"]
-        self.scheduler = RolloutScheduler([RankPort(gen.at(i), "rollout") for i in range(len(gen))], None, o.rollout,
-                                          seed=self.run_ctx.seed, envs=[_EnvPort(env.at(i)) for i in range(len(env))])
+        self.scheduler = RolloutScheduler(self._generator_ports(), None, o.rollout, seed=self.run_ctx.seed,
+                                          envs=self._env_ports())
         self.seeds = SeedStream(self.run_ctx.seed, o.train_seeds)
         self.kl_control = KlController(o.kl_control)
         self.policy = PolicyCursor()
         return self.run_loop()
+
+    def _generator_ports(self) -> list[RankPort]:
+        gen = self.groups["generate"]
+        return [RankPort(gen.at(i), "rollout") for i in range(len(gen))]
+
+    def _env_ports(self) -> list[_EnvPort]:
+        env = self.groups["env"]
+        return [_EnvPort(env.at(i)) for i in range(len(env))]
 
     # ------------------------------------------------------------------ the run loop's hooks
     def state_objects(self) -> dict[str, Stateful]:
@@ -276,33 +286,33 @@ class AgenticPipeline(TrainingPipeline):
         """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs."""
         from rollhpc.algo import advantages as adv_mod
         from rollhpc.algo import agentic as agentic_adv
-        from rollhpc.rollout import trajectory as traj_mod
+        from rollhpc.rollout import rows as rows_mod
 
         o = self.options
-        trajectories = [[episode_trajectory(s) for s in g] for g in groups]
+        episodes = [[episode_of(s) for s in g] for g in groups]
         if o.advantage == "episode":
-            rows = [traj_mod.trajectory_row(t) for g in trajectories for t in g]
-            data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+            rows = [rows_mod.trajectory_row(e) for g in episodes for e in g]
+            data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
                 advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
             elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
                 advantage = self.ppo_advantages(data["tokens"], data["loss_mask"], data["token_rewards"], times)
             else:
-                returns = np.array([[t.episode_return for t in g] for g in trajectories], dtype=np.float64)
+                returns = np.array([[e.episode_return for e in g] for g in episodes], dtype=np.float64)
                 advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
         else:
             rows, turn_advantages = [], []
             sa = o.step_advantage
-            for g in trajectories:
+            for g in episodes:
                 per_episode = agentic_adv.gigpo_advantages(
-                    [[t.reward for t in tr.turns] for tr in g], [[t.state_key for t in tr.turns] for tr in g],
+                    [[t.reward for t in e.turns] for e in g], [[t.state_key for t in e.turns] for e in g],
                     gamma=sa.gamma, w_episode=sa.episode_weight, w_step=sa.step_weight, scale=sa.scale)
-                for tr, adv in zip(g, per_episode):
-                    episode_rows = [traj_mod.trajectory_row(tr)] if o.formulation == "trajectory" else \
-                        traj_mod.step_rows(tr)
+                for e, adv in zip(g, per_episode):
+                    episode_rows = [rows_mod.trajectory_row(e)] if o.formulation == "trajectory" else \
+                        rows_mod.step_rows(e)
                     rows += episode_rows
                     turn_advantages += [adv] * len(episode_rows)
-            data = traj_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+            data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
             if o.formulation == "step":
                 # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
@@ -320,72 +330,25 @@ class AgenticPipeline(TrainingPipeline):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Episodes on the held-out seeds (sampled and seeded, or greedy: ``eval_greedy``), turn by turn: every
-        open episode's row goes to the generators at once (a batch-barrier loop: fine for evaluation), then to
-        its env rank. ``accuracy`` is their success rate."""
+        """Episodes on the held-out seeds, run by the rollout scheduler as training's are (one episode per seed,
+        no dynamic sampling, redundancy or oversampling), sampled at the generators' temperature and seeded (the
+        same weights give the same result) or greedy (``eval_greedy``), cut after ``eval_max_turns`` turns.
+        ``accuracy`` is their success rate; an episode that could not start counts as a failure."""
         o = self.options
         if not o.n_heldout:
             return {}
         self.stage("generate")
-        env, gen = self.groups["env"], self.groups["generate"]
-        n_env = len(env)
-        episodes = {f"eval.{i}": {"rank": i % n_env, "seed": HELDOUT_SEED_BASE + i, "row": [], "turns": 0,
-                                  "ret": 0.0, "success": False} for i in range(o.n_heldout)}
-        replies = self._by_rank(env, "reset", {eid: {"episode": eid, "seed": e["seed"]} for eid, e in episodes.items()},
-                                {eid: e["rank"] for eid, e in episodes.items()})
-        open_ids = []
-        for r in replies:
-            if not r.get("ended"):
-                episodes[r["episode"]]["row"] = list(r["prompt_ids"])
-                open_ids.append(r["episode"])
-        max_len = o.rollout.max_model_len or 10**9
-        while open_ids:
-            budgets = {eid: min(o.rollout.max_tokens, max_len - len(episodes[eid]["row"])) for eid in open_ids}
-            full = [eid for eid in open_ids if budgets[eid] <= 0 or episodes[eid]["turns"] >= o.eval_max_turns]
-            open_ids = [eid for eid in open_ids if eid not in full]
-            if not open_ids:
-                break
-            budget = min(budgets[eid] for eid in open_ids)
-            turn = max(episodes[eid]["turns"] for eid in open_ids)
-            outs = gen.generate([episodes[eid]["row"] for eid in open_ids], n=1, max_tokens=budget,
-                                temperature=0.0 if o.eval_greedy else None, seed=self.run_ctx.seed + 7919 * turn)
-            items = {}
-            for eid, out in zip(open_ids, outs):
-                ids = list(out[0].token_ids)
-                episodes[eid]["row"] += ids
-                episodes[eid]["turns"] += 1
-                items[eid] = {"episode": eid, "response_ids": ids}
-            replies = self._by_rank(env, "step", items, {eid: episodes[eid]["rank"] for eid in items})
-            still = []
-            for r in replies:
-                e = episodes[r["episode"]]
-                e["ret"] += float(r.get("reward", 0.0))
-                if r.get("success") is not None:
-                    e["success"] = bool(r["success"])
-                if r.get("ended") or r.get("terminated") or r.get("truncated"):
-                    continue
-                e["row"] += list(r.get("obs_ids") or [])
-                still.append(r["episode"])
-            open_ids = still
-        self._by_rank(env, "close_episodes", {eid: eid for eid in episodes}, {eid: e["rank"] for eid, e in episodes.items()})
-        values = list(episodes.values())
-        return {"accuracy": float(np.mean([e["success"] for e in values])),
-                "eval/return_mean": float(np.mean([e["ret"] for e in values])),
-                "eval/turns_mean": float(np.mean([e["turns"] for e in values]))}
-
-    @staticmethod
-    def _by_rank(group: Any, method: str, items: dict[str, Any], rank_of: dict[str, int]) -> list[Any]:
-        """Call ``method`` on each env rank with its episodes' items, all ranks at once; replies concatenated."""
-        per_rank: dict[int, list[Any]] = {}
-        for eid, item in items.items():
-            per_rank.setdefault(rank_of[eid], []).append(item)
-        calls = [getattr(group.at(r), method).submit(batch) for r, batch in sorted(per_rank.items())]
-        out: list[Any] = []
-        for c in calls:
-            reply = c.result()
-            if isinstance(reply, list):
-                out += reply
-        return out
+        config = replace(o.rollout, group_size=1, redundancy=0, oversample=0.0, dynamic_sampling=False,
+                         max_staleness=0, partial_rollout=False, max_groups_per_batch=o.n_heldout,
+                         max_turns=o.eval_max_turns)
+        scheduler = RolloutScheduler(self._generator_ports(), None, config, seed=self.run_ctx.seed + EVAL_SEED_OFFSET,
+                                     envs=self._env_ports(), temperature=0.0 if o.eval_greedy else None)
+        seeds = (Prompt(i, (), EpisodeSpec(HELDOUT_SEED_BASE + i)) for i in range(o.n_heldout))
+        groups, _ = scheduler.collect(seeds, o.n_heldout, self.policy.version)
+        episodes = [episode_of(s) for g in groups for s in g]
+        return {"accuracy": sum(e.success for e in episodes) / o.n_heldout,
+                "eval/return_mean": sum(e.episode_return for e in episodes) / o.n_heldout,
+                "eval/turns_mean": sum(len(e.turns) for e in episodes) / o.n_heldout}
 
     # ------------------------------------------------------------------ logging
     @staticmethod
@@ -422,31 +385,6 @@ class AgenticPipeline(TrainingPipeline):
             turn_ends=[np.asarray(e.turn_ends, dtype=np.int32) for e in eps],
             turn_rewards=[np.asarray(e.turn_rewards, dtype=np.float32) for e in eps],
             finish=[e.finish for e in eps], success=np.array([e.success for e in eps]))
-
-
-def episode_trajectory(sample: Sample) -> Trajectory:
-    """The scheduler's multi-turn sample as a ``Trajectory``: its response r1 || o2 || r2 ... cut into turns
-    at the generated/observation boundaries the episode recorded (nothing is re-encoded)."""
-    ep = sample.episode
-    turns: list[Turn] = []
-    start = 0
-    for k, end in enumerate(ep.turn_ends):
-        while ep.generated[start] == 0:  # skip the observation before this turn
-            start += 1
-        nxt = ep.turn_ends[k + 1] if k + 1 < len(ep.turn_ends) else len(sample.response) - 1
-        obs_end = end + 1
-        while obs_end <= nxt and obs_end < len(ep.generated) and ep.generated[obs_end] == 0:
-            obs_end += 1
-        turns.append(Turn(response=sample.response[start:end + 1], logprobs=sample.logprobs[start:end + 1],
-                          version=sample.version, observation=sample.response[end + 1:obs_end],
-                          reward=ep.turn_rewards[k] if k < len(ep.turn_rewards) else 0.0,
-                          state_key=ep.state_keys[k]))
-        start = obs_end
-    finish = {"row_full": "truncated"}.get(ep.finish, ep.finish)
-    if finish not in FINISHES and not finish.startswith("error: "):
-        finish = f"error: {finish}"
-    return Trajectory(prompt=list(ep.prompt_ids), turns=turns, group=sample.prompt.uid, index=sample.index,
-                      seed=sample.prompt.example.seed, finish=finish, success=ep.success, metrics=dict(ep.metrics))
 
 
 def _env_of(roles: dict[str, Any]) -> tuple[str, dict[str, Any]]:

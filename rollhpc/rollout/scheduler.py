@@ -36,7 +36,7 @@ this module imports neither vLLM nor MPI.
 
 Longer than our ~600-line rule on purpose: it is one state machine (a sample's life cycle across generation,
 environment turns, reward and the group's fate), whose transitions read best in one place; the types it moves
-are ``rollout.types`` and ``rollout.trajectory``.
+are ``rollout.types`` and ``rollout.ports``.
 """
 
 from __future__ import annotations
@@ -46,62 +46,14 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from rollhpc.rollout.ports import (EnvPort, GenerationReply, GenerationRequest, GeneratorPort, Pending, ResetReply,
+                                   ResetRequest, RewardPort, StepReply, StepRequest)
 from rollhpc.rollout.scoring import DomainScoring, Scorer
-from rollhpc.rollout.types import Episode, Prompt, RolloutStats, Sample
+from rollhpc.rollout.types import EpisodeState, Prompt, RolloutStats, Sample
 
 log = logging.getLogger("rollhpc.rollout")
-
-
-class Pending(Protocol):
-    def done(self) -> bool: ...
-    def result(self) -> Any: ...
-
-
-class GeneratorPort(Protocol):
-    def submit(self, adds: list[dict[str, Any]], aborts: list[str]) -> Pending:
-        """Add requests ``{"id", "prompt", "max_tokens", "seed"}``, abort ids, and step the engine until a
-        request finishes; the result is ``{"finished": [(id, completion)], "aborted": [(id, completion)],
-        "busy_s": float}`` (completions have token_ids, logprobs, finish_reason, version)."""
-        ...
-
-
-class RewardPort(Protocol):
-    def submit(self, items: list[tuple[Any, list[int]]]) -> Pending:
-        """Score ``(example, response token ids)`` pairs; the result has one float, or one dict of named
-        reward components, per pair."""
-        ...
-
-
-class EnvPort(Protocol):
-    """One env rank (``rollhpc.workers.env.EnvWorker``): episodes keyed by id live there between calls."""
-
-    def reset(self, items: list[dict[str, Any]]) -> Pending:
-        """``[{"episode", "seed"}]`` -> per item ``{"episode", "prompt_ids", "state_key", "ended"}``."""
-        ...
-
-    def step(self, items: list[dict[str, Any]]) -> Pending:
-        """``[{"episode", "response_ids"}]`` -> per item ``{"episode", "obs_ids", "reward", "terminated",
-        "truncated", "success", "state_key", "metrics", "use_tool", "ended", "step_s"}``."""
-        ...
-
-    def close(self, ids: list[str]) -> Pending:
-        """Forget these episodes (aborted or abandoned)."""
-        ...
-
-
-class Done:
-    """An already finished call (for ports that run in the caller's thread)."""
-
-    def __init__(self, value: Any):
-        self.value = value
-
-    def done(self) -> bool:
-        return True
-
-    def result(self) -> Any:
-        return self.value
 
 
 @dataclass
@@ -133,6 +85,7 @@ class SchedulerConfig:
     max_staleness: int = 0  # policy versions a group may lag behind the current one (0: on-policy only)
     redundancy: int = 0  # extra samples started per group; the first group_size to finish are kept
     max_model_len: int = 0  # an episode's row (prompt + every turn) may not exceed this (0: no limit)
+    max_turns: int = 0  # an episode is cut ("truncated") after this many turns (0: only the env's own limit)
     warn_after_s: float = 0.0  # log a sample still alive after this long (0: never)
     abandon_after_s: float = 0.0  # abandon a sample still alive after this long (0: never)
     poll_interval_s: float = 0.0005
@@ -140,8 +93,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_tokens < 1 or self.max_inflight_per_generator < 1:
             raise ValueError("group_size, max_tokens and max_inflight_per_generator must be >= 1")
-        if self.oversample < 0 or self.max_staleness < 0 or self.redundancy < 0 or self.max_model_len < 0:
-            raise ValueError("oversample, max_staleness, redundancy and max_model_len must be >= 0")
+        if (self.oversample < 0 or self.max_staleness < 0 or self.redundancy < 0 or self.max_model_len < 0
+                or self.max_turns < 0):
+            raise ValueError("oversample, max_staleness, redundancy, max_model_len and max_turns must be >= 0")
         if self.warn_after_s < 0 or self.abandon_after_s < 0:
             raise ValueError("warn_after_s and abandon_after_s must be >= 0 (0: off)")
         if self.partial_rollout and self.redundancy:
@@ -165,9 +119,11 @@ class RolloutScheduler:
     per run (it carries partial samples and finished groups from one batch to the next)."""
 
     def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort] | dict[str, DomainScoring] | None,
-                 config: SchedulerConfig, seed: int = 0, envs: list[EnvPort] | None = None):
+                 config: SchedulerConfig, seed: int = 0, envs: list[EnvPort] | None = None,
+                 temperature: float | None = None):
         """``rewards``: the reward ports of a single domain, or {domain: DomainScoring} (roles and weights);
-        None when ``envs`` score every sample by its episode's return."""
+        None when ``envs`` score every sample by its episode's return. ``temperature``: None samples at each
+        generator's own; 0 is greedy (evaluation)."""
         if not generators or not (rewards or envs):
             raise ValueError("the scheduler needs at least one generator and one reward worker (or env rank)")
         if envs and config.partial_rollout:
@@ -178,6 +134,7 @@ class RolloutScheduler:
         self.scorer = Scorer.of(rewards) if rewards else None
         self.config = config
         self.seed = seed
+        self.temperature = temperature
         self.buffer: list[list[Sample]] = []  # complete groups not used yet (async)
         self.carry: dict[int, _Group] = {}  # open groups with their aborted partials (partial rollout)
         self.carry_partials: list[Sample] = []
@@ -251,11 +208,11 @@ class _Batch:
         self.groups: dict[int, _Group] = {}
         self.load = [0] * len(sched.generators)
         self.owner: dict[str, tuple[int, Sample]] = {}  # generator request id -> (generator, sample)
-        self.adds: list[list[dict[str, Any]]] = [[] for _ in sched.generators]
+        self.adds: list[list[GenerationRequest]] = [[] for _ in sched.generators]
         self.aborts: list[list[str]] = [[] for _ in sched.generators]
         self.calls: dict[int, Pending] = {}
         self.env_live = [0] * len(sched.envs)  # episodes hosted per env rank
-        self.env_queue: list[dict[str, list[dict[str, Any]]]] = [{"reset": [], "step": []} for _ in sched.envs]
+        self.env_queue: list[dict[str, list[Any]]] = [{"reset": [], "step": []} for _ in sched.envs]
         self.env_calls: list[tuple[int, str, Pending]] = []
         self.episodes: dict[str, Sample] = {}  # episode id -> its sample, while at an env rank or generating
         self.dead: set[str] = set()  # episodes aborted or abandoned: replies about them are ignored
@@ -338,9 +295,9 @@ class _Batch:
             raise ValueError("an episode prompt (EpisodeSpec) needs env ranks: the scheduler has none")
         r = min(range(len(self.s.envs)), key=lambda i: self.env_live[i])
         self.env_live[r] += 1
-        smp.episode = Episode(id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter())
+        smp.episode = EpisodeState(id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter())
         self.episodes[smp.episode.id] = smp
-        self.env_queue[r]["reset"].append({"episode": smp.episode.id, "seed": seed})
+        self.env_queue[r]["reset"].append(ResetRequest(smp.episode.id, seed))
         self.stats.episodes_started += 1
 
     def _generate(self, smp: Sample, max_tokens: int) -> None:
@@ -353,8 +310,8 @@ class _Batch:
                 ep.generator = g
         self.load[g] += 1
         self.owner[smp.request_id] = (g, smp)
-        self.adds[g].append({"id": smp.request_id, "prompt": smp.context, "max_tokens": max_tokens,
-                             "seed": self._sampling_seed(smp)})
+        self.adds[g].append(GenerationRequest(smp.request_id, smp.context, max_tokens, self._sampling_seed(smp),
+                                              self.s.temperature))
 
     def _active(self) -> list[int]:
         """The generators that may take work now (all but the held ones)."""
@@ -372,10 +329,10 @@ class _Batch:
             if not call.done():
                 continue
             progressed = True
-            reply = self.calls.pop(g).result()
-            self.stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
+            reply: GenerationReply = self.calls.pop(g).result()
+            self.stats.generator_busy_s[g] += reply.busy_s
             finished = []
-            for rid, comp in reply["finished"]:
+            for rid, comp in reply.finished:
                 entry = self.owner.pop(rid, None)
                 if entry is None:  # aborted by redundancy or the watchdog (already off the books)
                     continue
@@ -397,10 +354,10 @@ class _Batch:
         """A turn's response is in: mark its tokens as generated and hand it to the episode's env rank."""
         ep = smp.episode
         ep.generated += [1] * n_new
-        ep.turns_cut += smp.finish_reason == "length"
+        ep.turn_finishes.append(smp.finish_reason)
         ep.turn_ends.append(len(smp.response) - 1)
         ep.state_keys.append(ep.state_key)
-        self.env_queue[ep.env_rank]["step"].append({"episode": ep.id, "response_ids": smp.response[-n_new:]})
+        self.env_queue[ep.env_rank]["step"].append(StepRequest(ep.id, smp.response[-n_new:]))
 
     def _poll_envs(self) -> bool:
         progressed = False
@@ -414,8 +371,8 @@ class _Batch:
             if kind == "close":
                 continue
             for reply in replies:
-                smp = self.episodes.get(reply["episode"])
-                if smp is None or reply["episode"] in self.dead:
+                smp = self.episodes.get(reply.episode)
+                if smp is None or reply.episode in self.dead:
                     continue
                 if kind == "reset":
                     self._after_reset(smp, reply)
@@ -423,45 +380,51 @@ class _Batch:
                     self._after_step(smp, reply)
         return progressed
 
-    def _after_reset(self, smp: Sample, reply: dict[str, Any]) -> None:
+    def _after_reset(self, smp: Sample, reply: ResetReply) -> None:
         ep = smp.episode
-        if reply.get("ended"):  # no turn to learn from: like an abandoned episode, not a failed one
-            log.warning("episode %s: reset failed (%s)", ep.id, reply["ended"])
+        if reply.ended:  # no turn to learn from: like an abandoned episode, not a failed one
+            log.warning("episode %s: reset failed (%s)", ep.id, reply.ended)
             self.stats.resets_failed += 1
-            self.stats.count_reason(f"reset_{reply['ended']}")
-            self.stats.first_failure = self.stats.first_failure or f"reset: {reply['ended']}"
-            self._give_up(smp, f"reset {reply['ended']}")
+            self.stats.count_reason(f"reset_{reply.ended}")
+            self.stats.first_failure = self.stats.first_failure or f"reset: {reply.ended}"
+            self._give_up(smp, f"reset {reply.ended}")
             return
-        ep.prompt_ids, ep.state_key = list(reply["prompt_ids"]), reply.get("state_key")
+        ep.prompt_ids, ep.state_key = list(reply.prompt_ids), reply.state_key
+        ep.instruction, ep.observation = reply.instruction, reply.observation
         self._next_turn(smp)
 
-    def _after_step(self, smp: Sample, reply: dict[str, Any]) -> None:
+    def _after_step(self, smp: Sample, reply: StepReply) -> None:
         ep = smp.episode
-        ep.turn_rewards.append(float(reply.get("reward", 0.0)))
-        ep.env_step_s += float(reply.get("step_s", 0.0))
-        ep.tool_calls += bool(reply.get("use_tool"))
-        for k, v in (reply.get("metrics") or {}).items():
+        ep.turn_rewards.append(float(reply.reward))
+        ep.actions.append(reply.action)
+        ep.observations.append(reply.observation)
+        ep.env_step_s += float(reply.step_s)
+        ep.tool_calls += bool(reply.use_tool)
+        for k, v in reply.metrics.items():
             ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
-        ep.state_key = reply.get("state_key")
-        if reply.get("success") is not None:
-            ep.success = bool(reply["success"])
-        if reply.get("ended"):
-            self._end_episode(smp, reply["ended"])
-        elif reply.get("terminated") or reply.get("truncated"):
-            self._end_episode(smp, "terminated" if reply.get("terminated") else "truncated")
+        ep.state_key = reply.state_key
+        if reply.success is not None:
+            ep.success = bool(reply.success)
+        if reply.ended:
+            self._end_episode(smp, reply.ended)
+        elif reply.terminated or reply.truncated:
+            self._end_episode(smp, "terminated" if reply.terminated else "truncated")
         else:
-            obs = list(reply.get("obs_ids") or [])
+            obs = list(reply.obs_ids)
             smp.response += obs
             smp.logprobs += [0.0] * len(obs)
             ep.generated += [0] * len(obs)
             self._next_turn(smp)
 
     def _next_turn(self, smp: Sample) -> None:
-        """Generate the episode's next turn within its budget, or end it when its row is full."""
+        """Generate the episode's next turn within its budget, or end it when its row is full (or it has had
+        ``max_turns`` turns)."""
         budget = smp.prompt.max_tokens or self.c.max_tokens
         if self.c.max_model_len:
             budget = min(budget, self.c.max_model_len - len(smp.context))
-        if budget <= 0:
+        if self.c.max_turns and len(smp.episode.turn_ends) >= self.c.max_turns:
+            self._end_episode(smp, "truncated")
+        elif budget <= 0:
             self._end_episode(smp, "row_full")
         else:
             self._generate(smp, budget)
@@ -594,8 +557,8 @@ class _Batch:
         late: list[Sample] = []
         for g, call in self.calls.items():  # let the calls in flight return, then abort the rest
             reply = call.result()
-            stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
-            for rid, comp in reply["finished"]:
+            stats.generator_busy_s[g] += reply.busy_s
+            for rid, comp in reply.finished:
                 entry = self.owner.pop(rid, None)
                 if entry is not None:
                     late.append(_append(entry[1], comp))
@@ -608,12 +571,12 @@ class _Batch:
             by_gen.setdefault(g, []).extend(self.aborts[g])
         for g, call in [(g, sched.generators[g].submit([], ids)) for g, ids in by_gen.items() if ids]:
             reply = call.result()
-            stats.generator_busy_s[g] += reply.get("busy_s", 0.0)
-            for rid, comp in reply["finished"]:
+            stats.generator_busy_s[g] += reply.busy_s
+            for rid, comp in reply.finished:
                 entry = self.owner.pop(rid, None)
                 if entry is not None:
                     late.append(_append(entry[1], comp))
-            for rid, comp in reply["aborted"]:
+            for rid, comp in reply.aborted:
                 entry = self.owner.pop(rid, None)
                 if entry is None:
                     continue

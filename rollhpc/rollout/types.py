@@ -26,7 +26,7 @@ class Sample:
     reward: float | None = None
     components: dict[str, float] = field(default_factory=dict)  # what the reward was made of (rule, judge, ...)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
-    episode: Episode | None = None  # multi-turn: the environment's side (None: a single-turn sample)
+    episode: EpisodeState | None = None  # multi-turn: the environment's side (None: a single-turn sample)
 
     @property
     def request_id(self) -> str:
@@ -41,9 +41,11 @@ class Sample:
 
 
 @dataclass
-class Episode:
-    """A multi-turn sample's environment side. Its response is r1 || o2 || r2 || ...: generated tokens as
-    generated, then each observation's token ids as the env role encoded them; ``generated`` marks which.
+class EpisodeState:
+    """A running multi-turn sample's environment side, as the scheduler keeps it. Its response is
+    r1 || o2 || r2 || ...: generated tokens as generated, then each observation's token ids as the env role
+    encoded them; ``generated`` marks which. The record of the finished episode, turn by turn, is
+    ``rollout.episode.episode_of(sample)``.
 
     Shapes: R = len(sample.response); turns = len(turn_ends)."""
 
@@ -55,13 +57,15 @@ class Episode:
     turn_ends: list[int] = field(default_factory=list)  # [turns] index in response of each turn's last generated token
     turn_rewards: list[float] = field(default_factory=list)  # [turns] the env's reward for each turn
     state_keys: list[Any] = field(default_factory=list)  # [turns] state_key of the state each turn acted in
+    turn_finishes: list[str] = field(default_factory=list)  # [turns] the generator's finish_reason of each turn
+    actions: list[str] = field(default_factory=list)  # [turns] the text each turn gave the environment
+    observations: list[str] = field(default_factory=list)  # [turns] the environment's answer to each
+    instruction: str = ""
+    observation: str = ""  # the first observation's text
     state_key: Any = None  # the state the next turn acts in (from the last reset or step)
     success: bool = False
     finish: str = ""  # "terminated", "truncated" (env or turn limit), "row_full", "abandoned", or the env role's reason
     tool_calls: int = 0
-    # turns that ran into their token budget (finish "length") instead of ending: a policy that stops ending its
-    # turns writes on past its action, and those tokens are trained on whatever the action earned
-    turns_cut: int = 0
     env_step_s: float = 0.0  # summed over the episode's steps
     started: float = 0.0  # perf_counter at reset (the watchdog's clock)
     warned: bool = False
@@ -70,6 +74,12 @@ class Episode:
     @property
     def episode_return(self) -> float:
         return float(sum(self.turn_rewards))
+
+    @property
+    def turns_cut(self) -> int:
+        """Turns that ran into their token budget (finish "length") instead of ending: a policy that stops ending
+        its turns writes on past its action, and those tokens are trained on whatever the action earned."""
+        return self.turn_finishes.count("length")
 
 
 @dataclass

@@ -44,12 +44,15 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
+from rollhpc.envs.episodes import run_episode
+from rollhpc.envs.policies import ExpertPolicy
+from rollhpc.rollout.episode import Episode, Turn
 from rollhpc.rollout.turns import PlainTextTurns
 from rollhpc.warm_start.policy_prep import build_once, torch_threads
 from rollhpc.warm_start.sft import SftOptions, train_sft_ids
@@ -58,7 +61,7 @@ from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["ExpertEpisode", "PlayedEpisode", "expert_episode", "episode_examples", "play_episodes",
+__all__ = ["expert_episode", "episode_texts", "clean_success", "episode_examples", "play_episodes",
            "agentic_settings", "prepare_agentic_policy", "ACTION_PREFIX", "MONITOR_EPISODES", "MAX_TURNS"]
 
 log = logging.getLogger("rollhpc.sft")
@@ -68,61 +71,29 @@ MONITOR_EPISODES = 64  # training seeds the early stop plays every check_every s
 MAX_TURNS = 64  # a guard for environments without a turn limit of their own (theirs applies first)
 
 
-@dataclass
-class ExpertEpisode:
-    """What the expert saw and did: ``observations`` has one entry more than ``actions`` (the first one,
-    then the answer to each action; the last answer ends the episode and never enters a row)."""
-
-    seed: int
-    instruction: str
-    observations: list[str]
-    actions: list[str]
-    success: bool
-
-    def texts(self, formatter: PlainTextTurns) -> list[str]:
-        """The pieces a row is encoded from, in order (the tokenizer's training corpus)."""
-        pieces = [formatter.first(self.instruction, self.observations[0])]
-        for k, action in enumerate(self.actions):
-            pieces.append(ACTION_PREFIX + action)
-            if k + 1 < len(self.actions):
-                pieces.append(formatter.next(self.observations[k + 1]))
-        return pieces
-
-
-@dataclass
-class PlayedEpisode:
-    """How an episode of the model went (greedy or sampled)."""
-
-    seed: int
-    success: bool = False
-    turns: int = 0
-    truncated: bool = False  # by the environment's limit, the turn cap or a full row
-    episode_return: float = 0.0
-    row_tokens: int = 0
-    unstopped_turns: int = 0  # turns cut by the token budget before EOS (babble, not a well-formed answer)
-
-    @property
-    def clean_success(self) -> bool:
-        """Solved with every turn a well-formed answer (stopped by EOS): what the early stop counts."""
-        return self.success and self.unstopped_turns == 0
-
-
-def expert_episode(env: Any, seed: int, max_turns: int = MAX_TURNS) -> ExpertEpisode:
-    """One episode of ``env`` from ``reset(seed)`` played by its ``expert_action``."""
+def expert_episode(env: Any, seed: int, max_turns: int = MAX_TURNS) -> Episode:
+    """One episode of ``env`` from ``reset(seed)`` played by its ``expert_action`` (a record in text: the
+    expert has no tokens). ``episode.observations`` has one entry more than ``episode.actions`` (the first
+    one, then the answer to each action; the last answer ends the episode and never enters a row)."""
     if not callable(getattr(env, "expert_action", None)):
         raise ValueError(f"{type(env).__name__} has no expert (no expert_action method): an agentic warm start "
                          "learns from expert episodes")
-    observation, info = env.reset(seed)
-    episode = ExpertEpisode(seed, str(info.get("instruction", "")), [observation], [], False)
-    for _ in range(max_turns):
-        action = env.expert_action()
-        observation, _, terminated, truncated, info = env.step(action)
-        episode.actions.append(action)
-        episode.observations.append(observation)
-        if terminated or truncated:
-            episode.success = bool(info.get("success", False))
-            break
-    return episode
+    return run_episode(env, ExpertPolicy(env), seed, max_turns=max_turns)
+
+
+def episode_texts(episode: Episode, formatter: PlainTextTurns) -> list[str]:
+    """The pieces an expert episode's row is encoded from, in order (the tokenizer's training corpus)."""
+    pieces = [formatter.first(episode.instruction, episode.observation)]
+    for k, turn in enumerate(episode.turns):
+        pieces.append(ACTION_PREFIX + turn.action)
+        if k + 1 < len(episode.turns):
+            pieces.append(formatter.next(turn.observation_text))
+    return pieces
+
+
+def clean_success(episode: Episode) -> bool:
+    """Solved with every turn a well-formed answer (stopped by EOS): what the early stop counts."""
+    return episode.success and episode.turns_cut == 0
 
 
 def _first_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -134,7 +105,7 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def episode_examples(episode: ExpertEpisode, tokenizer: PreTrainedTokenizerBase,
+def episode_examples(episode: Episode, tokenizer: PreTrainedTokenizerBase,
                      formatter: PlainTextTurns | None = None) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
     """(the episode's whole row, one (prompt ids, completion ids) example per turn).
 
@@ -142,21 +113,21 @@ def episode_examples(episode: ExpertEpisode, tokenizer: PreTrainedTokenizerBase,
     row before its turn and its completion the turn's ids, EOS included.
     """
     formatter = formatter or PlainTextTurns()
-    row = _first_ids(tokenizer, formatter.first(episode.instruction, episode.observations[0]))
+    row = _first_ids(tokenizer, formatter.first(episode.instruction, episode.observation))
     examples = []
-    for k, action in enumerate(episode.actions):
-        completion = _text_ids(tokenizer, ACTION_PREFIX + action) + [tokenizer.eos_token_id]
+    for k, turn in enumerate(episode.turns):
+        completion = _text_ids(tokenizer, ACTION_PREFIX + turn.action) + [tokenizer.eos_token_id]
         examples.append((list(row), completion))
         row += completion
-        if k + 1 < len(episode.actions):
-            row += _text_ids(tokenizer, formatter.next(episode.observations[k + 1]))
+        if k + 1 < len(episode.turns):
+            row += _text_ids(tokenizer, formatter.next(turn.observation_text))
     return row, examples
 
 
 def play_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, env: str, env_options: dict[str, Any],
                   seeds: Sequence[int], *, max_new_tokens: int = 8, max_turns: int = MAX_TURNS, batch_size: int = 64,
                   formatter: PlainTextTurns | None = None, temperature: float = 0.0, sample_seed: int = 0,
-                  end_unstopped: bool = False) -> list[PlayedEpisode]:
+                  end_unstopped: bool = False) -> list[Episode]:
     """Episodes of ``model`` on ``env`` (one per seed), greedy by default, rows built as in rollout.
 
     Up to ``batch_size`` episodes are open at once and share each forward pass; a KV cache kept across
@@ -172,7 +143,7 @@ def play_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, en
     import torch
 
     formatter = formatter or PlainTextTurns()
-    out: list[PlayedEpisode] = []
+    out: list[Episode] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sample_seed)
         for lo in range(0, len(seeds), batch_size):
@@ -188,16 +159,18 @@ def play_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, en
 
 def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, envs: list[Any], seeds: list[int],
                 max_new_tokens: int, max_turns: int, formatter: PlainTextTurns, temperature: float,
-                end_unstopped: bool) -> list[PlayedEpisode]:
+                end_unstopped: bool) -> list[Episode]:
     max_len = int(model.config.max_position_embeddings)
-    episodes = [PlayedEpisode(seed) for seed in seeds]
+    episodes = []
     rows = []
     for e, seed in zip(envs, seeds):
         observation, info = e.reset(seed)
-        rows.append(_first_ids(tokenizer, formatter.first(str(info.get("instruction", "")), observation)))
+        instruction = str(info.get("instruction", ""))
+        rows.append(_first_ids(tokenizer, formatter.first(instruction, observation)))
+        episodes.append(Episode(prompt=list(rows[-1]), seed=seed, instruction=instruction, observation=observation))
     open_ids = [i for i in range(len(envs)) if len(rows[i]) < max_len]
     for i in set(range(len(envs))) - set(open_ids):
-        episodes[i].truncated = True
+        episodes[i].finish = "truncated"
     decoder = _TurnDecoder(model, tokenizer.pad_token_id)
     while open_ids:
         budget = min(max_new_tokens, *(max_len - len(rows[i]) for i in open_ids))
@@ -206,27 +179,28 @@ def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, envs
         for i, ids in zip(open_ids, generated):
             ep = episodes[i]
             rows[i] += ids
-            ep.turns += 1
             stopped = ids[-1:] == [tokenizer.eos_token_id]
-            ep.unstopped_turns += int(not stopped)
+            turn = Turn(response=list(ids), finish_reason="stop" if stopped else "length")
+            ep.turns.append(turn)
             if end_unstopped and not stopped:
-                ep.truncated = True
+                ep.finish = "truncated"
                 continue
-            action = formatter.action(tokenizer.decode(ids, skip_special_tokens=True))
-            observation, reward, terminated, truncated, info = envs[i].step(action)
-            ep.episode_return += float(reward)
+            turn.action = formatter.action(tokenizer.decode(ids, skip_special_tokens=True))
+            observation, reward, terminated, truncated, info = envs[i].step(turn.action)
+            turn.reward, turn.observation_text = float(reward), observation
+            for k, v in (info.get("metrics") or {}).items():
+                ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
             if terminated or truncated:
-                ep.success, ep.truncated = bool(info.get("success", False)), bool(truncated)
+                ep.success, ep.finish = bool(info.get("success", False)), "truncated" if truncated else "terminated"
                 continue
             next_ids = _text_ids(tokenizer, formatter.next(observation))
-            if ep.turns >= max_turns or len(rows[i]) + len(next_ids) + 1 > max_len:
-                ep.truncated = True
+            if len(ep.turns) >= max_turns or len(rows[i]) + len(next_ids) + 1 > max_len:
+                ep.finish = "truncated"
                 continue
             rows[i] += next_ids
+            turn.observation = next_ids
             still.append(i)
         open_ids = still
-    for ep, row in zip(episodes, rows):
-        ep.row_tokens = len(row)
     return episodes
 
 
@@ -292,22 +266,21 @@ class _TurnDecoder:
         return result.logits[:, -1]
 
 
-def _success_rate(episodes: Sequence[PlayedEpisode | ExpertEpisode]) -> float:
+def _success_rate(episodes: Sequence[Episode]) -> float:
     return sum(e.success for e in episodes) / max(len(episodes), 1)
 
 
-def _clean_success_rate(episodes: Sequence[PlayedEpisode]) -> float:
-    return sum(e.clean_success for e in episodes) / max(len(episodes), 1)
+def _clean_success_rate(episodes: Sequence[Episode]) -> float:
+    return sum(clean_success(e) for e in episodes) / max(len(episodes), 1)
 
 
-def _stopped_rate(episodes: Sequence[PlayedEpisode]) -> float:
+def _stopped_rate(episodes: Sequence[Episode]) -> float:
     """The fraction of turns that ended with EOS."""
-    return 1.0 - sum(e.unstopped_turns for e in episodes) / max(sum(e.turns for e in episodes), 1)
+    return 1.0 - sum(e.turns_cut for e in episodes) / max(sum(len(e.turns) for e in episodes), 1)
 
 
-def _mean_turns(episodes: Sequence[PlayedEpisode | ExpertEpisode]) -> float:
-    counts = [e.turns if isinstance(e, PlayedEpisode) else len(e.actions) for e in episodes]
-    return sum(counts) / max(len(counts), 1)
+def _mean_turns(episodes: Sequence[Episode]) -> float:
+    return sum(len(e.turns) for e in episodes) / max(len(episodes), 1)
 
 
 def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
@@ -386,7 +359,7 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelSpec, sf
     finally:
         env.close()
     expert_s = time.perf_counter() - expert_start
-    tokenizer = build_tokenizer((text for ep in expert for text in ep.texts(formatter)), settings["vocab_size"],
+    tokenizer = build_tokenizer((text for ep in expert for text in episode_texts(ep, formatter)), settings["vocab_size"],
                                 settings.get("unmerged", ""))
     rows, examples = [], []
     for ep in expert:
@@ -395,7 +368,7 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelSpec, sf
         examples += turns
     longest = max(range(len(rows)), key=lambda i: len(rows[i]))
     if len(rows[longest]) > spec.max_position_embeddings:
-        raise ValueError(f"the longest expert episode (seed {expert[longest].seed}, {len(expert[longest].actions)} "
+        raise ValueError(f"the longest expert episode (seed {expert[longest].seed}, {len(expert[longest].turns)} "
                          f"turns) is a row of {len(rows[longest])} tokens but spec.max_position_embeddings is "
                          f"{spec.max_position_embeddings}: raise it or shorten the episodes (the environment's "
                          "max_turns or size)")
@@ -406,7 +379,7 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelSpec, sf
              _mean_turns(expert), len(examples), len(rows[longest]), model.num_parameters(), sft.steps)
 
     def play(m: PreTrainedModel, seeds: Sequence[int], temperature: float = 0.0,
-             end_unstopped: bool = False) -> list[PlayedEpisode]:
+             end_unstopped: bool = False) -> list[Episode]:
         return play_episodes(m, tokenizer, env_name, env_options, seeds, max_new_tokens=sft.max_new_tokens,
                              formatter=formatter, temperature=temperature, sample_seed=seed,
                              end_unstopped=end_unstopped)

@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+from rollhpc.rollout.ports import GenerationReply, GenerationRequest
+
 log = logging.getLogger("rollhpc.engine_loop")
 
 
@@ -31,7 +33,7 @@ class EngineLoop:
         self.sampling = {"temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
         self.lock = threading.RLock()  # held whenever the engine is in use
         self._cond = threading.Condition()
-        self._adds: list[dict[str, Any]] = []
+        self._adds: list[GenerationRequest] = []
         self._aborts: list[str] = []
         self._abort_ticket = 0  # abort batches handed over, and the last one the loop has carried out
         self._aborts_done = 0
@@ -51,8 +53,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def call(self, adds: list[dict[str, Any]], aborts: list[str], max_wait_s: float) -> dict[str, Any]:
-        """Hand over ``adds`` and ``aborts``; return ``{"finished", "aborted", "busy_s"}`` since the last call."""
+    def call(self, adds: list[GenerationRequest], aborts: list[str], max_wait_s: float) -> GenerationReply:
+        """Hand over ``adds`` and ``aborts``; return what finished and was aborted since the last call."""
         with self._cond:
             self._check()
             self._adds += adds
@@ -70,7 +72,7 @@ class EngineLoop:
                     if self._finished or idle or time.monotonic() >= deadline:
                         break
                 self._cond.wait(timeout=max(deadline - time.monotonic(), 0.001))
-            out = {"finished": self._finished, "aborted": self._aborted, "busy_s": self._busy_s}
+            out = GenerationReply(self._finished, self._aborted, self._busy_s)
             self._finished, self._aborted, self._busy_s = [], [], 0.0
         return out
 
@@ -106,8 +108,8 @@ class EngineLoop:
                 with self.lock:
                     aborted = self.engine.abort(aborts) if aborts else []
                     for r in adds:
-                        self.engine.add_request(r["id"], r["prompt"], max_tokens=r["max_tokens"], seed=r.get("seed"),
-                                                **self.sampling)
+                        self.engine.add_request(r.id, r.prompt, max_tokens=r.max_tokens, seed=r.seed,
+                                                **sampling(r, **self.sampling))
                     t = time.perf_counter()
                     finished = self.engine.step() if self.engine.num_unfinished() else []
                     busy = time.perf_counter() - t
@@ -124,3 +126,14 @@ class EngineLoop:
             with self._cond:
                 self._error = e
                 self._cond.notify_all()
+
+
+def sampling(request: GenerationRequest, *, temperature: float, top_p: float, ignore_eos: bool = False
+             ) -> dict[str, Any]:
+    """A request's sampling settings: the role's, unless the request names a temperature (greedy evaluation
+    runs through the same loop); a greedy request takes the whole distribution (top-p 1), as batch generation
+    does, so its log-probs are the plain log-softmax."""
+    if request.temperature is None:
+        return {"temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
+    t = request.temperature
+    return {"temperature": t, "top_p": top_p if t > 0 else 1.0, "ignore_eos": ignore_eos}

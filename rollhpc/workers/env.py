@@ -59,6 +59,7 @@ from typing import Any
 from rollhpc.envs import env_class
 from rollhpc.envs.host import EnvHost, EpisodeConnection, is_finite
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
+from rollhpc.rollout.ports import ResetReply, ResetRequest, StepReply, StepRequest
 
 __all__ = ["EnvWorker", "EnvCounters"]
 
@@ -78,7 +79,9 @@ def _cpus() -> int:
 
 
 @dataclass
-class _Episode:
+class _EpisodeProcess:
+    """The process that holds one episode's environment, and the socket to it."""
+
     id: str
     pid: int
     conn: EpisodeConnection
@@ -167,76 +170,69 @@ class EnvWorker(Worker):
         # (``next(observation, stopped=...)``); a formatter without that parameter does not care.
         self.stop_id = getattr(self.formatter, "eos_id", self.tokenizer.eos_token_id)
         self.next_takes_stopped = "stopped" in inspect.signature(self.formatter.next).parameters
-        self.episodes: dict[str, _Episode] = {}
+        self.episodes: dict[str, _EpisodeProcess] = {}
         self.counters = EnvCounters()
         log.info("env role %s: %s, %d env calls at once, step limit %.1f s", ctx.role, options.env,
                  self.workers, options.step_timeout_s)
 
     @register(Dispatch.DP_SPLIT)
-    def reset(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Start episodes: ``{"episode": id, "seed": int}`` each -> ``{"episode", "rank", "prompt_ids",
-        "instruction", "state_key", "info", "ended", "reset_s"}`` each, in order. ``prompt_ids`` encode
+    def reset(self, items: list[ResetRequest]) -> list[ResetReply]:
+        """Start episodes: one ``ResetReply`` per request, in order. ``prompt_ids`` encode
         ``formatter.first(instruction, observation)``; ``ended`` is None, or the reason the reset failed
         (``timeout``, ``error: ...``, ``invalid: ...``; the episode is then not held)."""
-        ids = [str(it["episode"]) for it in items]
+        ids = [str(it.episode) for it in items]
         again = sorted({i for i in ids if i in self.episodes} | {i for i, c in Counter(ids).items() if c > 1})
         if again:
             raise ValueError(f"reset: episode ids already held or repeated: {again[:10]}")
-        seeds = [int(it["seed"]) for it in items]
         self.counters.started += len(items)
-        replies: list[dict[str, Any]] = [{"episode": i, "rank": self.ctx.group_rank, "prompt_ids": [],
-                                          "instruction": "", "state_key": None, "info": {}, "ended": None,
-                                          "reset_s": 0.0} for i in ids]
-        jobs: list[tuple[int, _Episode, tuple]] = []
+        replies = [ResetReply(i, rank=self.ctx.group_rank) for i in ids]
+        jobs: list[tuple[int, _EpisodeProcess, tuple]] = []
         for k, made in enumerate(self.host.fork(len(items))):
             if isinstance(made, str):
                 self._ended(replies[k], made)
             else:
-                jobs.append((k, _Episode(ids[k], made[0], EpisodeConnection(made[1])), ("reset", seeds[k])))
+                jobs.append((k, _EpisodeProcess(ids[k], made[0], EpisodeConnection(made[1])),
+                             ("reset", int(items[k].seed))))
         texts: dict[int, str] = {}
         for (k, ep, _), (status, payload, secs) in zip(jobs, self._exchange(jobs, self.options.reset_timeout_s)):
-            replies[k]["reset_s"] = round(secs, 6)
+            reply = replies[k]
+            reply.reset_s = round(secs, 6)
             if status == "ok":
                 self.episodes[ep.id] = ep
                 self.counters.resets += 1
                 self.counters.reset_s += secs
                 texts[k] = self.formatter.first(payload["instruction"], payload["observation"])
-                replies[k].update(instruction=payload["instruction"], state_key=payload["state_key"],
-                                  info=payload["info"])
+                reply.instruction, reply.observation = payload["instruction"], payload["observation"]
+                reply.state_key, reply.info = payload["state_key"], payload["info"]
             else:
                 self._drop(ep, status)
-                self._ended(replies[k], _reason(status, payload))
-        encoded = self._encode(list(texts.values()), self.prompt_special_tokens)
-        for k, ids_ in zip(texts, encoded):
-            replies[k]["prompt_ids"] = ids_
+                self._ended(reply, _reason(status, payload))
+        for k, ids_ in zip(texts, self._encode(list(texts.values()), self.prompt_special_tokens)):
+            replies[k].prompt_ids = ids_
         return replies
 
     @register(Dispatch.ONE_TO_ALL)
-    def step(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Step episodes this rank holds (call it through ``group.at(rank)``): ``{"episode", "response_ids"}``
-        each -> ``{"episode", "obs_ids", "reward", "terminated", "truncated", "success", "state_key",
-        "metrics", "use_tool", "ended", "step_s"}`` each, in order. The response is decoded (special tokens
-        skipped) and ``formatter.action`` gives the action; ``obs_ids`` encode ``formatter.next(observation)``
-        (empty once the episode is over), told for chat turns whether the response ``stopped`` (it ends with
-        the stop token, unless the item says ``"stopped"``). ``ended`` is None while the episode goes on,
-        else why it is over: ``terminated`` / ``truncated`` (the environment's own flags), or a fault that
-        dropped the environment: ``timeout``, ``error: <Type: message>``, ``invalid: <what>`` (then reward
-        0, truncated True). An ended episode is no longer held."""
-        ids = [str(it["episode"]) for it in items]
+    def step(self, items: list[StepRequest]) -> list[StepReply]:
+        """Step episodes this rank holds (call it through ``group.at(rank)``): one ``StepReply`` per request,
+        in order. The response is decoded (special tokens skipped) and ``formatter.action`` gives the action;
+        ``obs_ids`` encode ``formatter.next(observation)`` (empty once the episode is over), told for chat
+        turns whether the response ``stopped`` (it ends with the stop token, unless the request says). An
+        ended episode is no longer held."""
+        ids = [str(it.episode) for it in items]
         unknown = [i for i in ids if i not in self.episodes]
         if unknown or len(set(ids)) != len(ids):
             raise ValueError(f"step: episodes not held by env rank {self.ctx.group_rank} (ended, closed or "
                              f"never reset) or repeated: {(unknown or ids)[:10]}")
-        responses = [list(it["response_ids"]) for it in items]
-        stopped = [bool(it.get("stopped", bool(r) and r[-1] == self.stop_id)) for it, r in zip(items, responses)]
+        responses = [list(it.response_ids) for it in items]
+        stopped = [bool(r) and r[-1] == self.stop_id if it.stopped is None else it.stopped
+                   for it, r in zip(items, responses)]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        jobs = [(k, self.episodes[i], ("step", self.formatter.action(t))) for k, (i, t) in enumerate(zip(ids, texts))]
-        replies: list[dict[str, Any]] = []
+        actions = [self.formatter.action(t) for t in texts]
+        jobs = [(k, self.episodes[i], ("step", a)) for k, (i, a) in enumerate(zip(ids, actions))]
+        replies: list[StepReply] = []
         going: dict[int, str] = {}
         for (k, ep, _), (status, payload, secs) in zip(jobs, self._exchange(jobs, self.options.step_timeout_s)):
-            reply = {"episode": ep.id, "obs_ids": [], "reward": 0.0, "terminated": False, "truncated": True,
-                     "success": None, "state_key": None, "metrics": {}, "use_tool": False, "ended": None,
-                     "step_s": round(secs, 6)}
+            reply = StepReply(ep.id, action=actions[k], step_s=round(secs, 6))
             replies.append(reply)
             if status != "ok":
                 self._forget(ep, status)
@@ -244,8 +240,9 @@ class EnvWorker(Worker):
                 continue
             self.counters.steps += 1
             self.counters.step_s += secs
-            reply.update({k_: payload[k_] for k_ in ("reward", "terminated", "truncated", "success", "state_key",
-                                                     "metrics", "use_tool")})
+            for name in ("reward", "terminated", "truncated", "success", "state_key", "metrics", "use_tool"):
+                setattr(reply, name, payload[name])
+            reply.observation = payload["observation"]
             if payload["terminated"] or payload["truncated"]:
                 self._forget(ep, "done")
                 self._ended(reply, "terminated" if payload["terminated"] else "truncated")
@@ -254,7 +251,7 @@ class EnvWorker(Worker):
                 going[k] = (self.formatter.next(obs, stopped=stopped[k]) if self.next_takes_stopped
                             else self.formatter.next(obs))
         for k, ids_ in zip(going, self._encode(list(going.values()), False)):
-            replies[k]["obs_ids"] = ids_
+            replies[k].obs_ids = ids_
         return replies
 
     @register(Dispatch.ONE_TO_ALL)
@@ -284,7 +281,7 @@ class EnvWorker(Worker):
 
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _exchange(self, jobs: list[tuple[int, _Episode, tuple]], timeout_s: float) -> list[tuple[str, Any, float]]:
+    def _exchange(self, jobs: list[tuple[int, _EpisodeProcess, tuple]], timeout_s: float) -> list[tuple[str, Any, float]]:
         """Send each job's command to its episode process, at most ``workers`` in flight, and collect
         ``(status, payload, seconds)`` per job in order: status ok / error / invalid (the process's answer),
         timeout (no answer within ``timeout_s`` of sending: the process is killed at once) or died."""
@@ -326,13 +323,13 @@ class EnvWorker(Worker):
             selector.close()
         return results  # type: ignore[return-value]
 
-    def _forget(self, ep: _Episode, status: str) -> None:
+    def _forget(self, ep: _EpisodeProcess, status: str) -> None:
         """Stop holding ``ep``. A process that answered is told to close its environment and exit (it does
         so under the time limit by itself); a hung one has been killed; a dead one has nothing to close."""
         self.episodes.pop(ep.id, None)
         self._drop(ep, status)
 
-    def _drop(self, ep: _Episode, status: str) -> None:
+    def _drop(self, ep: _EpisodeProcess, status: str) -> None:
         if status not in ("timeout", "died"):
             try:
                 ep.conn.send(("close", None), 1.0)
@@ -340,11 +337,11 @@ class EnvWorker(Worker):
                 pass
         ep.conn.close()
 
-    def _ended(self, reply: dict[str, Any], reason: str) -> None:
-        reply["ended"] = reason
+    def _ended(self, reply: ResetReply | StepReply, reason: str) -> None:
+        reply.ended = reason
         count = self.counters.end(reason)
         if reason.split(":", 1)[0] in FAULTS and (count <= 5 or count % 100 == 0):
-            log.warning("env role %s: episode %s ended: %s (%d such so far)", self.ctx.role, reply["episode"],
+            log.warning("env role %s: episode %s ended: %s (%d such so far)", self.ctx.role, reply.episode,
                         reason, count)
 
     def _encode(self, texts: list[str], special_tokens: bool) -> list[list[int]]:

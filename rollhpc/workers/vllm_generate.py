@@ -19,6 +19,8 @@ from typing import Any
 
 from rollhpc.engines.options import EngineOptions
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
+from rollhpc.rollout.ports import GenerationReply, GenerationRequest
+from rollhpc.workers.engine_loop import sampling
 
 
 class VllmGenerateWorker(Worker):
@@ -122,7 +124,7 @@ class VllmGenerateWorker(Worker):
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
-    def rollout(self, adds: list[dict[str, Any]], aborts: list[str]) -> dict[str, Any]:
+    def rollout(self, adds: list[GenerationRequest], aborts: list[str]) -> GenerationReply:
         """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
         return self.loop.call(adds, aborts, self.options.max_wait_s)
 
@@ -140,15 +142,15 @@ class VllmGenerateWorker(Worker):
         self.engine = None
 
 
-def drive_engine(engine: Any, adds: list[dict[str, Any]], aborts: list[str], *, temperature: float, top_p: float,
-                 max_wait_s: float, ignore_eos: bool = False) -> dict[str, Any]:
+def drive_engine(engine: Any, adds: list[GenerationRequest], aborts: list[str], *, temperature: float, top_p: float,
+                 max_wait_s: float, ignore_eos: bool = False) -> GenerationReply:
     """One scheduler call on a ``VllmGenerator`` stepped by the caller (benchmarks, probes): abort, add, then
     step until a request finishes or ``max_wait_s`` passes. ``busy_s`` is the time spent inside engine steps
     (the rest is idle). The role itself steps its engine in a thread of its own (``EngineLoop``)."""
     aborted = engine.abort(aborts) if aborts else []
     for r in adds:
-        engine.add_request(r["id"], r["prompt"], temperature=temperature, top_p=top_p, max_tokens=r["max_tokens"],
-                           seed=r.get("seed"), ignore_eos=ignore_eos)
+        engine.add_request(r.id, r.prompt, max_tokens=r.max_tokens, seed=r.seed,
+                           **sampling(r, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos))
     finished: list[tuple[str, Any]] = []
     busy = 0.0
     deadline = time.perf_counter() + max_wait_s
@@ -158,4 +160,4 @@ def drive_engine(engine: Any, adds: list[dict[str, Any]], aborts: list[str], *, 
         busy += time.perf_counter() - t
         if t > deadline:
             break
-    return {"finished": finished, "aborted": aborted, "busy_s": busy}
+    return GenerationReply(finished, aborted, busy)

@@ -1,16 +1,18 @@
-"""Multi-turn rows token by token (rollhpc.rollout.trajectory) and the chat-template turn formatter."""
+"""The episode record and the multi-turn rows made from it token by token (rollhpc.rollout.episode, .rows), and the
+chat-template turn formatter."""
 
 import numpy as np
 import pytest
 
-from rollhpc.rollout.trajectory import Trajectory, Turn, pad_rows, step_rows, trajectory_row, turn_budget
+from rollhpc.rollout.episode import Episode, Turn
+from rollhpc.rollout.rows import pad_rows, step_rows, trajectory_row, turn_budget
 from rollhpc.rollout.turns import ChatTemplateTurns, PlainTextTurns
 
 
-def two_turns() -> Trajectory:
+def two_turns() -> Episode:
     # prompt 10 11 12 | r1 20 21 | o2 30 31 32 | r2 40 41 42 | (o3 50 51: after the last turn, never in a row)
     # row index:  0  1  2 | 3  4 | 5  6  7 | 8  9  10
-    return Trajectory(prompt=[10, 11, 12], group=7, index=1, seed=99, finish="terminated", success=True, turns=[
+    return Episode(prompt=[10, 11, 12], group=7, index=1, seed=99, finish="terminated", success=True, turns=[
         Turn(response=[20, 21], logprobs=[-0.5, -0.25], version=3, observation=[30, 31, 32], reward=0.5,
              state_key="s0"),
         Turn(response=[40, 41, 42], logprobs=[-1.0, -2.0, -4.0], version=4, observation=[50, 51], reward=1.0,
@@ -32,7 +34,7 @@ def test_trajectory_row_token_by_token():
 
 def test_row_follows_rlvr_shift_for_a_single_turn():
     # one turn and no observation is RLVR's row: mask[p-1 : p-1+r] = 1 for p=2 prompt tokens, r=3 response tokens
-    traj = Trajectory(prompt=[1, 2], turns=[Turn(response=[5, 6, 0], logprobs=[-1.0, -1.0, -1.0], version=0,
+    traj = Episode(prompt=[1, 2], turns=[Turn(response=[5, 6, 0], logprobs=[-1.0, -1.0, -1.0], version=0,
                                                  reward=2.0)])
     row = trajectory_row(traj)
     np.testing.assert_array_equal(row.tokens, [1, 2, 5, 6, 0])  # the EOS (id 0) stays: the policy generated it
@@ -96,15 +98,17 @@ def test_trajectory_record_properties_and_validation():
     assert traj.episode_return == 1.5 and traj.version == 3 and traj.length == 3 + 2 + 3 + 3 + 2
     with pytest.raises(ValueError, match="logprobs"):
         Turn(response=[1, 2], logprobs=[0.0], version=0)
-    with pytest.raises(ValueError, match="at least one generated token"):
-        Turn(response=[], logprobs=[], version=0)
+    with pytest.raises(ValueError, match="at least one generated token"):  # a record may lack ids, a row may not
+        trajectory_row(Episode(prompt=[1], turns=[Turn(response=[], logprobs=[], version=0, action="left")]))
+    with pytest.raises(ValueError, match="no prompt ids"):
+        step_rows(Episode(turns=[Turn(action="left", observation_text="P.")]))
     with pytest.raises(ValueError, match="finish must be one of"):
-        Trajectory(prompt=[1], finish="done")
-    Trajectory(prompt=[1], finish="error: env step timed out after 30 s")
+        Episode(prompt=[1], finish="done")
+    Episode(prompt=[1], finish="error: env step timed out after 30 s")
     with pytest.raises(ValueError, match="no turns"):
-        trajectory_row(Trajectory(prompt=[1], finish="error: reset failed"))
+        trajectory_row(Episode(prompt=[1], finish="error: reset failed"))
     with pytest.raises(ValueError, match="no turns"):
-        step_rows(Trajectory(prompt=[1]))
+        step_rows(Episode(prompt=[1]))
 
 
 # ---- the chat-template formatter, with a tokenizer trained here (nothing is downloaded) ----
