@@ -65,7 +65,7 @@ class DispatchBench(Pipeline):
         large_calls: int = 5
 
     def run(self) -> None:
-        g = self.groups["probe"]
+        g = self.workers["probe"]
         big = np.random.default_rng(0).integers(0, 255, LARGE_BYTES, dtype=np.uint8)
         small = _time_calls(lambda: g.echo(SMALL), self.options.small_calls)
 

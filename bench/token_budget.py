@@ -65,7 +65,7 @@ class TrainStepBench(Pipeline):
         from rollhpc.algo.objective import LossConfig
         from rollhpc.batch import Batch
 
-        o, train = self.options, self.groups["train"]
+        o, train = self.options, self.workers["train"]
         rng = np.random.default_rng(0)
         width = o.prompt + o.long
         n_long = max(1, round(o.rows * o.long_frac))

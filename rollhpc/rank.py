@@ -319,12 +319,12 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
             ctl.sideband.accept(set(ctl.ranks), cfg.controller.world_timeout_s)
         except TimeoutError as e:
             raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
-        groups = {
+        workers = {
             role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-        pipeline = pipeline_cls(groups, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
+        pipeline = pipeline_cls(workers, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
         with startup_gc():
             pipeline.setup()  # the controller's own start-up, while the workers build theirs
         ctl.wait([(r, 0) for r in ctl.ranks], "worker start-up", cfg.controller.startup_timeout_s)

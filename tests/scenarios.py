@@ -21,10 +21,10 @@ class DispatchScenario(Pipeline):
     def run(self) -> None:
         import torch
 
-        g = self.groups["probe"]
+        g = self.workers["probe"]
         out: dict = {}
         out["ping"] = g.ping()
-        out["env"] = {role: self.groups[role].environ("ROLLHPC_ROLE_ENV") for role in ("probe", "other")}
+        out["env"] = {role: self.workers[role].environ("ROLLHPC_ROLE_ENV") for role in ("probe", "other")}
         out["echo"] = g.echo({"a": 1})
         out["whoami"] = g.whoami()
         out["whoami_at_2"] = g.at(2).whoami()  # one chosen rank, its dispatch mode bypassed
@@ -48,7 +48,7 @@ class DispatchScenario(Pipeline):
         arrays = [np.random.default_rng(i).integers(0, 255, (2 << 20) + i, dtype=np.uint8) for i in range(3)]
         futs = [g.checksum.submit(a) for a in arrays[:2]]
         small = g.echo.submit("between")
-        other = self.groups["other"].checksum.submit(arrays[2])
+        other = self.workers["other"].checksum.submit(arrays[2])
         futs.append(g.checksum.submit(arrays[2]))
         mixed = {"x": torch.randn(1024, 1024, dtype=torch.bfloat16), "n": 7, "y": arrays[0]}
         echoed = g.echo(mixed)
@@ -62,7 +62,7 @@ class DispatchScenario(Pipeline):
         import time
 
         start = time.perf_counter()
-        futs = [g.sleep.submit(1.5), self.groups["other"].sleep.submit(1.5)]
+        futs = [g.sleep.submit(1.5), self.workers["other"].sleep.submit(1.5)]
         out["sleep_results"] = [f.result() for f in futs]
         out["overlap_s"] = time.perf_counter() - start
         try:
@@ -80,10 +80,10 @@ class DispatchScenario(Pipeline):
         colocation = Colocation((frozenset({"probe", "other"}),), {"probe": frozenset({2, 3}), "other": frozenset({0})})
         stages = {"generate": {"probe": ("weights", "kv_cache")}, "train": {"other": ("parameters", "optimizer")},
                   "weight_sync": {"other": ("parameters",), "probe": ("weights",)}}
-        turns = Residency(self.groups, stages, colocation)
+        turns = Residency(self.workers, stages, colocation)
         for stage in ("train", "generate", "weight_sync"):
             turns.enter(stage)
-        return {"probe": self.groups["probe"].moves(), "other": self.groups["other"].moves(),
+        return {"probe": self.workers["probe"].moves(), "other": self.workers["other"].moves(),
                 "metrics": turns.step_metrics()}
 
 
@@ -99,7 +99,7 @@ class FailScenario(Pipeline):
         timeout_s: float = 3.0
 
     def run(self) -> None:
-        g = self.groups["probe"]
+        g = self.workers["probe"]
         g.ping()
         (self.run_ctx.run_dir / "pids.json").write_text(json.dumps([p["pid"] for p in g.ping()]))
         if self.options.how == "raise":
@@ -127,13 +127,13 @@ class VanishScenario(Pipeline):
     while writing its report): mpiexec.gforker's own status is 0 whatever its ranks did."""
 
     def run(self) -> None:
-        self.groups["probe"].ping()
+        self.workers["probe"].ping()
         os._exit(0)
 
 
 class SleepScenario(Pipeline):
     def run(self) -> None:
-        self.groups["probe"].sleep(600)
+        self.workers["probe"].sleep(600)
 
 
 class SlowStartWorker(Worker):
@@ -168,7 +168,7 @@ class TrainerLayoutScenario(Pipeline):
         from rollhpc.algo.objective import LossConfig
         from rollhpc.weight_sync.buckets import unpack_bucket
 
-        o, train = self.options, self.groups["train"]
+        o, train = self.options, self.workers["train"]
         rng = np.random.default_rng(0)
         out: dict = {"loss": [], "grad_norm": [], "logprob": [], "rows_skipped": [], "micro_batches": []}
         if o.resume_from:
@@ -246,7 +246,7 @@ class SharedPayloadScenario(Pipeline):
     def run(self) -> None:
         import torch
 
-        g = self.groups["probe"]
+        g = self.workers["probe"]
         arrays = [np.random.default_rng(i).integers(0, 255, (3 << 20) + i, dtype=np.uint8) for i in range(3)]
         sums = [int(a.sum(dtype=np.uint64)) for a in arrays]
         futs = [g.bump_and_sum.submit(a) for a in arrays[:2]]

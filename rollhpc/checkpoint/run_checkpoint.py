@@ -55,11 +55,11 @@ class CheckpointOptions:
 class RunCheckpointer:
     """Saves and restores a run: the stateful worker groups' parts and the controller's state."""
 
-    def __init__(self, run_dir: Path, groups: dict[str, Any], options: CheckpointOptions):
+    def __init__(self, run_dir: Path, workers: dict[str, Any], options: CheckpointOptions):
         self.options = options
         self.store = CheckpointStore(RunPaths(run_dir).checkpoints, keep_last=options.keep_last)
-        self.groups = groups
-        self.roles = sorted(r for r, g in groups.items() if hasattr(g.worker_cls, "save_checkpoint"))
+        self.workers = workers  # role -> its WorkerGroup
+        self.roles = sorted(r for r, g in workers.items() if hasattr(g.worker_cls, "save_checkpoint"))
         self._searched = False
         self._found: tuple[Checkpoint, dict[str, Any]] | None = None
 
@@ -73,7 +73,7 @@ class RunCheckpointer:
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         try:
-            saving = [self.groups[r].save_checkpoint.submit(str(pending.path / r)) for r in self.roles]
+            saving = [self.workers[r].save_checkpoint.submit(str(pending.path / r)) for r in self.roles]
             ctl = pending.path / CONTROLLER_DIR
             ctl.mkdir()
             with open(ctl / STATE_FILE, "wb") as f:
@@ -95,8 +95,8 @@ class RunCheckpointer:
 
     def _watch_workers(self) -> None:
         """Move the controller's messages once; raises when a worker is gone (its liveness check)."""
-        for group in self.groups.values():
-            group.controller.pump()
+        for workers in self.workers.values():
+            workers.controller.pump()
             return
 
     def find(self) -> tuple[Checkpoint, dict[str, Any]] | None:
@@ -132,7 +132,7 @@ class RunCheckpointer:
             return None
         checkpoint, state = found
         t0 = time.perf_counter()
-        loading = [self.groups[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
+        loading = [self.workers[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
         for f in loading:
             f.result()
         log.info("resumed from %s (step %d) in %.2f s", checkpoint.path, checkpoint.step, time.perf_counter() - t0)

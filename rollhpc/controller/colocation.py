@@ -96,14 +96,14 @@ def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocate
 class Residency:
     """Drives offload / reload of colocated roles between the stages of a step (``enter(stage)``)."""
 
-    def __init__(self, groups: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation):
-        self.groups = groups
+    def __init__(self, workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation):
+        self.workers = workers  # role -> its WorkerGroup
         self.stages = stages
-        self.colocated = [set(s) & set(groups) for s in colocation.sets]
+        self.colocated = [set(s) & set(workers) for s in colocation.sets]
         self.managed = {r for s in self.colocated for r in s}
         # the ranks of each role that move (the others hold their devices alone): a group call when it is all
         self.ranks = {r: sorted(colocation.ranks[r]) for r in self.managed}
-        self.whole = {r for r in self.managed if getattr(groups[r].worker_cls, "offloads_whole", False)}
+        self.whole = {r for r in self.managed if getattr(workers[r].worker_cls, "offloads_whole", False)}
         self.loaded: dict[str, set[str]] = {r: self._own_parts(r) for r in self.managed}  # all resident at start
         self.record: dict[str, Any] = {}
         self.order: list[str] = []  # stages entered since the last step_metrics
@@ -150,10 +150,10 @@ class Residency:
 
     def _submit(self, role: str, method: str, parts: list[str]) -> list[Any]:
         """The call on the role's moving ranks: one group call when they are all its ranks, else one per rank."""
-        group, ranks = self.groups[role], self.ranks[role]
-        if len(ranks) == len(group):
-            return [getattr(group, method).submit(parts)]
-        return [getattr(group.at(g), method).submit(parts) for g in ranks]
+        workers, ranks = self.workers[role], self.ranks[role]
+        if len(ranks) == len(workers):
+            return [getattr(workers, method).submit(parts)]
+        return [getattr(workers.at(g), method).submit(parts) for g in ranks]
 
     def step_metrics(self) -> dict[str, Any]:
         """This step's stages in order and what each moved; clears them for the next step."""

@@ -216,8 +216,8 @@ class RunLoop:
 
 def _load(steps: Any) -> dict[str, tuple[float, float, int]] | None:
     """The roles' load counters now (``Controller.load``), or None for a pipeline without worker groups."""
-    groups = getattr(steps, "groups", None)
-    controller = getattr(next(iter(groups.values()), None), "controller", None) if groups else None
+    workers = getattr(steps, "workers", None)
+    controller = getattr(next(iter(workers.values()), None), "controller", None) if workers else None
     return controller.load() if controller is not None else None
 
 

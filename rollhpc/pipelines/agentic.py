@@ -178,8 +178,8 @@ class AgenticPipeline(TrainingPipeline):
             if self.loss.kl_coef > 0:
                 raise ValueError("loss.kl_coef > 0 needs a reference role; agentic runs do not take one yet")
 
-    def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
-        super().__init__(groups, run, options)
+    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: Options):
+        super().__init__(workers, run, options)
         self.checkpointer: RunCheckpointer | None = None
         self._warned_cut_turns = False
 
@@ -214,7 +214,7 @@ class AgenticPipeline(TrainingPipeline):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.options.model_dir)
-        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, self.options.checkpoint)
+        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.workers, self.options.checkpoint)
         self.checkpointer.find()
 
     def run(self) -> Outcome:
@@ -228,11 +228,11 @@ class AgenticPipeline(TrainingPipeline):
         return self.run_loop()
 
     def _generator_ports(self) -> list[RankPort]:
-        gen = self.groups["generate"]
+        gen = self.workers["generate"]
         return [RankPort(gen.at(i), "rollout") for i in range(len(gen))]
 
     def _env_ports(self) -> list[_EnvPort]:
-        env = self.groups["env"]
+        env = self.workers["env"]
         return [_EnvPort(env.at(i)) for i in range(len(env))]
 
     # ------------------------------------------------------------------ the run loop's hooks
@@ -245,7 +245,7 @@ class AgenticPipeline(TrainingPipeline):
 
     def step(self, step: int, last: bool) -> StepReport:
         o = self.options
-        train = self.groups["train"]
+        train = self.workers["train"]
         self.stage("generate")
         groups, rstats = self.scheduler.collect(self.seeds, o.groups_per_step, self.policy.version)
         times = {"rollout_s": rstats.wall_s}
@@ -256,11 +256,11 @@ class AgenticPipeline(TrainingPipeline):
             log.warning("step %d: no group with differing returns in %d started; no update this step", step,
                         rstats.groups_started)
             return self.skipped_step(rstats)
-        batch = self._training_batch(groups, times)
+        batch, critic_batch = self._training_batch(groups, times)
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self.options.loss)
-        critic = self.train_critic() if o.algorithm == "ppo" else None  # beside the actor, on its own ranks
+        critic = self.train_critic(critic_batch)  # PPO: beside the actor, on its own ranks
         stats = self.training_result(training, critic, t, times)
         self.publish_policy(times)
         samples = [s for g in groups for s in g]
@@ -282,21 +282,24 @@ class AgenticPipeline(TrainingPipeline):
                                   f"{record['turns_mean']:.1f} turns")
 
     # ------------------------------------------------------------------ batch
-    def _training_batch(self, groups: list[list[Sample]], times: dict[str, float]) -> Batch:
-        """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs."""
+    def _training_batch(self, groups: list[list[Sample]], times: dict[str, float]) -> tuple[Batch, Batch | None]:
+        """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs; and the
+        critic's batch (PPO; else None)."""
         from rollhpc.algo import advantages as adv_mod
         from rollhpc.algo import agentic as agentic_adv
         from rollhpc.rollout import rows as rows_mod
 
         o = self.options
         episodes = [[episode_of(s) for s in g] for g in groups]
+        critic = None
         if o.advantage == "episode":
             rows = [rows_mod.trajectory_row(e) for g in episodes for e in g]
             data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
                 advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
             elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
-                advantage = self.ppo_advantages(data["tokens"], data["loss_mask"], data["token_rewards"], times)
+                advantage, critic = self.ppo_advantages(data["tokens"], data["loss_mask"], data["token_rewards"],
+                                                        times)
             else:
                 returns = np.array([[e.episode_return for e in g] for g in episodes], dtype=np.float64)
                 advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
@@ -324,9 +327,9 @@ class AgenticPipeline(TrainingPipeline):
         if self.options.skip_on_policy_logprobs and self.trains_once_per_batch():
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return Batch({"tokens": tokens, "loss_mask": mask, "gen_logprob": data["old_logprob"],
-                          "advantage": advantage})
+                          "advantage": advantage}), critic
         old = self.old_logprobs_from_trainer(tokens, mask, data["old_logprob"], times)
-        return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage})
+        return Batch({"tokens": tokens, "loss_mask": mask, "old_logprob": old, "advantage": advantage}), critic
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

@@ -184,8 +184,8 @@ class RlvrPipeline(TrainingPipeline):
                                  "step would get a sample; set rollout.dynamic_sampling=false or rollout.group_size "
                                  ">= 2")
 
-    def __init__(self, groups: dict[str, WorkerGroup], run: RunContext, options: Options):
-        super().__init__(groups, run, options)
+    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: Options):
+        super().__init__(workers, run, options)
         self.checkpointer: RunCheckpointer | None = None  # made by setup
 
     @classmethod
@@ -284,7 +284,7 @@ class RlvrPipeline(TrainingPipeline):
         if self.checkpointer is not None:
             return
         self._load_data()
-        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.groups, self.options.checkpoint)
+        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.workers, self.options.checkpoint)
         self.checkpointer.find()
 
     def _load_data(self) -> None:
@@ -324,8 +324,8 @@ class RlvrPipeline(TrainingPipeline):
         checkpoints and stop requests live there)."""
         o = self.options
         self.setup()
-        gen = self.groups["generate"]
-        ports = {role: [RankPort(self.groups[role].at(i), "score") for i in range(len(self.groups[role]))]
+        gen = self.workers["generate"]
+        ports = {role: [RankPort(self.workers[role].at(i), "score") for i in range(len(self.workers[role]))]
                  for role in self._reward_roles()}
         self.scheduler = RolloutScheduler([RankPort(gen.at(i), "rollout") for i in range(len(gen))],
                                           domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
@@ -352,7 +352,7 @@ class RlvrPipeline(TrainingPipeline):
     def step(self, step: int, last: bool) -> StepReport:
         """Rollout (or the batch generated ahead in async mode), log-probs, advantages, train, weight sync."""
         o = self.options
-        train, ref = self.groups["train"], self.groups.get("reference")
+        train, ref = self.workers["train"], self.workers.get("reference")
         asynchronous = o.rollout.max_staleness >= 1
         if self.policy.pending is not None:  # async: generated during the previous step's training
             (groups, rstats), self.policy.pending = self.policy.pending, None
@@ -364,11 +364,12 @@ class RlvrPipeline(TrainingPipeline):
             log.warning("step %d: no group with differing rewards in %d started; no update this step",
                         step, rstats.groups_started)
             return self.skipped_step(rstats)
-        batch, samples, kl_ref = self._training_batch(groups, ref, times)
+        samples = [s for g in groups for s in g]
+        batch, critic_batch, kl_ref = self._training_batch(groups, ref, times)
         self.stage("train")
         t = time.perf_counter()
         training = train.train_step.submit(batch, self._loss_config())
-        critic_pending = self.train_critic() if o.algorithm == "ppo" else None
+        critic_pending = self.train_critic(critic_batch)
         if asynchronous and not last:  # generate the next batch with the current policy meanwhile
             self.policy.pending = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version + 1,
                                                          held=self._held_while_training(training, critic_pending))
@@ -404,10 +405,10 @@ class RlvrPipeline(TrainingPipeline):
 
         out: dict[str, float] = {}
         for role in self._reward_roles():
-            group = self.groups[role]
-            if "metrics" not in remote_methods(group.worker_cls):
+            workers = self.workers[role]
+            if "metrics" not in remote_methods(workers.worker_cls):
                 continue
-            replies = group.metrics()
+            replies = workers.metrics()
             for reply in replies if isinstance(replies, list) else [replies]:
                 for k, v in (reply or {}).items():
                     out[f"{role}/{k}"] = out.get(f"{role}/{k}", 0) + v
@@ -422,30 +423,31 @@ class RlvrPipeline(TrainingPipeline):
         each domain's examples are scored by its reward roles (``accuracy`` names the component read, else the
         combined reward), ``DOMAIN/accuracy`` is each domain's, and ``accuracy`` their share-weighted mean."""
         self.stage("generate")
-        accuracy = self._accuracy()
-        return {"accuracy": accuracy, **self.domain_accuracy}
+        accuracy, per_domain = self._accuracy()
+        return {"accuracy": accuracy, **per_domain}
 
-    def _accuracy(self) -> float:
+    def _accuracy(self) -> tuple[float, dict[str, float]]:
+        """The held-out accuracy, and each domain's as ``DOMAIN/accuracy`` (empty without domains)."""
         from rollhpc.rewards.components import combine
         from rollhpc.rollout.scoring import components_of, item_components
 
         o = self.options
         prompts = [self.render(ex) for ex in self.heldout]
-        outs = self.groups["generate"].generate(prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0)
-        self.domain_accuracy: dict[str, float] = {}
+        outs = self.workers["generate"].generate(prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0)
         if not o.domains:
-            scores = self.groups["reward"].score([(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)])
-            return float(np.mean([combine(components_of("reward", v), {}) for v in scores]))
+            scores = self.workers["reward"].score([(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)])
+            return float(np.mean([combine(components_of("reward", v), {}) for v in scores])), {}
+        per_domain: dict[str, float] = {}
         for name, d in o.domains.items():
             idx = [i for i, ex in enumerate(self.heldout) if ex.domain == name]
             items = [(self.heldout[i].inner, outs[i][0].token_ids) for i in idx]
-            replies = {role: self.groups[role].score(items) for role in d.rewards}
+            replies = {role: self.workers[role].score(items) for role in d.rewards}
             values = []
             for j in range(len(items)):
                 comps = item_components(replies, j)
                 values.append(comps[d.accuracy] if d.accuracy else combine(comps, d.weights))
-            self.domain_accuracy[f"{name}/accuracy"] = float(np.mean(values)) if values else float("nan")
-        return float(sum(d.share * self.domain_accuracy[f"{n}/accuracy"] for n, d in o.domains.items()))
+            per_domain[f"{name}/accuracy"] = float(np.mean(values)) if values else float("nan")
+        return float(sum(d.share * per_domain[f"{n}/accuracy"] for n, d in o.domains.items())), per_domain
 
     # ------------------------------------------------------------------ batch
     def _on_policy(self) -> bool:
@@ -457,9 +459,9 @@ class RlvrPipeline(TrainingPipeline):
                 and self.trains_once_per_batch() and o.loss.kl_coef == 0 and o.kl_in_reward == 0)
 
     def _training_batch(self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
-                        ) -> tuple[Batch, list[Sample], float | None]:
-        """The batch to train on, its samples in row order, and the policy's KL from the reference per token
-        (None without a reference forward)."""
+                        ) -> tuple[Batch, Batch | None, float | None]:
+        """The batch to train on (rows: the groups' samples in order), the critic's (PPO; else None), and the
+        policy's KL from the reference per token (None without a reference forward)."""
         from rollhpc.algo import advantages as adv_mod
 
         o = self.options
@@ -498,13 +500,14 @@ class RlvrPipeline(TrainingPipeline):
         if o.algorithm == "ppo":
             token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
                                                         kl_in_reward)
-            advantage = self.ppo_advantages(tokens, mask, token_rewards, times)
+            advantage, critic = self.ppo_advantages(tokens, mask, token_rewards, times)
         else:
             advantage = adv_mod.outcome_advantages(o.algorithm, rewards, mask, kl, kl_in_reward, o.grpo_scale)
+            critic = None
         data["advantage"] = advantage.astype(np.float32)
         if "ref_logprob" in data and o.loss.kl_coef == 0:
             del data["ref_logprob"]  # used in the reward only
-        return Batch(data), samples, kl_ref
+        return Batch(data), critic, kl_ref
 
     def _loss_config(self) -> LossConfig:
         """The loss settings of this step: the configured ones with the KL controller's coefficient."""

@@ -20,10 +20,10 @@ class SelfCheck(Pipeline):
         payload_mib: int = 16
 
     def run(self) -> None:
-        for role, group in self.groups.items():
-            for p in group.ping():
+        for role, workers in self.workers.items():
+            for p in workers.ping():
                 log.info("%s rank %d (group rank %d) on %s pid %d", role, p["rank"], p["group_rank"], p["host"], p["pid"])
-        probe = next(iter(self.groups.values()))
+        probe = next(iter(self.workers.values()))
         if not hasattr(probe.worker_cls, "checksum"):
             return
         rows = Batch({"x": np.arange(10 * len(probe))})

@@ -42,12 +42,12 @@ class ToyGrpoPipeline(Pipeline):
 
     def evaluate(self) -> float:
         prompts = modsum.all_prompts(self.options.modulus)
-        answers = np.asarray(self.groups["generate"].greedy(prompts.tolist()))
+        answers = np.asarray(self.workers["generate"].greedy(prompts.tolist()))
         return float(modsum.reward(prompts, answers, self.options.modulus).mean())
 
     def run(self) -> None:
         o = self.options
-        train, gen, reward = self.groups["train"], self.groups["generate"], self.groups["reward"]
+        train, gen, reward = self.workers["train"], self.workers["generate"], self.workers["reward"]
         rng = np.random.default_rng(self.run_ctx.seed)
         run_log = RunLog(self.run_ctx.run_dir)
         gen.set_weights(train.weights(), 0)

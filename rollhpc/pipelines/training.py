@@ -156,12 +156,12 @@ class TrainingPipeline(Pipeline):
             routing = route_weights(WorldPlan.load(plan_path), mode)  # checked at load too (plan_world)
         if mode == "auto":
             mode = routing.mode if routing is not None and routing.routes else "broadcast"
-        self.weight_sync = WeightSync(self.groups["train"], self.groups["generate"], mode, o.weight_sync_bucket_mb,
+        self.weight_sync = WeightSync(self.workers["train"], self.workers["generate"], mode, o.weight_sync_bucket_mb,
                                       routing=routing, verify_every=o.weight_sync_verify_every)
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocation_of
 
-            self.residency = Residency(self.groups, self.memory_stages, colocation_of(self.run_ctx.config.roles))
+            self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles))
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
@@ -201,24 +201,27 @@ class TrainingPipeline(Pipeline):
         return self.residency.step_metrics() if self.residency is not None else {}
 
     def ppo_advantages(self, tokens: np.ndarray, mask: np.ndarray, token_rewards: np.ndarray,
-                       times: dict[str, float]) -> np.ndarray:
-        """PPO's token advantages (whitened): the critic's values, GAE with the options' gamma and lam. Keeps
-        the critic's batch (its returns and the values it had) for ``train_critic``."""
+                       times: dict[str, float]) -> tuple[np.ndarray, Batch]:
+        """PPO's token advantages (whitened): the critic's values, GAE with the options' gamma and lam; and the
+        critic's batch (its returns and the values it had) for ``train_critic``."""
         from rollhpc.algo import advantages as adv_mod
 
         self.stage("values")
         t = time.perf_counter()
-        values = self.groups["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
+        values = self.workers["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
         times["critic_values_s"] = time.perf_counter() - t
         o = self.options
         advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
-        self._critic_batch = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
-                                    "old_values": values.astype(np.float32)})
-        return adv_mod.whiten(advantage, mask)
+        critic = Batch({"tokens": tokens, "loss_mask": mask, "returns": returns.astype(np.float32),
+                        "old_values": values.astype(np.float32)})
+        return adv_mod.whiten(advantage, mask), critic
 
-    def train_critic(self) -> Any:
-        """The critic's train step on the batch ``ppo_advantages`` kept, submitted (it runs beside the actor's)."""
-        return self.groups["critic"].train_step.submit(self._critic_batch, self.options.value_clip)
+    def train_critic(self, batch: Batch | None) -> Any:
+        """The critic's train step on ``batch`` (from ``ppo_advantages``), submitted: it runs beside the actor's.
+        None without a critic batch (no PPO this step)."""
+        if batch is None:
+            return None
+        return self.workers["critic"].train_step.submit(batch, self.options.value_clip)
 
     @staticmethod
     def with_critic_stats(stats: list[dict[str, float]], critic: Any) -> list[dict[str, float]]:
@@ -242,7 +245,7 @@ class TrainingPipeline(Pipeline):
         numerics)."""
         self.stage("old_logprob")
         t = time.perf_counter()
-        old = self.groups["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+        old = self.workers["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
         times["old_logprob_s"] = time.perf_counter() - t
         times["logprob_abs_diff"] = float((np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1))
         return old
@@ -270,4 +273,4 @@ class TrainingPipeline(Pipeline):
         self.sync_weights()  # the generators start from exactly the trainer's weights
 
     def weights_digest(self) -> str:
-        return self.groups["train"].weights_digest()
+        return self.workers["train"].weights_digest()

@@ -28,8 +28,8 @@ class Pipeline:
     # controller.colocation); None: everything at once, so offload changes nothing
     memory_stages: ClassVar[dict[str, dict[str, tuple[str, ...]]] | None] = None
 
-    def __init__(self, groups: dict[str, Any], run: RunContext, options: Any):
-        self.groups = groups  # role -> its WorkerGroup (rollhpc.controller.worker_group)
+    def __init__(self, workers: dict[str, Any], run: RunContext, options: Any):
+        self.workers = workers  # role -> its WorkerGroup (rollhpc.controller.worker_group)
         self.run_ctx = run
         self.options = options
 
