@@ -246,7 +246,7 @@ def main() -> int:
     if unknown := set(types) - set(TYPES):
         p.error(f"unknown round type(s) {sorted(unknown)}; known: {', '.join(TYPES)}")
 
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     rng = random.Random(args.seed)
@@ -254,7 +254,7 @@ def main() -> int:
     plan = [t for _ in range(-(-args.rounds // len(types))) for t in rng.sample(types, len(types))][:args.rounds]
     root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-chaos-"))
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(root / "tiny", TinyModelSpec(), build_tokenizer(list(arithmetic.corpus(train)), 300))
+    model = create_tiny_model(root / "tiny", TinyModelConfig(), build_tokenizer(list(arithmetic.corpus(train)), 300))
     references = {}
     for name, extra in (("one-trainer", []), ("two-trainers", TWO_TRAINERS)):
         if name == "one-trainer" or "grad-sync" in plan:

@@ -305,12 +305,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
     args = p.parse_args()
 
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-recovery-"))
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(root / "tiny", TinyModelSpec(), build_tokenizer(list(arithmetic.corpus(train)), 300))
+    model = create_tiny_model(root / "tiny", TinyModelConfig(), build_tokenizer(list(arithmetic.corpus(train)), 300))
     scenarios = args.scenarios.split(",")
     cluster = Cluster(args.slurm_dir) if any(s.startswith("slurm") for s in scenarios) else None
     rows: dict[str, list[dict]] = {}
@@ -352,7 +352,7 @@ def main() -> int:
                          "recovery_s_max": max(done) if done else None, "runs": rs}
     result = {"benchmark": "recovery", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "run": {"steps": STEPS, "checkpoint_every": 2, "model": "tiny random Qwen2 (TinyModelSpec())",
+              "run": {"steps": STEPS, "checkpoint_every": 2, "model": "tiny random Qwen2 (TinyModelConfig())",
                       "roles": "controller, megatron train, vllm generate, math reward (4 MPI ranks)"},
               "slurmd_timeout_s": 5, "scenarios": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)

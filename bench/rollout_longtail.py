@@ -143,11 +143,11 @@ def main() -> None:
 
     model_dir = args.model_dir
     if model_dir is None:
-        from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+        from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
         from rollhpc.tasks import arithmetic
 
         train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-        model_dir = create_tiny_model(Path(tempfile.mkdtemp()) / "tiny", TinyModelSpec(max_position_embeddings=512),
+        model_dir = create_tiny_model(Path(tempfile.mkdtemp()) / "tiny", TinyModelConfig(max_position_embeddings=512),
                                       build_tokenizer(list(arithmetic.corpus(train)), 300))
     engine = VllmGenerator(model_dir, max_model_len=max(args.long) + 16, cpu_kv_cache_bytes=256 << 20,
                            dtype="float32", max_num_seqs=args.capacity)

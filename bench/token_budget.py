@@ -90,12 +90,12 @@ class TrainStepBench(Pipeline):
 
 
 def _model(root: Path, hidden: int, layers: int) -> Path:
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))
     tok = build_tokenizer(list(arithmetic.corpus(train)), 300)
-    spec = TinyModelSpec(hidden_size=hidden, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64,
+    spec = TinyModelConfig(hidden_size=hidden, num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64,
                          intermediate_size=hidden * 11 // 4, num_hidden_layers=layers, max_position_embeddings=2048)
     return create_tiny_model(root / "model", spec, tok)
 

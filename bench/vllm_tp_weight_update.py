@@ -60,13 +60,13 @@ def write_checkpoint(size: str, where: Path) -> list:
 
 
 def _quickstart_config() -> str:
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_tokenizer(list(arithmetic.corpus(train)), 300)
-        path = create_tiny_model(Path(tmp) / "tiny", TinyModelSpec(), tokenizer)
+        path = create_tiny_model(Path(tmp) / "tiny", TinyModelConfig(), tokenizer)
         return (path / "config.json").read_text()
 
 

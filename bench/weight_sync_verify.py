@@ -39,13 +39,13 @@ QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num
 
 def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
     """Named tensors in Hugging Face names, as the trainer exports them."""
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     if size == "quickstart":
         train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
         with tempfile.TemporaryDirectory() as tmp:
-            path = create_tiny_model(Path(tmp) / "tiny", TinyModelSpec(),
+            path = create_tiny_model(Path(tmp) / "tiny", TinyModelConfig(),
                                      build_tokenizer(list(arithmetic.corpus(train)), 300))
             from safetensors.torch import load_file
 

@@ -71,11 +71,11 @@ def signal_dispositions_restored():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A tiny random Qwen2 (HF directory) with a tokenizer for 2-digit additions: the pipelines' test policy."""
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelSpec(),
+    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(),
                              build_tokenizer(list(arithmetic.corpus(train)), 300))
 
 

@@ -34,14 +34,14 @@ def yes_judge(base: Path, policy_dir: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollhpc.warm_start.sft import SftOptions, train_sft
+    from rollhpc.warm_start.sft import SftConfig, train_sft
 
     tmp = base / "yes_judge.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(policy_dir, tmp)
     model = AutoModelForCausalLM.from_pretrained(tmp)
     tok = AutoTokenizer.from_pretrained(tmp)
-    options = SftOptions(steps=100, batch_size=16, lr=5e-3, warmup=2, max_len=96, target_accuracy=1.0, check_every=3)
+    options = SftConfig(steps=100, batch_size=16, lr=5e-3, warmup=2, max_len=96, target_accuracy=1.0, check_every=3)
     result = train_sft(model, tok, training_pairs(320, 1), options, monitor_pairs=training_pairs(32, 2),
                        progress=False)
     assert result.reached_target, result

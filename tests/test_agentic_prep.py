@@ -27,17 +27,17 @@ from rollhpc.rollout.turns import PlainTextTurns
 from rollhpc.warm_start.agentic_prep import (ACTION_PREFIX, agentic_settings, clean_success, episode_examples,
                                              episode_texts, expert_episode, play_episodes, prepare_agentic_policy)
 from rollhpc.warm_start.policy_prep import read_report, settings_hash
-from rollhpc.warm_start.sft import SftOptions, train_sft_ids
-from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer
+from rollhpc.warm_start.sft import SftConfig, train_sft_ids
+from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer
 import rollhpc.warm_start.agentic_prep as prep
 
 ENV, ENV_OPTIONS = "frozenlake", {"size": 4, "is_slippery": False}
-SPEC = TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+SPEC = TinyModelConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
                      max_position_embeddings=256)
-SFT = SftOptions(steps=30, batch_size=16, lr=3e-3, warmup=5, eval_examples=6, max_new_tokens=4, target_accuracy=None)
+SFT = SftConfig(steps=30, batch_size=16, lr=3e-3, warmup=5, eval_examples=6, max_new_tokens=4, target_accuracy=None)
 
 
-def prepare(out_dir: Path, sft: SftOptions = SFT, **kw) -> Path:
+def prepare(out_dir: Path, sft: SftConfig = SFT, **kw) -> Path:
     args = dict(env=ENV, env_options=ENV_OPTIONS, spec=SPEC, sft=sft, seed=1, vocab_size=300, episodes=40,
                 train_seeds=1000, progress=False)
     return prepare_agentic_policy(out_dir, **{**args, **kw})

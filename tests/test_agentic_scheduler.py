@@ -140,13 +140,13 @@ def test_faulty_episodes_end_alone_and_a_stuck_request_is_abandoned(tokenizer_di
                 return self
 
             def __next__(self):
-                from rollhpc.rollout.scheduler import EpisodeSpec
+                from rollhpc.rollout.scheduler import EpisodeSeed
                 from rollhpc.rollout.types import Prompt
 
                 if self.uid >= len(self.seeds):
                     raise StopIteration
                 self.uid += 1
-                return Prompt(self.uid - 1, (), EpisodeSpec(self.seeds[self.uid - 1]))
+                return Prompt(self.uid - 1, (), EpisodeSeed(self.seeds[self.uid - 1]))
 
         gen = ScriptedGenerator(go, hang="4.0.")  # group 4's first episode never gets an answer
         sched = RolloutScheduler([gen], None, SchedulerConfig(group_size=2, max_tokens=4, dynamic_sampling=False,

@@ -46,11 +46,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
     root = tmp_path_factory.mktemp("convert")
     tok = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(25) for b in range(25)], 300)
-    specs = {"dense": TinyModelSpec(), "moe": TinyModelSpec(moe=True, tie_word_embeddings=False)}
+    specs = {"dense": TinyModelConfig(), "moe": TinyModelConfig(moe=True, tie_word_embeddings=False)}
     return {name: create_tiny_model(root / name, spec, tok, seed=1) for name, spec in specs.items()}
 
 

@@ -128,13 +128,13 @@ QWEN2_STYLE = ("{% for message in messages %}{{ '<|im_start|>' + message['role']
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """A tiny Qwen2 whose tokenizer has a Qwen2-style chat template and its two special tokens."""
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
     rows = [json.loads(x) for x in (REPO / "examples" / "word_problems" / "train.jsonl").read_text().splitlines()]
     tok = build_tokenizer([f"{r['question']} {r['answer']}" for r in rows[:500]] + ["system user assistant"], 400)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = QWEN2_STYLE
-    return create_tiny_model(tmp_path_factory.mktemp("chat") / "tiny-chat", TinyModelSpec(), tok)
+    return create_tiny_model(tmp_path_factory.mktemp("chat") / "tiny-chat", TinyModelConfig(), tok)
 
 
 def test_prompts_render_with_the_models_chat_template(chat_model):

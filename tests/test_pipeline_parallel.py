@@ -29,14 +29,14 @@ RESHARDABLE = {"optimizer_checkpoint": "reshardable"}  # the optimizer state per
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """A dense Qwen2 of 4 layers with tied embeddings, and a Qwen2-MoE of 2 layers with an untied head."""
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))
     tok = build_tokenizer(list(arithmetic.corpus(train)), 300)
     root = tmp_path_factory.mktemp("pp_models")
-    return {"dense": create_tiny_model(root / "dense", TinyModelSpec(num_hidden_layers=4), tok),
-            "moe": create_tiny_model(root / "moe", TinyModelSpec(moe=True, tie_word_embeddings=False), tok)}
+    return {"dense": create_tiny_model(root / "dense", TinyModelConfig(num_hidden_layers=4), tok),
+            "moe": create_tiny_model(root / "moe", TinyModelConfig(moe=True, tie_word_embeddings=False), tok)}
 
 
 def _run(experiment, tmp_path: Path, name: str, model: Path, procs: int, parallel: dict,

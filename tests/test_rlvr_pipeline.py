@@ -126,11 +126,11 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught
     vLLM's CPU MoE kernel keeping unpacked experts after a reload (rollhpc.engines.vllm_cpu_moe_repack):
     mean |diff| 0.05 without the repack."""
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(tmp_path / "tiny_moe", TinyModelSpec(moe=True, tie_word_embeddings=False),
+    model = create_tiny_model(tmp_path / "tiny_moe", TinyModelConfig(moe=True, tie_word_embeddings=False),
                               build_tokenizer(list(arithmetic.corpus(train)), 300))
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",

@@ -16,11 +16,11 @@ PROBE = Path(__file__).with_name("rollout_probe.py")
 
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict:
-    from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelSpec(),
+    model = create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(),
                               build_tokenizer(list(arithmetic.corpus(train)), 300))
     res = subprocess.run([sys.executable, str(PROBE), str(model)], capture_output=True, text=True, timeout=300)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]

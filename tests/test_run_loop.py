@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollhpc.checkpoint.run_checkpoint import CheckpointOptions, RunCheckpointer
-from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, StepReport
+from rollhpc.checkpoint.run_checkpoint import CheckpointConfig, RunCheckpointer
+from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, StepReport
 
 
 class Clock:
@@ -52,8 +52,8 @@ class TimedSteps:
 @pytest.mark.parametrize("limit, steps_taken", [({"max_wall_s": 15.0}, 3), ({"max_train_s": 3.5}, 4)])
 def test_time_limits(tmp_path: Path, limit: dict, steps_taken: int) -> None:
     clock = Clock()
-    checkpointer = RunCheckpointer(tmp_path, {}, CheckpointOptions(at_end=False))
-    loop = RunLoop(tmp_path, checkpointer, LoopSettings(steps=100, eval_every=1, rollout_every=0, **limit), clock)
+    checkpointer = RunCheckpointer(tmp_path, {}, CheckpointConfig(at_end=False))
+    loop = RunLoop(tmp_path, checkpointer, LoopConfig(steps=100, eval_every=1, rollout_every=0, **limit), clock)
     assert loop.run(TimedSteps(clock)) is Outcome.WALL_LIMIT
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps_taken + 1))  # step 0 is the first evaluation
@@ -70,8 +70,8 @@ def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path,
             super().step(step, last)
             return StepReport({"reward_mean": 0.0}, summary="reward 0.00")
 
-    loop = RunLoop(tmp_path, RunCheckpointer(tmp_path, {}, CheckpointOptions(at_end=False)),
-                   LoopSettings(steps=4, eval_every=2, rollout_every=0), clock)
+    loop = RunLoop(tmp_path, RunCheckpointer(tmp_path, {}, CheckpointConfig(at_end=False)),
+                   LoopConfig(steps=4, eval_every=2, rollout_every=0), clock)
     with caplog.at_level("INFO", logger="rollhpc"):
         assert loop.run(Summarised(clock)) is Outcome.FINISHED
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and "/4" in r.getMessage()]

@@ -21,17 +21,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollhpc.warm_start.policy_prep import (REPORT, evaluate_greedy, policy_splits, prepare_policy, read_report,
                                         resolve_task_options, task_splits)
-from rollhpc.warm_start.sft import SftOptions, lr_factor, train_sft
+from rollhpc.warm_start.sft import SftConfig, lr_factor, train_sft
 import rollhpc.warm_start.sft as sft_mod
 from tests.conftest import rollhpc
 
 # One-digit sums (100 problems): the smallest setting that still exercises every stage.
 TASK = {"digits": 1}
-SFT = SftOptions(steps=30, batch_size=16, lr=3e-3, warmup=5, train_examples=64, eval_examples=16, max_new_tokens=4,
+SFT = SftConfig(steps=30, batch_size=16, lr=3e-3, warmup=5, train_examples=64, eval_examples=16, max_new_tokens=4,
                  target_accuracy=None)
 
 
-def prepare(out_dir: Path, sft: SftOptions = SFT, **kw) -> Path:
+def prepare(out_dir: Path, sft: SftConfig = SFT, **kw) -> Path:
     return prepare_policy(out_dir, task="arithmetic", task_options=TASK, sft=sft, seed=3, vocab_size=300,
                           progress=False, **kw)
 
@@ -109,7 +109,7 @@ def test_training_stops_at_the_target_accuracy(policy, monkeypatch):
     accuracies = iter([0.05, 0.1, 0.25, 0.9])
     monkeypatch.setattr(sft_mod, "exact_match", lambda *a, **k: next(accuracies))
     pairs = [(f"{a} + 1 =", f" {a + 1}") for a in range(20)]
-    options = SftOptions(steps=100, batch_size=4, check_every=2, target_accuracy=0.2, warmup=2)
+    options = SftConfig(steps=100, batch_size=4, check_every=2, target_accuracy=0.2, warmup=2)
     result = train_sft(model, tokenizer, pairs, options, monitor_pairs=pairs[:4], progress=False)
     assert (result.steps, result.reached_target, result.accuracy_curve) == (6, True, [(2, 0.05), (4, 0.1), (6, 0.25)])
     with pytest.raises(ValueError, match="target_accuracy needs monitor_pairs"):
@@ -117,10 +117,10 @@ def test_training_stops_at_the_target_accuracy(policy, monkeypatch):
 
 
 def test_learning_rate_warms_up_then_decays_to_the_floor():
-    o = SftOptions(steps=100, warmup=10, min_lr_ratio=0.1)
+    o = SftConfig(steps=100, warmup=10, min_lr_ratio=0.1)
     assert lr_factor(0, o) == pytest.approx(0.1) and lr_factor(9, o) == 1.0
     assert lr_factor(50, o) < lr_factor(20, o) and lr_factor(99, o) == pytest.approx(0.1)
-    assert lr_factor(0, SftOptions(steps=4, warmup=30)) == 0.25  # warmup never outlasts the run
+    assert lr_factor(0, SftConfig(steps=4, warmup=30)) == 0.25  # warmup never outlasts the run
 
 
 def test_bad_options_are_refused_with_the_allowed_names():
@@ -128,10 +128,10 @@ def test_bad_options_are_refused_with_the_allowed_names():
         resolve_task_options("arithmetic", {"digit": 3})
     with pytest.raises(ValueError, match="unknown task 'algebra'"):
         resolve_task_options("algebra")
-    with pytest.raises(ValueError, match="SftOptions.steps must be a positive int"):
-        SftOptions(steps=0)
+    with pytest.raises(ValueError, match="SftConfig.steps must be a positive int"):
+        SftConfig(steps=0)
     with pytest.raises(ValueError, match="target_accuracy must be in"):
-        SftOptions(target_accuracy=1.5)
+        SftConfig(target_accuracy=1.5)
 
 
 def test_cli_help_and_errors(tmp_path):

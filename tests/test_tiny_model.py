@@ -16,7 +16,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollhpc.tasks import arithmetic, countdown
-from rollhpc.warm_start.tiny import (EOS_TOKEN, QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB, TinyModelSpec, build_tokenizer,
+from rollhpc.warm_start.tiny import (EOS_TOKEN, QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB, TinyModelConfig, build_tokenizer,
                                   create_tiny_model)
 
 SAMPLES = ["123 + 456 = 579", "9071 - 88 = 8983\n", "Numbers: 3 7 25 50\nTarget: 46\nAnswer: (50 - 25) + 3 * 7",
@@ -32,7 +32,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def dense_dir(tokenizer, tmp_path_factory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("m") / "dense", TinyModelSpec(), tokenizer, seed=0)
+    return create_tiny_model(tmp_path_factory.mktemp("m") / "dense", TinyModelConfig(), tokenizer, seed=0)
 
 
 def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_spec_defaults_fit_vllm():
-    spec = TinyModelSpec()
+    spec = TinyModelConfig()
     assert (spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim) == (128, 4, 2, 32)
     assert spec.tie_word_embeddings and not spec.moe
 
@@ -50,15 +50,15 @@ def test_spec_defaults_fit_vllm():
     (dict(hidden_size=64), "head_dim = hidden_size / num_attention_heads = 16 but vLLM needs >= 32"),
     (dict(hidden_size=130), "hidden_size 130 is not divisible by num_attention_heads 4"),
     (dict(num_key_value_heads=3), "num_attention_heads 4 is not divisible by num_key_value_heads 3"),
-    (dict(num_hidden_layers=0), "TinyModelSpec.num_hidden_layers must be a positive int, got 0"),
-    (dict(intermediate_size=2.5), "TinyModelSpec.intermediate_size must be a positive int"),
+    (dict(num_hidden_layers=0), "TinyModelConfig.num_hidden_layers must be a positive int, got 0"),
+    (dict(intermediate_size=2.5), "TinyModelConfig.intermediate_size must be a positive int"),
     (dict(moe=True, num_experts_per_tok=5), "num_experts_per_tok 5 exceeds num_experts 4"),
-    (dict(moe=True, num_experts=0), "TinyModelSpec.num_experts must be a positive int"),
+    (dict(moe=True, num_experts=0), "TinyModelConfig.num_experts must be a positive int"),
     (dict(rope_theta=0.0), "rope_theta"),
 ])
 def test_bad_spec_is_refused_with_a_clear_message(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        TinyModelSpec(**kwargs)
+        TinyModelConfig(**kwargs)
 
 
 def test_tokenizer_isolates_digits_and_round_trips(tokenizer):
@@ -104,7 +104,7 @@ def test_padded_vocabulary_has_the_size_asked_and_tokenizes_as_trained(tokenizer
     assert padded.decode([len(tokenizer), 4095]) == "<|reserved_0|><|reserved_{}|>".format(4095 - len(tokenizer))
     with pytest.raises(ValueError, match="pad_to=200 is below"):
         build_tokenizer(texts, vocab_size=300, pad_to=200)
-    spec = TinyModelSpec(num_hidden_layers=1, rope_theta=QWEN2_5_0_5B.rope_theta)
+    spec = TinyModelConfig(num_hidden_layers=1, rope_theta=QWEN2_5_0_5B.rope_theta)
     model_dir = create_tiny_model(tmp_path / "m", spec, padded, dtype="bfloat16")
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["vocab_size"], config["dtype"]) == (4096, "bfloat16")
@@ -150,7 +150,7 @@ def test_dense_model_loads_offline_and_generates(tokenizer, dense_dir):
 
 
 def test_moe_model_builds_and_loads(tokenizer, tmp_path):
-    model_dir = create_tiny_model(tmp_path / "moe", TinyModelSpec(moe=True), tokenizer)
+    model_dir = create_tiny_model(tmp_path / "moe", TinyModelConfig(moe=True), tokenizer)
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen2MoeForCausalLM"]
     names = _tensors(model_dir)
     # per-expert tensors, the layout vLLM's Qwen2-MoE loader reads
@@ -166,22 +166,22 @@ def test_creation_is_seeded_atomic_and_leaves_the_callers_rng_alone(tokenizer, d
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    again = create_tiny_model(tmp_path / "again", TinyModelSpec(), tokenizer, seed=0)
+    again = create_tiny_model(tmp_path / "again", TinyModelConfig(), tokenizer, seed=0)
     assert torch.equal(torch.rand(3), expected)
     a, b = _tensors(dense_dir), _tensors(again)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    other = _tensors(create_tiny_model(tmp_path / "other", TinyModelSpec(), tokenizer, seed=1))
+    other = _tensors(create_tiny_model(tmp_path / "other", TinyModelConfig(), tokenizer, seed=1))
     assert not torch.equal(a["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
 
     with pytest.raises(FileExistsError, match="already exists"):
-        create_tiny_model(again, TinyModelSpec(), tokenizer)
+        create_tiny_model(again, TinyModelConfig(), tokenizer)
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(type(tokenizer), "save_pretrained", crash)
     with pytest.raises(OSError, match="disk full"):
-        create_tiny_model(tmp_path / "crashed", TinyModelSpec(), tokenizer)
+        create_tiny_model(tmp_path / "crashed", TinyModelConfig(), tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "other"]
 
 

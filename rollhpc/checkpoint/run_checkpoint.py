@@ -40,7 +40,7 @@ SUMMARY_FILE = "state.json"
 
 
 @dataclass(kw_only=True)
-class CheckpointOptions:
+class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only at the end and when asked to stop)
     keep_last: int = 2  # committed checkpoints kept (older ones are deleted after a commit)
     resume: bool = True  # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
@@ -55,7 +55,7 @@ class CheckpointOptions:
 class RunCheckpointer:
     """Saves and restores a run: the stateful worker groups' parts and the controller's state."""
 
-    def __init__(self, run_dir: Path, workers: dict[str, Any], options: CheckpointOptions):
+    def __init__(self, run_dir: Path, workers: dict[str, Any], options: CheckpointConfig):
         self.options = options
         self.store = CheckpointStore(RunPaths(run_dir).checkpoints, keep_last=options.keep_last)
         self.workers = workers  # role -> its WorkerGroup

@@ -16,12 +16,12 @@ def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dic
     """KEY=VALUE (YAML values) -> (task options, spec.KEY fields, sft.KEY fields)."""
     from dataclasses import fields
 
-    from rollhpc.warm_start.sft import SftOptions
-    from rollhpc.warm_start.tiny import TinyModelSpec
+    from rollhpc.warm_start.sft import SftConfig
+    from rollhpc.warm_start.tiny import TinyModelConfig
 
     task: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {"spec": {}, "sft": {}}
-    allowed = {"spec": {f.name for f in fields(TinyModelSpec)}, "sft": {f.name for f in fields(SftOptions)}}
+    allowed = {"spec": {f.name for f in fields(TinyModelConfig)}, "sft": {f.name for f in fields(SftConfig)}}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key:
@@ -50,8 +50,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     import logging
 
     from rollhpc.warm_start.policy_prep import prepare_policy, read_report
-    from rollhpc.warm_start.sft import SftOptions
-    from rollhpc.warm_start.tiny import TinyModelSpec
+    from rollhpc.warm_start.sft import SftConfig
+    from rollhpc.warm_start.tiny import TinyModelConfig
 
     logging.basicConfig(level=logging.INFO, format="rollhpc: %(message)s")
     from rollhpc.tasks import task_module
@@ -70,7 +70,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     try:
         if args.target_accuracy is not None:
             sft_kw["target_accuracy"] = None if args.target_accuracy == "none" else args.target_accuracy
-        spec, sft = TinyModelSpec(**spec_kw), SftOptions(**sft_kw)
+        spec, sft = TinyModelConfig(**spec_kw), SftConfig(**sft_kw)
         out = prepare_policy(args.out_dir, task=args.task, task_options=task_opts, spec=spec, sft=sft, seed=args.seed,
                              vocab_size=args.vocab_size, progress=not args.quiet)
     except (ValueError, TypeError, FileExistsError) as e:
@@ -84,10 +84,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    from rollhpc.warm_start.sft import SftOptions
+    from rollhpc.warm_start.sft import SftConfig
     from rollhpc.tasks import available_tasks
 
-    sft = SftOptions()
+    sft = SftConfig()
     sf = sub.add_parser("sft", help="prepare the RL starting policy: a tiny Qwen2 model fine-tuned on a task",
                         description="Train a tokenizer on the task's train split, create a tiny Qwen2 model and "
                         "fine-tune it until its greedy accuracy on training examples reaches sft.target_accuracy "
@@ -97,8 +97,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "other settings it is an error.",
                         epilog="Settings are KEY=VALUE (YAML values): a plain KEY is a task option (arithmetic: "
                         "digits, ops, allow_negative; countdown: num_numbers, max_number, max_target), spec.KEY a "
-                        "model size (rollhpc.warm_start.tiny.TinyModelSpec), sft.KEY an SFT option "
-                        "(rollhpc.warm_start.sft.SftOptions). Example: `rollhpc sft policies/add3 digits=3 "
+                        "model size (rollhpc.warm_start.tiny.TinyModelConfig), sft.KEY an SFT option "
+                        "(rollhpc.warm_start.sft.SftConfig). Example: `rollhpc sft policies/add3 digits=3 "
                         "'ops=[+, -]' spec.num_hidden_layers=3 --steps 2000`.")
     sf.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="directory to write (or reuse)")
     sf.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="task options, spec.KEY, sft.KEY")

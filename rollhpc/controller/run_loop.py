@@ -28,7 +28,7 @@ from rollhpc.controller.stop import StopRequest
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
 
-__all__ = ["Outcome", "StepReport", "Stateful", "TrainingSteps", "LoopSettings", "RunLoop"]
+__all__ = ["Outcome", "StepReport", "Stateful", "TrainingSteps", "LoopConfig", "RunLoop"]
 
 log = logging.getLogger("rollhpc.run")
 
@@ -85,7 +85,7 @@ class TrainingSteps(Protocol):
 
 
 @dataclass(kw_only=True)
-class LoopSettings:
+class LoopConfig:
     steps: int
     eval_every: int = 10  # 0: only at the start and the end
     rollout_every: int = 1  # rollouts/step_N.h5 every this many steps (0: never)
@@ -110,7 +110,7 @@ def progress(done: int, left: int, elapsed: float, step_s: float) -> str:
 
 
 class RunLoop:
-    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopSettings,
+    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopConfig,
                  clock: Any = time.perf_counter):
         self.run_dir = Path(run_dir)
         self.checkpointer = checkpointer

@@ -46,7 +46,7 @@ from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
 from rollhpc.rollout.ports import ResetRequest, StepRequest
-from rollhpc.rollout.scheduler import EpisodeSpec, RolloutScheduler
+from rollhpc.rollout.scheduler import EpisodeSeed, RolloutScheduler
 from rollhpc.rollout.episode import episode_of
 from rollhpc.rollout.types import Prompt, Sample
 
@@ -78,8 +78,8 @@ class AgenticWarmStart:
 
     seed: int = 0
     vocab_size: int = 512
-    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
-    sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields (target_accuracy: episode success)
+    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
+    sft: dict[str, Any] = field(default_factory=dict)  # SftConfig fields (target_accuracy: episode success)
     episodes: int = 2000  # expert episodes to learn from (training seeds)
     # characters the tokenizer keeps one token each (a grid's cells: rows of a fixed token length), e.g. "_#.B*P+\n"
     unmerged: str = ""
@@ -100,7 +100,7 @@ class SeedStream:
     def __next__(self) -> Prompt:
         env_seed = self._rng.randrange(self.n_seeds)
         self.drawn += 1
-        return Prompt(self.drawn - 1, (), EpisodeSpec(env_seed))
+        return Prompt(self.drawn - 1, (), EpisodeSeed(env_seed))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self._rng.getstate(), "drawn": self.drawn, "n_seeds": self.n_seeds}
@@ -191,13 +191,13 @@ class AgenticPipeline(TrainingPipeline):
             return
         from rollhpc.config import from_dict
         from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
-        from rollhpc.warm_start.sft import SftOptions
-        from rollhpc.warm_start.tiny import TinyModelSpec
+        from rollhpc.warm_start.sft import SftConfig
+        from rollhpc.warm_start.tiny import TinyModelConfig
 
         env_name, env_options = _env_of(roles or {})
         prepare_agentic_policy(options.model_dir, env=env_name, env_options=env_options,
-                               spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
-                               sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"),
+                               spec=from_dict(TinyModelConfig, w.spec, "pipeline.options.warm_start.spec"),
+                               sft=from_dict(SftConfig, w.sft, "pipeline.options.warm_start.sft"),
                                seed=w.seed, vocab_size=w.vocab_size, episodes=w.episodes,
                                train_seeds=options.train_seeds, unmerged=w.unmerged)
 
@@ -346,7 +346,7 @@ class AgenticPipeline(TrainingPipeline):
                          max_turns=o.eval_max_turns)
         scheduler = RolloutScheduler(self._generator_ports(), None, config, seed=self.run_ctx.seed + EVAL_SEED_OFFSET,
                                      envs=self._env_ports(), temperature=0.0 if o.eval_greedy else None)
-        seeds = (Prompt(i, (), EpisodeSpec(HELDOUT_SEED_BASE + i)) for i in range(o.n_heldout))
+        seeds = (Prompt(i, (), EpisodeSeed(HELDOUT_SEED_BASE + i)) for i in range(o.n_heldout))
         groups, _ = scheduler.collect(seeds, o.n_heldout, self.policy.version)
         episodes = [episode_of(s) for g in groups for s in g]
         return {"accuracy": sum(e.success for e in episodes) / o.n_heldout,

@@ -84,8 +84,8 @@ class WarmStart:
 
     seed: int = 0  # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
     vocab_size: int = 512
-    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelSpec fields
-    sft: dict[str, Any] = field(default_factory=dict)  # SftOptions fields
+    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
+    sft: dict[str, Any] = field(default_factory=dict)  # SftConfig fields
 
 
 class PromptStream:
@@ -269,12 +269,12 @@ class RlvrPipeline(TrainingPipeline):
             return
         from rollhpc.config import from_dict
         from rollhpc.warm_start.policy_prep import prepare_policy
-        from rollhpc.warm_start.sft import SftOptions
-        from rollhpc.warm_start.tiny import TinyModelSpec
+        from rollhpc.warm_start.sft import SftConfig
+        from rollhpc.warm_start.tiny import TinyModelConfig
 
         prepare_policy(options.model_dir, task=options.task_name, task_options=options.task_options,
-                       spec=from_dict(TinyModelSpec, w.spec, "pipeline.options.warm_start.spec"),
-                       sft=from_dict(SftOptions, w.sft, "pipeline.options.warm_start.sft"), seed=w.seed,
+                       spec=from_dict(TinyModelConfig, w.spec, "pipeline.options.warm_start.spec"),
+                       sft=from_dict(SftConfig, w.sft, "pipeline.options.warm_start.sft"), seed=w.seed,
                        vocab_size=w.vocab_size)
 
     # ------------------------------------------------------------------ data

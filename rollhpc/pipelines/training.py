@@ -21,8 +21,8 @@ import numpy as np
 from rollhpc.algo.kl_control import KlControlConfig
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
-from rollhpc.checkpoint.run_checkpoint import CheckpointOptions
-from rollhpc.controller.run_loop import LoopSettings, Outcome, RunLoop, StepReport
+from rollhpc.checkpoint.run_checkpoint import CheckpointConfig
+from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, StepReport
 from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.rollout.scheduler import SchedulerConfig
 from rollhpc.rundir import RunPaths
@@ -65,7 +65,7 @@ class TrainingOptions:
     # colocated roles take turns on their devices: each stage offloads what it does not use
     # (rollhpc.controller.colocation); off: they stay resident together
     offload: bool = False
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)  # RUN_DIR/checkpoints, resume
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # RUN_DIR/checkpoints, resume
     # final: when the run ends (its last step, or max_wall_s / max_train_s; not a stop for a requeue), the
     # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
     # `rollhpc export RUN_DIR RUN_DIR/export/hf` would write it); none: `rollhpc export` it when wanted
@@ -163,7 +163,7 @@ class TrainingPipeline(Pipeline):
 
             self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles))
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
-                       LoopSettings(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
+                       LoopConfig(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
         outcome = loop.run(self)
         if o.export_hf == "final" and outcome is not Outcome.STOPPED_FOR_REQUEUE:

@@ -67,7 +67,7 @@ class HeldGenerators:
 
 
 @dataclass(frozen=True)
-class EpisodeSpec:
+class EpisodeSeed:
     """What a multi-turn prompt stands for: the env reset seed its group's episodes share."""
 
     seed: int
@@ -284,7 +284,7 @@ class _Batch:
             stats.groups_started += 1
             stats.count(prompt.domain, "groups_started")
             for i in range(c.samples_per_group):
-                if isinstance(prompt.example, EpisodeSpec):
+                if isinstance(prompt.example, EpisodeSeed):
                     self._reset(Sample(prompt, i), prompt.example.seed)
                 else:
                     self._generate(Sample(prompt, i), prompt.max_tokens or c.max_tokens)
@@ -292,7 +292,7 @@ class _Batch:
 
     def _reset(self, smp: Sample, seed: int) -> None:
         if not self.s.envs:
-            raise ValueError("an episode prompt (EpisodeSpec) needs env ranks: the scheduler has none")
+            raise ValueError("an episode prompt (EpisodeSeed) needs env ranks: the scheduler has none")
         r = min(range(len(self.s.envs)), key=lambda i: self.env_live[i])
         self.env_live[r] += 1
         smp.episode = EpisodeState(id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter())

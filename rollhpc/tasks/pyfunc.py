@@ -175,9 +175,9 @@ def make_splits(seed: int, n_train: int, n_heldout: int, families: tuple[str, ..
     return train, heldout
 
 
-# Chosen by experiment (2 CPU threads, default SftOptions: 4000 train examples, stop at 0.2 exact match on
+# Chosen by experiment (2 CPU threads, default SftConfig: 4000 train examples, stop at 0.2 exact match on
 # monitored train examples): SFT stops after 260-270 steps (80-120 s of training, ~20 s of sandboxed evaluation
-# on 2 busy cores; SftOptions(eval_examples=200) takes ~70 s in all) at 0.25-0.31 held-out mean tests passed, 0.15-0.20 fully correct (seeds 0-2): linear functions are partly
+# on 2 busy cores; SftConfig(eval_examples=200) takes ~70 s in all) at 0.25-0.31 held-out mean tests passed, 0.15-0.20 fully correct (seeds 0-2): linear functions are partly
 # read, squares hardly, mod/max/min about half. disjoint="functions" gives 0.17 (0.05 fully correct).
 DEFAULT_OPTIONS = {name: p.default for name, p in inspect.signature(make_splits).parameters.items()
                    if p.default is not inspect.Parameter.empty}

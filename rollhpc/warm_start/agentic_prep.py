@@ -4,7 +4,7 @@ Why a warm start: a random tiny model never writes a valid move, let alone reach
 episode returns would have nothing to compare. ``prepare_agentic_policy`` plays expert episodes
 (``expert_action``: BFS / optimal play) on training seeds, trains a tokenizer on their text, creates a
 tiny model (``rollhpc.warm_start.tiny``) and fine-tunes it on every turn of every episode, stopping as soon
-as the model, playing episodes, succeeds on a small share of them (``SftOptions.target_accuracy`` read as
+as the model, playing episodes, succeeds on a small share of them (``SftConfig.target_accuracy`` read as
 an episode success rate). RL then starts from a policy that sometimes succeeds and has room to improve.
 
 Why the early stop plays SAMPLED episodes by default (``stop_on="sampled"``, temperature 1, what RL's
@@ -55,8 +55,8 @@ from rollhpc.envs.policies import ExpertPolicy
 from rollhpc.rollout.episode import Episode, Turn
 from rollhpc.rollout.turns import PlainTextTurns
 from rollhpc.warm_start.policy_prep import build_once, torch_threads
-from rollhpc.warm_start.sft import SftOptions, train_sft_ids
-from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+from rollhpc.warm_start.sft import SftConfig, train_sft_ids
+from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -283,7 +283,7 @@ def _mean_turns(episodes: Sequence[Episode]) -> float:
     return sum(len(e.turns) for e in episodes) / max(len(episodes), 1)
 
 
-def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
+def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
                      vocab_size: int, episodes: int, train_seeds: int,
                      stop_on: Literal["sampled", "greedy"] = "sampled", unmerged: str = "") -> dict[str, Any]:
     """Everything that determines the prepared weights and report; its hash is the cache key."""
@@ -297,8 +297,8 @@ def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelSpec,
             "spec": asdict(spec), "sft": asdict(sft)}
 
 
-def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[str, Any], spec: TinyModelSpec,
-                           sft: SftOptions, seed: int, vocab_size: int, episodes: int, train_seeds: int,
+def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[str, Any], spec: TinyModelConfig,
+                           sft: SftConfig, seed: int, vocab_size: int, episodes: int, train_seeds: int,
                            stop_on: Literal["sampled", "greedy"] = "sampled", progress: bool = True,
                            unmerged: str = "") -> Path:
     """Build, fine-tune on expert episodes and write the agentic starting policy to ``out_dir``; returns it.
@@ -342,7 +342,7 @@ def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[s
     return out_dir
 
 
-def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelSpec, sft: SftOptions,
+def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, sft: SftConfig,
                progress: bool) -> tuple[Path, dict[str, Any]]:
     """Expert episodes, tokenizer, initial model, SFT and evaluation inside ``work_dir``; (model dir, report)."""
     from transformers import AutoModelForCausalLM

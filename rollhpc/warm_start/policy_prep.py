@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from rollhpc import file_modes
 from rollhpc.tasks import task_module
-from rollhpc.warm_start.sft import SftOptions, greedy_responses, train_sft
-from rollhpc.warm_start.tiny import TinyModelSpec, build_tokenizer, create_tiny_model
+from rollhpc.warm_start.sft import SftConfig, greedy_responses, train_sft
+from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("rollhpc.sft")
-# Chosen by experiment: with the default SftOptions, 2-digit addition stops after 470-1240 steps
+# Chosen by experiment: with the default SftConfig, 2-digit addition stops after 470-1240 steps
 # (20-60 s on one CPU thread) at 0.15-0.27 held-out greedy accuracy (seeds 0-7), just as the model
 # starts to read the units digits; more SFT takes the same model past 0.9, so RL has room to climb.
 # (3-digit addition is still at ~0.13 after 3000 steps: too far from its jump to be a good start.)
@@ -107,7 +107,7 @@ def evaluate_greedy(model: PreTrainedModel | str | Path, examples: Sequence[Any]
     return sum(task.score(e, r) for e, r in zip(examples, responses)) / len(examples)
 
 
-def policy_settings(task: str, options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
+def policy_settings(task: str, options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
                     vocab_size: int) -> dict[str, Any]:
     """Everything that determines the prepared weights; its hash is the cache key."""
     return {"format_version": FORMAT_VERSION, "task": task, "task_options": options, "seed": seed,
@@ -119,7 +119,7 @@ def settings_hash(settings: dict[str, Any]) -> str:
 
 
 def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_options: dict[str, Any] | None = None,
-                   spec: TinyModelSpec | None = None, sft: SftOptions | None = None, seed: int = 0,
+                   spec: TinyModelConfig | None = None, sft: SftConfig | None = None, seed: int = 0,
                    vocab_size: int = 512, progress: bool = True) -> Path:
     """Build, fine-tune and write the starting policy to ``out_dir``; returns ``out_dir``.
 
@@ -128,7 +128,7 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
     (on the same torch build and thread count), and the caller's torch RNG is left alone.
     """
     out_dir = Path(out_dir)
-    spec, sft = spec or TinyModelSpec(), sft or SftOptions()
+    spec, sft = spec or TinyModelConfig(), sft or SftConfig()
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
     report = build_once(out_dir, settings,
@@ -172,7 +172,7 @@ def build_once(out_dir: Path, settings: dict[str, Any],
     return report
 
 
-def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyModelSpec, sft: SftOptions, seed: int,
+def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
                vocab_size: int, progress: bool) -> tuple[Path, dict[str, Any]]:
     """Tokenizer, initial model, SFT and evaluation inside ``work_dir``; returns (model dir, report)."""
     from transformers import AutoModelForCausalLM

@@ -29,7 +29,7 @@ IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
 
 
 @dataclass(kw_only=True)
-class SftOptions:
+class SftConfig:
     """Everything that changes the trained weights (and so the cache key of a prepared policy)."""
 
     steps: int = 3000  # at most; the target accuracy usually stops training far sooner
@@ -53,15 +53,15 @@ class SftOptions:
                      "check_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"SftOptions.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"SftConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"SftOptions.warmup must be an int >= 0, got {self.warmup!r}")
+            raise ValueError(f"SftConfig.warmup must be an int >= 0, got {self.warmup!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.grad_clip <= 0:
             raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, grad_clip > 0; got lr={self.lr},"
                              f" min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}, "
                              f"grad_clip={self.grad_clip}")
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"SftOptions.target_accuracy must be in (0, 1] or None, got {self.target_accuracy}")
+            raise ValueError(f"SftConfig.target_accuracy must be in (0, 1] or None, got {self.target_accuracy}")
 
 
 @dataclass
@@ -104,7 +104,7 @@ def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def lr_factor(step: int, options: SftOptions) -> float:
+def lr_factor(step: int, options: SftConfig) -> float:
     """Multiplier of ``options.lr`` at 0-based ``step``: linear warmup (at most ``steps`` long), then
     cosine to ``min_lr_ratio`` at the last step."""
     warmup = min(options.warmup, options.steps)
@@ -144,7 +144,7 @@ def exact_match(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[
 
 
 def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str]],
-              options: SftOptions, *, seed: int = 0, monitor_pairs: Sequence[tuple[str, str]] = (),
+              options: SftConfig, *, seed: int = 0, monitor_pairs: Sequence[tuple[str, str]] = (),
               progress: bool = True, log_every: int = 50) -> SftResult:
     """Fine-tune ``model`` in place on (prompt, completion) text ``pairs`` for up to ``options.steps`` AdamW steps.
 
@@ -157,7 +157,7 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
     if len(encoded) < options.batch_size:
         raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
     if options.target_accuracy is not None and not monitored:
-        raise ValueError("SftOptions.target_accuracy needs monitor_pairs to measure the accuracy on")
+        raise ValueError("SftConfig.target_accuracy needs monitor_pairs to measure the accuracy on")
     pad_id = tokenizer.pad_token_id
 
     def monitor(m: PreTrainedModel) -> float:
@@ -167,7 +167,7 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
                          progress=progress, log_every=log_every)
 
 
-def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], options: SftOptions, *,
+def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], options: SftConfig, *,
                   pad_id: int, seed: int = 0, monitor: Callable[[PreTrainedModel], float] | None = None,
                   metric: str = "accuracy", progress: bool = True, log_every: int = 50) -> SftResult:
     """Fine-tune ``model`` in place on pre-encoded (prompt ids, completion ids) examples.
@@ -188,7 +188,7 @@ def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], lis
     if len(encoded) < options.batch_size:
         raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
     if options.target_accuracy is not None and monitor is None:
-        raise ValueError(f"SftOptions.target_accuracy needs a monitor to measure the {metric} with")
+        raise ValueError(f"SftConfig.target_accuracy needs a monitor to measure the {metric} with")
     generator = torch.Generator().manual_seed(seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay

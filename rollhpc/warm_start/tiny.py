@@ -31,7 +31,7 @@ MIN_HEAD_DIM = 32  # vLLM's attention backends refuse smaller heads (16 is rejec
 
 
 @dataclass(kw_only=True)
-class TinyModelSpec:
+class TinyModelConfig:
     """Sizes of a Qwen2 decoder (or Qwen2-MoE when ``moe``); the vocabulary comes from the tokenizer."""
 
     hidden_size: int = 128
@@ -60,7 +60,7 @@ class TinyModelSpec:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"TinyModelSpec.{name} must be a positive int, got {value!r}")
+                raise ValueError(f"TinyModelConfig.{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
                              f"{self.num_attention_heads}")
@@ -107,7 +107,7 @@ class TinyModelSpec:
 
 # Qwen2.5-0.5B's published config.json shape (Qwen/Qwen2.5-0.5B and -Instruct: 494M parameters, the 151936 x 896
 # embedding tied to the output layer); with build_tokenizer(..., pad_to=QWEN2_5_0_5B_VOCAB) a random model of its size
-QWEN2_5_0_5B = TinyModelSpec(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24,
+QWEN2_5_0_5B = TinyModelConfig(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24,
                              intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
                              rms_norm_eps=1e-6, tie_word_embeddings=True)
 QWEN2_5_0_5B_VOCAB = 151936
@@ -200,7 +200,7 @@ def _byte_symbol(char: str) -> str:
     return bytes_to_unicode()[ord(char)]
 
 
-def create_tiny_model(out_dir: Path, spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
+def create_tiny_model(out_dir: Path, spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
                       dtype: str = "float32") -> Path:
     """Write a randomly initialised model and ``tokenizer`` to ``out_dir``; returns ``out_dir``.
 

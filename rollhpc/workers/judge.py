@@ -4,7 +4,7 @@ For answers no rule can check (proofs, explanations, open questions). The judge 
 never the policy: it gets no weight sync, and its verdict is read strictly (``rollhpc.rewards.judge_parse``)
 so the policy cannot win by making the judge ramble. It runs in one of two places:
 
-- in this rank (``judge_model_dir``): a vLLM engine built like the generate role's (``EngineOptions``),
+- in this rank (``judge_model_dir``): a vLLM engine built like the generate role's (``EngineConfig``),
   the judge's own tokenizer rendering the prompt (its chat template if it has one) and greedy decoding
   of the whole batch in one engine call; on Slurm the role gets its own devices, so its own het component;
 - behind an OpenAI-compatible server (``endpoint``), through ``rollhpc.rewards.judge_http`` with bounded
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from rollhpc.engines.options import EngineOptions
+from rollhpc.engines.config import EngineConfig
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rewards.components import Components
 from rollhpc.rewards.judge import (DEFAULT_TEMPLATES, JudgeBackend, JudgeCounters, check_template, judge_fields,
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 class JudgeWorker(Worker):
     @dataclass(kw_only=True)
-    class Options(EngineOptions):  # engine fields apply to the in-process judge only
+    class Options(EngineConfig):  # engine fields apply to the in-process judge only
         policy_model_dir: str  # the policy's tokenizer: decodes the responses being judged
         judge_model_dir: str | None = None  # in-process judge: its HF directory (weights and tokenizer)
         endpoint: str | None = None  # or: an OpenAI-compatible server's base URL (http://host:port)
@@ -129,7 +129,7 @@ class EngineJudge:
     refuse the whole batch): it is a failure (None), as a dead server's would be.
     """
 
-    def __init__(self, model_dir: str, engine_options: EngineOptions, seed: int) -> None:
+    def __init__(self, model_dir: str, engine_options: EngineConfig, seed: int) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

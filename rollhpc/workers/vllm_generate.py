@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from rollhpc.engines.options import EngineOptions
+from rollhpc.engines.config import EngineConfig
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest
 from rollhpc.workers.engine_loop import sampling
@@ -27,7 +27,7 @@ class VllmGenerateWorker(Worker):
     offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
 
     @dataclass(kw_only=True)
-    class Options(EngineOptions):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
+    class Options(EngineConfig):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
         model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
         temperature: float = 1.0
         top_p: float = 1.0

@@ -12,11 +12,11 @@ if TYPE_CHECKING:
     from rollhpc.engines.torch_engine import TorchGenerator
     from rollhpc.engines.vllm_engine import VllmGenerator
 
-__all__ = ["EngineOptions"]
+__all__ = ["EngineConfig"]
 
 
 @dataclass(kw_only=True)
-class EngineOptions:
+class EngineConfig:
     # vllm: the default, for models of any size. torch: rollhpc.engines.torch_engine, a plain-torch engine for
     # small dense Qwen2/Llama models, where vLLM's per-step bookkeeping is most of a step (CPU runs of the
     # tiny task models: bench/README.md has the numbers); its sampling streams differ from vLLM's
