@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from rollhpc.engines.vllm_engine import Completion
+from rollhpc.engines.completion import Completion, StepEngine
 
 __all__ = ["TorchGenerator"]
 
@@ -181,7 +181,7 @@ class _Model:
         return F.linear(self._norm(last, self.w["norm"]), self.w["head"]).float()
 
 
-class TorchGenerator:
+class TorchGenerator(StepEngine):
     """``VllmGenerator``'s interface on ``_Model``: continuous batching over fixed KV cache slots.
 
     Args:
@@ -299,15 +299,6 @@ class TorchGenerator:
             if reason:
                 self._release(r)
                 finished.append((r.rid, Completion(r.token_ids, r.logprobs, reason, r.version)))
-        return finished
-
-    def run_until(self, min_finished: int = 1, max_steps: int | None = None) -> list[tuple[str, Completion]]:
-        """Step until ``min_finished`` requests finished, none is left, or ``max_steps`` steps ran."""
-        finished: list[tuple[str, Completion]] = []
-        steps = 0
-        while self._live and len(finished) < min_finished and (max_steps is None or steps < max_steps):
-            finished += self.step()
-            steps += 1
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[tuple[str, Completion]]:
@@ -444,13 +435,3 @@ class TorchGenerator:
             self._running[r.slot] = last
         r.slot = -1
 
-    def _check_awake(self) -> None:
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake_up() first")
-
-    def _check_idle(self, what: str, generating: bool = True) -> None:
-        if generating:
-            self._check_awake()
-        if self._live:
-            raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
-                               "finish them (step/run_until) or abort them first")

@@ -32,22 +32,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollhpc.engines.completion import Completion, StepEngine
 from rollhpc.engines.vllm_cpu_moe_repack import capture_expert0_gates, is_moe_config, repack_after_reload
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Completion", "VllmGenerator"]
+__all__ = ["VllmGenerator"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]  # [T] generated tokens, prompt excluded
-    logprobs: list[float]  # [T] log p(token_ids[t]) under the sampling distribution
-    finish_reason: str  # "stop" (EOS / stop token), "length" (max_tokens) or "abort" (a partial)
-    version: int = field(default=-1)  # weights version that generated it
 
 
 @dataclass
@@ -60,7 +53,7 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
 
 
-class VllmGenerator:
+class VllmGenerator(StepEngine):
     """One vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
     Args:
@@ -220,15 +213,6 @@ class VllmGenerator:
                                                             str(delta.finish_reason), live.version)))
         return finished
 
-    def run_until(self, min_finished: int = 1, max_steps: int | None = None) -> list[tuple[str, Completion]]:
-        """Step until ``min_finished`` requests finished, none is left, or ``max_steps`` steps ran."""
-        finished: list[tuple[str, Completion]] = []
-        steps = 0
-        while self._live and len(finished) < min_finished and (max_steps is None or steps < max_steps):
-            finished += self.step()
-            steps += 1
-        return finished
-
     def abort(self, request_ids: Iterable[str]) -> list[tuple[str, Completion]]:
         """Stop the named requests still in flight; return each one's partial completion.
 
@@ -310,17 +294,6 @@ class VllmGenerator:
             self.weights_asleep = False
         if tags is None or "kv_cache" in tags:
             self.asleep = False
-
-    def _check_awake(self) -> None:
-        if self.asleep:
-            raise RuntimeError("engine is asleep: call wake_up() first")
-
-    def _check_idle(self, what: str, generating: bool = True) -> None:
-        if generating:
-            self._check_awake()
-        if self._live:
-            raise RuntimeError(f"{what} with {len(self._live)} step-API requests in flight: "
-                               "finish them (step/run_until) or abort them first")
 
 
 def _bind_cpu_workers(tp: int) -> None:

@@ -29,7 +29,29 @@ def gpu_memory() -> dict[str, float]:
             "free": float(free)}
 
 
-class StateOffloader:
+class _Offloader:
+    """What both offloaders share: ``offload`` / ``reload`` of named parts, checked and put in PARTS order
+    (parameters before their gradients, both ways); ``_move`` does the moving."""
+
+    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        return self._move(self._parts(parts), to_host=True)
+
+    def reload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
+        return self._move(self._parts(parts), to_host=False)
+
+    @staticmethod
+    def _parts(parts: Iterable[str]) -> list[str]:
+        parts = list(parts)
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            raise ValueError(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
+        return [p for p in PARTS if p in parts]
+
+    def _move(self, parts: list[str], to_host: bool) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class StateOffloader(_Offloader):
     """Moves the state of ``modules`` (and ``optimizer``'s) between ``device`` and pinned host memory."""
 
     def __init__(self, modules: Iterable[Any], optimizer: Any | None, device: Any):
@@ -56,20 +78,9 @@ class StateOffloader:
                     for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
         raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
 
-    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
-        return self._move(parts, to_host=True)
-
-    def reload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
-        return self._move(parts, to_host=False)
-
-    def _move(self, parts: Iterable[str], to_host: bool) -> dict[str, float]:
+    def _move(self, parts: list[str], to_host: bool) -> dict[str, float]:
         import torch
 
-        parts = list(parts)
-        unknown = set(parts) - set(PARTS)
-        if unknown:
-            raise ValueError(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
-        parts = [p for p in PARTS if p in parts]  # parameters before their gradients, both ways
         start = time.perf_counter()
         moved = 0
         on_gpu = self.device.type == "cuda"
@@ -103,7 +114,7 @@ class StateOffloader:
         return {"bytes": float(moved), "seconds": time.perf_counter() - start}
 
 
-class MegatronStateOffloader:
+class MegatronStateOffloader(_Offloader):
     """The same three parts for a trainer role (megatron-core's DDP and optimizer), moved by megatron's
     own RL offload: DDP's buffers (``offload_to_cpu`` / ``reload_from_cpu``: the parameters, which the distributed
     optimizer keeps in the buffers, copied to pinned host memory; the fp32 gradient buffers freed and zeroed on
@@ -142,20 +153,9 @@ class MegatronStateOffloader:
                        for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
         raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
 
-    def offload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
-        return self._move(parts, to_host=True)
-
-    def reload(self, parts: Iterable[str] = PARTS) -> dict[str, float]:
-        return self._move(parts, to_host=False)
-
-    def _move(self, parts: Iterable[str], to_host: bool) -> dict[str, float]:
+    def _move(self, parts: list[str], to_host: bool) -> dict[str, float]:
         import torch
 
-        parts = list(parts)
-        unknown = set(parts) - set(PARTS)
-        if unknown:
-            raise ValueError(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
-        parts = [p for p in PARTS if p in parts]
         start = time.perf_counter()
         todo = [p for p in parts if (p in self.offloaded) != to_host]
         moved = sum(self._bytes(p) for p in todo)  # counted before the buffers give their storage back
