@@ -1,29 +1,42 @@
 """GRPO on the same model, task and batch: this pipeline (`rollhpc train quickstart` + a size's overrides) vs
-TRL's GRPOTrainer, at three model sizes and two settings, each side for the same training wall time.
+TRL's GRPOTrainer, at three model sizes and two settings, each side for the same training time.
 
-    python bench/rlvr_vs_trl.py [--size quickstart,small,medium] [--setting parity,best] [--wall-s S]
+    python bench/rlvr_vs_trl.py [--size quickstart,small,medium] [--setting parity,best] [--seeds 3] [--wall-s S]
 
 Sizes and settings are in bench/rlvr_vs_trl.yaml (a size is a list of `rollhpc train quickstart` overrides:
 model shape, task, SFT budget, batch). Both sides read what they share from the config those overrides give,
 so they cannot drift apart:
-  - model: the size's SFT warm start (built once here, before either side's clock starts), float32, CPU;
+  - model: the size's SFT warm start (built once here, before either side's clock starts), float32 weights, CPU;
+    every seed of both sides starts from it;
   - data: the warm start's train / held-out splits, prompt text and tokenization, the task's own verifier;
   - batch: one optimizer step on prompts_per_step x group_size completions, in micro-batches of the trainer's
     micro_batch_size; sampling at temperature 1, max_tokens new tokens;
   - objective: GRPO advantages scaled by the group std, clipped ratio (clip_low / clip_high), no KL,
     token-mean aggregation (TRL's "dapo"), AdamW at a constant lr, grad norm clipped at 1;
-  - held-out accuracy: greedy, eval_max_tokens new tokens, every eval_every steps on both sides; evaluation
-    time is not training time (each side's clock skips it), so accuracy is plotted against training time.
-Settings: parity (dynamic sampling off, no oversampling: both train on every group as sampled, synchronously)
-and best (rollhpc: async generation with partial rollout and dynamic sampling; TRL: the GRPOConfig fields
-given). What differs on purpose: the engines. rollhpc generates with vLLM and trains with Megatron-core in
-separate MPI processes (1 thread each, as quickstart sets); TRL generates with transformers and trains with
-torch in one process (2 threads). Reported per side: training wall time, steps, trained samples and samples/s,
-completion tokens/s (all tokens generated, EOS included; for rollhpc also those of dropped groups and aborted
-requests), held-out accuracy at the start, at the end and at the shorter side's wall time, and the training
-time to reach the size's target accuracy. Results: bench/results/rlvr_vs_trl_SIZE_SETTING.json and a plot of
-accuracy against training time beside it (.png). Run it on an otherwise idle machine: the two sides run one
-after the other and share nothing but the cores.
+  - held-out accuracy: greedy, eval_max_tokens new tokens, every eval_every steps on both sides.
+Settings (each side's in the yaml):
+  - parity: every sampled group is trained on, synchronously (rollhpc: dynamic sampling off, no oversampling;
+    TRL: GRPOConfig as above);
+  - best: rollhpc generates the next batch while the trainer trains on this one (async, staleness 1), bfloat16
+    matmuls;
+    TRL runs the fastest of its CPU options (`trl_candidates`: float32 or bf16 autocast, transformers' continuous
+    batching generation, vLLM colocated), chosen per size by a probe of `probe_s` training seconds each, before
+    the seeds run; every candidate's rate (or why it could not run) is in the JSON.
+What differs on purpose: the engines. rollhpc generates with its own engine and trains with Megatron-core in
+separate MPI processes; TRL generates and trains in one process (2 threads).
+Clocks: both count training time, evaluations left out, and both include their logging: rollhpc's is the run
+loop's `train_clock_s` (what its max_train_s reads: each step's stages and the metrics, TensorBoard and rollout
+writing of the steps before it), TRL's is read in `on_step_end` (its logging of the steps before it included).
+`outside_steps_s` is the part of rollhpc's clock between its steps' stage timers (logging, mostly).
+Counts, the same definition on both sides: `samples` is every row of every trained batch (prompts_per_step x
+group_size per step: both objectives cover them); rollhpc's trainer leaves rows whose advantage is zero out of
+its forward and backward (`rows_skipped`, reported apart; TRL computes them). `tokens_per_s` counts completion
+tokens generated (EOS included; for rollhpc also those of dropped groups and aborted requests).
+Reported per side and seed, with medians (and ranges) over seeds: training time, steps, samples and samples/s,
+rows skipped, completion tokens/s, held-out accuracy at the start, at the end and at the shorter side's time,
+and the time to reach the size's target accuracy. Results: bench/results/rlvr_vs_trl_SIZE_SETTING.json (with the
+commit that produced them) and a plot of every seed's accuracy against training time beside it (.png). Run it on
+an otherwise idle machine: the sides run one after the other and share nothing but the cores.
 """
 
 from __future__ import annotations
@@ -41,14 +54,16 @@ import time
 from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from bench.provenance import commit  # noqa: E402
 SIDES = ("rollhpc", "trl")
-ROWS = ("wall_s", "steps", "samples", "samples_per_s", "tokens_per_s", "accuracy_start", "accuracy_at_equal_wall",
-        "accuracy_end", "time_to_target_s")
+ROWS = ("wall_s", "steps", "samples", "rows_skipped", "samples_per_s", "tokens_per_s", "accuracy_start",
+        "accuracy_at_equal_wall", "accuracy_end", "time_to_target_s")
 
 
 @dataclass(kw_only=True)
@@ -71,7 +86,7 @@ class Settings:
     clip_low: float
     clip_high: float
     micro_batch_size: int
-    trl: dict  # GRPOConfig fields of the setting
+    trl: dict  # GRPOConfig fields of the setting (for best: the probe's choice)
 
 
 def load_settings(size: dict, setting: dict, wall_s: float | None) -> tuple[Settings, list[str]]:
@@ -138,21 +153,21 @@ def run_rollhpc(s: Settings, work: Path, overrides: list[str]) -> dict:
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     steps = [r for r in records if r["step"] >= 1]
     trained = [r for r in steps if not r.get("skipped")]
-    clock, curve = 0.0, [(0.0, records[0]["accuracy"])]
-    for r in steps:  # training time: a step's wall less its evaluation (a skipped step logs its rollout only)
-        clock += r.get("step_s", r["rollout_s"]) - r.get("eval_s", 0.0)
-        if "accuracy" in r:
-            curve.append((clock, r["accuracy"]))
-    samples = sum(round(r["train/n_tokens"] / r["response_len_mean"]) for r in trained)
-    tokens = sum(r["tokens_generated"] for r in steps)
-    return {"wall_s": clock, "steps": len(trained), "steps_skipped": len(steps) - len(trained), "samples": samples,
-            "completion_tokens": tokens, "curve": curve,
+    # the run loop's training clock (evaluations out, logging in); the stages' own timers, summed, leave out what
+    # happens between them (a skipped step logs its rollout only)
+    curve = [(0.0, records[0]["accuracy"])] + [(r["train_clock_s"], r["accuracy"]) for r in steps if "accuracy" in r]
+    staged = sum(r.get("step_s", r["rollout_s"]) - r.get("eval_s", 0.0) for r in steps)
+    return {"wall_s": steps[-1]["train_clock_s"], "outside_steps_s": steps[-1]["train_clock_s"] - staged,
+            "steps": len(trained), "steps_skipped": len(steps) - len(trained),
+            "samples": sum(r["rows"] for r in trained),
+            "rows_skipped": sum(round(r.get("train/rows_skipped", 0.0)) for r in trained),
+            "completion_tokens": sum(r["tokens_generated"] for r in steps), "curve": curve,
             "reward_curve": [round(r["reward_mean"], 4) for r in trained]}
 
 
 def trl_worker(settings_path: str, out_path: str) -> None:
-    """The TRL side, in its own process: GRPOTrainer for the training wall time, evaluated every eval_every
-    steps (evaluation time taken off the clock)."""
+    """The TRL side, in its own process: GRPOTrainer for the training time, evaluated every eval_every steps
+    (evaluation time taken off the clock; eval_every 0: a probe, never evaluated)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -178,7 +193,7 @@ def trl_worker(settings_path: str, out_path: str) -> None:
         """Training time (evaluations excluded), held-out accuracy every eval_every steps, rewards."""
 
         def __init__(self):
-            self.start, self.off, self.curve, self.rewards = 0.0, 0.0, [], []
+            self.start, self.off, self.curve, self.rewards, self.end = 0.0, 0.0, [], [], 0.0
 
         def training_s(self) -> float:
             return time.perf_counter() - self.start - self.off
@@ -191,10 +206,11 @@ def trl_worker(settings_path: str, out_path: str) -> None:
                 self.rewards.append(round(logs["reward"], 4))
 
         def on_step_end(self, args, state, control, model=None, **kw):
-            done = self.training_s() > s.wall_s
-            if done or state.global_step % s.eval_every == 0:
-                t, at = time.perf_counter(), self.training_s()
-                self.curve.append((at, heldout_accuracy(model, tokenizer, s)))
+            self.end = self.training_s()
+            done = self.end > s.wall_s
+            if s.eval_every and (done or state.global_step % s.eval_every == 0):
+                t = time.perf_counter()
+                self.curve.append((self.end, heldout_accuracy(model, tokenizer, s)))
                 self.off += time.perf_counter() - t
             control.should_training_stop = done
 
@@ -209,17 +225,19 @@ def trl_worker(settings_path: str, out_path: str) -> None:
         "report_to": "none", "save_strategy": "no", "eval_strategy": "no", "use_cpu": True, "bf16": False,
         "seed": s.seed, "disable_tqdm": True, "use_vllm": False, **s.trl})
     clock = Clock()
-    start_accuracy = heldout_accuracy(model, tokenizer, s)
+    start = [(0.0, heldout_accuracy(model, tokenizer, s))] if s.eval_every else []
     trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=task_reward, args=config,
                           train_dataset=dataset, callbacks=[clock])
     trainer.train()
-    result = {"wall_s": clock.curve[-1][0], "steps": trainer.state.global_step, "samples": counts["samples"],
-              "completion_tokens": counts["tokens"], "curve": [(0.0, start_accuracy), *clock.curve],
-              "reward_curve": clock.rewards}
+    # every row TRL sampled is in its loss (no row is skipped), and its clock holds its logging of earlier steps
+    result = {"wall_s": clock.end, "outside_steps_s": None, "steps": trainer.state.global_step,
+              "samples": counts["samples"], "rows_skipped": 0, "completion_tokens": counts["tokens"],
+              "curve": [*start, *clock.curve], "reward_curve": clock.rewards}
     Path(out_path).write_text(json.dumps(result))
 
 
 def run_trl(s: Settings, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     (work / "settings.json").write_text(json.dumps(asdict(s)))
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
     run_logged([sys.executable, __file__, "--trl-worker", str(work / "settings.json"), str(work / "trl.json")],
@@ -227,12 +245,33 @@ def run_trl(s: Settings, work: Path) -> dict:
     return json.loads((work / "trl.json").read_text())
 
 
+def probe_trl(s: Settings, work: Path, candidates: list[dict], probe_s: float) -> tuple[dict, list[dict]]:
+    """TRL's fastest option on this machine and size: each candidate (GRPOConfig fields) trains for ``probe_s``
+    seconds without evaluations; the one with the most samples/s wins. A candidate that fails to start or run
+    is recorded with the tail of its error and skipped."""
+    rows = []
+    for i, fields in enumerate(candidates):
+        try:
+            r = run_trl(replace(s, trl=fields, wall_s=probe_s, eval_every=0), work / f"trl_probe{i}")
+        except SystemExit as e:
+            log_tail = (work / f"trl_probe{i}" / "trl.log").read_text().strip().splitlines()[-3:]
+            rows.append({"trl": fields, "error": f"{e}: {' | '.join(log_tail)}"[-600:]})
+            continue
+        rows.append({"trl": fields, "samples_per_s": round(r["samples"] / r["wall_s"], 2), "steps": r["steps"],
+                     "wall_s": round(r["wall_s"], 2)})
+        print(f"[bench] TRL probe {fields}: {rows[-1]['samples_per_s']} samples/s", flush=True)
+    ran = [r for r in rows if "samples_per_s" in r]
+    if not ran:
+        raise SystemExit(f"[bench] no TRL candidate ran: {rows}")
+    return max(ran, key=lambda r: r["samples_per_s"])["trl"], rows
+
+
 def summarize(sides: dict[str, dict], target: float) -> None:
     """Rates, and the accuracy curves read at the shorter side's wall time and at the target."""
     equal = min(side["wall_s"] for side in sides.values())
     for side in sides.values():
         curve = side["curve"]
-        side["samples_per_s"] = side["samples"] / side["wall_s"]
+        side["samples_per_s"] = side["samples"] / side["wall_s"]  # every row of the trained batches
         side["tokens_per_s"] = side["completion_tokens"] / side["wall_s"]
         side["accuracy_start"], side["accuracy_end"] = curve[0][1], curve[-1][1]
         side["accuracy_at_equal_wall"] = [acc for t, acc in curve if t <= equal + 1e-9][-1]
@@ -271,14 +310,20 @@ def plot(runs: list[dict[str, dict]], title: str, target: float, path: Path) -> 
 
 
 def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
-    """Each side's numbers as medians over the runs (seeds); a time to target never reached counts as
-    infinitely long (None when the median is)."""
+    """Each side's numbers as medians over the runs (seeds), with their ranges (``ROW_range``: min, max); a time
+    to target never reached counts as infinitely long (None when the median is)."""
     out: dict[str, dict] = {}
     for name in SIDES:
         sides = [r[name] for r in runs]
-        med = {row: statistics.median(x[row] for x in sides) for row in ROWS if row != "time_to_target_s"}
-        times = [math.inf if x["time_to_target_s"] is None else x["time_to_target_s"] for x in sides]
-        med["time_to_target_s"] = None if math.isinf(statistics.median(times)) else statistics.median(times)
+        med: dict[str, Any] = {}
+        for row in ROWS:
+            if row == "time_to_target_s":
+                times = [math.inf if x[row] is None else x[row] for x in sides]
+                med[row] = None if math.isinf(statistics.median(times)) else statistics.median(times)
+                med[f"{row}_range"] = [None if math.isinf(t) else t for t in (min(times), max(times))]
+            else:
+                med[row] = statistics.median(x[row] for x in sides)
+                med[f"{row}_range"] = [min(x[row] for x in sides), max(x[row] for x in sides)]
         out[name] = med
     return out
 
@@ -297,6 +342,11 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
     work, load_start = Path(tempfile.mkdtemp(prefix="rlvr_vs_trl_")), os.getloadavg()[0]
     print(f"[bench] {size_name} / {setting_name}: model {s.model_dir}, {s.wall_s:.0f} s of training per side, "
           f"{seeds} seed(s), work dir {work}", flush=True)
+    probe = None
+    if "trl_candidates" in setting:
+        chosen, probe = probe_trl(s, work, setting["trl_candidates"], size["probe_s"])
+        s = replace(s, trl=chosen)
+        print(f"[bench] TRL's fastest here: {chosen or 'its defaults'}", flush=True)
     runs = []
     for k in range(seeds):  # the run's seed: rollout sampling on both sides (the SFT start is the same)
         s_k = replace(s, seed=s.seed + k)
@@ -312,8 +362,11 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
     medians = median_sides(runs)
     out = out_dir / f"rlvr_vs_trl_{size_name}_{setting_name}.json"
     write_json(out, {
-        "size": size_name, "setting": setting_name, "seeds": [s.seed + k for k in range(seeds)],
-        "sides": runs[0] if seeds == 1 else medians, "runs": runs,
+        "size": size_name, "setting": setting_name, "commit": commit(),
+        "seeds": [s.seed + k for k in range(seeds)], "sides": medians, "runs": runs, "trl_probe": probe,
+        "definitions": {"samples": "every row of every trained batch, on both sides",
+                        "rows_skipped": "rows the trainer left out of its forward and backward (zero advantage)",
+                        "wall_s": "training time, evaluations left out, logging in (module docstring)"},
         "settings": {**asdict(s), "rollhpc_overrides": overrides, "model_parameters": model.get("parameters"),
                      "sft": {k: model.get(k) for k in ("steps", "heldout_accuracy", "wall_s")}},
         "machine": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
@@ -323,11 +376,18 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
     plot(runs, f"GRPO {size_name}, {setting_name}: rollhpc vs TRL", s.target_accuracy, out.with_suffix(".png"))
     heading = f"{size_name} / {setting_name}" + (f", medians of {seeds} seeds" if seeds > 1 else "")
-    print(f"\n{heading:36}{'rollhpc':>12}{'trl':>12}")
+    print(f"\n{heading:36}{'rollhpc':>26}{'trl':>26}")
     for row in ROWS:
-        print(f"{row:36}" + "".join(f"{medians[k][row]:>12.4g}" if medians[k][row] is not None else f"{'-':>12}"
-                                    for k in SIDES))
+        print(f"{row:36}" + "".join(f"{_cell(medians[k][row], medians[k][row + '_range']):>26}" for k in SIDES))
     print(f"[bench] wrote {out} and {out.with_suffix('.png').name}", flush=True)
+
+
+def _cell(median: float | None, span: list) -> str:
+    """``median (min-max)``; '-' for a time to target not reached."""
+    if median is None:
+        return "-"
+    lo, hi = ("-" if x is None else f"{x:.3g}" for x in span)
+    return f"{median:.4g} ({lo}-{hi})"
 
 
 def main() -> None:
@@ -337,8 +397,9 @@ def main() -> None:
     p.add_argument("--wall-s", type=float, help="training wall time of each side (default: the size's)")
     p.add_argument("--spec", type=Path, default=Path(__file__).with_suffix(".yaml"))
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="runs per side with seeds run.seed, +1, ...: the JSON keeps every run, the table shows medians")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="runs per side with seeds run.seed, +1, ... (default 3): the JSON keeps every run, the table "
+                   "shows medians and ranges")
     p.add_argument("--trl-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:

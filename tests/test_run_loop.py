@@ -58,6 +58,8 @@ def test_time_limits(tmp_path: Path, limit: dict, steps_taken: int) -> None:
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(steps_taken + 1))  # step 0 is the first evaluation
     assert all(r["eval_s"] == 10.0 and r["step_s"] == 11.0 for r in records[1:])
+    # the training clock max_train_s reads: a second per step, the evaluations' ten left out
+    assert [r["train_clock_s"] for r in records[1:]] == [float(k) for k in range(1, steps_taken + 1)]
 
 
 def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path, caplog) -> None:

@@ -169,6 +169,9 @@ class RunLoop:
                 eval_total += record["eval_s"]
             if report.trained:
                 record["step_s"] = self.clock() - t_step
+            # what max_train_s counts: seconds since this start's first step, evaluations left out; the logging and
+            # checkpoints of earlier steps are in it (a step's step_s ends before its own records are written)
+            record["train_clock_s"] = self.clock() - t_start - eval_total
             if restarts and step == start + 1:
                 record["restarts"] = restarts
             keep = report.rollouts is not None and s.rollout_every > 0 and (step % s.rollout_every == 0 or last)

@@ -522,6 +522,7 @@ class RlvrPipeline(TrainingPipeline):
         tokens = rstats.tokens_generated
         rewards = np.array([s.reward for s in samples])
         record: dict[str, Any] = {
+            "rows": len(samples),  # the batch's rows, those the trainer skipped included (train/rows_skipped)
             "reward_mean": float(rewards.mean()),
             "response_len_mean": float(np.mean([len(s.response) for s in samples])),
             "tokens_per_s": tokens / max(rstats.wall_s, 1e-9),
