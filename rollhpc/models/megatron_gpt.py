@@ -75,6 +75,7 @@ MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 # a critic's scalar value head, a submodule of its last stage's chunk (rollhpc.workers.megatron_policy): trained and
 # checkpointed with the model, but without a Hugging Face name (not loaded from, nor exported to, HF weights)
 VALUE_HEAD = "value_head"
+LORA_ATTRIBUTE = "lora"  # a transformer layer's LoRA adapters (rollhpc.models.lora): layer.lora
 
 
 @dataclass(frozen=True)
@@ -470,8 +471,10 @@ def _moe_experts(model: torch.nn.Module) -> Any:
 
 
 def _hf_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters that have Hugging Face counterparts: all but a critic's value head."""
-    return {n: p for n, p in model.named_parameters() if not n.startswith(VALUE_HEAD + ".")}
+    """The model's parameters that have Hugging Face counterparts: all but a critic's value head and LoRA
+    adapters (``rollhpc.models.lora``: exported on their own, under PEFT's names)."""
+    return {n: p for n, p in model.named_parameters()
+            if not n.startswith(VALUE_HEAD + ".") and f".{LORA_ATTRIBUTE}." not in n}
 
 
 def model_weight_map(model: torch.nn.Module) -> tuple[list[WeightMapping], list[WeightMapping]]:

@@ -1,0 +1,249 @@
+"""LoRA adapters on megatron-core's tensor-parallel linear layers (shapes in comments).
+
+A target linear ``y = W x`` (W: [out, in]) gains ``y += scaling * B (A dropout(x))`` with A: [r, in], B: [out, r],
+``scaling = alpha / r``; B starts at zero (the adapted model is the base model until B moves), A from a
+Kaiming-uniform draw that depends only on the seed and the layer, so any TP or PP layout starts from the same
+adapters. The base weights are frozen: no gradient, no optimizer state, no DDP bucket (megatron's DDP and
+optimizer only take parameters that require a gradient).
+
+Tensor parallelism follows the layer it adapts:
+- column-parallel (``linear_qkv``, ``linear_fc1``: W's output rows sharded): A is replicated, B is sharded like W's
+  rows ([out / tp, r]). Every TP rank computes the same ``A x``; its gradient is the sum of every rank's part, so
+  ``A x`` passes through megatron's copy-to-TP-region (identity forward, all-reduce backward);
+- row-parallel (``linear_proj``, ``linear_fc2``: W's input columns sharded, the input arriving sharded): A is
+  sharded like W's columns ([r, in / tp]), B is replicated. Each rank's ``A_shard x_shard`` is a partial sum of
+  ``A x``, all-reduced by megatron's reduce-from-TP-region (all-reduce forward, identity backward) before B.
+B's rows keep W's row order (megatron's interleaved q/k/v groups, fc1's gate and up halves), so an adapter is
+gathered and split into Hugging Face's modules exactly as the weight it adapts (``rollhpc.models.megatron_gpt``).
+
+The adapters of a transformer layer live in ``layer.lora`` (a ``LoraLayer``), outside the base linears, so the
+base layers' state dicts and Hugging Face mappings are untouched; each base linear calls its adapter from a
+forward hook (activation recompute re-runs it like the rest of the forward). ``adapters_disabled`` gives the
+base model for the reference log-probs: the frozen base is the reference policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
+
+__all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
+           "adapter_parameters", "export_lora_hf", "merge_into_hf", "LORA_ATTRIBUTE"]
+
+# short name -> (submodule of the transformer layer, linear in it, parallel mode of that linear)
+TARGETS: dict[str, tuple[str, str, Literal["column", "row"]]] = {
+    "qkv": ("self_attention", "linear_qkv", "column"),
+    "proj": ("self_attention", "linear_proj", "row"),
+    "fc1": ("mlp", "linear_fc1", "column"),
+    "fc2": ("mlp", "linear_fc2", "row"),
+}
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int = 16  # r: the adapters' inner dimension
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapter's input, in training only
+    target: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])  # of TARGETS
+    seed: int = 0  # of A's initial draw (B starts at zero)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.target if t not in TARGETS]
+        if unknown or not self.target or len(set(self.target)) != len(self.target):
+            raise ValueError(f"lora.target must name distinct layers of {sorted(TARGETS)}, got {self.target}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoraAdapter(torch.nn.Module):
+    """A and B of one tensor-parallel linear: ``delta(x)`` is what the adapter adds to the linear's output."""
+
+    def __init__(self, mode: Literal["column", "row"], in_features: int, out_features: int, config: LoraConfig,
+                 tp_rank: int, tp_size: int, tp_group: Any, init_key: int, dtype: torch.dtype, device: Any):
+        """``in_features`` / ``out_features``: the full (unsharded) sizes of the linear's weight."""
+        super().__init__()
+        if mode not in ("column", "row"):
+            raise ValueError(f"mode must be 'column' or 'row', got {mode!r}")
+        shard_in, shard_out = (in_features, out_features // tp_size) if mode == "column" else \
+            (in_features // tp_size, out_features)
+        if (out_features if mode == "column" else in_features) % tp_size:
+            raise ValueError(f"a {mode}-parallel linear of {in_features} -> {out_features} does not split over "
+                             f"tp={tp_size}")
+        self.mode, self.scaling, self.tp_group, self.tp_size = mode, config.scaling, tp_group, tp_size
+        self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
+        full_a = _initial_a(config.rank, in_features, config.seed, init_key)  # [r, in], the same on every layout
+        if mode == "row":
+            full_a = full_a[:, tp_rank * shard_in:(tp_rank + 1) * shard_in]
+        self.lora_a = torch.nn.Parameter(full_a.to(dtype=dtype, device=device).contiguous())  # [r, in or in/tp]
+        self.lora_b = torch.nn.Parameter(torch.zeros(shard_out, config.rank, dtype=dtype, device=device))
+        sharded = self.lora_b if mode == "column" else self.lora_a  # megatron's TP attributes: grad norm, checkpoints
+        sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = True, 1 - (mode == "column"), 1
+        self.enabled = True
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, in or in/tp] -> [s, b, out/tp or out]: the adapter's share of the linear's output."""
+        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
+                                                            reduce_from_tensor_model_parallel_region)
+
+        a = torch.nn.functional.linear(self.dropout(x).to(self.lora_a.dtype), self.lora_a)  # [s, b, r]
+        if self.tp_size > 1:
+            a = (copy_to_tensor_model_parallel_region(a, group=self.tp_group) if self.mode == "column"
+                 else reduce_from_tensor_model_parallel_region(a, group=self.tp_group))
+        return torch.nn.functional.linear(a, self.lora_b) * self.scaling
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+                           ) -> dict[str, Any]:
+        """For megatron's dist checkpointing: the sharded one of A and B split over TP like its linear's weight,
+        the other replicated."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = {"lora_b": 0} if self.mode == "column" else {"lora_a": 1}
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
+                                                   sharded_offsets, tp_group=self.tp_group,
+                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+
+
+class LoraLayer(torch.nn.ModuleDict):
+    """One transformer layer's adapters, by target name; checkpointed through each adapter's sharding."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+                           ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, adapter in self.items():
+            out.update(adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+        return out
+
+
+def _initial_a(rank: int, in_features: int, seed: int, key: int) -> torch.Tensor:
+    """Kaiming-uniform (a = sqrt(5), as torch's Linear and PEFT draw A), from a generator of its own: the same
+    numbers whatever the layout, and the caller's RNG untouched."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + key) & 0x7FFF_FFFF_FFFF_FFFF)
+    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform with a=sqrt(5): gain * sqrt(3 / fan_in) = 1/sqrt(fan_in)
+    return (torch.rand(rank, in_features, generator=g, dtype=torch.float32) * 2 - 1) * bound
+
+
+def _hook(adapter: LoraAdapter) -> Any:
+    def forward_hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if not adapter.enabled:
+            return output
+        out, bias = output
+        return out + adapter.delta(args[0]).to(out.dtype), bias
+
+    return forward_hook
+
+
+def attach_lora(model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_size: int, tp_group: Any) -> int:
+    """Freeze ``model`` (a chunk built by ``rollhpc.models.megatron_gpt.build_gpt_model``) and give each of its
+    transformer layers adapters on ``config.target``; returns the adapter parameters' element count on this
+    rank. Layers are keyed by their global number, so a pipeline stage draws the A its layers have at pp=1."""
+    model.requires_grad_(False)
+    count = 0
+    for layer in model.decoder.layers:
+        adapters = LoraLayer()
+        for k, name in enumerate(config.target):
+            parent, attr, mode = TARGETS[name]
+            linear = getattr(getattr(layer, parent), attr, None)
+            if linear is None or getattr(linear, "weight", None) is None:
+                raise ValueError(f"lora.target {name!r}: layer {layer.layer_number} has no {parent}.{attr} with a "
+                                 "weight (a MoE layer's experts are not adapted)")
+            out_full = linear.weight.shape[0] * (tp_size if mode == "column" else 1)
+            in_full = linear.weight.shape[1] * (tp_size if mode == "row" else 1)
+            adapters[name] = LoraAdapter(mode, in_full, out_full, config, tp_rank, tp_size, tp_group,
+                                         init_key=layer.layer_number * len(TARGETS) + list(TARGETS).index(name),
+                                         dtype=linear.weight.dtype, device=linear.weight.device)
+            linear.register_forward_hook(_hook(adapters[name]))
+            count += adapters[name].lora_a.numel() + adapters[name].lora_b.numel()
+        setattr(layer, LORA_ATTRIBUTE, adapters)
+    return count
+
+
+def _adapters(model: torch.nn.Module) -> Iterator[LoraAdapter]:
+    return (m for m in model.modules() if isinstance(m, LoraAdapter))
+
+
+@contextlib.contextmanager
+def adapters_disabled(*models: torch.nn.Module) -> Iterator[None]:
+    """The base model inside: every adapter of ``models`` adds nothing (the reference policy of a LoRA run)."""
+    adapters = [a for m in models for a in _adapters(m)]
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield
+    finally:
+        for a in adapters:
+            a.enabled = True
+
+
+def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The adapters' parameters by name (``decoder.layers.I.lora.TARGET.lora_a`` / ``lora_b``)."""
+    return {n: p for n, p in model.named_parameters() if f".{LORA_ATTRIBUTE}." in n}
+
+
+# HF (PEFT) module names of each target: the modules a fused megatron linear stands for, and how its B (column)
+# or A (row) splits into them (rollhpc.models.megatron_gpt's layouts)
+_HF_MODULES = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
+               "proj": ("self_attn", ("o_proj",), "row"),
+               "fc1": ("mlp", ("gate_proj", "up_proj"), "gate_up"),
+               "fc2": ("mlp", ("down_proj",), "row")}
+PEFT_PREFIX = "base_model.model.model.layers."
+
+
+def export_lora_hf(model: torch.nn.Module, tp_group: Any = None) -> dict[str, torch.Tensor]:
+    """This pipeline stage's adapters, gathered over TP, under PEFT's names for the Hugging Face model:
+    ``base_model.model.model.layers.I.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r].
+    A fused linear's adapter becomes one adapter per HF module it fuses (q/k/v, gate/up): the same A for each,
+    B's rows split as the fused weight's are. Every TP rank must call it (it all-gathers); each gets the result."""
+    import torch.distributed as dist
+
+    tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    c = model.config
+    out: dict[str, torch.Tensor] = {}
+    for layer in model.decoder.layers:
+        adapters = getattr(layer, LORA_ATTRIBUTE, None)
+        if adapters is None:
+            continue
+        i = layer.layer_number - 1
+        for name, adapter in adapters.items():
+            parent, modules, layout = _HF_MODULES[name]
+            hf = [f"{PEFT_PREFIX}{i}.{parent}.{m}" for m in modules]
+            a, b = adapter.lora_a.detach(), adapter.lora_b.detach()
+            if adapter.mode == "column":
+                bs = unshard_to_hf(layout, _gather(b, tp_group, tp), hf, num_query_groups=c.num_query_groups,
+                                   num_attention_heads=c.num_attention_heads)
+                for m in hf:
+                    out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.clone(), bs[m].contiguous()
+            else:
+                (m,) = hf
+                out[f"{m}.lora_A.weight"] = unshard_to_hf("row", _gather(a, tp_group, tp), hf)[m].contiguous()
+                out[f"{m}.lora_B.weight"] = b.clone()
+    return out
+
+
+def merge_into_hf(hf_state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float
+                  ) -> dict[str, torch.Tensor]:
+    """Hugging Face weights with the adapters merged: ``W + scaling * B @ A`` for every adapted module (in
+    float32, cast back to W's dtype). ``adapters`` as ``export_lora_hf`` names them."""
+    merged = dict(hf_state)
+    for key, a in adapters.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[len("base_model.model."):-len(".lora_A.weight")]
+        w = hf_state[f"{module}.weight"]
+        b = adapters[key.replace(".lora_A.", ".lora_B.")]
+        merged[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
+    return merged
