@@ -384,3 +384,36 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_trains_close_to_float32(
         far += int(((got["weights"][name] - w).abs() > LR).sum())
         total += w.numel()
     assert 0 < far < 0.01 * total
+
+
+LORA = {"lora": {"rank": 4, "alpha": 8.0, "seed": 5}}
+LORA_LR = 1e-2  # adapters start at B = 0: at LR a step moves the merged weights by ~LR^2, too little to compare
+
+
+@pytest.mark.slow
+def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment, tmp_path):
+    """LoRA on the megatron trainer (rollhpc.models.lora, through megatron's DDP and distributed optimizer): at TP2
+    and at PP2 the losses, grad norms, log-probs and merged weights of two steps are the one-rank run's; only the
+    adapters move (every weight off the checkpoint's is an adapted module's, by the merged delta); the run's LoRA
+    checkpoint after step 1 (base, adapters and their optimizer state) resumes to step 2's numbers."""
+    from safetensors.torch import load_file
+
+    opts = {**LORA, "lr": LORA_LR}
+    one = _run(experiment, tmp_path, "lora_pp1", models["dense"], 1, {}, train_options=opts)
+    base = load_file(str(models["dense"] / "model.safetensors"))
+    adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name, w in one["weights"].items():
+        moved = not torch.equal(w, base[name])
+        assert moved == (name.split(".")[-2] in adapted), name  # adapted modules moved, nothing else did
+    for procs, parallel in ((2, {"tp": 2}), (2, {"pp": 2})):
+        got = _run(experiment, tmp_path, f"lora_{'_'.join(f'{k}{v}' for k, v in parallel.items())}",
+                   models["dense"], procs, parallel, train_options=opts)
+        assert got["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+        assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        for name, w in one["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-5, msg=name)
+    resumed = _run(experiment, tmp_path, "lora_resumed", models["dense"], 1, {}, train_options=opts,
+                   resume_from=str(one["run_dir"] / "ckpt"))
+    assert resumed["loss"] == pytest.approx(one["loss"][1:], rel=1e-6)
+    for name, w in one["weights"].items():
+        torch.testing.assert_close(resumed["weights"][name], w, rtol=0, atol=1e-6, msg=name)

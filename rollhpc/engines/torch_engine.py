@@ -90,14 +90,27 @@ class _Model:
         self.cos = angles.cos().to(device=device, dtype=dtype)  # [max_len, head_dim]
         self.sin = angles.sin().to(device=device, dtype=dtype)
         self.raw: dict[str, torch.Tensor] = {}  # Hugging Face name -> tensor, as loaded
+        # LoRA (a trainer's rollhpc.models.lora, synced adapters only): HF module name -> (A [r, in], B [out, r] with
+        # alpha/r in it); the served weights are raw + B A, merged when they arrive, raw left as the base
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.w: dict[str, Any] = {}
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         n = 0
+        pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in named:
-            if name.startswith("model.") or name == "lm_head.weight":
+            if ".lora_A." in name or ".lora_B." in name:  # MODULE.lora_A.weight / MODULE.lora_B.weight
+                module, _, rest = name.partition(".lora_")
+                pending.setdefault(module, {})[rest[0]] = tensor.detach().to(device=self.device, dtype=torch.float32)
+                n += 1
+            elif name.startswith("model.") or name == "lm_head.weight":
                 self.raw[name] = tensor.detach().to(device=self.device, dtype=self.dtype).clone()
                 n += 1
+        for module, ab in pending.items():
+            if set(ab) != {"A", "B"} or f"{module}.weight" not in self.raw:
+                raise ValueError(f"engine=torch: adapter {module} needs lora_A and lora_B of a module the model has "
+                                 f"(got {sorted(ab)})")
+            self.adapters[module] = (ab["A"], ab["B"])
         self._fuse()
         return n
 
@@ -107,7 +120,11 @@ class _Model:
         def get(name: str) -> torch.Tensor:
             if name not in r:
                 raise ValueError(f"engine=torch: the checkpoint has no {name}")
-            return r[name]
+            adapter = self.adapters.get(name[:-len(".weight")]) if name.endswith(".weight") else None
+            if adapter is None:
+                return r[name]
+            a, b = adapter
+            return (r[name].float() + b @ a).to(self.dtype)
 
         layers = []
         for i in range(self.layers):

@@ -27,48 +27,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from rollhpc.models.lora_config import TARGETS, LoraConfig
 from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
 
 __all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
-           "adapter_parameters", "export_lora_hf", "merge_into_hf", "LORA_ATTRIBUTE"]
-
-# short name -> (submodule of the transformer layer, linear in it, parallel mode of that linear)
-TARGETS: dict[str, tuple[str, str, Literal["column", "row"]]] = {
-    "qkv": ("self_attention", "linear_qkv", "column"),
-    "proj": ("self_attention", "linear_proj", "row"),
-    "fc1": ("mlp", "linear_fc1", "column"),
-    "fc2": ("mlp", "linear_fc2", "row"),
-}
-
-
-@dataclass(kw_only=True)
-class LoraConfig:
-    rank: int = 16  # r: the adapters' inner dimension
-    alpha: float = 32.0  # the update is scaled by alpha / rank
-    dropout: float = 0.0  # on the adapter's input, in training only
-    target: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])  # of TARGETS
-    seed: int = 0  # of A's initial draw (B starts at zero)
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ValueError(f"lora.alpha must be a positive number, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        unknown = [t for t in self.target if t not in TARGETS]
-        if unknown or not self.target or len(set(self.target)) != len(self.target):
-            raise ValueError(f"lora.target must name distinct layers of {sorted(TARGETS)}, got {self.target}")
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
+           "adapter_parameters", "export_lora_hf", "merge_into_hf", "merged_hf_weights", "adapter_sync_tensors",
+           "LORA_ATTRIBUTE"]
 
 class LoraAdapter(torch.nn.Module):
     """A and B of one tensor-parallel linear: ``delta(x)`` is what the adapter adds to the linear's output."""
@@ -247,3 +215,34 @@ def merge_into_hf(hf_state: dict[str, torch.Tensor], adapters: dict[str, torch.T
         b = adapters[key.replace(".lora_A.", ".lora_B.")]
         merged[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
     return merged
+
+
+def merged_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``export_hf_weights`` of a chunk with its adapters merged in (``W + alpha/r B A``, in float32, back in W's
+    dtype): the weights the adapted model computes with, for the generators and digests. Without adapters the
+    plain export. Collective like it (every TP rank iterates to the end; the adapters are gathered first)."""
+    from rollhpc.models.megatron_gpt import export_hf_weights
+
+    adapters = export_lora_hf(model, tp_group) if any(True for _ in _adapters(model)) else {}
+    scaling = next((a.scaling for a in _adapters(model)), 0.0)
+    for name, tensor in export_hf_weights(model, vocab_size, tp_group):
+        key = f"base_model.model.{name[:-len('.weight')]}.lora_A.weight" if name.endswith(".weight") else ""
+        if key in adapters:
+            a, b = adapters[key], adapters[key.replace(".lora_A.", ".lora_B.")]
+            tensor = (tensor.float() + scaling * (b.float() @ a.float())).to(tensor.dtype)
+        yield name, tensor
+
+
+def adapter_sync_tensors(model: torch.nn.Module, tp_group: Any, exporting: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a weight sync sends a generator that merges adapters itself (``engine: torch``): each adapted HF
+    module's ``MODULE.lora_A.weight`` and ``MODULE.lora_B.weight`` (Hugging Face module names, no PEFT prefix),
+    B multiplied by alpha/r so that the generator serves ``W + B A``. Collective (the TP gathers); yields on the
+    ``exporting`` rank only."""
+    adapters = export_lora_hf(model, tp_group)
+    if not exporting:
+        return
+    scaling = next((a.scaling for a in _adapters(model)), 1.0)
+    for key, t in adapters.items():
+        name = key[len("base_model.model."):]
+        yield name, (t * scaling if ".lora_B." in name else t)

@@ -127,19 +127,25 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
     weight.grad = grad
 
 
-def export_pipeline_hf_weights(chunks: Sequence[torch.nn.Module], vocab_size: int, tp_group: Any = None
-                               ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_pipeline_hf_weights(chunks: Sequence[torch.nn.Module], vocab_size: int, tp_group: Any = None,
+                               adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` over every pipeline stage: the first stage's exporting rank (TP rank 0,
     expert-parallel rank 0) yields the whole model, its own stage's tensors first, then each later
     stage's, received one tensor at a time from that stage's exporting rank. Collective like
     ``export_hf_weights``, over the pipeline group too: every rank of the exporting replica iterates
-    to the end; on the others it yields nothing."""
+    to the end; on the others it yields nothing. ``adapters_only``: a LoRA policy's adapters instead, as
+    a generator that merges them takes them (``rollhpc.models.lora.adapter_sync_tensors``)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rollhpc.models.megatron_gpt import export_hf_weights, exporting_rank
+    from rollhpc.models.lora import adapter_sync_tensors, merged_hf_weights
+    from rollhpc.models.megatron_gpt import exporting_rank
 
-    local = (item for chunk in chunks for item in export_hf_weights(chunk, vocab_size, tp_group))
+    if adapters_only:
+        exporting_here = exporting_rank(chunks[0], tp_group)
+        local = (item for chunk in chunks for item in adapter_sync_tensors(chunk, tp_group, exporting_here))
+    else:  # a LoRA policy's weights are its base with the adapters merged in (the model the generators serve)
+        local = (item for chunk in chunks for item in merged_hf_weights(chunk, vocab_size, tp_group))
     if not (dist.is_available() and dist.is_initialized()) or ps.get_pipeline_model_parallel_world_size() == 1:
         yield from local
         return

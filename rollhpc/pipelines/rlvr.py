@@ -248,9 +248,13 @@ class RlvrPipeline(TrainingPipeline):
             raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
                              f"configured: {sorted(roles)}")
         check_critic_role(options, roles)
-        if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles:
+        lora = getattr(getattr(roles.get("train"), "options", None), "lora", None)
+        if lora is not None and "reference" in roles:
+            raise ValueError("roles.train.options.lora: the frozen base is the reference policy (the train role's "
+                             "compute_ref_logprobs); remove the 'reference' role, which would hold a second copy")
+        if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles and lora is None:
             raise ValueError("a KL term (loss.kl_coef or kl_in_reward > 0) needs a 'reference' role "
-                             "(rollhpc.workers.megatron_policy:MegatronReferenceWorker)")
+                             "(rollhpc.workers.megatron_policy:MegatronReferenceWorker), or LoRA on the train role")
         if options.offload and options.rollout.max_staleness >= 1 and "generate" in roles:
             from rollhpc.controller.colocation import colocation_of
 
@@ -352,7 +356,7 @@ class RlvrPipeline(TrainingPipeline):
     def step(self, step: int, last: bool) -> StepReport:
         """Rollout (or the batch generated ahead in async mode), log-probs, advantages, train, weight sync."""
         o = self.options
-        train, ref = self.workers["train"], self.workers.get("reference")
+        train, ref = self.workers["train"], self._reference()
         asynchronous = o.rollout.max_staleness >= 1
         if self.policy.pending is not None:  # async: generated during the previous step's training
             (groups, rstats), self.policy.pending = self.policy.pending, None
@@ -380,6 +384,16 @@ class RlvrPipeline(TrainingPipeline):
         record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
         return StepReport(record, self._record(samples), summary=f"reward {record['reward_mean']:.3f}, "
                                                                  f"{record['tokens_per_s']:.0f} tok/s")
+
+    def _reference(self) -> Any:
+        """Where the reference log-probs come from: the reference role, or a LoRA train role's frozen base; None
+        without either."""
+        if "reference" in self.workers:
+            return self.workers["reference"].compute_logprobs
+        roles = getattr(self.run_ctx.config, "roles", None) or {}
+        if "train" in roles and getattr(roles["train"].options, "lora", None) is not None:
+            return self.workers["train"].compute_ref_logprobs
+        return None
 
     def _held_while_training(self, *calls: Any) -> HeldGenerators | None:
         """Partial overlap (offload on, async): the generator ranks on the trainer's GPUs sleep through the train
@@ -488,7 +502,7 @@ class RlvrPipeline(TrainingPipeline):
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
             self.stage("reference")
             t = time.perf_counter()
-            data["ref_logprob"] = ref.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+            data["ref_logprob"] = ref(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
         rewards = (self.reward_norm(groups) if self.options.domains
                    else self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64)))

@@ -157,7 +157,8 @@ class TrainingPipeline(Pipeline):
         if mode == "auto":
             mode = routing.mode if routing is not None and routing.routes else "broadcast"
         self.weight_sync = WeightSync(self.workers["train"], self.workers["generate"], mode, o.weight_sync_bucket_mb,
-                                      routing=routing, verify_every=o.weight_sync_verify_every)
+                                      routing=routing, verify_every=o.weight_sync_verify_every,
+                                      adapters_only=self._syncs_adapters_only())
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocation_of
 
@@ -268,6 +269,16 @@ class TrainingPipeline(Pipeline):
         t = time.perf_counter()
         times["weight_sync_s"] = self.sync_weights()
         times["weight_sync_total_s"] = time.perf_counter() - t
+        if self.weight_sync.last_bytes is not None:
+            times["weight_sync_mb"] = self.weight_sync.last_bytes / (1 << 20)
+
+    def _syncs_adapters_only(self) -> bool:
+        """A LoRA trainer sends only its adapters to generators that merge them themselves (the torch engine);
+        vLLM's engine takes whole models, so it gets the base with the adapters merged in."""
+        roles = getattr(self.run_ctx.config, "roles", None) or {}
+        if "train" not in roles or getattr(roles["train"].options, "lora", None) is None:
+            return False
+        return getattr(getattr(roles.get("generate"), "options", None), "engine", "vllm") == "torch"
 
     def begin(self, resumed: bool) -> None:
         self.sync_weights()  # the generators start from exactly the trainer's weights

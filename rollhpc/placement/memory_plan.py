@@ -43,6 +43,7 @@ class ModelShape:
     embedding: int
     head: int  # output layer (a copy of the embedding on the last stage when tied)
     tied: bool
+    intermediate: int = 0  # a dense MLP's width (0 for MoE: its adapters are not counted)
 
     @property
     def total(self) -> int:
@@ -66,10 +67,11 @@ class ModelShape:
             routed = 3 * h * inter * experts
         else:
             dense_mlp, routed = 3 * h * int(hf["intermediate_size"]), 0
+        intermediate = 0 if experts else int(hf["intermediate_size"])
         tied = bool(hf.get("tie_word_embeddings", False))
         return cls(hidden=h, layers=layers, vocab=vocab, heads=heads, kv_heads=kv, head_dim=hd,
                    layer_dense=attention + dense_mlp + 2 * h, layer_experts=routed, embedding=vocab * h,
-                   head=vocab * h, tied=tied)
+                   head=vocab * h, tied=tied, intermediate=intermediate)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelShape | None":

@@ -20,10 +20,14 @@ __all__ = ["WeightSync"]
 
 class WeightSync:
     def __init__(self, train: Any, generate: Any, mode: Literal["broadcast", "relay", "ipc", "mixed"] = "broadcast",
-                 bucket_mb: float = 64.0, routing: Routing | None = None, verify_every: int = 0):
+                 bucket_mb: float = 64.0, routing: Routing | None = None, verify_every: int = 0,
+                 adapters_only: bool = False):
+        """``adapters_only``: a LoRA trainer sends its adapters alone, to generators that merge them."""
         if mode == "mixed" and routing is None:
             raise ValueError("a mixed weight sync needs the routing that says which generator gets what")
         self.train, self.generate, self.mode, self.bucket_mb = train, generate, mode, bucket_mb
+        self.adapters_only = adapters_only
+        self.last_bytes: int | None = None  # what the last sync sent (broadcast and relay; None: not measured)
         self.routing = routing
         self.verify_every = verify_every  # 0: never; else the first sync and every verify_every-th after it
         self.syncs = 0
@@ -37,21 +41,23 @@ class WeightSync:
         train, gen = self.train, self.generate
         self.syncs += 1
         verify = self._verify_now()
+        adapters = self.adapters_only
         if self.mode == "ipc":
-            buckets = train.share_weights(self.bucket_mb, verify)
+            buckets = train.share_weights(self.bucket_mb, verify, adapters)
             try:
                 return max(gen.receive_shared_weights(buckets, version))
             finally:
                 train.release_shared_weights()
         if self.mode == "relay":
-            buckets = train.export_weights(self.bucket_mb, verify)
+            buckets = train.export_weights(self.bucket_mb, verify, adapters)
+            self.last_bytes = sum(b.nbytes for b in buckets)
             return max(gen.update_weights(buckets, version))
         if self.mode == "mixed":
             return self._mixed(version, verify)
         self._open_channel(None)
-        sending = train.broadcast_weights.submit(self.bucket_mb, verify)
+        sending = train.broadcast_weights.submit(self.bucket_mb, verify, adapters)
         loading = gen.receive_weights.submit(version)
-        sending.result()
+        self.last_bytes = sending.result()
         return max(loading.result())
 
     def _open_channel(self, members: list[int] | None) -> None:
@@ -77,15 +83,15 @@ class WeightSync:
         trainer's rank 0, one after the other (the trainer's buckets are shared until every IPC reader is done)."""
         train, gen = self.train, self.generate
         local, remote = self.routing.ranks(IPC), self.routing.ranks(BROADCAST)
-        buckets = train.share_weights(self.bucket_mb, verify)
+        buckets = train.share_weights(self.bucket_mb, verify, self.adapters_only)
         try:
             loads = [f.result() for f in [gen.at(g).receive_shared_weights.submit(buckets, version) for g in local]]
         finally:
             train.release_shared_weights()
         if remote:
             self._open_channel(remote)
-            sending = train.broadcast_weights.submit(self.bucket_mb, verify)
+            sending = train.broadcast_weights.submit(self.bucket_mb, verify, self.adapters_only)
             receiving = [gen.at(g).receive_weights.submit(version) for g in remote]
-            sending.result()
+            self.last_bytes = sending.result()
             loads += [f.result() for f in receiving]
         return max(loads)

@@ -44,6 +44,7 @@ import numpy as np
 
 from rollhpc.algo.objective import LossConfig
 from rollhpc.batch import Batch
+from rollhpc.models.lora_config import LoraConfig
 from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
 from rollhpc.testing import fault_injection
@@ -211,6 +212,14 @@ class MegatronPolicyWorker(Worker):
         dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
         state = 4 * 2 + (0 if size == 4 else 4)
         shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
+        lora = getattr(options, "lora", None)
+        if lora is not None:  # only the adapters train: gradients and optimizer state for them alone
+            from rollhpc.models.lora_config import adapter_parameter_count
+
+            adapters = adapter_parameter_count(lora, shape.hidden, shape.intermediate, shape.heads * shape.head_dim,
+                                               shape.kv_heads * shape.head_dim, -(-shape.layers // layout.pp), layout.tp)
+            out["parameters"] += float(adapters * size)
+            dense, experts, params = adapters, 0, adapters
         grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
         return {**out, "gradients": grads, "optimizer": optimizer,
                 "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows,
@@ -399,15 +408,18 @@ class MegatronPolicyWorker(Worker):
 class _WeightChannelMixin:
     """The sending end of ``weight_sync.broadcast``: trainer rank 0 hosts the rendezvous and broadcasts."""
 
-    def _exported_on_rank_zero(self) -> Any:
+    def _exported_on_rank_zero(self, adapters_only: bool = False) -> Any:
         """Collective: the full weights in Hugging Face names, gathered over TP within the first data-parallel
         replica (with EP its expert shards span several DP ranks), as a lazy iterator on group rank 0; None on
-        every other rank, which has taken part in the gathers (or, in another replica, had none to join)."""
+        every other rank, which has taken part in the gathers (or, in another replica, had none to join).
+        ``adapters_only``: a LoRA policy's adapters alone, for generators that merge them (engine: torch)."""
         from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
 
+        if adapters_only and getattr(self.options, "lora", None) is None:
+            raise RuntimeError(f"role {self.ctx.role!r}: adapters-only weight sync without LoRA adapters")
         if self.ctx.coords.edp_rank != 0:
             return None
-        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
+        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group, adapters_only)
         if self.ctx.group_rank == 0:
             return named
         for _ in named:  # the other TP ranks take part in the gathers only
@@ -428,21 +440,23 @@ class _WeightChannelMixin:
         self._channel = WeightBroadcast(0, world, "", 0, store=self._store, device=self.device)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def broadcast_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> int | None:
+    def broadcast_weights(self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+                          ) -> int | None:
         """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent.
-        ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``)."""
+        ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``); ``adapters_only``: LoRA's adapters."""
         from rollhpc.weight_sync.buckets import pack_buckets
 
-        named = self._exported_on_rank_zero()
+        named = self._exported_on_rank_zero(adapters_only)
         return None if named is None else self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))), verify)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def share_weights(self, bucket_mb: float = 512.0, verify: bool = False) -> list[Any] | None:
+    def share_weights(self, bucket_mb: float = 512.0, verify: bool = False, adapters_only: bool = False
+                      ) -> list[Any] | None:
         """The weights as CUDA-IPC handles of buckets on rank 0's GPU (``weight_sync.cuda_ipc``), for
         generators on that same GPU; the buckets stay alive until ``release_shared_weights``."""
         from rollhpc.weight_sync.cuda_ipc import share_weights
 
-        named = self._exported_on_rank_zero()
+        named = self._exported_on_rank_zero(adapters_only)
         if named is None:
             return None
         self._shared = share_weights(named, int(bucket_mb * (1 << 20)), verify=verify)
@@ -499,6 +513,10 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         # gradient and the update are unchanged (the global token and row counts still include them); the
         # trainer's time drops by the share of such rows. (Off under expert parallelism: DP ranks must run alike.)
         skip_zero_advantage: bool = True
+        # LoRA (rollhpc.models.lora): the checkpoint's weights frozen, adapters on lora.target trained; the weights
+        # sent to the generators are the base with the adapters merged, and the base without them is the reference
+        # policy (compute_ref_logprobs: no reference role needed)
+        lora: LoraConfig | None = None
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -514,6 +532,12 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
+        if options.lora is not None:
+            from rollhpc.models.lora import attach_lora
+
+            n = sum(attach_lora(c, options.lora, self.tp_rank, self.ctx.layout.tp, self.tp_group) for c in self.chunks)
+            log.info("role %s: LoRA rank %d on %s, %d adapter parameters on this rank (base frozen)", ctx.role,
+                     options.lora.rank, ",".join(options.lora.target), n)
         self._add_modules()
         self._build_optimizer()
         self.optimizer_steps = 0
@@ -557,6 +581,16 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
             use_distributed_optimizer=o.distributed_optimizer)
         self.optimizer = mcore_optimizer.get_megatron_optimizer(config, self.model_chunks)
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_ref_logprobs(self, batch: Batch) -> Batch | None:
+        """A LoRA policy's reference log-probs: ``compute_logprobs`` of the frozen base, adapters disabled."""
+        from rollhpc.models.lora import adapters_disabled
+
+        if self.options.lora is None:
+            raise RuntimeError(f"role {self.ctx.role!r} has no LoRA adapters: its reference is a 'reference' role")
+        with adapters_disabled(*self.chunks):
+            return self.compute_logprobs(batch)
 
     def _zero_grad(self) -> None:
         for chunk in self.model_chunks:
@@ -720,15 +754,17 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
             fault_injection.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def export_weights(self, bucket_mb: float = 64.0, verify: bool = False) -> list[Any] | None:
-        """The full weights in Hugging Face names, packed into buckets, from group rank 0.
+    def export_weights(self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+                       ) -> list[Any] | None:
+        """The full weights in Hugging Face names (``adapters_only``: LoRA's adapters), packed into buckets, from
+        group rank 0.
 
         Collective inside the first data-parallel replica (its TP ranks all-gather each parameter);
         the other replicas hold the same weights and return at once.
         """
         from rollhpc.weight_sync.buckets import pack_buckets, stamp
 
-        named = self._exported_on_rank_zero()
+        named = self._exported_on_rank_zero(adapters_only)
         if named is None:
             return None
         buckets = pack_buckets(((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20)))
