@@ -212,6 +212,24 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
     assert "#SBATCH" not in submit.stdout
 
 
+def test_the_lora_7b_config_fits_half_the_gpus(tmp_path):
+    """qwen2.5-7b_grpo_lora: adapters alone take gradients and Adam state, the base is the reference: the 7B run
+    fits 8 GPUs of 80 GB (the full fine-tuning config takes 16), by the plan's train stage."""
+    import json
+
+    from tests.conftest import rollhpc
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_7B))
+    res = rollhpc("plan", "qwen2.5-7b_grpo_lora", f"pipeline.options.model_dir={tmp_path}", "--no-ranks", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "8 GPUs; cluster: 1 nodes x 8 GPUs" in res.stdout
+    train = next(line for line in res.stdout.splitlines() if line.strip().startswith("train: parameters"))
+    parts = dict(p.strip().rsplit(" ", 1) for p in train.split(":", 1)[1].split(","))
+    assert float(parts["gradients"]) < 1 and float(parts["optimizer"]) < 1  # GiB: the adapters' only
+    (peak,) = [line for line in res.stdout.splitlines() if line.split()[:1] == ["peak"]]
+    assert float(peak.split()[2]) < 74.5
+
+
 def test_stage_moves_make_room_only_on_the_stages_devices():
     from rollhpc.controller.colocation import moves_for
     from rollhpc.pipelines.training import TrainingPipeline

@@ -139,9 +139,34 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     assert_three_steps_in_sync(res, tmp_path)
 
 
+@pytest.mark.slow
+def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_model):
+    """LoRA on the train role with a KL term and no reference role: the torch engine takes the adapters alone and
+    merges them into its base, after every sync its log-probs equal the trainer's (base + adapters), each sync
+    moves a small share of the model's bytes, and the KL is measured against the frozen base."""
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+                  "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
+                  "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.kl_coef=0.05",
+                  "roles.train.options.lr=1e-2", "roles.train.options.lora={rank: 4, alpha: 8}",
+                  "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
+    run_dir = assert_three_steps_in_sync(res, tmp_path)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    model_mb = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors")) / (1 << 20)
+    for x in steps:
+        assert 0 < x["weight_sync_mb"] < model_mb / 5, (x["weight_sync_mb"], model_mb)
+        assert "reference_s" in x
+    assert steps[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero: the policy is the base
+    assert steps[-1]["train/kl"] > 0  # the adapters have moved it off the base
+    assert "LoRA rank 4 on qkv,proj,fc1,fc2" in (run_dir / "logs" / "rank1-train.log").read_text()
+
+
 def test_kl_without_reference_role_fails_at_load(tmp_path):
     res = rollhpc("train", "quickstart", "pipeline.options.loss.kl_coef=0.1", "--dry-run", cwd=tmp_path)
     assert res.returncode != 0 and "needs a 'reference' role" in res.stderr
+    res = rollhpc("train", "quickstart", "pipeline.options.loss.kl_coef=0.1", "roles.train.options.lora={rank: 4}",
+                  "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+                  "+roles.reference.options.model_dir=runs/models/tiny-arith-sft", "--dry-run", cwd=tmp_path)
+    assert res.returncode != 0 and "the frozen base is the reference policy" in res.stderr
     res = rollhpc("train", "quickstart", "pipeline.options.algorithm=ppo", "--dry-run", cwd=tmp_path)
     assert res.returncode != 0 and "needs a 'critic' role" in res.stderr
 
