@@ -38,6 +38,7 @@ __all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "
            "adapter_parameters", "export_lora_hf", "merge_into_hf", "merged_hf_weights", "adapter_sync_tensors",
            "LORA_ATTRIBUTE"]
 
+
 class LoraAdapter(torch.nn.Module):
     """A and B of one tensor-parallel linear: ``delta(x)`` is what the adapter adds to the linear's output."""
 
@@ -123,7 +124,7 @@ def attach_lora(model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_siz
     count = 0
     for layer in model.decoder.layers:
         adapters = LoraLayer()
-        for k, name in enumerate(config.target):
+        for name in config.target:
             parent, attr, mode = TARGETS[name]
             linear = getattr(getattr(layer, parent), attr, None)
             if linear is None or getattr(linear, "weight", None) is None:
