@@ -500,7 +500,8 @@ class RlvrPipeline(TrainingPipeline):
             data["old_logprob"] = gen_logp
             times["old_logprob_s"] = 0.0
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
-            self.stage("reference")
+            # a LoRA policy's reference is the train role's own base: the stage that holds its parameters for a forward
+            self.stage("reference" if "reference" in self.workers else "old_logprob")
             t = time.perf_counter()
             data["ref_logprob"] = ref(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
