@@ -393,9 +393,10 @@ LORA_LR = 1e-2  # adapters start at B = 0: at LR a step moves the merged weights
 @pytest.mark.slow
 def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment, tmp_path):
     """LoRA on the megatron trainer (rollhpc.models.lora, through megatron's DDP and distributed optimizer): at TP2
-    and at PP2 the losses, grad norms, log-probs and merged weights of two steps are the one-rank run's; only the
-    adapters move (every weight off the checkpoint's is an adapted module's, by the merged delta); the run's LoRA
-    checkpoint after step 1 (base, adapters and their optimizer state) resumes to step 2's numbers."""
+    and at PP2 the losses, grad norms and merged weights of two steps are the one-rank run's; only the adapters
+    move (every weight off the checkpoint's is an adapted module's, by the merged delta); the run's LoRA
+    checkpoint after step 1 (base, adapters and their optimizer state) converts to the merged Hugging Face weights
+    and resumes to step 2's numbers."""
     from safetensors.torch import load_file
 
     opts = {**LORA, "lr": LORA_LR}
@@ -412,6 +413,14 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
         assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         for name, w in one["weights"].items():
             torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-5, msg=name)
+    # the checkpoint converts to Hugging Face weights with the adapters merged: the policy it holds
+    hf = tmp_path / "lora_hf"
+    res = rollhpc("convert", "mcore-to-hf", str(one["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    converted = {n: t for f in hf.glob("*.safetensors") for n, t in load_file(f).items()}
+    assert converted.keys() == one["saved_weights"].keys()
+    for name, w in one["saved_weights"].items():
+        torch.testing.assert_close(converted[name], w, rtol=0, atol=1e-6, msg=name)
     resumed = _run(experiment, tmp_path, "lora_resumed", models["dense"], 1, {}, train_options=opts,
                    resume_from=str(one["run_dir"] / "ckpt"))
     assert resumed["loss"] == pytest.approx(one["loss"][1:], rel=1e-6)

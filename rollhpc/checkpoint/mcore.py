@@ -25,6 +25,7 @@ each rank needs. Vocab padding differs per TP size; megatron pads or trims the e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -201,6 +202,9 @@ def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ou
                     params_dtype=_dtype_name(first.dtype), files=file_manifest(tmp, checksums))
         if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
             meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
+        lora = getattr(chunks[0], "lora_config", None)  # rollhpc.models.lora: adapters saved beside the base
+        if lora is not None:
+            meta["lora"] = dataclasses.asdict(lora)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         replace_dir(tmp, out_dir)
     dist.barrier()
@@ -343,6 +347,13 @@ class McoreReader:
         with torch.device("meta"):
             self.skeleton = build_gpt_model(self.hf_config, tp=1, params_dtype=self.dtype, padded_vocab=padded,
                                             perform_initialization=False)
+        self.lora = None  # a LoRA checkpoint's adapters (rollhpc.models.lora): read like any parameter
+        if self.meta.get("lora"):
+            from rollhpc.models.lora import attach_lora
+            from rollhpc.models.lora_config import LoraConfig
+
+            self.lora = LoraConfig(**self.meta["lora"])
+            attach_lora(self.skeleton, self.lora, 0, 1, None)
         self.sharded = {k: v for k, v in self.skeleton.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
         missing, wrong = [], []
         for name, sh in self.sharded.items():

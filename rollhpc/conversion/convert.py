@@ -522,6 +522,8 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             bar = Progress(len(table), f"writing {dst.name}", enabled=job["progress"])
             for w in table:
                 full = reader.read([w.megatron])[w.megatron]
+                if reader.lora is not None:  # a LoRA checkpoint: its adapters merged in (W + alpha/r B A)
+                    full = _merged(reader, w.megatron, full)
                 for name, tensor in unshard_to_hf(w.layout, [full], w.hf, **kw).items():
                     writer.write(name, tensor)
                 del full
@@ -537,6 +539,19 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return {**_memory(baseline), "tensors": len(plan)}
+
+
+def _merged(reader: Any, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (a full megatron tensor of ``reader``'s checkpoint) with its LoRA adapter merged in, when it has
+    one: in megatron's layout, B's rows being the weight's (fused q/k/v, gate/up), before any split."""
+    from rollhpc.models.lora import adapter_of
+
+    names = adapter_of(name, reader.lora)
+    if names is None:
+        return weight
+    ab = reader.read(list(names))
+    a, b = ab[names[0]].float(), ab[names[1]].float()
+    return (weight.float() + reader.lora.scaling * (b @ a)).to(weight.dtype)
 
 
 def _replace(tmp: Path, dst: Path, overwrite: bool) -> None:

@@ -36,7 +36,7 @@ from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
 
 __all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
            "adapter_parameters", "export_lora_hf", "merge_into_hf", "merged_hf_weights", "adapter_sync_tensors",
-           "LORA_ATTRIBUTE"]
+           "adapter_of", "LORA_ATTRIBUTE"]
 
 
 class LoraAdapter(torch.nn.Module):
@@ -121,6 +121,7 @@ def attach_lora(model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_siz
     transformer layers adapters on ``config.target``; returns the adapter parameters' element count on this
     rank. Layers are keyed by their global number, so a pipeline stage draws the A its layers have at pp=1."""
     model.requires_grad_(False)
+    model.lora_config = config  # what a checkpoint of it records (rollhpc.checkpoint.mcore), to read it back
     count = 0
     for layer in model.decoder.layers:
         adapters = LoraLayer()
@@ -247,3 +248,15 @@ def adapter_sync_tensors(model: torch.nn.Module, tp_group: Any, exporting: bool)
     for key, t in adapters.items():
         name = key[len("base_model.model."):]
         yield name, (t * scaling if ".lora_B." in name else t)
+
+
+def adapter_of(megatron_name: str, config: LoraConfig) -> tuple[str, str] | None:
+    """The parameter names (A, B) of the adapter on megatron weight ``megatron_name``
+    (``decoder.layers.I.self_attention.linear_qkv.weight`` and the like), or None when it has none."""
+    for target in config.target:
+        parent, attr, _ = TARGETS[target]
+        suffix = f".{parent}.{attr}.weight"
+        if megatron_name.startswith("decoder.layers.") and megatron_name.endswith(suffix):
+            layer = megatron_name[:-len(suffix)]
+            return f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_a", f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_b"
+    return None
