@@ -36,7 +36,7 @@ from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
 
 __all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
            "adapter_parameters", "export_lora_hf", "merge_into_hf", "merged_hf_weights", "adapter_sync_tensors",
-           "adapter_of", "LORA_ATTRIBUTE"]
+           "adapter_of", "peft_tensors", "peft_config", "LORA_ATTRIBUTE"]
 
 
 class LoraAdapter(torch.nn.Module):
@@ -88,13 +88,22 @@ class LoraAdapter(torch.nn.Module):
 
 
 class LoraLayer(torch.nn.ModuleDict):
-    """One transformer layer's adapters, by target name; checkpointed through each adapter's sharding."""
+    """One transformer layer's adapters, by target name; checkpointed through each adapter's sharding, fc1's B
+    through megatron's SwiGLU factory as fc1's weight is (its gate and up halves stored apart: a checkpoint's
+    layout does not depend on the TP size it was saved at)."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
                            ) -> dict[str, Any]:
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
         out: dict[str, Any] = {}
         for name, adapter in self.items():
-            out.update(adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+            sub = adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
+            if name == "fc1":
+                key = f"{prefix}{name}.lora_b"
+                sub[key] = apply_swiglu_sharded_factory(sub[key], sharded_offsets,
+                                                        (metadata or {}).get("singleton_local_shards", False))
+            out.update(sub)
         return out
 
 
@@ -187,21 +196,40 @@ def export_lora_hf(model: torch.nn.Module, tp_group: Any = None) -> dict[str, to
         adapters = getattr(layer, LORA_ATTRIBUTE, None)
         if adapters is None:
             continue
-        i = layer.layer_number - 1
         for name, adapter in adapters.items():
-            parent, modules, layout = _HF_MODULES[name]
-            hf = [f"{PEFT_PREFIX}{i}.{parent}.{m}" for m in modules]
             a, b = adapter.lora_a.detach(), adapter.lora_b.detach()
-            if adapter.mode == "column":
-                bs = unshard_to_hf(layout, _gather(b, tp_group, tp), hf, num_query_groups=c.num_query_groups,
-                                   num_attention_heads=c.num_attention_heads)
-                for m in hf:
-                    out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.clone(), bs[m].contiguous()
-            else:
-                (m,) = hf
-                out[f"{m}.lora_A.weight"] = unshard_to_hf("row", _gather(a, tp_group, tp), hf)[m].contiguous()
-                out[f"{m}.lora_B.weight"] = b.clone()
+            a_full = a if adapter.mode == "column" else torch.cat(_gather(a, tp_group, tp), dim=1)
+            b_shards = _gather(b, tp_group, tp) if adapter.mode == "column" else [b]
+            out.update(peft_tensors(layer.layer_number - 1, name, a_full, b_shards, c.num_query_groups,
+                                    c.num_attention_heads))
     return out
+
+
+def peft_tensors(layer: int, target: str, a: torch.Tensor, b_shards: list[torch.Tensor], num_query_groups: int,
+                 num_attention_heads: int) -> dict[str, torch.Tensor]:
+    """One megatron adapter as PEFT's tensors of the HF modules it stands for: A whole [r, in]; B as its TP
+    shards (one, whole, for a row-parallel target or at TP 1), split as the fused weight's shards are (q/k/v
+    groups, gate/up halves per shard); A shared by the modules of a fused linear."""
+    parent, modules, layout = _HF_MODULES[target]
+    hf = [f"{PEFT_PREFIX}{layer}.{parent}.{m}" for m in modules]
+    out = {}
+    if TARGETS[target][2] == "column":
+        bs = unshard_to_hf(layout, b_shards, hf, num_query_groups=num_query_groups,
+                           num_attention_heads=num_attention_heads)
+        for m in hf:
+            out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.clone(), bs[m].contiguous()
+    else:
+        (m,) = hf
+        out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.contiguous().clone(), b_shards[0].clone()
+    return out
+
+
+def peft_config(config: LoraConfig, base_model: str = "") -> dict[str, Any]:
+    """adapter_config.json of PEFT's LoRA for ``config``'s adapters (Hugging Face module names)."""
+    modules = sorted(m for t in config.target for m in _HF_MODULES[t][1])
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
+            "lora_dropout": config.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+            "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None}
 
 
 def merge_into_hf(hf_state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float
