@@ -421,6 +421,15 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
     assert converted.keys() == one["saved_weights"].keys()
     for name, w in one["saved_weights"].items():
         torch.testing.assert_close(converted[name], w, rtol=0, atol=1e-6, msg=name)
+    # ... and its adapters to a PEFT adapter directory that PEFT loads onto the base: the same model
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["dense"]), hf / "adapter")
+        torch.testing.assert_close(peft.eval()(ids).logits, merged, rtol=0, atol=1e-5)
     resumed = _run(experiment, tmp_path, "lora_resumed", models["dense"], 1, {}, train_options=opts,
                    resume_from=str(one["run_dir"] / "ckpt"))
     assert resumed["loss"] == pytest.approx(one["loss"][1:], rel=1e-6)

@@ -76,6 +76,7 @@ from rollhpc.rundir import atomic_write_json, replace_dir
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
 
 DEFAULT_MAX_SHARD = "2GB"
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's converted directory: its adapters in PEFT's format, here
 VERIFY_PROMPTS = ("The quick brown fox jumps over", "12 + 7 = 19; 3 + 4 =", "def fibonacci(n):")
 
 
@@ -530,6 +531,8 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 bar.update()
             bar.close()
             writer.close()
+            if reader.lora is not None:
+                _write_peft_adapter(reader, tmp / ADAPTER_DIR)
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             if (src / HF_EXTRAS_DIR).is_dir():
                 copy_hf_extras(src / HF_EXTRAS_DIR, tmp)
@@ -539,6 +542,26 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return {**_memory(baseline), "tensors": len(plan)}
+
+
+def _write_peft_adapter(reader: Any, out: Path) -> None:
+    """A LoRA checkpoint's adapters as a PEFT adapter directory (adapter_model.safetensors, adapter_config.json):
+    what `PeftModel.from_pretrained(base, out)` loads onto the base model the run started from."""
+    from safetensors.torch import save_file
+
+    from rollhpc.models.lora import LORA_ATTRIBUTE, peft_config, peft_tensors
+
+    c = reader.skeleton.config
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(c.num_layers):
+        for target in reader.lora.target:
+            prefix = f"decoder.layers.{layer}.{LORA_ATTRIBUTE}.{target}."
+            ab = reader.read([prefix + "lora_a", prefix + "lora_b"])
+            tensors.update(peft_tensors(layer, target, ab[prefix + "lora_a"], [ab[prefix + "lora_b"]],
+                                        c.num_query_groups, c.num_attention_heads))
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(reader.lora), indent=2, sort_keys=True) + "\n")
 
 
 def _merged(reader: Any, name: str, weight: torch.Tensor) -> torch.Tensor:
