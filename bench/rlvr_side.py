@@ -26,7 +26,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--size", default="small")
-    ap.add_argument("--setting", default="parity")
+    ap.add_argument("--setting", default="parity", help="a setting of bench/rlvr_vs_trl.yaml (lora: rollhpc alone)")
+    ap.add_argument("--wall-s", type=float, help="training seconds (default: the size's)")
     args = ap.parse_args()
     tree = args.tree.resolve()
     sys.path[:0] = [str(tree), str(tree / "bench")]
@@ -36,14 +37,15 @@ def main() -> None:
     import rlvr_vs_trl as bench
 
     spec = yaml.safe_load((tree / "bench" / "rlvr_vs_trl.yaml").read_text())
-    s, overrides = bench.load_settings(spec["sizes"][args.size], spec["settings"][args.setting], None)
+    s, overrides = bench.load_settings(spec["sizes"][args.size], spec["settings"][args.setting], args.wall_s)
     start = time.time()
     r = bench.run_rollhpc(s, Path(tempfile.mkdtemp(prefix="rlvr_side_")), [*overrides, f"run.seed={s.seed}"])
     records = [json.loads(line) for line in (tree / "runs" / "bench_rollhpc" / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     steps = [x for x in records if x["step"] >= 1]
     stages = {k: round(statistics.median(x[k] for x in steps if k in x), 3)
-              for k in ("step_s", "rollout_s", "old_logprob_s", "train_s", "weight_sync_s") if any(k in x for x in steps)}
+              for k in ("step_s", "rollout_s", "old_logprob_s", "train_s", "weight_sync_s", "weight_sync_mb")
+              if any(k in x for x in steps)}
     accuracy = [a for _, a in r["curve"]]
     print(json.dumps({"tree": str(tree), "size": args.size, "setting": args.setting, "wall_s": round(r["wall_s"], 1),
                       "steps": r["steps"], "steps_skipped": r["steps_skipped"], "samples": r["samples"],
