@@ -411,8 +411,12 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
                    models["dense"], procs, parallel, train_options=opts)
         assert got["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
         assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+        # Adam moves an element by about lr whatever its gradient's size: where a gradient is float noise (fc2's A
+        # on MLP units that stay near zero) the layouts' noise differs, and the merged B A by up to ~lr x |B|
+        # (measured: 3e-4 at TP2, 1e-6 at PP2). A tenth of lr is above that and far below an adapter that did not
+        # train; the losses and grad norms above hold the gradients to float precision
         for name, w in one["weights"].items():
-            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=LORA_LR / 10, msg=name)
     # the checkpoint converts to Hugging Face weights with the adapters merged: the policy it holds
     hf = tmp_path / "lora_hf"
     res = rollhpc("convert", "mcore-to-hf", str(one["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)

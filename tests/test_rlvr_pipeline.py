@@ -147,6 +147,7 @@ def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_mod
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.kl_coef=0.05",
+                  "pipeline.options.loss.entropy_coef=0.01",  # a gradient every step, whatever the rewards
                   "roles.train.options.lr=1e-2", "roles.train.options.lora={rank: 4, alpha: 8}",
                   "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
     run_dir = assert_three_steps_in_sync(res, tmp_path)
