@@ -35,7 +35,7 @@ from rollhpc.models.lora_config import TARGETS, LoraConfig
 from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
 
 __all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
-           "adapter_parameters", "export_lora_hf", "merge_into_hf", "merged_hf_weights", "adapter_sync_tensors",
+           "adapter_parameters", "export_lora_hf", "merged_hf_weights", "adapter_sync_tensors",
            "adapter_of", "peft_tensors", "peft_config", "LORA_ATTRIBUTE"]
 
 
@@ -230,21 +230,6 @@ def peft_config(config: LoraConfig, base_model: str = "") -> dict[str, Any]:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
             "lora_dropout": config.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
             "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None}
-
-
-def merge_into_hf(hf_state: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float
-                  ) -> dict[str, torch.Tensor]:
-    """Hugging Face weights with the adapters merged: ``W + scaling * B @ A`` for every adapted module (in
-    float32, cast back to W's dtype). ``adapters`` as ``export_lora_hf`` names them."""
-    merged = dict(hf_state)
-    for key, a in adapters.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        module = key[len("base_model.model."):-len(".lora_A.weight")]
-        w = hf_state[f"{module}.weight"]
-        b = adapters[key.replace(".lora_A.", ".lora_B.")]
-        merged[f"{module}.weight"] = (w.float() + scaling * (b.float() @ a.float())).to(w.dtype)
-    return merged
 
 
 def merged_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = None
