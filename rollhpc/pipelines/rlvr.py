@@ -52,7 +52,8 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
+from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
+                                        train_lora)
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
@@ -248,7 +249,7 @@ class RlvrPipeline(TrainingPipeline):
             raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
                              f"configured: {sorted(roles)}")
         check_critic_role(options, roles)
-        lora = getattr(getattr(roles.get("train"), "options", None), "lora", None)
+        lora = train_lora(roles)
         if lora is not None and "reference" in roles:
             raise ValueError("roles.train.options.lora: the frozen base is the reference policy (the train role's "
                              "compute_ref_logprobs); remove the 'reference' role, which would hold a second copy")
@@ -391,7 +392,7 @@ class RlvrPipeline(TrainingPipeline):
         if "reference" in self.workers:
             return self.workers["reference"].compute_logprobs
         roles = getattr(self.run_ctx.config, "roles", None) or {}
-        if "train" in roles and getattr(roles["train"].options, "lora", None) is not None:
+        if train_lora(roles) is not None:
             return self.workers["train"].compute_ref_logprobs
         return None
 

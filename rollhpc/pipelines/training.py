@@ -117,6 +117,11 @@ class RankPort:
 TRAINER_PARTS = ("parameters", "gradients", "optimizer", "activations")
 
 
+def train_lora(roles: dict[str, Any]) -> Any:
+    """The train role's LoRA settings (``roles.train.options.lora``), None without LoRA or a train role."""
+    return getattr(getattr(roles.get("train"), "options", None), "lora", None)
+
+
 class TrainingPipeline(Pipeline):
     policy: PolicyCursor
     checkpointer: Any
@@ -276,7 +281,7 @@ class TrainingPipeline(Pipeline):
         """A LoRA trainer sends only its adapters to generators that merge them themselves (the torch engine);
         vLLM's engine takes whole models, so it gets the base with the adapters merged in."""
         roles = getattr(self.run_ctx.config, "roles", None) or {}
-        if "train" not in roles or getattr(roles["train"].options, "lora", None) is None:
+        if train_lora(roles) is None:
             return False
         return getattr(getattr(roles.get("generate"), "options", None), "engine", "vllm") == "torch"
 
