@@ -44,7 +44,8 @@ from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role
+from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
+                                        step_measures)
 from rollhpc.rollout.ports import ResetRequest, StepRequest
 from rollhpc.rollout.scheduler import EpisodeSeed, RolloutScheduler
 from rollhpc.rollout.episode import episode_of
@@ -267,7 +268,7 @@ class AgenticPipeline(TrainingPipeline):
         record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
                   "rollout_success_rate": rstats.episodes_succeeded / max(rstats.episodes_finished, 1),
                   "tokens_per_s": rstats.tokens_generated / max(rstats.wall_s, 1e-9), "rows": len(batch),
-                  **{k: round(v, 6) for k, v in times.items()}, **rstats.as_metrics()}
+                  **step_measures(times), **rstats.as_metrics()}
         for key in stats[0]:
             record[f"train/{key}"] = float(np.mean([s[key] for s in stats]))
         if record["turns_cut_frac"] > CUT_TURNS_WARNING and not self._warned_cut_turns:

@@ -53,7 +53,7 @@ from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
-                                        train_lora)
+                                        step_measures, train_lora)
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
@@ -544,7 +544,7 @@ class RlvrPipeline(TrainingPipeline):
             "tokens_per_s": tokens / max(rstats.wall_s, 1e-9),
             "policy_version": version,
             "sample_version_lag": float(np.mean([version - 1 - s.version for s in samples])),
-            **{k: round(v, 6) for k, v in times.items()},
+            **step_measures(times),
             **rstats.as_metrics(),
             **(domains_mod.sample_metrics(samples) if self.options.domains else {}),
             **self._reward_counters(),
