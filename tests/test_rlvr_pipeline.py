@@ -85,7 +85,7 @@ def test_rlvr_on_the_torch_engine_stays_in_sync_with_the_trainer(tmp_path, tiny_
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=3", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
-                  "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
+                  "roles.generate.options.max_lora_rank=8", cwd=tmp_path, timeout=600)
     run_dir = assert_three_steps_in_sync(res, tmp_path)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "accuracy" in lines[0] and "accuracy" in lines[-1]
@@ -141,15 +141,16 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
 
 @pytest.mark.slow
 def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_model):
-    """LoRA on the train role with a KL term and no reference role: the torch engine takes the adapters alone and
-    merges them into its base, after every sync its log-probs equal the trainer's (base + adapters), each sync
-    moves a small share of the model's bytes, and the KL is measured against the frozen base."""
+    """LoRA on the train role with a KL term and no reference role: vLLM serves the adapters with its own LoRA
+    (max_lora_rank), each sync moves them alone (a small share of the model's bytes), after every sync the
+    generator's log-probs equal the trainer's (base + adapters), and the KL is measured against the frozen base.
+    (The torch engine's merge of synced adapters: tests/test_torch_engine.py.)"""
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.kl_coef=0.05",
                   "pipeline.options.loss.entropy_coef=0.01",  # a gradient every step, whatever the rewards
                   "roles.train.options.lr=1e-2", "roles.train.options.lora={rank: 4, alpha: 8}",
-                  "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
+                  "roles.generate.options.max_lora_rank=8", cwd=tmp_path, timeout=600)
     run_dir = assert_three_steps_in_sync(res, tmp_path)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     model_mb = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors")) / (1 << 20)
@@ -168,6 +169,8 @@ def test_kl_without_reference_role_fails_at_load(tmp_path):
                   "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
                   "+roles.reference.options.model_dir=runs/models/tiny-arith-sft", "--dry-run", cwd=tmp_path)
     assert res.returncode != 0 and "the frozen base is the reference policy" in res.stderr
+    res = rollhpc("train", "quickstart", "roles.generate.options.max_lora_rank=8", "--dry-run", cwd=tmp_path)
+    assert res.returncode != 0 and "roles.train.options has no lora" in res.stderr
     res = rollhpc("train", "quickstart", "pipeline.options.algorithm=ppo", "--dry-run", cwd=tmp_path)
     assert res.returncode != 0 and "needs a 'critic' role" in res.stderr
 

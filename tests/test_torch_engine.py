@@ -180,3 +180,50 @@ def test_update_weights_and_misuse(models):
     (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="engine=vllm"):
         TorchGenerator(other)
+
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_adapters(model, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """LoRA adapters on every linear of ``model`` as a weight sync sends them (HF module names, alpha/r in B)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, w in model.state_dict().items():
+        if name.endswith(".weight") and name.split(".")[-2] in LORA_MODULES:
+            module = name[:-len(".weight")]
+            out[f"{module}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.1
+            out[f"{module}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.1
+    return out
+
+
+def merged_model(model, adapters: dict[str, torch.Tensor]):
+    """A copy of ``model`` with ``adapters`` merged into its weights (W + B A)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    state = out.state_dict()
+    for name in state:
+        a = adapters.get(name.replace(".weight", ".lora_A.weight"))
+        if a is not None:
+            state[name] += adapters[name.replace(".weight", ".lora_B.weight")] @ a
+    out.load_state_dict(state)
+    return out
+
+
+def test_adapters_are_served_merged_and_replace_the_last(models):
+    """A LoRA trainer's sync (adapters alone): the engine serves base + B A, transformers' merged model's own
+    greedy tokens and log-probs; the next version's adapters replace the last ones (B = 0: the base again)."""
+    model, path = models["qwen_b"]
+    engine = TorchGenerator(path, max_model_len=32)
+    adapters = random_adapters(model, rank=4, seed=0)
+    engine.update_weights(list(adapters.items()), version=1)
+    want = [hf_greedy(merged_model(model, adapters), p, 6) for p in PROMPTS[:2]]
+    got = engine.generate(PROMPTS[:2], temperature=0.0, max_tokens=6)
+    for (c,), (tokens, logprobs) in zip(got, want):
+        assert c.token_ids == tokens and c.version == 1
+        assert max(abs(x - y) for x, y in zip(c.logprobs, logprobs)) < 1e-4
+    zero = {k: v * 0 if ".lora_B." in k else v for k, v in adapters.items()}
+    engine.update_weights(list(zero.items()), version=2)
+    (c,), = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=6)
+    assert c.token_ids == hf_greedy(model, PROMPTS[0], 6)[0]

@@ -17,13 +17,18 @@ Start-up cost (it is on the critical path of every restart): the engine's heap o
 frozen before the engine is built (``_freeze_imported_heap``), and on CPU the sampler's token-rank count
 runs eagerly instead of being compiled at the first step (``_eager_token_ranks_on_cpu``).
 
-Left out: async engines (one thread drives the step API of the synchronous engine), LoRA, multimodal
-inputs.
+LoRA (``max_lora_rank`` > 0): the engine serves its base weights plus a LoRA trainer's adapters through vLLM's
+own LoRA support (``enable_lora``); ``update_weights`` then takes the adapters alone (``MODULE.lora_A.weight``,
+``MODULE.lora_B.weight`` with alpha/r in B: ``rollhpc.models.lora.adapter_sync_tensors``), writes them as a PEFT
+directory in this process's scratch space and has vLLM load it in place of the previous version.
+
+Left out: async engines (one thread drives the step API of the synchronous engine), multimodal inputs.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import os
@@ -70,13 +75,15 @@ class VllmGenerator(StepEngine):
         dtype: "float32", "bfloat16", "auto", ...
         stop_token_ids: extra ids that end every completion (e.g. when the checkpoint has no
             generation_config.json, vLLM would otherwise never stop before ``max_tokens``).
+        max_lora_rank: > 0: serve a LoRA trainer's adapters of up to this rank (vLLM's ``enable_lora``, one
+            adapter); its weight updates are then the adapters alone.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = 256 << 20,
                  enforce_eager: bool = True, tensor_parallel_size: int = 1, dtype: str = "auto",
                  stop_token_ids: Sequence[int] = (), weight_chunk_bytes: int = 256 << 20,
-                 **engine_kwargs: Any) -> None:
+                 max_lora_rank: int = 0, **engine_kwargs: Any) -> None:
         # Engine core in this process (weights can then be handed over as live tensors). Must be set
         # before vllm is imported; so must VLLM_CONFIGURE_LOGGING=0 (vLLM logs through this process's
         # logging config instead of installing its own handlers).
@@ -108,6 +115,9 @@ class VllmGenerator(StepEngine):
         if self.weight_transfer:
             engine_kwargs.setdefault("weight_transfer_config", {"backend": self.weight_transfer})
         self.weight_chunk_bytes = int(weight_chunk_bytes)
+        if max_lora_rank:
+            engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=int(max_lora_rank))
+        self.lora = _AdapterSlot() if max_lora_rank else None
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
@@ -141,7 +151,7 @@ class VllmGenerator(StepEngine):
                                         seed=None if seed is None else seed + i * n, ignore_eos=ignore_eos)
                   for i in range(len(prompt_token_ids))]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         return [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
 
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
@@ -191,7 +201,7 @@ class VllmGenerator(StepEngine):
         # Rendered as LLM.generate does (raw prompt dicts are deprecated input to the engine).
         (prompt,) = self.llm.renderer.render_cmpl(
             [parse_model_prompt(self.llm.model_config, {"prompt_token_ids": list(prompt_token_ids)})])
-        engine_id = self.llm.llm_engine.add_request(request_id, prompt, params)
+        engine_id = self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self._lora_request())
         self._live[request_id] = _Live(engine_id, self.version)
 
     def step(self) -> list[tuple[str, Completion]]:
@@ -235,7 +245,7 @@ class VllmGenerator(StepEngine):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load HF-named tensors into the running engine: ALL of the checkpoint's tensors (vLLM's
         ``reload_weights`` rebuilds every parameter, so one left out would be lost; a tied checkpoint's
-        ``lm_head.weight`` is added from the embedding here).
+        ``lm_head.weight`` is added from the embedding here); or, on an engine that serves LoRA, the adapters alone.
 
         Tensors are copied in (the caller may reuse its buffers afterwards). Cached prefixes were
         computed with the old weights, so the prefix cache is dropped. Refused while step-API
@@ -247,7 +257,15 @@ class VllmGenerator(StepEngine):
         self._check_idle("update_weights()", generating=False)
         if isinstance(named_tensors, (list, tuple)) and not named_tensors:
             raise ValueError("update_weights() needs the model's tensors, got none")
-        weights = _with_tied_head(named_tensors) if self.tied_embeddings else iter(named_tensors)
+        named_tensors = iter(named_tensors)
+        first = next(named_tensors, None)
+        if first is None:
+            raise ValueError("update_weights() needs the model's tensors, got none")
+        named_tensors = itertools.chain([first], named_tensors)
+        if ".lora_A." in first[0] or ".lora_B." in first[0]:
+            self._load_adapters(named_tensors, version)
+            return
+        weights = _with_tied_head(named_tensors) if self.tied_embeddings else named_tensors
         gates: dict[int, torch.Tensor] = {}
         if self.cpu_moe:
             weights = capture_expert0_gates(weights, gates)
@@ -270,6 +288,20 @@ class VllmGenerator(StepEngine):
                          "(vLLM leaves them in checkpoint layout)", max(packed))
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def _load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """A LoRA trainer's adapters become the served adapter, in place of the previous version's."""
+        if self.lora is None:
+            raise ValueError("update_weights() got LoRA adapters, but this engine serves none: start it with "
+                             "max_lora_rank (the generate role's max_lora_rank option)")
+        request = self.lora.write({name: tensor for name, tensor in named_tensors})
+        self.llm.llm_engine.add_lora(request)  # load_inplace: the adapter's slot takes the new tensors
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
+        self.version = version
+
+    def _lora_request(self) -> Any:
+        """What every request names: the served adapter (None until the first adapters arrive: the base)."""
+        return None if self.lora is None else self.lora.request
 
     def sleep(self, level: int = 1) -> None:
         """Free accelerator memory between rollouts (level 1: weights to host, KV cache dropped).
@@ -294,6 +326,44 @@ class VllmGenerator(StepEngine):
             self.weights_asleep = False
         if tags is None or "kv_cache" in tags:
             self.asleep = False
+
+
+class _AdapterSlot:
+    """The one LoRA adapter an engine serves: a PEFT directory in this process's scratch space (shared memory
+    where the machine has it: vLLM's loader reads a path, also from its TP worker processes), rewritten for
+    each version and loaded in place under one adapter id."""
+
+    ADAPTER_ID = 1
+
+    def __init__(self) -> None:
+        import shutil
+        import tempfile
+        import weakref
+
+        shm = Path("/dev/shm")
+        self.dir = Path(tempfile.mkdtemp(prefix="rollhpc-lora-", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, str(self.dir), True)  # gone with the engine, or at exit
+        self.request: Any = None  # what requests name, once an adapter is loaded
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """Write ``tensors`` (HF module names, alpha/r already in B) as the adapter; returns the request that
+        loads it in place."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        a = [t for name, t in tensors.items() if ".lora_A." in name]
+        if not a or len(a) * 2 != len(tensors):
+            raise ValueError(f"LoRA adapters come as lora_A/lora_B pairs, got {sorted(tensors)[:4]}...")
+        rank = int(a[0].shape[0])
+        modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
+        save_file({f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                  str(self.dir / "adapter_model.safetensors"))
+        # alpha = r: the scaling alpha/r is already in B
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+                  "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None}
+        (self.dir / "adapter_config.json").write_text(json.dumps(config))
+        self.request = LoRARequest("policy", self.ADAPTER_ID, str(self.dir))
+        return LoRARequest("policy", self.ADAPTER_ID, str(self.dir), load_inplace=True)
 
 
 def _bind_cpu_workers(tp: int) -> None:

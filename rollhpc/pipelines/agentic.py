@@ -45,7 +45,7 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
-                                        step_measures)
+                                        check_lora_serving, step_measures)
 from rollhpc.rollout.ports import ResetRequest, StepRequest
 from rollhpc.rollout.scheduler import EpisodeSeed, RolloutScheduler
 from rollhpc.rollout.episode import episode_of
@@ -207,6 +207,7 @@ class AgenticPipeline(TrainingPipeline):
         """The env role must name its environment (the warm start plays it); PPO needs a critic role."""
         _env_of(roles)
         check_critic_role(options, roles)
+        check_lora_serving(roles)
 
     # ------------------------------------------------------------------ start-up
     def setup(self) -> None:

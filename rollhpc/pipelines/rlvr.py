@@ -53,7 +53,7 @@ from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.domains import DomainConfig
 from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
-                                        step_measures, train_lora)
+                                        check_lora_serving, step_measures, train_lora)
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
@@ -249,6 +249,7 @@ class RlvrPipeline(TrainingPipeline):
             raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
                              f"configured: {sorted(roles)}")
         check_critic_role(options, roles)
+        check_lora_serving(roles)
         lora = train_lora(roles)
         if lora is not None and "reference" in roles:
             raise ValueError("roles.train.options.lora: the frozen base is the reference policy (the train role's "

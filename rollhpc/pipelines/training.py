@@ -129,6 +129,27 @@ def train_lora(roles: dict[str, Any]) -> Any:
     return getattr(getattr(roles.get("train"), "options", None), "lora", None)
 
 
+def generators_take_adapters(roles: dict[str, Any]) -> bool:
+    """Whether a LoRA trainer's weight syncs move its adapters alone: the generate role's engine serves them
+    (vLLM with ``max_lora_rank``) or merges them (engine=torch). Otherwise the base with the adapters merged in."""
+    options = getattr(roles.get("generate"), "options", None)
+    return train_lora(roles) is not None and bool(getattr(options, "takes_adapters", lambda: False)())
+
+
+def check_lora_serving(roles: dict[str, Any]) -> None:
+    """Config-time: a generate role that serves LoRA (``max_lora_rank``) serves the train role's adapters."""
+    serving = getattr(getattr(roles.get("generate"), "options", None), "max_lora_rank", 0)
+    if not serving:
+        return
+    lora = train_lora(roles)
+    if lora is None:
+        raise ValueError(f"roles.generate.options.max_lora_rank={serving} serves a LoRA trainer's adapters, but "
+                         "roles.train.options has no lora: remove max_lora_rank")
+    if lora.rank > serving:
+        raise ValueError(f"roles.generate.options.max_lora_rank={serving} is below the train role's "
+                         f"lora.rank={lora.rank}: vLLM would refuse the adapters")
+
+
 class TrainingPipeline(Pipeline):
     policy: PolicyCursor
     checkpointer: Any
@@ -285,12 +306,8 @@ class TrainingPipeline(Pipeline):
             times["weight_sync_mb"] = self.weight_sync.last_bytes / (1 << 20)
 
     def _syncs_adapters_only(self) -> bool:
-        """A LoRA trainer sends only its adapters to generators that merge them themselves (the torch engine);
-        vLLM's engine takes whole models, so it gets the base with the adapters merged in."""
-        roles = getattr(self.run_ctx.config, "roles", None) or {}
-        if train_lora(roles) is None:
-            return False
-        return getattr(getattr(roles.get("generate"), "options", None), "engine", "vllm") == "torch"
+        """A LoRA trainer sends only its adapters to generators that serve or merge them (generators_take_adapters)."""
+        return generators_take_adapters(getattr(self.run_ctx.config, "roles", None) or {})
 
     def begin(self, resumed: bool) -> None:
         self.sync_weights()  # the generators start from exactly the trainer's weights
