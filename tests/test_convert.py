@@ -176,7 +176,7 @@ def test_vllm_generates_from_converted_moe(converted, tmp_path: Path) -> None:
     assert tokens == [_hf_greedy(c["src"], p, 8) for p in PROMPTS]
 
 
-def _trainer_rank(rank: int, port: int, moe_dir: str, ckpt: str, out: str) -> None:
+def _trainer_rank(rank: int, rendezvous: str, moe_dir: str, ckpt: str, out: str) -> None:
     """A rank of a "trainer" at tp1/ep2/etp1: loads the tp2/ep2/etp2 checkpoint, checks every parameter
     against the HF shards, exports HF tensors (experts gathered over EP) and saves with
     save_mcore_checkpoint."""
@@ -190,7 +190,7 @@ def _trainer_rank(rank: int, port: int, moe_dir: str, ckpt: str, out: str) -> No
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     megatron_cpu.enable_cpu_megatron()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2,
                                              expert_tensor_parallel_size=1)
@@ -221,12 +221,11 @@ def test_trainer_loads_any_layout_and_its_checkpoint_converts(converted, tmp_pat
     import multiprocessing
 
     from rollhpc.conversion import convert
-    from rollhpc.conversion.convert import _free_port
 
     c = converted["moe"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(convert._PRELOAD))
     torch.multiprocessing.start_processes(_trainer_rank, nprocs=2, start_method="forkserver", args=(
-        _free_port(), str(c["src"]), str(c["mcore"]), str(tmp_path / "trained")))
+        f"file://{tmp_path}/rendezvous", str(c["src"]), str(c["mcore"]), str(tmp_path / "trained")))
     meta = read_metadata(tmp_path / "trained")
     assert meta["layout"] == {"tp": 1, "pp": 1, "ep": 2, "etp": 1, "world": 2, "step": 7}
     assert meta["padded_vocab_size"] == 384 and not list(tmp_path.glob(".trained*"))

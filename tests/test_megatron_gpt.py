@@ -10,8 +10,6 @@ loaded into a fresh HF model (``strict=True``) they give the trained megatron mo
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 from pathlib import Path
 
@@ -42,13 +40,12 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1, :VOCAB].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
 
 
-def _worker(rank: int, port: int, model_dirs: list[str], out_dir: str) -> None:
+def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
     warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     from safetensors.torch import load_file
 
     from rollhpc.models import megatron_cpu
@@ -97,12 +94,6 @@ def _worker(rank: int, port: int, model_dirs: list[str], out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hf_qwen2(tied: bool):
     torch.manual_seed(int(tied))
     config = transformers.Qwen2Config(
@@ -124,7 +115,7 @@ def test_megatron_gpt_matches_hf_qwen2_tp1_tp2(tmp_path: Path) -> None:
         hf.save_pretrained(tmp_path / name)
     dirs = [str(tmp_path / name) for name in hfs]
     # One world for both checkpoints and both TP sizes: process start and imports dominate the time.
-    torch.multiprocessing.spawn(_worker, args=(_free_port(), dirs, str(tmp_path)), nprocs=WORLD)
+    torch.multiprocessing.spawn(_worker, args=(f"file://{tmp_path}/rendezvous", dirs, str(tmp_path)), nprocs=WORLD)
     results = torch.load(tmp_path / "results.pt")
 
     ids = _batch()

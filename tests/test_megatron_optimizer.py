@@ -14,8 +14,6 @@ Each world is real processes (torch.multiprocessing, gloo).
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 
 import pytest
@@ -149,7 +147,7 @@ def _recompute_grads() -> dict[str, dict]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, path: str) -> None:
+def _rank(rank: int, world: int, rendezvous: str, path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -157,10 +155,9 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
     from rollhpc.models import megatron_cpu
 
     warnings.simplefilter("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     megatron_cpu.enable_cpu_megatron()
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         parallel_state.initialize_model_parallel()
         model_parallel_cuda_manual_seed(0)
@@ -175,11 +172,8 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
 
 
 def _world(world: int, tmp_path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = str(tmp_path / f"world{world}")
-    mp.spawn(_rank, args=(world, port, path), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, f"file://{path}.rendezvous", path), nprocs=world, join=True)
     return [torch.load(f"{path}.{r}") for r in range(world)]
 
 

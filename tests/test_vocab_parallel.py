@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -25,11 +23,10 @@ def _loss(logp, entropy):
     return -(logp * torch.arange(1.0, 11.0).view(2, 5)).sum() + 0.3 * entropy.sum()
 
 
-def _rank(rank: int, port: int, out: dict) -> None:
+def _rank(rank: int, rendezvous: str, out: dict) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     logits, targets = _data()
     local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
     logp, entropy = token_logprobs(local, targets, VOCAB, tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD,
@@ -39,7 +36,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def test_matches_log_softmax_and_tp2_gradients_equal_tp1():
+def test_matches_log_softmax_and_tp2_gradients_equal_tp1(tmp_path):
     logits, targets = _data()
     full = logits.clone().requires_grad_()
     logp, entropy = token_logprobs(full, targets, VOCAB, with_entropy=True)
@@ -49,11 +46,8 @@ def test_matches_log_softmax_and_tp2_gradients_equal_tp1():
     _loss(logp, entropy).backward()
     assert torch.all(full.grad[..., VOCAB:] == 0)  # padding columns get no gradient
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(port, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(f"file://{tmp_path}/rendezvous", out), nprocs=2, join=True)
     for r in (0, 1):
         torch.testing.assert_close(out[r][0], logp.detach())
         torch.testing.assert_close(out[r][1], entropy.detach())

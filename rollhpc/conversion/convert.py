@@ -47,7 +47,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -369,7 +368,9 @@ def run_workers(job: dict[str, Any], nprocs: int) -> list[dict[str, Any]]:
     # (which may hold threads or a CUDA context) is never forked itself.
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(_PRELOAD))
     with tempfile.TemporaryDirectory(prefix="rollhpc-convert-") as tmp:
-        job = {**job, "port": _free_port(), "world": nprocs, "threads": max(1, (os.cpu_count() or 1) // nprocs)}
+        # the workers meet through a file of this directory: no port to pick that another process could take first
+        job = {**job, "rendezvous": f"file://{tmp}/rendezvous", "world": nprocs,
+               "threads": max(1, (os.cpu_count() or 1) // nprocs)}
         try:
             mp.start_processes(_worker, args=(job, tmp), nprocs=nprocs, join=True, start_method="forkserver")
         except Exception as e:  # noqa: BLE001 - the workers' own reports say what went wrong
@@ -383,12 +384,6 @@ def run_workers(job: dict[str, Any], nprocs: int) -> list[dict[str, Any]]:
 
 _PRELOAD = ("rollhpc.conversion.convert", "rollhpc.checkpoint.mcore", "megatron.core.models.gpt",
             "megatron.core.dist_checkpointing", "megatron.core.dist_checkpointing.strategies.torch")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 _CLEAR_ERRORS = (ConversionError, CheckpointError, SafetensorsError, KeyError, ValueError, NotImplementedError,
@@ -433,8 +428,8 @@ def _memory(baseline: int) -> dict[str, int]:
 def _hf_to_mcore_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=job["world"], timeout=timedelta(hours=2))
+    dist.init_process_group("gloo", init_method=job["rendezvous"], rank=rank, world_size=job["world"],
+                            timeout=timedelta(hours=2))
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

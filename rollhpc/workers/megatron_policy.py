@@ -53,23 +53,27 @@ log = logging.getLogger("rollhpc.megatron")
 
 
 def init_role_distributed(ctx: WorkerContext, timeout_s: float = 600.0) -> None:
-    """torch.distributed over this role's ranks, rendezvous published by role rank 0 over MPI."""
+    """torch.distributed over this role's ranks: role rank 0 serves the rendezvous store on a port the system
+    gives it (bound, never released and picked again: another process cannot take it in between) and publishes
+    the address over MPI."""
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     comm = ctx.role_comm
-    address = None
+    timeout = timedelta(seconds=timeout_s)
+    store, address = None, None
     if comm.Get_rank() == 0:
         host = os.environ.get("ROLLHPC_DIST_HOST") or socket.gethostname()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            address = (host, s.getsockname()[1])
+        # wait_for_workers=False: the others learn the port from this rank's broadcast below
+        store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True, timeout=timeout, wait_for_workers=False)
+        address = (host, store.port)
     host, port = comm.bcast(address, root=0)
+    if store is None:
+        store = dist.TCPStore(host, port, comm.Get_size(), is_master=False, timeout=timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=comm.Get_rank(),
-                            world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
 
 
 class MegatronPolicyWorker(Worker):
