@@ -85,7 +85,7 @@ def test_rlvr_on_the_torch_engine_stays_in_sync_with_the_trainer(tmp_path, tiny_
     res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
                   "pipeline.options.steps=3", "pipeline.options.eval_every=3", "pipeline.options.prompts_per_step=4",
                   "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
-                  "roles.generate.options.max_lora_rank=8", cwd=tmp_path, timeout=600)
+                  "roles.generate.options.engine=torch", cwd=tmp_path, timeout=600)
     run_dir = assert_three_steps_in_sync(res, tmp_path)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert "accuracy" in lines[0] and "accuracy" in lines[-1]
