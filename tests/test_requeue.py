@@ -48,7 +48,10 @@ def run_args(model: Path) -> list[str]:
             "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
             f"+roles.reference.options.model_dir={model}",
             # async: the next batch is generated while the trainer works, so a checkpoint also holds that batch
-            "pipeline.options.rollout.max_staleness=1", "pipeline.options.old_logprob_source=generator"]
+            "pipeline.options.rollout.max_staleness=1", "pipeline.options.old_logprob_source=generator",
+            # the torch engine starts in a second where vLLM takes ~20 s, and every attempt of these runs starts
+            # one; vLLM's own syncs and resumes are tested in tests/test_rlvr_pipeline.py and tests/test_cli.py
+            "roles.generate.options.engine=torch"]
 
 
 def trajectory(metrics: list[dict]) -> dict[int, tuple[float, float]]:
