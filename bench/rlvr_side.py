@@ -46,7 +46,7 @@ def main() -> None:
     records = [json.loads(line) for line in (tree / "runs" / "bench_rollhpc" / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     steps = [x for x in records if x["step"] >= 1]
-    stages = {k: round(statistics.median(x[k] for x in steps if k in x), 3)
+    stages = {k: float(f"{statistics.median(x[k] for x in steps if k in x):.4g}")  # (logprob_abs_diff: ~1e-7)
               for k in ("step_s", "rollout_s", "old_logprob_s", "train_s", "weight_sync_s", "weight_sync_mb",
                         "tokens_per_s", "logprob_abs_diff")
               if any(k in x for x in steps)}
