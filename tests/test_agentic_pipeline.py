@@ -42,7 +42,10 @@ def run_args(model: Path) -> list[str]:
             "roles.env.options.reset_timeout_s=2", "pipeline.options.algorithm=ppo", "pipeline.options.value_clip=null",
             "+roles.critic.worker=rollhpc.workers.megatron_policy:MegatronCriticWorker", "+roles.critic.procs=1",
             f"+roles.critic.options.model_dir={model}", "+roles.critic.options.lr=1e-3",
-            "+roles.critic.options.threads=1"]
+            "+roles.critic.options.threads=1",
+            # the torch engine starts in a second where vLLM takes ~20 s (three runs here); multi-turn episodes on
+            # vLLM: tests/test_slurm_submit.py's agentic run
+            "roles.generate.options.engine=torch"]
 
 
 @pytest.fixture(scope="module")
