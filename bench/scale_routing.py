@@ -6,9 +6,9 @@ model), so what is timed is the controller: its sends, its polls over the replie
 
 Each world is `rollhpc train` of a config written here (local mpiexec, MPICH, oversubscribed). A step is one
 `RolloutScheduler.collect` of 4 x N groups of 8 samples (32 samples per generator), 16 tokens each: the scheduler
-hands each generator up to `max_inflight_per_generator` requests per call, a generator's call returns at once with
-every request it was given finished (tokens and log-probs made up), and each finished sample is scored by a reward
-rank (a call per batch of finished samples the scheduler sends). Measured per N, the median over --steps (after one
+hands each generator up to `max_inflight_per_generator` requests, a generator's call returns at once with the 2
+oldest of the requests it holds finished (tokens and log-probs made up; a real engine's call returns when a
+request or two finish), and finished samples are scored by the reward ranks in the calls the scheduler makes. Measured per N, the median over --steps (after one
 warm-up step): the step's wall seconds, the controller's CPU seconds in it, the calls it made (generator and reward)
 and the calls and samples per second. The generators answer instantly, so the rate is the controller's ceiling:
 real generators take seconds per call, and the step time of a real run is theirs unless this ceiling is near.
@@ -41,16 +41,28 @@ from rollhpc.rollout.ports import GenerationReply, GenerationRequest  # noqa: E4
 GROUP_SIZE = 8
 GROUPS_PER_GENERATOR = 4
 RESPONSE_TOKENS = 16
+FINISH_PER_CALL = 2  # requests a generator call finishes (the rest stay in flight)
 
 
 class ScriptedGenerateWorker(Worker):
-    """A generator rank without a model: every request it is handed is finished in the same call."""
+    """A generator rank without a model: each call finishes the FINISH_PER_CALL oldest requests it holds (as a
+    real engine's call returns once a request or two of its batch finish), at once."""
+
+    def __init__(self, ctx: Any, options: Any):
+        super().__init__(ctx, options)
+        self.live: dict[str, GenerationRequest] = {}
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[GenerationRequest], aborts: list[str]) -> GenerationReply:
-        done = [(r.id, Completion([(len(r.prompt) + i) % 97 + 3 for i in range(min(r.max_tokens, RESPONSE_TOKENS))],
-                                  [-0.5] * min(r.max_tokens, RESPONSE_TOKENS), "length", 0)) for r in adds]
-        return GenerationReply(finished=done, aborted=[(rid, Completion([], [], "abort", 0)) for rid in aborts])
+        aborted = [(rid, Completion([], [], "abort", 0)) for rid in aborts if self.live.pop(rid, None)]
+        self.live.update((r.id, r) for r in adds)
+        finished = []
+        for rid in list(self.live)[:FINISH_PER_CALL]:
+            r = self.live.pop(rid)
+            n = min(r.max_tokens, RESPONSE_TOKENS)
+            finished.append((rid, Completion([(len(r.prompt) + i) % 97 + 3 for i in range(n)], [-0.5] * n, "length",
+                                             0)))
+        return GenerationReply(finished=finished, aborted=aborted)
 
 
 class ScriptedRewardWorker(Worker):
