@@ -192,18 +192,30 @@ def _children_all_exited(pid: int) -> bool:
     return True
 
 
-def _wait_for_world(proc: subprocess.Popen, controller_exit_file: Path, poll_s: float = 0.05) -> int:
-    """Wait until the world has ended: mpiexec has exited, or the controller has recorded its exit and every
-    rank has exited. mpiexec.gforker reaps its ranks one per second (a WNOHANG wait in a loop with a 1 s
+def _wait_for_world(proc: subprocess.Popen, paths: RunPaths, launched: float, poll_s: float = 0.05) -> int:
+    """Wait until the world has ended: mpiexec has exited, or every rank has exited after the controller
+    recorded its exit or after the world formed (this launch's world.json: every rank was started, so none is
+    still to come). mpiexec.gforker reaps its ranks one per second (a WNOHANG wait in a loop with a 1 s
     timeout), so it outlives a finished world by about a second per rank: 4-8 s of every local run, test and
-    restart spent waiting for nothing. The caller then ends what is left of mpiexec's session."""
+    restart spent waiting for nothing, and minutes at a few hundred ranks when gforker itself ended the
+    controller before it could record anything (bench/scale.py, 256 ranks: a killed rank's world took ~4 min to
+    end). The caller then ends what is left of mpiexec's session."""
     while True:
         try:
             return proc.wait(timeout=poll_s)
         except subprocess.TimeoutExpired:
             pass
-        if controller_exit_file.exists() and _children_all_exited(proc.pid):
-            return 0  # the status that counts is the controller's record
+        if (paths.controller_exit.exists() or _formed_since(paths.world, launched)) and _children_all_exited(proc.pid):
+            # the status that counts is the controller's record (a world without one failed)
+            return 0 if paths.controller_exit.exists() else 1
+
+
+def _formed_since(world_file: Path, launched: float) -> bool:
+    """Whether the world of this launch formed (its world.json, not an earlier attempt's, is there)."""
+    try:
+        return world_file.stat().st_mtime >= launched
+    except OSError:
+        return False
 
 
 def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
@@ -223,6 +235,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     previous = signal.signal(signal.SIGUSR1, lambda *_: atomic_write_text(
         RunPaths(run_dir).stop_request, f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
     console_env, console_fds = console_for_ranks()  # the ranks write to our console, not through mpiexec
+    launched = time.time() - 0.05  # (a file's time may lag the clock by a few ms)
     try:
         proc = subprocess.Popen(cmd, env={**rank_environment(cfg), **console_env}, start_new_session=True,
                                 preexec_fn=die_with_parent, pass_fds=console_fds)
@@ -239,7 +252,7 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
         atomic_write_json(RunPaths(run_dir).launch, {
             "command": cmd, "mpiexec_pid": proc.pid, "world_shm": sorted(ours), "launcher_shm": sorted(singleton_segment())},
             indent=1)
-        rc = _wait_for_world(proc, RunPaths(run_dir).controller_exit)
+        rc = _wait_for_world(proc, RunPaths(run_dir), launched)
     except KeyboardInterrupt:
         # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
         os.killpg(proc.pid, signal.SIGINT)

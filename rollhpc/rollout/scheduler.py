@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollhpc.rollout.generator_loads import GeneratorLoads
 from rollhpc.rollout.ports import (EnvPort, GenerationReply, GenerationRequest, GeneratorPort, Pending, ResetReply,
                                    ResetRequest, RewardPort, StepReply, StepRequest)
 from rollhpc.rollout.scoring import DomainScoring, Scorer
@@ -206,7 +207,7 @@ class _Batch:
         self.t0 = time.perf_counter()
         self.prompts, self.n_groups, self.version, self.stats, self.out = prompts, n_groups, version, stats, out
         self.groups: dict[int, _Group] = {}
-        self.load = [0] * len(sched.generators)
+        self.load = GeneratorLoads(len(sched.generators))  # requests per generator; those that need a call
         self.owner: dict[str, tuple[int, Sample]] = {}  # generator request id -> (generator, sample)
         self.adds: list[list[GenerationRequest]] = [[] for _ in sched.generators]
         self.aborts: list[list[str]] = [[] for _ in sched.generators]
@@ -254,9 +255,13 @@ class _Batch:
         self._stop()
 
     def _send(self) -> None:
-        for g, gen in enumerate(self.s.generators):
-            if g not in self.calls and (self.adds[g] or self.aborts[g] or self.load[g]):
-                self.calls[g] = gen.submit(self.adds[g], self.aborts[g])
+        wanting = self.load.wanting
+        for g in sorted(wanting):  # those with requests to send, aborts, or requests held and no call out
+            if g in self.calls:
+                continue
+            wanting.discard(g)
+            if self.adds[g] or self.aborts[g] or self.load[g]:
+                self.calls[g] = self.s.generators[g].submit(self.adds[g], self.aborts[g])
                 self.adds[g], self.aborts[g] = [], []
         for r, env in enumerate(self.s.envs):
             for kind in ("reset", "step"):
@@ -272,8 +277,11 @@ class _Batch:
         """Start new groups while the batch still needs them and the generators have room."""
         c, stats = self.c, self.stats
         needed = self.n_groups - len(self.out)
-        active = self._active()
-        room = c.max_inflight_per_generator * len(active) - sum(self.load[g] for g in active)
+        if self.held is None:
+            room = c.max_inflight_per_generator * len(self.load) - self.load.total
+        else:
+            active = self._active()
+            room = c.max_inflight_per_generator * len(active) - sum(self.load[g] for g in active)
         while (not self.exhausted and len(self.groups) < math.ceil(needed * (1 + c.oversample))
                and room >= c.samples_per_group and stats.groups_started < self.limit):
             prompt = next(self.prompts, None)
@@ -305,10 +313,11 @@ class _Batch:
         if ep is not None and ep.generator >= 0:
             g = ep.generator  # the generator that holds this episode's row in its prefix cache
         else:
-            g = min(self._active(), key=lambda i: self.load[i])
+            g = self.load.least(self.held.ports if self.held is not None else ())
             if ep is not None:
                 ep.generator = g
-        self.load[g] += 1
+        self.load.change(g, 1)
+        self.load.wanting.add(g)
         self.owner[smp.request_id] = (g, smp)
         self.adds[g].append(GenerationRequest(smp.request_id, smp.context, max_tokens, self._sampling_seed(smp),
                                               self.s.temperature))
@@ -330,13 +339,14 @@ class _Batch:
                 continue
             progressed = True
             reply: GenerationReply = self.calls.pop(g).result()
+            self.load.wanting.add(g)  # _send calls it again if it still holds requests (or has new ones)
             self.stats.generator_busy_s[g] += reply.busy_s
             finished = []
             for rid, comp in reply.finished:
                 entry = self.owner.pop(rid, None)
                 if entry is None:  # aborted by redundancy or the watchdog (already off the books)
                     continue
-                self.load[g] -= 1
+                self.load.change(g, -1)
                 smp = _append(entry[1], comp)
                 # a single-turn sample counts once, whole (a resumed partial's earlier tokens too)
                 n = len(comp.token_ids) if smp.episode is not None else len(smp.response)
@@ -499,7 +509,8 @@ class _Batch:
         if rid in self.owner:
             g, _ = self.owner.pop(rid)
             self.aborts[g].append(rid)
-            self.load[g] -= 1
+            self.load.change(g, -1)
+            self.load.wanting.add(g)
         ep = smp.episode
         if ep is not None and ep.id in self.episodes:
             del self.episodes[ep.id]
