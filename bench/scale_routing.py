@@ -113,7 +113,14 @@ class RoutingBench(Pipeline):
         stream = prompts()
         n_groups = GROUPS_PER_GENERATOR * len(gen)
         steps = []
+        profiler = None
+        if os.environ.get("ROUTING_PROFILE"):  # where rank 0's time goes: RUN_DIR/profile.txt
+            import cProfile
+
+            profiler = cProfile.Profile()
         for step in range(self.options.steps + 1):
+            if profiler is not None and step == 1:
+                profiler.enable()
             before = dict(calls)
             cpu, t = time.process_time(), time.perf_counter()
             groups, _ = scheduler.collect(stream, n_groups, version=0)
@@ -122,6 +129,14 @@ class RoutingBench(Pipeline):
             if step:  # step 0 warms up
                 steps.append({"wall_s": wall, "controller_cpu_s": cpu, "samples": n_groups * GROUP_SIZE,
                               **{f"{k}_calls": calls[k] - before[k] for k in calls}})
+        if profiler is not None:
+            import io
+            import pstats
+
+            profiler.disable()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            (self.run_ctx.run_dir / "profile.txt").write_text(text.getvalue())
         path = self.run_ctx.run_dir / "bench.json"
         tmp = path.with_name(".bench.json.tmp")
         tmp.write_text(json.dumps({"generators": len(gen), "reward_ranks": len(rew), "steps": steps}))
@@ -145,6 +160,8 @@ def run_world(n: int, work: Path, steps: int) -> dict:
     if res.returncode != 0 or not bench.is_file():
         raise RuntimeError(f"routing world of {n} generators failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
     b = json.loads(bench.read_text())
+    if (work / name / "profile.txt").is_file():
+        print((work / name / "profile.txt").read_text()[:6000])
     rows = b["steps"]
 
     def med(key: str) -> float:

@@ -24,7 +24,6 @@ log = logging.getLogger("rollhpc.controller")
 
 _LIVENESS_CHECK_S = 0.02
 _BYE_GRACE_S = 2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
-READY_REPUMP_S = 50e-6  # ready() moves messages at most this often (a poll over many calls: once per round)
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,6 @@ class Controller:
         self._inbox: dict[tuple[int, int], Any] = {}
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
-        self._last_pump = 0.0  # when messages were last moved (pump)
         self._closing = False  # shutdown sent: a worker leaves right after its bye
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
@@ -175,7 +173,6 @@ class Controller:
 
     def pump(self) -> bool:
         """Move messages once: returns True if any reply arrived. Raises on any worker failure."""
-        self._last_pump = time.monotonic()
         got = self._receive()
         now = time.monotonic()
         if now >= self._next_liveness:
@@ -203,13 +200,9 @@ class Controller:
         return got
 
     def ready(self, keys: list[tuple[int, int]]) -> bool:
-        """Whether every key has its reply. Messages are moved first unless they were a moment ago
-        (``READY_REPUMP_S``): a caller polling N calls in turn (the rollout scheduler over its generators) then
-        moves them once per round, not N times (each an MPI progress call and probe)."""
+        """Whether every key has its reply (messages moved first, unless they are all in already)."""
         if all(k in self._inbox for k in keys):
             return True
-        if time.monotonic() - self._last_pump < READY_REPUMP_S:
-            return False
         self.pump()
         return all(k in self._inbox for k in keys)
 
