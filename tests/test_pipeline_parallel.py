@@ -387,6 +387,18 @@ def test_bf16_mixed_precision_keeps_float32_weights_and_trains_close_to_float32(
 
 
 LORA = {"lora": {"rank": 4, "alpha": 8.0, "seed": 5}}
+BASE_UNDER_ADAPTERS = """
+import json, sys
+import torch
+from rollhpc.checkpoint.mcore import McoreReader, single_process_world
+from rollhpc.models.lora import adapter_of
+if __name__ == "__main__":
+    with single_process_world():
+        trained, start = McoreReader(sys.argv[1]), McoreReader(sys.argv[2])
+        names = sorted(n for n in start.sharded if adapter_of(n, trained.lora))
+        a, b = trained.read(names), start.read(names)
+        print("RESULT " + json.dumps({"names": names, "differ": [n for n in names if not torch.equal(a[n], b[n])]}))
+"""
 LORA_LR = 1e-2  # adapters start at B = 0: at LR a step moves the merged weights by ~LR^2, too little to compare
 
 
@@ -394,9 +406,9 @@ LORA_LR = 1e-2  # adapters start at B = 0: at LR a step moves the merged weights
 def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment, tmp_path):
     """LoRA on the megatron trainer (rollhpc.models.lora, through megatron's DDP and distributed optimizer): at TP2
     and at PP2 the losses, grad norms and merged weights of two steps are the one-rank run's; only the adapters
-    move (every weight off the checkpoint's is an adapted module's, by the merged delta); the run's LoRA
-    checkpoint after step 1 (base, adapters and their optimizer state) converts to the merged Hugging Face weights
-    and resumes to step 2's numbers."""
+    move (every weight off the checkpoint's is an adapted module's, by the merged delta) and the base under them is
+    bitwise the starting model's; the run's LoRA checkpoint after step 1 (base, adapters and their optimizer state)
+    converts to the merged Hugging Face weights and resumes to step 2's numbers."""
     from safetensors.torch import load_file
 
     opts = {**LORA, "lr": LORA_LR}
@@ -434,8 +446,25 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
         merged = AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["dense"]), hf / "adapter")
         torch.testing.assert_close(peft.eval()(ids).logits, merged, rtol=0, atol=1e-5)
+    # the base under the adapters is bitwise the model the run started from: the LoRA checkpoint's own weights of
+    # every adapted module against the starting model in megatron's layout
+    start = tmp_path / "lora_start_mcore"
+    res = rollhpc("convert", "hf-to-mcore", str(models["dense"]), str(start), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import cli_env
+
+    res = subprocess.run([sys.executable, "-c", BASE_UNDER_ADAPTERS, str(one["run_dir"] / "ckpt" / "model"), str(start)],
+                         env=cli_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    base = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert {n.split(".")[-2] for n in base["names"]} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    assert base["differ"] == [], base
     resumed = _run(experiment, tmp_path, "lora_resumed", models["dense"], 1, {}, train_options=opts,
                    resume_from=str(one["run_dir"] / "ckpt"))
-    assert resumed["loss"] == pytest.approx(one["loss"][1:], rel=1e-6)
+    assert resumed["loss"] == one["loss"][1:]  # exactly: the adapters, their Adam state and the RNGs restored
     for name, w in one["weights"].items():
-        torch.testing.assert_close(resumed["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(resumed["weights"][name], w), name
