@@ -29,7 +29,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,21 +38,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from bench.timing import time_calls  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 
 LARGE_BYTES = 64 << 20
 SMALL = {"step": 1, "tokens": list(range(16)), "note": "ping"}
-
-
-def _time_calls(call, n: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 class DispatchBench(Pipeline):
@@ -67,7 +56,7 @@ class DispatchBench(Pipeline):
     def run(self) -> None:
         g = self.workers["probe"]
         big = np.random.default_rng(0).integers(0, 255, LARGE_BYTES, dtype=np.uint8)
-        small = _time_calls(lambda: g.echo(SMALL), self.options.small_calls)
+        small = time_calls(lambda: g.echo(SMALL), self.options.small_calls, warmup=3)
 
         def large_call():
             back = g.echo(big)
@@ -76,8 +65,8 @@ class DispatchBench(Pipeline):
         def one_to_all_call():
             assert g.nbytes(big) == [LARGE_BYTES] * len(g)
 
-        one_to_all = _time_calls(one_to_all_call, self.options.large_calls, warmup=1)
-        large = _time_calls(large_call, self.options.large_calls, warmup=1)
+        one_to_all = time_calls(one_to_all_call, self.options.large_calls, warmup=1)
+        large = time_calls(large_call, self.options.large_calls, warmup=1)
         (self.run_ctx.run_dir / "bench.json").write_text(json.dumps({"small_s": small, "one_to_all_s": one_to_all,
                                                                      "large_s": large}))
 
@@ -120,7 +109,7 @@ def run_ray(n: int, small_calls: int, large_calls: int) -> dict:
 
     actors = [Echo.remote() for _ in range(n)]
     ray.get([a.echo.remote(None) for a in actors])
-    small = _time_calls(lambda: ray.get([a.echo.remote(SMALL) for a in actors]), small_calls)
+    small = time_calls(lambda: ray.get([a.echo.remote(SMALL) for a in actors]), small_calls, warmup=3)
     big = np.random.default_rng(0).integers(0, 255, LARGE_BYTES, dtype=np.uint8)
 
     def large_call():
@@ -134,8 +123,8 @@ def run_ray(n: int, small_calls: int, large_calls: int) -> dict:
         assert ray.get([a.nbytes.remote(ref) for a in actors]) == [LARGE_BYTES] * n
         del ref
 
-    one_to_all = _time_calls(one_to_all_call, large_calls, warmup=1)
-    large = _time_calls(large_call, large_calls, warmup=1)
+    one_to_all = time_calls(one_to_all_call, large_calls, warmup=1)
+    large = time_calls(large_call, large_calls, warmup=1)
     for a in actors:
         ray.kill(a)
     return {"small_s": small, "one_to_all_s": one_to_all, "large_s": large}

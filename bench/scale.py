@@ -42,6 +42,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from bench.provenance import commit  # noqa: E402
+from bench.timing import time_calls  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 
 TARGET_RANKS = 8769  # moe_4096_selfcheck's world
@@ -51,14 +52,7 @@ GATHER_BYTES = 64 << 10
 
 
 def _median_call(call, n: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        call()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(time_calls(call, n, warmup))
 
 
 def _rss_bytes(pid: int) -> int:

@@ -21,7 +21,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -30,6 +29,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from bench.timing import time_calls  # noqa: E402
 from rollhpc.weight_sync.buckets import pack_buckets, stamp, verified  # noqa: E402
 
 # Qwen2.5-0.5B's published config.json shape (hidden 896, 24 layers, 14 heads / 2 KV heads, FFN 4864, vocab 151936)
@@ -62,12 +62,7 @@ def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
 
 
 def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(time_calls(fn, repeats))
 
 
 def main() -> int:
