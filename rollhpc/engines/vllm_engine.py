@@ -255,10 +255,8 @@ class VllmGenerator(StepEngine):
         if self.weights_asleep:
             raise RuntimeError("update_weights() while the engine's weights are asleep: wake_up(['weights']) first")
         self._check_idle("update_weights()", generating=False)
-        if isinstance(named_tensors, (list, tuple)) and not named_tensors:
-            raise ValueError("update_weights() needs the model's tensors, got none")
         named_tensors = iter(named_tensors)
-        first = next(named_tensors, None)
+        first = next(named_tensors, None)  # (also says whether these are a LoRA trainer's adapters)
         if first is None:
             raise ValueError("update_weights() needs the model's tensors, got none")
         named_tensors = itertools.chain([first], named_tensors)

@@ -22,7 +22,7 @@ class WeightSync:
     def __init__(self, train: Any, generate: Any, mode: Literal["broadcast", "relay", "ipc", "mixed"] = "broadcast",
                  bucket_mb: float = 64.0, routing: Routing | None = None, verify_every: int = 0,
                  adapters_only: bool = False):
-        """``adapters_only``: a LoRA trainer sends its adapters alone, to generators that merge them."""
+        """``adapters_only``: a LoRA trainer sends its adapters alone, to generators that serve or merge them."""
         if mode == "mixed" and routing is None:
             raise ValueError("a mixed weight sync needs the routing that says which generator gets what")
         self.train, self.generate, self.mode, self.bucket_mb = train, generate, mode, bucket_mb
