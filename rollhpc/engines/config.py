@@ -31,7 +31,8 @@ class EngineConfig:
     threads: int = 0  # torch intra-op threads on CPU (0: leave the default)
     # vllm: > 0 serves a LoRA trainer's adapters (up to this rank) with vLLM's own LoRA, and weight syncs move the
     # adapters alone; 0: a LoRA trainer sends its base with the adapters merged in. (engine=torch always takes
-    # the adapters alone and merges them.) One of VLLM_LORA_RANKS. Merged is the default by measurement: on CPU vLLM's LoRA kernels made generation 3.6x slower (bench/results/lora_serving.json)
+    # the adapters alone and merges them.) One of VLLM_LORA_RANKS. Merged is the default by measurement: on CPU
+    # vLLM's LoRA kernels made generation 3.6x slower (bench/results/lora_serving.json)
     max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
