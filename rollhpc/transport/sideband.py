@@ -6,13 +6,19 @@
   exits, wherever it runs and whatever the launcher did.
 - Stack dumps: a thread in each worker answers "DUMP" with the Python stacks of all its threads,
   even while its main thread is stuck inside a call.
+
+The controller holds one connection per worker rank (8,769 in the largest shipped plan) and asks which closed
+before every call it sends: the connections sit in an epoll set (``selectors``), so a check costs what is ready,
+not a scan of every socket, and has no 1024-descriptor ceiling (``select.select`` refuses any descriptor above
+1023); the process's descriptor limit is raised to what the world needs before the workers connect.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import secrets
-import select
+import selectors
 import socket
 import sys
 import threading
@@ -60,17 +66,40 @@ class Address:
     token: str
 
 
+_SPARE_DESCRIPTORS = 256  # beyond one per worker connection: MPI's own, logs, files of the run
+
+
+def ensure_descriptors(needed: int) -> int:
+    """Raise this process's soft limit on open descriptors to at least ``needed`` (up to the hard limit);
+    returns the soft limit now. A hard limit below ``needed`` is a clear error here, instead of ``accept``
+    failing with EMFILE partway through a world's start."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return soft
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        raise RuntimeError(f"the controller holds one connection per worker rank and needs about {needed} open "
+                           f"descriptors, but this process may open at most {hard} (ulimit -Hn): raise the hard "
+                           "limit for the job (limits.conf nofile, or Slurm's PropagateResourceLimits from a "
+                           "shell with a higher limit)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    return needed
+
+
 class ControllerSideband:
     """The controller's end: accepts one connection per worker rank and watches them."""
 
     def __init__(self, bind_host: str, advertise: str | None = None):
-        self._server = socket.create_server((bind_host, 0))
+        # a backlog of the kernel's maximum: thousands of workers connect at once at a world's start
+        self._server = socket.create_server((bind_host, 0), backlog=socket.SOMAXCONN)
         self._server.settimeout(1.0)
         self.address = Address(advertise or bind_host, self._server.getsockname()[1], secrets.token_hex(8))
         self._socks: dict[int, socket.socket] = {}
         self._lost: set[int] = set()
+        self._closed: set[int] = set()  # seen closed outside dead_ranks (by collect_stacks), not reported yet
+        self._ready = selectors.DefaultSelector()  # every open connection; data: its rank
 
     def accept(self, ranks: set[int], timeout_s: float) -> None:
+        ensure_descriptors(len(ranks) + _SPARE_DESCRIPTORS)
         deadline = time.monotonic() + timeout_s
         while set(self._socks) != ranks:
             if time.monotonic() > deadline:
@@ -87,31 +116,45 @@ class ControllerSideband:
                 continue
             _keepalive(conn)
             conn.setblocking(False)
-            self._socks[int(hello[1])] = conn
+            rank = int(hello[1])
+            self._socks[rank] = conn
+            self._ready.register(conn, selectors.EVENT_READ, rank)
+
+    def _readable(self, timeout_s: float) -> list[int]:
+        """Ranks whose connection has something to read (or has closed), waiting up to ``timeout_s``."""
+        return [key.data for key, _ in self._ready.select(timeout_s)] if self._ready.get_map() else []
+
+    def _unwatch(self, rank: int) -> None:
+        """A closed connection leaves the epoll set (it would read as ready at every check after)."""
+        try:
+            self._ready.unregister(self._socks[rank])
+        except (KeyError, ValueError):
+            pass
+
+    def _lose(self, rank: int) -> None:
+        self._lost.add(rank)
+        self._unwatch(rank)
 
     def dead_ranks(self) -> list[int]:
         """Ranks whose connection has closed since the last call (their process is gone)."""
-        socks = [s for r, s in self._socks.items() if r not in self._lost]
-        if not socks:
-            return []
-        readable, _, _ = select.select(socks, [], [], 0)
-        dead = []
-        for rank, sock in self._socks.items():
-            if sock in readable and rank not in self._lost:
-                try:
-                    data = sock.recv(4096)
-                except (ConnectionError, OSError):
-                    data = b""
-                if not data:
-                    self._lost.add(rank)
-                    dead.append(rank)
-        return dead
+        dead = list(self._closed)
+        self._lost.update(self._closed)
+        self._closed.clear()
+        for rank in self._readable(0):
+            try:
+                data = self._socks[rank].recv(4096)
+            except (ConnectionError, OSError):
+                data = b""
+            if not data:
+                self._lose(rank)
+                dead.append(rank)
+        return sorted(dead)
 
     def collect_stacks(self, timeout_s: float) -> dict[int, str]:
         """Ask every live worker for its stacks; ranks that do not answer in time get a note instead."""
         replies: dict[int, bytearray] = {}
         for rank, sock in self._socks.items():
-            if rank in self._lost:
+            if rank in self._lost or rank in self._closed:
                 continue
             try:
                 sock.sendall(_DUMP)
@@ -121,15 +164,15 @@ class ControllerSideband:
         deadline = time.monotonic() + timeout_s
         done: dict[int, str] = {}
         while len(done) < len(replies) and time.monotonic() < deadline:
-            waiting = [self._socks[r] for r in replies if r not in done]
-            readable, _, _ = select.select(waiting, [], [], 0.05)
-            for rank in [r for r in replies if r not in done and self._socks[r] in readable]:
+            for rank in [r for r in self._readable(0.05) if r in replies and r not in done]:
                 try:
                     chunk = self._socks[rank].recv(1 << 16)
                 except OSError:
                     chunk = b""
                 if not chunk:
                     done[rank] = "(connection closed while dumping)"
+                    self._unwatch(rank)
+                    self._closed.add(rank)  # dead_ranks still reports it
                     continue
                 replies[rank] += chunk
                 head, sep, rest = bytes(replies[rank]).partition(b"\n")
@@ -148,7 +191,7 @@ class ControllerSideband:
                 sock.sendall(_EXIT)
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
-                self._lost.add(rank)
+                self._lose(rank)
         deadline = time.monotonic() + wait_s
         while len(self._lost) < len(self._socks) and time.monotonic() < deadline:
             self.dead_ranks()
@@ -156,6 +199,7 @@ class ControllerSideband:
         return len(self._lost) == len(self._socks)
 
     def close(self) -> None:
+        self._ready.close()
         for sock in self._socks.values():
             sock.close()
         self._server.close()
