@@ -9,7 +9,10 @@ machine's cores). Measured per N, the median over --runs fresh worlds:
 - world formation: launch (the `rollhpc train` process starting) to the pipeline's first line on rank 0,
   every rank started, MPI initialised, its worker built and registered with the controller;
 - round trip of a small call (a ~100-byte payload echoed) to all N and back, and of a 64 MiB one-to-all
-  (each rank replies with the size it received), and a gather of N replies of 64 KiB each;
+  (each rank replies with the size it received), and a gather of N replies of 64 KiB each; for the small call
+  and the gather also the controller's own CPU seconds per call (its sends, probes, receives and bookkeeping:
+  what rank 0 pays per rank wherever the ranks run, unlike the wall time, which here is N processes taking
+  turns on 2 cores);
 - a dead rank: one rank SIGKILLed inside a call, to the `rollhpc train` process's exit (the controller's
   liveness check, its verdict and the world's teardown);
 - the run directory's world.json and plan.json: size, and the time to serialise and atomically write them;
@@ -55,6 +58,14 @@ def _median_call(call, n: int, warmup: int = 2) -> float:
     return statistics.median(time_calls(call, n, warmup))
 
 
+def _cpu_per_call(call, n: int) -> float:
+    """This process's CPU seconds per call, over ``n`` calls (warm: after _median_call's)."""
+    t = time.process_time()
+    for _ in range(n):
+        call()
+    return (time.process_time() - t) / n
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -81,11 +92,13 @@ class ScaleBench(Pipeline):
         pids = [p["pid"] for p in g.ping()]
         out["rss_bytes_median"] = statistics.median(_rss_bytes(pid) for pid in pids)
         out["small_s"] = _median_call(lambda: g.echo(SMALL), o.small_calls)
+        out["small_cpu_s"] = _cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
         out["one_to_all_s"] = _median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)
         reply = np.zeros(GATHER_BYTES, dtype=np.uint8)
         # each rank echoes 64 KiB: the controller receives N replies (and sends N small requests)
         out["gather_s"] = _median_call(lambda: g.echo(reply), o.small_calls)
+        out["gather_cpu_s"] = _cpu_per_call(lambda: g.echo(reply), o.small_calls)
         out["crash_at"] = time.time()
         path = self.run_ctx.run_dir / "bench.json"
         tmp = path.with_name(".bench.json.tmp")
@@ -116,8 +129,9 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int) -> dict:
     if res.returncode == 0:
         raise RuntimeError(f"world of {n} ranks exited 0 after one of its ranks was killed")
     b = json.loads(bench.read_text())
-    row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "one_to_all_s": b["one_to_all_s"],
-           "gather_s": b["gather_s"], "dead_rank_to_exit_s": ended - b["crash_at"],
+    row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "small_cpu_s": b["small_cpu_s"],
+           "one_to_all_s": b["one_to_all_s"], "gather_s": b["gather_s"], "gather_cpu_s": b["gather_cpu_s"],
+           "dead_rank_to_exit_s": ended - b["crash_at"],
            "rss_bytes_per_rank": b["rss_bytes_median"]}
     for key, fname in (("world_json", "world.json"), ("plan_json", "plan.json")):
         f = run_dir / fname
@@ -213,7 +227,8 @@ def main() -> None:
                 runs.append(run_world(n, work, args.small_calls, args.large_calls))
             results[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             r = results[str(n)]
-            print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms, 64 MiB one-to-all "
+            print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
+                  f"{r['small_cpu_s'] * 1e3:.2f} ms), 64 MiB one-to-all "
                   f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms, dead rank -> exit "
                   f"{r['dead_rank_to_exit_s']:.1f} s, {r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank", flush=True)
     keys = [k for k in results[str(sizes[0])] if k != "rss_bytes_per_rank"]

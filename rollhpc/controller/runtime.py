@@ -77,9 +77,14 @@ class Controller:
         self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
-        keys = []
+        envelope = {"kind": "call", "call_id": call_id, "method": method}
+        by_payload: dict[int, tuple[Encoded, list[int]]] = {}  # a one-to-all call: one payload for every rank
         for rank, enc in payloads.items():
-            self.channel.send_encoded(rank, TAG_CALL, {"kind": "call", "call_id": call_id, "method": method}, enc)
+            by_payload.setdefault(id(enc), (enc, []))[1].append(rank)
+        for enc, ranks in by_payload.values():
+            self.channel.send_to_each(ranks, TAG_CALL, envelope, enc)
+        keys = []
+        for rank in payloads:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
             keys.append((rank, call_id))
         return keys

@@ -88,13 +88,20 @@ class MpiChannel:
         self.send_encoded(dest, tag, envelope, Encoded.of(payload))
 
     def send_encoded(self, dest: int, tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
+        self.send_to_each([dest], tag, envelope, enc)
+
+    def send_to_each(self, dests: list[int], tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
+        """``enc`` to each of ``dests`` in turn (point to point): its header pickled once for all of them, and
+        MPI's progress made once after the last send (per send, it would test every send still in flight:
+        O(N^2) for a call to N ranks)."""
         sizes = [m.nbytes for m in enc.buffers]
         head = pickle.dumps((envelope, enc.header, sizes), protocol=5)
         self.busy_since = time.monotonic()
         try:
-            self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
-            for m in enc.buffers:
-                self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
+            for dest in dests:
+                self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
+                for m in enc.buffers:
+                    self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
         finally:
             self.busy_since = None
         self.progress()
