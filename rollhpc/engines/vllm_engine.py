@@ -94,6 +94,7 @@ class VllmGenerator(StepEngine):
 
         self.on_cpu = current_platform.is_cpu()
         _freeze_imported_heap()
+        _quiet_chat_template_warmup()
         if self.on_cpu:
             _eager_token_ranks_on_cpu()
             if tensor_parallel_size > 1:
@@ -408,6 +409,23 @@ def _freeze_imported_heap() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+class _DropChatTemplateWarmup(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Chat template warmup failed"
+
+
+def _quiet_chat_template_warmup() -> None:
+    """Drop vLLM's "Chat template warmup failed" warning and its traceback from every engine start's log.
+
+    ``LLM`` renders a chat message at start-up to warm its template, which needs the tokenizer; this engine
+    starts vLLM without one (``skip_tokenizer_init``: prompts arrive as token ids, chat templates are applied by
+    rollhpc's own tokenizer), so the warm-up always fails, and its traceback read as an error in every
+    generate rank's log. Only that record is dropped; vLLM's other warnings stay."""
+    logger = logging.getLogger("vllm.renderers.base")
+    if not any(isinstance(f, _DropChatTemplateWarmup) for f in logger.filters):
+        logger.addFilter(_DropChatTemplateWarmup())
 
 
 def _eager_token_ranks_on_cpu() -> None:
