@@ -23,10 +23,6 @@ from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 log = logging.getLogger("rollhpc.controller")
 
 _LIVENESS_CHECK_S = 0.02
-# ready() takes a pump younger than this as current: the rollout scheduler asks each of its N outstanding calls
-# whether it is done in one pass, and one MPI progress-and-probe per pass serves them all, where one each made a
-# pass cost N of them (below the scheduler's 0.5 ms poll interval, so every pass still pumps once)
-_PUMP_REUSE_S = 0.0002
 _BYE_GRACE_S = 2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
 
 
@@ -61,7 +57,6 @@ class Controller:
         self._inbox: dict[tuple[int, int], Any] = {}
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
-        self._pumped_at = -1.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
@@ -184,7 +179,7 @@ class Controller:
     def pump(self) -> bool:
         """Move messages once: returns True if any reply arrived. Raises on any worker failure."""
         got = self._receive()
-        now = self._pumped_at = time.monotonic()
+        now = time.monotonic()
         if now >= self._next_liveness:
             self._next_liveness = now + _LIVENESS_CHECK_S
             self._check_liveness()
@@ -210,12 +205,9 @@ class Controller:
         return got
 
     def ready(self, keys: list[tuple[int, int]]) -> bool:
-        """Whether every key has its reply (messages moved first, unless they are all in already or were
-        moved within the last ``_PUMP_REUSE_S``)."""
+        """Whether every key has its reply (messages moved first, unless they are all in already)."""
         if all(k in self._inbox for k in keys):
             return True
-        if time.monotonic() - self._pumped_at < _PUMP_REUSE_S:
-            return False
         self.pump()
         return all(k in self._inbox for k in keys)
 
