@@ -80,6 +80,23 @@ BASELINE_IMPORTS = {
 
 
 # ----------------------------------------------------------------------------------------------- the model
+# Qwen2.5-0.5B's published shape (rollhpc.warm_start.tiny.QWEN2_5_0_5B), as this bench's and
+# bench/vllm_cpu_memory.py's command-line defaults
+QWEN_0P5B_SHAPE = {"layers": 24, "hidden": 896, "heads": 14, "kv_heads": 2, "intermediate": 4864, "vocab": 151936}
+
+
+def add_shape_arguments(ap: argparse.ArgumentParser) -> None:
+    """--layers, --hidden, --heads, --kv-heads, --intermediate, --vocab (defaults: QWEN_0P5B_SHAPE)."""
+    group = ap.add_argument_group("model shape (defaults: Qwen2.5-0.5B's)")
+    for key, default in QWEN_0P5B_SHAPE.items():
+        group.add_argument(f"--{key.replace('_', '-')}", type=int, default=default)
+
+
+def shape_of(args: argparse.Namespace) -> dict[str, int]:
+    """The shape the command line asked for, keyed as QWEN_0P5B_SHAPE (what build_model takes)."""
+    return {key: getattr(args, key) for key in QWEN_0P5B_SHAPE}
+
+
 def build_model(model_dir: str, shape: dict, seed: int) -> None:
     """In its own process (the bench's stays small): tokenizer padded to the vocabulary, random bf16 weights."""
     from rollhpc.warm_start.tiny import QWEN2_5_0_5B, build_tokenizer, create_tiny_model
@@ -456,13 +473,7 @@ def gib(n: float | None) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    shape = ap.add_argument_group("model shape (defaults: Qwen2.5-0.5B's)")
-    shape.add_argument("--layers", type=int, default=24)
-    shape.add_argument("--hidden", type=int, default=896)
-    shape.add_argument("--heads", type=int, default=14)
-    shape.add_argument("--kv-heads", type=int, default=2)
-    shape.add_argument("--intermediate", type=int, default=4864)
-    shape.add_argument("--vocab", type=int, default=151936)
+    add_shape_arguments(ap)
     run = ap.add_argument_group("the runs")
     run.add_argument("--steps", type=int, default=2, help="run 1's steps; its checkpoint follows the last")
     run.add_argument("--resume-steps", type=int, default=1, help="run 2's steps, resumed from that checkpoint")
@@ -481,16 +492,14 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 1 or args.resume_steps < 1:
         ap.error("--steps and --resume-steps must be >= 1")
-    full = (args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab) == \
-        (24, 896, 14, 2, 4864, 151936)
+    shape = shape_of(args)
+    full = shape == QWEN_0P5B_SHAPE
     out_path = Path(args.out or HERE / "results" / ("mcore_0p5b.json" if full else "mcore_0p5b_shrunk.json"))
     # on a shared machine a run that outgrows its memory should be what the kernel kills, not a neighbour's process:
     # the model build, the probes and every rank inherit this
     Path("/proc/self/oom_score_adj").write_text("1000\n")
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="mcore_0p5b_"))
     work.mkdir(parents=True, exist_ok=True)
-    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-             "intermediate": args.intermediate, "vocab": args.vocab}
     result: dict = {"bench": "mcore_0p5b", "commit": commit(), "qwen2_5_0_5b_shape": full, "shape": shape,
                     "machine": machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:

@@ -87,13 +87,10 @@ def received_buckets(model_dir: Path, bucket_bytes: int = 64 << 20):
 
 
 def main() -> int:
+    from bench.mcore_0p5b import add_shape_arguments, build_model, shape_of
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--hidden", type=int, default=896)
-    ap.add_argument("--heads", type=int, default=14)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--intermediate", type=int, default=4864)
-    ap.add_argument("--vocab", type=int, default=151936)
+    add_shape_arguments(ap)
     ap.add_argument("--kv-cache-mb", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=96)
     ap.add_argument("--syncs", type=int, default=3)
@@ -101,11 +98,9 @@ def main() -> int:
     args = ap.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from bench.mcore_0p5b import build_model
     from bench.provenance import commit
 
-    shape = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-             "intermediate": args.intermediate, "vocab": args.vocab}
+    shape = shape_of(args)
     phases = Phases()
     with tempfile.TemporaryDirectory(prefix="vllm_cpu_memory_") as tmp:
         model_dir = Path(tmp) / "model"
