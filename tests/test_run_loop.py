@@ -81,3 +81,30 @@ def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path,
                      "step 2/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:12 elapsed, ETA 0:12",
                      "step 3/4: reward 0.00; 1.0 s/step, 0:13 elapsed, ETA 0:04",
                      "step 4/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:24 elapsed"]
+
+
+def test_a_restart_before_the_first_checkpoint_starts_the_logs_over(tmp_path: Path) -> None:
+    """A session lost before its first checkpoint (the chaos benchmark's batch node dying at step 2) leaves
+    metrics lines and no checkpoint: the next session starts again from step 0, so what the lost one logged is
+    dropped (every step logged once), and restarts.jsonl and step 1 say it was a restart."""
+    from rollhpc.rundir.records import read_events
+
+    class Lost(TimedSteps):
+        def step(self, step: int, last: bool) -> StepReport:
+            if step == 3:
+                raise RuntimeError("the node is gone")
+            return super().step(step, last)
+
+    def loop() -> RunLoop:
+        checkpointer = RunCheckpointer(tmp_path, {}, CheckpointConfig(every=5, at_end=False))
+        return RunLoop(tmp_path, checkpointer, LoopConfig(steps=4, eval_every=0, rollout_every=0), Clock())
+
+    with pytest.raises(RuntimeError, match="the node is gone"):
+        loop().run(Lost(Clock()))
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert loop().run(TimedSteps(Clock())) is Outcome.FINISHED
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[1]["restarts"] == 1 and all("restarts" not in r for r in records[2:])
+    (resume,) = [e for e in read_events(tmp_path) if e["event"] == "resume"]
+    assert resume["checkpoint"] is None and resume["step"] == 0 and resume["restarts"] == 1, resume

@@ -15,6 +15,7 @@ for the objects the pipeline names in ``state_objects()``: anything with ``state
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import time
@@ -123,7 +124,7 @@ class RunLoop:
         stop_request = StopRequest(self.run_dir)
         restored = self.checkpointer.restore()
         if restored is None:
-            start, restarts, metrics = 0, 0, {}
+            start, restarts, metrics = 0, self._start_over(), {}
         else:
             checkpoint, state = restored
             start, restarts, metrics = state["step"], state["restarts"] + 1, state["eval"]
@@ -135,7 +136,8 @@ class RunLoop:
                 obj.load_state_dict(state[name])
             restore_rng_states(state["rng"])
             self._log_restart(checkpoint.path, start, restarts)
-        with RunLog(self.run_dir, resume_step=None if restored is None else start) as run_log:
+        # a start over drops every line of the sessions it replaces (resume_step -1), a resume those after its step
+        with RunLog(self.run_dir, resume_step=start if restored else -1 if restarts else None) as run_log:
             steps.begin(resumed=restored is not None)
             if restored is None:
                 metrics = steps.evaluate()
@@ -207,6 +209,31 @@ class RunLoop:
                    "accuracy": metrics.get("accuracy"), **steps.checkpoint_summary(),
                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         self.checkpointer.save(step, state, summary)
+
+    def _start_over(self) -> int:
+        """With no checkpoint to resume from: 0 for a run's first session, else the restart number of a session
+        that starts the run again from step 0 because the sessions before it were lost before their first
+        checkpoint but logged steps (a node lost at step 2 of a run checkpointing every 5). Their lines are
+        dropped (so every step is logged once), and restarts.jsonl says why the run started over."""
+        from rollhpc.rundir import RunPaths
+        from rollhpc.rundir.records import log_event
+
+        path = RunPaths(self.run_dir).metrics
+        records = []
+        for line in path.read_text(errors="replace").splitlines() if path.is_file() else ():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # a line torn by the lost session
+                continue
+        records = [r for r in records if isinstance(r, dict)]
+        if not records:
+            return 0
+        restarts = 1 + max(int(r.get("restarts") or 0) for r in records)
+        log.warning("restart %d: no checkpoint yet; the run starts again from step 0 (the %d steps the earlier "
+                    "session logged are dropped)", restarts, len(records))
+        log_event(self.run_dir, {"event": "resume", "checkpoint": None, "step": 0, "restarts": restarts,
+                                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+        return restarts
 
     def _log_restart(self, path: Path, step: int, restarts: int) -> None:
         """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""

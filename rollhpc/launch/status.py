@@ -304,7 +304,8 @@ def _event_line(e: Mapping[str, Any]) -> str:
         what = (f"job {e.get('job_id')}, restart {e.get('restart', e.get('slurm_restart_count'))}, nodes "
                 f"{','.join(e.get('nodes') or []) or '?'}; previous attempt: {e.get('previous_attempt') or '-'}")
     elif kind == "resume":
-        what = f"resumed after step {e.get('step')} from {e.get('checkpoint')}"
+        what = (f"resumed after step {e.get('step')} from {e.get('checkpoint')}" if e.get("checkpoint")
+                else "started again from step 0 (lost before its first checkpoint)")
     elif kind == "requeue":
         what = (e.get("reason", "") + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
                 + (f"; continued as job {e['new_job_id']}" if e.get("new_job_id") else ""))
