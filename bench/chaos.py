@@ -19,12 +19,18 @@ type (``slurm/local-cluster.sh node-crash``, then ``node-start`` after the downt
   world           the trainer's node dies after a random step and is back after 2 s; then, while the restarted
                   attempt's world forms, one of its nodes dies and is back after 8 s
 
+``--nodes N`` spreads the job over N nodes (16+ for issue 36): the trainer's node (two for grad-sync rounds),
+and the controller, the generator and N - 3 reward ranks each on a node of its own (the CPU het group at one
+rank per node), on a local cluster of N + 4 nodes (spares for the nodes a round takes down). A crash of "any"
+node then mostly lands on a reward rank's node. The default, 2, is the small layout: the trainer's node and the
+batch node, on 4.
+
 Recovery is timed from each crash to the first training step after the resume. A crash that lands after the
 run's last step must not start it again: such a round is finished by the run's own record (its controller's
 clean exit or its last step's checkpoint), whatever state Slurm gave the job the node took down.
 
     python bench/chaos.py [--seed 0] [--rounds 10] [--types random,sync,...] [--crashes 2] [--max-down 20]
-                          [--slurm-dir DIR]
+                          [--nodes 2] [--slurm-dir DIR]
 
 Results (every crash: round, type, target, node, downtime, recovery; every round: job state, steps logged,
 weights match, attempts, how each restart came about) go to bench/results/chaos.json. Exit status 1 if any
@@ -53,6 +59,7 @@ sys.path.insert(0, str(REPO))
 from recovery import (STEPS, Cluster, event_after, last_step, poll, run_args, step_of_session,  # noqa: E402
                       submit)
 
+from bench.provenance import commit  # noqa: E402
 from rollhpc.launch.requeue import finished_run  # noqa: E402
 from rollhpc.launch.resubmit import current_job, rescue_jobs  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
@@ -76,6 +83,12 @@ def reference_weights(model: Path, work: Path, *extra: str) -> str:
 
 def starts(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir) if e["event"] == "start"]
+
+
+def starts_when_formed(run_dir: Path) -> list[str]:
+    """The nodes of the run's first attempt, once its world has formed."""
+    poll("the world", lambda: (run_dir / "world.json").exists() and starts(run_dir), 600, every=0.1)
+    return starts(run_dir)[0]["nodes"]
 
 
 def nodes_now(run_dir: Path) -> dict:
@@ -187,15 +200,27 @@ class Round:
         self.recovered(t, n)
 
 
+def spread(nodes: int) -> tuple[list[str], list[str]]:
+    """The run's and the Slurm job's overrides that put the job on ``nodes`` nodes (module docstring); none for
+    the small layout. The spread run scores 16 prompts x 8 samples a step, ~10 a reward rank, and its steps
+    last long enough (~0.5 s) for a crash to land inside the run rather than after its last step."""
+    if nodes <= 2:
+        return [], []
+    return ([f"roles.reward.procs={nodes - 3}", "pipeline.options.prompts_per_step=16"],
+            ["cluster.cpu_component.cpus_per_node=1", f"cluster.nodes={nodes + 1}"])
+
+
 def one_round(cluster: Cluster, model: Path, work: Path, rng: random.Random, kind: str, crashes: int,
-              max_down: float, references: dict[str, str]) -> dict:
+              max_down: float, references: dict[str, str], layout: list[str]) -> dict:
     run_dir = work / "runs" / "rq"
     extra, env = ([], {})
     if kind == "sync":
         env = {HOLD_IN_WEIGHT_SYNC: f"{rng.randrange(3, STEPS)}:120"}
     elif kind == "grad-sync":
         extra, env = TWO_TRAINERS, {HOLD_IN_GRAD_SYNC: f"{rng.randrange(3, STEPS)}:120"}
-    job_id = submit(cluster, model, work, *extra, env=env)
+    job_id = submit(cluster, model, work, *layout, *extra, env=env)
+    if layout:
+        print(f"  job {job_id} on {len(starts_when_formed(run_dir))} nodes", flush=True)
     r = Round(cluster, work, rng)
     try:
         if kind == "random":
@@ -237,11 +262,16 @@ def main() -> int:
     p.add_argument("--types", default=",".join(TYPES), help=f"round types to mix (of {', '.join(TYPES)})")
     p.add_argument("--crashes", type=int, default=2, help="node crashes per random round")
     p.add_argument("--max-down", type=float, default=20.0, help="a crashed node's slurmd returns within this (s)")
+    p.add_argument("--nodes", type=int, default=2, help="nodes the job spans (module docstring); 3 or more adds "
+                   "a reward rank per node beyond 3")
     p.add_argument("--slurm-dir", type=Path, help="a running local-cluster.sh directory (default: start one)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
+    p.add_argument("--out", type=Path, help="default: bench/results/chaos.json, chaos_<N>_nodes.json with --nodes N > 2")
     args = p.parse_args()
+    if args.nodes < 2:
+        p.error("--nodes must be >= 2")
     if not 1 <= args.crashes < STEPS:
         p.error(f"--crashes must be between 1 and {STEPS - 1}")
+    args.out = args.out or HERE / "results" / ("chaos.json" if args.nodes <= 2 else f"chaos_{args.nodes}_nodes.json")
     types = args.types.split(",")
     if unknown := set(types) - set(TYPES):
         p.error(f"unknown round type(s) {sorted(unknown)}; known: {', '.join(TYPES)}")
@@ -259,9 +289,9 @@ def main() -> int:
     for name, extra in (("one-trainer", []), ("two-trainers", TWO_TRAINERS)):
         if name == "one-trainer" or "grad-sync" in plan:
             (root / f"reference-{name}").mkdir()
-            references[name] = reference_weights(model, root / f"reference-{name}",
+            references[name] = reference_weights(model, root / f"reference-{name}", *spread(args.nodes)[0],
                                                  *[x.replace("gpus_per_proc=4", "gpus_per_proc=0") for x in extra])
-    cluster = Cluster(args.slurm_dir)
+    cluster = Cluster(args.slurm_dir, nodes=max(4, args.nodes + 4))
     os.environ.update(cluster.env)  # rollhpc's own Slurm calls in this process reach the bench's cluster
     rounds = []
     try:
@@ -269,7 +299,8 @@ def main() -> int:
             work = root / f"round-{i}"
             work.mkdir()
             print(f"round {i} ({kind}):", flush=True)
-            result = one_round(cluster, model, work, rng, kind, args.crashes, args.max_down, references)
+            result = one_round(cluster, model, work, rng, kind, args.crashes, args.max_down, references,
+                               [x for part in spread(args.nodes) for x in part])
             print(f"round {i}: {json.dumps({k: v for k, v in result.items() if k != 'crashes'})}", flush=True)
             rounds.append(result)
             for host in {c["node"] for c in result["crashes"] if "node" in c}:
@@ -285,9 +316,10 @@ def main() -> int:
     summary = {"rounds_ok": sum(ok), "rounds": len(rounds), "types": {t: plan.count(t) for t in types},
                "recovery_s_median": statistics.median(times) if times else None,
                "recovery_s_max": max(times) if times else None, "crashes_timed": len(times)}
-    result = {"benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seed": args.seed,
+    result = {"benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit(), "seed": args.seed,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-              "settings": {"crashes_per_random_round": args.crashes, "max_down_s": args.max_down, "steps": STEPS,
+              "settings": {"job_nodes": args.nodes, "cluster_nodes": max(4, args.nodes + 4),
+                           "layout_overrides": [x for part in spread(args.nodes) for x in part], "crashes_per_random_round": args.crashes, "max_down_s": args.max_down, "steps": STEPS,
                            "checkpoint_every": 2, "slurmd_timeout_s": 5, "manual_steps": "none"},
               "summary": summary, "rounds": rounds}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -146,15 +146,16 @@ def local_kill(model: Path, work: Path) -> dict:
 # -- Slurm ----------------------------------------------------------------------------------------------
 
 class Cluster:
-    def __init__(self, slurm_dir: Path | None):
+    def __init__(self, slurm_dir: Path | None, nodes: int = 4):
         self.started = slurm_dir is None
         self.dir = slurm_dir or Path(tempfile.mkdtemp(prefix="rollhpc-bench-slurm-", dir="/tmp"))
         base_env = {k: v for k, v in os.environ.items() if not re.match(r"^(SLURM_|SBATCH_|SRUN_)", k)}
         self.env = {**base_env, "SLURM_CONF": str(self.dir / "etc" / "slurm.conf"),
                     "PATH": f"{self.dir / 'bin'}:{base_env.get('PATH', '')}", "PYTHONPATH": str(REPO)}
         if self.started:
-            port = random.randrange(20000, 30000, 16)
-            up = {**base_env, "SLURM_CTLD_PORT": str(port), "SLURM_SLURMD_PORT_BASE": str(port)}
+            port = random.randrange(20000, 30000, 64)
+            up = {**base_env, "SLURM_CTLD_PORT": str(port), "SLURM_SLURMD_PORT_BASE": str(port),
+                  "SLURM_NODES": str(nodes)}
             subprocess.run(["bash", str(CLUSTER), "up", str(self.dir)], env=up, check=True, capture_output=True,
                            timeout=600)
 
