@@ -2,7 +2,7 @@
 the real rollout scheduler on rank 0 driving N generator ranks and N/8 reward ranks whose work is scripted (no
 model), so what is timed is the controller: its sends, its polls over the replies, its bookkeeping per sample.
 
-    python bench/scale_routing.py [--ranks 8,32,128] [--steps 5] [--out bench/results/scale_routing.json]
+    python bench/scale_routing.py [--ranks 8,32,128] [--steps 5] [--own-core] [--out bench/results/scale_routing.json]
 
 Each world is `rollhpc train` of a config written here (local mpiexec, MPICH, oversubscribed). A step is one
 `RolloutScheduler.collect` of 4 x N groups of 8 samples (32 samples per generator), 16 tokens each: the scheduler
@@ -12,6 +12,10 @@ request or two finish), and finished samples are scored by the reward ranks in t
 warm-up step): the step's wall seconds, the controller's CPU seconds in it, the calls it made (generator and reward)
 and the calls and samples per second. The generators answer instantly, so the rate is the controller's ceiling:
 real generators take seconds per call, and the step time of a real run is theirs unless this ceiling is near.
+
+``--own-core``: rank 0 runs alone on CPU 0 and every other rank on the other CPUs (sched_setaffinity), so the
+controller's CPU per sample is its own work and not what taking turns with N processes on one core adds (cache
+refills, its polls waiting for a core); its default output is then bench/results/scale_routing_own_core.json.
 """
 
 from __future__ import annotations
@@ -38,10 +42,18 @@ from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 from rollhpc.protocol.worker import Dispatch, Worker, register  # noqa: E402
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest  # noqa: E402
 
+OWN_CORE = "ROUTING_OWN_CORE"  # set: rank 0 on CPU 0, the other ranks on the rest
 GROUP_SIZE = 8
 GROUPS_PER_GENERATOR = 4
 RESPONSE_TOKENS = 16
 FINISH_PER_CALL = 2  # requests a generator call finishes (the rest stay in flight)
+
+
+def pin(controller: bool) -> None:
+    """With OWN_CORE set: the controller to CPU 0, any other rank to the CPUs but 0."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if os.environ.get(OWN_CORE) and len(cpus) > 1:
+        os.sched_setaffinity(0, {cpus[0]} if controller else set(cpus[1:]))
 
 
 class ScriptedGenerateWorker(Worker):
@@ -50,6 +62,7 @@ class ScriptedGenerateWorker(Worker):
 
     def __init__(self, ctx: Any, options: Any):
         super().__init__(ctx, options)
+        pin(controller=False)
         self.live: dict[str, GenerationRequest] = {}
 
     @register(Dispatch.ONE_TO_ALL)
@@ -67,6 +80,10 @@ class ScriptedGenerateWorker(Worker):
 
 class ScriptedRewardWorker(Worker):
     """A reward rank without a verifier: 1 for responses whose first token is even (groups are mixed)."""
+
+    def __init__(self, ctx: Any, options: Any):
+        super().__init__(ctx, options)
+        pin(controller=False)
 
     @register(Dispatch.DP_SPLIT)
     def score(self, items: list[tuple[Any, list[int]]]) -> list[float]:
@@ -96,6 +113,7 @@ class RoutingBench(Pipeline):
         from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
         from rollhpc.rollout.types import Prompt
 
+        pin(controller=True)
         gen, rew = self.workers["generate"], self.workers["reward"]
         calls = {"generate": 0, "reward": 0}
         generators = [_Counted(RankPort(gen.at(i), "rollout"), calls, "generate") for i in range(len(gen))]
@@ -143,7 +161,7 @@ class RoutingBench(Pipeline):
         os.replace(tmp, path)
 
 
-def run_world(n: int, work: Path, steps: int) -> dict:
+def run_world(n: int, work: Path, steps: int, own_core: bool = False) -> dict:
     import yaml
 
     name = f"routing-n{n}"
@@ -154,6 +172,8 @@ def run_world(n: int, work: Path, steps: int) -> dict:
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
+    if own_core:
+        env[OWN_CORE] = "1"
     res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"], env=env,
                          capture_output=True, text=True, timeout=3600)
     bench = work / name / "bench.json"
@@ -179,21 +199,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="8,32,128", help="generator ranks per world, comma-separated")
     ap.add_argument("--steps", type=int, default=5, help="timed collects per world (after one warm-up)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "scale_routing.json")
+    ap.add_argument("--own-core", action="store_true", help="rank 0 alone on CPU 0, the other ranks on the rest")
+    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    args.out = args.out or HERE / "results" / f"scale_routing{'_own_core' if args.own_core else ''}.json"
     from bench.provenance import commit
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="scale_routing_") as tmp:
         for n in (int(x) for x in args.ranks.split(",")):
             t = time.perf_counter()
-            results[str(n)] = run_world(n, Path(tmp), args.steps)
+            results[str(n)] = run_world(n, Path(tmp), args.steps, args.own_core)
             r = results[str(n)]
             print(f"[routing] N={n}: step {r['step_s']:.3f} s for {r['samples_per_step']} samples, "
                   f"{r['calls_per_s']:.0f} calls/s, {r['samples_per_s']:.0f} samples/s, controller CPU "
                   f"{r['controller_cpu_s']:.3f} s ({time.perf_counter() - t:.0f} s)", flush=True)
     out = {"what": __doc__.split("\n\n")[0], "commit": commit(), "machine": f"{os.cpu_count()} cores, local mpiexec",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+           "own_core": args.own_core, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(f".{args.out.name}.tmp")
     tmp.write_text(json.dumps(out, indent=1) + "\n")

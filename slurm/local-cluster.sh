@@ -183,6 +183,11 @@ SlurmctldTimeout=30
 MessageTimeout=10
 InactiveLimit=0
 KillWait=5
+# as sites set it (Slurm asks for >= 5 x MessageTimeout): when a node of a multi-node step dies, the batch node's
+# slurmstepd waits about a minute for the lost node's step-completion message, and with the default 60 s Slurm
+# drained that node "Kill task failed" first (bench/scale_slurm.py, 8 nodes), so the run's restart on its own
+# nodes waited for a person
+UnkillableStepTimeout=120
 Waittime=0
 MinJobAge=600
 JobRequeue=1
