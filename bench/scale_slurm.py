@@ -19,13 +19,9 @@ from what the driver sees polling every 50 ms (restarts.jsonl, world.json, the p
   world_formed_s       submit to world.json (every rank started by srun, MPI initialised, registered)
   first_call_s         submit to the pipeline's first line on rank 0 (formation, as bench/scale.py counts it)
   requeue_s            node killed to the batch script's requeue event (the failure noticed, classified,
-                       the next job submitted)
-  nodes_released_s     node killed to the first job's other nodes out of COMPLETING after the requeue, so the next job can have
-                       them: the cluster's other nodes are drained, so each run has a pool of M + 1 nodes, one
-                       of them spare, as a run in a reservation of its own would (Slurm holds them while its
-                       messages to the dead node's slurmd time out: MessageTimeout, 10 s here as by default)
-  node_down_s          node killed to Slurm marking it DOWN (absent where the restart came first: it does not
-                       wait for that)
+                       the next job submitted). The next job needs the first one's other nodes: the
+                       cluster's other nodes are drained, so each run has a pool of M + 1 nodes, one of them
+                       spare, as a run in a reservation of its own would
   old_job_ended_s      node killed to the first job's end in Slurm (absent where it ended after the restart)
   restarted_s          node killed to the next job's start event
   reformed_s           node killed to the next attempt's pipeline's first line (the requeue path's wall time)
@@ -168,19 +164,11 @@ def _one_job(cluster, nodes: int, per_node: int, work: Path, run_dir: Path, path
     row.update(small_s=b0["small_s"], small_cpu_s=b0["small_cpu_s"])
     job_id = starts()[0]["job_id"]
     victim = [n for n in starts()[0]["nodes"] if n != starts()[0]["batch_host"]][-1]
-    others = [n for n in starts()[0]["nodes"] if n != victim]
     t_crash = time.time()
     cluster.script("node-crash", str(cluster.dir), victim)
     try:
-        requeued = lambda: [e for e in events(run_dir) if e["event"] == "requeue"]  # noqa: E731
-        second = watch({"requeue": requeued,
-                        "node_down": lambda: "DOWN" in cluster.scontrol("show", "node", victim).split("State=")[1]
-                        .split()[0],
+        second = watch({"requeue": lambda: [e for e in events(run_dir) if e["event"] == "requeue"],
                         "old_job_ended": lambda: cluster.job_state(job_id) in recovery.JOB_ENDED,
-                        "nodes_released": lambda: requeued() and not any(
-                            "COMPLETING" in state.upper() for state in subprocess.run(
-                                ["sinfo", "-h", "-N", "-n", ",".join(others), "-o", "%T"], env=cluster.env,
-                                capture_output=True, text=True, timeout=60).stdout.split()),
                         "restarted": lambda: len(starts()) > 1,
                         "reformed": lambda: (run_dir / "bench-1.json").exists()}, "reformed", 900)
         row.update({f"{k}_s": v - t_crash for k, v in second.items()})
@@ -253,8 +241,8 @@ def main() -> int:
             rows.append(row)
     finally:
         cluster.down()
-    keys = ["submit_cli_s", "job_started_s", "world_formed_s", "first_call_s", "requeue_s", "nodes_released_s",
-            "node_down_s", "old_job_ended_s", "restarted_s", "reformed_s", "small_s", "small_cpu_s"]
+    keys = ["submit_cli_s", "job_started_s", "world_formed_s", "first_call_s", "requeue_s", "old_job_ended_s",
+            "restarted_s", "reformed_s", "small_s", "small_cpu_s"]
     keys = [k for k in keys if all(k in r for r in rows)]
     fits = {k: fit_line([r["nodes"] for r in rows], [r[k] for r in rows]) for k in keys} if len(rows) > 1 else {}
     result = {"bench": "scale_slurm", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
