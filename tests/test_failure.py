@@ -90,3 +90,16 @@ def test_an_error_of_the_runs_own_code_ends_the_run_whatever_dies_after_it():
     assert time.monotonic() - t0 < 1.0, "a plain error waits no communication error's look"
     assert same is exc and verdict.kind == ERROR and not verdict.restartable
     assert verdict.record()["summary"].startswith("worker rank 1 (role 'generate') raised ValueError")
+
+
+def test_a_worker_lost_while_idle_or_by_slurms_word_is_never_the_same_failure_again():
+    """Only a death inside a call can repeat as the run's own crash: an idle reward rank's node lost at step 6,
+    then another one's after the restart at step 6 again, are two losses (chaos on 16 nodes ended such a run)."""
+    idle = WorkerDied("worker rank 4 (role 'reward') died while idle", host="node10", role="reward")
+    _, verdict = classify(idle, lambda: None, lambda: [], step=6)
+    assert verdict.kind == LOST_WORKER and verdict.hosts == ["node10"] and verdict.signature == ""
+    _, verdict = classify(gen_error(), lambda: None, lambda: ["node4"], settle_s=5.0, step=6)
+    assert verdict.kind == LOST_WORKER and verdict.signature == ""
+    busy = WorkerDied("worker rank 3 (role 'train') died while running 'train_step'", host="node2", role="train",
+                      method="train_step")
+    assert classify(busy, lambda: None, lambda: [], step=6)[1].signature == "lost_worker|train|train_step|||6"

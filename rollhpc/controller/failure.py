@@ -9,7 +9,9 @@ decides, in a bounded look:
 * a worker found gone (its sideband connection closed, or Slurm says its node is DOWN / not responding)
   within the look that follows a communication error: the run lost a worker; the error was its echo.
   Restart without that node. The same role dying in the same call at the same step right after a restart is
-  a crash of the run's own (in native code, out of memory), not bad luck twice: the run ends.
+  a crash of the run's own (in native code, out of memory), not bad luck twice: the run ends. A worker that
+  died while idle, or on a node Slurm calls down, was running none of the run's work: never the same failure
+  (two nodes lost at the same step, one after the other, are two losses), bounded by cluster.max_restarts.
 * no worker found gone, but the error is a communication error (gloo / NCCL / MPI / torch.distributed
   network errors, a collective's timeout) or the controller's own wait timed out (a call past its limit, an
   MPI call that never returned): a lost peer whose loss
@@ -86,6 +88,14 @@ def signature(kind: str, role: str, method: str, err_type: str, message: str, st
     return "|".join([kind, role, method, err_type, _normalized(message), str(step)])
 
 
+def lost_signature(dead: WorkerDied, step: int | None) -> str:
+    """A lost worker's signature for the same-failure-twice rule, or "" where a repeat says nothing about the
+    run's own code: the worker was idle (no call of the run's was running in it) or is known only from Slurm's
+    node state. Chaos on 16 nodes ended a run that way: a reward rank's node lost at step 6, and after the
+    restart another reward rank's node at step 6 again, taken as deterministic."""
+    return signature(LOST_WORKER, dead.role, dead.method, "", "", step) if dead.method else ""
+
+
 def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
              down_hosts: Callable[[], list[str]], host_ranks: Callable[[str], list[str]] | None = None,
              settle_s: float = 15.0, step: int | None = None) -> tuple[BaseException, Failure]:
@@ -96,8 +106,8 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
     if isinstance(exc, WorkerDied):
-        return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
-                            signature(LOST_WORKER, exc.role, exc.method, "", "", step), step=step)
+        return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [], lost_signature(exc, step),
+                            step=step)
     if isinstance(exc, WorldNotFormed):
         return exc, Failure(WORLD_NOT_FORMED, exc.summary, step=step)
     comm = timeout = False
@@ -132,8 +142,8 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
             died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {surfaced}",
                               getattr(exc, "details", "") or dead.details, host=dead.host, role=dead.role,
                               method=dead.method)
-            return died, Failure(LOST_WORKER, died.summary, hosts, signature(LOST_WORKER, dead.role, dead.method, "",
-                                                                             "", step), cause=surfaced, step=step)
+            return died, Failure(LOST_WORKER, died.summary, hosts, lost_signature(dead, step), cause=surfaced,
+                                 step=step)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.1)
