@@ -16,6 +16,8 @@ real generators take seconds per call, and the step time of a real run is theirs
 ``--own-core``: rank 0 runs alone on CPU 0 and every other rank on the other CPUs (sched_setaffinity), so the
 controller's CPU per sample is its own work and not what taking turns with N processes on one core adds (cache
 refills, its polls waiting for a core); its default output is then bench/results/scale_routing_own_core.json.
+What it showed (``own_core_tried`` in results/scale_routing.json): rank 0 then polls for replies the whole time
+the other ranks take turns on their core, so its CPU seconds are its polling, not its routing work.
 """
 
 from __future__ import annotations
