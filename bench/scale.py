@@ -2,6 +2,7 @@
 quantity fitted and extrapolated to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
     python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--out bench/results/scale.json]
+    SCALE_PROFILE=1 python bench/scale.py --ranks 128 --runs 1 --out /tmp/x.json   (rank 0's small calls profiled)
 
 Each world is `rollhpc train` of a config written here: the controller and N DiagnosticWorker ranks (mpi4py,
 numpy and rollhpc's worker loop; no torch model), local mpiexec (MPICH, oversubscribed: N ranks on this
@@ -66,6 +67,22 @@ def _cpu_per_call(call, n: int) -> float:
     return (time.process_time() - t) / n
 
 
+def _profile(call, n: int, path: Path) -> None:
+    """cProfile of ``n`` calls, by own time, into ``path`` (what a fan-out would and would not remove)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(n):
+        call()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    path.write_text(text.getvalue())
+
+
 def _rss_bytes(pid: int) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -93,6 +110,8 @@ class ScaleBench(Pipeline):
         out["rss_bytes_median"] = statistics.median(_rss_bytes(pid) for pid in pids)
         out["small_s"] = _median_call(lambda: g.echo(SMALL), o.small_calls)
         out["small_cpu_s"] = _cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
+        if os.environ.get("SCALE_PROFILE"):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
+            _profile(lambda: g.echo(SMALL), o.small_calls, self.run_ctx.run_dir / "profile.txt")
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
         out["one_to_all_s"] = _median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)
         reply = np.zeros(GATHER_BYTES, dtype=np.uint8)
@@ -129,6 +148,8 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int) -> dict:
     if res.returncode == 0:
         raise RuntimeError(f"world of {n} ranks exited 0 after one of its ranks was killed")
     b = json.loads(bench.read_text())
+    if (run_dir / "profile.txt").is_file():
+        print((run_dir / "profile.txt").read_text()[:8000])
     row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "small_cpu_s": b["small_cpu_s"],
            "one_to_all_s": b["one_to_all_s"], "gather_s": b["gather_s"], "gather_cpu_s": b["gather_cpu_s"],
            "dead_rank_to_exit_s": ended - b["crash_at"],
