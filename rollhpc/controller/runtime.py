@@ -38,6 +38,17 @@ class RankInfo:
         return f"rank {self.rank} (role {self.role!r}, group rank {self.group_rank}, pid {self.pid} on {self.host})"
 
 
+def first_missing(keys: list[tuple[int, int]], inbox: dict, start: int = 0) -> int:
+    """The index of the first key from ``start`` on without its reply, or len(keys). ``Controller.wait`` carries
+    it from one look to the next, so a call's keys are looked at once each in all: asking ``all(k in inbox ...)``
+    from the start after every message was O(N) per reply, O(N^2) per call whenever replies come back out of
+    order (bench/reply_scan.py: ~38 million lookups per call at 8,769 ranks replying in reverse)."""
+    n = len(keys)
+    while start < n and keys[start] in inbox:
+        start += 1
+    return start
+
+
 @dataclass
 class _Outstanding:
     method: str
@@ -216,7 +227,8 @@ class Controller:
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
         backoff = Backoff(hot_s=0.002, max_sleep_s=0.001)
-        while not all(k in self._inbox for k in keys):
+        done = 0  # keys[:done] have their replies (a reply stays in the inbox until this wait takes it)
+        while (done := first_missing(keys, self._inbox, done)) < len(keys):
             if self.pump():
                 backoff.reset()
                 continue
