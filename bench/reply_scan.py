@@ -1,12 +1,13 @@
 """What the controller pays to learn that a call to N ranks has all its replies (issue 36): its wait looked at
-every key from the start after each message, O(N) per reply and O(N^2) per call when replies come back out of
-order. ``rollhpc.controller.runtime.first_missing`` carries its place from one look to the next: each key is
+every key from the start after each message, O(N) per reply and O(N^2) per call when replies come back in the
+order the call went out (the usual order: in reverse, the first key is missing until the end and each look stops
+there at once). ``rollhpc.controller.runtime.first_missing`` carries its place from one look to the next: each key is
 looked at once.
 
     python bench/reply_scan.py [--ranks 128,1024,8769] [--out bench/results/reply_scan.json]
 
 Rank 0's own bookkeeping only, the same dict lookups its wait makes: replies arrive one by one into the inbox (in
-rank order, and in reverse, as from far nodes or uneven work), and after each the call's keys are looked at the
+rank order, as the call went out, and in reverse), and after each the call's keys are looked at the
 old way (``all`` from the start) and the new way. The MPI receive of each reply costs the same either way and is
 left out (bench/scale.py's ``small_cpu_s`` has the whole call). Seconds per call, the median of 5.
 """
