@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO))
 from recovery import (STEPS, Cluster, event_after, last_step, poll, run_args, step_of_session,  # noqa: E402
                       submit)
 
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import commit, write_result  # noqa: E402
 from rollhpc.launch.requeue import finished_run  # noqa: E402
 from rollhpc.launch.resubmit import current_job, rescue_jobs  # noqa: E402
 from rollhpc.observability.metrics import read_metrics  # noqa: E402
@@ -319,13 +319,11 @@ def main() -> int:
     result = {"benchmark": "chaos", "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "commit": commit(), "seed": args.seed,
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "settings": {"job_nodes": args.nodes, "cluster_nodes": max(4, args.nodes + 4),
-                           "layout_overrides": [x for part in spread(args.nodes) for x in part], "crashes_per_random_round": args.crashes, "max_down_s": args.max_down, "steps": STEPS,
+                           "layout_overrides": [x for part in spread(args.nodes) for x in part],
+                           "crashes_per_random_round": args.crashes, "max_down_s": args.max_down, "steps": STEPS,
                            "checkpoint_every": 2, "slurmd_timeout_s": 5, "manual_steps": "none"},
               "summary": summary, "rounds": rounds}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_result(args.out, result)
     print(f"{summary['rounds_ok']}/{summary['rounds']} rounds finished with every step once, the "
           f"uninterrupted weights and no manual step; recovery median {summary['recovery_s_median']} s, worst "
           f"{summary['recovery_s_max']} s ({summary['crashes_timed']} crashes timed)")

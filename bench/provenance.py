@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def write_result(path: Path, result: dict) -> None:
+    """A benchmark's result file: indented JSON, written atomically (its folder made if needed)."""
+    from rollhpc.rundir import atomic_write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
 
 
 def commit() -> str:

@@ -15,7 +15,6 @@ left out (bench/scale.py's ``small_cpu_s`` has the whole call). Seconds per call
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import commit, write_result  # noqa: E402
 from rollhpc.controller.runtime import first_missing  # noqa: E402
 
 
@@ -78,10 +77,7 @@ def main() -> None:
                   f"after {row['after_s'] * 1e3:.3f} ms", flush=True)
     out = {"bench": "reply_scan", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "machine": f"{os.cpu_count()} cores", "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    write_result(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -45,9 +45,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import commit, write_result  # noqa: E402
 from bench.timing import time_calls  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
+from rollhpc.rundir import atomic_file, atomic_write_json  # noqa: E402
 
 TARGET_RANKS = 8769  # moe_4096_selfcheck's world
 SMALL = {"step": 1, "tokens": list(range(16)), "note": "ping"}
@@ -55,12 +56,12 @@ ONE_TO_ALL_BYTES = 64 << 20
 GATHER_BYTES = 64 << 10
 
 
-def _median_call(call, n: int, warmup: int = 2) -> float:
+def median_call(call, n: int, warmup: int = 2) -> float:
     return statistics.median(time_calls(call, n, warmup))
 
 
-def _cpu_per_call(call, n: int) -> float:
-    """This process's CPU seconds per call, over ``n`` calls (warm: after _median_call's)."""
+def cpu_per_call(call, n: int) -> float:
+    """This process's CPU seconds per call, over ``n`` calls (warm: after median_call's)."""
     t = time.process_time()
     for _ in range(n):
         call()
@@ -108,21 +109,18 @@ class ScaleBench(Pipeline):
         out: dict = {"run_start": start}
         pids = [p["pid"] for p in g.ping()]
         out["rss_bytes_median"] = statistics.median(_rss_bytes(pid) for pid in pids)
-        out["small_s"] = _median_call(lambda: g.echo(SMALL), o.small_calls)
-        out["small_cpu_s"] = _cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
+        out["small_s"] = median_call(lambda: g.echo(SMALL), o.small_calls)
+        out["small_cpu_s"] = cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
         if os.environ.get("SCALE_PROFILE"):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
             _profile(lambda: g.echo(SMALL), o.small_calls, self.run_ctx.run_dir / "profile.txt")
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
-        out["one_to_all_s"] = _median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)
+        out["one_to_all_s"] = median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)
         reply = np.zeros(GATHER_BYTES, dtype=np.uint8)
         # each rank echoes 64 KiB: the controller receives N replies (and sends N small requests)
-        out["gather_s"] = _median_call(lambda: g.echo(reply), o.small_calls)
-        out["gather_cpu_s"] = _cpu_per_call(lambda: g.echo(reply), o.small_calls)
+        out["gather_s"] = median_call(lambda: g.echo(reply), o.small_calls)
+        out["gather_cpu_s"] = cpu_per_call(lambda: g.echo(reply), o.small_calls)
         out["crash_at"] = time.time()
-        path = self.run_ctx.run_dir / "bench.json"
-        tmp = path.with_name(".bench.json.tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, path)
+        atomic_write_json(self.run_ctx.run_dir / "bench.json", out)
         g.crash_on(len(g) - 1)  # raises once the controller sees the rank gone
 
 
@@ -223,10 +221,9 @@ def plot(results: dict, fits: dict, path: Path) -> None:
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -263,10 +260,7 @@ def main() -> None:
                           "interconnect's latency or bandwidth",
            "machine": {"cpus": os.cpu_count(), "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_name(f".{args.out.name}.tmp")
-    tmp_out.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp_out, args.out)
+    write_result(args.out, out)
     if fits:
         plot(results, fits, args.out.with_suffix(".png"))
     print(json.dumps({"fits": fits, "login": login}, indent=1))

@@ -43,6 +43,7 @@ from rollhpc.engines.completion import Completion  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
 from rollhpc.protocol.worker import Dispatch, Worker, register  # noqa: E402
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest  # noqa: E402
+from rollhpc.rundir import atomic_write_json  # noqa: E402
 
 OWN_CORE = "ROUTING_OWN_CORE"  # set: rank 0 on CPU 0, the other ranks on the rest
 GROUP_SIZE = 8
@@ -157,10 +158,8 @@ class RoutingBench(Pipeline):
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             (self.run_ctx.run_dir / "profile.txt").write_text(text.getvalue())
-        path = self.run_ctx.run_dir / "bench.json"
-        tmp = path.with_name(".bench.json.tmp")
-        tmp.write_text(json.dumps({"generators": len(gen), "reward_ranks": len(rew), "steps": steps}))
-        os.replace(tmp, path)
+        atomic_write_json(self.run_ctx.run_dir / "bench.json",
+                          {"generators": len(gen), "reward_ranks": len(rew), "steps": steps})
 
 
 def run_world(n: int, work: Path, steps: int, own_core: bool = False) -> dict:
@@ -205,7 +204,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     args.out = args.out or HERE / "results" / f"scale_routing{'_own_core' if args.own_core else ''}.json"
-    from bench.provenance import commit
+    from bench.provenance import commit, write_result
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="scale_routing_") as tmp:
@@ -218,10 +217,7 @@ def main() -> None:
                   f"{r['controller_cpu_s']:.3f} s ({time.perf_counter() - t:.0f} s)", flush=True)
     out = {"what": __doc__.split("\n\n")[0], "commit": commit(), "machine": f"{os.cpu_count()} cores, local mpiexec",
            "own_core": args.own_core, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    write_result(args.out, out)
     print(f"[routing] wrote {args.out}")
 
 

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,15 +48,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit  # noqa: E402
-from bench.timing import time_calls  # noqa: E402
+from bench.provenance import commit, write_result  # noqa: E402
+from bench.scale import SMALL, cpu_per_call, median_call  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
+from rollhpc.rundir import atomic_file, atomic_write_json  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import recovery  # noqa: E402  (its local-cluster driver)
 
 PLAN_NODES = 520  # moe_4096_selfcheck: 512 GPU nodes of 8 GPUs, 8 CPU nodes for the controller and reward ranks
-SMALL = {"step": 1, "tokens": list(range(16)), "note": "ping"}
 
 
 class SlurmScaleBench(Pipeline):
@@ -77,15 +76,9 @@ class SlurmScaleBench(Pipeline):
         g = self.workers["probe"]
         out: dict = {"run_start": start, "attempt": attempt, "ranks": len(g) + 1}
         if attempt == 0:
-            out["small_s"] = statistics.median(time_calls(lambda: g.echo(SMALL), self.options.small_calls, 2))
-            t = time.process_time()
-            for _ in range(self.options.small_calls):
-                g.echo(SMALL)
-            out["small_cpu_s"] = (time.process_time() - t) / self.options.small_calls
-        path = self.run_ctx.run_dir / f"bench-{attempt}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(out))
-        os.replace(tmp, path)
+            out["small_s"] = median_call(lambda: g.echo(SMALL), self.options.small_calls)
+            out["small_cpu_s"] = cpu_per_call(lambda: g.echo(SMALL), self.options.small_calls)
+        atomic_write_json(self.run_ctx.run_dir / f"bench-{attempt}.json", out)
         if attempt == 0:
             deadline = time.monotonic() + self.options.wait_for_crash_s
             while time.monotonic() < deadline:  # a lost rank fails this call, and with it the attempt
@@ -208,9 +201,9 @@ def plot(rows: list[dict], fits: dict, path: Path) -> None:
         ax.set_ylabel("s")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
 
 
 def main() -> int:
@@ -254,10 +247,7 @@ def main() -> int:
                              "a real cluster adds its interconnect's latencies and its scheduler's queue, and "
                              "starts each node's ranks on that node's own cores",
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
+    write_result(args.out, result)
     if fits:
         plot(rows, {k: fits[k] for k in keys if k not in ("small_s", "small_cpu_s")}, args.out.with_suffix(".png"))
     print(f"results: {args.out}")
