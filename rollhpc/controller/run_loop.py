@@ -15,7 +15,6 @@ for the objects the pipeline names in ``state_objects()``: anything with ``state
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import os
 import time
@@ -125,6 +124,7 @@ class RunLoop:
         restored = self.checkpointer.restore()
         if restored is None:
             start, restarts, metrics = 0, self._start_over(), {}
+            resume_step = -1 if restarts else None  # a start over drops every line of the sessions it replaces
         else:
             checkpoint, state = restored
             start, restarts, metrics = state["step"], state["restarts"] + 1, state["eval"]
@@ -136,8 +136,8 @@ class RunLoop:
                 obj.load_state_dict(state[name])
             restore_rng_states(state["rng"])
             self._log_restart(checkpoint.path, start, restarts)
-        # a start over drops every line of the sessions it replaces (resume_step -1), a resume those after its step
-        with RunLog(self.run_dir, resume_step=start if restored else -1 if restarts else None) as run_log:
+            resume_step = start  # the lines after its step go
+        with RunLog(self.run_dir, resume_step=resume_step) as run_log:
             steps.begin(resumed=restored is not None)
             if restored is None:
                 metrics = steps.evaluate()
@@ -215,17 +215,10 @@ class RunLoop:
         that starts the run again from step 0 because the sessions before it were lost before their first
         checkpoint but logged steps (a node lost at step 2 of a run checkpointing every 5). Their lines are
         dropped (so every step is logged once), and restarts.jsonl says why the run started over."""
-        from rollhpc.rundir import RunPaths
+        from rollhpc.rundir import RunPaths, read_jsonl
         from rollhpc.rundir.records import log_event
 
-        path = RunPaths(self.run_dir).metrics
-        records = []
-        for line in path.read_text(errors="replace").splitlines() if path.is_file() else ():
-            try:
-                records.append(json.loads(line))
-            except ValueError:  # a line torn by the lost session
-                continue
-        records = [r for r in records if isinstance(r, dict)]
+        records = [r for r in read_jsonl(RunPaths(self.run_dir).metrics) if isinstance(r, dict)]
         if not records:
             return 0
         restarts = 1 + max(int(r.get("restarts") or 0) for r in records)
