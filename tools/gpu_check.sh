@@ -16,7 +16,11 @@
 # A step that fails is recorded and the next one still runs; the exit status is 1 if any failed.
 # vLLM's CUDA build is too large to carry, so generation on the GPU uses the torch engine (INSTALL.md).
 #
-#   tools/gpu_check.sh [--dry-run] [--out DIR] [--wheels DIR] [--python PY] [--steps env,install,...]
+#   tools/gpu_check.sh [--dry-run] [--out DIR] [--venv DIR] [--wheels DIR] [--python PY] [--steps env,install,...]
+#
+# Each step's commands run under a time limit of their own (env 60 s, install 180, gpu 240, bandwidth 90,
+# rlvr 300; GPU_CHECK_LIMITS="gpu=150,rlvr=200" changes them), so that one that hangs leaves the lease's
+# minutes to the rest. --venv puts the venv outside OUT (the device tool brings back only a few files).
 #
 # --dry-run prints each step's commands and runs none (CI runs it on machines without a GPU).
 set -uo pipefail
@@ -26,11 +30,13 @@ out="${OUT:-$here/gpu-check-out}"
 wheels="$here/gpu-wheels"
 python="python3"
 dry=0
+venv=""
 steps="env,install,gpu,bandwidth,rlvr"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) out="$2"; shift ;;
+    --venv) venv="$2"; shift ;;
     --wheels) wheels="$2"; shift ;;
     --python) python="$2"; shift ;;
     --steps) steps="$2"; shift ;;
@@ -39,24 +45,36 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-venv="$out/venv"
+venv="${venv:-$out/venv}"
 py="$venv/bin/python"
+limits="env=60,install=180,gpu=240,bandwidth=90,rlvr=300,${GPU_CHECK_LIMITS:-}"
+limit=600
 failed=0
 mkdir -p "$out"
 : > "$out/steps.jsonl"
 
-# run STEP CMD...: one command of a step, echoed; in a dry run only echoed
+# run CMD...: one command of a step, echoed; in a dry run only echoed; a program under the step's time limit
 run() {
   echo "+ $*"
   [ "$dry" = 1 ] && return 0
-  "$@"
+  if declare -F "$1" > /dev/null; then "$@"; else timeout -k 15 "$limit" "$@"; fi
+}
+
+# limit_of NAME: the step's seconds from $limits (the last NAME=S wins)
+limit_of() {
+  local item found=600
+  for item in ${limits//,/ }; do
+    case "$item" in "$1="*) found="${item#*=}" ;; esac
+  done
+  echo "$found"
 }
 
 # step NAME FUNCTION: time a step, record it, go on whatever it did
 step() {
   local name="$1" fn="$2" t0 rc ms
   case ",$steps," in *",$name,"*) ;; *) return 0 ;; esac
-  echo "== gpu_check: $name" >&2
+  limit=$(limit_of "$name")
+  echo "== gpu_check: $name (limit ${limit} s)" >&2
   t0=$(date +%s%N)
   "$fn" 2>&1 | tee "$out/$name.log"
   rc=${PIPESTATUS[0]}
@@ -72,12 +90,24 @@ do_env() {
 'available', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
 }
 
+# link_outer_site: the venv's .pth naming the site-packages of the python it was made from
+link_outer_site() {
+  local inner
+  inner=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") || return 1
+  "$python" -c "import site; print('\n'.join(site.getsitepackages()))" > "$inner/zz_outer_site.pth" || return 1
+  cat "$inner/zz_outer_site.pth"
+}
+
 do_install() {
   if [ "$dry" = 0 ] && ! ls "$wheels"/*.whl > /dev/null 2>&1; then
     echo "no wheels in $wheels: run tools/fetch_gpu_wheels.sh on a machine with the package index, carry $wheels" >&2
     return 1
   fi
   run "$python" -m venv --system-site-packages "$venv"
+  # a venv made from a venv's python sees its *base* interpreter's packages, not that venv's (the GPU image's
+  # python3 is /opt/torch/.venv, holding its CUDA torch): a .pth in the new venv names the outer site-packages
+  run link_outer_site
+  run "$py" -c "import torch; print('torch from', torch.__file__)"
   run "$py" -m pip install --disable-pip-version-check --no-index --no-deps "$wheels"/*.whl
   run "$py" -c "import megatron.core, mpi4py.MPI, rollhpc.cli, rollhpc.workers.megatron_policy; print('imports ok')"
 }
