@@ -10,9 +10,9 @@
 #               OUT/gpu_tests.jsonl (ROLLHPC_GPU_RESULTS)
 #   4. bandwidth the device's own copy bandwidth and pinned host <-> device copies, the yardsticks of the
 #               offload and IPC numbers (tools/gpu_bandwidth.py -> OUT/bandwidth.json)
-#   5. rlvr     a 1-GPU RLVR run of the quickstart on CUDA: trainer and the torch engine colocated on GPU 0
-#               with offload, the weight sync by CUDA IPC, verify after every sync, bf16 on megatron-core's
-#               optimizer (fp32 main weights) (OUT/rlvr/)
+#   5. rlvr     1-GPU RLVR runs of the quickstart on CUDA (20 steps): trainer and the torch engine colocated on
+#               GPU 0, with offload (taking turns) and without, the weight sync by CUDA IPC, verified after
+#               every sync, bf16 on megatron-core's optimizer (fp32 main weights) (OUT/rlvr/offload-*)
 # A step that fails is recorded and the next one still runs; the exit status is 1 if any failed.
 # vLLM's CUDA build is too large to carry, so generation on the GPU uses the torch engine (INSTALL.md).
 #
@@ -57,7 +57,11 @@ mkdir -p "$out"
 run() {
   echo "+ $*"
   [ "$dry" = 1 ] && return 0
+  local rc
   if declare -F "$1" > /dev/null; then "$@"; else timeout -k 15 "$limit" "$@"; fi
+  rc=$?
+  [ "$rc" = 0 ] || { echo "gpu_check: exit status $rc: $*" >&2; step_rc=$rc; }
+  return "$rc"
 }
 
 # limit_of NAME: the step's seconds from $limits (the last NAME=S wins)
@@ -76,8 +80,10 @@ step() {
   limit=$(limit_of "$name")
   echo "== gpu_check: $name (limit ${limit} s)" >&2
   t0=$(date +%s%N)
-  "$fn" 2>&1 | tee "$out/$name.log"
-  rc=${PIPESTATUS[0]}
+  step_rc=0  # a failed command fails its step, whatever the step's last command did (run sets it)
+  "$fn" > >(tee "$out/$name.log") 2>&1
+  rc=$?
+  [ "$rc" != 0 ] || rc=$step_rc
   ms=$(( ($(date +%s%N) - t0) / 1000000 ))
   printf '{"step": "%s", "status": %d, "seconds": %d.%03d, "dry_run": %s}\n' "$name" "$rc" $((ms / 1000)) \
     $((ms % 1000)) "$([ "$dry" = 1 ] && echo true || echo false)" >> "$out/steps.jsonl"
@@ -122,14 +128,20 @@ do_bandwidth() {
 }
 
 do_rlvr() {
-  run "$py" -m rollhpc.cli train quickstart --overwrite run.name=gpu-check "run.output_dir=$out/rlvr" \
-    cluster.nodes=1 cluster.gpus_per_node=1 \
-    roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
-    roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
-    roles.generate.options.dtype=bfloat16 pipeline.options.offload=true pipeline.options.weight_sync=auto \
-    pipeline.options.weight_sync_verify_every=1 pipeline.options.steps=5 pipeline.options.eval_every=5
+  # the same 20 steps twice, the colocated roles taking turns (offload on: the trainer's state goes to host memory
+  # while the engine generates) and both resident; each run's metrics.jsonl has its weights' sha256 at the end
+  local offload
+  for offload in true false; do
+    run "$py" -m rollhpc.cli train quickstart --overwrite "run.name=offload-$offload" "run.output_dir=$out/rlvr" \
+      cluster.nodes=1 cluster.gpus_per_node=1 \
+      roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
+      roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
+      roles.generate.options.dtype=bfloat16 "pipeline.options.offload=$offload" pipeline.options.weight_sync=auto \
+      pipeline.options.weight_sync_verify_every=1 pipeline.options.steps=20 pipeline.options.eval_every=10
+  done
   run "$py" -m rollhpc.cli plan quickstart cluster.nodes=1 cluster.gpus_per_node=1 roles.train.gpus_per_proc=1 \
-    "roles.train.devices=[0]" roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]"
+    "roles.train.devices=[0]" roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" \
+    pipeline.options.offload=true
 }
 
 cd "$here"

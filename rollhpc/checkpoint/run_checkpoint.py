@@ -26,7 +26,7 @@ import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.rundir import RunPaths
@@ -62,6 +62,9 @@ class RunCheckpointer:
         self.roles = sorted(r for r, g in workers.items() if hasattr(g.worker_cls, "save_checkpoint"))
         self._searched = False
         self._found: tuple[Checkpoint, dict[str, Any]] | None = None
+        # called before each save: a pipeline whose colocated roles take turns brings the saved state back onto
+        # its devices here (rollhpc.controller.colocation)
+        self.before_save: Callable[[], None] | None = None
 
     def due(self, step: int, last_step: int) -> bool:
         o = self.options
@@ -70,6 +73,8 @@ class RunCheckpointer:
     def save(self, step: int, state: dict[str, Any], summary: dict[str, Any]) -> Checkpoint:
         """Write checkpoint ``step``: every stateful role at once, then the controller's ``state`` (pickled)
         and ``summary`` (JSON, also the manifest's meta). Nothing is visible until the commit."""
+        if self.before_save is not None:
+            self.before_save()
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         try:

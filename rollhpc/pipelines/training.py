@@ -163,6 +163,10 @@ class TrainingPipeline(Pipeline):
         "old_logprob": {"train": ("parameters", "forward_activations")},
         "train": {"train": TRAINER_PARTS, "critic": TRAINER_PARTS},  # the critic trains beside the actor
         "weight_sync": {"train": ("parameters",), "generate": ("weights",)},
+        # the trained state read whole: a checkpoint's save, and the final weights' digest (megatron's offload
+        # frees the GPU storage of what it moves, so nothing may read it while offloaded)
+        "checkpoint": {"train": ("parameters", "gradients", "optimizer"),
+                       "critic": ("parameters", "gradients", "optimizer")},
     }
 
     @classmethod
@@ -196,6 +200,7 @@ class TrainingPipeline(Pipeline):
             from rollhpc.controller.colocation import Residency, colocation_of
 
             self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles))
+            self.checkpointer.before_save = lambda: self.stage("checkpoint")
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopConfig(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
                                     max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
@@ -313,4 +318,5 @@ class TrainingPipeline(Pipeline):
         self.sync_weights()  # the generators start from exactly the trainer's weights
 
     def weights_digest(self) -> str:
+        self.stage("checkpoint")  # the trainer's weights back on its devices (offload on)
         return self.workers["train"].weights_digest()

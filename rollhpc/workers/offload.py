@@ -29,6 +29,18 @@ def gpu_memory() -> dict[str, float]:
             "free": float(free)}
 
 
+def release_gpu_memory() -> None:
+    """Hand what the process no longer holds back to the device, for a colocated role to take: the caching
+    allocator's free blocks, and cuBLAS's workspaces (allocator memory counted as allocated, one per handle and
+    stream, made again at the next matrix product)."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
 class _Offloader:
     """What both offloaders share: ``offload`` / ``reload`` of named parts, checked and put in PARTS order
     (parameters before their gradients, both ways); ``_move`` does the moving."""
@@ -110,7 +122,7 @@ class StateOffloader(_Offloader):
         if on_gpu:
             torch.cuda.synchronize(self.device)
             if to_host:
-                torch.cuda.empty_cache()  # hand the freed blocks back, so the colocated role can take them
+                release_gpu_memory()  # the freed blocks back to the device, so the colocated role can take them
         return {"bytes": float(moved), "seconds": time.perf_counter() - start}
 
 
@@ -170,7 +182,7 @@ class MegatronStateOffloader(_Offloader):
                 self.optimizer.offload_to_cpu() if to_host else self.optimizer.restore_from_cpu()
             torch.cuda.synchronize(self.device)
             if to_host:
-                torch.cuda.empty_cache()
+                release_gpu_memory()
         for p in todo:
             (self.offloaded.add if to_host else self.offloaded.discard)(p)
         return {"bytes": float(moved), "seconds": time.perf_counter() - start}
