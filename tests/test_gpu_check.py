@@ -23,8 +23,10 @@ def test_the_dry_run_lists_every_step_and_its_training_run_is_a_valid_configurat
     commands = [line[2:] for line in res.stdout.splitlines() if line.startswith("+ ")]
     assert any("-m pytest -m gpu tests/test_gpu.py" in c for c in commands)
     assert not (out / "venv").exists(), "a dry run installs nothing"
-    (train,) = [shlex.split(c) for c in commands if " -m rollhpc.cli train " in c]
-    check = subprocess.run([sys.executable, *train[1:], "--dry-run"], cwd=REPO, env=cli_env(),
-                           capture_output=True, text=True, timeout=120)
-    assert check.returncode == 0, check.stderr
-    assert "rollhpc.rank" in check.stdout  # the world it would start
+    trains = [shlex.split(c) for c in commands if " -m rollhpc.cli train " in c]
+    assert [t[t.index("--overwrite") + 1] for t in trains] == ["run.name=offload-true", "run.name=offload-false"]
+    for train in trains:
+        check = subprocess.run([sys.executable, *train[1:], "--dry-run"], cwd=REPO, env=cli_env(),
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stderr
+        assert "rollhpc.rank" in check.stdout  # the world it would start
