@@ -48,9 +48,10 @@ def report(name: str, **numbers: float) -> None:
             f.write(json.dumps({"test": name, "device": torch.cuda.get_device_name(0), **numbers}) + "\n")
 
 
-def left_on_gpu(left: int, held: int) -> str:
-    """The failure message of an offload that left memory behind: what is still allocated, and how much of it
-    live tensors hold (the rest is allocator memory no tensor owns, such as cuBLAS's workspaces)."""
+def left_on_gpu(left: int, held: int, labels: dict[int, str] | None = None) -> str:
+    """The failure message of an offload that left memory behind: what is still allocated, and what holds it:
+    live CUDA tensors by ``labels`` (storage pointer -> what it was before the offload) and the largest ones
+    (the rest is allocator memory no tensor owns, such as cuBLAS's workspaces)."""
     import gc
 
     storages = {}
@@ -58,10 +59,14 @@ def left_on_gpu(left: int, held: int) -> str:
         if torch.is_tensor(obj) and obj.is_cuda:
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = (storage.nbytes(), type(obj).__name__, tuple(obj.shape), str(obj.dtype))
+    by_label: dict[str, float] = {}
+    for ptr, (nbytes, *_) in storages.items():
+        label = (labels or {}).get(ptr, "other")
+        by_label[label] = by_label.get(label, 0.0) + nbytes / 2**20
     largest = sorted(storages.values(), reverse=True)[:8]
     return (f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU; live CUDA tensors hold "
-            f"{sum(v[0] for v in storages.values()) / 2**20:.0f} MiB in {len(storages)} storages, the largest "
-            f"{largest}")
+            f"{sum(v[0] for v in storages.values()) / 2**20:.0f} MiB in {len(storages)} storages, MiB by what they "
+            f"were: { {k: round(v) for k, v in by_label.items()} }, the largest {largest}")
 
 
 def hf_model(spec: dict, dtype: "torch.dtype" = torch.float32, seed: int = 0):
@@ -154,12 +159,16 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
         main = [p for g in optimizer.param_groups for p in g["params"]]
         state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
         before = [t.detach().cpu().clone() for t in [*model.parameters(), *main, *state]]
+        labels = {t.untyped_storage().data_ptr(): kind for kind, ts in (
+            ("param_buffer", [b.param_data for b in ddp.buffers]), ("grad_buffer", [b.grad_data for b in ddp.buffers]),
+            ("main_param", main), ("adam_state", state)) for t in ts}
+        del main, state  # references here would keep the moments on the GPU after megatron's offload replaced them
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         offloader = MegatronStateOffloader([ddp], optimizer, cuda)
         out = offloader.offload(["parameters", "gradients", "optimizer"])
         left = torch.cuda.memory_allocated() - base
-        why = left_on_gpu(left, held)
+        why = left_on_gpu(left, held, labels)
         back = offloader.reload(["parameters", "gradients", "optimizer"])
         main = [p for g in optimizer.param_groups for p in g["params"]]
         state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]

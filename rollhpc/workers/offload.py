@@ -113,7 +113,9 @@ class StateOffloader(_Offloader):
                     new = t.to(self.device, non_blocking=True)
                 if isinstance(owner, dict):
                     owner[slot] = new
-                else:  # swap the storage under the same tensor object (a grad assigned across devices is refused)
+                elif slot == "data":  # the parameter's own data (``p.data`` is a new alias each time: swapping an
+                    owner.data = new  # alias's data would leave the parameter where it was)
+                else:  # swap the storage under the same grad tensor (a grad assigned across devices is refused)
                     t.data = new
             if to_host:
                 self.offloaded.add(part)
