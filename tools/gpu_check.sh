@@ -151,5 +151,10 @@ step install do_install
 step gpu do_gpu
 step bandwidth do_bandwidth
 step rlvr do_rlvr
-echo "gpu_check: results in $out (steps.jsonl$([ "$dry" = 1 ] && echo '; dry run: nothing was run'))" >&2
+if [ "$dry" = 0 ]; then  # one JSON of it all: OUT/summary.json
+  "$([ -x "$py" ] && echo "$py" || echo "$python")" tools/gpu_check_summary.py "$out" > /dev/null \
+    || echo "gpu_check: no summary.json (tools/gpu_check_summary.py failed)" >&2
+fi
+echo "gpu_check: results in $out (steps.jsonl$([ "$dry" = 1 ] && echo '; dry run: nothing was run' \
+  || echo ', summary.json'))" >&2
 exit "$failed"
