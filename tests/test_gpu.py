@@ -301,7 +301,8 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
     """Qwen2.5-0.5B's shape (random weights) trained as MegatronTrainWorker builds it at dtype bfloat16: megatron's
     DDP with fp32 gradient buckets and the distributed optimizer (fp32 main parameters and moments). What stays on
     the GPU between steps, and the peak of a step (the worker's loss head, ``token_logprobs``), against
-    ``MegatronTrainWorker.gpu_memory`` (what ``rollhpc plan`` sums): within 25%. Also the step's seconds and the model FLOP/s (6 x parameters x tokens)."""
+    ``MegatronTrainWorker.gpu_memory`` (what ``rollhpc plan`` sums): within 25%. Also the step's seconds and the
+    model FLOP/s (6 x parameters x tokens)."""
     from megatron.core import optimizer as mcore_optimizer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 

@@ -49,6 +49,19 @@ def _tests(path: Path) -> dict[str, str]:
     return outcome
 
 
+def _exit(path: Path) -> str:
+    """How the run ended, from its controller-exit.json: "finished", or the failure's kind and summary's first line."""
+    if not path.is_file():
+        return "no controller-exit.json (the run did not end by itself)"
+    record = json.loads(path.read_text())
+    failure = record.get("failure")
+    if record.get("status") == 0 and not failure:
+        return "finished"
+    if failure:
+        return f"{failure.get('kind')}: {str(failure.get('summary', '')).splitlines()[0]}"
+    return f"status {record.get('status')}"
+
+
 def _rlvr(folder: Path) -> dict[str, Any]:
     runs = {}
     for metrics in sorted(folder.glob("*/metrics.jsonl")):
@@ -59,8 +72,7 @@ def _rlvr(folder: Path) -> dict[str, Any]:
             "accuracy": {r["step"]: r["accuracy"] for r in rows if "accuracy" in r},
             "median_step_s": statistics.median(steps) if steps else None,
             "weights_sha256": next((r["weights_sha256"] for r in reversed(rows) if "weights_sha256" in r), None),
-            "finished": (metrics.parent / "controller-exit.json").is_file()
-            and "error" not in json.loads((metrics.parent / "controller-exit.json").read_text()),
+            "exit": _exit(metrics.parent / "controller-exit.json"),
         }
     return runs
 
