@@ -57,8 +57,8 @@ def test_matches_log_softmax_and_tp2_gradients_equal_tp1(tmp_path):
 
 def test_the_backward_keeps_one_float_copy_of_the_logits_and_matches_autograd():
     """What autograd keeps for the backward, counted with saved-tensor hooks: one float32 copy of the logits
-    (two with the entropy), where the plain expressions keep four or more (1.2 GB each per 2,048 tokens of
-    Qwen's vocabulary). Gradients equal autograd's through log_softmax; bf16 logits get bf16 gradients."""
+    (two with the entropy), where the plain expressions keep two (four; 1.2 GB each per 2,048 tokens of
+    Qwen's vocabulary: bench/logprob_head.py). Gradients equal autograd's through log_softmax; bf16 logits get bf16 gradients."""
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 7, 500, generator=g)  # 20 padding columns
     targets = torch.randint(0, 480, (3, 7), generator=g)

@@ -20,7 +20,7 @@ _MASKED = -1e9  # finite, so exp() gives 0 and 0 * _MASKED stays 0 (−inf would
 
 class _TokenLogprobs(torch.autograd.Function):
     """log p(target) and the entropy with one float32 copy of the logits kept for the backward (two with the
-    entropy), where autograd through the plain expressions keeps four or five: with Qwen's 151,936-token
+    entropy), where autograd through the plain expressions keeps two (four): with Qwen's 151,936-token
     vocabulary one copy is 1.2 GB per 2,048 tokens, so this is most of a large-vocabulary model's activations
     at long sequence lengths. The softmax statistics are reduced over the TP group in the forward; the
     backward needs no collective (each rank's gradient is its own slice: onehot(target) - p, and
