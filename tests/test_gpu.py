@@ -113,9 +113,12 @@ def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
     assert all(p.device == cuda for p in model.parameters())
     model(input_ids=ids, labels=ids).loss.backward()  # and it trains on
     optimizer.step()
+    again = offloader.offload(["parameters", "gradients", "optimizer"])  # into the pinned buffers the first made
+    offloader.reload(["parameters", "gradients", "optimizer"])
     report("offload", parameters=params, role_gib=held / 2**30, left_gib=left / 2**30,
            freed_fraction=1 - left / held, offload_s=out["seconds"], reload_s=back["seconds"],
-           offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9)
+           offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9,
+           second_offload_s=again["seconds"], second_offload_gbps=again["bytes"] / again["seconds"] / 1e9)
     assert left <= 0.1 * held, why
 
 
@@ -175,9 +178,12 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
         after = [t.detach().cpu() for t in [*model.parameters(), *main, *state]]
         assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
         step()  # and it trains on
+        again = offloader.offload(["parameters", "gradients", "optimizer"])
+        offloader.reload(["parameters", "gradients", "optimizer"])
         report("megatron_offload", role_gib=held / 2**30, left_gib=left / 2**30, freed_fraction=1 - left / held,
                offload_s=out["seconds"], reload_s=back["seconds"],
-               offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9)
+               offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9,
+               second_offload_s=again["seconds"], second_offload_gbps=again["bytes"] / again["seconds"] / 1e9)
         assert left <= 0.1 * held, why
 
 
