@@ -87,6 +87,26 @@ def snapshot(model, optimizer) -> dict[str, "torch.Tensor"]:
     return out
 
 
+def megatron_bf16_stack(hf: dict, device: "torch.device"):
+    """(model, DDP, optimizer) as MegatronTrainWorker builds them at dtype bfloat16: the whole model in bf16, norms
+    included (the local spec builds its norms in fp32, and megatron's offload of fp32 parameters would cut the
+    optimizer off from them: refused), megatron's DDP with fp32 gradient buckets, and its distributed optimizer
+    (fp32 main parameters and moments). Inside a ``single_process_world``."""
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from rollhpc.models.megatron_gpt import build_gpt_model
+
+    model = build_gpt_model(hf, params_dtype=torch.bfloat16, parallel_output=False, bf16=True,
+                            calculate_per_token_loss=True).to(device, torch.bfloat16)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+    optimizer = mcore_optimizer.get_megatron_optimizer(mcore_optimizer.OptimizerConfig(
+        optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+        clip_grad=1.0), [ddp])
+    return model, ddp, optimizer
+
+
 # ------------------------------------------------------------------------------------------------ offload
 def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
     from rollhpc.workers.offload import StateOffloader
@@ -126,25 +146,13 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
     """optimizer: megatron on CUDA (megatron's DDP and distributed optimizer, bf16 parameters with fp32 main
     parameters): megatron's own RL offload through MegatronStateOffloader frees the role's memory, and after the
     reload the parameters, main parameters and moments are bit-identical and training goes on."""
-    from megatron.core import optimizer as mcore_optimizer
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     from rollhpc.checkpoint.mcore import single_process_world
-    from rollhpc.models.megatron_gpt import build_gpt_model
     from rollhpc.workers.offload import MegatronStateOffloader
 
     with single_process_world("nccl"):  # megatron's DDP runs its collectives on the GPU tensors
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        # the whole model in bf16, norms included, as MegatronTrainWorker makes it (the local spec builds its norms
-        # in fp32, and megatron's offload of fp32 parameters would cut the optimizer off from them: refused)
-        model = build_gpt_model(MEDIUM, params_dtype=torch.bfloat16, parallel_output=False, bf16=True,
-                                calculate_per_token_loss=True).to(cuda, torch.bfloat16)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        optimizer = mcore_optimizer.get_megatron_optimizer(mcore_optimizer.OptimizerConfig(
-            optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
-            clip_grad=1.0), [ddp])
+        model, ddp, optimizer = megatron_bf16_stack(MEDIUM, cuda)
         ids = torch.randint(0, MEDIUM["vocab_size"], (2, 128), device=cuda)
 
         def step() -> float:
@@ -304,16 +312,11 @@ def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(cuda, tiny_dir, tmp_p
 
 # ------------------------------------------------------------------------------------------------ memory plan
 def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
-    """Qwen2.5-0.5B's shape (random weights) trained as MegatronTrainWorker builds it at dtype bfloat16: megatron's
-    DDP with fp32 gradient buckets and the distributed optimizer (fp32 main parameters and moments). What stays on
-    the GPU between steps, and the peak of a step (the worker's loss head, ``token_logprobs``), against
-    ``MegatronTrainWorker.gpu_memory`` (what ``rollhpc plan`` sums): within 25%. Also the step's seconds and the
+    """Qwen2.5-0.5B's shape (random weights) trained as MegatronTrainWorker builds it at dtype bfloat16
+    (``megatron_bf16_stack``). What stays on the GPU between steps, and the peak of a step (the worker's loss
+    head, ``token_logprobs``), against ``MegatronTrainWorker.gpu_memory`` (what ``rollhpc plan`` sums): within 25%. Also the step's seconds and the
     model FLOP/s (6 x parameters x tokens)."""
-    from megatron.core import optimizer as mcore_optimizer
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
     from rollhpc.checkpoint.mcore import single_process_world
-    from rollhpc.models.megatron_gpt import build_gpt_model
     from rollhpc.models.vocab_parallel import token_logprobs
     from rollhpc.parallel import ParallelLayout
     from rollhpc.placement.memory_plan import ModelShape
@@ -331,13 +334,7 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
     with single_process_world("nccl"):
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated()
-        model = build_gpt_model(hf.to_dict(), params_dtype=torch.bfloat16, parallel_output=False, bf16=True,
-                                calculate_per_token_loss=True).to(cuda, torch.bfloat16)
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-        optimizer = mcore_optimizer.get_megatron_optimizer(mcore_optimizer.OptimizerConfig(
-            optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
-            clip_grad=1.0), [ddp])
+        model, ddp, optimizer = megatron_bf16_stack(hf.to_dict(), cuda)
         ids = torch.randint(0, QWEN2_5_0_5B_VOCAB, (rows, seq), device=cuda)
         positions = torch.arange(seq, device=cuda).expand_as(ids)
 
