@@ -25,16 +25,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.provenance import commit, write_result  # noqa: E402
 
 
+def hf_config(layers: int, seq: int, args: argparse.Namespace) -> dict:
+    """config.json of the measured shape with ``layers`` layers, for ``seq`` tokens (Qwen2: q/k/v biases, tied
+    embedding)."""
+    return {"model_type": "qwen2", "hidden_size": args.hidden, "num_hidden_layers": layers,
+            "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+            "intermediate_size": args.intermediate, "vocab_size": args.vocab, "tie_word_embeddings": True,
+            "max_position_embeddings": 4 * seq, "rms_norm_eps": 1e-6}
+
+
 def saved_bytes(layers: int, args: argparse.Namespace) -> int:
     """Bytes autograd keeps after one forward of a ``layers``-layer model and the worker's log-prob head."""
     from rollhpc.models.megatron_gpt import build_gpt_model
     from rollhpc.models.vocab_parallel import token_logprobs
 
-    hf = {"model_type": "qwen2", "hidden_size": args.hidden, "num_hidden_layers": layers,
-          "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-          "intermediate_size": args.intermediate, "vocab_size": args.vocab, "tie_word_embeddings": True,
-          "max_position_embeddings": 4 * args.seq, "rms_norm_eps": 1e-6}
-    model = build_gpt_model(hf, params_dtype=torch.bfloat16, parallel_output=False, bf16=True).to(torch.bfloat16)
+    model = build_gpt_model(hf_config(layers, args.seq, args), params_dtype=torch.bfloat16, parallel_output=False, bf16=True).to(torch.bfloat16)
     ids = torch.randint(0, args.vocab, (args.rows, args.seq), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(args.seq).expand_as(ids)
     seen: dict[int, int] = {}  # storage -> bytes: a tensor saved by two ops is held once
@@ -66,12 +71,10 @@ def main() -> int:
     from rollhpc.checkpoint.mcore import single_process_world
     from rollhpc.placement.memory_plan import ModelShape, activation_bytes
 
-    shape = ModelShape.from_hf({"model_type": "qwen2", "hidden_size": args.hidden, "num_hidden_layers": 1,
-                                "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-                                "intermediate_size": args.intermediate, "vocab_size": args.vocab,
-                                "tie_word_embeddings": True})
+    seqs = [int(x) for x in args.seqs.split(",")]
+    shape = ModelShape.from_hf(hf_config(1, seqs[0], args))
     rows = []
-    for seq in (int(x) for x in args.seqs.split(",")):
+    for seq in seqs:
         args.seq = seq
         with single_process_world():
             one, more = saved_bytes(1, args), saved_bytes(args.layers, args)
