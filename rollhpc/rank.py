@@ -230,7 +230,8 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     shared = ({role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
               if cfg.controller.one_to_all == "auto" else {})  # roles on this machine: one shared-memory copy
     return Controller(MpiChannel(comm, fanout=broadcast, shared=shared), sideband, ranks, run_dir,
-                      cfg.controller.call_timeout_s, cfg.controller.stack_dump_timeout_s)
+                      cfg.controller.call_timeout_s, cfg.controller.stack_dump_timeout_s,
+                      cfg.controller.reply_fan_in)
 
 
 class _FailureReport:

@@ -87,6 +87,41 @@ class DispatchScenario(Pipeline):
                 "metrics": turns.step_metrics()}
 
 
+class ReplyTreeScenario(Pipeline):
+    """Calls on a group larger than controller.reply_fan_in, whose replies come back along a reply tree: every
+    dispatch mode, array payloads, shared-memory files released through bundles, a direct reply overtaking the
+    relayed ones of an earlier call; what it saw goes to RUN_DIR/scenario.json."""
+
+    def run(self) -> None:
+        g = self.workers["probe"]
+        ctl = g.controller
+        out: dict = {}
+        taken = ctl.messages_taken
+        out["ping_ranks"] = [p["rank"] for p in g.ping()]
+        out["ping_messages"] = ctl.messages_taken - taken
+        taken = ctl.messages_taken
+        out["echo"] = g.echo({"a": 1})
+        out["echo_messages"] = ctl.messages_taken - taken
+        # arrays that travel raw (>= 8 KiB) at odd sizes, beside inline ones: each lands aligned in its bundle
+        payload = {"f64": np.arange(3 * 1001, dtype=np.float64).reshape(3, 1001),
+                   "i8": np.arange(9_999, dtype=np.int8), "small": np.ones(3, dtype=np.int32)}
+        out["arrays_ok"] = all(all(np.array_equal(e[k], v) and e[k].flags.aligned for k, v in payload.items())
+                               for e in g.echo(payload))
+        out["tagged_dp"] = g.tag_rows(Batch({"x": np.arange(23)}))["dp_rank"].tolist()
+        out["count_items"] = g.count_items(list(range(22)))
+        big = [np.random.default_rng(i).integers(0, 255, 2 << 20, dtype=np.uint8) for i in range(3)]
+        out["checksum_ok"] = all(g.checksum(a) == [int(a.sum(dtype=np.uint64))] * len(g) for a in big)
+        out["shared_reused"] = ctl.channel.segments.reused  # released files, reported inside bundles
+        # group rank 0 (the top relay) sleeps: the last rank has answered the group call to its relay, then
+        # answers a call of its own straight to the controller, before the group call's replies are in
+        group_call = g.sleep_on.submit(0, 1.5)
+        alone = g.at(len(g) - 1).whoami.submit()
+        out["alone"] = alone.result()
+        out["group_done_when_alone_was"] = group_call.done()
+        out["group"] = group_call.result()
+        (self.run_ctx.run_dir / "scenario.json").write_text(json.dumps(out))
+
+
 class FailScenario(Pipeline):
     """Make one worker fail in the chosen way while a call is in flight on the whole group."""
 
@@ -97,13 +132,14 @@ class FailScenario(Pipeline):
         how: str  # raise | crash | hang | mpi_stall
         rank: int = 1
         timeout_s: float = 3.0
+        others_sleep_s: float = 0.0  # how: raise: the other ranks sleep this long in the failing call
 
     def run(self) -> None:
         g = self.workers["probe"]
         g.ping()
         (self.run_ctx.run_dir / "pids.json").write_text(json.dumps([p["pid"] for p in g.ping()]))
         if self.options.how == "raise":
-            g.fail_on(self.options.rank, "deliberate failure for the test")
+            g.fail_on(self.options.rank, "deliberate failure for the test", self.options.others_sleep_s)
         elif self.options.how == "crash":
             g.crash_on(self.options.rank, 0.3)
         elif self.options.how == "hang":

@@ -18,6 +18,7 @@ from typing import Any
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
+from rollhpc.transport.reply_tree import Bundle, build_reply_tree
 from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 
 log = logging.getLogger("rollhpc.controller")
@@ -58,7 +59,7 @@ class _Outstanding:
 
 class Controller:
     def __init__(self, channel: MpiChannel, sideband: ControllerSideband, ranks: dict[int, RankInfo],
-                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float):
+                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float, reply_fan_in: int = 0):
         self.channel = channel
         self.sideband = sideband
         self.ranks = ranks
@@ -70,6 +71,10 @@ class Controller:
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
+        # a call to more ranks than this has its replies collected along a tree (0: every rank replies itself)
+        self.reply_fan_in = reply_fan_in
+        self._trees: dict[tuple[int, ...], int] = {}  # the ranks of a call -> the id of their reply tree
+        self.messages_taken = 0  # reply messages taken from MPI (a bundle counts once)
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
 
@@ -84,7 +89,7 @@ class Controller:
         self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
-        envelope = {"kind": "call", "call_id": call_id, "method": method}
+        envelope = self._envelope(call_id, method, list(payloads))
         by_payload: dict[int, tuple[Encoded, list[int]]] = {}  # a one-to-all call: one payload for every rank
         for rank, enc in payloads.items():
             by_payload.setdefault(id(enc), (enc, []))[1].append(rank)
@@ -103,19 +108,41 @@ class Controller:
         self._check_liveness()
         call_id = next(self._ids)
         now = time.monotonic()
-        envelope = {"kind": "call", "call_id": call_id, "method": method}
+        ranks = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks[role]
+        envelope = self._envelope(call_id, method, ranks)
         if role in self.channel.shared_ranks:
-            ranks = self.channel.shared_ranks[role]
             if not self.channel.send_shared(role, TAG_CALL, envelope, enc):  # no room: one copy per rank
                 log.warning("a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
                             "it to each rank", sum(m.nbytes for m in enc.buffers) / 2**20, role)
                 return self.submit(method, {rank: enc for rank in ranks})
         else:
-            ranks = self.channel.fanout_ranks[role]
             self.channel.send_fanout(role, TAG_CALL, envelope, enc)
         for rank in ranks:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
         return [(rank, call_id) for rank in ranks]
+
+    def _envelope(self, call_id: int, method: str, ranks: list[int]) -> dict[str, Any]:
+        envelope: dict[str, Any] = {"kind": "call", "call_id": call_id, "method": method}
+        if (tree := self._reply_tree(ranks)) is not None:
+            envelope["tree"] = tree
+        return envelope
+
+    def _reply_tree(self, ranks: list[int]) -> int | None:
+        """The id of the reply tree over ``ranks`` (rollhpc.transport.reply_tree), described to each of them the
+        first time; None when the call goes to ``reply_fan_in`` ranks or fewer (each replies itself)."""
+        if not self.reply_fan_in or len(ranks) <= self.reply_fan_in:
+            return None
+        key = tuple(ranks)
+        tree_id = self._trees.get(key)
+        if tree_id is None:
+            tree = build_reply_tree(ranks, {r: self.ranks[r].host for r in ranks}, self.reply_fan_in)
+            tree_id = self._trees[key] = len(self._trees) + 1
+            # sent before the call, on the same tag: each rank has its place before the call that names it
+            self.channel.send_each(TAG_CALL, {r: {"kind": "tree", "tree": tree_id, "parent": tree.parent[r],
+                                                  "children": tree.children.get(r, ())} for r in ranks})
+            log.info("replies of calls to %d ranks go along a tree: %d messages to the controller, depth %d",
+                     len(ranks), sum(1 for p in tree.parent.values() if p == 0), tree.depth())
+        return tree_id
 
     def fans_out(self, role: str, ranks: list[int], enc: Encoded) -> bool:
         """Whether a one-to-all call to ``ranks`` sends its buffers once (shared memory or broadcast): all of a
@@ -203,18 +230,27 @@ class Controller:
         got = False
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
             got = True
-            env = msg.envelope
-            if "error" in env:  # the run ends: release() removes the shared-memory files still out
-                self._raise_worker_error(msg.source, env["error"])
-            key = (msg.source, env.get("call_id", 0))
-            self._outstanding.pop(key, None)
-            if env.get("released"):  # shared-memory files this rank no longer maps
-                self.channel.segments.release(msg.source, env["released"])
-            if "call_s" in env:
-                self.call_s[msg.source] += env["call_s"]
-                self.cpu_s[msg.source] = env["cpu_s"]
-            self._inbox[key] = msg.payload if env["kind"] == "result" else env
+            self.messages_taken += 1
+            if msg.envelope["kind"] == "bundle":  # replies collected along a reply tree
+                for source, env, payload in Bundle(msg.envelope["items"], msg.payload).replies():
+                    self._take(source, env, payload)
+            else:
+                self._take(msg.source, msg.envelope, msg.payload)
         return got
+
+    def _take(self, source: int, env: dict[str, Any], payload: Any) -> None:
+        """One rank's reply into the inbox. Replies may come in any order (one relayed, the next direct): what
+        they carry beside the result adds up or only grows."""
+        if "error" in env:  # the run ends: release() removes the shared-memory files still out
+            self._raise_worker_error(source, env["error"])
+        key = (source, env.get("call_id", 0))
+        self._outstanding.pop(key, None)
+        if env.get("released"):  # shared-memory files this rank no longer maps
+            self.channel.segments.release(source, env["released"])
+        if "call_s" in env:
+            self.call_s[source] += env["call_s"]
+            self.cpu_s[source] = max(self.cpu_s[source], env["cpu_s"])
+        self._inbox[key] = payload if env["kind"] == "result" else env
 
     def ready(self, keys: list[tuple[int, int]]) -> bool:
         """Whether every key has its reply (messages moved first, unless they are all in already)."""

@@ -35,11 +35,13 @@ from rollhpc.transport import wire
 
 TAG_CALL = 11
 TAG_REPLY = 12
+TAG_RELAY = 13  # a bundle of replies from a rank to its relay (rollhpc.transport.reply_tree)
 # one-to-all payloads at least this large travel as broadcasts or in shared memory (below it, N small sends
 # are quicker)
 FANOUT_MIN_BYTES = 1 << 20
 SHARED_DIR = str(SHM_DIR)
 SHARED_PREFIX = FANOUT_PREFIX  # + controller pid + a counter: rollhpc.proc.mpi_shm removes those a killed run left
+_NONE_HEADER = wire.encode(None)[0]
 _ALIGN = 4096  # each buffer starts on a page of the file: its arrays are aligned for any dtype
 
 
@@ -102,6 +104,17 @@ class MpiChannel:
                 self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
                 for m in enc.buffers:
                     self._inflight.append(self.comm.Isend([m, MPI.BYTE], dest=dest, tag=tag))
+        finally:
+            self.busy_since = None
+        self.progress()
+
+    def send_each(self, tag: int, envelopes: dict[int, dict[str, Any]]) -> None:
+        """A small envelope of its own (no payload) to each rank, MPI's progress made once after the last."""
+        self.busy_since = time.monotonic()
+        try:
+            for dest, envelope in envelopes.items():
+                head = pickle.dumps((envelope, _NONE_HEADER, []), protocol=5)
+                self._inflight.append(self.comm.Isend([head, MPI.BYTE], dest=dest, tag=tag))
         finally:
             self.busy_since = None
         self.progress()

@@ -61,9 +61,17 @@ class DiagnosticWorker(Worker):
         return seconds
 
     @register(Dispatch.ONE_TO_ALL)
-    def fail_on(self, group_rank: int, message: str) -> None:
+    def sleep_on(self, group_rank: int, seconds: float) -> int:
+        """Only ``group_rank`` sleeps; the others answer at once (a slow relay of a reply tree)."""
+        if self.ctx.group_rank == group_rank:
+            time.sleep(seconds)
+        return self.ctx.world_rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, group_rank: int, message: str, others_sleep_s: float = 0.0) -> None:
         if self.ctx.group_rank == group_rank:
             raise RuntimeError(message)
+        time.sleep(others_sleep_s)
 
     @register(Dispatch.ONE_TO_ALL)
     def crash_on(self, group_rank: int, after_s: float = 0.0) -> None:

@@ -15,6 +15,7 @@ from rollhpc.proc.startup_gc import startup_gc
 from rollhpc.protocol.worker import Worker, WorkerContext
 from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import WorkerSideband
+from rollhpc.workers.reply_relay import ReplyRouter
 
 log = logging.getLogger("rollhpc.worker")
 
@@ -43,6 +44,7 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
         channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "error": _error(e, ctx, "__init__")})
         channel.flush(60)
         return
+    replies = ReplyRouter(channel, ctx.world_rank)
     backoff = Backoff()
     while True:
         msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
@@ -61,6 +63,9 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
                 channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye", "error": _error(e, ctx, "close")})
             channel.flush(60)
             return
+        if env["kind"] == "tree":  # where this rank's replies to the calls naming this tree go
+            replies.learn(env)
+            continue
         args, kwargs = msg.payload
         reply: dict[str, Any] = {"kind": "result", "call_id": env["call_id"]}
         started = time.perf_counter()
@@ -81,4 +86,4 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
             encoded = Encoded.of(None)
         if channel.released:
             reply["released"] = channel.take_released()
-        channel.send_encoded(CONTROLLER_RANK, TAG_REPLY, reply, encoded)
+        replies.send(env, reply, encoded)

@@ -1,0 +1,123 @@
+"""Replies along a reply tree (rollhpc.transport.reply_tree): its shape, its bundles, and real MPI worlds whose
+calls go to more ranks than controller.reply_fan_in (11 ranks, fan-in 3: not a power of two, three levels)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from rollhpc.config import ConfigError, ControllerConfig
+from rollhpc.transport.reply_tree import CONTROLLER, Bundle, build_reply_tree
+from rollhpc.transport.wire import encode
+from tests.conftest import assert_no_orphans, rollhpc
+from tests.test_mpi_world import fail_world
+
+
+def _path(tree, r: int) -> list[int]:
+    out = [r]
+    while out[-1] != CONTROLLER:
+        out.append(tree.parent[out[-1]])
+    return out
+
+
+@pytest.mark.parametrize("n,per_host,fan_in", [(11, 11, 3), (13, 4, 2), (40, 8, 5), (17, 3, 16), (8769, 8, 16)])
+def test_every_rank_reaches_the_controller_once_and_node_leaders_gather_their_node(n, per_host, fan_in):
+    ranks = list(range(1, n + 1))
+    hosts = {r: f"node{(r - 1) // per_host}" for r in ranks}
+    tree = build_reply_tree(ranks, hosts, fan_in)
+    assert sorted(tree.parent) == ranks
+    counted = [c for kids in tree.children.values() for c in kids]
+    assert sorted(counted + [r for r in ranks if tree.parent[r] == CONTROLLER]) == ranks  # each collected once
+    tops = [r for r in ranks if tree.parent[r] == CONTROLLER]
+    assert 1 <= len(tops) <= fan_in
+    depth = tree.depth()  # finite: no cycles
+    assert all(len(_path(tree, r)) <= 1 + depth and (tree.parent[r] == CONTROLLER or tree.parent[r] in tree.children)
+               for r in ranks)
+    # a rank that is not a node leader is collected by its own node's leader
+    leaders = {min(r for r in ranks if hosts[r] == h) for h in set(hosts.values())} if fan_in >= per_host else None
+    if leaders is not None:
+        assert all(hosts[tree.parent[r]] == hosts[r] for r in ranks if r not in leaders)
+    if n == 8769:  # the 4096-GPU self-check's world: 5 messages to the controller instead of 8,769
+        assert len(tops) == 5 and depth == 4
+        assert max(len(k) for k in tree.children.values()) <= depth * (fan_in - 1)
+
+
+def test_a_fan_in_below_two_is_refused():
+    with pytest.raises(ValueError, match="fan-in of 2"):
+        build_reply_tree([1, 2, 3], {1: "a", 2: "a", 3: "a"}, 1)
+    with pytest.raises(ConfigError, match="controller.reply_fan_in"):
+        ControllerConfig(reply_fan_in=1)
+
+
+def test_bundles_merge_and_decode_each_reply_with_its_arrays_aligned():
+    import torch
+
+    replies = [(3, {"kind": "result", "call_id": 7}, {"x": np.arange(1001, dtype=np.float64), "n": 3}),
+               (4, {"kind": "result", "call_id": 7}, None),
+               (5, {"kind": "result", "call_id": 7}, [torch.arange(5000, dtype=torch.bfloat16),
+                                                      np.arange(3333, dtype=np.int8)])]
+    singles = [Bundle.of_reply(src, env, *encode(value)) for src, env, value in replies]
+    merged = Bundle.merge([Bundle.merge(singles[:2]), Bundle.empty(), singles[2]])
+    out = list(merged.replies())
+    assert [(s, e) for s, e, _ in out] == [(s, e) for s, e, _ in replies]
+    assert np.array_equal(out[0][2]["x"], replies[0][2]["x"]) and out[0][2]["x"].flags.aligned
+    assert out[1][2] is None
+    assert torch.equal(out[2][2][0], replies[2][2][0]) and np.array_equal(out[2][2][1], replies[2][2][1])
+
+
+def tree_world(**controller) -> dict:
+    return {"controller": {"reply_fan_in": 3, **controller}}
+
+
+def test_calls_on_a_group_larger_than_the_fan_in_come_back_along_the_tree(experiment, tmp_path):
+    path, run_dir = experiment({
+        "pipeline": {"entry": "tests.scenarios:ReplyTreeScenario"},
+        "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": 11}},
+        **tree_world(),
+    })
+    res = rollhpc("train", str(path), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads((run_dir / "scenario.json").read_text())
+    assert out["ping_ranks"] == list(range(1, 12))  # each reply filed under its own rank
+    assert out["ping_messages"] == out["echo_messages"] == 2  # two top relays (ranks 1 and 10), not 11 replies
+    assert out["echo"] == [{"a": 1}] * 11 and out["arrays_ok"]
+    assert out["tagged_dp"] == [0, 0, 0] + [d for d in range(1, 11) for _ in range(2)]
+    assert out["count_items"] == [[d, 2] for d in range(11)]
+    assert out["checksum_ok"] and out["shared_reused"] >= 1
+    # a direct reply overtook the relayed ones of the call before it, and both calls got their results
+    assert out["alone"] == 10 and out["group_done_when_alone_was"] is False
+    assert out["group"] == list(range(1, 12))
+    assert "replies of calls to 11 ranks go along a tree: 2 messages to the controller, depth 3" in res.stderr
+    assert_no_orphans(run_dir)
+
+
+def test_an_error_under_a_busy_relay_reaches_the_controller_at_once(experiment, tmp_path):
+    # group rank 4 (world rank 5) sits under relay 4, under relay 1; every other rank is busy for 120 s
+    path, run_dir = experiment({**fail_world("raise", rank=4, others_sleep_s=120.0),
+                                "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
+                                                    "procs": 11}}, **tree_world()})
+    start = time.monotonic()
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-4000:]
+    assert time.monotonic() - start < 60
+    last = res.stderr.strip().splitlines()[-1]
+    assert "worker rank 5 (role 'probe', group rank 4" in last and "deliberate failure for the test" in last
+    assert_no_orphans(run_dir)
+
+
+def test_a_relay_that_dies_mid_call_is_named_and_nothing_hangs(experiment, tmp_path):
+    # group rank 0 (world rank 1) collects the replies of ranks 2, 3, 4 and 7, themselves relays of 5, 6, 8, 9
+    path, run_dir = experiment({**fail_world("crash", rank=0),
+                                "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
+                                                    "procs": 11}}, **tree_world()})
+    start = time.monotonic()
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-4000:]
+    assert time.monotonic() - start < 60
+    last = res.stderr.strip().splitlines()[-1]
+    assert "worker rank 1 (role 'probe', group rank 0" in last and "died while running 'crash_on'" in last
+    assert json.loads((run_dir / "error.json").read_text())["type"] == "WorkerDied"
+    assert_no_orphans(run_dir)
