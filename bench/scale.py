@@ -1,7 +1,7 @@
 """How the single controller's costs grow with the world: model-free worlds of N ranks on this machine, each
 quantity fitted and extrapolated to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
-    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--out bench/results/scale.json]
+    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--reply-fan-in 16] [--out bench/results/scale.json]
     SCALE_PROFILE=1 python bench/scale.py --ranks 128 --runs 1 --out /tmp/x.json   (rank 0's small calls profiled)
 
 Each world is `rollhpc train` of a config written here: the controller and N DiagnosticWorker ranks (mpi4py,
@@ -13,7 +13,8 @@ machine's cores). Measured per N, the median over --runs fresh worlds:
   (each rank replies with the size it received), and a gather of N replies of 64 KiB each; for the small call
   and the gather also the controller's own CPU seconds per call (its sends, probes, receives and bookkeeping:
   what rank 0 pays per rank wherever the ranks run, unlike the wall time, which here is N processes taking
-  turns on 2 cores);
+  turns on 2 cores), and how many reply messages rank 0 took per small call (N, or the reply tree's top relays:
+  --reply-fan-in, the controller's reply_fan_in; 0 has every rank reply to rank 0 itself);
 - a dead rank: one rank SIGKILLed inside a call, to the `rollhpc train` process's exit (the controller's
   liveness check, its verdict and the world's teardown);
 - the run directory's world.json and plan.json: size, and the time to serialise and atomically write them;
@@ -110,7 +111,12 @@ class ScaleBench(Pipeline):
         pids = [p["pid"] for p in g.ping()]
         out["rss_bytes_median"] = statistics.median(_rss_bytes(pid) for pid in pids)
         out["small_s"] = median_call(lambda: g.echo(SMALL), o.small_calls)
+        ctl = g.controller
+        taken, sent, took = ctl.messages_taken, ctl.send_cpu_s, ctl.reply_cpu_s
         out["small_cpu_s"] = cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
+        out["small_messages"] = (ctl.messages_taken - taken) / o.small_calls
+        out["small_send_s"] = (ctl.send_cpu_s - sent) / o.small_calls
+        out["small_work_s"] = out["small_send_s"] + (ctl.reply_cpu_s - took) / o.small_calls
         if os.environ.get("SCALE_PROFILE"):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
             _profile(lambda: g.echo(SMALL), o.small_calls, self.run_ctx.run_dir / "profile.txt")
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
@@ -118,13 +124,15 @@ class ScaleBench(Pipeline):
         reply = np.zeros(GATHER_BYTES, dtype=np.uint8)
         # each rank echoes 64 KiB: the controller receives N replies (and sends N small requests)
         out["gather_s"] = median_call(lambda: g.echo(reply), o.small_calls)
+        sent, took = ctl.send_cpu_s, ctl.reply_cpu_s
         out["gather_cpu_s"] = cpu_per_call(lambda: g.echo(reply), o.small_calls)
+        out["gather_work_s"] = (ctl.send_cpu_s - sent + ctl.reply_cpu_s - took) / o.small_calls
         out["crash_at"] = time.time()
         atomic_write_json(self.run_ctx.run_dir / "bench.json", out)
         g.crash_on(len(g) - 1)  # raises once the controller sees the rank gone
 
 
-def run_world(n: int, work: Path, small_calls: int, large_calls: int) -> dict:
+def run_world(n: int, work: Path, small_calls: int, large_calls: int, reply_fan_in: int | None = None) -> dict:
     import yaml
 
     name = f"scale-n{n}"
@@ -132,6 +140,8 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int) -> dict:
            "pipeline": {"entry": "scale:ScaleBench", "options": {"small_calls": small_calls,
                                                                 "large_calls": large_calls}},
            "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}}}
+    if reply_fan_in is not None:
+        cfg["controller"] = {"reply_fan_in": reply_fan_in}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
@@ -149,6 +159,7 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int) -> dict:
     if (run_dir / "profile.txt").is_file():
         print((run_dir / "profile.txt").read_text()[:8000])
     row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "small_cpu_s": b["small_cpu_s"],
+           "small_messages": b["small_messages"], "small_work_s": b["small_work_s"], "small_send_s": b["small_send_s"], "gather_work_s": b["gather_work_s"],
            "one_to_all_s": b["one_to_all_s"], "gather_s": b["gather_s"], "gather_cpu_s": b["gather_cpu_s"],
            "dead_rank_to_exit_s": ended - b["crash_at"],
            "rss_bytes_per_rank": b["rss_bytes_median"]}
@@ -232,6 +243,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="fresh worlds per size (medians)")
     ap.add_argument("--small-calls", type=int, default=30)
     ap.add_argument("--large-calls", type=int, default=3)
+    ap.add_argument("--reply-fan-in", type=int, default=None,
+                    help="controller.reply_fan_in of the worlds (default: the config's default; 0: no reply tree)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     args = ap.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
@@ -242,18 +255,23 @@ def main() -> None:
             for k in range(args.runs):
                 work = Path(tmp) / f"n{n}_run{k}"
                 work.mkdir()
-                runs.append(run_world(n, work, args.small_calls, args.large_calls))
+                runs.append(run_world(n, work, args.small_calls, args.large_calls, args.reply_fan_in))
             results[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             r = results[str(n)]
             print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
-                  f"{r['small_cpu_s'] * 1e3:.2f} ms), 64 MiB one-to-all "
-                  f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms, dead rank -> exit "
+                  f"{r['small_cpu_s'] * 1e3:.2f} ms, its work {r['small_work_s'] * 1e3:.2f} ms of which sends {r['small_send_s'] * 1e3:.2f}, "
+                  f"{r['small_messages']:.0f} messages), 64 MiB one-to-all "
+                  f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms (work {r['gather_work_s'] * 1e3:.2f}), dead rank -> exit "
                   f"{r['dead_rank_to_exit_s']:.1f} s, {r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank", flush=True)
-    keys = [k for k in results[str(sizes[0])] if k != "rss_bytes_per_rank"]
+    keys = [k for k in results[str(sizes[0])] if k not in ("rss_bytes_per_rank", "small_messages", "small_send_s")]
     fits = {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys} if len(sizes) >= 2 else {}
     login = {"plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),
              "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"])}
-    out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "results": results,
+    from rollhpc.config import ControllerConfig
+
+    fan_in = ControllerConfig().reply_fan_in if args.reply_fan_in is None else args.reply_fan_in
+    out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "reply_fan_in": fan_in,
+           "results": results,
            "fits": fits, "at_8769_login_node": login,
            "assumptions": "one machine: MPICH shared memory and loopback, every rank on 2 cores (oversubscribed); "
                           "the fits carry how a cost grows with the ranks the controller talks to, not a real "

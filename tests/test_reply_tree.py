@@ -11,7 +11,6 @@ import pytest
 
 from rollhpc.config import ConfigError, ControllerConfig
 from rollhpc.transport.reply_tree import CONTROLLER, Bundle, build_reply_tree
-from rollhpc.transport.wire import encode
 from tests.conftest import assert_no_orphans, rollhpc
 from tests.test_mpi_world import fail_world
 
@@ -52,20 +51,23 @@ def test_a_fan_in_below_two_is_refused():
         ControllerConfig(reply_fan_in=1)
 
 
-def test_bundles_merge_and_decode_each_reply_with_its_arrays_aligned():
+def test_bundles_merge_and_travel_as_one_message_with_their_arrays_aligned():
     import torch
 
-    replies = [(3, {"kind": "result", "call_id": 7}, {"x": np.arange(1001, dtype=np.float64), "n": 3}),
-               (4, {"kind": "result", "call_id": 7}, None),
-               (5, {"kind": "result", "call_id": 7}, [torch.arange(5000, dtype=torch.bfloat16),
-                                                      np.arange(3333, dtype=np.int8)])]
-    singles = [Bundle.of_reply(src, env, *encode(value)) for src, env, value in replies]
-    merged = Bundle.merge([Bundle.merge(singles[:2]), Bundle.empty(), singles[2]])
-    out = list(merged.replies())
-    assert [(s, e) for s, e, _ in out] == [(s, e) for s, e, _ in replies]
-    assert np.array_equal(out[0][2]["x"], replies[0][2]["x"]) and out[0][2]["x"].flags.aligned
-    assert out[1][2] is None
-    assert torch.equal(out[2][2][0], replies[2][2][0]) and np.array_equal(out[2][2][1], replies[2][2][1])
+    f64, i8 = np.arange(2001, dtype=np.float64), np.arange(3333, dtype=np.int8)
+    bf16 = torch.arange(5000, dtype=torch.bfloat16)
+    singles = [Bundle.of_reply(3, {"call_s": 0.5, "cpu_s": 2.0, "released": ["/dev/shm/x"]}, {"x": f64, "n": 3}),
+               Bundle.of_reply(4, {"call_s": 0.25, "cpu_s": 1.0}, None),
+               Bundle.of_reply(5, {"call_s": 0.125, "cpu_s": 3.0}, [bf16, i8])]
+    merged = Bundle.merge([Bundle.merge(singles[:2]), Bundle.merge([]), singles[2]])
+    envelope, data = merged.encode(7)
+    assert envelope["call_id"] == 7 and data.nbytes >= f64.nbytes + bf16.numel() * 2  # both travel raw
+    got = Bundle.decode(envelope, data)
+    assert got.ranks == [3, 4, 5] and got.call_s == [0.5, 0.25, 0.125] and got.cpu_s == [2.0, 1.0, 3.0]
+    assert got.released == {3: ["/dev/shm/x"]}
+    assert np.array_equal(got.results[0]["x"], f64) and got.results[0]["x"].flags.aligned
+    assert got.results[0]["n"] == 3 and got.results[1] is None
+    assert torch.equal(got.results[2][0], bf16) and np.array_equal(got.results[2][1], i8)
 
 
 def tree_world(**controller) -> dict:

@@ -75,6 +75,10 @@ class Controller:
         self.reply_fan_in = reply_fan_in
         self._trees: dict[tuple[int, ...], int] = {}  # the ranks of a call -> the id of their reply tree
         self.messages_taken = 0  # reply messages taken from MPI (a bundle counts once)
+        # this thread's CPU seconds in sending calls and in taking replies (receive, decode, bookkeeping), apart
+        # from the polls that found nothing: rank 0's own work per call, whatever the wait (bench/scale.py)
+        self.send_cpu_s = 0.0
+        self.reply_cpu_s = 0.0
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
         self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
 
@@ -87,6 +91,7 @@ class Controller:
         gone first fails the call: a send to a dead rank can hang inside MPI (OFI's tcp provider retries the
         connection forever), where no liveness check runs."""
         self._check_liveness()
+        started = time.thread_time()
         call_id = next(self._ids)
         now = time.monotonic()
         envelope = self._envelope(call_id, method, list(payloads))
@@ -99,6 +104,7 @@ class Controller:
         for rank in payloads:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
             keys.append((rank, call_id))
+        self.send_cpu_s += time.thread_time() - started
         return keys
 
     def submit_fanout(self, method: str, role: str, enc: Encoded) -> list[tuple[int, int]]:
@@ -226,17 +232,33 @@ class Controller:
 
     def _receive(self) -> bool:
         """Take every reply that has arrived into the inbox; True if any did. Raises a worker's error."""
+        started = time.thread_time()
         self.channel.progress()
         got = False
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
             got = True
             self.messages_taken += 1
             if msg.envelope["kind"] == "bundle":  # replies collected along a reply tree
-                for source, env, payload in Bundle(msg.envelope["items"], msg.payload).replies():
-                    self._take(source, env, payload)
+                self._take_bundle(msg.envelope["call_id"], Bundle.decode(msg.envelope, msg.payload))
             else:
                 self._take(msg.source, msg.envelope, msg.payload)
+        if got:
+            self.reply_cpu_s += time.thread_time() - started
         return got
+
+    def _take_bundle(self, call_id: int, bundle: Bundle) -> None:
+        """The replies of a bundle into the inbox: ``_take``'s work for plain results (a bundle has no errors: a
+        rank sends those itself), per rank only what filing its result needs."""
+        inbox, outstanding, call_s, cpu_s = self._inbox, self._outstanding, self.call_s, self.cpu_s
+        for rank, result, in_call, cpu in zip(bundle.ranks, bundle.results, bundle.call_s, bundle.cpu_s):
+            key = (rank, call_id)
+            outstanding.pop(key, None)
+            call_s[rank] += in_call
+            if cpu > cpu_s[rank]:
+                cpu_s[rank] = cpu
+            inbox[key] = result
+        for rank, paths in bundle.released.items():  # shared-memory files these ranks no longer map
+            self.channel.segments.release(rank, paths)
 
     def _take(self, source: int, env: dict[str, Any], payload: Any) -> None:
         """One rank's reply into the inbox. Replies may come in any order (one relayed, the next direct): what

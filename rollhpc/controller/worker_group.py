@@ -65,6 +65,8 @@ class WorkerGroup:
         self.world_ranks = world_ranks  # index = group rank
         self.group_rank_of = {r: i for i, r in enumerate(world_ranks)}
         self.layout = layout
+        # every rank's coordinates, once: computing them per call was O(ranks) of rank 0's time at every call
+        self.coords = layout.all_coords()
 
     def __len__(self) -> int:
         return len(self.world_ranks)
@@ -88,7 +90,7 @@ class WorkerGroup:
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
         contract = contract_of(self.worker_cls, method)
-        coords = self.layout.all_coords()
+        coords = self.coords
         called = targets(contract, coords)
         if contract.dispatch is Dispatch.DP_SPLIT:
             chunks = [Encoded.of(p) for p in split_arguments(args, kwargs, self.layout.dp)]

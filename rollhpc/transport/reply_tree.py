@@ -4,8 +4,8 @@ Why: the controller pays per message it takes (a probe, a receive, an unpickle, 
 at 256 ranks, bench/scale.py), so a call to the 8,769 ranks of the largest shipped plan would cost rank 0 about a
 third of a second in replies alone. Over a tree, each node leader collects its node's replies (through the node's
 shared memory) and the leaders' replies are collected again in groups of ``fan_in``, so rank 0 takes at most
-``fan_in`` messages per call, each a bundle of many replies. What rank 0 still does per rank is the decode of
-that rank's reply, which the caller's result needs anyway.
+``fan_in`` messages per call, each a bundle of many replies whose results are one list, unpickled at once. What
+rank 0 still does per rank is to file that rank's result (a few dictionary operations).
 
 Order does not matter on the controller: a reply is filed under (rank, call id), what a reply carries beside its
 result adds up (seconds in calls, released shared-memory files) or only grows (CPU seconds), so a direct reply
@@ -18,7 +18,7 @@ Pure logic and numpy: no MPI here (rollhpc.workers.reply_relay sends and collect
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -87,51 +87,59 @@ def _group(members: list[int], fan_in: int, parent: dict[int, int], children: di
     return heads
 
 
-Item = tuple[int, dict, bytes, list[int], list[int]]  # (source rank, envelope, header, buffer sizes, offsets)
-
-
 @dataclass
 class Bundle:
-    """Replies travelling as one message: ``items`` (each rank's envelope and pickled header, its buffers' sizes
-    and their offsets in ``data``) and ``data``, every buffer back to back. Sent as the envelope
-    ``{"kind": "bundle", "call_id": ..., "items": ...}`` with ``data`` as the payload (one raw buffer)."""
+    """The replies of several ranks to one call, as one message: per rank (in ``ranks``' order) its seconds inside
+    the call, its process's CPU seconds and the shared-memory files it released, and the results as one list.
 
-    items: list[Item]
-    data: np.ndarray  # uint8
+    The results are encoded together (one pickle, their arrays as buffers back to back in ``data``): the
+    controller unpickles one list per bundle instead of one header per rank, and files each result with a few
+    dictionary operations (bench/reply_path.py). A relay decodes its children's lists and encodes the whole
+    again, so that work is spread over the relays, a subtree's worth each."""
+
+    ranks: list[int]
+    call_s: list[float]
+    cpu_s: list[float]
+    released: dict[int, list[str]]  # only the ranks that released a file
+    results: list[Any]
 
     @classmethod
-    def empty(cls) -> "Bundle":
-        return cls([], np.empty(0, dtype=np.uint8))
+    def of_reply(cls, rank: int, reply: dict[str, Any], result: Any) -> "Bundle":
+        """One rank's reply envelope (rollhpc.workers.serve) and its result."""
+        released = {rank: reply["released"]} if reply.get("released") else {}
+        return cls([rank], [reply.get("call_s", 0.0)], [reply.get("cpu_s", 0.0)], released, [result])
 
     @classmethod
-    def of_reply(cls, source: int, envelope: dict, header: bytes, buffers: Sequence[memoryview]) -> "Bundle":
-        """One rank's encoded reply (rollhpc.transport.mpi_channel.Encoded's header and buffers)."""
+    def merge(cls, bundles: Sequence["Bundle"]) -> "Bundle":
+        out = cls([], [], [], {}, [])
+        for b in bundles:
+            out.ranks += b.ranks
+            out.call_s += b.call_s
+            out.cpu_s += b.cpu_s
+            out.released.update(b.released)
+            out.results += b.results
+        return out
+
+    def encode(self, call_id: int) -> tuple[dict[str, Any], np.ndarray]:
+        """(envelope, data) of the message that carries this bundle: the data is every buffer of the results,
+        each at an aligned offset of one array (one receive, however many arrays the results hold)."""
+        header, buffers = wire.encode(self.results)
         sizes = [m.nbytes for m in buffers]
         offsets, total = _layout(sizes, 0)
         data = np.empty(total, dtype=np.uint8)
         for m, off in zip(buffers, offsets):
             data[off:off + m.nbytes] = np.frombuffer(m, dtype=np.uint8)
-        return cls([(source, envelope, header, sizes, offsets)], data)
+        envelope = {"kind": "bundle", "call_id": call_id, "ranks": self.ranks, "call_s": self.call_s,
+                    "cpu_s": self.cpu_s, "released": self.released, "header": header, "sizes": sizes,
+                    "offsets": offsets}
+        return envelope, data
 
     @classmethod
-    def merge(cls, bundles: Sequence["Bundle"]) -> "Bundle":
-        """Several bundles as one: their items in order, their data copied once into one array."""
-        items: list[Item] = []
-        starts, end = [], 0
-        for b in bundles:
-            end += -end % _ALIGN
-            starts.append(end)
-            end += b.data.nbytes
-        data = np.empty(end, dtype=np.uint8)
-        for b, start in zip(bundles, starts):
-            data[start:start + b.data.nbytes] = b.data
-            items += [(src, env, head, sizes, [start + o for o in offs]) for src, env, head, sizes, offs in b.items]
-        return cls(items, data)
-
-    def replies(self) -> Iterator[tuple[int, dict, Any]]:
-        """(source, envelope, decoded payload) of each item; arrays in the payloads are views of ``data``."""
-        for src, env, head, sizes, offs in self.items:
-            yield src, env, wire.decode(head, [self.data[o:o + n] for o, n in zip(offs, sizes)])
+    def decode(cls, envelope: dict[str, Any], data: np.ndarray) -> "Bundle":
+        """The bundle of a received message; arrays in the results are views of ``data``."""
+        views = [data[o:o + n] for o, n in zip(envelope["offsets"], envelope["sizes"])]
+        return cls(envelope["ranks"], envelope["call_s"], envelope["cpu_s"], envelope["released"],
+                   wire.decode(envelope["header"], views))
 
 
 def _layout(sizes: Sequence[int], start: int) -> tuple[list[int], int]:

@@ -28,9 +28,10 @@ class ReplyRouter:
         """A "tree" message: this rank's place in a tree the controller will name in its calls."""
         self.trees[envelope["tree"]] = (envelope["parent"], tuple(envelope["children"]))
 
-    def send(self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded) -> None:
+    def send(self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: Any) -> None:
         """``reply`` to the call whose envelope is ``call``: straight to the controller unless the call came with
-        a tree, then with the children's replies in one bundle up the tree. An error goes straight to the
+        a tree, then with the children's replies in one bundle up the tree (``result`` itself: a bundle encodes its
+        results together; ``encoded`` is the same result encoded alone, for the controller). An error goes straight to the
         controller in any case (a relay may be slow to pass it on: its own part of the call, or a sibling that
         hangs because of this very error), and the tree gets this rank's bundle without it."""
         tree = call.get("tree")
@@ -38,14 +39,14 @@ class ReplyRouter:
             self.channel.send_encoded(CONTROLLER, TAG_REPLY, reply, encoded)
             if tree is None:
                 return
-            own = Bundle.empty()
+            own = Bundle.merge([])
         else:
-            own = Bundle.of_reply(self.rank, reply, encoded.header, encoded.buffers)
+            own = Bundle.of_reply(self.rank, reply, result)
         parent, children = self.trees[tree]
         call_id = call["call_id"]
         bundle = Bundle.merge([own, *(self._collect(child, call_id) for child in children)]) if children else own
-        self.channel.send(parent, TAG_REPLY if parent == CONTROLLER else TAG_RELAY,
-                          {"kind": "bundle", "call_id": call_id, "items": bundle.items}, bundle.data)
+        envelope, data = bundle.encode(call_id)
+        self.channel.send(parent, TAG_REPLY if parent == CONTROLLER else TAG_RELAY, envelope, data)
         self.relayed += 1
 
     def _collect(self, child: int, call_id: int) -> Bundle:
@@ -62,4 +63,4 @@ class ReplyRouter:
             self._held[(msg.source, msg.envelope["call_id"])] = msg
             backoff.reset()
         msg = self._held.pop(key)
-        return Bundle(msg.envelope["items"], msg.payload)
+        return Bundle.decode(msg.envelope, msg.payload)

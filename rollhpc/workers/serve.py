@@ -86,4 +86,4 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
             encoded = Encoded.of(None)
         if channel.released:
             reply["released"] = channel.take_released()
-        replies.send(env, reply, encoded)
+        replies.send(env, reply, encoded, result)
