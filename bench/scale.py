@@ -1,7 +1,7 @@
 """How the single controller's costs grow with the world: model-free worlds of N ranks on this machine, each
 quantity fitted and extrapolated to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
-    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--reply-fan-in 16] [--out bench/results/scale.json]
+    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--reply-tree-min-ranks 128] [--out bench/results/scale.json]
     SCALE_PROFILE=1 python bench/scale.py --ranks 128 --runs 1 --out /tmp/x.json   (rank 0's small calls profiled)
 
 Each world is `rollhpc train` of a config written here: the controller and N DiagnosticWorker ranks (mpi4py,
@@ -14,7 +14,7 @@ machine's cores). Measured per N, the median over --runs fresh worlds:
   and the gather also the controller's own CPU seconds per call (its sends, probes, receives and bookkeeping:
   what rank 0 pays per rank wherever the ranks run, unlike the wall time, which here is N processes taking
   turns on 2 cores), and how many reply messages rank 0 took per small call (N, or the reply tree's top relays:
-  --reply-fan-in, the controller's reply_fan_in; 0 has every rank reply to rank 0 itself);
+  --reply-tree-min-ranks and --reply-fan-in, the controller's settings; 0 has every rank reply to rank 0 itself);
 - a dead rank: one rank SIGKILLed inside a call, to the `rollhpc train` process's exit (the controller's
   liveness check, its verdict and the world's teardown);
 - the run directory's world.json and plan.json: size, and the time to serialise and atomically write them;
@@ -132,7 +132,7 @@ class ScaleBench(Pipeline):
         g.crash_on(len(g) - 1)  # raises once the controller sees the rank gone
 
 
-def run_world(n: int, work: Path, small_calls: int, large_calls: int, reply_fan_in: int | None = None) -> dict:
+def run_world(n: int, work: Path, small_calls: int, large_calls: int, controller: dict | None = None) -> dict:
     import yaml
 
     name = f"scale-n{n}"
@@ -140,8 +140,8 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int, reply_fan_
            "pipeline": {"entry": "scale:ScaleBench", "options": {"small_calls": small_calls,
                                                                 "large_calls": large_calls}},
            "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}}}
-    if reply_fan_in is not None:
-        cfg["controller"] = {"reply_fan_in": reply_fan_in}
+    if controller:
+        cfg["controller"] = controller
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
@@ -243,19 +243,26 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="fresh worlds per size (medians)")
     ap.add_argument("--small-calls", type=int, default=30)
     ap.add_argument("--large-calls", type=int, default=3)
-    ap.add_argument("--reply-fan-in", type=int, default=None,
-                    help="controller.reply_fan_in of the worlds (default: the config's default; 0: no reply tree)")
+    ap.add_argument("--reply-tree-min-ranks", type=int, default=None,
+                    help="controller.reply_tree_min_ranks of the worlds (default: the config's; 0: no reply trees)")
+    ap.add_argument("--reply-fan-in", type=int, default=None, help="controller.reply_fan_in (default: the config's)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     args = ap.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
     results: dict = {}
+    from rollhpc.config import ControllerConfig
+
+    given = {"reply_tree_min_ranks": args.reply_tree_min_ranks, "reply_fan_in": args.reply_fan_in}
+    controller = {k: v for k, v in given.items() if v is not None}
+    defaults = ControllerConfig()
+    settings = {k: controller.get(k, getattr(defaults, k)) for k in given}
     with tempfile.TemporaryDirectory(prefix="scale_") as tmp:
         for n in sizes:
             runs = []
             for k in range(args.runs):
                 work = Path(tmp) / f"n{n}_run{k}"
                 work.mkdir()
-                runs.append(run_world(n, work, args.small_calls, args.large_calls, args.reply_fan_in))
+                runs.append(run_world(n, work, args.small_calls, args.large_calls, controller))
             results[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             r = results[str(n)]
             print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
@@ -267,10 +274,7 @@ def main() -> None:
     fits = {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys} if len(sizes) >= 2 else {}
     login = {"plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),
              "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"])}
-    from rollhpc.config import ControllerConfig
-
-    fan_in = ControllerConfig().reply_fan_in if args.reply_fan_in is None else args.reply_fan_in
-    out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "reply_fan_in": fan_in,
+    out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "controller": settings,
            "results": results,
            "fits": fits, "at_8769_login_node": login,
            "assumptions": "one machine: MPICH shared memory and loopback, every rank on 2 cores (oversubscribed); "

@@ -96,15 +96,21 @@ class ControllerConfig:
     # on its machine, one file in /dev/shm that every rank maps copy-on-write (one copy in all, not N; ranks in
     # containers with a /dev/shm of their own need p2p)
     one_to_all: typing.Literal["auto", "broadcast", "p2p"] = "auto"
-    # a call to more ranks than this has their replies collected along a tree (rollhpc.transport.reply_tree):
-    # each node's leader gathers its node's, leaders gather each other's in groups of this size, and the
-    # controller takes at most this many messages per call instead of one per rank; 0: every rank replies itself
+    # a call to this many ranks or more has their replies collected along a tree (rollhpc.transport.reply_tree):
+    # each node's leader gathers its node's, leaders gather each other's in groups of reply_fan_in, and the
+    # controller takes at most reply_fan_in messages per call instead of one per rank. Below ~100 ranks rank 0's
+    # replies cost it well under a millisecond a call and a tree's extra hops do not pay (bench/reply_path.py);
+    # 0: never, every rank replies to the controller itself
+    reply_tree_min_ranks: int = 128
     reply_fan_in: int = 16
 
     def __post_init__(self) -> None:
-        if self.reply_fan_in < 0 or self.reply_fan_in == 1:
-            raise ConfigError(f"controller.reply_fan_in: 0 (every rank replies to the controller) or 2 and up (the "
-                              f"most replies one message carries up a tree level), not {self.reply_fan_in}")
+        if self.reply_tree_min_ranks < 0:
+            raise ConfigError(f"controller.reply_tree_min_ranks: 0 (no reply trees) or more, not "
+                              f"{self.reply_tree_min_ranks}")
+        if self.reply_fan_in < 2:
+            raise ConfigError(f"controller.reply_fan_in: 2 or more (the most bundles a rank of a reply tree collects "
+                              f"per level, and the controller per call), not {self.reply_fan_in}")
 
 
 @dataclass(kw_only=True)

@@ -231,7 +231,7 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
               if cfg.controller.one_to_all == "auto" else {})  # roles on this machine: one shared-memory copy
     return Controller(MpiChannel(comm, fanout=broadcast, shared=shared), sideband, ranks, run_dir,
                       cfg.controller.call_timeout_s, cfg.controller.stack_dump_timeout_s,
-                      cfg.controller.reply_fan_in)
+                      cfg.controller.reply_tree_min_ranks, cfg.controller.reply_fan_in)
 
 
 class _FailureReport:

@@ -1,5 +1,5 @@
 """Replies along a reply tree (rollhpc.transport.reply_tree): its shape, its bundles, and real MPI worlds whose
-calls go to more ranks than controller.reply_fan_in (11 ranks, fan-in 3: not a power of two, three levels)."""
+calls go to controller.reply_tree_min_ranks or more (11 ranks, fan-in 3: not a power of two, three levels)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def test_a_fan_in_below_two_is_refused():
         build_reply_tree([1, 2, 3], {1: "a", 2: "a", 3: "a"}, 1)
     with pytest.raises(ConfigError, match="controller.reply_fan_in"):
         ControllerConfig(reply_fan_in=1)
+    with pytest.raises(ConfigError, match="controller.reply_tree_min_ranks"):
+        ControllerConfig(reply_tree_min_ranks=-1)
 
 
 def test_bundles_merge_and_travel_as_one_message_with_their_arrays_aligned():
@@ -71,7 +73,7 @@ def test_bundles_merge_and_travel_as_one_message_with_their_arrays_aligned():
 
 
 def tree_world(**controller) -> dict:
-    return {"controller": {"reply_fan_in": 3, **controller}}
+    return {"controller": {"reply_tree_min_ranks": 4, "reply_fan_in": 3, **controller}}
 
 
 def test_calls_on_a_group_larger_than_the_fan_in_come_back_along_the_tree(experiment, tmp_path):

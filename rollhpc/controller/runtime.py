@@ -59,7 +59,8 @@ class _Outstanding:
 
 class Controller:
     def __init__(self, channel: MpiChannel, sideband: ControllerSideband, ranks: dict[int, RankInfo],
-                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float, reply_fan_in: int = 0):
+                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float, reply_tree_min_ranks: int = 0,
+                 reply_fan_in: int = 16):
         self.channel = channel
         self.sideband = sideband
         self.ranks = ranks
@@ -71,7 +72,8 @@ class Controller:
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
-        # a call to more ranks than this has its replies collected along a tree (0: every rank replies itself)
+        # a call to reply_tree_min_ranks or more has its replies collected along a tree of this fan-in (0: never)
+        self.reply_tree_min_ranks = reply_tree_min_ranks
         self.reply_fan_in = reply_fan_in
         self._trees: dict[tuple[int, ...], int] = {}  # the ranks of a call -> the id of their reply tree
         self.messages_taken = 0  # reply messages taken from MPI (a bundle counts once)
@@ -135,8 +137,8 @@ class Controller:
 
     def _reply_tree(self, ranks: list[int]) -> int | None:
         """The id of the reply tree over ``ranks`` (rollhpc.transport.reply_tree), described to each of them the
-        first time; None when the call goes to ``reply_fan_in`` ranks or fewer (each replies itself)."""
-        if not self.reply_fan_in or len(ranks) <= self.reply_fan_in:
+        first time; None when the call goes to fewer than ``reply_tree_min_ranks`` (each replies itself)."""
+        if not self.reply_tree_min_ranks or len(ranks) < max(self.reply_tree_min_ranks, 2):
             return None
         key = tuple(ranks)
         tree_id = self._trees.get(key)
