@@ -18,6 +18,7 @@ machine's cores). Measured per N, the median over --runs fresh worlds:
 - a dead rank: one rank SIGKILLed inside a call, to the `rollhpc train` process's exit (the controller's
   liveness check, its verdict and the world's teardown);
 - the run directory's world.json and plan.json: size, and the time to serialise and atomically write them;
+  restarts.jsonl's largest line (an attempt's start, naming the 4096-GPU plan's 520 nodes) and its append;
 - each rank's resident memory (the probe ranks' VmRSS, median), which bounds N here.
 Without a world: `rollhpc plan` and `rollhpc submit --dry-run` of moe_4096_selfcheck (8,769 ranks).
 Each quantity is fitted as a + b*N and as a + b*log2(N) (least squares); the fit with the smaller relative
@@ -190,6 +191,28 @@ def cli_seconds(args: list[str], runs: int = 3) -> float:
     return statistics.median(times)
 
 
+def restarts_record(nodes: int = 520, lines: int = 20) -> dict:
+    """restarts.jsonl's largest line, an attempt's start (it names every node of the allocation), at the 4096-GPU
+    plan's 520 nodes: its bytes and the time to append it as the batch script does (``records.log_event``: one
+    line per start, requeue or end; nothing per rank)."""
+    import contextlib
+    import io
+
+    from rollhpc.rundir import RunPaths
+    from rollhpc.rundir.records import log_event
+
+    event = {"event": "start", "job_id": "1234567", "restart": 3, "slurm_restart_count": 0,
+             "nodes": [f"gpu-node-{i:04d}" for i in range(nodes)], "batch_host": "gpu-node-0000",
+             "previous_attempt": "requeue"}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):
+        t = time.perf_counter()
+        for _ in range(lines):
+            log_event(Path(tmp), event)
+        spent = time.perf_counter() - t
+        size = RunPaths(Path(tmp)).restarts.stat().st_size
+    return {"nodes": nodes, "start_line_bytes": size / lines, "append_s": spent / lines}
+
+
 def fit(ns: list[int], ys: list[float]) -> dict:
     """a + b*N or a + b*log2(N), whichever leaves the smaller relative residual; its value at TARGET_RANKS."""
     x = np.asarray(ns, dtype=float)
@@ -273,7 +296,8 @@ def main() -> None:
     keys = [k for k in results[str(sizes[0])] if k not in ("rss_bytes_per_rank", "small_messages", "small_send_s")]
     fits = {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys} if len(sizes) >= 2 else {}
     login = {"plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),
-             "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"])}
+             "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"]),
+             "restarts_jsonl": restarts_record()}
     out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "controller": settings,
            "results": results,
            "fits": fits, "at_8769_login_node": login,
