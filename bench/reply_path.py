@@ -1,7 +1,7 @@
 """Rank 0's own work to take the replies of one call to N ranks, directly or as bundles of a reply tree, and a
 relay's work per bundle it collects, at N up to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
-    python bench/reply_path.py [--ranks 128,1024,8769] [--fan-in 16] [--per-host 8] [--out bench/results/reply_path.json]
+    python bench/reply_path.py [--ranks 64,128,256,1024,8769] [--fan-in 16] [--per-host 8] [--out bench/results/reply_path.json]
 
 Why apart from bench/scale.py: there every rank shares this machine's 2 cores, so rank 0's CPU per call is mostly
 polling while the others take turns, and the wall time measures the turns. Here one process plays both ends: the
@@ -121,11 +121,43 @@ def relay(channel, payload, fan_in: int) -> float:  # noqa: ANN001
     return spent
 
 
+def plot(results: dict, sizes: list[int], path: Path) -> None:
+    """Rank 0's work per call against the ranks, direct and as bundles, each with its fit, one panel per payload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from rollhpc.rundir import atomic_file
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 3.6), squeeze=False)
+    grid = np.geomspace(min(sizes), TARGET_RANKS, 50)
+    for ax, (name, r) in zip(axes.flat, results.items()):
+        for key, label in (("direct_s", "direct"), ("tree_s", "as bundles")):
+            ys = [r["by_ranks"][str(n)][key] * 1e3 for n in sizes]
+            line, = ax.plot(sizes, ys, "o", label=f"{label}, measured")
+            if f := r["fits"].get(key):
+                model = f["a"] + f["b"] * (grid if f["model"] == "linear" else np.log2(grid))
+                ax.plot(grid, model * 1e3, "-", color=line.get_color(),
+                        label=f"{f['model']} fit -> {f['at_target'] * 1e3:.3g} ms at {TARGET_RANKS}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"rank 0's work for one call's replies ({name})", fontsize=9)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+
+
 def main() -> None:
     import tempfile
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default=f"128,1024,{TARGET_RANKS}")
+    ap.add_argument("--ranks", default=f"64,128,256,1024,{TARGET_RANKS}")
     ap.add_argument("--fan-in", type=int, default=16)
     ap.add_argument("--per-host", type=int, default=8, help="ranks per node (the node leaders' groups)")
     ap.add_argument("--repeats", type=int, default=5, help="medians over this many calls")
@@ -161,6 +193,7 @@ def main() -> None:
                           "relay part, not measured here",
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
     write_result(args.out, out)
+    plot(results, sizes, args.out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
