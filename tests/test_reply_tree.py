@@ -125,3 +125,21 @@ def test_a_relay_that_dies_mid_call_is_named_and_nothing_hangs(experiment, tmp_p
     assert "worker rank 1 (role 'probe', group rank 0" in last and "died while running 'crash_on'" in last
     assert json.loads((run_dir / "error.json").read_text())["type"] == "WorkerDied"
     assert_no_orphans(run_dir)
+
+
+def test_a_call_hung_on_a_leaf_names_the_ranks_its_relays_hold_and_dumps_every_stack(experiment, tmp_path):
+    # group rank 4 (world rank 5) hangs: its relay (rank 4) waits for it, and rank 4's relay (rank 1) for rank 4
+    path, run_dir = experiment({**fail_world("hang", rank=4, timeout_s=3.0),
+                                "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
+                                                    "procs": 11}}, **tree_world()})
+    res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
+    assert res.returncode == 1, res.stderr[-4000:]
+    last = res.stderr.strip().splitlines()[-1]
+    # the subtree under rank 1 (ranks 1-9) has not reached rank 0; ranks 10 and 11 have, through their own relay
+    assert "call 'hang_on' on role 'probe': no reply within 3 s from rank 1 (role 'probe', group rank 0" in last
+    assert "rank 10 (" not in last and "its relay not yet" in last
+    (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
+    text = stacks.read_text()
+    assert all(f"=== rank {r} (role 'probe'" in text for r in range(1, 12))
+    assert "in hang_on" in text and "in _collect" in text  # the hung leaf, and the relays waiting on it
+    assert_no_orphans(run_dir)

@@ -3,7 +3,9 @@
 Everything the pipeline does with workers goes through ``Controller.submit`` and
 ``Controller.wait``. Waiting is where failures surface: an error reply from any worker (not only
 the awaited ones), a worker whose sideband connection dropped, or a wait past its time limit,
-which first dumps the stacks of all ranks to the run's logs.
+which first dumps the stacks of all ranks to the run's logs. A call to many ranks
+(``reply_tree_min_ranks``) has its replies come back as a few bundles along a reply tree
+(rollhpc.transport.reply_tree) instead of a message per rank.
 """
 
 from __future__ import annotations
@@ -295,11 +297,12 @@ class Controller:
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(r for r, c in keys if (r, c) not in self._inbox)
-                self._timeout(what, missing, limit)
+                relayed = bool(self.reply_tree_min_ranks) and len(keys) >= self.reply_tree_min_ranks
+                self._timeout(what, missing, limit, relayed)
             backoff.wait()
         return {rank: self._inbox.pop((rank, cid)) for rank, cid in keys}
 
-    def _timeout(self, what: str, missing: list[int], limit: float) -> None:
+    def _timeout(self, what: str, missing: list[int], limit: float, relayed: bool = False) -> None:
         stacks = self.sideband.collect_stacks(self.stack_dump_timeout_s)
         path = RunPaths(self.run_dir).logs / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}.txt"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -308,7 +311,9 @@ class Controller:
             parts.append(f"=== {self.ranks[rank].describe()} ===\n{stacks[rank]}")
         atomic_write_text(path, "\n".join(parts))
         who = ", ".join(self.ranks[r].describe() for r in missing)
-        raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}; stacks of all ranks: {path}")
+        through = (" (the replies come along a reply tree: a rank named may have answered, its relay not yet; a relay "
+                   "waiting on its children shows ReplyRouter._collect in its stack)") if relayed else ""
+        raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}{through}; stacks of all ranks: {path}")
 
     def root_cause(self, exc: BaseException, settle_s: float = 1.0) -> BaseException:
         """An interrupt or odd error on the controller is often the echo of a worker's death (some

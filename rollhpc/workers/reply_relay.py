@@ -22,7 +22,6 @@ class ReplyRouter:
         self.rank = rank
         self.trees: dict[int, tuple[int, tuple[int, ...]]] = {}  # tree id -> (parent, children)
         self._held: dict[tuple[int, int], Message] = {}  # (child, call id) -> its bundle, taken before it was wanted
-        self.relayed = 0  # bundles sent up a tree (a relay's or a leaf's)
 
     def learn(self, envelope: dict[str, Any]) -> None:
         """A "tree" message: this rank's place in a tree the controller will name in its calls."""
@@ -47,7 +46,6 @@ class ReplyRouter:
         bundle = Bundle.merge([own, *(self._collect(child, call_id) for child in children)]) if children else own
         envelope, data = bundle.encode(call_id)
         self.channel.send(parent, TAG_REPLY if parent == CONTROLLER else TAG_RELAY, envelope, data)
-        self.relayed += 1
 
     def _collect(self, child: int, call_id: int) -> Bundle:
         """``child``'s bundle for ``call_id``, waiting for it; bundles of other calls (or other children) that
