@@ -251,6 +251,18 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
     assert len(submitted) == 2
 
 
+def test_a_guard_that_finds_another_ranks_record_still_leaves_error_json(tmp_path):
+    """Two guards fire together: the second finds the first's startup-failed.json and kills its own rank at once;
+    the launcher then ends the first rank, whose guard dies with it, perhaps before it wrote error.json (seen in
+    the suite as "the MPI world ended ... before the controller reported how"). The second writes it then."""
+    records.record_startup_failure(tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7)", culprit=True)
+    (tmp_path / "error.json").unlink()  # the first guard died between its two files
+    records.record_startup_failure(tmp_path, "node2", "MPI_Init did not finish within 5 s (pid 8)", culprit=True)
+    err = json.loads((tmp_path / "error.json").read_text())
+    assert err["summary"] == "MPI_Init did not finish within 5 s (pid 7)" and err["type"] == "WorldNotFormed"
+    assert records.startup_failure(tmp_path)["host"] == "node3"  # the first record is kept
+
+
 def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path, monkeypatch):
     from rollhpc.launch import requeue
 

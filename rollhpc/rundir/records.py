@@ -99,13 +99,22 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
     from the ``culprit`` (a rank stuck in MPI_Init itself, which the others were only waiting for)."""
     run_dir = Path(run_dir)
     earlier = startup_failure(run_dir)
+    error = RunPaths(run_dir).error
     if earlier is not None and (earlier.get("culprit") or not culprit):
+        # error.json too, in the kept record's words, if it is not there yet: the rank that wrote that record may
+        # be killed between its two files (when this caller kills its own rank, the launcher ends the others, and
+        # a guard dies with its rank), and the launcher then had no word to show (a flaky start-up test)
+        if not error.exists():
+            _write_world_not_formed(error, earlier["why"])
         return
     atomic_write_json(RunPaths(run_dir).startup_failed, {"host": host, "why": why, "culprit": culprit, **_attempt()})
-    error = RunPaths(run_dir).error
     if not error.exists() or (culprit and earlier is not None):  # the culprit's word over a waiting rank's
-        atomic_write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
-                                  "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        _write_world_not_formed(error, why)
+
+
+def _write_world_not_formed(error: Path, why: str) -> None:
+    atomic_write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
+                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 
 def startup_failure(run_dir: Path) -> dict[str, Any] | None:
