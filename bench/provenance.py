@@ -17,6 +17,19 @@ def write_result(path: Path, result: dict) -> None:
     atomic_write_text(path, json.dumps(result, indent=1) + "\n")
 
 
+def write_figure(path: Path, fig, dpi: int = 100) -> None:  # noqa: ANN001 - a matplotlib Figure
+    """A benchmark's PNG: laid out, written atomically beside its result file, and the figure closed."""
+    import matplotlib.pyplot as plt
+
+    from rollhpc.rundir import atomic_file
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
+    plt.close(fig)
+
+
 def commit() -> str:
     """HEAD's hash, with ``+dirty`` when tracked files differ from it (then the numbers are not from a commit).
     bench/results/ does not count: a benchmark that writes several result files would otherwise call its own

@@ -28,7 +28,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit, write_result  # noqa: E402
+from bench.provenance import commit, write_figure, write_result  # noqa: E402
 from bench.scale import GATHER_BYTES, SMALL, TARGET_RANKS, fit  # noqa: E402
 
 TAG_SELF_RELAY = 77
@@ -128,8 +128,6 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rollhpc.rundir import atomic_file
-
     fig, axes = plt.subplots(1, len(results), figsize=(5.2 * len(results), 3.6), squeeze=False)
     grid = np.geomspace(min(sizes), TARGET_RANKS, 50)
     for ax, (name, r) in zip(axes.flat, results.items()):
@@ -147,10 +145,7 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
         ax.set_ylabel("ms")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    write_figure(path, fig)
 
 
 def main() -> None:

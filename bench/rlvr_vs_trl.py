@@ -60,7 +60,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.provenance import commit  # noqa: E402
+from bench.provenance import commit, write_figure, write_result  # noqa: E402
 SIDES = ("rollhpc", "trl")
 ROWS = ("wall_s", "steps", "samples", "rows_skipped", "samples_per_s", "tokens_per_s", "accuracy_start",
         "accuracy_at_equal_wall", "accuracy_end", "time_to_target_s")
@@ -302,11 +302,7 @@ def plot(runs: list[dict[str, dict]], title: str, target: float, path: Path) -> 
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    write_figure(path, fig, dpi=110)
 
 
 def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
@@ -326,13 +322,6 @@ def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
                 med[f"{row}_range"] = [min(x[row] for x in sides), max(x[row] for x in sides)]
         out[name] = med
     return out
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None, out_dir: Path,
@@ -361,7 +350,7 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
     model = read_report(s.model_dir)
     medians = median_sides(runs)
     out = out_dir / f"rlvr_vs_trl_{size_name}_{setting_name}.json"
-    write_json(out, {
+    write_result(out, {
         "size": size_name, "setting": setting_name, "commit": commit(),
         "seeds": [s.seed + k for k in range(seeds)], "sides": medians, "runs": runs, "trl_probe": probe,
         "definitions": {"samples": "every row of every trained batch, on both sides",

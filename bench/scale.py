@@ -47,10 +47,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit, write_result  # noqa: E402
+from bench.provenance import commit, write_figure, write_result  # noqa: E402
 from bench.timing import time_calls  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
-from rollhpc.rundir import atomic_file, atomic_write_json  # noqa: E402
+from rollhpc.rundir import atomic_write_json  # noqa: E402
 
 TARGET_RANKS = 8769  # moe_4096_selfcheck's world
 SMALL = {"step": 1, "tokens": list(range(16)), "note": "ping"}
@@ -254,10 +254,7 @@ def plot(results: dict, fits: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+    write_figure(path, fig)
 
 
 def main() -> None:

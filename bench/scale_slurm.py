@@ -48,10 +48,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench.provenance import commit, write_result  # noqa: E402
+from bench.provenance import commit, write_figure, write_result  # noqa: E402
 from bench.scale import SMALL, cpu_per_call, median_call  # noqa: E402
 from rollhpc.protocol.pipeline import Pipeline  # noqa: E402
-from rollhpc.rundir import atomic_file, atomic_write_json  # noqa: E402
+from rollhpc.rundir import atomic_write_json  # noqa: E402
 
 sys.path.insert(0, str(HERE))
 import recovery  # noqa: E402  (its local-cluster driver)
@@ -200,10 +200,7 @@ def plot(rows: list[dict], fits: dict, path: Path) -> None:
         ax.set_xlabel("nodes")
         ax.set_ylabel("s")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_file(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
+    write_figure(path, fig, dpi=110)
 
 
 def main() -> int:

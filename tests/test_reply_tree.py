@@ -98,30 +98,29 @@ def test_calls_on_a_group_larger_than_the_fan_in_come_back_along_the_tree(experi
     assert_no_orphans(run_dir)
 
 
-def test_an_error_under_a_busy_relay_reaches_the_controller_at_once(experiment, tmp_path):
-    # group rank 4 (world rank 5) sits under relay 4, under relay 1; every other rank is busy for 120 s
-    path, run_dir = experiment({**fail_world("raise", rank=4, others_sleep_s=120.0),
+def failing_tree_world(experiment, tmp_path, how: str, **extra) -> tuple[str, str, object]:
+    """FailScenario on 11 ranks along a reply tree of fan-in 3 (rank 1 collects ranks 2, 3, 4 and 7; rank 4
+    collects 5 and 6, rank 7 8 and 9; rank 10 collects 11): (stderr, its last line, run dir), once the run
+    failed well within the test's limit."""
+    path, run_dir = experiment({**fail_world(how, **extra),
                                 "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
                                                     "procs": 11}}, **tree_world()})
     start = time.monotonic()
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
     assert res.returncode == 1, res.stderr[-4000:]
     assert time.monotonic() - start < 60
-    last = res.stderr.strip().splitlines()[-1]
+    return res.stderr, res.stderr.strip().splitlines()[-1], run_dir
+
+
+def test_an_error_under_a_busy_relay_reaches_the_controller_at_once(experiment, tmp_path):
+    # group rank 4 (world rank 5) sits under relay 4, under relay 1; every other rank is busy for 120 s
+    _, last, run_dir = failing_tree_world(experiment, tmp_path, "raise", rank=4, others_sleep_s=120.0)
     assert "worker rank 5 (role 'probe', group rank 4" in last and "deliberate failure for the test" in last
     assert_no_orphans(run_dir)
 
 
 def test_a_relay_that_dies_mid_call_is_named_and_nothing_hangs(experiment, tmp_path):
-    # group rank 0 (world rank 1) collects the replies of ranks 2, 3, 4 and 7, themselves relays of 5, 6, 8, 9
-    path, run_dir = experiment({**fail_world("crash", rank=0),
-                                "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
-                                                    "procs": 11}}, **tree_world()})
-    start = time.monotonic()
-    res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
-    assert res.returncode == 1, res.stderr[-4000:]
-    assert time.monotonic() - start < 60
-    last = res.stderr.strip().splitlines()[-1]
+    _, last, run_dir = failing_tree_world(experiment, tmp_path, "crash", rank=0)  # world rank 1, the top relay
     assert "worker rank 1 (role 'probe', group rank 0" in last and "died while running 'crash_on'" in last
     assert json.loads((run_dir / "error.json").read_text())["type"] == "WorkerDied"
     assert_no_orphans(run_dir)
@@ -129,12 +128,7 @@ def test_a_relay_that_dies_mid_call_is_named_and_nothing_hangs(experiment, tmp_p
 
 def test_a_call_hung_on_a_leaf_names_the_ranks_its_relays_hold_and_dumps_every_stack(experiment, tmp_path):
     # group rank 4 (world rank 5) hangs: its relay (rank 4) waits for it, and rank 4's relay (rank 1) for rank 4
-    path, run_dir = experiment({**fail_world("hang", rank=4, timeout_s=3.0),
-                                "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
-                                                    "procs": 11}}, **tree_world()})
-    res = rollhpc("train", str(path), cwd=tmp_path, timeout=120)
-    assert res.returncode == 1, res.stderr[-4000:]
-    last = res.stderr.strip().splitlines()[-1]
+    _, last, run_dir = failing_tree_world(experiment, tmp_path, "hang", rank=4, timeout_s=3.0)
     # the subtree under rank 1 (ranks 1-9) has not reached rank 0; ranks 10 and 11 have, through their own relay
     assert "call 'hang_on' on role 'probe': no reply within 3 s from rank 1 (role 'probe', group rank 0" in last
     assert "rank 10 (" not in last and "its relay not yet" in last
