@@ -1,7 +1,8 @@
 """Rank 0's own work to take the replies of one call to N ranks, directly or as bundles of a reply tree, and a
 relay's work per bundle it collects, at N up to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
-    python bench/reply_path.py [--ranks 64,128,256,1024,8769] [--fan-in 16] [--per-host 8] [--out bench/results/reply_path.json]
+    python bench/reply_path.py [--ranks 64,128,256,1024,8769] [--fan-in 16] [--per-host 8]
+                               [--out bench/results/reply_path.json]
 
 Why apart from bench/scale.py: there every rank shares this machine's 2 cores, so rank 0's CPU per call is mostly
 polling while the others take turns, and the wall time measures the turns. Here one process plays both ends: the

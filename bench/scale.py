@@ -1,7 +1,8 @@
 """How the single controller's costs grow with the world: model-free worlds of N ranks on this machine, each
 quantity fitted and extrapolated to the 8,769 ranks of `moe_4096_selfcheck` (issue 36).
 
-    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--reply-tree-min-ranks 128] [--out bench/results/scale.json]
+    python bench/scale.py [--ranks 8,32,128,256] [--runs 2] [--reply-tree-min-ranks 128]
+                          [--out bench/results/scale.json]
     SCALE_PROFILE=1 python bench/scale.py --ranks 128 --runs 1 --out /tmp/x.json   (rank 0's small calls profiled)
 
 Each world is `rollhpc train` of a config written here: the controller and N DiagnosticWorker ranks (mpi4py,
@@ -160,7 +161,8 @@ def run_world(n: int, work: Path, small_calls: int, large_calls: int, controller
     if (run_dir / "profile.txt").is_file():
         print((run_dir / "profile.txt").read_text()[:8000])
     row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "small_cpu_s": b["small_cpu_s"],
-           "small_messages": b["small_messages"], "small_work_s": b["small_work_s"], "small_send_s": b["small_send_s"], "gather_work_s": b["gather_work_s"],
+           "small_messages": b["small_messages"], "small_work_s": b["small_work_s"], "small_send_s": b["small_send_s"],
+           "gather_work_s": b["gather_work_s"],
            "one_to_all_s": b["one_to_all_s"], "gather_s": b["gather_s"], "gather_cpu_s": b["gather_cpu_s"],
            "dead_rank_to_exit_s": ended - b["crash_at"],
            "rss_bytes_per_rank": b["rss_bytes_median"]}
@@ -286,10 +288,11 @@ def main() -> None:
             results[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             r = results[str(n)]
             print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
-                  f"{r['small_cpu_s'] * 1e3:.2f} ms, its work {r['small_work_s'] * 1e3:.2f} ms of which sends {r['small_send_s'] * 1e3:.2f}, "
-                  f"{r['small_messages']:.0f} messages), 64 MiB one-to-all "
-                  f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms (work {r['gather_work_s'] * 1e3:.2f}), dead rank -> exit "
-                  f"{r['dead_rank_to_exit_s']:.1f} s, {r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank", flush=True)
+                  f"{r['small_cpu_s'] * 1e3:.2f} ms, its work {r['small_work_s'] * 1e3:.2f} ms of which sends "
+                  f"{r['small_send_s'] * 1e3:.2f}, {r['small_messages']:.0f} messages), 64 MiB one-to-all "
+                  f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms (work "
+                  f"{r['gather_work_s'] * 1e3:.2f}), dead rank -> exit {r['dead_rank_to_exit_s']:.1f} s, "
+                  f"{r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank", flush=True)
     keys = [k for k in results[str(sizes[0])] if k not in ("rss_bytes_per_rank", "small_messages", "small_send_s")]
     fits = {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys} if len(sizes) >= 2 else {}
     login = {"plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),

@@ -2,10 +2,11 @@
 
 Why: the controller pays per message it takes (a probe, a receive, an unpickle, its bookkeeping: ~4 us of its own
 work a reply, bench/reply_path.py, and several times that where it shares its cores), so a call to the 8,769 ranks
-of the largest shipped plan costs rank 0 ~37 ms in replies alone, during which it routes no samples. Over a tree, each node leader collects its node's replies (through the node's
-shared memory) and the leaders' replies are collected again in groups of ``fan_in``, so rank 0 takes at most
-``fan_in`` messages per call, each a bundle of many replies whose results are one list, unpickled at once. What
-rank 0 still does per rank is to file that rank's result (a few dictionary operations).
+of the largest shipped plan costs rank 0 ~37 ms in replies alone, during which it routes no samples. Over a tree,
+each node leader collects its node's replies (through the node's shared memory) and the leaders' replies are
+collected again in groups of ``fan_in``, so rank 0 takes at most ``fan_in`` messages per call, each a bundle of
+many replies whose results are one list, unpickled at once. What rank 0 still does per rank is to file that rank's
+result (a few dictionary operations).
 
 Order does not matter on the controller: a reply is filed under (rank, call id), what a reply carries beside its
 result adds up (seconds in calls, released shared-memory files) or only grows (CPU seconds), so a direct reply

@@ -1,6 +1,6 @@
 """A worker's replies: to the controller itself, or up the call's reply tree (rollhpc.transport.reply_tree).
 
-A call to more ranks than the controller's ``reply_fan_in`` names a tree the controller described to each of its
+A call to ``controller.reply_tree_min_ranks`` ranks or more names a tree the controller described to each of its
 ranks beforehand (a "tree" message: this rank's parent and children). After its own part of such a call, a rank
 collects its children's bundles for the same call, adds its own reply and sends the whole up: to its parent, or
 to the controller at the top. It takes its next call only then: every rank of the call runs the same call, so
@@ -29,10 +29,10 @@ class ReplyRouter:
 
     def send(self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: Any) -> None:
         """``reply`` to the call whose envelope is ``call``: straight to the controller unless the call came with
-        a tree, then with the children's replies in one bundle up the tree (``result`` itself: a bundle encodes its
-        results together; ``encoded`` is the same result encoded alone, for the controller). An error goes straight to the
-        controller in any case (a relay may be slow to pass it on: its own part of the call, or a sibling that
-        hangs because of this very error), and the tree gets this rank's bundle without it."""
+        a tree, then with the children's replies in one bundle up the tree (``result`` itself goes in: a bundle
+        encodes its results together; ``encoded``, the same result encoded alone, is for the controller). An error
+        goes straight to the controller in any case (a relay may be slow to pass it on: its own part of the call,
+        or a sibling that hangs because of this very error), and the tree gets this rank's bundle without it."""
         tree = call.get("tree")
         if tree is None or "error" in reply:
             self.channel.send_encoded(CONTROLLER, TAG_REPLY, reply, encoded)
