@@ -269,7 +269,7 @@ class SharedSegments:
         self._ids = itertools.count()
 
     def write(self, buffers: list[memoryview], ranks: list[int]) -> tuple[str, list[int]]:
-        offsets, total = _layout(buffers)
+        offsets, total = wire.layout([m.nbytes for m in buffers], _ALIGN)
         path = next((p for p in self.free if len(self.maps[p]) == total), None)
         if path is not None:
             self.free.remove(path)
@@ -326,16 +326,6 @@ class SharedSegments:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def _layout(buffers: list[memoryview]) -> tuple[list[int], int]:
-    """Each buffer's offset in a shared-memory file (page-aligned) and the file's size."""
-    offsets, pos = [], 0
-    for m in buffers:
-        pos += -pos % _ALIGN
-        offsets.append(pos)
-        pos += m.nbytes
-    return offsets, pos
 
 
 def _create_shared(path: str, size: int) -> mmap.mmap:

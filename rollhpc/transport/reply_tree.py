@@ -126,7 +126,7 @@ class Bundle:
         each at an aligned offset of one array (one receive, however many arrays the results hold)."""
         header, buffers = wire.encode(self.results)
         sizes = [m.nbytes for m in buffers]
-        offsets, total = _layout(sizes, 0)
+        offsets, total = wire.layout(sizes, _ALIGN)
         data = np.empty(total, dtype=np.uint8)
         for m, off in zip(buffers, offsets):
             data[off:off + m.nbytes] = np.frombuffer(m, dtype=np.uint8)
@@ -141,12 +141,3 @@ class Bundle:
         views = [data[o:o + n] for o, n in zip(envelope["offsets"], envelope["sizes"])]
         return cls(envelope["ranks"], envelope["call_s"], envelope["cpu_s"], envelope["released"],
                    wire.decode(envelope["header"], views))
-
-
-def _layout(sizes: Sequence[int], start: int) -> tuple[list[int], int]:
-    offsets, pos = [], start
-    for n in sizes:
-        pos += -pos % _ALIGN
-        offsets.append(pos)
-        pos += n
-    return offsets, pos

@@ -85,6 +85,17 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown buffer reference {pid!r}")
 
 
+def layout(sizes: list[int], align: int) -> tuple[list[int], int]:
+    """Offsets of buffers of ``sizes`` laid back to back, each starting at a multiple of ``align`` (so the arrays
+    viewing them are aligned), and the total length."""
+    offsets, pos = [], 0
+    for n in sizes:
+        pos += -pos % align
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
 def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
     """Return (header, buffers): the header is a pickle that refers to the buffers by index."""
     import io
