@@ -114,6 +114,7 @@ class ScaleBench(Pipeline):
         out["rss_bytes_median"] = statistics.median(_rss_bytes(pid) for pid in pids)
         out["small_s"] = median_call(lambda: g.echo(SMALL), o.small_calls)
         ctl = g.controller
+        ctl.count_work = True
         taken, sent, took = ctl.messages_taken, ctl.send_cpu_s, ctl.reply_cpu_s
         out["small_cpu_s"] = cpu_per_call(lambda: g.echo(SMALL), o.small_calls)
         out["small_messages"] = (ctl.messages_taken - taken) / o.small_calls

@@ -79,8 +79,10 @@ class Controller:
         self.reply_fan_in = reply_fan_in
         self._trees: dict[tuple[int, ...], int] = {}  # the ranks of a call -> the id of their reply tree
         self.messages_taken = 0  # reply messages taken from MPI (a bundle counts once)
-        # this thread's CPU seconds in sending calls and in taking replies (receive, decode, bookkeeping), apart
-        # from the polls that found nothing: rank 0's own work per call, whatever the wait (bench/scale.py)
+        # with count_work on (bench/scale.py): this thread's CPU seconds in sending calls and in taking replies
+        # (receive, decode, bookkeeping), apart from the polls that found nothing: rank 0's own work per call,
+        # whatever the wait. Off by default: the clock costs ~0.4 us, at every poll of a wait
+        self.count_work = False
         self.send_cpu_s = 0.0
         self.reply_cpu_s = 0.0
         self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
@@ -95,7 +97,7 @@ class Controller:
         gone first fails the call: a send to a dead rank can hang inside MPI (OFI's tcp provider retries the
         connection forever), where no liveness check runs."""
         self._check_liveness()
-        started = time.thread_time()
+        started = time.thread_time() if self.count_work else 0.0
         call_id = next(self._ids)
         now = time.monotonic()
         envelope = self._envelope(call_id, method, list(payloads))
@@ -108,7 +110,8 @@ class Controller:
         for rank in payloads:
             self._outstanding[(rank, call_id)] = _Outstanding(method, now)
             keys.append((rank, call_id))
-        self.send_cpu_s += time.thread_time() - started
+        if self.count_work:
+            self.send_cpu_s += time.thread_time() - started
         return keys
 
     def submit_fanout(self, method: str, role: str, enc: Encoded) -> list[tuple[int, int]]:
@@ -140,7 +143,7 @@ class Controller:
     def _reply_tree(self, ranks: list[int]) -> int | None:
         """The id of the reply tree over ``ranks`` (rollhpc.transport.reply_tree), described to each of them the
         first time; None when the call goes to fewer than ``reply_tree_min_ranks`` (each replies itself)."""
-        if not self.reply_tree_min_ranks or len(ranks) < max(self.reply_tree_min_ranks, 2):
+        if not self._along_tree(len(ranks)):
             return None
         key = tuple(ranks)
         tree_id = self._trees.get(key)
@@ -153,6 +156,10 @@ class Controller:
             log.info("replies of calls to %d ranks go along a tree: %d messages to the controller, depth %d",
                      len(ranks), sum(1 for p in tree.parent.values() if p == 0), tree.depth())
         return tree_id
+
+    def _along_tree(self, n: int) -> bool:
+        """Whether the replies of a call to ``n`` ranks come along a reply tree."""
+        return bool(self.reply_tree_min_ranks) and n >= max(self.reply_tree_min_ranks, 2)
 
     def fans_out(self, role: str, ranks: list[int], enc: Encoded) -> bool:
         """Whether a one-to-all call to ``ranks`` sends its buffers once (shared memory or broadcast): all of a
@@ -236,7 +243,7 @@ class Controller:
 
     def _receive(self) -> bool:
         """Take every reply that has arrived into the inbox; True if any did. Raises a worker's error."""
-        started = time.thread_time()
+        started = time.thread_time() if self.count_work else 0.0
         self.channel.progress()
         got = False
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
@@ -246,21 +253,15 @@ class Controller:
                 self._take_bundle(msg.envelope["call_id"], Bundle.decode(msg.envelope, msg.payload))
             else:
                 self._take(msg.source, msg.envelope, msg.payload)
-        if got:
+        if got and self.count_work:
             self.reply_cpu_s += time.thread_time() - started
         return got
 
     def _take_bundle(self, call_id: int, bundle: Bundle) -> None:
         """The replies of a bundle into the inbox: ``_take``'s work for plain results (a bundle has no errors: a
         rank sends those itself), per rank only what filing its result needs."""
-        inbox, outstanding, call_s, cpu_s = self._inbox, self._outstanding, self.call_s, self.cpu_s
         for rank, result, in_call, cpu in zip(bundle.ranks, bundle.results, bundle.call_s, bundle.cpu_s):
-            key = (rank, call_id)
-            outstanding.pop(key, None)
-            call_s[rank] += in_call
-            if cpu > cpu_s[rank]:
-                cpu_s[rank] = cpu
-            inbox[key] = result
+            self._file(rank, call_id, result, in_call, cpu)
         for rank, paths in bundle.released.items():  # shared-memory files these ranks no longer map
             self.channel.segments.release(rank, paths)
 
@@ -269,14 +270,21 @@ class Controller:
         they carry beside the result adds up or only grows."""
         if "error" in env:  # the run ends: release() removes the shared-memory files still out
             self._raise_worker_error(source, env["error"])
-        key = (source, env.get("call_id", 0))
-        self._outstanding.pop(key, None)
         if env.get("released"):  # shared-memory files this rank no longer maps
             self.channel.segments.release(source, env["released"])
-        if "call_s" in env:
-            self.call_s[source] += env["call_s"]
-            self.cpu_s[source] = max(self.cpu_s[source], env["cpu_s"])
-        self._inbox[key] = payload if env["kind"] == "result" else env
+        self._file(source, env.get("call_id", 0), payload if env["kind"] == "result" else env, env.get("call_s"),
+                   env.get("cpu_s", 0.0))
+
+    def _file(self, rank: int, call_id: int, value: Any, in_call: float | None, cpu: float) -> None:
+        """A reply's value into the inbox, its call no longer outstanding, and the rank's load (``in_call``:
+        seconds inside the call, None for the start-up and shutdown replies, which carry none)."""
+        key = (rank, call_id)
+        self._outstanding.pop(key, None)
+        if in_call is not None:
+            self.call_s[rank] += in_call
+            if cpu > self.cpu_s[rank]:
+                self.cpu_s[rank] = cpu
+        self._inbox[key] = value
 
     def ready(self, keys: list[tuple[int, int]]) -> bool:
         """Whether every key has its reply (messages moved first, unless they are all in already)."""
@@ -297,8 +305,7 @@ class Controller:
                 continue
             if time.monotonic() > deadline:
                 missing = sorted(r for r, c in keys if (r, c) not in self._inbox)
-                relayed = bool(self.reply_tree_min_ranks) and len(keys) >= self.reply_tree_min_ranks
-                self._timeout(what, missing, limit, relayed)
+                self._timeout(what, missing, limit, self._along_tree(len(keys)))
             backoff.wait()
         return {rank: self._inbox.pop((rank, cid)) for rank, cid in keys}
 
