@@ -25,6 +25,9 @@ from rollhpc import config as config_mod
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.console import adopt_console
 from rollhpc.launch.mpi_init_guard import MpiInitGuard
+from rollhpc.placement.binding import bind_gpus, launcher_rank, observe, placement_problem
+from rollhpc.placement.device_mapping import WorldPlan
+from rollhpc.proc.mpi_fabric import provider_for_mpi_init
 from rollhpc.proc.mpi_shm import remove_stale_segments
 from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
 from rollhpc.rundir import RunPaths, atomic_write_json
@@ -95,20 +98,6 @@ def _on_signal(signum, frame):  # noqa: ARG001
         raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
 
 
-def bind_gpus(local_gpus: tuple[int, ...]) -> str | None:
-    """Point CUDA_VISIBLE_DEVICES at this rank's GPUs, chosen among those Slurm allocated to the step
-    (never assumed to start at 0). Must run before anything initializes CUDA."""
-    if not local_gpus:
-        return None
-    allocated = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = allocated.split(",") if allocated else [str(i) for i in range(max(local_gpus) + 1)]
-    if max(local_gpus) >= len(ids):
-        raise RuntimeError(f"the plan gives this rank GPUs {list(local_gpus)} of its node, but only {len(ids)} were "
-                           f"allocated (CUDA_VISIBLE_DEVICES={allocated!r})")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[i] for i in local_gpus)
-    return os.environ["CUDA_VISIBLE_DEVICES"]
-
-
 def set_role_environment(raw: dict, role: str) -> None:
     """Put ``roles.ROLE.env_vars`` of the run's config (checked when the launcher loaded it) into this process's
     environment: done before torch loads, whose OpenMP runtime reads OMP_* once, at load."""
@@ -123,8 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     """Join the world described by RUN_DIR/plan.json and play this rank's part in it."""
-    from rollhpc.placement.device_mapping import WorldPlan
-
     adopt_console()  # a local world: write to the launcher's console, not through mpiexec's pipes
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     forked_children_die_with_us()  # and whatever a library forks under us dies with us
@@ -140,12 +127,16 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     if stale:
         print(f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}", file=sys.stderr,
               flush=True)
-    from mpi4py import MPI
+    plan = WorldPlan.load(RunPaths(run_dir).plan)
+    # GPUs first: a CUDA-aware MPI initialises CUDA inside MPI_Init (rollhpc.placement.binding)
+    started_as = launcher_rank()
+    gpus = bind_gpus(plan.ranks[started_as].gpus) if started_as is not None and started_as < plan.world_size else None
+    with provider_for_mpi_init():
+        from mpi4py import MPI
 
     guard.mpi_initialized()
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    plan = WorldPlan.load(RunPaths(run_dir).plan)
     me = plan.ranks[rank] if rank < plan.world_size else None
     my_role = me.role if me else "unplanned"
     set_role_environment(raw, my_role)  # before the role's modules load
@@ -157,11 +148,18 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
               f"{expected_role!r}) does not match the plan ({plan.world_size} ranks, rank {rank} = {my_role!r})",
               file=sys.stderr, flush=True)
         comm.Abort(2)
-    gpus = bind_gpus(me.gpus)
+    if started_as is None:  # no launcher said which rank this is: bound after MPI_Init, which CUDA-aware MPIs ignore
+        log.warning("rank %d: no %s before MPI started: GPUs bound after MPI_Init", rank, "/".join(
+            ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")))
+        gpus = bind_gpus(me.gpus)
+    facts = observe(this_host(), me.gpus)
+    problem = placement_problem(me, plan, facts, started_as)
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever (the guard
     # ends them at controller.world_timeout_s, until world_formed())
-    host = this_host()
-    everyone = comm.allgather((my_role, host, os.getpid(), gpus, socket.gethostname()))
+    everyone = comm.allgather((my_role, facts.host, os.getpid(), gpus, socket.gethostname(), facts.cpus, problem))
+    misplaced = [e[6] for e in everyone if e[6]]
+    if misplaced:  # every rank sees the same list: all stop before any model loads
+        return _stop_misplaced(comm, run_dir, rank, misplaced)
     role_names = [CONTROLLER_ROLE, *cfg.roles]
     role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)
     # per role, the controller and the role's ranks: one-to-all payloads go out as one broadcast over it
@@ -173,6 +171,26 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     # (mpiexec.gforker) must not turn a worker's death into a flood of KeyboardInterrupt errors.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return _run_worker(comm, role_comm, fanout[my_role], cfg, run_dir, me, guard)
+
+
+def _stop_misplaced(comm, run_dir: Path, rank: int, misplaced: list[str]) -> int:  # noqa: ANN001
+    """Ranks not where the plan put them end the run, every rank at once: rank 0 says why (error.json, the
+    controller's exit record: not restartable, the same srun line would place them the same way)."""
+    from mpi4py import MPI
+
+    if rank == 0:
+        from rollhpc.controller.failure import PLACEMENT, Failure
+        from rollhpc.rundir.records import record_controller_exit
+
+        more = f" (and {len(misplaced) - 1} more rank(s): RUN_DIR/error.json lists them)" if len(misplaced) > 1 else ""
+        summary = f"placement check: {misplaced[0]}{more}"
+        atomic_write_json(RunPaths(run_dir).error, {"summary": summary, "type": "PlacementError",
+                                                   "details": "\n".join(misplaced),
+                                                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+        log.error("run failed: %s", summary)
+        record_controller_exit(run_dir, 1, Failure(PLACEMENT, summary).record())
+    MPI.Finalize()
+    return 1
 
 
 def _run_worker(comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
@@ -214,7 +232,8 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     from rollhpc.transport.sideband import ControllerSideband
 
     atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2],
-                                                 "cuda_visible_devices": e[3]} for r, e in enumerate(everyone)])
+                                                 "cuda_visible_devices": e[3], "cpus": list(e[5])}
+                                                for r, e in enumerate(everyone)])
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
     else:  # workers on other machines reach the controller by its host name

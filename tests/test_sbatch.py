@@ -12,7 +12,7 @@ from rollhpc.cli import load_experiment
 from rollhpc.config import ConfigError, ContainerConfig
 from rollhpc.launch.slurm import container_mounts, render_rescue, render_sbatch
 from rollhpc.placement.device_mapping import plan_world
-from rollhpc.rank import bind_gpus
+from rollhpc.placement.binding import bind_gpus
 from tests.conftest import cli_env, rollhpc
 
 GOLDEN = Path(__file__).parent / "golden" / "hetjob.sbatch"

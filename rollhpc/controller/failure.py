@@ -39,6 +39,7 @@ LOST_PEER = "lost_peer"  # a communication error or timeout, no node to blame
 WORLD_NOT_FORMED = "world_not_formed"  # the MPI world never came together
 ERROR = "error"  # the run's own code or data
 INTERRUPTED = "interrupted"  # a signal to the controller (scancel, Ctrl-C)
+PLACEMENT = "placement"  # ranks not on the hosts, GPUs or cores the plan gave them (srun placed them otherwise)
 RESTARTABLE = frozenset({LOST_WORKER, LOST_PEER, WORLD_NOT_FORMED})
 
 # Errors that a dead or unreachable peer causes in the survivors, whatever library raised them. Matched against

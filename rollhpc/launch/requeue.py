@@ -448,6 +448,9 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
         if failure.get("kind") == "error":
             extra["reason"] = ("an error in the run's own code or data, not a lost node or peer: not restarted "
                                f"(a restart would meet it again): {failure.get('summary', '')}")
+        elif failure.get("kind") == "placement":
+            extra["reason"] = ("ranks not where the plan put them: not restarted (the same srun line would place "
+                               f"them the same way): {failure.get('summary', '')}")
     return _end(run_dir, status, **extra)
 
 

@@ -265,7 +265,8 @@ def render(report: Mapping[str, Any]) -> list[str]:
     if failure := report.get("last_failure"):
         kind = {"lost_worker": "a lost worker (node or process gone)", "lost_peer": "a lost peer (a communication "
                 "error or timeout, no node found gone)", "world_not_formed": "the MPI world did not form",
-                "error": "an error of the run's own", "interrupted": "a signal (scancel, Ctrl-C)"}
+                "error": "an error of the run's own", "interrupted": "a signal (scancel, Ctrl-C)",
+                "placement": "ranks not on the hosts, GPUs or cores the plan gave them"}
         lines.append(f"last failure   {kind.get(failure.get('kind'), failure.get('kind'))}, {failure['then']}"
                      + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")
                      + (f" ({failure['time']})" if failure.get("time") else ""))
