@@ -257,6 +257,9 @@ class CpuComponentConfig:
                               f"got {self.cpus_per_node}, {self.nodes}")
 
 
+CPU_BIND_CHOICES = ("cores", "threads", "sockets", "ldoms", "none")
+
+
 @dataclass(kw_only=True)
 class ClusterConfig:
     """The Slurm cluster a plan targets (``rollhpc plan`` and ``rollhpc submit``)."""
@@ -275,6 +278,13 @@ class ClusterConfig:
     time_limit: str | int = "01:00:00"
     mem_per_node: str = ""  # e.g. "256G"; empty: the partition's default
     srun_mpi: str = "pmi2"  # srun --mpi=... (pmi2 for MPICH, pmix for Open MPI)
+    # srun --cpu-bind for every rank: each rank (and the threads and processes it starts) on its own
+    # cpus_per_proc cores; "none" leaves placement to the kernel (a node's ranks may then share cores)
+    cpu_bind: str = "cores"
+    # the network interface ranks rendezvous over (torch.distributed's store, the weight channel, the controller's
+    # sideband), e.g. "ib0" or "hsn0": exported as ROLLHPC_DIST_IFNAME and, unless already set, as
+    # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; each rank takes its own node's address of it. Empty: host names
+    network_interface: str = ""
     sbatch_extra: list[str] = field(default_factory=list)  # more "--key=value" options for every component
     setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
     # the image the ranks run in (apptainer or pyxis); kind none: on the host, with the submitting interpreter
@@ -309,6 +319,12 @@ class ClusterConfig:
                 f"gives {self.time_limit}): quote it in a YAML file ('4:00:00', '90'), or write it with a colon on "
                 "the command line (cluster.time_limit=90:00 for 90 minutes)")
         _check_slurm_names(self, "cluster")
+        if self.network_interface and not re.fullmatch(r"[\w.:-]+", self.network_interface):
+            raise ConfigError(f"cluster.network_interface: {self.network_interface!r} is not an interface name "
+                              "(e.g. ib0, hsn0, eth1)")
+        if self.cpu_bind not in CPU_BIND_CHOICES:
+            raise ConfigError(f"cluster.cpu_bind: {self.cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)} "
+                              "(srun --cpu-bind)")
         if self.nodes < 1 or self.cpus_per_node < 1 or self.gpus_per_node < 0:
             raise ConfigError(f"cluster.nodes and cluster.cpus_per_node must be >= 1 and cluster.gpus_per_node >= 0, "
                               f"got {self.nodes}, {self.cpus_per_node}, {self.gpus_per_node}")

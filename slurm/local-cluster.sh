@@ -27,6 +27,9 @@
 #   SLURM_INSTALL=1               0 = fail instead of installing missing packages
 #   SLURM_UP_TIMEOUT=60           seconds to wait for all nodes to become idle
 #   SLURM_KEEP_STATE=0            1 = keep slurmctld state (job ids, queue) across restarts
+#   SLURM_TASK_PLUGIN=task/none   task/affinity: srun binds tasks to cores (--cpu-bind), as clusters do; then
+#                                 declare no more CPUs per node than this machine has (nproc), or srun fails
+#                                 "Unable to layout tasks on given cpus"
 #
 # MPI under srun: mpi4py + the `mpich` wheel with `srun --mpi=pmi2` (also across het groups,
 # `srun --mpi=pmi2 --het-group=0 ... : --het-group=1 ...` is one MPI_COMM_WORLD).
@@ -161,7 +164,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 # no systemd, no cgroups
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=${SLURM_TASK_PLUGIN:-task/none}
 JobAcctGatherType=jobacct_gather/none
 # no slurmdbd: DIR/bin/sacct answers from scontrol; finished jobs are also listed in jobcomp.log
 AccountingStorageType=accounting_storage/none

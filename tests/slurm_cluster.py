@@ -128,6 +128,17 @@ def _tail(path: Path, n: int = 15) -> str:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest):
+    yield from _local_cluster(request, NODES, CPUS_PER_NODE, GPUS_PER_NODE, "task/none")
+
+
+@pytest.fixture(scope="session")
+def slurm_affinity_cluster(request: pytest.FixtureRequest):
+    """A second local cluster whose slurmd bind tasks to cores (task/affinity), as real clusters do: its nodes
+    declare this machine's real cores (2 on CI), since srun cannot lay tasks out on cores that do not exist."""
+    yield from _local_cluster(request, NODES, len(os.sched_getaffinity(0)), 2, "task/affinity")
+
+
+def _local_cluster(request: pytest.FixtureRequest, nodes: int, cpus: int, gpus: int, task_plugin: str):
     if os.geteuid() != 0:
         pytest.fail("the slurm tests need root: slurm/local-cluster.sh runs munged, slurmctld and slurmd as "
                     "root (and may apt-get install slurmctld slurmd slurm-client munge); run pytest as root "
@@ -137,13 +148,13 @@ def slurm_cluster(request: pytest.FixtureRequest):
 
     cluster_dir = Path(tempfile.mkdtemp(prefix="rollhpc-slurm-test-", dir="/tmp")).resolve()
     base_env = {k: v for k, v in os.environ.items() if not _FOREIGN_ENV.match(k)}
-    port = _pick_ports(NODES)
-    up_env = {**base_env, "SLURM_NODES": str(NODES), "SLURM_CPUS_PER_NODE": str(CPUS_PER_NODE),
-              "SLURM_GPUS_PER_NODE": str(GPUS_PER_NODE), "SLURM_CTLD_PORT": str(port),
-              "SLURM_SLURMD_PORT_BASE": str(port)}
+    port = _pick_ports(nodes)
+    up_env = {**base_env, "SLURM_NODES": str(nodes), "SLURM_CPUS_PER_NODE": str(cpus),
+              "SLURM_GPUS_PER_NODE": str(gpus), "SLURM_CTLD_PORT": str(port),
+              "SLURM_SLURMD_PORT_BASE": str(port), "SLURM_TASK_PLUGIN": task_plugin}
     env = {**base_env, "SLURM_CONF": str(cluster_dir / "etc" / "slurm.conf"),
            "PATH": os.pathsep.join([str(cluster_dir / "bin"), base_env.get("PATH", os.defpath)])}
-    cluster = SlurmCluster(dir=cluster_dir, env=env)
+    cluster = SlurmCluster(dir=cluster_dir, env=env, nodes=nodes, cpus_per_node=cpus, gpus_per_node=gpus)
     failed_before = request.session.testsfailed
     try:
         t0 = time.monotonic()

@@ -126,8 +126,8 @@ def test_apptainer_wraps_every_rank_and_leaves_the_batch_side_on_the_host():
     ranks = rank_lines(text)
     assert len(ranks) == 2 and all(" /shared/images/rollhpc.sif python3 -m rollhpc.rank /shared/runs/golden" in line
                                    for line in ranks)
-    assert "--ntasks=2 --distribution=block --export=ALL,OMP_NUM_THREADS=1 apptainer exec --bind " in ranks[0]
-    assert "--ntasks=12 --distribution=block --export=ALL,OMP_NUM_THREADS=1 apptainer exec --nv --bind " in ranks[1]
+    assert "--export=ALL,OMP_NUM_THREADS=1 apptainer exec --bind " in ranks[0]
+    assert "--export=ALL,OMP_NUM_THREADS=1 apptainer exec --nv --bind " in ranks[1]
     helpers = [line for line in text.splitlines() if "rollhpc.launch.requeue" in line and not line.startswith("#")]
     assert len(helpers) == 3 and not any("apptainer" in line for line in helpers)
     assert all(line.startswith(("started=$(python -m", "python -m", "exec python -m")) for line in helpers)
@@ -278,3 +278,31 @@ def test_a_judge_on_gpus_of_its_own_is_a_het_component_of_its_own(tmp_path, tiny
     assert res.stdout.count("#SBATCH hetjob") == len(groups) - 1 >= 2
     missing = rollhpc("plan", *args[:-1], "+roles.judge.options.judge_model_dir=/nonexistent/judge", cwd=tmp_path)
     assert missing.returncode == 2 and "judge_model_dir" in missing.stderr and "/nonexistent/judge" in missing.stderr
+
+
+def test_each_srun_segment_carries_its_own_nodes_tasks_cores_and_gpus():
+    """Issue 54: no segment leans on srun's defaults (sbatch's --cpus-per-task is not passed on to srun in Slurm
+    22.05-23.02; in a het job the plain SLURM_CPUS_PER_TASK is group 0's). The uneven last node's host list:
+    tests/test_slurm_placement.py."""
+    text = render("roles.train.cpus_per_proc=4", "cluster.cpu_bind=threads",
+                  "cluster.network_interface=ib0")
+    srun = text[text.index("srun --kill-on-bad-exit"):]
+    assert "--het-group=0 --mpi=pmi2 --nodes=1 --ntasks=2 --ntasks-per-node=2 --distribution=block " \
+           "--cpus-per-task=1 --cpu-bind=threads" in srun
+    assert "--cpus-per-task=4 --cpu-bind=threads --gres=gpu:4 --gpu-bind=none --export=ALL,OMP_NUM_THREADS=4" in srun
+    assert "export ROLLHPC_DIST_IFNAME=ib0" in text and 'export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-ib0}"' in text
+    assert "FI_PROVIDER=" not in text.replace("ROLLHPC_MPI_FI_PROVIDER=", "")  # NCCL's OFI plugin keeps the site's
+    with pytest.raises(ConfigError, match="cluster.cpu_bind"):
+        render("cluster.cpu_bind=rank")
+    with pytest.raises(ConfigError, match="cluster.network_interface"):
+        render("cluster.network_interface=ib0; rm")
+
+
+def test_rendezvous_address_is_each_nodes_own_on_the_named_interface():
+    from rollhpc.transport.rendezvous import rendezvous_host
+
+    assert rendezvous_host({"ROLLHPC_DIST_IFNAME": "lo"}) == "127.0.0.1"
+    assert rendezvous_host({"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    assert rendezvous_host({"ROLLHPC_DIST_HOST": "10.0.0.7", "ROLLHPC_DIST_IFNAME": "lo"}) == "10.0.0.7"
+    with pytest.raises(RuntimeError, match="'nosuch0'"):
+        rendezvous_host({"ROLLHPC_DIST_IFNAME": "nosuch0"})

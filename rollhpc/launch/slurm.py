@@ -90,15 +90,17 @@ WORLD_TIMEOUT_MARGIN_S = 30.0
 # controller waits on sockets between MPI calls (a worker would wait for its bcast until the controller's next
 # MPI call): auto progress on, as UCX behaves. libfabric's own choice of provider here is `sockets`, which
 # hung in MPI_Init (every rank spinning in progress) in about 1 of 170 worlds of a 4+1-rank het job on the local
-# Slurm; its `tcp` provider formed 400 of 400: tcp. A value set before (the environment sbatch passes on,
-# cluster.setup; FI_PROVIDER=verbs where the fabric has it) is kept.
+# Slurm; its `tcp` provider formed 400 of 400: tcp, but for MPI_Init alone (FI_PROVIDER exported to the job
+# would also hold NCCL's OFI plugin to TCP on EFA or Slingshot). A value set before (the environment sbatch
+# passes on, cluster.setup; FI_PROVIDER=verbs where the fabric has it) is kept.
 PMI1_SAFE_NETMOD = [
-    "# MPICH over srun --mpi=pmi2: the OFI netmod (libfabric's tcp provider), whose addresses fit one short PMI",
-    "# line, with auto progress",
+    "# MPICH over srun --mpi=pmi2: the OFI netmod (libfabric's tcp provider, set by each rank while MPI_Init",
+    "# runs: NCCL's network plugin keeps the site's provider), whose addresses fit one short PMI line, with auto",
+    "# progress",
     "# (rollhpc.launch.slurm says why)",
     *(f'export {name}="${{{name}:-{value}}}"' for name, value in (
         ("MPIR_CVAR_CH4_NETMOD", "ofi"), ("MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS", "1"),
-        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"), ("FI_PROVIDER", "tcp"))),
+        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"), ("ROLLHPC_MPI_FI_PROVIDER", "tcp"))),
 ]
 
 
@@ -167,6 +169,43 @@ def _container_notes(container: ContainerConfig, srun_mpi: str) -> list[str]:
     return where + wiring.get(srun_mpi, [])
 
 
+def _uneven(comp: Component) -> bool:
+    return comp.ntasks != comp.nodes * comp.ntasks_per_node
+
+
+def _uneven_hosts_lines(comp: Component, het: bool) -> list[str]:
+    """For a group whose last node holds fewer ranks: the host of every rank, in plan order, as srun's
+    arbitrary distribution takes them (a plain --ntasks-per-node is ignored there, and block distribution
+    rebalances 20/10 into 15/15, putting ranks on GPUs the plan gave others)."""
+    if not _uneven(comp):
+        return []
+    last = comp.ntasks - (comp.nodes - 1) * comp.ntasks_per_node
+    nodelist = f"SLURM_JOB_NODELIST_HET_GROUP_{comp.index}" if het else "SLURM_JOB_NODELIST"
+    return [f"# het group {comp.index}: {comp.ntasks_per_node} ranks on each of its first {comp.nodes - 1} node(s), "
+            f"{last} on the last (plan.json): one host per rank",
+            f'hosts_{comp.index}=$(scontrol show hostnames "${nodelist}" | awk -v per={comp.ntasks_per_node} '
+            f"-v last={last} -v n={comp.nodes} 'NR<n {{for (i = 0; i < per; i++) print}} "
+            f"NR==n {{for (i = 0; i < last; i++) print}}' | paste -sd, -)"]
+
+
+def _srun_segment(cfg: ExperimentConfig, comp: Component, het: bool) -> str:
+    """One het group's srun options: its nodes, ranks per node (or one host per rank, for an uneven last node),
+    cores per rank bound as ``cluster.cpu_bind`` says, and the node's GPUs in every rank's view (each rank
+    picks its own from plan.json, rollhpc.placement.binding): all the group's own values, never group 0's,
+    which is what SLURM_CPUS_PER_TASK holds in a het job, and Slurm 22.05-23.02 passes no sbatch
+    --cpus-per-task on to srun."""
+    opts = [f"--het-group={comp.index}"] if het else []
+    opts += [f"--mpi={cfg.cluster.srun_mpi}", f"--nodes={comp.nodes}", f"--ntasks={comp.ntasks}"]
+    if _uneven(comp):
+        opts += ["--distribution=arbitrary", f'--nodelist="$hosts_{comp.index}"']
+    else:
+        opts += [f"--ntasks-per-node={comp.ntasks_per_node}", "--distribution=block"]
+    opts += [f"--cpus-per-task={comp.cpus_per_task}", f"--cpu-bind={cfg.cluster.cpu_bind}"]
+    if comp.gpus_per_node:  # every GPU of the node visible to each rank; a site default of --gpu-bind undone
+        opts += [f"--gres=gpu:{comp.gpus_per_node}", "--gpu-bind=none"]
+    return " ".join(opts + [f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task}"])
+
+
 def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
     """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun.
 
@@ -204,20 +243,20 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
               """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
     lines += list(cfg.cluster.setup)
+    if c.network_interface:
+        nic = shlex.quote(c.network_interface)
+        lines += ["# the interface ranks rendezvous over (cluster.network_interface; rollhpc.transport.rendezvous)",
+                  f"export ROLLHPC_DIST_IFNAME={nic}",
+                  *(f'export {v}="${{{v}:-{c.network_interface}}}"' for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))]
     if cfg.cluster.srun_mpi == "pmi2":
         lines += PMI1_SAFE_NETMOD
     lines += [f'started=$({helper} -m rollhpc.launch.requeue start "$run_dir")',
               '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
               '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
               'case "$started" in finished|superseded|requeued) exit 0;; esac']
-    segments = []
     het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
-    for comp in plan.components:
-        segments.append(
-            (f"--het-group={comp.index} " if het else "")
-            + f"--mpi={cfg.cluster.srun_mpi} --ntasks={comp.ntasks} --distribution=block "
-            f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task} {_rank_command(container, comp, run_dir, python)}"
-        )
+    segments = [_srun_segment(cfg, comp, het) + " " + _rank_command(container, comp, run_dir, python)
+                for comp in plan.components]
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
     first = "--het-group=0 " if het else ""
     lines += ["", "set +e",
@@ -227,6 +266,7 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
               f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
               f'timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
               *_container_notes(container, c.srun_mpi),
+              *[line for comp in plan.components for line in _uneven_hosts_lines(comp, het)],
               "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\",
               "    " + " \\\n  : ".join(segments) + " &",
               "srun_pid=$!",
