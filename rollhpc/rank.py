@@ -152,7 +152,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
         log.warning("rank %d: no %s before MPI started: GPUs bound after MPI_Init", rank, "/".join(
             ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")))
         gpus = bind_gpus(me.gpus)
-    facts = observe(this_host(), me.gpus)
+    facts = observe(this_host(), me, plan)
     problem = placement_problem(me, plan, facts, started_as)
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever (the guard
     # ends them at controller.world_timeout_s, until world_formed())
@@ -229,6 +229,7 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     turned into reported failures, and the controller runtime over the MPI channel."""
     from rollhpc.controller.runtime import Controller, RankInfo
     from rollhpc.transport.mpi_channel import MpiChannel
+    from rollhpc.transport.rendezvous import rendezvous_host
     from rollhpc.transport.sideband import ControllerSideband
 
     atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2],
@@ -237,7 +238,7 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
     else:  # workers on other machines reach the controller by its host name
-        sideband = ControllerSideband("", advertise=socket.getfqdn())
+        sideband = ControllerSideband("", advertise=rendezvous_host(fallback=socket.getfqdn()))
     comm.bcast(sideband.address, root=0)
     guard.world_formed()  # the remaining start-up waits have their own time limits
     # from here a signal becomes a reported failure; before, the default action ended the rank (mpi_init_guard)
@@ -315,6 +316,26 @@ class _FailureReport:
         return status
 
 
+def _start_workers(ctl, cfg: ExperimentConfig, plan, run_dir: Path, pipeline, workers: dict) -> dict:  # noqa: ANN001
+    """The workers built, roles that share GPUs in turns (rollhpc.controller.startup), the pipeline's own
+    start-up overlapping the first turn; with offload on, each turn's colocated roles give up their GPU
+    memory before the next loads. Returns role -> parts offloaded at start."""
+    from rollhpc.controller.colocation import colocation_of, offload_after_startup
+    from rollhpc.controller.startup import build_in_turns, startup_turns
+    from rollhpc.proc.startup_gc import startup_gc
+
+    def setup() -> None:
+        with startup_gc():
+            pipeline.setup()  # the controller's own start-up, while the workers build theirs
+
+    between = None
+    if getattr(cfg.pipeline.options, "offload", False) and pipeline.memory_stages:
+        colocation = colocation_of(cfg.roles)
+        between = lambda turn: offload_after_startup(workers, pipeline.memory_stages, colocation, turn)  # noqa: E731
+    return build_in_turns(ctl, plan.ranks_of, startup_turns(cfg.roles), run_dir, cfg.controller.startup_timeout_s,
+                          between, setup)
+
+
 def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
     from rollhpc.controller.errors import WorldNotFormed
     from rollhpc.controller.failure import StalledCall
@@ -323,7 +344,6 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     from rollhpc.controller.run_loop import Outcome
     from rollhpc.controller.worker_group import WorkerGroup
     from rollhpc.launch.requeue import EXIT_REQUEUE
-    from rollhpc.proc.startup_gc import startup_gc
     from rollhpc.rundir.records import record_controller_exit
 
     ctl = _open_controller(comm, fanout, cfg, plan, run_dir, everyone, guard)
@@ -344,10 +364,9 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
-        pipeline = pipeline_cls(workers, RunContext(run_dir, cfg.run.seed, cfg), cfg.pipeline.options)
-        with startup_gc():
-            pipeline.setup()  # the controller's own start-up, while the workers build theirs
-        ctl.wait([(r, 0) for r in ctl.ranks], "worker start-up", cfg.controller.startup_timeout_s)
+        run_ctx = RunContext(run_dir, cfg.run.seed, cfg)
+        pipeline = pipeline_cls(workers, run_ctx, cfg.pipeline.options)
+        run_ctx.offloaded_at_start = _start_workers(ctl, cfg, plan, run_dir, pipeline, workers)
         log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted({e[1] for e in everyone})),
                  ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
         requeue = pipeline.run() is Outcome.STOPPED_FOR_REQUEUE

@@ -64,6 +64,11 @@ def test_training_run_through_submit_gets_the_planned_resources(slurm_cluster, t
     assert len({gpu_of[("train", 0)], gpu_of[("train", 1)]}) == 2
     probe = {gpu_of[("probe", g)] for g in range(2)}
     assert len(probe) == 2 and not probe & {gpu_of[("train", g)] for g in range(2)}
+    # colocated roles built in turns (controller.startup): the generators only after every trainer rank was ready
+    turns = json.loads((run_dir / "startup.json").read_text())["turns"]
+    assert [t["roles"] for t in turns] == [["train", "reward", "probe"], ["generate"]]
+    trainers_ready = max(turns[0]["ranks"][str(r)][1] for r in plan.ranks_of("train"))
+    assert all(turns[1]["ranks"][str(r)][0] >= trainers_ready for r in plan.ranks_of("generate"))
     (job_out,) = (run_dir / "slurm").glob("job-*.out")
     assert (run_dir / "slurm" / "job_id").read_text().strip() in job_out.name
 

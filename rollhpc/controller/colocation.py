@@ -96,7 +96,9 @@ def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocate
 class Residency:
     """Drives offload / reload of colocated roles between the stages of a step (``enter(stage)``)."""
 
-    def __init__(self, workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation):
+    def __init__(self, workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation,
+                 offloaded_at_start: dict[str, list[str]] | None = None):
+        offloaded_at_start = offloaded_at_start or {}
         self.workers = workers  # role -> its WorkerGroup
         self.stages = stages
         self.colocated = [set(s) & set(workers) for s in colocation.sets]
@@ -104,13 +106,15 @@ class Residency:
         # the ranks of each role that move (the others hold their devices alone): a group call when it is all
         self.ranks = {r: sorted(colocation.ranks[r]) for r in self.managed}
         self.whole = {r for r in self.managed if getattr(workers[r].worker_cls, "offloads_whole", False)}
-        self.loaded: dict[str, set[str]] = {r: self._own_parts(r) for r in self.managed}  # all resident at start
+        # all resident at start, but what the start-up turns offloaded (controller.startup)
+        self.loaded: dict[str, set[str]] = {r: self._own_parts(r) - set(offloaded_at_start.get(r, ()))
+                                            for r in self.managed}
         self.record: dict[str, Any] = {}
         self.order: list[str] = []  # stages entered since the last step_metrics
         self.current: str | None = None
 
     def _own_parts(self, role: str) -> set[str]:
-        return {p for parts in self.stages.values() for p in parts.get(role, ()) if p in OFFLOADABLE}
+        return own_parts(self.stages, role)
 
     def moving_ranks(self, role: str) -> list[int]:
         """The ranks of ``role`` that give way to the other roles of its set (none when it is not managed)."""
@@ -149,11 +153,7 @@ class Residency:
             log.debug("stage %s: %s %s", stage, kind, moves)
 
     def _submit(self, role: str, method: str, parts: list[str]) -> list[Any]:
-        """The call on the role's moving ranks: one group call when they are all its ranks, else one per rank."""
-        workers, ranks = self.workers[role], self.ranks[role]
-        if len(ranks) == len(workers):
-            return [getattr(workers, method).submit(parts)]
-        return [getattr(workers.at(g), method).submit(parts) for g in ranks]
+        return submit_moves(self.workers[role], self.ranks[role], method, parts)
 
     def step_metrics(self) -> dict[str, Any]:
         """This step's stages in order and what each moved; clears them for the next step."""
@@ -164,6 +164,34 @@ class Residency:
             out.update({f"residency/{stage}/{k}": v for k, v in entry.items()})
         self.order, self.record = [], {}
         return out
+
+
+def own_parts(stages: dict[str, dict[str, tuple[str, ...]]], role: str) -> set[str]:
+    """The parts ``role`` holds in some stage that offload can move."""
+    return {p for parts in stages.values() for p in parts.get(role, ()) if p in OFFLOADABLE}
+
+
+def submit_moves(group: Any, ranks: list[int], method: str, parts: list[str]) -> list[Any]:
+    """``method(parts)`` on a role's moving ``ranks``: one group call when they are all its ranks, else one per rank."""
+    if len(ranks) == len(group):
+        return [getattr(group, method).submit(parts)]
+    return [getattr(group.at(g), method).submit(parts) for g in ranks]
+
+
+def offload_after_startup(workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]],
+                          colocation: Colocation, roles: list[str]) -> dict[str, list[str]]:
+    """After a start-up turn (controller.startup, offload on): its roles' ranks that share GPUs give up what
+    they hold (vLLM sleeps, Megatron moves its states to the host) before the next turn loads; returns
+    role -> parts offloaded, the state a ``Residency`` starts from."""
+    moved = {}
+    for role in roles:
+        ranks, parts = sorted(colocation.ranks.get(role, ())), sorted(own_parts(stages, role))
+        if not ranks or not parts or role not in workers:
+            continue
+        for f in submit_moves(workers[role], ranks, "offload_states", parts):
+            f.result()
+        moved[role] = parts
+    return moved
 
 
 def _as_list(reply: Any) -> list[Any]:

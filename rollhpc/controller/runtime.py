@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
+from rollhpc.controller.failure import is_watchdog_abort
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.reply_tree import Bundle, build_reply_tree
@@ -39,6 +40,16 @@ class RankInfo:
 
     def describe(self) -> str:
         return f"rank {self.rank} (role {self.role!r}, group rank {self.group_rank}, pid {self.pid} on {self.host})"
+
+
+def _tail(path: Path, nbytes: int = 16384) -> str:
+    """The end of a rank's log ("" when unreadable): what it said last before it died."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def first_missing(keys: list[tuple[int, int]], inbox: dict, start: int = 0) -> int:
@@ -205,6 +216,11 @@ class Controller:
             doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
         else:
             doing = "while idle"
+        if is_watchdog_abort(_tail(self.log_path(rank))):
+            return WorkerDied(f"worker {info.describe()} died {doing}: NCCL's watchdog ended it (a collective past "
+                              f"its timeout: a peer that is gone or stuck, not necessarily its own node); see "
+                              f"{self.log_path(rank)}", host=info.host, role=info.role, method=method,
+                              collective_timeout=True)
         return WorkerDied(
             f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
             f"or its node was lost); see {self.log_path(rank)}", host=info.host, role=info.role, method=method
@@ -334,6 +350,10 @@ class Controller:
             if time.monotonic() > deadline:
                 return exc
             time.sleep(0.05)
+
+    def build(self, ranks: list[int]) -> None:
+        """Tell these ranks to build their workers (each answers "ready" as call 0: ``wait``)."""
+        self.channel.send_each(TAG_CALL, {r: {"kind": "build"} for r in ranks})
 
     # -- ending ------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float) -> None:

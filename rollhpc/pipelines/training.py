@@ -199,7 +199,8 @@ class TrainingPipeline(Pipeline):
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocation_of
 
-            self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles))
+            self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles),
+                                       self.run_ctx.offloaded_at_start)
             self.checkpointer.before_save = lambda: self.stage("checkpoint")
         loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
                        LoopConfig(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,

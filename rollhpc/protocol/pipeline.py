@@ -5,7 +5,7 @@ is not a Worker) and placement (which reads ``memory_stages``) can see it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,6 +15,9 @@ class RunContext:
     run_dir: Path
     seed: int
     config: Any  # the whole ExperimentConfig, for pipelines that need more than their options
+    # role -> parts its colocated ranks offloaded after their start-up turn (controller.startup): where the
+    # pipeline's Residency starts
+    offloaded_at_start: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Pipeline:

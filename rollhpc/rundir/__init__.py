@@ -42,6 +42,8 @@ class RunPaths:
     CONTROLLER_EXIT = "controller-exit.json"  # the controller's exit status in this attempt (launch.requeue)
     STARTUP_FAILED = "startup-failed.json"  # this attempt's world did not form (launch.requeue)
     STOP_REQUEST = "stop-request"  # checkpoint after this step and stop (controller.stop)
+    STARTUP = "startup.json"  # the workers' start-up turns and each rank's build times (controller.startup)
+    CLUSTER_CHECK = "cluster_check.json"  # the cluster check's table (pipelines.cluster_check)
     LOGS = "logs"
     TENSORBOARD = "tb"
     ROLLOUTS = "rollouts"
@@ -69,6 +71,8 @@ class RunPaths:
     controller_exit = property(lambda self: self.root / self.CONTROLLER_EXIT)
     startup_failed = property(lambda self: self.root / self.STARTUP_FAILED)
     stop_request = property(lambda self: self.root / self.STOP_REQUEST)
+    startup = property(lambda self: self.root / self.STARTUP)
+    cluster_check = property(lambda self: self.root / self.CLUSTER_CHECK)
     logs = property(lambda self: self.root / self.LOGS)
     tensorboard = property(lambda self: self.root / self.TENSORBOARD)
     rollouts = property(lambda self: self.root / self.ROLLOUTS)

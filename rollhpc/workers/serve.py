@@ -33,12 +33,34 @@ def _error(exc: BaseException, ctx: WorkerContext, method: str) -> dict[str, Any
     }
 
 
+def _await_build(channel: MpiChannel) -> bool:
+    """Wait for the controller's word to build (roles sharing GPUs build in turns: rollhpc.controller.startup);
+    False: the run shuts down before this rank's turn (acknowledged here)."""
+    backoff = Backoff()
+    while True:
+        msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
+        if msg is None:
+            channel.progress()
+            backoff.wait()
+            continue
+        if msg.envelope["kind"] == "build":
+            return True
+        if msg.envelope["kind"] == "shutdown":
+            channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
+            channel.flush(60)
+            return False
+        raise RuntimeError(f"a {msg.envelope['kind']!r} message before the worker was built")
+
+
 def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
           options: Any) -> None:
+    if not _await_build(channel):
+        return
     try:
+        started = time.time()
         with startup_gc():  # construction is mostly imports: see rollhpc.proc.startup_gc
             worker = worker_cls(ctx, options)
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready"})
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "built": [started, time.time()]})
     except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run
         log.exception("constructing %s failed", worker_cls.__name__)
         channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "error": _error(e, ctx, "__init__")})
