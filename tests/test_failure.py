@@ -103,3 +103,25 @@ def test_a_worker_lost_while_idle_or_by_slurms_word_is_never_the_same_failure_ag
     busy = WorkerDied("worker rank 3 (role 'train') died while running 'train_step'", host="node2", role="train",
                       method="train_step")
     assert classify(busy, lambda: None, lambda: [], step=6)[1].signature == "lost_worker|train|train_step|||6"
+
+
+WATCHDOG_LOG = """[rank3]:[E1128 10:02:11.51 ProcessGroupNCCL.cpp:632] [Rank 1] Watchdog caught collective operation timeout:
+WorkNCCL(SeqNum=812, OpType=BROADCAST, NumelIn=262144, NumelOut=262144, Timeout(ms)=600000) ran for 600091
+milliseconds before timing out.
+[rank3]:[E1128 10:02:11.52 ProcessGroupNCCL.cpp:1664] [PG ID 2 PG GUID 3 Rank 1] To avoid data inconsistency, we are
+taking the entire process down."""
+
+
+def test_a_rank_that_nccls_watchdog_ended_is_a_lost_peer_and_its_node_is_not_blamed():
+    """The rank waited on a peer in a collective until the watchdog took it down: which node is at fault is
+    unknown, and excluding this (healthy) one would shrink the pool of a run that restarts for weeks."""
+    from rollhpc.controller.failure import is_watchdog_abort
+
+    assert is_watchdog_abort(WATCHDOG_LOG) and not is_watchdog_abort("Segmentation fault (core dumped)")
+    died = WorkerDied("worker rank 3 (role 'generate') died while running 'receive_weights': NCCL's watchdog ended "
+                      "it", host="node2", role="generate", method="receive_weights", collective_timeout=True)
+    exc, verdict = classify(died, lambda: None, lambda: [], settle_s=5.0, step=7)
+    assert verdict.kind == LOST_PEER and verdict.hosts == [] and verdict.restartable
+    t0 = time.monotonic()  # found dead while another rank's communication error is classified: the same
+    exc, verdict = classify(gen_error(), lambda: died, lambda: [], settle_s=5.0, step=7)
+    assert verdict.kind == LOST_PEER and verdict.hosts == [] and time.monotonic() - t0 < 1.0

@@ -68,7 +68,18 @@ def test_placement_problems_name_the_rank_host_gpus_and_cores():
     assert "bound to 1 core(s) [7] but the plan gives it 4" in cores
     assert placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), False), 2, env) is None  # not bound: no claim
     assert "announced as rank 1" in placement_problem(me, plan, good, 1, env)
+    exclusive = RankFacts("gpu4", "5", 1, (0, 1, 2, 3), True, ("Exclusive_Process",))
+    assert "compute mode is Exclusive_Process" in placement_problem(me, plan, exclusive, 2, env)
     assert placement_problem(me, plan, RankFacts("anywhere", None, None, (0,), False), None, {}) is None  # no Slurm
+
+
+def test_only_ranks_whose_gpus_the_plan_shares_ask_for_the_compute_mode():
+    from rollhpc.placement.binding import shares_gpus
+
+    plan = _plan()
+    assert not shares_gpus(plan.ranks[1], plan)  # the two trainers are on different nodes
+    plan.ranks.append(RankPlacement(3, "generate", 0, 1, 1, (0,)))
+    assert shares_gpus(plan.ranks[2], plan) and not shares_gpus(plan.ranks[0], plan)
 
 
 def test_mpis_libfabric_provider_is_set_only_while_mpi_starts():

@@ -29,9 +29,12 @@ class WorkerDied(RunFailed):
     """A worker process disappeared (killed, crashed in native code, node lost). ``host``: the node it ran
     on (Slurm's node name under Slurm), which a requeue excludes."""
 
-    def __init__(self, summary: str, details: str = "", host: str = "", *, role: str = "", method: str = ""):
+    def __init__(self, summary: str, details: str = "", host: str = "", *, role: str = "", method: str = "",
+                 collective_timeout: bool = False):
         super().__init__(summary, details)
         self.host, self.role, self.method = host, role, method  # method: the call it was running, "" if idle
+        # it ended itself: NCCL's watchdog found a collective past its timeout (a peer's fault, as often as not)
+        self.collective_timeout = collective_timeout
 
 
 class WorldNotFormed(RunFailed):

@@ -53,6 +53,17 @@ _COMM_TEXT = re.compile(
     r"ProcessGroup\w* .*(?:abort|timeout)|MPI_ERR_|ProcFailed|ECONNRESET|EPIPE", re.IGNORECASE)
 
 
+# What torch's NCCL watchdog writes before it takes its process down: a collective past its timeout, or the
+# watchdog itself stuck. The rank that dies of it waited for a peer; its node is as likely healthy as not.
+_WATCHDOG_ABORT = re.compile(r"Watchdog caught collective operation timeout|ProcessGroupNCCL's watchdog got stuck|"
+                             r"taking the entire process down")
+
+
+def is_watchdog_abort(log_tail: str) -> bool:
+    """Whether a dead rank's last log lines say NCCL's watchdog ended it (a collective that timed out)."""
+    return bool(_WATCHDOG_ABORT.search(log_tail or ""))
+
+
 def is_communication_error(err_type: str, message: str) -> bool:
     """Whether an exception (its type name and message) is what a lost peer causes in a collective."""
     return bool(_COMM_TYPES.search(err_type or "") or _COMM_TEXT.search(message or ""))
@@ -106,6 +117,9 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
     node's TCP connections may take keepalive's ~11 s to drop); a timeout, or an error on the controller
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
+    if isinstance(exc, WorkerDied) and exc.collective_timeout:  # a lost peer, whichever: no node is blamed
+        return exc, Failure(LOST_PEER, exc.summary, signature=signature(LOST_PEER, exc.role, exc.method,
+                                                                      "watchdog", "", step), step=step)
     if isinstance(exc, WorkerDied):
         return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [], lost_signature(exc, step),
                             step=step)
@@ -131,6 +145,8 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
     next_slurm = 0.0  # Slurm's view is asked once a second (a controller of thousands of ranks asks one service)
     while True:
         dead, hosts = dead_worker(), []
+        if dead is not None and dead.collective_timeout:  # NCCL's watchdog: it waited on a peer, as the error did
+            break
         if dead is not None:
             hosts = [dead.host] if dead.host else []
         elif time.monotonic() >= next_slurm:

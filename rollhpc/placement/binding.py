@@ -15,13 +15,14 @@ before any model loads. Light on purpose: no torch, no MPI at import (torch only
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from rollhpc.placement.device_mapping import RankPlacement, WorldPlan
 from rollhpc.placement.hostlist import expand_hostlist
 
-__all__ = ["RankFacts", "bind_gpus", "launcher_rank", "observe", "placement_problem", "planned_host"]
+__all__ = ["RankFacts", "bind_gpus", "launcher_rank", "observe", "placement_problem", "planned_host", "shares_gpus"]
 
 # the rank as each launcher tells its processes, most specific first: MPICH's hydra and Slurm's pmi2 plugin
 # (PMI_RANK), PMIx servers (Slurm's pmix, prrte), Open MPI's mpirun; srun's own task id last, since inside
@@ -64,6 +65,7 @@ class RankFacts:
     gpu_count: int | None  # GPUs CUDA shows this process; None where the node has no NVIDIA driver
     cpus: tuple[int, ...]  # the cores this process may run on (its affinity)
     cpu_bound: bool  # srun bound it to a CPU mask
+    compute_modes: tuple[str, ...] = ()  # of its GPUs, asked only where the plan shares them with other ranks
 
 
 def _gpu_count(local_gpus: tuple[int, ...]) -> int | None:
@@ -74,11 +76,31 @@ def _gpu_count(local_gpus: tuple[int, ...]) -> int | None:
     return torch.cuda.device_count()
 
 
-def observe(host: str, local_gpus: tuple[int, ...], environ: Mapping[str, str] = os.environ) -> RankFacts:
-    """This process's facts (``local_gpus``: what the plan gave it, to know whether to count GPUs at all)."""
+def shares_gpus(me: RankPlacement, plan: WorldPlan) -> bool:
+    """Whether another rank of the plan uses one of this rank's GPUs (colocated roles take turns on them)."""
+    return bool(me.gpus) and any(p.rank != me.rank and p.component == me.component and p.node == me.node
+                                 and set(p.gpus) & set(me.gpus) for p in plan.ranks)
+
+
+def _compute_modes(visible: str | None) -> tuple[str, ...]:
+    """nvidia-smi's compute mode of each visible GPU (e.g. "Default", "Exclusive_Process"); () if unknown."""
+    if not visible or not os.path.exists(_NVIDIA_CONTROL):
+        return ()
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader", "-i", visible],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    return tuple(line.strip() for line in out.stdout.splitlines() if line.strip()) if out.returncode == 0 else ()
+
+
+def observe(host: str, me: RankPlacement, plan: WorldPlan, environ: Mapping[str, str] = os.environ) -> RankFacts:
+    """This process's facts (its GPUs counted, and their compute mode asked where the plan shares them)."""
     bind = environ.get(_CPU_BIND_TYPE, "")
-    return RankFacts(host, environ.get("CUDA_VISIBLE_DEVICES"), _gpu_count(local_gpus),
-                     tuple(sorted(os.sched_getaffinity(0))), bind.startswith(("mask_cpu", "map_cpu")))
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    return RankFacts(host, visible, _gpu_count(me.gpus), tuple(sorted(os.sched_getaffinity(0))),
+                     bind.startswith(("mask_cpu", "map_cpu")),
+                     _compute_modes(visible) if shares_gpus(me, plan) else ())
 
 
 def planned_host(me: RankPlacement, plan: WorldPlan, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -107,6 +129,11 @@ def placement_problem(me: RankPlacement, plan: WorldPlan, facts: RankFacts, star
     if facts.gpu_count is not None and facts.gpu_count != len(me.gpus):
         return (f"{who} on {facts.host} sees {facts.gpu_count} GPU(s) (CUDA_VISIBLE_DEVICES="
                 f"{facts.cuda_visible_devices}) but the plan gives it {len(me.gpus)} (local GPUs {list(me.gpus)})")
+    exclusive = [m for m in facts.compute_modes if m.lower().startswith("exclusive")]
+    if exclusive:
+        return (f"{who} on {facts.host} shares its GPU(s) {facts.cuda_visible_devices} with other roles (plan.json), "
+                f"but their compute mode is {exclusive[0]}: one process per GPU, so colocated roles and CUDA IPC "
+                "fail; ask the site for the Default compute mode or give the roles GPUs of their own (roles.*.devices)")
     want = plan.components[me.component].cpus_per_task
     if facts.cpu_bound and len(facts.cpus) < want:
         return (f"{who} on {facts.host} is bound to {len(facts.cpus)} core(s) {list(facts.cpus)} but the plan "
