@@ -6,20 +6,25 @@
 #               and the wheels carried in WHEELS (megatron-core, mpich, mpi4py, hydra-core, pytest, ...; fetched
 #               by tools/fetch_gpu_wheels.sh), --no-deps, offline; rollhpc itself from this tree (PYTHONPATH)
 #   3. gpu      the -m gpu tests (tests/test_gpu.py): bf16 Megatron against the CPU loss, offload and reload,
-#               CUDA-IPC weight sync, a checkpoint moved between GPU and CPU; their numbers in
+#               CUDA-IPC weight sync streamed through two slots (its peak extra GPU memory against the model's
+#               size: cuda_ipc's peak_extra_mib / model_mib), a checkpoint moved between GPU and CPU; their numbers in
 #               OUT/gpu_tests.jsonl (ROLLHPC_GPU_RESULTS)
 #   4. bandwidth the device's own copy bandwidth and pinned host <-> device copies, the yardsticks of the
 #               offload and IPC numbers (tools/gpu_bandwidth.py -> OUT/bandwidth.json)
 #   5. rlvr     1-GPU RLVR runs of the quickstart on CUDA (20 steps): trainer and the torch engine colocated on
 #               GPU 0, with offload (taking turns) and without, the weight sync by CUDA IPC, verified after
 #               every sync, bf16 on megatron-core's optimizer (fp32 main weights) (OUT/rlvr/offload-*)
+#   6. cluster_check  the cluster check (configs/cluster_check.yaml) of the quickstart's layout on this one GPU:
+#               each rank's host, GPU and cores against the plan, GPU memory after the start-up turns beside the
+#               plan's, one RL step and its CUDA-IPC weight sync (OUT/cluster_check/cluster_check/cluster_check.json)
+# Every RLVR run's start-up turns (RUN_DIR/startup.json: trainer, then the colocated torch engine) are in summary.json.
 # A step that fails is recorded and the next one still runs; the exit status is 1 if any failed.
 # vLLM's CUDA build is too large to carry, so generation on the GPU uses the torch engine (INSTALL.md).
 #
 #   tools/gpu_check.sh [--dry-run] [--out DIR] [--venv DIR] [--wheels DIR] [--python PY] [--steps env,install,...]
 #
 # Each step's commands run under a time limit of their own (env 60 s, install 180, gpu 240, bandwidth 90,
-# rlvr 300; GPU_CHECK_LIMITS="gpu=150,rlvr=200" changes them), so that one that hangs leaves the lease's
+# rlvr 300, cluster_check 150; GPU_CHECK_LIMITS="gpu=150,rlvr=200" changes them), so that one that hangs leaves the lease's
 # minutes to the rest. --venv puts the venv outside OUT (the device tool brings back only a few files).
 #
 # --dry-run prints each step's commands and runs none (CI runs it on machines without a GPU).
@@ -31,7 +36,7 @@ wheels="$here/gpu-wheels"
 python="python3"
 dry=0
 venv=""
-steps="env,install,gpu,bandwidth,rlvr"
+steps="env,install,gpu,bandwidth,rlvr,cluster_check"
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
@@ -47,7 +52,7 @@ while [ $# -gt 0 ]; do
 done
 venv="${venv:-$out/venv}"
 py="$venv/bin/python"
-limits="env=60,install=180,gpu=240,bandwidth=90,rlvr=300,${GPU_CHECK_LIMITS:-}"
+limits="env=60,install=180,gpu=240,bandwidth=90,rlvr=300,cluster_check=150,${GPU_CHECK_LIMITS:-}"
 limit=600
 failed=0
 mkdir -p "$out"
@@ -144,6 +149,14 @@ do_rlvr() {
     pipeline.options.offload=true
 }
 
+do_cluster_check() {
+  run "$py" -m rollhpc.cli train cluster_check --overwrite "run.output_dir=$out/cluster_check" \
+    check.experiment=quickstart cluster.nodes=1 cluster.gpus_per_node=1 \
+    roles.train.gpus_per_proc=1 "roles.train.devices=[0]" roles.train.options.dtype=bfloat16 \
+    roles.generate.gpus_per_proc=1 "roles.generate.devices=[0]" roles.generate.options.engine=torch \
+    roles.generate.options.dtype=bfloat16 pipeline.options.offload=true
+}
+
 cd "$here"
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 step env do_env
@@ -151,6 +164,7 @@ step install do_install
 step gpu do_gpu
 step bandwidth do_bandwidth
 step rlvr do_rlvr
+step cluster_check do_cluster_check
 if [ "$dry" = 0 ]; then  # one JSON of it all: OUT/summary.json
   "$([ -x "$py" ] && echo "$py" || echo "$python")" tools/gpu_check_summary.py "$out" > /dev/null \
     || echo "gpu_check: no summary.json (tools/gpu_check_summary.py failed)" >&2

@@ -1,6 +1,7 @@
 """One JSON of what tools/gpu_check.sh measured, from its output folder: the machine (env.log), each step's status
 and seconds, the -m gpu tests' outcomes (JUnit XML) and numbers (gpu_tests.jsonl), the copy bandwidths, and per
-RLVR run its held-out accuracy by step, seconds per step and the weights' sha256.
+RLVR run its held-out accuracy by step, seconds per step, the weights' sha256 and its start-up turns, and the
+cluster check's table.
 
     python tools/gpu_check_summary.py OUT [--commit SHA] [--out FILE]
 
@@ -62,6 +63,21 @@ def _exit(path: Path) -> str:
     return f"status {record.get('status')}"
 
 
+def _startup(path: Path) -> list[dict[str, Any]] | None:
+    """The start-up turns of a run (RUN_DIR/startup.json): each turn's roles, the seconds its ranks took to build,
+    and whether every one of them began building after the previous turn was ready (the colocated order)."""
+    if not path.is_file():
+        return None
+    turns, before = [], None
+    for turn in json.loads(path.read_text())["turns"]:
+        built = [b for b in turn["ranks"].values() if b]
+        turns.append({"roles": turn["roles"], "offloaded": turn.get("offloaded", {}),
+                      "build_s": max((end - start for start, end in built), default=None),
+                      "after_previous": None if before is None else all(start >= before for start, _ in built)})
+        before = turn["ready"]
+    return turns
+
+
 def _rlvr(folder: Path) -> dict[str, Any]:
     runs = {}
     for metrics in sorted(folder.glob("*/metrics.jsonl")):
@@ -73,8 +89,19 @@ def _rlvr(folder: Path) -> dict[str, Any]:
             "median_step_s": statistics.median(steps) if steps else None,
             "weights_sha256": next((r["weights_sha256"] for r in reversed(rows) if "weights_sha256" in r), None),
             "exit": _exit(metrics.parent / "controller-exit.json"),
+            "startup": _startup(metrics.parent / "startup.json"),
         }
     return runs
+
+
+def _cluster_check(folder: Path) -> dict[str, Any] | None:
+    """The cluster check's verdict and its table's rows (check, what, planned, measured, ok), without raw values."""
+    found = sorted(folder.glob("*/cluster_check.json"))
+    if not found:
+        return None
+    table = json.loads(found[-1].read_text())
+    keys = ("check", "what", "planned", "measured", "ok")
+    return {"passed": table.get("passed"), "rows": [{k: r.get(k) for k in keys} for r in table.get("rows", [])]}
 
 
 def summarize(out: Path, commit: str | None) -> dict[str, Any]:
@@ -90,6 +117,7 @@ def summarize(out: Path, commit: str | None) -> dict[str, Any]:
         if (out / "gpu_tests.jsonl").is_file() else {},
         "bandwidth": json.loads(bandwidth.read_text()) if bandwidth.is_file() else None,
         "rlvr": _rlvr(out / "rlvr"),
+        "cluster_check": _cluster_check(out / "cluster_check"),
     }
 
 

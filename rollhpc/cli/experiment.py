@@ -28,27 +28,50 @@ def experiment_args(sp: argparse.ArgumentParser) -> None:
 
 
 def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
-    """Experiment name (configs/NAME.yaml) or path to a YAML file, plus hydra overrides -> dict."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    """Experiment name (configs/NAME.yaml) or path to a YAML file, plus hydra overrides -> dict.
 
+    A file with a top-level ``check`` section (configs/cluster_check.yaml) is a cluster check of another
+    experiment: that one is composed with the overrides that are not ``check.*`` / ``run.*`` and wrapped
+    (rollhpc.pipelines.cluster_check.wrap_experiment), so the check runs on its exact layout."""
+    path = experiment_path(experiment)
+    check_yaml_syntax(path)
+    check_override_syntax(overrides)
+    if "check" in (yaml.safe_load(path.read_text()) or {}):
+        from rollhpc.pipelines.cluster_check import split_overrides, wrap_experiment
+
+        own, rest = split_overrides(overrides)
+        check = _hydra_compose(path, own)
+        target = (check.get("check") or {}).get("experiment") or "quickstart"
+        given = any(o.lstrip("+~").split("=", 1)[0] == "cluster.time_limit" for o in rest)
+        return wrap_experiment(check, compose(str(target), rest), time_limit_given=given)
+    return _hydra_compose(path, overrides)
+
+
+def experiment_path(experiment: str) -> Path:
+    """The YAML file an experiment name or path stands for (ConfigError naming the known ones when none)."""
     path = Path(experiment)
     if path.suffix in (".yaml", ".yml"):
         if not path.exists():
             raise ConfigError(f"no such config file: {path}")
-        config_dir, name = path.resolve().parent, path.stem
     else:
         found = experiments.find(experiment)
         if found is None:
             known = [e.name for e in experiments.available()]
             raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml; "
                               f"`rollhpc configs` lists them with where they are)")
-        path, config_dir, name = found, found.parent, experiment
-    check_yaml_syntax(path)
-    check_override_syntax(overrides)
+        path = found
+    return path
+
+
+def _hydra_compose(path: Path, overrides: list[str]) -> dict[str, Any]:
+    """One YAML file (its defaults list included) with hydra overrides applied and interpolations resolved."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir, name = path.resolve().parent, path.stem
     # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
     # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
     # rollhpc.config then rejects keys that exist nowhere, naming the valid ones.

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.parallel import ParallelLayout, RankCoords
+from rollhpc.protocol import probes
 from rollhpc.protocol.dispatch import Collect, Dispatch, register
 
 __all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]
@@ -66,6 +67,21 @@ class Worker:
 
         return {"role": self.ctx.role, "rank": self.ctx.world_rank, "group_rank": self.ctx.group_rank,
                 "host": socket.gethostname(), "pid": os.getpid()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def placement_probe(self, gpus: bool = True) -> dict[str, Any]:
+        """Where this rank runs (host, GPUs, CPU cores) and the memory it holds now, for the cluster check
+        (rollhpc.pipelines.cluster_check): here on the base class so that every role answers it. ``gpus``: whether
+        the role has GPUs (a CPU role's probe leaves CUDA alone)."""
+        return {"role": self.ctx.role, "rank": self.ctx.world_rank, "group_rank": self.ctx.group_rank,
+                **probes.placement(gpus)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def collective_bandwidth(self, address: tuple[str, int], tag: str, rank: int, world: int, op: str,
+                             sizes: list[int], iters: int) -> dict[str, Any]:
+        """Time ``op`` (all_reduce or broadcast) among ranks the controller chose, in a process group of their
+        own that meets at ``address`` (the cluster check; protocol.probes): the role's own groups are left alone."""
+        return probes.collective_bandwidth(address, tag, rank, world, op, sizes, iters)
 
     def close(self) -> None:
         """Called once at a normal shutdown: release engines, flush files."""
