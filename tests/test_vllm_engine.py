@@ -5,15 +5,23 @@ Two tiny random Qwen2 checkpoints (a, b) are written to a temporary folder; one 
 back to a, drives the step API (add_request / step / abort, partial-rollout resume), and reports as
 JSON. Here the transformers models give the expected greedy tokens and
 log-probabilities. Throughput and update time are printed, not asserted.
+
+A second engine runs with the GPU defaults forced on CPU (engine core in its own process, compiled, unseeded):
+generation, abort and a weight update through vLLM's weight-transfer protocol. The speed options' validation
+needs no engine.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
+from rollhpc.config import ConfigError, from_dict
+from rollhpc.engines.config import EngineConfig
+from rollhpc.engines.vllm_choices import VllmChoices, resolve_vllm_choices
 from tests.conftest import run_probe
 
 pytestmark = pytest.mark.slow
@@ -54,7 +62,8 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[flo
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory):
+def checkpoints(tmp_path_factory):
+    """Checkpoints a and b, the probes' spec, and transformers' greedy references (refs["eos"]: a's EOS id)."""
     work = tmp_path_factory.mktemp("vllm_engine")
     refs = {}
     for name, seed in (("a", 0), ("b", 1)):
@@ -65,9 +74,25 @@ def probe(tmp_path_factory):
         model.generation_config.eos_token_id = eos
         model.save_pretrained(work / name, safe_serialization=True)
     spec = {"model_a": str(work / "a"), "model_b": str(work / "b"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
-    res = run_probe("vllm_engine_probe.py", spec, work)
-    print(json.dumps({k: res[k] for k in ("start_s", "tokens_per_s", "update_weights_s", "update_weights_again_s")}))
     refs["eos"] = eos
+    return work, spec, refs
+
+
+@pytest.fixture(scope="module")
+def probe(checkpoints):
+    work, spec, refs = checkpoints
+    (work / "same").mkdir()
+    res = run_probe("vllm_engine_probe.py", spec, work / "same")
+    print(json.dumps({k: res[k] for k in ("start_s", "tokens_per_s", "update_weights_s", "update_weights_again_s")}))
+    return res, refs
+
+
+@pytest.fixture(scope="module")
+def separate_probe(checkpoints):
+    work, spec, refs = checkpoints
+    (work / "separate").mkdir()
+    res = run_probe("vllm_engine_probe.py", {**spec, "engine_process": "separate"}, work / "separate")
+    print(json.dumps({k: res[k] for k in ("start_s", "update_weights_s")}))
     return res, refs
 
 
@@ -180,3 +205,125 @@ def test_step_api_refuses_misuse(probe):
                               "generate": "RuntimeError", "sleep": "RuntimeError"}
     assert step["version_after_refused_update"] == 3
     assert step["dup_aborted"] == ["dup"]
+
+
+# -- the speed options (enforce_eager, seeded_sampling, engine_process) ------------------------------------------
+
+def test_auto_is_eager_seeded_and_one_process_on_cpu_and_the_opposite_on_gpu():
+    assert resolve_vllm_choices(on_cpu=True) == VllmChoices(enforce_eager=True, seeded_sampling=True,
+                                                            separate_process=False)
+    assert resolve_vllm_choices(on_cpu=False) == VllmChoices(enforce_eager=False, seeded_sampling=False,
+                                                             separate_process=True)
+    forced = resolve_vllm_choices(on_cpu=False, enforce_eager=True, seeded_sampling=True, engine_process="same")
+    assert forced == VllmChoices(enforce_eager=True, seeded_sampling=True, separate_process=False)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("enforce_eager", "yes", r"roles\.generate\.options\.enforce_eager: 'yes' is not one of \['auto', True, False\]"),
+    ("seeded_sampling", 1, r"roles\.generate\.options: seeded_sampling: true, false or 'auto', got 1$"),
+    ("engine_process", "other", r"roles\.generate\.options\.engine_process: 'other' is not one of "
+                                r"\['auto', 'same', 'separate'\]"),
+])
+def test_a_wrong_value_names_the_dotted_key(key, value, message):
+    from rollhpc.workers.vllm_generate import VllmGenerateWorker
+
+    with pytest.raises(ConfigError, match=message):
+        from_dict(VllmGenerateWorker.Options, {"model_dir": "m", key: value}, "roles.generate.options")
+
+
+@pytest.mark.parametrize("key, value", [("enforce_eager", False), ("engine_process", "separate"),
+                                        ("seeded_sampling", False)])
+def test_the_torch_engine_refuses_the_vllm_speed_options(key, value):
+    from rollhpc.workers.vllm_generate import VllmGenerateWorker
+
+    with pytest.raises(ConfigError, match=rf"roles\.generate\.options: {key}={value!r} is a vLLM option"
+                       if key != "seeded_sampling" else r"roles\.generate\.options: seeded_sampling=false is a vLLM"):
+        from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "engine": "torch", key: value},
+                  "roles.generate.options")
+    # what the torch engine does anyway is accepted
+    from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "engine": "torch", "seeded_sampling": True},
+              "roles.generate.options")
+
+
+def test_set_values_load_and_the_judge_has_them_too():
+    from rollhpc.workers.judge import JudgeWorker
+    from rollhpc.workers.vllm_generate import VllmGenerateWorker
+
+    opts = from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "enforce_eager": False, "seeded_sampling": True,
+                                                  "engine_process": "separate"}, "roles.generate.options")
+    assert (opts.enforce_eager, opts.seeded_sampling, opts.engine_process) == (False, True, "separate")
+    assert issubclass(JudgeWorker.Options, EngineConfig)  # its in-process judge engine is built by build_engine
+    with pytest.raises(ValueError, match="engine_process: 'auto', 'same' or 'separate'"):
+        EngineConfig(engine_process="elsewhere")  # built in Python, not loaded: still checked
+
+
+def test_engine_defaults_on_cpu_reach_vllm(probe):
+    """The CPU's "auto": eager (vLLM's compilation off), seeded (test_sampling_n_and_seed), engine core in this
+    process (vLLM's in-process client) with live-tensor weight updates (no weight-transfer backend at TP 1)."""
+    assert probe[0]["engine_config"] == {
+        "enforce_eager": True, "compilation_mode": "NONE", "engine_core_client": "InprocClient",
+        "weight_transfer": None,
+        "choices": {"enforce_eager": True, "seeded_sampling": True, "separate_process": False}}
+
+
+def test_gpu_defaults_forced_on_cpu_reach_vllm(separate_probe):
+    """Not eager: vLLM compiles (on CPU dynamo traces once; on GPU it would also capture CUDA graphs); the engine
+    core behind vLLM's multiprocess client; weight updates by rollhpc's shared-memory weight transfer."""
+    assert separate_probe[0]["engine_config"] == {
+        "enforce_eager": False, "compilation_mode": "DYNAMO_TRACE_ONCE", "engine_core_client": "SyncMPClient",
+        "weight_transfer": "rollhpc_shm",
+        "choices": {"enforce_eager": False, "seeded_sampling": False, "separate_process": True}}
+
+
+def test_a_separate_compiled_engine_generates_aborts_and_takes_new_weights(separate_probe):
+    res, refs = separate_probe
+    assert_matches(res["greedy_a"], refs["a"])
+    partial = res["partial"]
+    assert partial["finish_reason"] == "abort" and 0 < len(partial["token_ids"]) < MAX_TOKENS
+    assert partial["token_ids"] == refs["a"][0][0][:len(partial["token_ids"])]
+    assert_matches(res["greedy_b"], refs["b"])  # the weight-transfer protocol into the other process
+    assert_matches(res["greedy_b_after_wake"], refs["b"][:1])
+
+
+def test_unseeded_sampling_drops_the_seeds(separate_probe):
+    """seeded_sampling=false: the same seed twice samples from the engine's stream, so the calls differ (with
+    seeds they are equal: test_sampling_n_and_seed)."""
+    res, _ = separate_probe
+    assert res["sample_seed7"] != res["sample_seed7_again"]
+
+
+def test_a_separate_engine_core_is_let_unpickle_exactly_where_its_messages_need_it(monkeypatch):
+    """The CUDA-IPC handles (GPU default) and a CPU MoE's repack function reach a separate engine core only through
+    pickle; the engine then sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 itself, or refuses at start where the user
+    set it to 0. The shared-memory transfer and an engine core in this process need nothing."""
+    from rollhpc.engines.vllm_engine import _engine_core_takes_pickles, _let_engine_core_unpickle
+
+    assert "CUDA-IPC" in _engine_core_takes_pickles(True, "ipc", cpu_moe=False)
+    assert "MoE" in _engine_core_takes_pickles(True, "rollhpc_shm", cpu_moe=True)
+    assert _engine_core_takes_pickles(True, "rollhpc_shm", cpu_moe=False) is None
+    assert _engine_core_takes_pickles(False, "ipc", cpu_moe=True) is None
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    _let_engine_core_unpickle("why")
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    with pytest.raises(ValueError, match="engine_process=separate sends the engine core why, which vLLM pickles"):
+        _let_engine_core_unpickle("why")
+
+
+def test_vllms_message_encoder_takes_ipc_handle_arguments_only_with_the_flag(monkeypatch):
+    """Why the flag: the kinds of objects in torch's CUDA rebuild arguments (a storage class, a dtype, a device),
+    which the IPC weight transfer sends the engine core, fail vLLM's msgpack encoder without it and round-trip
+    with it (the engine core's decoder reads the same variable)."""
+    import torch
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    handle_like = {"GPU-uuid": (torch.UntypedStorage, torch.Size([4, 2]), torch.bfloat16, torch.device("cuda", 0),
+                                b"\x00handle", 4096)}
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
+    with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        MsgpackEncoder().encode(handle_like)
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    back = MsgpackDecoder().decode(MsgpackEncoder().encode(handle_like))
+    assert back["GPU-uuid"][0] is torch.UntypedStorage and back["GPU-uuid"][2:] == [torch.bfloat16,
+                                                                                   torch.device("cuda", 0),
+                                                                                   b"\x00handle", 4096]

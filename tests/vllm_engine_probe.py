@@ -3,14 +3,18 @@
     python tests/vllm_engine_probe.py SPEC.json RESULT.json
 
 SPEC names two checkpoints (a, b) and the prompts; the test owns every comparison. vLLM needs a
-``__main__`` guard and ~20 s to start, so one process runs all the checks on one engine.
+``__main__`` guard and ~20 s to start, so one process runs all the checks on one engine. With
+``"engine_process": "separate"`` in SPEC it runs the shorter GPU-default checks instead (``separate``): the engine
+core in a process of its own, compiled, unseeded.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 
@@ -28,6 +32,49 @@ def greedy(engine, prompts, max_tokens):
                           ignore_eos=True)
     return [{"token_ids": c[0].token_ids, "logprobs": c[0].logprobs, "finish_reason": c[0].finish_reason}
             for c in out]
+
+
+def engine_config(engine) -> dict:
+    """What vLLM itself was built with (its config, as the client process holds it) and what the engine chose."""
+    config = engine.llm.llm_engine.vllm_config
+    return {"enforce_eager": config.model_config.enforce_eager,
+            "compilation_mode": config.compilation_config.mode.name,
+            "engine_core_client": type(engine.llm.llm_engine.engine_core).__name__,
+            "weight_transfer": engine.weight_transfer, "choices": asdict(engine.choices)}
+
+
+def separate(spec: dict) -> dict:
+    """The GPU defaults forced on CPU: the engine core in its own process (and vLLM's worker in a third), compiled
+    (dynamo with its eager backend: VLLM_CPU_CI_ENV spares inductor's C++ build), requests unseeded. Generation,
+    the step API with abort, and a weight update through the weight-transfer protocol."""
+    from rollhpc.engines.vllm_engine import VllmGenerator
+
+    os.environ["VLLM_CPU_CI_ENV"] = "1"
+    prompts, max_tokens = spec["prompts"], spec["max_tokens"]
+    t0 = time.perf_counter()
+    engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20, dtype="float32",
+                           enforce_eager=False, seeded_sampling=False, engine_process="separate")
+    res: dict = {"start_s": time.perf_counter() - t0, "engine_config": engine_config(engine)}
+    res["greedy_a"] = greedy(engine, prompts, max_tokens)
+
+    def sample(seed):
+        out = engine.generate(prompts, n=2, temperature=1.0, max_tokens=max_tokens, seed=seed)
+        return [[c.token_ids for c in per_prompt] for per_prompt in out]
+
+    res["sample_seed7"], res["sample_seed7_again"] = sample(7), sample(7)
+    engine.add_request("cut", prompts[0], temperature=0.0, max_tokens=max_tokens, seed=3, ignore_eos=True)
+    for _ in range(4):
+        engine.step()
+    (_, partial), = engine.abort(["cut"])
+    res["partial"] = as_dict(partial)
+    t0 = time.perf_counter()
+    engine.update_weights(checkpoint_tensors(spec["model_b"]), version=1)
+    res["update_weights_s"] = time.perf_counter() - t0
+    res["greedy_b"] = greedy(engine, prompts, max_tokens)
+    engine.sleep()
+    engine.wake_up()
+    res["greedy_b_after_wake"] = greedy(engine, prompts[:1], max_tokens)
+    return res
 
 
 def as_dict(c) -> dict:
@@ -112,6 +159,7 @@ def main(spec_path: str, result_path: str) -> None:
     engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20,
                            dtype="float32")
     res["start_s"] = time.perf_counter() - t0
+    res["engine_config"] = engine_config(engine)
     from vllm.v1.sample import sampler
 
     res["sampler_rank_compiled"] = hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
@@ -179,11 +227,18 @@ def main(spec_path: str, result_path: str) -> None:
 
     res["step_api"] = step_api(engine, prompts, max_tokens, weights_a)
     res["greedy_after_step_api"] = greedy(engine, prompts, max_tokens)  # generate() still works
+    write(res, result_path)
 
+
+def write(res: dict, result_path: str) -> None:
     tmp = Path(result_path + ".tmp")
     tmp.write_text(json.dumps(res))
     tmp.rename(result_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    spec_given = json.loads(Path(sys.argv[1]).read_text())
+    if spec_given.get("engine_process") == "separate":
+        write(separate(spec_given), sys.argv[2])
+    else:
+        main(sys.argv[1], sys.argv[2])

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from rollhpc.engines.vllm_choices import AutoBool, EngineProcess, resolve_vllm_choices
+
 if TYPE_CHECKING:
     from rollhpc.engines.torch_engine import TorchGenerator
     from rollhpc.engines.vllm_engine import VllmGenerator
@@ -34,6 +36,24 @@ class EngineConfig:
     # the adapters alone and merges them.) One of VLLM_LORA_RANKS. Merged is the default by measurement: on CPU
     # vLLM's LoRA kernels made generation 3.6x slower (bench/results/lora_serving.json)
     max_lora_rank: int = 0
+    # vllm, GPU speed ("auto": by platform, resolve_vllm_choices; the engine logs what it chose):
+    # enforce_eager: true skips torch.compile and CUDA graphs. auto: true on CPU (vLLM compiles the model with
+    # inductor there, a C++ build at every start: 13 s on a cold cache for the sampler's one small op alone), false
+    # on GPU (CUDA graphs: a decode step of a small batch is mostly kernel launches)
+    enforce_eager: AutoBool = "auto"
+    # seeded_sampling: false drops the per-request seeds the rollout scheduler gives (samples then come from the
+    # engine's own stream, seeded by run.seed + rank, and are not reproducible request by request). auto: true on
+    # CPU (exact resume and the reproducibility tests rely on it), false on GPU, where generation is not bit-exact
+    # anyway (kernels vary with batch shape) and vLLM's V1 model runner draws each seeded request's noise in a
+    # Python loop, one kernel per request per step (vllm/v1/sample/ops/topk_topp_sampler.py: random_sample); its
+    # V2 runner hashes (seed, position) in one kernel instead (vllm/v1/worker/gpu/sample/gumbel.py)
+    seeded_sampling: AutoBool = "auto"
+    # engine_process: "separate" runs vLLM's engine core (scheduler, model, sampler) in a process of its own, so the
+    # serving loop's Python (replies, the scheduler's calls) never waits on its GIL; weight updates then take
+    # vLLM's weight-transfer protocol (as at TP > 1; its CUDA-IPC handles reach the engine core only pickled, so the
+    # engine sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 for its own child). "same": in this process (weights handed
+    # over as live tensors). auto: same on CPU, separate on GPU
+    engine_process: EngineProcess = "auto"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 1 or self.cpu_kv_cache_mb < 1 or self.tensor_parallel_size < 1 or self.threads < 0:
@@ -49,6 +69,22 @@ class EngineConfig:
         if self.engine == "torch" and self.tensor_parallel_size != 1:
             raise ValueError(f"engine=torch runs on one device; tensor_parallel_size={self.tensor_parallel_size} "
                              "needs engine=vllm")
+        self._check_vllm_speed_options()
+
+    def _check_vllm_speed_options(self) -> None:
+        """The vLLM speed options hold one of their values (also when built in Python, not loaded), and name no
+        behaviour engine=torch does not have: an option that silently does nothing would mislead."""
+        resolve_vllm_choices(True, self.enforce_eager, self.seeded_sampling, self.engine_process)
+        if self.engine != "torch":
+            return
+        forced = {"enforce_eager": self.enforce_eager, "engine_process": self.engine_process}
+        for key, value in forced.items():
+            if value != "auto":
+                raise ValueError(f"{key}={value!r} is a vLLM option; engine=torch runs eagerly in this process: "
+                                 "leave it 'auto'")
+        if self.seeded_sampling is False:
+            raise ValueError("seeded_sampling=false is a vLLM option; engine=torch always samples a seeded request "
+                             "from its own stream: leave it 'auto'")
 
     def build_engine(self, model_dir: str, seed: int, **kwargs: Any) -> VllmGenerator | TorchGenerator:
         """The engine on ``model_dir`` with these options (``kwargs``: its other arguments)."""
@@ -67,7 +103,8 @@ class EngineConfig:
                              cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
                              gpu_memory_utilization=self.gpu_memory_utilization,
                              tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype,
-                             max_lora_rank=self.max_lora_rank, **kwargs)
+                             max_lora_rank=self.max_lora_rank, enforce_eager=self.enforce_eager,
+                             seeded_sampling=self.seeded_sampling, engine_process=self.engine_process, **kwargs)
 
     def takes_adapters(self) -> bool:
         """Whether this engine takes a LoRA trainer's adapters alone (and serves or merges them itself)."""

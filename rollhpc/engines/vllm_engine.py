@@ -1,4 +1,4 @@
-"""The generate role's engine: an in-process vLLM ``LLM`` that takes token ids and new weights.
+"""The generate role's engine: a vLLM ``LLM`` driven from this process that takes token ids and new weights.
 
 Contract with the trainer:
 - prompts and completions are token ids (the engine starts with ``skip_tokenizer_init``);
@@ -22,6 +22,15 @@ own LoRA support (``enable_lora``); ``update_weights`` then takes the adapters a
 ``MODULE.lora_B.weight`` with alpha/r in B: ``rollhpc.models.lora.adapter_sync_tensors``), writes them as a PEFT
 directory in this process's scratch space and has vLLM load it in place of the previous version.
 
+GPU speed (``rollhpc.engines.vllm_choices``, each "auto" by platform, logged at start): CUDA graphs
+and torch.compile (``enforce_eager`` false), requests without per-request seeds (``seeded_sampling`` false), and
+vLLM's engine core in a process of its own (``engine_process``: "separate"), so that this process's Python (the
+serving loop, replies to the controller) and the engine's scheduling and sampling do not take turns on one GIL.
+With a separate engine core every weight update takes vLLM's weight-transfer protocol, as at TP > 1 (the worker
+is in another process: a lazy iterator of live tensors cannot reach it), and messages that vLLM's msgpack channel
+carries only pickled (CUDA-IPC handles) are allowed for it (``_engine_core_takes_pickles``). The CPU keeps eager,
+seeded, one process.
+
 Left out: async engines (one thread drives the step API of the synchronous engine), multimodal inputs.
 """
 
@@ -38,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rollhpc.engines.completion import Completion, StepEngine
+from rollhpc.engines.vllm_choices import AutoBool, EngineProcess, VllmChoices, resolve_vllm_choices
 from rollhpc.engines.vllm_cpu_moe_repack import capture_expert0_gates, is_moe_config, repack_after_reload
 
 if TYPE_CHECKING:
@@ -59,7 +69,7 @@ class _Live:
 
 
 class VllmGenerator(StepEngine):
-    """One vLLM engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+    """One vLLM engine, its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) or in its own.
 
     Args:
         model_dir: Hugging Face checkpoint directory (config.json + safetensors); no tokenizer needed.
@@ -68,7 +78,7 @@ class VllmGenerator(StepEngine):
         gpu_memory_utilization: fraction of GPU memory for weights + KV cache (GPU only).
         cpu_kv_cache_bytes: KV cache size on CPU (``kv_cache_memory_bytes``; the byte-exact form of
             ``VLLM_CPU_KVCACHE_SPACE``, which is whole GiB and defaults to 4 GiB).
-        enforce_eager: no torch.compile / CUDA graphs (fast start; the default for tests and CPU).
+        enforce_eager: no torch.compile / CUDA graphs (fast start); "auto": on CPU only.
         tensor_parallel_size: >1 makes vLLM start worker processes; weights then reach them through
             vLLM's weight-transfer protocol (shared memory on CPU, CUDA IPC on GPU:
             rollhpc.engines.vllm_weight_transfer), in chunks of ``weight_chunk_bytes``.
@@ -77,27 +87,36 @@ class VllmGenerator(StepEngine):
             generation_config.json, vLLM would otherwise never stop before ``max_tokens``).
         max_lora_rank: > 0: serve a LoRA trainer's adapters of up to this rank (vLLM's ``enable_lora``, one
             adapter); its weight updates are then the adapters alone.
+        seeded_sampling: keep the seeds requests carry (False: every request samples from the engine's stream);
+            "auto": on CPU only.
+        engine_process: "same" / "separate": vLLM's engine core in this process or in one of its own (one value
+            per process: vLLM caches its environment once an engine core runs here); "auto": separate on GPU.
     """
 
     def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 1024,
                  gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = 256 << 20,
-                 enforce_eager: bool = True, tensor_parallel_size: int = 1, dtype: str = "auto",
+                 enforce_eager: AutoBool = "auto", tensor_parallel_size: int = 1, dtype: str = "auto",
                  stop_token_ids: Sequence[int] = (), weight_chunk_bytes: int = 256 << 20,
-                 max_lora_rank: int = 0, **engine_kwargs: Any) -> None:
-        # Engine core in this process (weights can then be handed over as live tensors). Must be set
-        # before vllm is imported; so must VLLM_CONFIGURE_LOGGING=0 (vLLM logs through this process's
-        # logging config instead of installing its own handlers).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+                 max_lora_rank: int = 0, seeded_sampling: AutoBool = "auto", engine_process: EngineProcess = "auto",
+                 **engine_kwargs: Any) -> None:
+        # Must be set before vllm is imported: vLLM logs through this process's logging config instead of
+        # installing its own handlers.
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-        from vllm import LLM
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
+        self.choices: VllmChoices = resolve_vllm_choices(self.on_cpu, enforce_eager, seeded_sampling, engine_process)
+        _set_engine_process(self.choices.separate_process)
+        from vllm import LLM
+
         _freeze_imported_heap()
         _quiet_chat_template_warmup()
+        # vLLM's workers are processes of their own (its multiprocessing executor; on CPU also for a separate
+        # engine core at TP 1: vllm/platforms/cpu.py, check_and_update_config)
+        workers_elsewhere = tensor_parallel_size > 1 or self.choices.separate_process
         if self.on_cpu:
             _eager_token_ranks_on_cpu()
-            if tensor_parallel_size > 1:
+            if workers_elsewhere:
                 _bind_cpu_workers(tensor_parallel_size)
             # No chunked prefill on CPU: a prefill split over two engine steps discards the token sampled after
             # its first part and rewinds that request's seeded generator (``gen.set_offset``), which a CPU
@@ -112,16 +131,20 @@ class VllmGenerator(StepEngine):
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings"))
         self.cpu_moe = self.on_cpu and is_moe_config(hf_config)  # see vllm_cpu_moe_repack
-        self.weight_transfer = _weight_transfer_backend(self.on_cpu) if tensor_parallel_size > 1 else None
+        self.weight_transfer = _weight_transfer_backend(self.on_cpu) if workers_elsewhere else None
+        why = _engine_core_takes_pickles(self.choices.separate_process, self.weight_transfer, self.cpu_moe)
+        if why:
+            _let_engine_core_unpickle(why)
         if self.weight_transfer:
             engine_kwargs.setdefault("weight_transfer_config", {"backend": self.weight_transfer})
         self.weight_chunk_bytes = int(weight_chunk_bytes)
         if max_lora_rank:
             engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=int(max_lora_rank))
         self.lora = _AdapterSlot() if max_lora_rank else None
+        _log_choices(self.choices, self.on_cpu, enforce_eager, seeded_sampling, engine_process)
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
-                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
+                       enforce_eager=self.choices.enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                       dtype=dtype, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
                        **memory, **engine_kwargs)
         self.tensor_parallel_size = tensor_parallel_size
         if self.weight_transfer:
@@ -141,7 +164,8 @@ class VllmGenerator(StepEngine):
         """``n`` completions per prompt, in prompt order.
 
         With ``seed`` set, prompt ``i`` samples from seed ``seed + i * n`` (vLLM gives its ``n``
-        children ``+0 .. +n-1``), so every completion has its own stream and a call is reproducible.
+        children ``+0 .. +n-1``), so every completion has its own stream and a call is reproducible;
+        unless the engine was started without ``seeded_sampling``, which drops every seed.
         ``temperature=0`` is greedy; its logprobs are then the plain log-softmax of the logits.
 
         Refused while step-API requests are in flight: ``LLM.generate`` steps the engine until no
@@ -157,9 +181,12 @@ class VllmGenerator(StepEngine):
 
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
                          seed: int | None, ignore_eos: bool) -> Any:
-        """The same stop tokens and logprobs (the sampled token's only) for ``generate`` and the step API."""
+        """The same stop tokens and logprobs (the sampled token's only) for ``generate`` and the step API; the seed
+        only where the engine samples seeded (``seeded_sampling``)."""
         from vllm import SamplingParams
 
+        if not self.choices.seeded_sampling:
+            seed = None
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
                               logprobs=0, ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids,
                               detokenize=False)
@@ -276,7 +303,7 @@ class VllmGenerator(StepEngine):
             else:
                 vllm_weight_transfer.send_cuda_ipc(self.llm.collective_rpc, weights, self.weight_chunk_bytes,
                                                    self.tensor_parallel_size)
-        elif self.tensor_parallel_size > 1:  # fallback: the whole model pickled to every worker
+        elif self.tensor_parallel_size > 1 or self.choices.separate_process:  # fallback: the model pickled whole
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         else:  # the in-process executor calls the worker directly: a lazy iterator is fine
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -365,6 +392,62 @@ class _AdapterSlot:
         return LoRARequest("policy", self.ADAPTER_ID, str(self.dir), load_inplace=True)
 
 
+def _set_engine_process(separate: bool) -> None:
+    """Put vLLM's engine core in this process or in its own (``VLLM_ENABLE_V1_MULTIPROCESSING``, read by
+    ``LLMEngine.from_engine_args``), and check that vLLM sees it: an in-process engine core caches vLLM's whole
+    environment when it starts (``vllm.envs.enable_envs_cache`` in ``EngineCore.__init__``), after which a later
+    engine of this process could no longer change it and would silently run in the first one's mode."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate else "0"
+    import vllm.envs as envs
+
+    if bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) != separate:
+        raise RuntimeError(f"engine_process={'separate' if separate else 'same'}: an earlier vLLM engine of this "
+                           "process ran with the other mode and vLLM has cached its environment since; one mode per "
+                           "process (set engine_process alike for every engine of a process)")
+
+
+def _engine_core_takes_pickles(separate_process: bool, weight_transfer: str | None, cpu_moe: bool) -> str | None:
+    """Why this engine sends its engine core what vLLM's message encoder takes only through pickle, or None.
+
+    A separate engine core is reached through msgpack (vllm/v1/serial_utils.py), which refuses anything but plain
+    data and tensors unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 (MsgpackEncoder.enc_hook; the engine core's decoder
+    checks it as well). Two of this engine's messages are not plain: the CUDA-IPC weight transfer's handles
+    (torch.multiprocessing's rebuild arguments hold a storage class, a dtype and a device), and on CPU a MoE
+    model's expert repack after each weight update (a function: vllm_cpu_moe_repack). In one process, or with
+    the CPU's shared-memory transfer (names, offsets, a segment name), nothing needs pickle."""
+    if not separate_process:
+        return None
+    if weight_transfer == "ipc":
+        return "the CUDA-IPC weight transfer's handles (rebuild arguments with a dtype, a device, a class)"
+    if cpu_moe:
+        return "a MoE model's expert repack after each weight update on CPU (a function)"
+    return None
+
+
+def _let_engine_core_unpickle(why: str) -> None:
+    """Let this process's own engine core take pickled messages (VLLM_ALLOW_INSECURE_SERIALIZATION=1, inherited by
+    the engine core's process), unless the user said no: then refuse at start rather than at the first weight
+    sync. Pickle is vLLM's concern for sockets that others may reach; here the peer is this process's child,
+    on a local IPC socket of this user."""
+    value = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    if value is None:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        log.info("vLLM engine core in its own process: VLLM_ALLOW_INSECURE_SERIALIZATION=1 for %s", why)
+    elif value.strip() in ("", "0"):
+        raise ValueError(f"engine_process=separate sends the engine core {why}, which vLLM pickles only with "
+                         f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set to {value!r} here): unset it, or use "
+                         "engine_process=same")
+
+
+def _log_choices(choices: VllmChoices, on_cpu: bool, *given: bool | str) -> None:
+    """One line per engine start with what each speed option came to, and whether it was asked for or "auto":
+    the first thing to read when a GPU run is slower than expected."""
+    values = (choices.enforce_eager, choices.seeded_sampling, "separate" if choices.separate_process else "same")
+    names = ("enforce_eager", "seeded_sampling", "engine_process")
+    log.info("vLLM engine on %s: %s", "CPU" if on_cpu else "GPU",
+             ", ".join(f"{n}={v}" + (" (auto)" if g == "auto" else "") for n, v, g in zip(names, values, given)))
+
+
 def _bind_cpu_workers(tp: int) -> None:
     """Give each of vLLM's CPU worker processes its share of this process's cores, where vLLM cannot itself.
 
@@ -391,7 +474,8 @@ def _weight_transfer_backend(on_cpu: bool) -> str | None:
 
     backend = vllm_weight_transfer.backend_for(on_cpu)
     if backend == vllm_weight_transfer.SHM_BACKEND and not vllm_weight_transfer.shm_backend_registered():
-        log.warning("vLLM with tensor_parallel_size > 1 on CPU: the '%s' weight-transfer plugin is not loaded "
+        log.warning("vLLM worker processes on CPU (tensor_parallel_size > 1 or engine_process=separate): the '%s' "
+                    "weight-transfer plugin is not loaded "
                     "(rollhpc not pip-installed, or VLLM_PLUGINS leaves it out); every weight update will be "
                     "pickled whole to each worker process", backend)
         return None
