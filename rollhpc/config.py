@@ -420,6 +420,11 @@ def import_object(path: str, where: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    """A type as an error message shows it: a union as its alternatives (typing's own name for one is "Union")."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(alt) for alt in typing.get_args(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(repr(v) for v in typing.get_args(tp))
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
