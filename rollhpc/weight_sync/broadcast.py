@@ -7,9 +7,11 @@ the trainer (ephemeral port, published through the controller) and a standalone 
 straight from the trainer to every generator in one broadcast per bucket: no controller hop, and on GPU
 no host copy at all.
 
-Wire format, per bucket: a header (int64 length, then the pickled ``(names, shapes, offsets, dtype,
-numel, checksums)``), then the bucket's flat data; an empty header ends the stream. ``checksums`` (per tensor,
-``buckets.stamp``) travel on a verified sync and the receiver checks them before anything is loaded.
+Wire format, per bucket: a header (int64 length, then the pickled ``(entries, nbytes, checksums)``: each
+tensor's name, dtype, shape and byte offset, ``slots.Entry``), then the bucket's bytes (mixed dtypes, each tensor
+at an aligned offset); an empty header ends the stream. ``checksums`` (per tensor, ``buckets.tensor_checksum``)
+travel on a verified sync and the receiver checks them before anything is loaded. Memory: the sender packs into
+``IN_FLIGHT_BUCKETS`` reused slots (``send``), each receiver holds at most two buckets (``receive``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 import torch
 
 from rollhpc.testing import fault_injection
-from rollhpc.weight_sync.buckets import Bucket, stamp, verified
+from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS, check_tensor, tensor_checksum
+from rollhpc.weight_sync.slots import fill_slots, unpack_entries
 
 __all__ = ["WeightBroadcast", "open_store"]
 
@@ -63,6 +66,13 @@ class WeightBroadcast:
         self.group.broadcast([t], opts).wait()
         return t
 
+    def _broadcast_async(self, t: torch.Tensor) -> Any:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self.group.broadcast([t], opts)
+
     def _header(self, meta: Any | None) -> Any:
         if self.rank == 0:
             raw = pickle.dumps(meta) if meta is not None else b""
@@ -76,33 +86,60 @@ class WeightBroadcast:
         raw = self._broadcast(torch.empty(n, dtype=torch.uint8, device=self.device))
         return pickle.loads(raw.cpu().numpy().tobytes())
 
-    def send(self, buckets: Iterable[Bucket], verify: bool = False) -> int:
-        """Broadcast every bucket, then the end marker; returns the bytes sent. ``verify``: each tensor's
-        checksum goes with it, for the receivers to check."""
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20,
+             verify: bool = False) -> int:
+        """Broadcast every tensor, bucket by bucket, then the end marker; returns the bytes sent. ``verify``: each
+        tensor's checksum goes with it, for the receivers to check.
+
+        The buckets go through ``IN_FLIGHT_BUCKETS`` reused slots (``slots.fill_slots``): bucket ``i + 1`` is packed
+        into the other slot while bucket ``i``'s broadcast runs (asynchronous on NCCL), and a slot is refilled only
+        once its broadcast is done (``work.wait()``: on NCCL it orders this stream after it). The sender's extra
+        memory is two slots, whatever the model's size."""
         if self.rank != 0:
             raise RuntimeError("only rank 0 sends weights")
-        sent = 0
         self.syncs += 1
-        for i, b in enumerate(buckets):
-            b.data = b.data.to(self.device).contiguous()
+        slots: dict[int, torch.Tensor] = {}
+        works: dict[int, Any] = {}
+
+        def open_slot(index: int, capacity: int) -> torch.Tensor:
+            s = index % IN_FLIGHT_BUCKETS
+            if s in works:
+                works.pop(s).wait()
+            if s not in slots or slots[s].numel() != capacity:
+                slots.pop(s, None)
+                slots[s] = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+            return slots[s]
+
+        sent = 0
+        for b in fill_slots(named, bucket_bytes, open_slot):
             if verify:
-                stamp(b)
-            fault_injection.corrupt_weight_sync(self.syncs, i, b.data)
-            self._header((b.names, b.shapes, b.offsets, b.data.dtype, b.data.numel(), b.checksums))
-            if i == 0:
+                b.checksums = [tensor_checksum(t) for _, t in unpack_entries(b.data, b.entries)]
+            fault_injection.corrupt_weight_sync(self.syncs, b.index, b.data)
+            self._header((b.entries, b.data.numel(), b.checksums))
+            if b.index == 0:
                 fault_injection.in_weight_sync(self.syncs)
-            self._broadcast(b.data)
-            sent += b.nbytes
+            works[b.slot] = self._broadcast_async(b.data)
+            sent += b.data.numel()
+        for w in works.values():
+            w.wait()
         self._header(None)
         self.bytes_sent += sent
         return sent
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every weight sent, bucket by bucket, until the end marker."""
+        """``(name, tensor)`` of every weight sent, bucket by bucket, until the end marker. Each bucket lands in a
+        tensor of its own (the engine may keep a view, as a tied embedding's head does), so the receiver holds the
+        bucket it hands on and the one arriving: two."""
         if self.rank == 0:
             raise RuntimeError("rank 0 is the sender")
         self.syncs += 1
         while (meta := self._header(None)) is not None:
-            names, shapes, offsets, dtype, numel, checksums = meta
-            data = self._broadcast(torch.empty(numel, dtype=dtype, device=self.device))
-            yield from verified(Bucket(data, list(names), list(shapes), list(offsets), checksums), self.syncs)
+            entries, nbytes, checksums = meta
+            data = self._broadcast(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            tensors = unpack_entries(data, entries)
+            if checksums is not None:
+                for (name, t), want in zip(tensors, checksums):
+                    check_tensor(name, t, want, self.syncs)
+            del data
+            yield from tensors
+            del tensors

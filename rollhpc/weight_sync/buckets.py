@@ -4,8 +4,9 @@ Why buckets: a model is hundreds of tensors; sending each one as its own message
 latency per tensor, while one message for the whole model needs the whole model in memory twice.
 Buckets of ``bucket_bytes`` bound both: few messages, and at most one bucket being packed while the
 previous one travels. A bucket holds one dtype (tensors are viewed, never cast), so the receiver gets
-bit-identical weights. Pure torch: used on both ends of any transport (MPI relay today; a NCCL
-broadcast of ``Bucket.data`` on GPU is the same layout).
+bit-identical weights. Pure torch: the relay path (through the controller) sends these buckets; the
+broadcast and IPC paths stream through reused slots instead (``weight_sync.slots``, mixed dtypes per bucket),
+with the checksums (``tensor_checksum``, ``check_tensor``) defined here.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["IN_FLIGHT_BUCKETS", "Bucket", "WeightSyncMismatch", "pack_buckets", "stamp", "tensor_checksum",
-           "unpack_bucket", "verified"]
+__all__ = ["IN_FLIGHT_BUCKETS", "Bucket", "WeightSyncMismatch", "check_tensor", "pack_buckets", "stamp",
+           "tensor_checksum", "unpack_bucket", "verified"]
 
 # How many buckets a sender holds at once on its device: one being read by the receivers while the next is
 # packed. The memory plan counts a weight sync's extra memory as this many buckets of ``weight_sync_bucket_mb``.
@@ -88,6 +89,7 @@ class WeightSyncMismatch(RuntimeError):
 
 
 _ROW = 1024  # words per row of the checksum's matrix view
+_CHUNK_ROWS = 256  # rows reduced at once: an int64 copy of at most 2 MiB beside a sync's slots
 
 
 def tensor_checksum(t: torch.Tensor) -> int:
@@ -95,18 +97,25 @@ def tensor_checksum(t: torch.Tensor) -> int:
     data). Its 32-bit words (16- or 8-bit when the size asks) seen as rows of 1024: the total, the sum of each
     row's sum times its row number and of each column's sum times its column number (a swap of two words moves
     one of them), in integer arithmetic modulo 2**64, which is associative, so any device and reduction order
-    gives the same value. Reductions cast on the fly (``sum(dtype=int64)``): no 64-bit copy of the tensor."""
+    gives the same value. The rows are reduced ``_CHUNK_ROWS`` at a time: torch's ``sum(dtype=int64)`` makes an
+    int64 copy of what it reduces, which over a whole tensor was four times its size (a 6 MiB tensor cost the
+    sender 28 MiB at its peak); a chunk's copy is at most 2 MiB, and the sums of chunks are the same sums."""
     raw = t.detach().contiguous().view(-1).view(torch.uint8)
     n = raw.numel()
     words = raw.view(torch.int32 if n % 4 == 0 else torch.int16 if n % 2 == 0 else torch.uint8)
     rows_n = words.numel() // _ROW
     main, tail = words[:rows_n * _ROW].view(rows_n, _ROW), words[rows_n * _ROW:]
     i64 = dict(dtype=torch.int64, device=words.device)
-    rows, cols = main.sum(1, dtype=torch.int64), main.sum(0, dtype=torch.int64)
     tail_pos = torch.arange(rows_n * _ROW, words.numel(), **i64) + 1
-    parts = (rows.sum() + tail.sum(dtype=torch.int64),
-             (rows * (torch.arange(rows_n, **i64) + 1)).sum() + (tail.to(torch.int64) * tail_pos).sum(),
-             (cols * (torch.arange(_ROW, **i64) + 1)).sum())
+    total, by_row = tail.sum(dtype=torch.int64), (tail.to(torch.int64) * tail_pos).sum()
+    cols = torch.zeros(_ROW, **i64)
+    for r0 in range(0, rows_n, _CHUNK_ROWS):
+        chunk = main[r0:r0 + _CHUNK_ROWS]
+        rows = chunk.sum(1, dtype=torch.int64)
+        total = total + rows.sum()
+        by_row = by_row + (rows * (torch.arange(r0, r0 + chunk.shape[0], **i64) + 1)).sum()
+        cols += chunk.sum(0, dtype=torch.int64)
+    parts = (total, by_row, (cols * (torch.arange(_ROW, **i64) + 1)).sum())
     plain, by_row, by_col = (int(p) & 0xFFFFFFFFFFFFFFFF for p in parts)
     return plain ^ (by_row * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF) ^ (by_col << 1) ^ n
 
@@ -124,9 +133,14 @@ def verified(bucket: Bucket, sync: int | str = "") -> Iterator[tuple[str, torch.
         return
     tensors = list(unpack_bucket(bucket))
     for (name, t), want in zip(tensors, bucket.checksums):
-        if (got := tensor_checksum(t)) != want:
-            raise WeightSyncMismatch(
-                f"weight sync {sync}: parameter {name} {tuple(t.shape)} {t.dtype} arrived with other bytes than the "
-                f"trainer sent (checksum {got:#x}, sent {want:#x}); the run stops rather than "
-                f"generate with weights the trainer does not hold")
+        check_tensor(name, t, want, sync)
     yield from tensors
+
+
+def check_tensor(name: str, t: torch.Tensor, want: int, sync: int | str = "") -> None:
+    """Raise ``WeightSyncMismatch`` naming the parameter when ``t``'s bytes are not the ones the sender stamped."""
+    if (got := tensor_checksum(t)) != want:
+        raise WeightSyncMismatch(
+            f"weight sync {sync}: parameter {name} {tuple(t.shape)} {t.dtype} arrived with other bytes than the "
+            f"trainer sent (checksum {got:#x}, sent {want:#x}); the run stops rather than "
+            f"generate with weights the trainer does not hold")

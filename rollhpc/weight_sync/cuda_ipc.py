@@ -1,83 +1,77 @@
-"""Weight sync between processes on the same GPU through CUDA IPC: no copy through the host.
+"""GPU slots for the streamed weight sync (``weight_sync.slots``) between processes on the same GPU: CUDA IPC.
 
-When the trainer and a vLLM engine are colocated (the same GPU, two processes), broadcasting the weights
-over NCCL or MPI would copy every byte out of the GPU and back in. Instead the trainer packs its weights
-into buckets on the GPU (``weight_sync.buckets``) and hands out an IPC handle per bucket (torch's own
-``reduce_tensor``: a picklable description of the CUDA allocation); the receiver maps each bucket into its
-address space and copies the tensors it needs device to device. The sender keeps the buckets alive until
-every receiver has said it is done (``SharedWeights.release``), since the receivers read its memory.
+When the trainer and a vLLM engine are colocated (the same GPU, two processes), broadcasting the weights over
+NCCL or MPI would copy every byte out of the GPU and back in, and NCCL refuses two ranks of one GPU anyway.
+Instead the trainer packs its weights, bucket by bucket, into ``IN_FLIGHT_BUCKETS`` (2) reused slots on its
+GPU and hands out each slot's IPC handle (torch's own ``reduce_tensor``: a picklable description of the CUDA
+allocation); a receiver maps the slot, copies the bucket out of it device to device into memory of its own,
+lets go of the mapping and acknowledges it, after which the trainer refills that slot. The trainer's extra
+memory is two slots of ``bucket_mb`` (a larger one for a tensor larger than that), not the whole model: a 30B
+MoE packed whole would be ~57 GiB more on the trainer's GPU at the first sync. The protocol itself (headers,
+acknowledgements, errors) is ``weight_sync.slots``'; this module is only where the slots live.
 
 The handles name the sender's device by its index as the sender sees it; a receiver that sees the same GPU
-under another index (its own CUDA_VISIBLE_DEVICES) passes ``device`` to ``open_buckets``.
+under another index (its own CUDA_VISIBLE_DEVICES) passes it as ``receiver_device`` to ``CudaSlots``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+import itertools
+from typing import Any
 
 import torch
 
-from rollhpc.weight_sync.buckets import Bucket, pack_buckets, stamp, verified
+__all__ = ["CudaSlots"]
 
-__all__ = ["SharedBucket", "SharedWeights", "share_weights", "open_buckets"]
-
-
-@dataclass
-class SharedBucket:
-    """One bucket as a receiver gets it: the IPC handle of its storage and the tensors' places in it."""
-
-    handle: tuple[Any, tuple[Any, ...]]  # (rebuild function, its arguments), as torch's reduce_tensor gives it
-    names: list[str] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    nbytes: int = 0
-    checksums: list[int] | None = None  # per tensor, on a verified sync (``buckets.stamp``)
+_ids = itertools.count()
 
 
-@dataclass
-class SharedWeights:
-    """What ``share_weights`` made: the handles to send, and the buckets they point into."""
+class CudaSlots:
+    """Slots in GPU memory (sender), and the receiver's mapping of them. ``device``: the receiver's index of the
+    sender's GPU when it differs from the sender's."""
 
-    buckets: list[SharedBucket]
-    _storage: list[torch.Tensor]
+    kind = "cuda_ipc"
+    # A receiver maps a slot for one bucket and lets go before acknowledging it. Torch keeps a shared allocation
+    # that the sender drops (a slot resized for a tensor larger than ``bucket_mb``) allocated while a receiver
+    # still maps it (its IPC "limbo"): a mapping kept per slot would hold the old slot beside the two live ones.
+    keep_mapped = False
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
+    def __init__(self, device: torch.device | None = None, receiver_device: int | None = None):
+        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.receiver_device = receiver_device
 
-    def release(self) -> None:
-        """Every receiver is done: the buckets' memory goes back to the trainer's allocator."""
-        self._storage.clear()
+    # -- sender
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, str, Any]:
+        """A new slot: the buffer, its id, and the IPC handle a receiver maps it by."""
+        from torch.multiprocessing.reductions import reduce_tensor
 
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf, f"cuda-{next(_ids)}", reduce_tensor(buf)
 
-def share_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-                  verify: bool = False) -> SharedWeights:
-    """Pack CUDA tensors into buckets on their GPU and describe each by an IPC handle (``verify``: with a
-    checksum per tensor, which the receiver checks on what it maps)."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    def ready(self) -> None:
+        """The slot's copies (queued on this stream) are done before its header leaves."""
+        torch.cuda.current_stream(self.device).synchronize()
 
-    buckets, storage = [], []
-    for b in pack_buckets(named_tensors, bucket_bytes):
-        if b.data.device.type != "cuda":
-            raise ValueError(f"CUDA IPC shares GPU memory, got a bucket on {b.data.device}: use the broadcast sync")
-        if verify:
-            stamp(b)
-        storage.append(b.data)
-        buckets.append(SharedBucket(reduce_tensor(b.data), b.names, b.shapes, b.offsets, b.nbytes, b.checksums))
-    torch.cuda.current_stream().synchronize()  # the buckets are written before any receiver reads them
-    return SharedWeights(buckets, storage)
+    def mapped_by_all(self, handle: Any) -> None:  # noqa: ARG002 - the shared-memory slots' hook
+        """Nothing to do: torch's IPC reference counting keeps a mapped allocation alive on its own."""
 
+    def close(self) -> None:
+        """The slots (dropped by the caller) go back to the caching allocator; torch frees what no receiver maps."""
+        torch.cuda.ipc_collect()
 
-def open_buckets(shared: Iterable[SharedBucket], device: int | None = None,
-                 sync: int | str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` views into the sender's buckets, mapped into this process (no copy): copy them
-    into your own tensors before telling the sender you are done. A stamped bucket is checked first."""
-    for sb in shared:
-        rebuild, args = sb.handle
-        if device is not None:  # the same GPU under this process's index for it
+    # -- receiver
+    def open(self, handle: Any) -> torch.Tensor:
+        """The sender's slot mapped into this process (no copy)."""
+        rebuild, args = handle
+        if self.receiver_device is not None:  # the same GPU under this process's index for it
             args = list(args)
-            args[6] = device  # torch's rebuild_cuda_tensor: (cls, size, stride, offset, storage_cls, dtype, device, ...)
+            # torch's rebuild_cuda_tensor: (cls, size, stride, offset, storage_cls, dtype, device, ...)
+            args[6] = self.receiver_device
             args = tuple(args)
-        data = rebuild(*args)
-        yield from verified(Bucket(data, sb.names, sb.shapes, sb.offsets, sb.checksums), sync)
+        return rebuild(*args)
+
+    def copy_out(self, view: torch.Tensor) -> torch.Tensor:
+        """A device-to-device copy of a bucket, finished before the caller acknowledges it."""
+        data = view.clone()
+        torch.cuda.current_stream(data.device).synchronize()
+        return data

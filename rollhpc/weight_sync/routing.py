@@ -6,6 +6,9 @@ them depends on where it sits:
 
 - on the GPU of the trainer's rank 0 (the same het group, node and GPU: colocated): by CUDA IPC, device to
   device, never through NCCL, since NCCL refuses a communicator with two ranks on one GPU;
+- on CPU, with ``weight_sync: ipc`` forced, on the host of the trainer's rank 0 (same het group and node, no
+  GPUs on either): through shared-memory slots (``weight_sync.shared_memory``), the CPU's form of the same
+  streamed protocol; ``auto`` keeps gloo's broadcast on CPU;
 - anywhere else: in one broadcast group with the trainer's rank 0 (NCCL on GPUs, across nodes too; gloo
   on CPU), where each member works on its first GPU. Two members on one GPU would make NCCL refuse the
   group at the first sync, hours into a job, so such a layout is refused when the plan is made.
@@ -59,7 +62,8 @@ class Routing:
         lines = []
         for r in self.routes:
             where = "CPU" if r.place is None else f"het group {r.place[0]} node {r.place[1]} GPU {r.place[2]}"
-            how = ("CUDA IPC (same GPU, device to device)" if r.transport == IPC else
+            how = ("CUDA IPC (same GPU, device to device)" if r.transport == IPC and r.place is not None else
+                   "shared memory (same host, CPU)" if r.transport == IPC else
                    f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {group})")
             lines.append(f"  generate {r.generator:>3} <- train rank {r.source}: {how}; receives on {where}; {size}")
         return lines
@@ -67,6 +71,11 @@ class Routing:
 
 def _place(rank: Any) -> tuple[int, int, int] | None:
     return (rank.component, rank.node, rank.gpus[0]) if rank.gpus else None
+
+
+def _same_host_on_cpu(a: Any, b: Any) -> bool:
+    """Both ranks on one host without GPUs: shared memory reaches from one to the other."""
+    return not a.gpus and not b.gpus and (a.component, a.node) == (b.component, b.node)
 
 
 def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
@@ -81,11 +90,12 @@ def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
     home = _place(source)
     routes = []
     for g in gens:
-        colocated = home is not None and _place(g) == home
+        colocated = (home is not None and _place(g) == home) or (mode == IPC and _same_host_on_cpu(source, g))
         if mode == IPC and not colocated:
             raise RoutingError(
                 f"pipeline.options.weight_sync=ipc needs every generator on the GPU of the trainer's rank 0 "
-                f"({_where(home)}); generate rank {g.group_rank} receives on {_where(_place(g))}: use auto")
+                f"({_where(home)}), or on CPU on its host; generate rank {g.group_rank} receives on "
+                f"{_where(_place(g))}: use auto")
         transport = IPC if (colocated and mode in ("auto", IPC)) else BROADCAST
         routes.append(Route(g.group_rank, source.group_rank, transport, _place(g)))
     routing = Routing(routes, mode)
