@@ -33,23 +33,28 @@ def _error(exc: BaseException, ctx: WorkerContext, method: str) -> dict[str, Any
     }
 
 
+def _next_message(channel: MpiChannel, backoff: Backoff) -> Any:
+    """The controller's next message to this rank, waiting for it (progressing MPI, backing off while idle)."""
+    while True:
+        msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
+        if msg is not None:
+            backoff.reset()
+            return msg
+        channel.progress()
+        backoff.wait()
+
+
 def _await_build(channel: MpiChannel) -> bool:
     """Wait for the controller's word to build (roles sharing GPUs build in turns: rollhpc.controller.startup);
     False: the run shuts down before this rank's turn (acknowledged here)."""
-    backoff = Backoff()
-    while True:
-        msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
-        if msg is None:
-            channel.progress()
-            backoff.wait()
-            continue
-        if msg.envelope["kind"] == "build":
-            return True
-        if msg.envelope["kind"] == "shutdown":
-            channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
-            channel.flush(60)
-            return False
-        raise RuntimeError(f"a {msg.envelope['kind']!r} message before the worker was built")
+    kind = _next_message(channel, Backoff()).envelope["kind"]
+    if kind == "build":
+        return True
+    if kind == "shutdown":
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
+        channel.flush(60)
+        return False
+    raise RuntimeError(f"a {kind!r} message before the worker was built")
 
 
 def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
@@ -69,12 +74,7 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
     replies = ReplyRouter(channel, ctx.world_rank)
     backoff = Backoff()
     while True:
-        msg = channel.poll(TAG_CALL, source=CONTROLLER_RANK)
-        if msg is None:
-            channel.progress()
-            backoff.wait()
-            continue
-        backoff.reset()
+        msg = _next_message(channel, backoff)
         env = msg.envelope
         if env["kind"] == "shutdown":
             sideband.closing = True
