@@ -1,7 +1,7 @@
 """Sample-level rollout scheduling: every sample lives its own life instead of waiting at batch barriers.
 
 A sample's life is one small state machine, the same for a single-turn prompt (RLVR) and a multi-turn
-episode (agentic RL), with one port per stage::
+episode (agentic RL), with one port per phase::
 
     [reset: env port] -> generate: generator port -> [step: env port -> generate]* -> score -> judge group
 
@@ -11,7 +11,7 @@ generator turns and env steps until the env ends it (or its row is full), and is
 (the sum of its turns' rewards; reward roles may score it too, see ``SchedulerConfig``).
 
 Why: in a batch-barrier rollout every generator waits for the longest response of its batch, and the
-reward stage waits for every generator. Here requests go to generators one by one (least-loaded
+reward phase waits for every generator. Here requests go to generators one by one (least-loaded
 first; an episode's later turns to the generator of its first, whose prefix cache holds the row), each
 finished sample is scored at once, and a prompt's group is judged when its last sample is scored: groups
 whose rewards are all equal carry no learning signal under group-relative advantages and are dropped
@@ -193,9 +193,9 @@ class RolloutScheduler:
 
 
 class _Batch:
-    """One ``collect``: the samples in flight and what moves them from stage to stage.
+    """One ``collect``: the samples in flight and what moves them from phase to phase.
 
-    Stages of a sample and the call that ends each: reset (``EnvPort.reset``), generate
+    Phases of a sample and the call that ends each: reset (``EnvPort.reset``), generate
     (``GeneratorPort.submit``), step (``EnvPort.step``), score (``Scorer``); ``_finished`` takes a sample
     that has a reward into its group, and ``_judge`` decides a group once it has ``group_size`` samples.
     """
@@ -272,7 +272,7 @@ class _Batch:
                 self.env_calls.append((r, "close", env.close(self.to_close[r])))
                 self.to_close[r] = []
 
-    # ------------------------------------------------------------------ stages
+    # ------------------------------------------------------------------ phases
     def _fill(self) -> None:
         """Start new groups while the batch still needs them and the generators have room."""
         c, stats = self.c, self.stats

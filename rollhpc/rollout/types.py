@@ -1,4 +1,4 @@
-"""Records passed between the rollout stages (shapes in comments; token ids are plain ints)."""
+"""Records passed between the rollout phases (shapes in comments; token ids are plain ints)."""
 
 from __future__ import annotations
 
