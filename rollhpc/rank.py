@@ -31,6 +31,7 @@ from rollhpc.proc.mpi_fabric import provider_for_mpi_init
 from rollhpc.proc.mpi_shm import remove_stale_segments
 from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
 from rollhpc.rundir import RunPaths, atomic_write_json
+from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import this_host
 from rollhpc.testing import fault_injection
 
@@ -179,7 +180,7 @@ def _stop_misplaced(comm, run_dir: Path, rank: int, misplaced: list[str]) -> int
     from mpi4py import MPI
 
     if rank == 0:
-        from rollhpc.controller.failure import PLACEMENT, Failure
+        from rollhpc.controller.failure import Failure
         from rollhpc.rundir.records import record_controller_exit
 
         more = f" (and {len(misplaced) - 1} more rank(s): RUN_DIR/error.json lists them)" if len(misplaced) > 1 else ""
@@ -188,7 +189,7 @@ def _stop_misplaced(comm, run_dir: Path, rank: int, misplaced: list[str]) -> int
                                                    "details": "\n".join(misplaced),
                                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
         log.error("run failed: %s", summary)
-        record_controller_exit(run_dir, 1, Failure(PLACEMENT, summary).record())
+        record_controller_exit(run_dir, 1, Failure(FailureKind.PLACEMENT, summary).record())
     MPI.Finalize()
     return 1
 
@@ -285,14 +286,14 @@ class _FailureReport:
 
     def _classify(self, e: BaseException):  # noqa: ANN202
         from rollhpc.controller.errors import WorkerDied
-        from rollhpc.controller.failure import INTERRUPTED, Failure, classify
+        from rollhpc.controller.failure import Failure, classify
         from rollhpc.launch.requeue import unresponsive_nodes
 
         ctl, run_dir = self.ctl, self.run_dir
         if isinstance(e, _Terminated):
             e = ctl.root_cause(e)  # some launchers interrupt every rank when one dies
             if not isinstance(e, WorkerDied):
-                return e, Failure(INTERRUPTED, str(e), step=_last_step(run_dir))
+                return e, Failure(FailureKind.INTERRUPTED, str(e), step=_last_step(run_dir))
         others = sorted({h for _, h, *_ in self.everyone} - {self.everyone[0][1]})
         return classify(e, ctl.dead_worker, lambda: unresponsive_nodes(others),
                         lambda h: [f"rank {r.rank} {r.role}" for r in ctl.ranks.values() if r.host == h],
@@ -300,17 +301,16 @@ class _FailureReport:
 
     def _record(self, e: BaseException, verdict) -> int:  # noqa: ANN001
         """The verdict in the run directory for the batch script's decision; the exit status that says it."""
-        from rollhpc.controller.failure import LOST_WORKER, WORLD_NOT_FORMED
         from rollhpc.launch.requeue import EXIT_WORKER_LOST
         from rollhpc.rundir.records import record_controller_exit, record_failed_node, record_startup_failure
 
         status = EXIT_WORKER_LOST if verdict.restartable else 1
         log.error("failure classified as %s%s", verdict.kind,
                   "" if verdict.restartable else ": not restartable (a restart would meet it again)")
-        if verdict.kind == LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
+        if verdict.kind == FailureKind.LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
             for host in verdict.hosts:
                 record_failed_node(self.run_dir, host, e.summary if hasattr(e, "summary") else str(e))
-        elif verdict.kind == WORLD_NOT_FORMED:  # restartable: which node is at fault is unknown
+        elif verdict.kind == FailureKind.WORLD_NOT_FORMED:  # restartable: which node is at fault is unknown
             record_startup_failure(self.run_dir, self.everyone[0][1], verdict.summary)
         record_controller_exit(self.run_dir, status, verdict.record())
         return status

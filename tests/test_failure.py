@@ -6,11 +6,16 @@ the chaos tests on the local Slurm (tests/test_requeue.py)."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import pytest
+
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
-from rollhpc.controller.failure import (ERROR, LOST_PEER, LOST_WORKER, StalledCall, classify,
-                                        is_communication_error)
+from rollhpc.controller.failure import Failure, StalledCall, classify, is_communication_error
+from rollhpc.rundir.failure_kind import FailureKind
+
+LOST_WORKER, LOST_PEER, ERROR = FailureKind.LOST_WORKER, FailureKind.LOST_PEER, FailureKind.ERROR
 
 GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
               "[127.0.0.1]:60044")
@@ -125,3 +130,27 @@ def test_a_rank_that_nccls_watchdog_ended_is_a_lost_peer_and_its_node_is_not_bla
     t0 = time.monotonic()  # found dead while another rank's communication error is classified: the same
     exc, verdict = classify(gen_error(), lambda: died, lambda: [], settle_s=5.0, step=7)
     assert verdict.kind == LOST_PEER and verdict.hosts == [] and time.monotonic() - t0 < 1.0
+
+
+OLDER_RUNS_WROTE = ["lost_worker", "lost_peer", "world_not_formed", "error", "interrupted", "placement"]
+
+
+@pytest.mark.parametrize("value", OLDER_RUNS_WROTE)
+def test_each_failure_kind_reads_back_from_the_string_older_runs_wrote(value: str):
+    """controller-exit.json and restarts.jsonl of runs recorded before the enum hold these plain strings."""
+    kind = FailureKind.of(value)
+    assert kind is not None and kind == value and kind.description and str(kind) == value
+
+
+def test_a_verdict_writes_the_same_json_as_a_plain_string_kind():
+    verdict = Failure(FailureKind.LOST_PEER, "gloo: reset", signature="lost_peer|x", step=3)
+    plain = {"kind": "lost_peer", "summary": "gloo: reset", "signature": "lost_peer|x", "step": 3}
+    assert json.dumps(verdict.record()) == json.dumps(plain)
+    assert json.dumps(verdict.record(), indent=1) == json.dumps(plain, indent=1)
+
+
+def test_an_unknown_or_missing_kind_is_none_and_only_node_or_network_faults_restart():
+    assert FailureKind.of("meteor") is None and FailureKind.of(None) is None
+    assert {k for k in FailureKind if k.restartable} == {LOST_WORKER, LOST_PEER, FailureKind.WORLD_NOT_FORMED}
+    assert FailureKind.ERROR.requeue_says("ValueError: {bad}").endswith(": ValueError: {bad}")
+    assert FailureKind.INTERRUPTED.requeue_says("SIGTERM") == ""

@@ -21,6 +21,9 @@ decides, in a bounded look:
 * anything else: an error in the run's code or data, whatever dies meanwhile (a worker whose constructor
   failed, its peers in a collective). A restart would meet it again: the run ends.
 
+The verdict's kind is a ``rollhpc.rundir.failure_kind.FailureKind``: the requeue and ``rollhpc status`` read the
+same vocabulary back from the run directory.
+
 Pure logic: the caller supplies the liveness probes (``rollhpc.rank``), so this module imports nothing above it.
 """
 
@@ -33,19 +36,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollhpc.controller.errors import CallTimeout, RunFailed, WorkerDied, WorkerError, WorldNotFormed
-
-LOST_WORKER = "lost_worker"  # a worker's process or node is gone
-LOST_PEER = "lost_peer"  # a communication error or timeout, no node to blame
-WORLD_NOT_FORMED = "world_not_formed"  # the MPI world never came together
-ERROR = "error"  # the run's own code or data
-INTERRUPTED = "interrupted"  # a signal to the controller (scancel, Ctrl-C)
-PLACEMENT = "placement"  # ranks not on the hosts, GPUs or cores the plan gave them (srun placed them otherwise)
-RESTARTABLE = frozenset({LOST_WORKER, LOST_PEER, WORLD_NOT_FORMED})
+from rollhpc.rundir.failure_kind import FailureKind
 
 # Errors that a dead or unreachable peer causes in the survivors, whatever library raised them. Matched against
 # the exception's type and message (not the traceback: user code mentioning "timeout" must not count).
-_COMM_TYPES = re.compile(r"^(DistNetworkError|DistBackendError|DistStoreError|ConnectionResetError|ConnectionAbortedError|"
-                         r"ConnectionRefusedError|BrokenPipeError|NcclError|ProcFailed)$|MPI\.Exception")
+_COMM_TYPES = re.compile(r"^(DistNetworkError|DistBackendError|DistStoreError|ConnectionResetError|"
+                         r"ConnectionAbortedError|ConnectionRefusedError|BrokenPipeError|NcclError|ProcFailed)$"
+                         r"|MPI\.Exception")
 _COMM_TEXT = re.compile(
     r"gloo/transport|Connection reset by peer|Connection closed by peer|Connection refused|Broken pipe|"
     r"No route to host|Socket Timeout|Timed out waiting|timed out after|NCCL (?:error|communicator|WARN)|"
@@ -76,7 +73,7 @@ class Failure:
     failure seen again at the same step is deterministic; ``cause``: the error that surfaced first, when the
     verdict names another (a worker's communication error that was the echo of another worker's death)."""
 
-    kind: str
+    kind: FailureKind
     summary: str
     hosts: list[str] = field(default_factory=list)
     signature: str = ""
@@ -85,9 +82,11 @@ class Failure:
 
     @property
     def restartable(self) -> bool:
-        return self.kind in RESTARTABLE
+        return self.kind.restartable
 
     def record(self) -> dict[str, Any]:
+        """The verdict as the run directory keeps it (controller-exit.json, restarts.jsonl): the kind writes as its
+        plain string; empty fields are left out."""
         return {k: v for k, v in asdict(self).items() if v not in ("", [], None)}
 
 
@@ -96,7 +95,7 @@ def _normalized(text: str) -> str:
     return re.sub(r"0x[0-9a-f]+|\d+", "#", text or "", flags=re.IGNORECASE)[:300]
 
 
-def signature(kind: str, role: str, method: str, err_type: str, message: str, step: int | None) -> str:
+def signature(kind: FailureKind, role: str, method: str, err_type: str, message: str, step: int | None) -> str:
     return "|".join([kind, role, method, err_type, _normalized(message), str(step)])
 
 
@@ -105,7 +104,7 @@ def lost_signature(dead: WorkerDied, step: int | None) -> str:
     run's own code: the worker was idle (no call of the run's was running in it) or is known only from Slurm's
     node state. Chaos on 16 nodes ended a run that way: a reward rank's node lost at step 6, and after the
     restart another reward rank's node at step 6 again, taken as deterministic."""
-    return signature(LOST_WORKER, dead.role, dead.method, "", "", step) if dead.method else ""
+    return signature(FailureKind.LOST_WORKER, dead.role, dead.method, "", "", step) if dead.method else ""
 
 
 def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
@@ -118,13 +117,12 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
     if isinstance(exc, WorkerDied) and exc.collective_timeout:  # a lost peer, whichever: no node is blamed
-        return exc, Failure(LOST_PEER, exc.summary, signature=signature(LOST_PEER, exc.role, exc.method,
-                                                                      "watchdog", "", step), step=step)
+        return exc, _signed(FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog")
     if isinstance(exc, WorkerDied):
-        return exc, Failure(LOST_WORKER, exc.summary, [exc.host] if exc.host else [], lost_signature(exc, step),
-                            step=step)
+        return exc, Failure(FailureKind.LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
+                            lost_signature(exc, step), step=step)
     if isinstance(exc, WorldNotFormed):
-        return exc, Failure(WORLD_NOT_FORMED, exc.summary, step=step)
+        return exc, Failure(FailureKind.WORLD_NOT_FORMED, exc.summary, step=step)
     comm = timeout = False
     role = method = err_type = ""
     message = str(exc)
@@ -132,8 +130,7 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
         role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
         comm = is_communication_error(err_type, message)
         if not comm:
-            return exc, Failure(ERROR, exc.summary, signature=signature(ERROR, role, method, err_type, message, step),
-                                step=step)
+            return exc, _signed(FailureKind.ERROR, exc.summary, step, role, method, err_type, message)
     elif isinstance(exc, (CallTimeout, StalledCall)):
         timeout = True  # the wait itself watched the workers all along: a short look finds a late death
         err_type = type(exc).__name__
@@ -141,35 +138,49 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
         err_type = type(exc).__name__
         comm = is_communication_error(err_type, message)
     look = settle_s if comm else min(settle_s, 1.0)
+    summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
+    if (found := _death_within(look, dead_worker, down_hosts, host_ranks)) is not None:
+        dead, hosts = found
+        died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {summary}",
+                          getattr(exc, "details", "") or dead.details, host=dead.host, role=dead.role,
+                          method=dead.method)
+        return died, Failure(FailureKind.LOST_WORKER, died.summary, hosts, lost_signature(dead, step),
+                             cause=summary, step=step)
+    if comm or timeout:
+        return exc, _signed(FailureKind.LOST_PEER, f"{summary} (a communication error or timeout, and no worker was "
+                                                   f"found gone within {look:g} s: a lost peer, restarted on the same "
+                                                   "nodes)", step, role, method, err_type, message)
+    return exc, _signed(FailureKind.ERROR, summary, step, role, method, err_type, message)
+
+
+def _signed(kind: FailureKind, summary: str, step: int | None, role: str = "", method: str = "", err_type: str = "",
+            message: str = "") -> Failure:
+    """A verdict with its signature: the same kind, role, call and error at the same step again is the same
+    failure (``rollhpc.launch.requeue`` ends a run that meets one twice in a row)."""
+    return Failure(kind, summary, signature=signature(kind, role, method, err_type, message, step), step=step)
+
+
+def _death_within(look: float, dead_worker: Callable[[], WorkerDied | None], down_hosts: Callable[[], list[str]],
+                  host_ranks: Callable[[str], list[str]] | None) -> tuple[WorkerDied, list[str]] | None:
+    """(the worker found gone within ``look`` seconds, the hosts to keep away from), or None: none was, or one
+    ended by NCCL's watchdog (it waited on a peer, as the error did: no node to blame)."""
     deadline = time.monotonic() + look
     next_slurm = 0.0  # Slurm's view is asked once a second (a controller of thousands of ranks asks one service)
     while True:
-        dead, hosts = dead_worker(), []
-        if dead is not None and dead.collective_timeout:  # NCCL's watchdog: it waited on a peer, as the error did
-            break
+        dead = dead_worker()
+        if dead is not None and dead.collective_timeout:
+            return None
         if dead is not None:
-            hosts = [dead.host] if dead.host else []
-        elif time.monotonic() >= next_slurm:
+            return dead, [dead.host] if dead.host else []
+        if time.monotonic() >= next_slurm:
             next_slurm = time.monotonic() + 1.0
             if hosts := down_hosts():
                 who = ", ".join(f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in hosts)
-                dead = WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)", host=hosts[0])
-        if dead is not None:
-            surfaced = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
-            died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {surfaced}",
-                              getattr(exc, "details", "") or dead.details, host=dead.host, role=dead.role,
-                              method=dead.method)
-            return died, Failure(LOST_WORKER, died.summary, hosts, lost_signature(dead, step), cause=surfaced,
-                                 step=step)
+                return WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)",
+                                  host=hosts[0]), hosts
         if time.monotonic() >= deadline:
-            break
+            return None
         time.sleep(0.1)
-    summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
-    if comm or timeout:
-        return exc, Failure(LOST_PEER, f"{summary} (a communication error or timeout, and no worker was found "
-                                       f"gone within {look:g} s: a lost peer, restarted on the same nodes)",
-                            signature=signature(LOST_PEER, role, method, err_type, message, step), step=step)
-    return exc, Failure(ERROR, summary, signature=signature(ERROR, role, method, err_type, message, step), step=step)
 
 
 class StalledCall(RunFailed):

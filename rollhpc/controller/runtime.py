@@ -20,6 +20,7 @@ from typing import Any
 from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
 from rollhpc.controller.failure import is_watchdog_abort
 from rollhpc.rundir import RunPaths, atomic_write_text
+from rollhpc.transport.envelope import Kind
 from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.reply_tree import Bundle, build_reply_tree
 from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
@@ -146,7 +147,7 @@ class Controller:
         return [(rank, call_id) for rank in ranks]
 
     def _envelope(self, call_id: int, method: str, ranks: list[int]) -> dict[str, Any]:
-        envelope: dict[str, Any] = {"kind": "call", "call_id": call_id, "method": method}
+        envelope: dict[str, Any] = {"kind": Kind.CALL, "call_id": call_id, "method": method}
         if (tree := self._reply_tree(ranks)) is not None:
             envelope["tree"] = tree
         return envelope
@@ -162,7 +163,7 @@ class Controller:
             tree = build_reply_tree(ranks, {r: self.ranks[r].host for r in ranks}, self.reply_fan_in)
             tree_id = self._trees[key] = len(self._trees) + 1
             # sent before the call, on the same tag: each rank has its place before the call that names it
-            self.channel.send_each(TAG_CALL, {r: {"kind": "tree", "tree": tree_id, "parent": tree.parent[r],
+            self.channel.send_each(TAG_CALL, {r: {"kind": Kind.TREE, "tree": tree_id, "parent": tree.parent[r],
                                                   "children": tree.children.get(r, ())} for r in ranks})
             log.info("replies of calls to %d ranks go along a tree: %d messages to the controller, depth %d",
                      len(ranks), sum(1 for p in tree.parent.values() if p == 0), tree.depth())
@@ -265,7 +266,7 @@ class Controller:
         while (msg := self.channel.poll(TAG_REPLY)) is not None:
             got = True
             self.messages_taken += 1
-            if msg.envelope["kind"] == "bundle":  # replies collected along a reply tree
+            if msg.envelope["kind"] == Kind.BUNDLE:  # replies collected along a reply tree
                 self._take_bundle(msg.envelope["call_id"], Bundle.decode(msg.envelope, msg.payload))
             else:
                 self._take(msg.source, msg.envelope, msg.payload)
@@ -288,7 +289,7 @@ class Controller:
             self._raise_worker_error(source, env["error"])
         if env.get("released"):  # shared-memory files this rank no longer maps
             self.channel.segments.release(source, env["released"])
-        self._file(source, env.get("call_id", 0), payload if env["kind"] == "result" else env, env.get("call_s"),
+        self._file(source, env.get("call_id", 0), payload if env["kind"] == Kind.RESULT else env, env.get("call_s"),
                    env.get("cpu_s", 0.0))
 
     def _file(self, rank: int, call_id: int, value: Any, in_call: float | None, cpu: float) -> None:
@@ -353,7 +354,7 @@ class Controller:
 
     def build(self, ranks: list[int]) -> None:
         """Tell these ranks to build their workers (each answers "ready" as call 0: ``wait``)."""
-        self.channel.send_each(TAG_CALL, {r: {"kind": "build"} for r in ranks})
+        self.channel.send_each(TAG_CALL, {r: {"kind": Kind.BUILD} for r in ranks})
 
     # -- ending ------------------------------------------------------------------------------
     def shutdown(self, timeout_s: float) -> None:
@@ -361,7 +362,7 @@ class Controller:
         keys = []
         self._closing = True
         for rank in self.ranks:
-            self.channel.send(rank, TAG_CALL, {"kind": "shutdown"})
+            self.channel.send(rank, TAG_CALL, {"kind": Kind.SHUTDOWN})
             keys.append((rank, 0))
         self.wait(keys, "shutdown", timeout_s)
         self.channel.flush(timeout_s)

@@ -60,6 +60,7 @@ from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, sca
                                       slurmd_started_since, step_ids)
 from rollhpc.proc.attempt import restart_number, slurm_restart_count
 from rollhpc.rundir import RunPaths, atomic_write_text
+from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import (controller_exit, controller_failure, failed_nodes, log_event, read_events,
                                     record_startup_failure, startup_failure, this_host)
 
@@ -416,7 +417,7 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
                           f"are in the output above"}
     if stalled:
         status = EXIT_WORKER_LOST
-        failure = {"kind": "world_not_formed", "summary": stalled["why"]}
+        failure = {"kind": FailureKind.WORLD_NOT_FORMED, "summary": stalled["why"]}
         print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
         return _end(run_dir, status, failure=failure or None,
@@ -424,20 +425,22 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
     if status == EXIT_REQUEUE and job_id:
         return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
-        kind = failure.get("kind", "lost_worker")
-        what = {"world_not_formed": f"the MPI world did not form: {failure.get('summary', '')}",
-                "lost_peer": f"a lost peer: {failure.get('summary', '')}"}.get(kind, "a worker was lost")
+        # a lost worker, unless the verdict names another kind worth a restart (or none was recorded)
+        kind = FailureKind.of(failure.get("kind", FailureKind.LOST_WORKER))
+        said_kind = kind if kind is not None and kind.restartable else FailureKind.LOST_WORKER
+        what = said_kind.requeue_says(failure.get("summary", ""))
         if restarts >= max_restarts:
             return _end(run_dir, status, failure=failure or None,
                         reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
                                "giving up")
         sig = failure.get("signature")
-        if kind in ("lost_peer", "lost_worker") and sig and previous_failure(run_dir).get("signature") == sig:
+        if (kind in (FailureKind.LOST_PEER, FailureKind.LOST_WORKER) and sig
+                and previous_failure(run_dir).get("signature") == sig):
             return _end(run_dir, status, failure=failure,
                         reason=f"the same failure twice in a row at step {failure.get('step')} "
                                f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
                                "crash in native code or out of memory), not restarted again")
-        if kind != "lost_worker":  # which node is at fault is unknown: the next attempt gets the same nodes
+        if kind != FailureKind.LOST_WORKER:  # which node is at fault is unknown: the next attempt gets the same nodes
             return restart(run_dir, job_id, what, set(), failure)
         failed = failed_nodes(run_dir)
         return restart(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
@@ -445,12 +448,10 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
     extra: dict[str, Any] = {"srun_status": srun_status} if said is not None and said != srun_status else {}
     if failure:
         extra["failure"] = failure
-        if failure.get("kind") == "error":
-            extra["reason"] = ("an error in the run's own code or data, not a lost node or peer: not restarted "
-                               f"(a restart would meet it again): {failure.get('summary', '')}")
-        elif failure.get("kind") == "placement":
-            extra["reason"] = ("ranks not where the plan put them: not restarted (the same srun line would place "
-                               f"them the same way): {failure.get('summary', '')}")
+        ended_by = FailureKind.of(failure.get("kind"))
+        why = "" if ended_by is None or ended_by.restartable else ended_by.requeue_says(failure.get("summary", ""))
+        if why:  # the run's own fault (or its placement's): why no restart
+            extra["reason"] = why
     return _end(run_dir, status, **extra)
 
 

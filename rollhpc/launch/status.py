@@ -29,6 +29,7 @@ from rollhpc.launch.requeue import configured_steps, finished_run
 from rollhpc.launch.slurm_cli import TERMINAL, component_states, held_notice, held_reason, job_records
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths
+from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import read_events
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
@@ -212,7 +213,7 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
         return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
     if last.get("event") == "end" and "the same failure twice in a row" in str(last.get("reason", "")):
         return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
-    if last.get("event") == "end" and (last.get("failure") or {}).get("kind") == "error":
+    if last.get("event") == "end" and (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
         return "failed", ["an error of the run's own code or data ended it (a restart would meet it again): fix "
                           "it, then continue", *_resume_advice(report)]
     bad = sorted({c.get("JobState", "") for c in comps} & ENDED_BADLY)
@@ -263,11 +264,8 @@ def render(report: Mapping[str, Any]) -> list[str]:
     if report["error"]:
         lines.append(f"error          {report['error']['summary']}")
     if failure := report.get("last_failure"):
-        kind = {"lost_worker": "a lost worker (node or process gone)", "lost_peer": "a lost peer (a communication "
-                "error or timeout, no node found gone)", "world_not_formed": "the MPI world did not form",
-                "error": "an error of the run's own", "interrupted": "a signal (scancel, Ctrl-C)",
-                "placement": "ranks not on the hosts, GPUs or cores the plan gave them"}
-        lines.append(f"last failure   {kind.get(failure.get('kind'), failure.get('kind'))}, {failure['then']}"
+        kind = FailureKind.of(failure.get("kind"))  # a kind this rollhpc does not know shows as recorded
+        lines.append(f"last failure   {failure.get('kind') if kind is None else kind.description}, {failure['then']}"
                      + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")
                      + (f" ({failure['time']})" if failure.get("time") else ""))
         lines.append(f"  {failure.get('summary', '')[:400]}")

@@ -3,7 +3,8 @@ checkpoints, exports, reports): whole or not at all, and durable once written.
 
 ``RunPaths(run_dir).world`` and its siblings are the only place a run directory's file names are spelled out;
 which module writes or reads each one is said beside it. The run's own records (its events, lost nodes, the
-controller's exit, a world that did not form) are ``rollhpc.rundir.records``.
+controller's exit, a world that did not form) are ``rollhpc.rundir.records``; the kinds of failure they name,
+``rollhpc.rundir.failure_kind``.
 
 A file goes to a temporary name in its own directory (so the rename is atomic), is fsynced, renamed over the
 target, and the directory is fsynced (so the rename survives a crash of the node). Readers, on this node or

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from rollhpc.transport import wire
+from rollhpc.transport.envelope import Kind
 
 CONTROLLER = 0
 _ALIGN = 64  # each buffer of a bundle starts at a multiple of this: the arrays viewing it are aligned for any dtype
@@ -130,7 +131,7 @@ class Bundle:
         data = np.empty(total, dtype=np.uint8)
         for m, off in zip(buffers, offsets):
             data[off:off + m.nbytes] = np.frombuffer(m, dtype=np.uint8)
-        envelope = {"kind": "bundle", "call_id": call_id, "ranks": self.ranks, "call_s": self.call_s,
+        envelope = {"kind": Kind.BUNDLE, "call_id": call_id, "ranks": self.ranks, "call_s": self.call_s,
                     "cpu_s": self.cpu_s, "released": self.released, "header": header, "sizes": sizes,
                     "offsets": offsets}
         return envelope, data

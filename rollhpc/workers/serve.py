@@ -13,6 +13,7 @@ from typing import Any
 
 from rollhpc.proc.startup_gc import startup_gc
 from rollhpc.protocol.worker import Worker, WorkerContext
+from rollhpc.transport.envelope import Kind
 from rollhpc.transport.mpi_channel import TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
 from rollhpc.transport.sideband import WorkerSideband
 from rollhpc.workers.reply_relay import ReplyRouter
@@ -48,10 +49,10 @@ def _await_build(channel: MpiChannel) -> bool:
     """Wait for the controller's word to build (roles sharing GPUs build in turns: rollhpc.controller.startup);
     False: the run shuts down before this rank's turn (acknowledged here)."""
     kind = _next_message(channel, Backoff()).envelope["kind"]
-    if kind == "build":
+    if kind == Kind.BUILD:
         return True
-    if kind == "shutdown":
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
+    if kind == Kind.SHUTDOWN:
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE})
         channel.flush(60)
         return False
     raise RuntimeError(f"a {kind!r} message before the worker was built")
@@ -65,10 +66,10 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
         started = time.time()
         with startup_gc():  # construction is mostly imports: see rollhpc.proc.startup_gc
             worker = worker_cls(ctx, options)
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "built": [started, time.time()]})
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "built": [started, time.time()]})
     except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run
         log.exception("constructing %s failed", worker_cls.__name__)
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "ready", "error": _error(e, ctx, "__init__")})
+        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "error": _error(e, ctx, "__init__")})
         channel.flush(60)
         return
     replies = ReplyRouter(channel, ctx.world_rank)
@@ -76,20 +77,20 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
     while True:
         msg = _next_message(channel, backoff)
         env = msg.envelope
-        if env["kind"] == "shutdown":
+        if env["kind"] == Kind.SHUTDOWN:
             sideband.closing = True
             try:
                 worker.close()
-                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye"})
+                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE})
             except BaseException as e:  # noqa: BLE001
-                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": "bye", "error": _error(e, ctx, "close")})
+                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE, "error": _error(e, ctx, "close")})
             channel.flush(60)
             return
-        if env["kind"] == "tree":  # where this rank's replies to the calls naming this tree go
+        if env["kind"] == Kind.TREE:  # where this rank's replies to the calls naming this tree go
             replies.learn(env)
             continue
         args, kwargs = msg.payload
-        reply: dict[str, Any] = {"kind": "result", "call_id": env["call_id"]}
+        reply: dict[str, Any] = {"kind": Kind.RESULT, "call_id": env["call_id"]}
         started = time.perf_counter()
         try:
             result = getattr(worker, env["method"])(*args, **kwargs)
