@@ -63,7 +63,7 @@ class TrainStepBench(Pipeline):
 
     def run(self) -> None:
         from rollhpc.algo.objective import LossConfig
-        from rollhpc.batch import Batch
+        from rollhpc.batch import TrainingBatch
 
         o, train = self.options, self.workers["train"]
         rng = np.random.default_rng(0)
@@ -78,8 +78,7 @@ class TrainStepBench(Pipeline):
             ends = o.prompt - 1 + lengths  # the last response token's position as a target
             mask = ((positions >= o.prompt - 1) & (positions < ends[:, None])).astype(np.float32)
             tokens[np.arange(width)[None, :] > ends[:, None]] = 0  # right padding, as RLVR's batches
-            batch = Batch({"tokens": tokens, "loss_mask": mask,
-                           "advantage": rng.standard_normal(o.rows).astype(np.float32)})
+            batch = TrainingBatch(tokens, mask, rng.standard_normal(o.rows).astype(np.float32))
             stats = train.train_step(batch, LossConfig(kl_coef=0.0))[0]
             if step:  # the first step warms up (allocations, megatron's first-call setup)
                 out["train_time_s"].append(stats["train_time_s"])

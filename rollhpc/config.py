@@ -409,14 +409,33 @@ class ExperimentConfig:
         return 1 + sum(r.procs for r in self.roles.values())
 
 
-def import_object(path: str, where: str) -> Any:
+def _split_import_path(path: str, where: str) -> tuple[str, str]:
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
         raise ConfigError(f"{where}: {path!r} is not an import path of the form 'package.module:Name'")
+    return module, name
+
+
+def import_object(path: str, where: str) -> Any:
+    module, name = _split_import_path(path, where)
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"{where}: cannot import {path!r}: {e}") from e
+
+
+def import_spec(path: str, where: str) -> Any:
+    """The plan-time side of the worker or pipeline ``path`` names (rollhpc.protocol.spec): its spec class, found
+    without importing the runtime module, or the runtime class itself when it has no spec. What config loading,
+    ``plan`` and ``submit --dry-run`` read, so that they import no torch, megatron or vllm."""
+    from rollhpc.protocol.spec import find_spec
+
+    module, name = _split_import_path(path, where)
+    try:
+        spec = find_spec(module, name)
+    except ImportError as e:
+        raise ConfigError(f"{where}: cannot import the spec of {path!r}: {e}") from e
+    return spec if spec is not None else import_object(path, where)
 
 
 def _type_name(tp: Any) -> str:
@@ -509,7 +528,8 @@ def component_options(component: Any, options: dict[str, Any], where: str) -> An
         raise ConfigError(f"{where}: expected a mapping, got {options!r}")
     if opts_cls is None:
         if options:
-            raise ConfigError(f"{where}: {component.__name__} takes no options, got {sorted(options)}")
+            name = component.__name__.removesuffix("Spec")  # a spec speaks for its runtime class
+            raise ConfigError(f"{where}: {name} takes no options, got {sorted(options)}")
         return {}
     return from_dict(opts_cls, options, where)
 
@@ -520,8 +540,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("roles: an experiment needs at least one worker role")
     if CONTROLLER_ROLE in cfg.roles:
         raise ConfigError(f"roles.{CONTROLLER_ROLE}: the name is reserved for rank 0")
-    from rollhpc.protocol.pipeline import Pipeline
-    from rollhpc.protocol.worker import Worker
+    from rollhpc.protocol.spec import PipelineSpec, WorkerSpec
 
     for name, role in cfg.roles.items():
         where = f"roles.{name}"
@@ -542,8 +561,8 @@ def validate(cfg: ExperimentConfig) -> None:
             role.layout()
         except ValueError as e:
             raise ConfigError(f"{where}.parallel: {e}") from e
-        cls = import_object(role.worker, f"{where}.worker")
-        if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        cls = import_spec(role.worker, f"{where}.worker")
+        if not (isinstance(cls, type) and issubclass(cls, WorkerSpec)):
             raise ConfigError(f"{where}.worker: {role.worker} is not a rollhpc Worker subclass")
         try:
             cls.check_layout(role.layout())
@@ -559,8 +578,8 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{where}.options.tensor_parallel_size={engine_tp} but {where}.gpus_per_proc="
                               f"{role.gpus_per_proc}: each rank's engine spreads over the GPUs its rank gets (the "
                               "memory plan counts them so); set both the same")
-    pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
-    if not (isinstance(pipeline, type) and issubclass(pipeline, Pipeline)):
+    pipeline = import_spec(cfg.pipeline.entry, "pipeline.entry")
+    if not (isinstance(pipeline, type) and issubclass(pipeline, PipelineSpec)):
         raise ConfigError(f"pipeline.entry: {cfg.pipeline.entry} is not a rollhpc Pipeline subclass")
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
     try:
@@ -569,9 +588,8 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"pipeline.options: {e}") from e
     for role in pipeline.required_roles:
         if role not in cfg.roles:
-            raise ConfigError(
-                f"roles: pipeline {pipeline.__name__} needs a {role!r} role; configured: {sorted(cfg.roles)}"
-            )
+            name = pipeline.__name__.removesuffix("Spec")
+            raise ConfigError(f"roles: pipeline {name} needs a {role!r} role; configured: {sorted(cfg.roles)}")
     _check_token_budget(cfg)
     for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s",
                  "mpi_stall_s"):
@@ -635,7 +653,7 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     (configs/qwen2.5-7b_grpo.yaml), so ``rollhpc train`` and ``submit`` refuse these and the others warn.
     Without the check a missing model fails only once the world is up, in a worker's start-up.
     """
-    pipeline = import_object(cfg.pipeline.entry, "pipeline.entry")
+    pipeline = import_spec(cfg.pipeline.entry, "pipeline.entry")
     built = pipeline.prepared_paths(cfg.pipeline.options)
     prepared = {Path(p).expanduser().resolve() for p in built}
     keys_by_path: dict[Path, list[str]] = {}

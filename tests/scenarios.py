@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from rollhpc.batch import Batch
+from rollhpc.batch import Batch, TrainingBatch
 from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.protocol.worker import Dispatch, Worker, register
 from rollhpc.workers.diagnostic import DiagnosticWorker
@@ -223,11 +223,11 @@ class TrainerLayoutScenario(Pipeline):
             advantage[rng.permutation(o.rows)[:o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:
                 continue  # the resumed run's batches are the ones after its checkpoint
-            data = {"tokens": tokens, "loss_mask": mask, "advantage": advantage}
+            batch = TrainingBatch(tokens, mask, advantage)
             if not o.on_policy:
-                data["old_logprob"] = logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+                batch.old_logprob = logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
                 out["logprob"].append(torch.as_tensor(logp))
-            stats = train.train_step(Batch(data), LossConfig(kl_coef=0.0, entropy_coef=o.entropy_coef))
+            stats = train.train_step(batch, LossConfig(kl_coef=0.0, entropy_coef=o.entropy_coef))
             out["loss"].append(stats[0]["loss"])
             out["rows_skipped"].append(stats[0]["rows_skipped"])
             out["grad_norm"].append(stats[0]["grad_norm"])

@@ -158,7 +158,7 @@ def test_gigpo_on_trajectory_rows_is_the_step_rows_loss_and_gradient():
         logprob = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
         advantage = torch.as_tensor(spread_turn_advantages(turn_advantages, data["turn_ids"]), dtype=torch.float32)
         model.zero_grad()
-        loss, _ = policy_loss(logprob, torch.as_tensor(data["old_logprob"], dtype=torch.float32), advantage,
+        loss, _ = policy_loss(logprob, torch.as_tensor(data["gen_logprob"], dtype=torch.float32), advantage,
                               torch.as_tensor(data["loss_mask"]), agg="token-mean")
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]

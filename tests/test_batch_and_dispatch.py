@@ -1,8 +1,10 @@
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
-from rollhpc.batch import Batch
+from rollhpc.batch import Batch, TrainingBatch
 from rollhpc.parallel import ParallelLayout
 from rollhpc.protocol.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
 from rollhpc.workers.diagnostic import DiagnosticWorker
@@ -31,6 +33,21 @@ def test_split_arguments_cuts_batches_and_lists_and_replicates_the_rest():
     assert a0[1] == [1, 2] and a1[1] == [3]
     assert a0[2] == a1[2] == 5
     assert k0 == {"scale": 2, "items": ["a"]} and k1 == {"scale": 2, "items": ["b"]}
+
+
+def test_a_training_batch_is_cut_by_rows_like_a_batch_and_pickles():
+    tokens, mask = np.arange(5 * 4).reshape(5, 4), np.ones((5, 3), np.float32)
+    batch = TrainingBatch(tokens, mask, np.arange(5.0, dtype=np.float32), gen_logprob=-mask)
+    (a0, _), (a1, _) = split_arguments((batch,), {}, 2)
+    first, second = a0[0], a1[0]
+    assert isinstance(first, TrainingBatch) and [len(first), len(second)] == [3, 2]
+    assert first.tokens.tolist() == tokens[:3].tolist() and second.advantage.tolist() == [3.0, 4.0]
+    assert first.old_logprob is None and second.gen_logprob.shape == (2, 3)
+    assert list(first.as_batch().keys()) == ["tokens", "loss_mask", "advantage", "gen_logprob"]
+    back = pickle.loads(pickle.dumps(second, protocol=5))
+    assert back.tokens.tolist() == tokens[3:].tolist() and back.ref_logprob is None
+    with pytest.raises(ValueError, match="differ in leading size"):
+        TrainingBatch(tokens, mask[:4], np.zeros(5, np.float32))
 
 
 def test_collect_modes_against_a_tp2_pp2_layout():

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from rollhpc.rollout.episode import Episode, Turn
-from rollhpc.rollout.rows import pad_rows, step_rows, trajectory_row, turn_budget
+from rollhpc.rollout.rows import pad_rows, response_row, step_rows, trajectory_row, turn_budget
 from rollhpc.rollout.turns import ChatTemplateTurns, PlainTextTurns
 
 
@@ -25,7 +25,7 @@ def test_trajectory_row_token_by_token():
     np.testing.assert_array_equal(row.tokens, [10, 11, 12, 20, 21, 30, 31, 32, 40, 41, 42])
     # position i predicts tokens[i+1]: generated tokens sit at row 3, 4, 8, 9, 10 -> positions 2, 3, 7, 8, 9
     np.testing.assert_array_equal(row.loss_mask, [0, 0, 1, 1, 0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(row.logprobs, [0, 0, -0.5, -0.25, 0, 0, 0, -1.0, -2.0, -4.0])
+    np.testing.assert_array_equal(row.gen_logprob, [0, 0, -0.5, -0.25, 0, 0, 0, -1.0, -2.0, -4.0])
     # each turn's reward on its last generated token: r1 ends at row 4 (position 3), r2 at row 10 (position 9)
     np.testing.assert_array_equal(row.token_rewards, [0, 0, 0, 0.5, 0, 0, 0, 0, 0, 1.0])
     np.testing.assert_array_equal(row.turn_ids, [-1, -1, 0, 0, -1, -1, -1, 1, 1, 1])
@@ -46,13 +46,13 @@ def test_step_rows_mask_one_turn_in_its_context():
     first, second = step_rows(two_turns())
     np.testing.assert_array_equal(first.tokens, [10, 11, 12, 20, 21])
     np.testing.assert_array_equal(first.loss_mask, [0, 0, 1, 1])
-    np.testing.assert_array_equal(first.logprobs, [0, 0, -0.5, -0.25])
+    np.testing.assert_array_equal(first.gen_logprob, [0, 0, -0.5, -0.25])
     np.testing.assert_array_equal(first.token_rewards, [0, 0, 0, 0.5])
     np.testing.assert_array_equal(first.turn_ids, [-1, -1, 0, 0])
     # the second row's context holds r1 as generated, but only r2 is masked in
     np.testing.assert_array_equal(second.tokens, [10, 11, 12, 20, 21, 30, 31, 32, 40, 41, 42])
     np.testing.assert_array_equal(second.loss_mask, [0, 0, 0, 0, 0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(second.logprobs, [0, 0, 0, 0, 0, 0, 0, -1.0, -2.0, -4.0])
+    np.testing.assert_array_equal(second.gen_logprob, [0, 0, 0, 0, 0, 0, 0, -1.0, -2.0, -4.0])
     np.testing.assert_array_equal(second.token_rewards, [0, 0, 0, 0, 0, 0, 0, 0, 0, 1.0])
     np.testing.assert_array_equal(second.turn_ids, [-1] * 7 + [1, 1, 1])
 
@@ -60,15 +60,15 @@ def test_step_rows_mask_one_turn_in_its_context():
 def test_pad_rows_right_pads_like_rlvr():
     rows = step_rows(two_turns())
     batch = pad_rows(rows, pad_id=1)
-    assert set(batch) == {"tokens", "loss_mask", "old_logprob", "token_rewards", "turn_ids"}
+    assert set(batch) == {"tokens", "loss_mask", "gen_logprob", "token_rewards", "turn_ids"}
     np.testing.assert_array_equal(batch["tokens"], [[10, 11, 12, 20, 21, 1, 1, 1, 1, 1, 1],
                                                     [10, 11, 12, 20, 21, 30, 31, 32, 40, 41, 42]])
     np.testing.assert_array_equal(batch["loss_mask"], [[0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
                                                        [0, 0, 0, 0, 0, 0, 0, 1, 1, 1]])
-    np.testing.assert_array_equal(batch["old_logprob"][0], [0, 0, -0.5, -0.25, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch["gen_logprob"][0], [0, 0, -0.5, -0.25, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["token_rewards"][0], [0, 0, 0, 0.5, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(batch["turn_ids"][0], [-1, -1, 0, 0, -1, -1, -1, -1, -1, -1])
-    assert batch["tokens"].dtype == np.int64 and batch["old_logprob"].dtype == np.float32
+    assert batch["tokens"].dtype == np.int64 and batch["gen_logprob"].dtype == np.float32
     with pytest.raises(ValueError, match="at least one row"):
         pad_rows([], pad_id=1)
 
@@ -232,3 +232,13 @@ def test_chat_template_needs_a_template(tokenizer):
 def test_plain_text_turns_unchanged():
     turns = PlainTextTurns()
     assert turns.first("Reach G.", "P.G") + "right" + turns.next(".PG") == "Reach G.\nP.G\n>right\n.PG\n>"
+
+
+def test_a_response_row_pads_like_an_episode_row():
+    """RLVR's sampled responses go through the same rows and padding as episodes: the response masked in at the
+    positions that predict it, with its log-probs; an empty response trains on nothing."""
+    rows = [response_row([7, 8, 9], [4, 5], [-0.5, -0.25]), response_row([7, 8], [], [])]
+    batch = pad_rows(rows, pad_id=0)
+    np.testing.assert_array_equal(batch["tokens"], [[7, 8, 9, 4, 5], [7, 8, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["loss_mask"], [[0, 0, 1, 1], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(batch["gen_logprob"], [[0, 0, -0.5, -0.25], [0, 0, 0, 0]])

@@ -1,12 +1,17 @@
 """Policy and value losses (torch): per-element terms, one masked aggregation, and ``policy_loss``,
 the single actor loss the trainer calls for GRPO, RLOO, REINFORCE++ and PPO alike (they differ only
-in how the advantages were computed, see ``advantages.py``)."""
+in how the advantages were computed, see ``advantages.py``). ``PolicyLoss`` and ``ValueLoss`` are the
+objects a trainer's mini-batch loop calls on each micro-batch."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from rollhpc.algo.kl import kl_estimate
+from rollhpc.algo.objective import LossConfig
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -125,3 +130,73 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantage: tor
         if dual_clip is not None:
             metrics["dual_clip_frac"] = _masked_mean((advantage < 0) & (ratio > dual_clip), valid)
     return total, metrics
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """One mini-batch's counts, summed over the data-parallel ranks: they turn each micro-batch's loss into its
+    share of the mini-batch's (DDP then sums gradients), and its rates into shares of the trained tokens'."""
+
+    loss_tokens: float  # loss tokens in the mini-batch's rows
+    loss_rows: float  # rows with at least one loss token
+    trained_tokens: float  # loss tokens of the rows that run forward and backward (skipped rows left out)
+
+
+MicroBatch = Mapping[str, torch.Tensor]  # one micro-batch's named [b, ...] tensors on the device ("loss_mask", ...)
+
+
+class PolicyLoss:
+    """The actor's loss on one micro-batch, as ``LossConfig`` says: ``policy_loss`` with its metrics.
+
+    Reads the micro-batch's ``loss_mask``, ``advantage`` and, when given, ``old_logprob`` (absent: on-policy, the
+    ratio is exactly 1), ``ref_logprob`` (a KL term) and ``gen_logprob`` (``logprob_abs_diff``, how far the
+    trainer's log-probs are from the generator's, per trained token). A new objective is a new class like this.
+    """
+
+    def __init__(self, config: LossConfig):
+        self.config = config
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the trainer must compute the entropy of its distribution (an entropy bonus)."""
+        return self.config.entropy_coef > 0
+
+    def __call__(self, logprob: torch.Tensor, entropy: torch.Tensor | None, micro: MicroBatch, counts: TokenCounts
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the loss to back-propagate, its metrics): loss terms are shares of the mini-batch's loss; rates
+        (``*_frac``, ``*_mean``) and ``logprob_abs_diff`` are weighted by the micro-batch's share of the trained
+        tokens, so that summing the micro-batches' metrics over the mini-batch gives its values."""
+        c = self.config
+        # without old_logprob the update is on-policy (one optimizer step on a batch of the current weights): the
+        # old log-probs are this forward's own, and the ratio is exactly 1
+        old = micro["old_logprob"].float() if "old_logprob" in micro else logprob.detach().float()
+        value, stats = policy_loss(
+            logprob, old, micro["advantage"].float(), micro["loss_mask"].float(),
+            clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip, agg=c.agg,
+            ref_logprob=micro["ref_logprob"].float() if "ref_logprob" in micro else None, kl_coef=c.kl_coef,
+            kl_kind=c.kl_kind, entropy=entropy, entropy_coef=c.entropy_coef,
+            global_tokens=max(counts.loss_tokens, 1.0), global_seqs=max(counts.loss_rows, 1.0))
+        # token share of the trained rows, for averaging rates (skipped rows have no ratio to report)
+        token_share = float(micro["loss_mask"].sum()) / max(counts.trained_tokens, 1.0)
+        metrics = {k: float(v) * (token_share if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
+        metrics["loss"] = float(value.detach())
+        if "gen_logprob" in micro:  # the generator's log-probs of these tokens: how far apart the engines are
+            diff = ((logprob.detach().float() - micro["gen_logprob"].float()).abs() * micro["loss_mask"]).sum()
+            metrics["logprob_abs_diff"] = float(diff) / max(counts.trained_tokens, 1.0)
+        return value, metrics
+
+
+class ValueLoss:
+    """The critic's loss on one micro-batch: ``value_loss`` (clipped by ``clip``), token-mean over ``loss_mask``,
+    against the micro-batch's ``returns`` and ``old_values``."""
+
+    def __init__(self, clip: float | None = 0.2):
+        self.clip = clip
+
+    def __call__(self, values: torch.Tensor, micro: MicroBatch, counts: TokenCounts
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(the loss to back-propagate, ``{"value_loss": its value}``), a share of the mini-batch's loss."""
+        per_token = value_loss(values, micro["old_values"].float(), micro["returns"].float(), clip=self.clip)
+        value = aggregate(per_token, micro["loss_mask"].float(), "token-mean",
+                          global_tokens=max(counts.loss_tokens, 1.0))
+        return value, {"value_loss": float(value.detach())}

@@ -185,7 +185,7 @@ def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
 def prepare_inputs(cfg: ExperimentConfig) -> None:
     """Inputs the ranks load at start-up, made before any process starts (e.g. the quickstart's SFT
     warm start): the pipeline's ``prepare`` classmethod."""
-    pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+    pipeline_cls = config_mod.import_spec(cfg.pipeline.entry, "pipeline.entry")
     try:
         pipeline_cls.prepare(cfg.pipeline.options, cfg.run.seed, cfg.roles)
     except (FileExistsError, FileNotFoundError, ValueError) as e:  # ConfigError included

@@ -33,7 +33,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(" ".join(build_command(cfg, plan, cfg.run.run_dir.resolve())))
-        pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
+        pipeline_cls = config_mod.import_spec(cfg.pipeline.entry, "pipeline.entry")
         try:  # what the policy will be shown: chat template or plain text
             lines = pipeline_cls.preview(cfg.pipeline.options, roles=cfg.roles)
         except ValueError as e:  # a prompt that leaves no room for its response

@@ -320,10 +320,12 @@ class ClusterCheck(Pipeline):
 
     # ---- the checked pipeline's class hooks, so that its inputs are checked and built as for its real run
     @staticmethod
-    def wrapped(options: Any) -> tuple[type, Any]:
-        """The checked pipeline's class and its options for one step (``step_options``), validated."""
+    def wrapped(options: Any, runtime: bool = False) -> tuple[type, Any]:
+        """The checked pipeline's class and its options for one step (``step_options``), validated: its spec for
+        the plan-time hooks (no heavy import on a login node), its runtime class for the ``run``."""
         entry = options.pipeline.get("entry", "")
-        cls = config_mod.import_object(entry, "pipeline.options.pipeline.entry")
+        load = config_mod.import_object if runtime else config_mod.import_spec
+        cls = load(entry, "pipeline.options.pipeline.entry")
         raw = step_options(cls, options.pipeline.get("options") or {})
         return cls, config_mod.component_options(cls, raw, "pipeline.options.pipeline.options")
 
@@ -475,7 +477,7 @@ class ClusterCheck(Pipeline):
         if o.skip_step or not o.rl_step:
             why = f"inputs absent: {o.skip_step}" if o.skip_step else "rl_step: false"
             return [_row("rl step", what, "-", "-", None, why)]
-        cls, opts = self.wrapped(o)
+        cls, opts = self.wrapped(o, runtime=True)
         config = self.run_ctx.config
         if config is not None:
             config = dataclasses.replace(config, pipeline=config_mod.PipelineConfig(entry=o.pipeline["entry"],

@@ -33,17 +33,15 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from rollhpc.algo.advantages import GROUP_BASELINES
 from rollhpc.algo.kl_control import KlController
 from rollhpc.algo.objective import LossConfig
-from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
-from rollhpc.batch import Batch
+from rollhpc.algo.reward_norm import RewardNormalizer
+from rollhpc.batch import Batch, TrainingBatch, ValueBatch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.config import generator_max_model_len
 from rollhpc.protocol.pipeline import RunContext
@@ -51,42 +49,14 @@ from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
 from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
-from rollhpc.pipelines.domains import DomainConfig
-from rollhpc.pipelines.training import (PolicyCursor, RankPort, TrainingOptions, TrainingPipeline, check_critic_role,
-                                        check_lora_serving, step_measures, train_lora)
+from rollhpc.pipelines.rlvr_spec import RlvrPipelineSpec
+from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, step_measures, train_lora
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
 
 log = logging.getLogger("rollhpc.rlvr")
 ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
-
-
-@dataclass(kw_only=True)
-class TaskConfig:
-    name: str = "arithmetic"  # a module of rollhpc.tasks (arithmetic, countdown, freeform_math, pyfunc) or a path
-    options: dict[str, Any] = field(default_factory=dict)  # the task's make_splits keywords (digits, ops, ...)
-    n_train: int = 20000
-    n_heldout: int = 200
-    split_seed: int = 1234  # ignored when model_dir has an sft_report.json (its splits are used)
-
-    def __post_init__(self) -> None:
-        from rollhpc.tasks import task_module
-
-        task = task_module(self.name)
-        check = getattr(task, "check_options", None)  # tasks over files read and validate them here, at load
-        if check is not None:
-            self.options = check(dict(self.options))
-
-
-@dataclass(kw_only=True)
-class WarmStart:
-    """A tiny policy built and fine-tuned here (``rollhpc.warm_start.policy_prep``), cached in model_dir."""
-
-    seed: int = 0  # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
-    vocab_size: int = 512
-    spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
-    sft: dict[str, Any] = field(default_factory=dict)  # SftConfig fields
 
 
 class PromptStream:
@@ -126,162 +96,13 @@ class PromptStream:
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
 
 
-class RlvrPipeline(TrainingPipeline):
-    required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
+class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
+    """The controller's RLVR program (``Options``, the load-time checks, the warm start and the preview: its spec,
+    rlvr_spec)."""
 
-    @dataclass(kw_only=True)
-    class Options(TrainingOptions):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
-        task: TaskConfig = field(default_factory=TaskConfig)  # with domains: its n_train/n_heldout are the totals
-        # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
-        domains: dict[str, DomainConfig] = field(default_factory=dict)
-        warm_start: WarmStart | None = None  # build the tiny model + SFT into model_dir when it is absent
-        prompts_per_step: int = 16  # groups per batch
-        kl_in_reward: float = 0.0  # coefficient of KL(policy || reference) subtracted from token rewards
-        reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)  # running mean/std of rewards
-        # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.
-        # Async (max_staleness >= 1) wants "generator": the trainer's are those of the weights being trained, so a
-        # one-step update has ratio 1 and its clip never bounds the step away from the policy that sampled
-        old_logprob_source: Literal["trainer", "generator"] = "trainer"
-        eval_max_tokens: int = 16
-        # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
-        # without one), or plain text (off); rollhpc.rollout.prompts
-        chat_template: Literal["auto", "on", "off"] = "auto"
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
-                raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
-            self._check_group_size()
-            if self.rollout.max_staleness >= 1 and self.old_logprob_source == "trainer":
-                log.warning("rollout.max_staleness=%d with old_logprob_source=trainer: the PPO clip does not bound "
-                            "updates on samples of older weights; old_logprob_source=generator does (README, "
-                            "'How a run is built')", self.rollout.max_staleness)
-            if self.kl_control.kind == "adaptive" and self.loss.kl_coef == 0 and self.kl_in_reward == 0:
-                raise ValueError("kl_control.kind=adaptive scales loss.kl_coef and kl_in_reward: set one of them > 0")
-            if self.domains and (self.task.name != TaskConfig.name or self.task.options):
-                raise ValueError("set either task.name/task.options (one domain) or domains (each names its own task "
-                                 "and options), not both; with domains, task.n_train and task.n_heldout are totals")
-
-        @property
-        def task_name(self) -> str:
-            """The task the policy is trained and evaluated on: with domains, their mixture."""
-            return "mixture" if self.domains else self.task.name
-
-        @property
-        def task_options(self) -> dict[str, Any]:
-            return domains_mod.mixture_options(self.domains) if self.domains else self.task.options
-
-        def _check_group_size(self) -> None:
-            """A group too small to learn from would train on zero advantages (or none) without failing."""
-            size = self.rollout.group_size
-            if size < 2 and self.algorithm in GROUP_BASELINES:
-                raise ValueError(f"rollout.group_size={size} with algorithm={self.algorithm}: "
-                                 f"{GROUP_BASELINES[self.algorithm]}; set rollout.group_size >= 2, or use a baseline "
-                                 "that needs no group (algorithm=reinforce_pp, or ppo with a critic role) with "
-                                 "rollout.dynamic_sampling=false")
-            if size < 2 and self.rollout.dynamic_sampling:
-                raise ValueError(f"rollout.group_size={size} with rollout.dynamic_sampling=true: dynamic sampling "
-                                 "drops every group whose rewards are all equal, as a group of one always is, so no "
-                                 "step would get a sample; set rollout.dynamic_sampling=false or rollout.group_size "
-                                 ">= 2")
-
-    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: Options):
+    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: RlvrPipelineSpec.Options):
         super().__init__(workers, run, options)
         self.checkpointer: RunCheckpointer | None = None  # made by setup
-
-    @classmethod
-    def data_paths(cls, options: Options) -> list[tuple[str, str]]:
-        """Dataset files the task reads (``config.missing_inputs`` checks they exist), with their config keys."""
-        from rollhpc.tasks import task_module
-
-        if options.domains:
-            found = []
-            for name, d in options.domains.items():
-                paths = getattr(task_module(d.task), "data_paths", None)
-                found += [(f"pipeline.options.domains.{name}.options.{k}", p)
-                          for k, p in (paths(d.options) if paths else [])]
-            return found
-        paths = getattr(task_module(options.task.name), "data_paths", None)
-        return [(f"pipeline.options.task.options.{k}", p) for k, p in (paths(options.task.options) if paths else [])]
-
-    @staticmethod
-    def prompt_splits(options: Options, train: list, heldout: list) -> list[tuple[str, list, str, int]]:
-        """Each split's prompts with the response budget they are generated with (``check_prompt_budget``)."""
-        return [("training", train, "rollout.max_tokens", options.rollout.max_tokens),
-                ("held-out", heldout, "eval_max_tokens", options.eval_max_tokens)]
-
-    @classmethod
-    def preview(cls, options: Options, n: int = 2, roles: dict[str, Any] | None = None) -> list[str]:
-        """For ``rollhpc train --dry-run``: the first training prompts exactly as the policy will see them
-        (chat template or plain text), with their token counts, and the longest prompt of each split against
-        the generator's ``max_model_len`` (ValueError when one does not fit). Needs the model's tokenizer here."""
-        from transformers import AutoTokenizer
-
-        from rollhpc.tasks import task_module
-
-        model_dir = Path(options.model_dir)
-        if not (model_dir / "config.json").is_file():
-            return [f"prompts: not shown, {model_dir} is not there yet"
-                    + (" (the warm start builds it)" if options.warm_start is not None else "")]
-        absent = [key for key, p in cls.data_paths(options) if not Path(p).is_file()]
-        if absent:
-            return [f"prompts: not shown, the dataset files of {', '.join(absent)} are not here"]
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        render = PromptRenderer(tokenizer, options.chat_template)
-        opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.task_options.items()}
-        train, heldout = task_module(options.task_name).make_splits(options.task.split_seed, options.task.n_train,
-                                                                    options.task.n_heldout, **opts)
-        how = "in the model's chat template" if render.uses_template else "plain text, no chat template"
-        lines = [f"prompts ({how}), the first {len(train[:n])} of task {options.task_name}:"]
-        for i, ex in enumerate(train[:n], 1):
-            lines.append(f"--- prompt {i}: {len(render(ex))} tokens, reference answer {getattr(ex, 'answer', '?')!r}")
-            lines.append(render.text(ex))
-        lines.append("prompt lengths: " + check_prompt_budget(render, cls.prompt_splits(options, train, heldout),
-                                                              generator_max_model_len(roles)))
-        return lines
-
-    @classmethod
-    def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
-        """Cross-checks between the options and the configured roles, run when the config is loaded."""
-        if options.domains:
-            domains_mod.check_domains(options.domains, roles)
-        elif "reward" not in roles:
-            raise ValueError(f"the pipeline needs a 'reward' role (or domains naming their reward roles); "
-                             f"configured: {sorted(roles)}")
-        check_critic_role(options, roles)
-        check_lora_serving(roles)
-        lora = train_lora(roles)
-        if lora is not None and "reference" in roles:
-            raise ValueError("roles.train.options.lora: the frozen base is the reference policy (the train role's "
-                             "compute_ref_logprobs); remove the 'reference' role, which would hold a second copy")
-        if (options.loss.kl_coef > 0 or options.kl_in_reward > 0) and "reference" not in roles and lora is None:
-            raise ValueError("a KL term (loss.kl_coef or kl_in_reward > 0) needs a 'reference' role "
-                             "(rollhpc.workers.megatron_policy:MegatronReferenceWorker), or LoRA on the train role")
-        if options.offload and options.rollout.max_staleness >= 1 and "generate" in roles:
-            from rollhpc.controller.colocation import colocation_of
-
-            if not colocation_of(roles).alone("generate", roles["generate"].procs):
-                raise ValueError(
-                    "offload=true with rollout.max_staleness >= 1: async generation runs during training, but every "
-                    "generator rank shares its devices with roles that take turns, so none could generate then; give "
-                    "the trainer part of the generators' GPUs (a partial overlap, e.g. roles.train.devices [0, 1, 2, 3] "
-                    "of roles.generate.devices [0, ..., 7]) or use one of the two")
-
-    @classmethod
-    def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
-        """Before any rank starts: build and SFT the starting policy when ``warm_start`` asks for it."""
-        w = options.warm_start
-        if w is None:
-            return
-        from rollhpc.config import from_dict
-        from rollhpc.warm_start.policy_prep import prepare_policy
-        from rollhpc.warm_start.sft import SftConfig
-        from rollhpc.warm_start.tiny import TinyModelConfig
-
-        prepare_policy(options.model_dir, task=options.task_name, task_options=options.task_options,
-                       spec=from_dict(TinyModelConfig, w.spec, "pipeline.options.warm_start.spec"),
-                       sft=from_dict(SftConfig, w.sft, "pipeline.options.warm_start.sft"), seed=w.seed,
-                       vocab_size=w.vocab_size)
 
     # ------------------------------------------------------------------ data
     def setup(self) -> None:
@@ -475,43 +296,30 @@ class RlvrPipeline(TrainingPipeline):
                 and self.trains_once_per_batch() and o.loss.kl_coef == 0 and o.kl_in_reward == 0)
 
     def _training_batch(self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
-                        ) -> tuple[Batch, Batch | None, float | None]:
+                        ) -> tuple[TrainingBatch, ValueBatch | None, float | None]:
         """The batch to train on (rows: the groups' samples in order), the critic's (PPO; else None), and the
         policy's KL from the reference per token (None without a reference forward)."""
         from rollhpc.algo import advantages as adv_mod
+        from rollhpc.rollout import rows as rows_mod
 
         o = self.options
         samples = [s for g in groups for s in g]
-        seqs = [list(s.prompt.tokens) + s.response for s in samples]
-        width = max(len(x) for x in seqs)
-        tokens = np.full((len(seqs), width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((len(seqs), width - 1), dtype=np.float32)
-        gen_logp = np.zeros((len(seqs), width - 1), dtype=np.float32)
-        for i, (s, seq) in enumerate(zip(samples, seqs)):
-            tokens[i, :len(seq)] = seq
-            p, r = len(s.prompt.tokens), len(s.response)
-            mask[i, p - 1:p - 1 + r] = 1.0
-            gen_logp[i, p - 1:p - 1 + r] = s.logprobs
-        data: dict[str, Any] = {"tokens": tokens, "loss_mask": mask}
-        if self._on_policy():
-            data["gen_logprob"] = gen_logp  # the train step reports its distance from these (logprob_abs_diff)
-            times["old_logprob_s"] = 0.0
-        elif o.old_logprob_source == "trainer":
-            data["old_logprob"] = self.old_logprobs_from_trainer(tokens, mask, gen_logp, times)
-        else:
-            data["old_logprob"] = gen_logp
-            times["old_logprob_s"] = 0.0
+        padded = rows_mod.pad_rows([rows_mod.response_row(s.prompt.tokens, s.response, s.logprobs) for s in samples],
+                                   self.pad_id)
+        tokens, mask = padded["tokens"], padded["loss_mask"]
+        old_logprob, gen_logprob = self._old_logprobs(tokens, mask, padded["gen_logprob"], times)
+        ref_logprob = None
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
             # a LoRA policy's reference is the train role's own base: the stage that holds its parameters for a forward
             self.stage("reference" if "reference" in self.workers else "old_logprob")
             t = time.perf_counter()
-            data["ref_logprob"] = ref(Batch({"tokens": tokens}))["logprob"]
+            ref_logprob = ref(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
         rewards = (self.reward_norm(groups) if self.options.domains
                    else self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64)))
         kl, kl_ref = None, None
-        if "ref_logprob" in data:
-            kl = (data["old_logprob"] - data["ref_logprob"]) * mask
+        if ref_logprob is not None:
+            kl = (old_logprob - ref_logprob) * mask
             kl_ref = times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
         if o.algorithm == "ppo":
@@ -521,10 +329,23 @@ class RlvrPipeline(TrainingPipeline):
         else:
             advantage = adv_mod.outcome_advantages(o.algorithm, rewards, mask, kl, kl_in_reward, o.grpo_scale)
             critic = None
-        data["advantage"] = advantage.astype(np.float32)
-        if "ref_logprob" in data and o.loss.kl_coef == 0:
-            del data["ref_logprob"]  # used in the reward only
-        return Batch(data), critic, kl_ref
+        batch = TrainingBatch(tokens, mask, advantage.astype(np.float32), old_logprob=old_logprob,
+                              ref_logprob=ref_logprob if o.loss.kl_coef != 0 else None,  # else in the reward only
+                              gen_logprob=gen_logprob)
+        return batch, critic, kl_ref
+
+    def _old_logprobs(self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
+                      ) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The batch's ``old_logprob`` and ``gen_logprob``: on-policy none, and the generator's for the train step to
+        measure ``logprob_abs_diff`` against; else the trainer's (``old_logprob_source: trainer``) or the
+        generator's."""
+        if self._on_policy():
+            times["old_logprob_s"] = 0.0
+            return None, gen_logprob
+        if self.options.old_logprob_source == "trainer":
+            return self.old_logprobs_from_trainer(tokens, mask, gen_logprob, times), None
+        times["old_logprob_s"] = 0.0
+        return gen_logprob, None
 
     def _loss_config(self) -> LossConfig:
         """The loss settings of this step: the configured ones with the KL controller's coefficient."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from rollhpc.config import ConfigError, ExperimentConfig, import_object
+from rollhpc.config import ConfigError, ExperimentConfig, import_spec
 from rollhpc.placement import activation_model as am
 
 GIB = 1 << 30
@@ -283,7 +283,7 @@ def _role_parts(cfg: ExperimentConfig, seq_len: int) -> tuple[dict[str, dict[str
     for name, role in cfg.roles.items():
         if role.gpus_per_proc == 0:
             continue
-        worker = import_object(role.worker, f"roles.{name}.worker")
+        worker = import_spec(role.worker, f"roles.{name}.worker")
         model_dir = getattr(role.options, "model_dir", None)
         shape, note = shape_of(model_dir)
         if note:
@@ -311,8 +311,7 @@ def sync_bucket_bytes(cfg: ExperimentConfig, plan: Any) -> dict[tuple[int, int, 
     * each broadcast receiver's first GPU: ``IN_FLIGHT_BUCKETS`` buckets (the one it hands on, the one arriving).
     Empty without a weight sync to GPUs or a bucket size."""
     from rollhpc.placement.device_mapping import weight_sync_routing
-    from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS
-    from rollhpc.weight_sync.routing import BROADCAST
+    from rollhpc.weight_sync.routing import BROADCAST, IN_FLIGHT_BUCKETS
 
     options = cfg.pipeline.options
     mb = options.get("weight_sync_bucket_mb") if isinstance(options, dict) else \
@@ -353,7 +352,7 @@ def startup_order(cfg: ExperimentConfig) -> list[str]:
     free memory as they start first (``measures_free_memory``: vLLM counts everything in use against its budget,
     so it profiles before the others load, then sleeps), then the others, each in the config's order."""
     def measures(name: str) -> bool:
-        worker = import_object(cfg.roles[name].worker, f"roles.{name}.worker")
+        worker = import_spec(cfg.roles[name].worker, f"roles.{name}.worker")
         return bool(getattr(worker, "measures_free_memory", False))
 
     return sorted(cfg.roles, key=lambda name: not measures(name))
@@ -389,7 +388,7 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
     """Per GPU group: each role's parts, each stage's total with offload on (a start-up in turns first), and the
     total with it off."""
     per_rank, unknown = _role_parts(cfg, seq_len_of(cfg))
-    stages = import_object(cfg.pipeline.entry, "pipeline.entry").memory_stages
+    stages = import_spec(cfg.pipeline.entry, "pipeline.entry").memory_stages
     sync = sync_bucket_bytes(cfg, plan)
     # GPU (het group, node, position) -> roles with a rank on it; GPUs holding the same roles (and the same part in
     # a weight sync) form one group

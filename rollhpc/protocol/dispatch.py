@@ -12,13 +12,13 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from rollhpc.batch import Batch
+from rollhpc.batch import Batch, RowArrays
 from rollhpc.parallel import RankCoords
 
 
 class Dispatch(enum.Enum):
     ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments
-    DP_SPLIT = "dp_split"  # Batch/list arguments cut into dp_size chunks; rank gets its dp chunk
+    DP_SPLIT = "dp_split"  # Batch/RowArrays/list arguments cut into dp_size chunks; rank gets its dp chunk
     RANK_ZERO = "rank_zero"  # only group rank 0 is called
 
 
@@ -72,7 +72,7 @@ def contract_of(worker_cls: type, method: str) -> Contract:
 
 
 def _split_value(value: Any, n: int) -> list[Any]:
-    if isinstance(value, Batch):
+    if isinstance(value, (Batch, RowArrays)):  # a TrainingBatch is cut by rows as a Batch is
         return value.split(n)
     if isinstance(value, list):
         size, rest = divmod(len(value), n)
@@ -86,7 +86,7 @@ def _split_value(value: Any, n: int) -> list[Any]:
 
 
 def split_arguments(args: tuple, kwargs: dict, dp_size: int) -> list[tuple[tuple, dict]]:
-    """Per dp rank, the (args, kwargs) it receives: Batch and list values are cut, others replicated."""
+    """Per dp rank, the (args, kwargs) it receives: Batch, RowArrays and list values are cut, others replicated."""
     cut_args = [_split_value(a, dp_size) for a in args]
     cut_kwargs = {k: _split_value(v, dp_size) for k, v in kwargs.items()}
     return [

@@ -9,8 +9,9 @@ from typing import Any
 from rollhpc.parallel import ParallelLayout, RankCoords
 from rollhpc.protocol import probes
 from rollhpc.protocol.dispatch import Collect, Dispatch, register
+from rollhpc.protocol.spec import WorkerSpec
 
-__all__ = ["Worker", "WorkerContext", "register", "Dispatch", "Collect"]
+__all__ = ["Worker", "WorkerContext", "WorkerSpec", "register", "Dispatch", "Collect"]
 
 
 @dataclass
@@ -29,35 +30,16 @@ class WorkerContext:
         return self.coords.group_rank
 
 
-class Worker:
-    """Base of every role. Methods marked ``@register(...)`` are callable from the controller.
+class Worker(WorkerSpec):
+    """Base of every role's runtime. Methods marked ``@register(...)`` are callable from the controller.
 
-    Subclasses may declare a nested ``Options`` dataclass; the role's ``options`` in the config are
-    validated against it at load and passed to ``__init__``.
+    Its plan-time side (``Options``, ``check_layout``, ``check_model``, ``gpu_memory``) is ``WorkerSpec``'s: a
+    worker with a spec module (rollhpc.protocol.spec) subclasses its spec first, so the two cannot disagree.
     """
 
     def __init__(self, ctx: WorkerContext, options: Any = None):
         self.ctx = ctx
         self.options = options
-
-    @classmethod
-    def check_layout(cls, layout: ParallelLayout) -> None:
-        """Raise ValueError for a parallel layout this worker cannot run. Called at config load, so a
-        layout the worker would refuse at start-up is refused before any allocation."""
-
-    @classmethod
-    def check_model(cls, layout: ParallelLayout, options: Any) -> None:
-        """Raise ValueError for a model (``options.model_dir``'s config.json, when it is readable here) that
-        this layout cannot split. Called at config load after ``check_layout``; a model that lives only on
-        the cluster is checked there, at start-up."""
-
-    @classmethod
-    def gpu_memory(cls, options: Any, layout: ParallelLayout, shape: Any, *, seq_len: int,
-                   gpu_bytes: float) -> dict[str, float] | None:
-        """Bytes a rank of this role holds on its GPUs, by part (``rollhpc plan``: placement.memory_plan), for
-        the model ``shape`` (placement.memory_plan.ModelShape) and rows of ``seq_len`` tokens on GPUs of
-        ``gpu_bytes``; None: this worker does not say."""
-        return None
 
     @register(Dispatch.ONE_TO_ALL)
     def ping(self) -> dict[str, Any]:

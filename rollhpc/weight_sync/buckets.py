@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollhpc.weight_sync.routing import IN_FLIGHT_BUCKETS
+
 __all__ = ["IN_FLIGHT_BUCKETS", "Bucket", "WeightSyncMismatch", "check_tensor", "pack_buckets", "stamp",
            "tensor_checksum", "unpack_bucket", "verified"]
-
-# How many buckets a sender holds at once on its device: one being read by the receivers while the next is
-# packed. The memory plan counts a weight sync's extra memory as this many buckets of ``weight_sync_bucket_mb``.
-IN_FLIGHT_BUCKETS = 2
 
 
 @dataclass

@@ -22,7 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BROADCAST", "IPC", "Route", "Routing", "RoutingError", "route_weights"]
+__all__ = ["BROADCAST", "IN_FLIGHT_BUCKETS", "IPC", "Route", "Routing", "RoutingError", "route_weights"]
+
+# How many buckets a sender holds at once on its device: one being read by the receivers while the next is
+# packed. The memory plan counts a weight sync's extra memory as this many buckets of ``weight_sync_bucket_mb``;
+# here, beside the routes and without torch, so that `rollhpc plan` reads it on a login node.
+IN_FLIGHT_BUCKETS = 2
 
 IPC = "ipc"
 BROADCAST = "broadcast"

@@ -34,20 +34,27 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from rollhpc.algo.objective import LossConfig
-from rollhpc.batch import Batch
-from rollhpc.models.lora_config import LoraConfig
+from rollhpc.batch import Batch, TrainingBatch, ValueBatch
 from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
 from rollhpc.testing import fault_injection
 from rollhpc.transport.rendezvous import rendezvous_host
+from rollhpc.workers.megatron_policy_spec import (MegatronCriticWorkerSpec, MegatronPolicyWorkerSpec,
+                                                  MegatronReferenceWorkerSpec, MegatronTrainWorkerSpec)
+
+if TYPE_CHECKING:
+    from rollhpc.algo.losses import MicroBatch, TokenCounts
+
+    # a micro-batch's loss on the last stage's output, given its mini-batch's counts: (loss, metrics)
+    MicroBatchLoss = Callable[[MicroBatch, Any, TokenCounts], tuple[Any, dict[str, float]]]
 
 log = logging.getLogger("rollhpc.megatron")
 
@@ -76,37 +83,11 @@ def init_role_distributed(ctx: WorkerContext, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
 
 
-class MegatronPolicyWorker(Worker):
-    """Shared by the train and reference roles: model construction and log-probabilities."""
+class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
+    """Shared by the train and reference roles: model construction and log-probabilities (``Options``,
+    ``trainable``, the load-time checks and the memory estimate: its spec, megatron_policy_spec)."""
 
-    trainable = False
-
-    @dataclass(kw_only=True)
-    class Options:
-        model_dir: str  # Hugging Face checkpoint (config.json + safetensors)
-        micro_batch_size: int = 16  # rows per forward/backward
-        # > 0: micro-batches packed up to this many tokens each (rows x the micro-batch's longest row) instead of
-        # micro_batch_size rows: rows of unequal length (long-tailed responses) cost their tokens, and each
-        # forward's activations stay bounded. Losses and gradients are the fixed-size ones (the loss divides by
-        # the batch's global token count, whatever the split)
-        max_tokens_per_micro_batch: int = 0
-        dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
-        # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
-        # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
-        # keeps the weights themselves in bf16 (half the memory) beside the optimizer's fp32 main copy. On CPUs
-        # with bf16 units (AVX512-BF16, AMX) a matmul runs ~3x faster
-        mixed_precision: Literal["off", "bf16"] = "off"
-        threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
-
-        def __post_init__(self) -> None:
-            if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
-                raise ValueError(f"micro_batch_size must be >= 1 and max_tokens_per_micro_batch >= 0, got "
-                                 f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}")
-            if self.mixed_precision == "bf16" and self.dtype != "float32":
-                raise ValueError(f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
-                                 f"dtype={self.dtype} the parameters are already 16-bit: use one of the two")
-
-    def __init__(self, ctx: WorkerContext, options: Options):
+    def __init__(self, ctx: WorkerContext, options: MegatronPolicyWorkerSpec.Options):
         super().__init__(ctx, options)
         import torch
 
@@ -191,86 +172,6 @@ class MegatronPolicyWorker(Worker):
             else:
                 self._state_offloader = StateOffloader(self.chunks, None, self.device)
         return self._state_offloader
-
-    @classmethod
-    def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int, gpu_bytes: float) -> dict[str, float]:
-        """Bytes a rank holds on its GPU (rollhpc.placement.memory_plan): its stage's parameters, and the
-        activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
-        from rollhpc.placement.memory_plan import (activation_bytes, dtype_bytes, forward_activation_bytes,
-                                                megatron_stage_params, megatron_stage_split)
-
-        size = dtype_bytes(options.dtype)
-        params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        rows = options.micro_batch_size  # per micro-batch; under a token budget its worst case: full-length rows
-        if options.max_tokens_per_micro_batch:
-            rows = max(1, options.max_tokens_per_micro_batch // seq_len)
-        out = {"parameters": float(params * size)}
-        # a forward alone keeps one layer's activations at a time, and the whole head's logits
-        forward = float(forward_activation_bytes(shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp))
-        if not cls.trainable:
-            return {**out, "activations": forward}
-        # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
-        # two fp32 Adam moments, sharded by the distributed optimizer: dense parameters over the data-parallel
-        # group, routed experts over the expert-data-parallel group
-        dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        state = 4 * 2 + (0 if size == 4 else 4)
-        shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
-        lora = getattr(options, "lora", None)
-        if lora is not None:  # only the adapters train: gradients and optimizer state for them alone
-            from rollhpc.models.lora_config import adapter_parameter_count
-
-            adapters = adapter_parameter_count(lora, shape.hidden, shape.intermediate, shape.heads * shape.head_dim,
-                                               shape.kv_heads * shape.head_dim, -(-shape.layers // layout.pp), layout.tp)
-            out["parameters"] += float(adapters * size)
-            dense, experts, params = adapters, 0, adapters
-        grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
-        return {**out, "gradients": grads, "optimizer": optimizer,
-                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows, seq_len, size,
-                                                      options.recompute, ep=layout.ep, etp=layout.etp)),
-                "forward_activations": forward}
-
-    @classmethod
-    def check_layout(cls, layout: Any) -> None:
-        """Refuse at config load what megatron-core's local layer spec cannot run."""
-        if layout.cp > 1:
-            raise ValueError(f"cp={layout.cp}: context parallelism needs Transformer Engine's attention on CUDA "
-                             "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
-                             "tp/pp/dp (and ep for MoE)")
-
-    @classmethod
-    def check_model(cls, layout: Any, options: Any) -> None:
-        """megatron-core's rules for splitting the model (TransformerConfig's checks, which would otherwise fail
-        in every rank's start-up): tp divides the attention heads, the KV heads (or they divide tp: megatron
-        replicates them) and the FFN width; pp (x vpp) stages divide the layers; ep divides the experts. The
-        vocabulary needs nothing: megatron pads it to a multiple of tp."""
-        import json
-
-        path = Path(getattr(options, "model_dir", "") or "") / "config.json"
-        if not path.is_file():
-            return
-        hf = json.loads(path.read_text())
-        heads = int(hf.get("num_attention_heads") or 0)
-        kv = int(hf.get("num_key_value_heads") or heads)
-        layers = int(hf.get("num_hidden_layers") or 0)
-        ffn = int(hf.get("intermediate_size") or 0)
-        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-        tp = layout.tp
-        problems = []
-        if heads and heads % tp:
-            problems.append(f"tp={tp} does not divide the model's {heads} attention heads")
-        if kv and kv % tp and tp % kv:
-            problems.append(f"tp={tp} and the model's {kv} KV heads: one must divide the other")
-        if ffn and ffn % tp:
-            problems.append(f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})")
-        if layers:
-            try:
-                pipeline_stage_layers(layers, layout.pp, layout.vpp)  # megatron's even split, as plan draws it
-            except ValueError as e:
-                problems.append(str(e))
-        if layout.ep > 1 and (not experts or experts % layout.ep):
-            problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
-        if problems:
-            raise ValueError(f"{'; '.join(problems)} ({path})")
 
     def _parts(self, batch: Batch, with_mask: bool) -> list[dict[str, Any]]:
         """The batch's micro-batches as tensors on this rank's device; padding rows (the interleaved
@@ -472,67 +373,16 @@ class _WeightChannelMixin:
         return sender.send(named).as_dict()
 
 
-class MegatronReferenceWorker(MegatronPolicyWorker):
+class MegatronReferenceWorker(MegatronReferenceWorkerSpec, MegatronPolicyWorker):
     """The frozen initial policy: log-probabilities for the KL term."""
 
 
-class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
-    trainable = True
+class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, MegatronPolicyWorker):
     # under overlap_grad_reduce a bucket is reduced once each of its parameters' gradients is ready; a parameter the
     # loss never reaches would hold its bucket back (megatron asserts at finalize): no overlap then
     every_parameter_gets_a_gradient = True
 
-    @dataclass(kw_only=True)
-    class Options(MegatronPolicyWorker.Options):
-        lr: float = 1e-5
-        weight_decay: float = 0.0
-        betas: tuple[float, float] = (0.9, 0.999)
-        grad_clip: float = 1.0  # global gradient norm cap (0: off)
-        mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
-        warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
-        # after the warm-up: lr throughout, or a decay to min_lr over lr_decay_steps optimizer steps (rollhpc.algo.
-        # lr_schedule; a run's optimizer steps are its steps x mini_batches)
-        lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-        lr_decay_steps: int = 0
-        min_lr: float = 0.0
-        # the optimizer stack, megatron-core's own (the only one; "torch", a hand-written gradient all-reduce and
-        # torch's AdamW over the parameters in dtype, was removed): the model chunks in its DistributedDataParallel
-        # (gradients in fp32 buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and
-        # Adam moments (dtype=bfloat16 learns at small lr: the bf16 weights are the rounded main parameters), the
-        # global grad norm and clipping through it, no weight decay on biases and norms
-        optimizer: str = "megatron"
-        # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
-        # score matrices, "full" each layer from its input; the memory plan counts what each keeps
-        recompute: Literal["none", "selective", "full"] = "none"
-        distributed_optimizer: bool = True  # main parameters and moments sharded over the DP group (ZeRO-1)
-        # how checkpoints hold the distributed optimizer's state (rollhpc.checkpoint.trainer_state): "sharded", each
-        # rank its own shard (no gather, no extra memory; resumes at another DP size, same TP/PP/EP), or
-        # "reshardable", gathered per parameter on each DP group's rank 0 (which then holds the role's whole
-        # optimizer state in memory; resumes at any TP/PP/DP layout). Megatron-LM saves the first by default
-        optimizer_checkpoint: Literal["sharded", "reshardable"] = "sharded"
-        # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
-        # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
-        # gradient and the update are unchanged (the global token and row counts still include them); the
-        # trainer's time drops by the share of such rows. (Off under expert parallelism: DP ranks must run alike.)
-        skip_zero_advantage: bool = True
-        # LoRA (rollhpc.models.lora): the checkpoint's weights frozen, adapters on lora.target trained; the weights
-        # sent to the generators are the base with the adapters merged, and the base without them is the reference
-        # policy (compute_ref_logprobs: no reference role needed)
-        lora: LoraConfig | None = None
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
-                raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
-            if self.lr_schedule != "constant" and (self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr):
-                raise ValueError(f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
-                                 f"lr_decay_steps >= 1 and 0 <= min_lr <= lr (got {self.lr_decay_steps}, {self.min_lr})")
-            if self.optimizer != "megatron":
-                raise ValueError(f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
-                                 "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
-                                 "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away")
-
-    def __init__(self, ctx: WorkerContext, options: Options):
+    def __init__(self, ctx: WorkerContext, options: MegatronTrainWorkerSpec.Options):
         super().__init__(ctx, options)
         if options.lora is not None:
             from rollhpc.models.lora import attach_lora
@@ -561,7 +411,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
 
         from rollhpc.models.megatron_pipeline import configure_chunks
 
-        o: MegatronTrainWorker.Options = self.options
+        o: MegatronTrainWorkerSpec.Options = self.options
         configure_chunks(self.chunks)  # losses divided by global counts: DDP sums gradients instead of averaging
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
         if dtype != torch.float32:
@@ -644,84 +494,70 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         return self._all_reduce(values, dist.ReduceOp.SUM, self.dp_group)
 
     @register(Dispatch.DP_SPLIT)
-    def train_step(self, batch: Batch, loss_config: LossConfig) -> list[dict[str, float]]:
-        """``mini_batches`` optimizer steps on this batch.
+    def train_step(self, batch: TrainingBatch, loss_config: LossConfig) -> list[dict[str, float]]:
+        """``mini_batches`` optimizer steps on this batch with the ``PolicyLoss`` of ``loss_config``; a batch without
+        ``old_logprob`` is trained on-policy (the step's own forward gives them), in one optimizer step.
+        Returns, from each DP leader, one dict of metrics averaged over the mini-batches."""
+        from rollhpc.algo.losses import PolicyLoss
 
-        batch: ``tokens [B, L]`` int, ``loss_mask [B, L-1]`` (1 where the target token is a response
-        token), ``old_logprob [B, L-1]`` (absent: on-policy, the step's own forward gives them; only for one
-        optimizer step), ``advantage [B]`` or ``[B, L-1]``, optional ``ref_logprob`` and ``gen_logprob`` (the
-        generator's log-probs: ``gen_logprob_abs_diff`` says how far the trainer's are from them, per token).
-        Returns, from each DP leader, one dict of metrics averaged over the mini-batches.
-        """
-        from rollhpc.algo.losses import policy_loss
-        from rollhpc.models.megatron_pipeline import run_schedule
-
-        o: MegatronTrainWorker.Options = self.options
-        if "old_logprob" not in batch.data and o.mini_batches > 1:
+        o: MegatronTrainWorkerSpec.Options = self.options
+        if batch.old_logprob is None and o.mini_batches > 1:
             raise ValueError(f"a batch without old_logprob is trained on-policy, in one optimizer step; this role "
                              f"takes mini_batches={o.mini_batches}")
         t0 = time.perf_counter()
-        rows = np.arange(len(batch))
-        metrics: dict[str, list[float]] = {}
-        skipped = micro = 0
-        for mini in np.array_split(rows, o.mini_batches):
-            mask_np = np.asarray(batch["loss_mask"])[mini]
-            skip = o.skip_zero_advantage and self._shapes_are_local()
-            trained = self._rows_with_gradient(batch, mini, loss_config) if skip else mini
-            skipped += len(mini) - len(trained)
-            n_tokens, n_seqs, n_trained = self._dp_sum([
-                float(mask_np.sum()), float((mask_np.sum(1) > 0).sum()),
-                float(np.asarray(batch["loss_mask"])[trained].sum())])
-            self._zero_grad()
+        policy_loss = PolicyLoss(loss_config)
 
-            def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
-                logp, entropy = self._logprobs(logits, part["tokens"], with_entropy=loss_config.entropy_coef > 0)
-                # without old_logprob the update is on-policy (one optimizer step on a batch of the current
-                # weights): the old log-probs are this forward's own, and the ratio is exactly 1
-                old = part["old_logprob"].float() if "old_logprob" in part else logp.detach().float()
-                value, stats = policy_loss(
-                    logp, old, part["advantage"].float(), part["loss_mask"].float(),
-                    clip_low=loss_config.clip_low, clip_high=loss_config.clip_high, dual_clip=loss_config.dual_clip,
-                    agg=loss_config.agg, ref_logprob=part["ref_logprob"].float() if "ref_logprob" in part else None,
-                    kl_coef=loss_config.kl_coef, kl_kind=loss_config.kl_kind, entropy=entropy,
-                    entropy_coef=loss_config.entropy_coef, global_tokens=max(n_tokens, 1.0),
-                    global_seqs=max(n_seqs, 1.0))
-                # token share of the trained rows, for averaging rates (skipped rows have no ratio to report)
-                weight = float(part["loss_mask"].sum()) / max(n_trained, 1.0)
-                # loss terms are already shares of the global loss; rates are local
-                kept = {k: float(v) * (weight if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
-                kept["loss"] = float(value.detach())
-                if "gen_logprob" in part:  # the generator's log-probs of these tokens: how far apart the engines are
-                    diff = ((logp.detach().float() - part["gen_logprob"].float()).abs() * part["loss_mask"]).sum()
-                    kept["gen_logprob_abs_diff"] = float(diff) / max(n_trained, 1.0)
-                return value, kept
+        def loss(micro: MicroBatch, logits: Any, counts: TokenCounts) -> tuple[Any, dict[str, float]]:
+            logprob, entropy = self._logprobs(logits, micro["tokens"], with_entropy=policy_loss.needs_entropy)
+            return policy_loss(logprob, entropy, micro, counts)
 
-            mini_batch = Batch({k: np.asarray(v)[trained] for k, v in batch.data.items()})
-            if not len(trained):  # one row with no loss tokens: zero gradients (not none) keep the optimizer's step
-                mini_batch = Batch({k: np.asarray(v)[mini[:1]] for k, v in batch.data.items()})
-                mini_batch.data["loss_mask"] = np.zeros_like(np.asarray(mini_batch["loss_mask"]))
-            sums: dict[str, float] = {}
-            parts = self._parts(mini_batch, with_mask=True)
-            micro += len(parts)
-            with self._autocast():
-                for kept in run_schedule(self.model_chunks, parts, self._call_chunk, loss, forward_only=False):
-                    for k, v in kept.items():
-                        sums[k] = sums.get(k, 0.0) + v
-            self._finish_mini_batch(sums, metrics)
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out.update(n_tokens=float(np.asarray(batch["loss_mask"]).sum()), train_time_s=time.perf_counter() - t0,
+        skip = o.skip_zero_advantage and self._shapes_are_local()
+        rows_with_gradient = partial(self._rows_with_gradient, batch, loss_config=loss_config) if skip else None
+        out, skipped, micro_batches = self._train_mini_batches(batch.as_batch(), loss, rows_with_gradient)
+        out.update(n_tokens=float(np.asarray(batch.loss_mask).sum()), train_time_s=time.perf_counter() - t0,
                    lr=self.optimizer.param_groups[0]["lr"], rows_skipped=self._dp_sum([float(skipped)])[0],
-                   micro_batches=float(micro))  # this rank's (its replica's), over the mini-batches
+                   micro_batches=float(micro_batches))  # this rank's (its replica's), over the mini-batches
         return [out]
 
+    def _train_mini_batches(self, batch: Batch, loss: MicroBatchLoss,
+                            rows_with_gradient: Callable[[np.ndarray], np.ndarray] | None = None
+                            ) -> tuple[dict[str, float], int, int]:
+        """The mini-batch loop of every trainer (actor and critic): ``mini_batches`` optimizer steps, one per
+        contiguous chunk of rows, each micro-batch's ``loss(micro, output, counts)`` back-propagated and the
+        gradients reduced over DP before the step. ``rows_with_gradient(mini)``: the rows of a mini-batch that run
+        forward and backward (None: all). Returns the metrics (summed over each mini-batch's micro-batches and the
+        DP ranks, averaged over the mini-batches), the rows skipped and the micro-batches run."""
+        from rollhpc.algo.losses import TokenCounts
+        from rollhpc.models.megatron_pipeline import run_schedule
+
+        mask = np.asarray(batch["loss_mask"])
+        metrics: dict[str, list[float]] = {}
+        skipped = micro_batches = 0
+        for mini in np.array_split(np.arange(len(batch)), self.options.mini_batches):
+            trained = rows_with_gradient(mini) if rows_with_gradient is not None else mini
+            skipped += len(mini) - len(trained)
+            counts = TokenCounts(*self._dp_sum([float(mask[mini].sum()), float((mask[mini].sum(1) > 0).sum()),
+                                                float(mask[trained].sum())]))
+            self._zero_grad()
+            parts = self._parts(_mini_batch(batch, mini, trained), with_mask=True)
+            micro_batches += len(parts)
+            sums: dict[str, float] = {}
+            with self._autocast():
+                for stats in run_schedule(self.model_chunks, parts, self._call_chunk, partial(loss, counts=counts),
+                                          forward_only=False):
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+            self._finish_mini_batch(sums, metrics)
+        return {k: float(np.mean(v)) for k, v in metrics.items()}, skipped, micro_batches
+
     @staticmethod
-    def _rows_with_gradient(batch: Batch, rows: np.ndarray, loss_config: LossConfig) -> np.ndarray:
+    def _rows_with_gradient(batch: TrainingBatch, rows: np.ndarray, loss_config: LossConfig) -> np.ndarray:
         """The rows of ``rows`` whose loss can have a gradient: with no KL or entropy term, a row whose loss
         tokens all have advantage 0 contributes exactly zero (clipped or not, -A * ratio is 0)."""
-        if loss_config.entropy_coef > 0 or "ref_logprob" in batch.data:  # (a KL with coefficient 0 is still reported)
+        if loss_config.entropy_coef > 0 or batch.ref_logprob is not None:  # (a KL with coefficient 0 is still reported)
             return rows
-        adv = np.asarray(batch["advantage"])[rows]
-        mask = np.asarray(batch["loss_mask"])[rows] > 0
+        adv = np.asarray(batch.advantage)[rows]
+        mask = np.asarray(batch.loss_mask)[rows] > 0
         live = (adv != 0) & mask if adv.ndim == 2 else (adv != 0) & mask.any(1)
         return rows[live.reshape(len(rows), -1).any(1)]
 
@@ -773,7 +609,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronPolicyWorker):
         return [stamp(b) if verify else b for b in buckets]
 
 
-class MegatronCriticWorker(MegatronTrainWorker):
+class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
     """PPO's critic: the policy's GPT trunk (initialised from the same checkpoint) with a scalar value
     head on the final-norm hidden states of the last pipeline stage. The language-model head is
     computed but unused. The value head is a submodule of the last stage's model chunk (``value_head``, a name
@@ -814,35 +650,30 @@ class MegatronCriticWorker(MegatronTrainWorker):
         return self._forward_only(batch, lambda part, logits: self._values(), "values")
 
     @register(Dispatch.DP_SPLIT)
-    def train_step(self, batch: Batch, value_clip: float | None = 0.2) -> list[dict[str, float]]:
-        """Clipped value regression on ``returns [B, L-1]`` with ``old_values``, token-mean over ``loss_mask``."""
-        from rollhpc.algo.losses import aggregate, value_loss
-        from rollhpc.models.megatron_pipeline import run_schedule
+    def train_step(self, batch: ValueBatch, value_clip: float | None = 0.2) -> list[dict[str, float]]:
+        """Clipped value regression (``ValueLoss``) on the batch's ``returns`` with its ``old_values``, token-mean
+        over ``loss_mask``, in the actor's mini-batch loop."""
+        from rollhpc.algo.losses import ValueLoss
 
-        o = self.options
         t0 = time.perf_counter()
-        rows = np.arange(len(batch))
-        metrics: dict[str, list[float]] = {}
-        for mini in np.array_split(rows, o.mini_batches):
-            (n_tokens,) = self._dp_sum([float(np.asarray(batch["loss_mask"])[mini].sum())])
-            self._zero_grad()
+        value_loss = ValueLoss(value_clip)
 
-            def loss(part: dict[str, Any], logits: Any) -> tuple[Any, dict[str, float]]:
-                per_token = value_loss(self._values(), part["old_values"].float(), part["returns"].float(),
-                                       clip=value_clip)
-                value = aggregate(per_token, part["loss_mask"].float(), "token-mean", global_tokens=max(n_tokens, 1.0))
-                return value, {"value_loss": float(value.detach())}
+        def loss(micro: MicroBatch, output: Any, counts: TokenCounts) -> tuple[Any, dict[str, float]]:
+            return value_loss(self._values(), micro, counts)  # the values of the hidden states this forward left
 
-            mini_batch = Batch({k: np.asarray(v)[mini] for k, v in batch.data.items()})
-            sums: dict[str, float] = {}
-            with self._autocast():
-                for kept in run_schedule(self.model_chunks, self._parts(mini_batch, with_mask=True), self._call_chunk,
-                                         loss, forward_only=False):
-                    sums["value_loss"] = sums.get("value_loss", 0.0) + kept["value_loss"]
-            self._finish_mini_batch(sums, metrics)
-        out = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out, _, _ = self._train_mini_batches(batch.as_batch(), loss)
         out["train_time_s"] = time.perf_counter() - t0
         return [out]
+
+
+def _mini_batch(batch: Batch, mini: np.ndarray, trained: np.ndarray) -> Batch:
+    """The rows ``trained`` of ``batch``; with none (every row of the mini-batch ``mini`` skipped), its first row
+    with no loss token: zero gradients (not none) keep the optimizer's step."""
+    if len(trained):
+        return Batch({k: np.asarray(v)[trained] for k, v in batch.data.items()})
+    rows = Batch({k: np.asarray(v)[mini[:1]] for k, v in batch.data.items()})
+    rows.data["loss_mask"] = np.zeros_like(np.asarray(rows["loss_mask"]))
+    return rows
 
 
 def _cut(rows: np.ndarray, width: int | None, full: int) -> np.ndarray:

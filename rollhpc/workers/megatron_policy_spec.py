@@ -1,0 +1,193 @@
+"""The plan-time side of the megatron roles (rollhpc.workers.megatron_policy): their options, what megatron-core
+would refuse of a layout or a model (checked at config load), and a rank's GPU memory (``rollhpc plan``).
+
+Light on purpose: config loading, ``plan`` and ``submit --dry-run`` read this on a login node without torch or
+megatron (rollhpc.protocol.spec); the runtime classes subclass these specs, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from rollhpc.models.lora_config import LoraConfig, adapter_parameter_count
+from rollhpc.parallel import ParallelLayout, pipeline_stage_layers
+from rollhpc.placement.memory_plan import (ModelShape, activation_bytes, dtype_bytes, forward_activation_bytes,
+                                           megatron_stage_params, megatron_stage_split)
+from rollhpc.protocol.spec import WorkerSpec
+
+__all__ = ["MegatronCriticWorkerSpec", "MegatronPolicyWorkerSpec", "MegatronReferenceWorkerSpec",
+           "MegatronTrainWorkerSpec"]
+
+
+class MegatronPolicyWorkerSpec(WorkerSpec):
+    """Shared by the train and reference roles: the model, its dtype and micro-batches."""
+
+    trainable = False
+
+    @dataclass(kw_only=True)
+    class Options:
+        model_dir: str  # Hugging Face checkpoint (config.json + safetensors)
+        micro_batch_size: int = 16  # rows per forward/backward
+        # > 0: micro-batches packed up to this many tokens each (rows x the micro-batch's longest row) instead of
+        # micro_batch_size rows: rows of unequal length (long-tailed responses) cost their tokens, and each
+        # forward's activations stay bounded. Losses and gradients are the fixed-size ones (the loss divides by
+        # the batch's global token count, whatever the split)
+        max_tokens_per_micro_batch: int = 0
+        dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
+        # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
+        # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
+        # keeps the weights themselves in bf16 (half the memory) beside the optimizer's fp32 main copy. On CPUs
+        # with bf16 units (AVX512-BF16, AMX) a matmul runs ~3x faster
+        mixed_precision: Literal["off", "bf16"] = "off"
+        threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
+
+        def __post_init__(self) -> None:
+            if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
+                raise ValueError(f"micro_batch_size must be >= 1 and max_tokens_per_micro_batch >= 0, got "
+                                 f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}")
+            if self.mixed_precision == "bf16" and self.dtype != "float32":
+                raise ValueError(f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
+                                 f"dtype={self.dtype} the parameters are already 16-bit: use one of the two")
+
+    @classmethod
+    def gpu_memory(cls, options: Options, layout: ParallelLayout, shape: ModelShape, *, seq_len: int,
+                   gpu_bytes: float) -> dict[str, float]:
+        """Bytes a rank holds on its GPU (rollhpc.placement.memory_plan): its stage's parameters, and the
+        activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
+        size = dtype_bytes(options.dtype)
+        params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        rows = options.micro_batch_size  # per micro-batch; under a token budget its worst case: full-length rows
+        if options.max_tokens_per_micro_batch:
+            rows = max(1, options.max_tokens_per_micro_batch // seq_len)
+        out = {"parameters": float(params * size)}
+        # a forward alone keeps one layer's activations at a time, and the whole head's logits
+        forward = float(forward_activation_bytes(shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp))
+        if not cls.trainable:
+            return {**out, "activations": forward}
+        # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
+        # two fp32 Adam moments, sharded by the distributed optimizer: dense parameters over the data-parallel
+        # group, routed experts over the expert-data-parallel group
+        dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+        state = 4 * 2 + (0 if size == 4 else 4)
+        shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
+        lora = getattr(options, "lora", None)
+        if lora is not None:  # only the adapters train: gradients and optimizer state for them alone
+            stage_layers = -(-shape.layers // layout.pp)
+            adapters = adapter_parameter_count(lora, shape.hidden, shape.intermediate, shape.heads * shape.head_dim,
+                                               shape.kv_heads * shape.head_dim, stage_layers, layout.tp)
+            out["parameters"] += float(adapters * size)
+            dense, experts, params = adapters, 0, adapters
+        grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
+        return {**out, "gradients": grads, "optimizer": optimizer,
+                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows, seq_len, size,
+                                                      options.recompute, ep=layout.ep, etp=layout.etp)),
+                "forward_activations": forward}
+
+    @classmethod
+    def check_layout(cls, layout: ParallelLayout) -> None:
+        """Refuse at config load what megatron-core's local layer spec cannot run."""
+        if layout.cp > 1:
+            raise ValueError(f"cp={layout.cp}: context parallelism needs Transformer Engine's attention on CUDA "
+                             "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
+                             "tp/pp/dp (and ep for MoE)")
+
+    @classmethod
+    def check_model(cls, layout: ParallelLayout, options: Options) -> None:
+        """megatron-core's rules for splitting the model (TransformerConfig's checks, which would otherwise fail
+        in every rank's start-up): tp divides the attention heads, the KV heads (or they divide tp: megatron
+        replicates them) and the FFN width; pp (x vpp) stages divide the layers; ep divides the experts. The
+        vocabulary needs nothing: megatron pads it to a multiple of tp."""
+        path = Path(getattr(options, "model_dir", "") or "") / "config.json"
+        if not path.is_file():
+            return
+        hf = json.loads(path.read_text())
+        heads = int(hf.get("num_attention_heads") or 0)
+        kv = int(hf.get("num_key_value_heads") or heads)
+        layers = int(hf.get("num_hidden_layers") or 0)
+        ffn = int(hf.get("intermediate_size") or 0)
+        experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        tp = layout.tp
+        problems = []
+        if heads and heads % tp:
+            problems.append(f"tp={tp} does not divide the model's {heads} attention heads")
+        if kv and kv % tp and tp % kv:
+            problems.append(f"tp={tp} and the model's {kv} KV heads: one must divide the other")
+        if ffn and ffn % tp:
+            problems.append(f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})")
+        if layers:
+            try:
+                pipeline_stage_layers(layers, layout.pp, layout.vpp)  # megatron's even split, as plan draws it
+            except ValueError as e:
+                problems.append(str(e))
+        if layout.ep > 1 and (not experts or experts % layout.ep):
+            problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
+        if problems:
+            raise ValueError(f"{'; '.join(problems)} ({path})")
+
+
+class MegatronReferenceWorkerSpec(MegatronPolicyWorkerSpec):
+    """The frozen initial policy: a forward's memory only."""
+
+
+class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
+    """The trainer: the optimizer's settings, and gradients and optimizer state in its memory."""
+
+    trainable = True
+
+    @dataclass(kw_only=True)
+    class Options(MegatronPolicyWorkerSpec.Options):
+        lr: float = 1e-5
+        weight_decay: float = 0.0
+        betas: tuple[float, float] = (0.9, 0.999)
+        grad_clip: float = 1.0  # global gradient norm cap (0: off)
+        mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
+        warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
+        # after the warm-up: lr throughout, or a decay to min_lr over lr_decay_steps optimizer steps (rollhpc.algo.
+        # lr_schedule; a run's optimizer steps are its steps x mini_batches)
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+        lr_decay_steps: int = 0
+        min_lr: float = 0.0
+        # the optimizer stack, megatron-core's own (the only one; "torch", a hand-written gradient all-reduce and
+        # torch's AdamW over the parameters in dtype, was removed): the model chunks in its DistributedDataParallel
+        # (gradients in fp32 buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and
+        # Adam moments (dtype=bfloat16 learns at small lr: the bf16 weights are the rounded main parameters), the
+        # global grad norm and clipping through it, no weight decay on biases and norms
+        optimizer: str = "megatron"
+        # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
+        # score matrices, "full" each layer from its input; the memory plan counts what each keeps
+        recompute: Literal["none", "selective", "full"] = "none"
+        distributed_optimizer: bool = True  # main parameters and moments sharded over the DP group (ZeRO-1)
+        # how checkpoints hold the distributed optimizer's state (rollhpc.checkpoint.trainer_state): "sharded", each
+        # rank its own shard (no gather, no extra memory; resumes at another DP size, same TP/PP/EP), or
+        # "reshardable", gathered per parameter on each DP group's rank 0 (which then holds the role's whole
+        # optimizer state in memory; resumes at any TP/PP/DP layout). Megatron-LM saves the first by default
+        optimizer_checkpoint: Literal["sharded", "reshardable"] = "sharded"
+        # no forward/backward for rows whose gradient is exactly zero: every loss token has advantage 0 (GRPO's
+        # groups where all samples scored the same) and the loss has no KL (no reference) or entropy term. The loss, its
+        # gradient and the update are unchanged (the global token and row counts still include them); the
+        # trainer's time drops by the share of such rows. (Off under expert parallelism: DP ranks must run alike.)
+        skip_zero_advantage: bool = True
+        # LoRA (rollhpc.models.lora): the checkpoint's weights frozen, adapters on lora.target trained; the weights
+        # sent to the generators are the base with the adapters merged, and the base without them is the reference
+        # policy (compute_ref_logprobs: no reference role needed)
+        lora: LoraConfig | None = None
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
+                raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
+            if self.lr_schedule != "constant" and (self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr):
+                raise ValueError(f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
+                                 f"lr_decay_steps >= 1 and 0 <= min_lr <= lr "
+                                 f"(got {self.lr_decay_steps}, {self.min_lr})")
+            if self.optimizer != "megatron":
+                raise ValueError(f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
+                                 "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
+                                 "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away")
+
+
+class MegatronCriticWorkerSpec(MegatronTrainWorkerSpec):
+    """PPO's critic: the trainer's options and memory (its value head is one row of the hidden size)."""
