@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
-.PHONY: run test venv bench clean
+.PHONY: run test lint venv bench clean
 
 $(STAMP): requirements/cpu.txt requirements/test.txt pyproject.toml tools/setup_venv.sh
 	bash tools/setup_venv.sh $(VENV)
@@ -19,9 +19,16 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/rollhpc train quickstart --overwrite
 
-## command 2: the whole test suite (real MPI processes)
-test: $(STAMP)
+## command 2: the whole test suite (real MPI processes), after the formatter's and the linter's checks
+test: $(STAMP) lint
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+## ruff (configured in pyproject.toml): the code as its formatter writes it (100 columns), and its linter's checks;
+## `$(VENV)/bin/ruff format rollhpc tests tools bench` rewrites what the first check refuses
+LINTED := rollhpc tests tools bench
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(VENV)/bin/ruff check $(LINTED)
 
 ## the whole test suite on a busy machine: HOGS busy-loop processes (default 2) beside it, ended with it (tools/cpu_hogs.py)
 .PHONY: test-loaded

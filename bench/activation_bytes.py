@@ -46,8 +46,12 @@ def hf_config(shape: str, variant: str, seq: int) -> dict:
     """config.json of a one-layer model of ``shape`` for ``seq`` tokens."""
     from rollhpc.placement.memory_plan import KNOWN_MODELS
 
-    hf = {**KNOWN_MODELS[SHAPES[shape]], "num_hidden_layers": 1, "max_position_embeddings": 4 * seq,
-          "rms_norm_eps": 1e-6}
+    hf = {
+        **KNOWN_MODELS[SHAPES[shape]],
+        "num_hidden_layers": 1,
+        "max_position_embeddings": 4 * seq,
+        "rms_norm_eps": 1e-6,
+    }
     if hf.get("num_experts"):
         hf["norm_topk_prob"] = True
     for key, value in VARIANTS[variant][0].items():
@@ -66,7 +70,9 @@ def measure(shape: str, variant: str, seq: int, recompute: str) -> dict[str, Any
     overrides = {**VARIANTS[variant][1], **recompute_overrides(recompute)}
     if variant == "gelu":
         overrides["activation_func"] = F.gelu
-    model = build_gpt_model(hf, params_dtype=torch.bfloat16, parallel_output=False, bf16=True, **overrides)
+    model = build_gpt_model(
+        hf, params_dtype=torch.bfloat16, parallel_output=False, bf16=True, **overrides
+    )
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     where, seen = ["input"], set(params)
     by_module: collections.Counter = collections.Counter()
@@ -87,8 +93,12 @@ def measure(shape: str, variant: str, seq: int, recompute: str) -> dict[str, Any
         where.append("loss")
         logp, _ = token_logprobs(logits[:, :-1], ids[:, 1:], hf["vocab_size"])
     del logp, logits
-    layer = sum(v for k, v in by_module.items() if k.startswith("decoder.layers.") or k == "decoder")
-    head = sum(v for k, v in by_module.items() if k in ("decoder.final_layernorm", "output_layer", "loss"))
+    layer = sum(
+        v for k, v in by_module.items() if k.startswith("decoder.layers.") or k == "decoder"
+    )
+    head = sum(
+        v for k, v in by_module.items() if k in ("decoder.final_layernorm", "output_layer", "loss")
+    )
     experts = collections.Counter()  # one line for all experts: 128 of them would bury the rest
     for name, nbytes in by_module.items():
         experts[re.sub(r"local_experts\.\d+", "local_experts.*", name)] += nbytes
@@ -126,8 +136,12 @@ def measure_apart(shape: str, variant: str, seq: int, recompute: str) -> dict[st
     """``measure`` in a process of its own: a 7B layer with its 152k-vocabulary embedding and head is several GB
     to build, and megatron's global state keeps a built model reachable, so cases in one process run out of
     this machine's memory."""
-    out = subprocess.run([sys.executable, __file__, "--case", f"{shape},{variant},{seq},{recompute}"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--case", f"{shape},{variant},{seq},{recompute}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -135,8 +149,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tokens", default="256,1024,4096", help="tokens of the one-row micro-batch")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "activation_bytes.json")
-    ap.add_argument("--case", help=argparse.SUPPRESS)  # shape,variant,tokens,recompute: one measure, as JSON
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "activation_bytes.json"
+    )
+    ap.add_argument(
+        "--case", help=argparse.SUPPRESS
+    )  # shape,variant,tokens,recompute: one measure, as JSON
     args = ap.parse_args()
     if args.case:
         from rollhpc.checkpoint.mcore import single_process_world
@@ -146,23 +164,46 @@ def main() -> int:
             print(json.dumps(measure(shape, variant, int(seq), recompute)))
         return 0
     rows = []
-    print(f"{'shape':<6} {'mlp/attn':<8} {'recompute':<9} {'tokens':>6} {'part':<5} {'measured MiB':>12} "
-          f"{'model MiB':>10} {'model/meas':>10}")
+    print(
+        f"{'shape':<6} {'mlp/attn':<8} {'recompute':<9} {'tokens':>6} {'part':<5} {'measured MiB':>12} "
+        f"{'model MiB':>10} {'model/meas':>10}"
+    )
     for shape, variant, seq, recompute in cases(args):
         got = measure_apart(shape, variant, seq, recompute)
         plan = planned(shape, variant, seq, recompute)
         for part in ("layer", "head"):
             ratio = plan[part] / got[part]
-            rows.append({"shape": shape, "variant": variant, "recompute": recompute, "tokens": seq, "part": part,
-                         "measured_bytes": got[part], "model_bytes": plan[part], "model_over_measured": ratio})
-            print(f"{shape:<6} {variant:<8} {recompute:<9} {seq:>6} {part:<5} {got[part] / 2**20:>12.1f} "
-                  f"{plan[part] / 2**20:>10.1f} {ratio:>10.3f}", flush=True)
+            rows.append(
+                {
+                    "shape": shape,
+                    "variant": variant,
+                    "recompute": recompute,
+                    "tokens": seq,
+                    "part": part,
+                    "measured_bytes": got[part],
+                    "model_bytes": plan[part],
+                    "model_over_measured": ratio,
+                }
+            )
+            print(
+                f"{shape:<6} {variant:<8} {recompute:<9} {seq:>6} {part:<5} {got[part] / 2**20:>12.1f} "
+                f"{plan[part] / 2**20:>10.1f} {ratio:>10.3f}",
+                flush=True,
+            )
         rows[-2]["by_module"] = got["by_module"]
     worst = max(abs(r["model_over_measured"] - 1) for r in rows)
     print(f"largest relative error: {worst:.1%}")
-    write_result(args.out, {"bench": "activation_bytes", "commit": commit(),
-                            "args": {"shapes": args.shapes, "tokens": args.tokens},
-                            "dtype": "bfloat16", "rows": rows, "largest_relative_error": worst})
+    write_result(
+        args.out,
+        {
+            "bench": "activation_bytes",
+            "commit": commit(),
+            "args": {"shapes": args.shapes, "tokens": args.tokens},
+            "dtype": "bfloat16",
+            "rows": rows,
+            "largest_relative_error": worst,
+        },
+    )
     return 0 if worst <= 0.15 else 1
 
 

@@ -43,12 +43,24 @@ SIZES = {"small": (512, 4), "large": (1024, 6)}
 def build(root: Path, kind: str, size: str, shard_mb: int) -> tuple[Path, int]:
     """Save a random model of this kind and size; returns its directory and parameter bytes."""
     hidden, layers = SIZES[size]
-    common = dict(hidden_size=hidden, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=layers,
-                  vocab_size=4000, max_position_embeddings=128, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=hidden,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=layers,
+        vocab_size=4000,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     if kind == "moe":
-        cfg = transformers.Qwen2MoeConfig(intermediate_size=2 * hidden, num_experts=8, num_experts_per_tok=2,
-                                          moe_intermediate_size=hidden * 3 // 4, shared_expert_intermediate_size=hidden,
-                                          **common)
+        cfg = transformers.Qwen2MoeConfig(
+            intermediate_size=2 * hidden,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden * 3 // 4,
+            shared_expert_intermediate_size=hidden,
+            **common,
+        )
     else:
         cfg = transformers.Qwen2Config(intermediate_size=6 * hidden, **common)
     with torch.random.fork_rng(devices=[]):
@@ -83,7 +95,11 @@ def same_tensors(a: Path, b: Path) -> bool:
         return False
     for name in ta:
         x, y = ta[name], tb[name]
-        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
+        if (
+            x.dtype != y.dtype
+            or x.shape != y.shape
+            or not torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        ):
             return False
     return True
 
@@ -91,7 +107,9 @@ def same_tensors(a: Path, b: Path) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="small,large", help="comma list of " + ",".join(SIZES))
-    ap.add_argument("--shard-mb", type=int, default=100, help="HF safetensors file size, in and out (MB)")
+    ap.add_argument(
+        "--shard-mb", type=int, default=100, help="HF safetensors file size, in and out (MB)"
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "convert_memory.json"))
     args = ap.parse_args()
     results = []
@@ -101,15 +119,29 @@ def main() -> None:
                 case = Path(tmp) / f"{kind}_{size}_work"
                 src, model_bytes = build(Path(tmp), kind, size, args.shard_mb)
                 parallel = "tp2_ep2" if kind == "moe" else "tp2"
-                entry = {"model": kind, "size": size, "model_mib": round(model_bytes / 2**20, 1), "conversions": []}
-                for layout, kw in (("tp1", {}), (parallel, {"tp": 2, **({"ep": 2} if kind == "moe" else {})})):
+                entry = {
+                    "model": kind,
+                    "size": size,
+                    "model_mib": round(model_bytes / 2**20, 1),
+                    "conversions": [],
+                }
+                for layout, kw in (
+                    ("tp1", {}),
+                    (parallel, {"tp": 2, **({"ep": 2} if kind == "moe" else {})}),
+                ):
                     mc, hf = case / f"mcore_{layout}", case / f"hf_{layout}"
                     there = hf_to_mcore(src, mc, progress=False, **kw)
                     back = mcore_to_hf(mc, hf, max_shard_size=f"{args.shard_mb}MB", progress=False)
-                    entry["conversions"] += [row(there, layout, model_bytes), row(back, layout, model_bytes)]
+                    entry["conversions"] += [
+                        row(there, layout, model_bytes),
+                        row(back, layout, model_bytes),
+                    ]
                     entry[f"round_trip_{layout}_bitwise"] = same_tensors(src, hf)
-                    print(f"{kind} {size} {layout}\n  {there.summary()}\n  {back.summary()}\n"
-                          f"  round trip bitwise: {entry[f'round_trip_{layout}_bitwise']}", flush=True)
+                    print(
+                        f"{kind} {size} {layout}\n  {there.summary()}\n  {back.summary()}\n"
+                        f"  round trip bitwise: {entry[f'round_trip_{layout}_bitwise']}",
+                        flush=True,
+                    )
                 results.append(entry)
     worst = max(c["peak_over_largest_shard"] for e in results for c in e["conversions"])
     out = {

@@ -74,16 +74,24 @@ def _measure(peak: _Peak, fn, barrier) -> tuple[float, int]:  # noqa: ANN001
     return seconds, peak.value - before
 
 
-def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, repeats: int, out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, elements: int, adam_elements: int, repeats: int, out: str
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _coalescing_manager
 
-    from rollhpc.models.megatron_cpu import _all_gather_by_all_reduce, _FusedAdamW, _reduce_scatter_by_all_reduce
+    from rollhpc.models.megatron_cpu import (
+        _all_gather_by_all_reduce,
+        _FusedAdamW,
+        _reduce_scatter_by_all_reduce,
+    )
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     group = dist.new_group(list(range(world)))
     peak = _Peak()
     shard = elements // world
@@ -99,11 +107,12 @@ def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, r
         """A copy of ``base`` (the bucket), ``call(bucket, this rank's shard of it)`` run on it inside megatron's
         ``_coalescing_manager`` and measured as ``name``; the bucket after."""
         bucket = base.clone()
-        mine = bucket[rank * shard:(rank + 1) * shard]
+        mine = bucket[rank * shard : (rank + 1) * shard]
 
         def issue() -> None:
             with _coalescing_manager(group, async_ops=False):
                 call(bucket, mine)
+
         record(name, issue)
         return bucket
 
@@ -112,19 +121,35 @@ def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, r
     checks = {}
     for _ in range(repeats):
         own = slice(rank * shard, (rank + 1) * shard)
-        expected = as_megatron_issues("reduce_scatter/gloo", grads, lambda bucket, mine: dist.reduce_scatter_tensor(
-            mine, bucket, group=group))[own].clone()
-        reduced = as_megatron_issues("reduce_scatter/all_reduce", grads, lambda bucket, mine: (
-            _reduce_scatter_by_all_reduce(mine, bucket, op=dist.ReduceOp.SUM, group=group)))[own]
+        expected = as_megatron_issues(
+            "reduce_scatter/gloo",
+            grads,
+            lambda bucket, mine: dist.reduce_scatter_tensor(mine, bucket, group=group),
+        )[own].clone()
+        reduced = as_megatron_issues(
+            "reduce_scatter/all_reduce",
+            grads,
+            lambda bucket, mine: _reduce_scatter_by_all_reduce(
+                mine, bucket, op=dist.ReduceOp.SUM, group=group
+            ),
+        )[own]
         checks["reduce_scatter_max_abs_diff"] = float((reduced - expected).abs().max())
         del expected, reduced
 
         params = torch.randn(elements, generator=gen).to(torch.bfloat16)
-        expected = as_megatron_issues("all_gather/gloo", params, lambda bucket, mine: dist.all_gather_into_tensor(
-            bucket, mine, group=group))
-        summed = as_megatron_issues("all_gather/all_reduce", params, lambda bucket, mine: _all_gather_by_all_reduce(
-            bucket, mine, group=group))
-        checks["all_gather_bitwise_equal"] = bool(torch.equal(summed.view(torch.int16), expected.view(torch.int16)))
+        expected = as_megatron_issues(
+            "all_gather/gloo",
+            params,
+            lambda bucket, mine: dist.all_gather_into_tensor(bucket, mine, group=group),
+        )
+        summed = as_megatron_issues(
+            "all_gather/all_reduce",
+            params,
+            lambda bucket, mine: _all_gather_by_all_reduce(bucket, mine, group=group),
+        )
+        checks["all_gather_bitwise_equal"] = bool(
+            torch.equal(summed.view(torch.int16), expected.view(torch.int16))
+        )
         del params, summed, expected
 
         results = {}
@@ -137,7 +162,9 @@ def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, r
             record(name, opt.step)
             results[name] = p.detach().clone()
             del opt, p
-        checks["adam_max_abs_diff"] = float((results["adam/per_parameter"] - results["adam/fused"]).abs().max())
+        checks["adam_max_abs_diff"] = float(
+            (results["adam/per_parameter"] - results["adam/fused"]).abs().max()
+        )
         del results
     if rank == 0:
         Path(out).write_text(json.dumps({"rows": rows, "checks": checks}))
@@ -146,12 +173,22 @@ def _rank(rank: int, world: int, port: int, elements: int, adam_elements: int, r
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--mib", type=int, default=1024, help="the fp32 gradient bucket per rank (MiB); the bf16 "
-                    "parameter bucket has as many elements")
-    ap.add_argument("--adam-elements", type=int, default=68_075_008,
-                    help="the Adam parameter (default: Qwen2.5-0.5B's 151936 x 896 embedding, half of it)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--mib",
+        type=int,
+        default=1024,
+        help="the fp32 gradient bucket per rank (MiB); the bf16 "
+        "parameter bucket has as many elements",
+    )
+    ap.add_argument(
+        "--adam-elements",
+        type=int,
+        default=68_075_008,
+        help="the Adam parameter (default: Qwen2.5-0.5B's 151936 x 896 embedding, half of it)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(HERE / "results" / "cpu_collectives.json"))
     args = ap.parse_args()
@@ -170,8 +207,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "rank0.json")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_rank, args=(r, 2, port, elements, args.adam_elements, args.repeats, out))
-                 for r in range(2)]
+        procs = [
+            ctx.Process(
+                target=_rank, args=(r, 2, port, elements, args.adam_elements, args.repeats, out)
+            )
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -181,16 +222,29 @@ def main() -> None:
         measured = json.loads(Path(out).read_text())
     table = {}
     for name, r in measured["rows"].items():
-        table[name] = {"seconds_median": statistics.median(r["seconds"]), "seconds": r["seconds"],
-                       "extra_mib_median": statistics.median(r["extra_bytes"]) / (1 << 20),
-                       "extra_mib": [b / (1 << 20) for b in r["extra_bytes"]]}
+        table[name] = {
+            "seconds_median": statistics.median(r["seconds"]),
+            "seconds": r["seconds"],
+            "extra_mib_median": statistics.median(r["extra_bytes"]) / (1 << 20),
+            "extra_mib": [b / (1 << 20) for b in r["extra_bytes"]],
+        }
     result = {
-        "bench": "cpu_collectives", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "torch": torch.__version__, "threads_per_rank": 1},
-        "ranks": 2, "gradient_bucket_mib": args.mib, "parameter_bucket_mib": args.mib // 2,
-        "adam_elements": args.adam_elements, "repeats": args.repeats,
-        "rows": table, "checks": measured["checks"],
+        "bench": "cpu_collectives",
+        "commit": commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads_per_rank": 1,
+        },
+        "ranks": 2,
+        "gradient_bucket_mib": args.mib,
+        "parameter_bucket_mib": args.mib // 2,
+        "adam_elements": args.adam_elements,
+        "repeats": args.repeats,
+        "rows": table,
+        "checks": measured["checks"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp_out = Path(args.out).with_suffix(".json.tmp")

@@ -67,30 +67,42 @@ class DispatchBench(Pipeline):
 
         one_to_all = time_calls(one_to_all_call, self.options.large_calls, warmup=1)
         large = time_calls(large_call, self.options.large_calls, warmup=1)
-        (self.run_ctx.run_dir / "bench.json").write_text(json.dumps({"small_s": small, "one_to_all_s": one_to_all,
-                                                                     "large_s": large}))
+        (self.run_ctx.run_dir / "bench.json").write_text(
+            json.dumps({"small_s": small, "one_to_all_s": one_to_all, "large_s": large})
+        )
 
 
 NETWORK_PATH = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
-def run_rollhpc(n: int, small_calls: int, large_calls: int, workdir: Path, system: str = "rollhpc") -> dict:
+def run_rollhpc(
+    n: int, small_calls: int, large_calls: int, workdir: Path, system: str = "rollhpc"
+) -> dict:
     import yaml
 
     cfg = {
         "run": {"name": f"dispatch-n{n}", "output_dir": str(workdir)},
-        "pipeline": {"entry": "dispatch:DispatchBench",
-                     "options": {"small_calls": small_calls, "large_calls": large_calls}},
+        "pipeline": {
+            "entry": "dispatch:DispatchBench",
+            "options": {"small_calls": small_calls, "large_calls": large_calls},
+        },
         "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}},
-        "controller": {"one_to_all": system.removeprefix("rollhpc-net-") if system != "rollhpc" else "auto"},
+        "controller": {
+            "one_to_all": system.removeprefix("rollhpc-net-") if system != "rollhpc" else "auto"
+        },
     }
     path = workdir / f"dispatch-n{n}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
     if system.startswith("rollhpc-net-"):
         env.update(NETWORK_PATH)
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"],
-                         env=env, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if res.returncode != 0:
         raise RuntimeError(f"rollhpc world with {n} workers failed:\n{res.stderr[-3000:]}")
     return json.loads((workdir / f"dispatch-n{n}" / "bench.json").read_text())
@@ -109,7 +121,9 @@ def run_ray(n: int, small_calls: int, large_calls: int) -> dict:
 
     actors = [Echo.remote() for _ in range(n)]
     ray.get([a.echo.remote(None) for a in actors])
-    small = time_calls(lambda: ray.get([a.echo.remote(SMALL) for a in actors]), small_calls, warmup=3)
+    small = time_calls(
+        lambda: ray.get([a.echo.remote(SMALL) for a in actors]), small_calls, warmup=3
+    )
     big = np.random.default_rng(0).integers(0, 255, LARGE_BYTES, dtype=np.uint8)
 
     def large_call():
@@ -146,7 +160,9 @@ def summarize(runs: list[dict], n: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--small-calls", type=int, default=300)
@@ -156,13 +172,25 @@ def main() -> None:
     args = ap.parse_args()
     sizes = [int(x) for x in args.workers.split(",")]
     systems = args.systems.split(",")
-    results: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-                     "payload_large_bytes": LARGE_BYTES, "small_payload": SMALL, "results": {s: {} for s in systems}}
+    results: dict = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "payload_large_bytes": LARGE_BYTES,
+        "small_payload": SMALL,
+        "results": {s: {} for s in systems},
+    }
     if "ray" in systems:
         import ray
 
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR",
-                 object_store_memory=4 << 30)
+        ray.init(
+            num_cpus=os.cpu_count(),
+            include_dashboard=False,
+            logging_level="ERROR",
+            object_store_memory=4 << 30,
+        )
         results["machine"]["ray"] = ray.__version__
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
@@ -170,14 +198,19 @@ def main() -> None:
                 runs = []
                 for _ in range(args.runs):
                     if system.startswith("rollhpc"):
-                        runs.append(run_rollhpc(n, args.small_calls, args.large_calls, Path(tmp), system))
+                        runs.append(
+                            run_rollhpc(n, args.small_calls, args.large_calls, Path(tmp), system)
+                        )
                     else:
                         runs.append(run_ray(n, args.small_calls, args.large_calls))
                 results["results"][system][str(n)] = summarize(runs, n)
                 r = results["results"][system][str(n)]
-                print(f"N={n} {system:>8}: small {r['small_latency_us']:>9.1f} us ({r['small_calls_per_s']:>8.1f}/s)  "
-                      f"64MiB one-to-all {r['one_to_all_s']:.3f} s  "
-                      f"64MiB echo {r['large_roundtrip_s']:.3f} s ({r['large_GBps']:.2f} GB/s)", flush=True)
+                print(
+                    f"N={n} {system:>8}: small {r['small_latency_us']:>9.1f} us ({r['small_calls_per_s']:>8.1f}/s)  "
+                    f"64MiB one-to-all {r['one_to_all_s']:.3f} s  "
+                    f"64MiB echo {r['large_roundtrip_s']:.3f} s ({r['large_GBps']:.2f} GB/s)",
+                    flush=True,
+                )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_suffix(".json.tmp")

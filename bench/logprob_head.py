@@ -27,7 +27,9 @@ from rollhpc.models.vocab_parallel import token_logprobs  # noqa: E402
 _MASKED = -1e9
 
 
-def plain_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool):
+def plain_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, with_entropy: bool
+):
     """The single-rank maths of token_logprobs as plain expressions (autograd keeps what each op needs)."""
     logits = logits.float()
     v = logits.shape[-1]
@@ -41,7 +43,9 @@ def plain_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
     return logp, entropy
 
 
-def measure(fn, logits: torch.Tensor, targets: torch.Tensor, vocab: int, with_entropy: bool) -> dict:
+def measure(
+    fn, logits: torch.Tensor, targets: torch.Tensor, vocab: int, with_entropy: bool
+) -> dict:
     saved = []
 
     def pack(t):
@@ -82,14 +86,31 @@ def main() -> int:
             for x in r:
                 x.pop("grad", None)
         key = "with_entropy" if with_entropy else "logprobs"
-        results[key] = {name: {"median_s": statistics.median(x["seconds"] for x in r),
-                               "saved_gib": r[0]["saved_bytes"] / 2**30} for name, r in runs.items()}
-        results[key]["grad_max_abs_diff"] = float((grads["plain_autograd"] - grads["token_logprobs"]).abs().max())
-        results[key]["speedup"] = results[key]["plain_autograd"]["median_s"] / results[key]["token_logprobs"]["median_s"]
+        results[key] = {
+            name: {
+                "median_s": statistics.median(x["seconds"] for x in r),
+                "saved_gib": r[0]["saved_bytes"] / 2**30,
+            }
+            for name, r in runs.items()
+        }
+        results[key]["grad_max_abs_diff"] = float(
+            (grads["plain_autograd"] - grads["token_logprobs"]).abs().max()
+        )
+        results[key]["speedup"] = (
+            results[key]["plain_autograd"]["median_s"] / results[key]["token_logprobs"]["median_s"]
+        )
         print(key, results[key], flush=True)
     float_copy = args.rows * args.seq * args.vocab * 4
-    write_result(Path(args.out), {"bench": "logprob_head", "commit": commit(), "args": vars(args),
-                                  "float_copy_gib": float_copy / 2**30, "results": results})
+    write_result(
+        Path(args.out),
+        {
+            "bench": "logprob_head",
+            "commit": commit(),
+            "args": vars(args),
+            "float_copy_gib": float_copy / 2**30,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -34,7 +34,13 @@ def commit() -> str:
     """HEAD's hash, with ``+dirty`` when tracked files differ from it (then the numbers are not from a commit).
     bench/results/ does not count: a benchmark that writes several result files would otherwise call its own
     second one dirty."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
-                           cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     return head + ("+dirty" if dirty else "")

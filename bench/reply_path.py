@@ -134,11 +134,16 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
     for ax, (name, r) in zip(axes.flat, results.items()):
         for key, label in (("direct_s", "direct"), ("tree_s", "as bundles")):
             ys = [r["by_ranks"][str(n)][key] * 1e3 for n in sizes]
-            line, = ax.plot(sizes, ys, "o", label=f"{label}, measured")
+            (line,) = ax.plot(sizes, ys, "o", label=f"{label}, measured")
             if f := r["fits"].get(key):
                 model = f["a"] + f["b"] * (grid if f["model"] == "linear" else np.log2(grid))
-                ax.plot(grid, model * 1e3, "-", color=line.get_color(),
-                        label=f"{f['model']} fit -> {f['at_target'] * 1e3:.3g} ms at {TARGET_RANKS}")
+                ax.plot(
+                    grid,
+                    model * 1e3,
+                    "-",
+                    color=line.get_color(),
+                    label=f"{f['model']} fit -> {f['at_target'] * 1e3:.3g} ms at {TARGET_RANKS}",
+                )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"rank 0's work for one call's replies ({name})", fontsize=9)
@@ -155,7 +160,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default=f"64,128,256,1024,{TARGET_RANKS}")
     ap.add_argument("--fan-in", type=int, default=16)
-    ap.add_argument("--per-host", type=int, default=8, help="ranks per node (the node leaders' groups)")
+    ap.add_argument(
+        "--per-host", type=int, default=8, help="ranks per node (the node leaders' groups)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="medians over this many calls")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "reply_path.json")
     args = ap.parse_args()
@@ -168,26 +175,53 @@ def main() -> None:
             rows = {}
             for n in sizes:
                 d = statistics.median(direct(ctl, n, payload) for _ in range(args.repeats))
-                tree = [bundled(ctl, n, payload, args.fan_in, args.per_host) for _ in range(args.repeats)]
+                tree = [
+                    bundled(ctl, n, payload, args.fan_in, args.per_host)
+                    for _ in range(args.repeats)
+                ]
                 b = statistics.median(t for t, _ in tree)
-                rows[str(n)] = {"direct_s": d, "tree_s": b, "tree_messages": tree[0][1],
-                                "direct_us_per_rank": d / n * 1e6, "tree_us_per_rank": b / n * 1e6}
-                print(f"{name} N={n}: rank 0 takes the replies directly in {d * 1e3:.2f} ms, as {tree[0][1]} bundles "
-                      f"in {b * 1e3:.2f} ms", flush=True)
-            r = statistics.median(relay(ctl.channel, payload, args.fan_in) for _ in range(args.repeats))
-            results[name] = {"by_ranks": rows, "relay_s": r,
-                             "fits": {k: fit(sizes, [rows[str(n)][k] for n in sizes]) for k in ("direct_s", "tree_s")}
-                             if len(sizes) >= 2 else {}}
-            print(f"{name}: a relay's part ({args.fan_in - 1} bundles of {args.fan_in} in, one out) {r * 1e3:.2f} ms",
-                  flush=True)
-    out = {"bench": "reply_path", "commit": commit(), "fan_in": args.fan_in, "ranks_per_node": args.per_host,
-           "sizes": sizes, "results": results,
-           "what": "rank 0's CPU seconds (this thread) to take one call's replies: direct = N messages, tree = the "
-                   "reply tree's top bundles; relay = one relay's CPU to collect fan_in - 1 bundles and send one",
-           "assumptions": "one process sends the messages to itself through MPI (MPICH's self path: no network, no "
-                          "other process); a tree's extra latency is its depth in network hops plus each level's "
-                          "relay part, not measured here",
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                rows[str(n)] = {
+                    "direct_s": d,
+                    "tree_s": b,
+                    "tree_messages": tree[0][1],
+                    "direct_us_per_rank": d / n * 1e6,
+                    "tree_us_per_rank": b / n * 1e6,
+                }
+                print(
+                    f"{name} N={n}: rank 0 takes the replies directly in {d * 1e3:.2f} ms, as {tree[0][1]} bundles "
+                    f"in {b * 1e3:.2f} ms",
+                    flush=True,
+                )
+            r = statistics.median(
+                relay(ctl.channel, payload, args.fan_in) for _ in range(args.repeats)
+            )
+            results[name] = {
+                "by_ranks": rows,
+                "relay_s": r,
+                "fits": {
+                    k: fit(sizes, [rows[str(n)][k] for n in sizes]) for k in ("direct_s", "tree_s")
+                }
+                if len(sizes) >= 2
+                else {},
+            }
+            print(
+                f"{name}: a relay's part ({args.fan_in - 1} bundles of {args.fan_in} in, one out) {r * 1e3:.2f} ms",
+                flush=True,
+            )
+    out = {
+        "bench": "reply_path",
+        "commit": commit(),
+        "fan_in": args.fan_in,
+        "ranks_per_node": args.per_host,
+        "sizes": sizes,
+        "results": results,
+        "what": "rank 0's CPU seconds (this thread) to take one call's replies: direct = N messages, tree = the "
+        "reply tree's top bundles; relay = one relay's CPU to collect fan_in - 1 bundles and send one",
+        "assumptions": "one process sends the messages to itself through MPI (MPICH's self path: no network, no "
+        "other process); a tree's extra latency is its depth in network hops plus each level's "
+        "relay part, not measured here",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     write_result(args.out, out)
     plot(results, sizes, args.out.with_suffix(".png"))
 

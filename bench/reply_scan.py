@@ -70,13 +70,25 @@ def main() -> None:
     for n in (int(x) for x in args.ranks.split(",")):
         keys = [(rank, 7) for rank in range(1, n + 1)]
         for order, arrivals in (("in_order", keys), ("reverse", keys[::-1])):
-            row = {"before_s": seconds(scan_all, keys, arrivals), "after_s": seconds(scan_cursor, keys, arrivals),
-                   "before_lookups": scan_all(keys, arrivals), "after_lookups": n}
+            row = {
+                "before_s": seconds(scan_all, keys, arrivals),
+                "after_s": seconds(scan_cursor, keys, arrivals),
+                "before_lookups": scan_all(keys, arrivals),
+                "after_lookups": n,
+            }
             rows[f"{n}_{order}"] = row
-            print(f"N={n} {order}: before {row['before_s'] * 1e3:.2f} ms ({row['before_lookups']} lookups), "
-                  f"after {row['after_s'] * 1e3:.3f} ms", flush=True)
-    out = {"bench": "reply_scan", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "machine": f"{os.cpu_count()} cores", "results": rows}
+            print(
+                f"N={n} {order}: before {row['before_s'] * 1e3:.2f} ms ({row['before_lookups']} lookups), "
+                f"after {row['after_s'] * 1e3:.3f} ms",
+                flush=True,
+            )
+    out = {
+        "bench": "reply_scan",
+        "commit": commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": f"{os.cpu_count()} cores",
+        "results": rows,
+    }
     write_result(args.out, out)
     print(f"wrote {args.out}")
 

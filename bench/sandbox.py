@@ -46,8 +46,9 @@ class Plain:
         self.interpreter = interpreter
 
     def one(self) -> str:
-        return subprocess.run([self.interpreter, "-I", "-S", "-c", PROGRAM], capture_output=True, text=True,
-                              env={}).stdout
+        return subprocess.run(
+            [self.interpreter, "-I", "-S", "-c", PROGRAM], capture_output=True, text=True, env={}
+        ).stdout
 
     def many(self, n: int, workers: int) -> list[str]:
         with ThreadPoolExecutor(workers) as ex:
@@ -90,8 +91,10 @@ def measure(modes: dict, n: int, workers: list[int], rounds: int) -> dict[str, d
     out: dict[str, dict] = {name: {} for name in modes}
     for (name, w), times in secs.items():
         med = statistics.median(times)
-        out[name]["sequential" if w == 0 else f"pool_{w}"] = {"programs_per_s": round(n / med, 1),
-                                                              "ms_per_program": round(1000 * med / n, 2)}
+        out[name]["sequential" if w == 0 else f"pool_{w}"] = {
+            "programs_per_s": round(n / med, 1),
+            "ms_per_program": round(1000 * med / n, 2),
+        }
     return out
 
 
@@ -107,32 +110,56 @@ def main() -> None:
     load_before = os.getloadavg()
     sb = Sandbox()
     unsafe = Sandbox(unsafe=True, interpreter=sb.interpreter.path)
-    modes = {"plain": Plain(sb.interpreter.path), "unsafe": Sandboxed(unsafe), "sandboxed": Sandboxed(sb)}
+    modes = {
+        "plain": Plain(sb.interpreter.path),
+        "unsafe": Sandboxed(unsafe),
+        "sandboxed": Sandboxed(sb),
+    }
     results = measure(modes, args.n, workers, args.rounds)
     for name, rows in results.items():
-        print(f"{name:<10} " + "  ".join(f"{k} {v['programs_per_s']:7.1f}/s ({v['ms_per_program']:.1f} ms)"
-                                           for k, v in rows.items()), flush=True)
+        print(
+            f"{name:<10} "
+            + "  ".join(
+                f"{k} {v['programs_per_s']:7.1f}/s ({v['ms_per_program']:.1f} ms)"
+                for k, v in rows.items()
+            ),
+            flush=True,
+        )
     seq = results["sandboxed"]["sequential"]["ms_per_program"]
     out = {
         "benchmark": "sandbox",
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {"cpus": os.cpu_count(), "cpus_available": available_cpus(), "platform": platform.platform(),
-                    "python": platform.python_version(), "bwrap": sb.bwrap,
-                    "bwrap_version": ".".join(map(str, bwrap_version(sb.bwrap) or ())),
-                    "interpreter": f"{sb.interpreter.path} ({sb.interpreter.version})",
-                    "bwrap_as_uid": sb.host_uid,
-                    # other work on the machine shows here: pooled numbers mean little when it is busy
-                    "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
-                    "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()]},
-        "settings": {"program": PROGRAM, "n": args.n, "rounds": args.rounds, "workers": workers,
-                     "limits": sb.limits.to_dict()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpus_available": available_cpus(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "bwrap": sb.bwrap,
+            "bwrap_version": ".".join(map(str, bwrap_version(sb.bwrap) or ())),
+            "interpreter": f"{sb.interpreter.path} ({sb.interpreter.version})",
+            "bwrap_as_uid": sb.host_uid,
+            # other work on the machine shows here: pooled numbers mean little when it is busy
+            "loadavg_1_5_15_before": [round(x, 2) for x in load_before],
+            "loadavg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "settings": {
+            "program": PROGRAM,
+            "n": args.n,
+            "rounds": args.rounds,
+            "workers": workers,
+            "limits": sb.limits.to_dict(),
+        },
         "results": results,
         "sandbox_pool_default_workers": available_cpus(),
-        "sandbox_overhead_ms_sequential": round(seq - results["plain"]["sequential"]["ms_per_program"], 2),
+        "sandbox_overhead_ms_sequential": round(
+            seq - results["plain"]["sequential"]["ms_per_program"], 2
+        ),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"sandbox overhead per program (sequential): {out['sandbox_overhead_ms_sequential']} ms; wrote {args.out}")
+    print(
+        f"sandbox overhead per program (sequential): {out['sandbox_overhead_ms_sequential']} ms; wrote {args.out}"
+    )
 
 
 if __name__ == "__main__":

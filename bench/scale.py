@@ -120,7 +120,9 @@ class ScaleBench(Pipeline):
         out["small_messages"] = (ctl.messages_taken - taken) / o.small_calls
         out["small_send_s"] = (ctl.send_cpu_s - sent) / o.small_calls
         out["small_work_s"] = out["small_send_s"] + (ctl.reply_cpu_s - took) / o.small_calls
-        if os.environ.get("SCALE_PROFILE"):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
+        if os.environ.get(
+            "SCALE_PROFILE"
+        ):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
             _profile(lambda: g.echo(SMALL), o.small_calls, self.run_ctx.run_dir / "profile.txt")
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
         out["one_to_all_s"] = median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)
@@ -135,38 +137,59 @@ class ScaleBench(Pipeline):
         g.crash_on(len(g) - 1)  # raises once the controller sees the rank gone
 
 
-def run_world(n: int, work: Path, small_calls: int, large_calls: int, controller: dict | None = None) -> dict:
+def run_world(
+    n: int, work: Path, small_calls: int, large_calls: int, controller: dict | None = None
+) -> dict:
     import yaml
 
     name = f"scale-n{n}"
-    cfg = {"run": {"name": name, "output_dir": str(work)},
-           "pipeline": {"entry": "scale:ScaleBench", "options": {"small_calls": small_calls,
-                                                                "large_calls": large_calls}},
-           "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}}}
+    cfg = {
+        "run": {"name": name, "output_dir": str(work)},
+        "pipeline": {
+            "entry": "scale:ScaleBench",
+            "options": {"small_calls": small_calls, "large_calls": large_calls},
+        },
+        "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": n}},
+    }
     if controller:
         cfg["controller"] = controller
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
     launched = time.time()
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"], env=env,
-                         capture_output=True, text=True, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     ended = time.time()
     run_dir = work / name
     bench = run_dir / "bench.json"
     if not bench.is_file():
-        raise RuntimeError(f"world of {n} ranks gave no measurements (exit {res.returncode}):\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"world of {n} ranks gave no measurements (exit {res.returncode}):\n{res.stderr[-3000:]}"
+        )
     if res.returncode == 0:
         raise RuntimeError(f"world of {n} ranks exited 0 after one of its ranks was killed")
     b = json.loads(bench.read_text())
     if (run_dir / "profile.txt").is_file():
         print((run_dir / "profile.txt").read_text()[:8000])
-    row = {"formation_s": b["run_start"] - launched, "small_s": b["small_s"], "small_cpu_s": b["small_cpu_s"],
-           "small_messages": b["small_messages"], "small_work_s": b["small_work_s"], "small_send_s": b["small_send_s"],
-           "gather_work_s": b["gather_work_s"],
-           "one_to_all_s": b["one_to_all_s"], "gather_s": b["gather_s"], "gather_cpu_s": b["gather_cpu_s"],
-           "dead_rank_to_exit_s": ended - b["crash_at"],
-           "rss_bytes_per_rank": b["rss_bytes_median"]}
+    row = {
+        "formation_s": b["run_start"] - launched,
+        "small_s": b["small_s"],
+        "small_cpu_s": b["small_cpu_s"],
+        "small_messages": b["small_messages"],
+        "small_work_s": b["small_work_s"],
+        "small_send_s": b["small_send_s"],
+        "gather_work_s": b["gather_work_s"],
+        "one_to_all_s": b["one_to_all_s"],
+        "gather_s": b["gather_s"],
+        "gather_cpu_s": b["gather_cpu_s"],
+        "dead_rank_to_exit_s": ended - b["crash_at"],
+        "rss_bytes_per_rank": b["rss_bytes_median"],
+    }
     for key, fname in (("world_json", "world.json"), ("plan_json", "plan.json")):
         f = run_dir / fname
         if f.is_file():
@@ -186,8 +209,14 @@ def cli_seconds(args: list[str], runs: int = 3) -> float:
     times = []
     for _ in range(runs):
         t = time.perf_counter()
-        res = subprocess.run([sys.executable, "-m", "rollhpc.cli", *args], env=env, capture_output=True, text=True,
-                             cwd=tempfile.gettempdir(), timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-m", "rollhpc.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=tempfile.gettempdir(),
+            timeout=600,
+        )
         times.append(time.perf_counter() - t)
         if res.returncode != 0:
             raise RuntimeError(f"rollhpc {' '.join(args)} failed:\n{res.stderr[-2000:]}")
@@ -204,9 +233,15 @@ def restarts_record(nodes: int = 520, lines: int = 20) -> dict:
     from rollhpc.rundir import RunPaths
     from rollhpc.rundir.records import log_event
 
-    event = {"event": "start", "job_id": "1234567", "restart": 3, "slurm_restart_count": 0,
-             "nodes": [f"gpu-node-{i:04d}" for i in range(nodes)], "batch_host": "gpu-node-0000",
-             "previous_attempt": "requeue"}
+    event = {
+        "event": "start",
+        "job_id": "1234567",
+        "restart": 3,
+        "slurm_restart_count": 0,
+        "nodes": [f"gpu-node-{i:04d}" for i in range(nodes)],
+        "batch_host": "gpu-node-0000",
+        "previous_attempt": "requeue",
+    }
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):
         t = time.perf_counter()
         for _ in range(lines):
@@ -224,11 +259,18 @@ def fit(ns: list[int], ys: list[float]) -> dict:
     for kind, feature in (("linear", x), ("log", np.log2(x))):
         design = np.stack([np.ones_like(feature), feature], axis=1)
         (a, b), *_ = np.linalg.lstsq(design, y, rcond=None)
-        residual = float(np.sqrt(np.mean(((design @ [a, b]) - y) ** 2)) / max(float(np.mean(np.abs(y))), 1e-12))
+        residual = float(
+            np.sqrt(np.mean(((design @ [a, b]) - y) ** 2)) / max(float(np.mean(np.abs(y))), 1e-12)
+        )
         at = a + b * (TARGET_RANKS if kind == "linear" else np.log2(TARGET_RANKS))
         if best is None or residual < best["relative_residual"]:
-            best = {"model": kind, "a": float(a), "b": float(b), "relative_residual": residual,
-                    "at_target": float(at)}
+            best = {
+                "model": kind,
+                "a": float(a),
+                "b": float(b),
+                "relative_residual": residual,
+                "at_target": float(at),
+            }
     return best
 
 
@@ -249,26 +291,39 @@ def plot(results: dict, fits: dict, path: Path) -> None:
         f = fits[key]
         grid = np.geomspace(min(ns), TARGET_RANKS, 50)
         model = f["a"] + f["b"] * (grid if f["model"] == "linear" else np.log2(grid))
-        ax.plot(grid, model, "-", label=f"{f['model']} fit -> {f['at_target']:.3g} at {TARGET_RANKS}")
+        ax.plot(
+            grid, model, "-", label=f"{f['model']} fit -> {f['at_target']:.3g} at {TARGET_RANKS}"
+        )
         ax.set_xscale("log")
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("ranks")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     write_figure(path, fig)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="8,32,128", help="world sizes (probe ranks), comma-separated")
+    ap.add_argument(
+        "--ranks", default="8,32,128", help="world sizes (probe ranks), comma-separated"
+    )
     ap.add_argument("--runs", type=int, default=2, help="fresh worlds per size (medians)")
     ap.add_argument("--small-calls", type=int, default=30)
     ap.add_argument("--large-calls", type=int, default=3)
-    ap.add_argument("--reply-tree-min-ranks", type=int, default=None,
-                    help="controller.reply_tree_min_ranks of the worlds (default: the config's; 0: no reply trees)")
-    ap.add_argument("--reply-fan-in", type=int, default=None, help="controller.reply_fan_in (default: the config's)")
+    ap.add_argument(
+        "--reply-tree-min-ranks",
+        type=int,
+        default=None,
+        help="controller.reply_tree_min_ranks of the worlds (default: the config's; 0: no reply trees)",
+    )
+    ap.add_argument(
+        "--reply-fan-in",
+        type=int,
+        default=None,
+        help="controller.reply_fan_in (default: the config's)",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "scale.json")
     args = ap.parse_args()
     sizes = [int(x) for x in args.ranks.split(",")]
@@ -288,25 +343,48 @@ def main() -> None:
                 runs.append(run_world(n, work, args.small_calls, args.large_calls, controller))
             results[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
             r = results[str(n)]
-            print(f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
-                  f"{r['small_cpu_s'] * 1e3:.2f} ms, its work {r['small_work_s'] * 1e3:.2f} ms of which sends "
-                  f"{r['small_send_s'] * 1e3:.2f}, {r['small_messages']:.0f} messages), 64 MiB one-to-all "
-                  f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms (work "
-                  f"{r['gather_work_s'] * 1e3:.2f}), dead rank -> exit {r['dead_rank_to_exit_s']:.1f} s, "
-                  f"{r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank", flush=True)
-    keys = [k for k in results[str(sizes[0])] if k not in ("rss_bytes_per_rank", "small_messages", "small_send_s")]
-    fits = {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys} if len(sizes) >= 2 else {}
-    login = {"plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),
-             "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"]),
-             "restarts_jsonl": restarts_record()}
-    out = {"bench": "scale", "commit": commit(), "target_ranks": TARGET_RANKS, "sizes": sizes, "controller": settings,
-           "results": results,
-           "fits": fits, "at_8769_login_node": login,
-           "assumptions": "one machine: MPICH shared memory and loopback, every rank on 2 cores (oversubscribed); "
-                          "the fits carry how a cost grows with the ranks the controller talks to, not a real "
-                          "interconnect's latency or bandwidth",
-           "machine": {"cpus": os.cpu_count(), "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
-           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            print(
+                f"N={n}: formation {r['formation_s']:.1f} s, small {r['small_s'] * 1e3:.2f} ms (rank 0's CPU "
+                f"{r['small_cpu_s'] * 1e3:.2f} ms, its work {r['small_work_s'] * 1e3:.2f} ms of which sends "
+                f"{r['small_send_s'] * 1e3:.2f}, {r['small_messages']:.0f} messages), 64 MiB one-to-all "
+                f"{r['one_to_all_s']:.3f} s, gather {r['gather_s'] * 1e3:.2f} ms (work "
+                f"{r['gather_work_s'] * 1e3:.2f}), dead rank -> exit {r['dead_rank_to_exit_s']:.1f} s, "
+                f"{r['rss_bytes_per_rank'] / 2**20:.0f} MiB per rank",
+                flush=True,
+            )
+    keys = [
+        k
+        for k in results[str(sizes[0])]
+        if k not in ("rss_bytes_per_rank", "small_messages", "small_send_s")
+    ]
+    fits = (
+        {k: fit(sizes, [results[str(n)][k] for n in sizes]) for k in keys}
+        if len(sizes) >= 2
+        else {}
+    )
+    login = {
+        "plan_s": cli_seconds(["plan", "moe_4096_selfcheck", "--no-ranks"]),
+        "submit_dry_run_s": cli_seconds(["submit", "moe_4096_selfcheck", "--dry-run"]),
+        "restarts_jsonl": restarts_record(),
+    }
+    out = {
+        "bench": "scale",
+        "commit": commit(),
+        "target_ranks": TARGET_RANKS,
+        "sizes": sizes,
+        "controller": settings,
+        "results": results,
+        "fits": fits,
+        "at_8769_login_node": login,
+        "assumptions": "one machine: MPICH shared memory and loopback, every rank on 2 cores (oversubscribed); "
+        "the fits carry how a cost grows with the ranks the controller talks to, not a real "
+        "interconnect's latency or bandwidth",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        },
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     write_result(args.out, out)
     if fits:
         plot(results, fits, args.out.with_suffix(".png"))

@@ -70,14 +70,22 @@ class ScriptedGenerateWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[GenerationRequest], aborts: list[str]) -> GenerationReply:
-        aborted = [(rid, Completion([], [], "abort", 0)) for rid in aborts if self.live.pop(rid, None)]
+        aborted = [
+            (rid, Completion([], [], "abort", 0)) for rid in aborts if self.live.pop(rid, None)
+        ]
         self.live.update((r.id, r) for r in adds)
         finished = []
         for rid in list(self.live)[:FINISH_PER_CALL]:
             r = self.live.pop(rid)
             n = min(r.max_tokens, RESPONSE_TOKENS)
-            finished.append((rid, Completion([(len(r.prompt) + i) % 97 + 3 for i in range(n)], [-0.5] * n, "length",
-                                             0)))
+            finished.append(
+                (
+                    rid,
+                    Completion(
+                        [(len(r.prompt) + i) % 97 + 3 for i in range(n)], [-0.5] * n, "length", 0
+                    ),
+                )
+            )
         return GenerationReply(finished=finished, aborted=aborted)
 
 
@@ -119,10 +127,17 @@ class RoutingBench(Pipeline):
         pin(controller=True)
         gen, rew = self.workers["generate"], self.workers["reward"]
         calls = {"generate": 0, "reward": 0}
-        generators = [_Counted(RankPort(gen.at(i), "rollout"), calls, "generate") for i in range(len(gen))]
+        generators = [
+            _Counted(RankPort(gen.at(i), "rollout"), calls, "generate") for i in range(len(gen))
+        ]
         rewards = [_Counted(RankPort(rew.at(i), "score"), calls, "reward") for i in range(len(rew))]
-        config = SchedulerConfig(group_size=GROUP_SIZE, max_tokens=RESPONSE_TOKENS, max_inflight_per_generator=64,
-                                 oversample=0.0, dynamic_sampling=False)
+        config = SchedulerConfig(
+            group_size=GROUP_SIZE,
+            max_tokens=RESPONSE_TOKENS,
+            max_inflight_per_generator=64,
+            oversample=0.0,
+            dynamic_sampling=False,
+        )
         scheduler = RolloutScheduler(generators, rewards, config, seed=0)
         uids = count()
 
@@ -148,8 +163,14 @@ class RoutingBench(Pipeline):
             wall, cpu = time.perf_counter() - t, time.process_time() - cpu
             assert len(groups) == n_groups and all(len(g) == GROUP_SIZE for g in groups)
             if step:  # step 0 warms up
-                steps.append({"wall_s": wall, "controller_cpu_s": cpu, "samples": n_groups * GROUP_SIZE,
-                              **{f"{k}_calls": calls[k] - before[k] for k in calls}})
+                steps.append(
+                    {
+                        "wall_s": wall,
+                        "controller_cpu_s": cpu,
+                        "samples": n_groups * GROUP_SIZE,
+                        **{f"{k}_calls": calls[k] - before[k] for k in calls},
+                    }
+                )
         if profiler is not None:
             import io
             import pstats
@@ -158,28 +179,41 @@ class RoutingBench(Pipeline):
             text = io.StringIO()
             pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
             (self.run_ctx.run_dir / "profile.txt").write_text(text.getvalue())
-        atomic_write_json(self.run_ctx.run_dir / "bench.json",
-                          {"generators": len(gen), "reward_ranks": len(rew), "steps": steps})
+        atomic_write_json(
+            self.run_ctx.run_dir / "bench.json",
+            {"generators": len(gen), "reward_ranks": len(rew), "steps": steps},
+        )
 
 
 def run_world(n: int, work: Path, steps: int, own_core: bool = False) -> dict:
     import yaml
 
     name = f"routing-n{n}"
-    cfg = {"run": {"name": name, "output_dir": str(work)},
-           "pipeline": {"entry": "scale_routing:RoutingBench", "options": {"steps": steps}},
-           "roles": {"generate": {"worker": "scale_routing:ScriptedGenerateWorker", "procs": n},
-                     "reward": {"worker": "scale_routing:ScriptedRewardWorker", "procs": max(1, n // 8)}}}
+    cfg = {
+        "run": {"name": name, "output_dir": str(work)},
+        "pipeline": {"entry": "scale_routing:RoutingBench", "options": {"steps": steps}},
+        "roles": {
+            "generate": {"worker": "scale_routing:ScriptedGenerateWorker", "procs": n},
+            "reward": {"worker": "scale_routing:ScriptedRewardWorker", "procs": max(1, n // 8)},
+        },
+    }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(REPO)]))
     if own_core:
         env[OWN_CORE] = "1"
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"], env=env,
-                         capture_output=True, text=True, timeout=3600)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "train", str(path), "--overwrite"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     bench = work / name / "bench.json"
     if res.returncode != 0 or not bench.is_file():
-        raise RuntimeError(f"routing world of {n} generators failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"routing world of {n} generators failed (exit {res.returncode}):\n{res.stderr[-3000:]}"
+        )
     b = json.loads(bench.read_text())
     if (work / name / "profile.txt").is_file():
         print((work / name / "profile.txt").read_text()[:6000])
@@ -189,21 +223,36 @@ def run_world(n: int, work: Path, steps: int, own_core: bool = False) -> dict:
         return statistics.median(r[key] for r in rows)
 
     calls = [r["generate_calls"] + r["reward_calls"] for r in rows]
-    return {"generators": b["generators"], "reward_ranks": b["reward_ranks"], "samples_per_step": rows[0]["samples"],
-            "step_s": med("wall_s"), "controller_cpu_s": med("controller_cpu_s"),
-            "generate_calls": med("generate_calls"), "reward_calls": med("reward_calls"),
-            "calls_per_s": statistics.median(c / r["wall_s"] for c, r in zip(calls, rows)),
-            "samples_per_s": statistics.median(r["samples"] / r["wall_s"] for r in rows), "steps": rows}
+    return {
+        "generators": b["generators"],
+        "reward_ranks": b["reward_ranks"],
+        "samples_per_step": rows[0]["samples"],
+        "step_s": med("wall_s"),
+        "controller_cpu_s": med("controller_cpu_s"),
+        "generate_calls": med("generate_calls"),
+        "reward_calls": med("reward_calls"),
+        "calls_per_s": statistics.median(c / r["wall_s"] for c, r in zip(calls, rows)),
+        "samples_per_s": statistics.median(r["samples"] / r["wall_s"] for r in rows),
+        "steps": rows,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ranks", default="8,32,128", help="generator ranks per world, comma-separated")
-    ap.add_argument("--steps", type=int, default=5, help="timed collects per world (after one warm-up)")
-    ap.add_argument("--own-core", action="store_true", help="rank 0 alone on CPU 0, the other ranks on the rest")
+    ap.add_argument(
+        "--ranks", default="8,32,128", help="generator ranks per world, comma-separated"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=5, help="timed collects per world (after one warm-up)"
+    )
+    ap.add_argument(
+        "--own-core", action="store_true", help="rank 0 alone on CPU 0, the other ranks on the rest"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    args.out = args.out or HERE / "results" / f"scale_routing{'_own_core' if args.own_core else ''}.json"
+    args.out = (
+        args.out or HERE / "results" / f"scale_routing{'_own_core' if args.own_core else ''}.json"
+    )
     from bench.provenance import commit, write_result
 
     results = {}
@@ -212,11 +261,20 @@ def main() -> None:
             t = time.perf_counter()
             results[str(n)] = run_world(n, Path(tmp), args.steps, args.own_core)
             r = results[str(n)]
-            print(f"[routing] N={n}: step {r['step_s']:.3f} s for {r['samples_per_step']} samples, "
-                  f"{r['calls_per_s']:.0f} calls/s, {r['samples_per_s']:.0f} samples/s, controller CPU "
-                  f"{r['controller_cpu_s']:.3f} s ({time.perf_counter() - t:.0f} s)", flush=True)
-    out = {"what": __doc__.split("\n\n")[0], "commit": commit(), "machine": f"{os.cpu_count()} cores, local mpiexec",
-           "own_core": args.own_core, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+            print(
+                f"[routing] N={n}: step {r['step_s']:.3f} s for {r['samples_per_step']} samples, "
+                f"{r['calls_per_s']:.0f} calls/s, {r['samples_per_s']:.0f} samples/s, controller CPU "
+                f"{r['controller_cpu_s']:.3f} s ({time.perf_counter() - t:.0f} s)",
+                flush=True,
+            )
+    out = {
+        "what": __doc__.split("\n\n")[0],
+        "commit": commit(),
+        "machine": f"{os.cpu_count()} cores, local mpiexec",
+        "own_core": args.own_core,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "results": results,
+    }
     write_result(args.out, out)
     print(f"[routing] wrote {args.out}")
 

@@ -81,7 +81,9 @@ class SlurmScaleBench(Pipeline):
         atomic_write_json(self.run_ctx.run_dir / f"bench-{attempt}.json", out)
         if attempt == 0:
             deadline = time.monotonic() + self.options.wait_for_crash_s
-            while time.monotonic() < deadline:  # a lost rank fails this call, and with it the attempt
+            while (
+                time.monotonic() < deadline
+            ):  # a lost rank fails this call, and with it the attempt
                 g.echo(SMALL)
                 time.sleep(0.05)
             raise RuntimeError(f"no rank was lost within {self.options.wait_for_crash_s} s")
@@ -107,12 +109,19 @@ def watch(checks: dict, until: str, timeout: float, every: float = 0.05) -> dict
         if until in seen:
             return seen
         time.sleep(every)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {until} (seen: {sorted(seen)})")
+    raise RuntimeError(
+        f"timed out after {timeout:.0f} s waiting for {until} (seen: {sorted(seen)})"
+    )
 
 
 def set_nodes(cluster, names: list[str], state: str) -> None:
     for name in names:
-        cluster.scontrol("update", f"NodeName={name}", f"State={state}", *(["Reason=bench-pool"] if state == "DRAIN" else []))
+        cluster.scontrol(
+            "update",
+            f"NodeName={name}",
+            f"State={state}",
+            *(["Reason=bench-pool"] if state == "DRAIN" else []),
+        )
 
 
 def one_job(cluster, nodes: int, per_node: int, work: Path) -> dict:
@@ -120,20 +129,39 @@ def one_job(cluster, nodes: int, per_node: int, work: Path) -> dict:
 
     name = f"scale-m{nodes}"
     run_dir = work / name
-    cfg = {"run": {"name": name, "output_dir": str(work)},
-           "pipeline": {"entry": "scale_slurm:SlurmScaleBench"},
-           "roles": {"probe": {"worker": "rollhpc.workers.diagnostic:DiagnosticWorker", "procs": nodes * per_node - 1}},
-           "cluster": {"nodes": nodes, "cpus_per_node": 8, "gpus_per_node": 4, "max_restarts": 1,
-                       "cpu_component": {"cpus_per_node": per_node}}}
+    cfg = {
+        "run": {"name": name, "output_dir": str(work)},
+        "pipeline": {"entry": "scale_slurm:SlurmScaleBench"},
+        "roles": {
+            "probe": {
+                "worker": "rollhpc.workers.diagnostic:DiagnosticWorker",
+                "procs": nodes * per_node - 1,
+            }
+        },
+        "cluster": {
+            "nodes": nodes,
+            "cpus_per_node": 8,
+            "gpus_per_node": 4,
+            "max_restarts": 1,
+            "cpu_component": {"cpus_per_node": per_node},
+        },
+    }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     env = {**cluster.env, "PYTHONPATH": os.pathsep.join([str(HERE), str(REPO)])}
-    every = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], env=cluster.env, capture_output=True, text=True,
-                           timeout=60).stdout.split()
+    every = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%N"],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()
     every = sorted(set(every), key=lambda n: (len(n), n))
     if len(every) < nodes + 1:
-        raise RuntimeError(f"the cluster has {len(every)} nodes; a job of {nodes} needs {nodes + 1} (one spare)")
-    outside = every[nodes + 1:]  # the pool: the first M + 1 nodes
+        raise RuntimeError(
+            f"the cluster has {len(every)} nodes; a job of {nodes} needs {nodes + 1} (one spare)"
+        )
+    outside = every[nodes + 1 :]  # the pool: the first M + 1 nodes
     set_nodes(cluster, outside, "DRAIN")
     try:
         return _one_job(cluster, nodes, per_node, work, run_dir, path, env)
@@ -141,17 +169,31 @@ def one_job(cluster, nodes: int, per_node: int, work: Path) -> dict:
         set_nodes(cluster, outside, "RESUME")
 
 
-def _one_job(cluster, nodes: int, per_node: int, work: Path, run_dir: Path, path: Path, env: dict) -> dict:
+def _one_job(
+    cluster, nodes: int, per_node: int, work: Path, run_dir: Path, path: Path, env: dict
+) -> dict:
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", str(path)], cwd=work, env=env,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "submit", str(path)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if res.returncode != 0:
         raise RuntimeError(f"submit of {nodes} nodes failed:\n{res.stderr[-3000:]}")
     row: dict = {"nodes": nodes, "ranks": nodes * per_node, "submit_cli_s": time.time() - t0}
     starts = lambda: [e for e in events(run_dir) if e["event"] == "start"]  # noqa: E731
-    first = watch({"job_started": lambda: starts(),
-                   "world_formed": lambda: (run_dir / "world.json").exists(),
-                   "first_call": lambda: (run_dir / "bench-0.json").exists()}, "first_call", 900)
+    first = watch(
+        {
+            "job_started": lambda: starts(),
+            "world_formed": lambda: (run_dir / "world.json").exists(),
+            "first_call": lambda: (run_dir / "bench-0.json").exists(),
+        },
+        "first_call",
+        900,
+    )
     row.update({f"{k}_s": v - t0 for k, v in first.items()})
     b0 = json.loads((run_dir / "bench-0.json").read_text())
     row.update(small_s=b0["small_s"], small_cpu_s=b0["small_cpu_s"])
@@ -160,10 +202,16 @@ def _one_job(cluster, nodes: int, per_node: int, work: Path, run_dir: Path, path
     t_crash = time.time()
     cluster.script("node-crash", str(cluster.dir), victim)
     try:
-        second = watch({"requeue": lambda: [e for e in events(run_dir) if e["event"] == "requeue"],
-                        "old_job_ended": lambda: cluster.job_state(job_id) in recovery.JOB_ENDED,
-                        "restarted": lambda: len(starts()) > 1,
-                        "reformed": lambda: (run_dir / "bench-1.json").exists()}, "reformed", 900)
+        second = watch(
+            {
+                "requeue": lambda: [e for e in events(run_dir) if e["event"] == "requeue"],
+                "old_job_ended": lambda: cluster.job_state(job_id) in recovery.JOB_ENDED,
+                "restarted": lambda: len(starts()) > 1,
+                "reformed": lambda: (run_dir / "bench-1.json").exists(),
+            },
+            "reformed",
+            900,
+        )
         row.update({f"{k}_s": v - t_crash for k, v in second.items()})
         requeue = next(e for e in events(run_dir) if e["event"] == "requeue")
         row["requeue_reason"] = requeue.get("reason")
@@ -180,7 +228,12 @@ def fit_line(xs: list[int], ys: list[float]) -> dict:
     import numpy as np
 
     b, a = np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)
-    return {"form": "a + b*M", "a": float(a), "b": float(b), "at_plan_nodes": float(a + b * PLAN_NODES)}
+    return {
+        "form": "a + b*M",
+        "a": float(a),
+        "b": float(b),
+        "at_plan_nodes": float(a + b * PLAN_NODES),
+    }
 
 
 def plot(rows: list[dict], fits: dict, path: Path) -> None:
@@ -207,8 +260,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="4,8,16,32", help="node counts of the jobs (comma-separated)")
     p.add_argument("--ranks-per-node", type=int, default=4)
-    p.add_argument("--slurm-dir", type=Path, help="a running local-cluster.sh directory (default: start one of "
-                                                  "max(--nodes) + 2 nodes)")
+    p.add_argument(
+        "--slurm-dir",
+        type=Path,
+        help="a running local-cluster.sh directory (default: start one of max(--nodes) + 2 nodes)",
+    )
     p.add_argument("--out", type=Path, default=HERE / "results" / "scale_slurm.json")
     args = p.parse_args()
     try:
@@ -219,7 +275,9 @@ def main() -> int:
         p.error("--nodes must be >= 2 each (one node is killed) and --ranks-per-node >= 1")
 
     cluster = recovery.Cluster(args.slurm_dir, nodes=sizes[-1] + 2)
-    os.environ.update(cluster.env)  # rollhpc's own Slurm calls in this process reach the bench's cluster
+    os.environ.update(
+        cluster.env
+    )  # rollhpc's own Slurm calls in this process reach the bench's cluster
     root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-scale-slurm-"))
     rows = []
     try:
@@ -231,22 +289,47 @@ def main() -> int:
             rows.append(row)
     finally:
         cluster.down()
-    keys = ["submit_cli_s", "job_started_s", "world_formed_s", "first_call_s", "requeue_s", "old_job_ended_s",
-            "restarted_s", "reformed_s", "small_s", "small_cpu_s"]
+    keys = [
+        "submit_cli_s",
+        "job_started_s",
+        "world_formed_s",
+        "first_call_s",
+        "requeue_s",
+        "old_job_ended_s",
+        "restarted_s",
+        "reformed_s",
+        "small_s",
+        "small_cpu_s",
+    ]
     keys = [k for k in keys if all(k in r for r in rows)]
-    fits = {k: fit_line([r["nodes"] for r in rows], [r[k] for r in rows]) for k in keys} if len(rows) > 1 else {}
-    result = {"bench": "scale_slurm", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "ranks_per_node": args.ranks_per_node, "cluster_nodes": sizes[-1] + 2, "plan_nodes": PLAN_NODES,
-              "rows": rows, "fits": fits,
-              "assumptions": "one machine: every slurmd, srun task and MPI rank shares its 2 cores and loopback, "
-                             "so times that grow with M include the machine's own load (M x R processes "
-                             "starting on 2 cores); Slurm's scheduler has no other jobs; SlurmdTimeout is 5 s; "
-                             "a real cluster adds its interconnect's latencies and its scheduler's queue, and "
-                             "starts each node's ranks on that node's own cores",
-              "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
+    fits = (
+        {k: fit_line([r["nodes"] for r in rows], [r[k] for r in rows]) for k in keys}
+        if len(rows) > 1
+        else {}
+    )
+    result = {
+        "bench": "scale_slurm",
+        "commit": commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "ranks_per_node": args.ranks_per_node,
+        "cluster_nodes": sizes[-1] + 2,
+        "plan_nodes": PLAN_NODES,
+        "rows": rows,
+        "fits": fits,
+        "assumptions": "one machine: every slurmd, srun task and MPI rank shares its 2 cores and loopback, "
+        "so times that grow with M include the machine's own load (M x R processes "
+        "starting on 2 cores); Slurm's scheduler has no other jobs; SlurmdTimeout is 5 s; "
+        "a real cluster adds its interconnect's latencies and its scheduler's queue, and "
+        "starts each node's ranks on that node's own cores",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
     write_result(args.out, result)
     if fits:
-        plot(rows, {k: fits[k] for k in keys if k not in ("small_s", "small_cpu_s")}, args.out.with_suffix(".png"))
+        plot(
+            rows,
+            {k: fits[k] for k in keys if k not in ("small_s", "small_cpu_s")},
+            args.out.with_suffix(".png"),
+        )
     print(f"results: {args.out}")
     return 0 if all(r.get("job_state") == "COMPLETED" for r in rows) else 1
 

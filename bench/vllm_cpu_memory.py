@@ -44,7 +44,9 @@ def status() -> dict[str, int]:
 
 
 def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": the high-water mark restarts from the current RSS
+    with open(
+        "/proc/self/clear_refs", "w"
+    ) as f:  # "5": the high-water mark restarts from the current RSS
         f.write("5")
 
 
@@ -57,13 +59,21 @@ class Phases:
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         s = status()
-        row = {"phase": name, "seconds": round(time.perf_counter() - t, 2), "rss_bytes": s["VmRSS"],
-               "peak_bytes": s["VmHWM"], "anon_bytes": s["RssAnon"], "file_bytes": s["RssFile"],
-               "shmem_bytes": s["RssShmem"]}
+        row = {
+            "phase": name,
+            "seconds": round(time.perf_counter() - t, 2),
+            "rss_bytes": s["VmRSS"],
+            "peak_bytes": s["VmHWM"],
+            "anon_bytes": s["RssAnon"],
+            "file_bytes": s["RssFile"],
+            "shmem_bytes": s["RssShmem"],
+        }
         self.rows.append(row)
-        print(f"[memory] {name:<28} {row['seconds']:>6.1f} s  rss {row['rss_bytes'] / GIB:.2f} GiB  peak "
-              f"{row['peak_bytes'] / GIB:.2f}  anon {row['anon_bytes'] / GIB:.2f}  file {row['file_bytes'] / GIB:.2f}",
-              flush=True)
+        print(
+            f"[memory] {name:<28} {row['seconds']:>6.1f} s  rss {row['rss_bytes'] / GIB:.2f} GiB  peak "
+            f"{row['peak_bytes'] / GIB:.2f}  anon {row['anon_bytes'] / GIB:.2f}  file {row['file_bytes'] / GIB:.2f}",
+            flush=True,
+        )
         return out
 
 
@@ -104,7 +114,9 @@ def main() -> int:
     phases = Phases()
     with tempfile.TemporaryDirectory(prefix="vllm_cpu_memory_") as tmp:
         model_dir = Path(tmp) / "model"
-        p = multiprocessing.get_context("spawn").Process(target=build_model, args=(str(model_dir), shape, 0))
+        p = multiprocessing.get_context("spawn").Process(
+            target=build_model, args=(str(model_dir), shape, 0)
+        )
         p.start()
         p.join()
         if p.exitcode != 0:
@@ -123,10 +135,22 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(2)
-        engine = phases.run("build", VllmGenerator, str(model_dir), seed=0, max_model_len=args.max_model_len,
-                            cpu_kv_cache_bytes=args.kv_cache_mb << 20, dtype="bfloat16")
+        engine = phases.run(
+            "build",
+            VllmGenerator,
+            str(model_dir),
+            seed=0,
+            max_model_len=args.max_model_len,
+            cpu_kv_cache_bytes=args.kv_cache_mb << 20,
+            dtype="bfloat16",
+        )
         prompts = [[3 + (i * 7 + j) % 50 for j in range(12)] for i in range(16)]
-        gen = lambda: engine.generate(prompts, n=4, max_tokens=args.max_model_len - 16, seed=0, ignore_eos=True)  # noqa: E731
+
+        def gen():
+            return engine.generate(
+                prompts, n=4, max_tokens=args.max_model_len - 16, seed=0, ignore_eos=True
+            )
+
         phases.run("generate 64 x 80 tokens", gen)
         for k in range(args.syncs):
             phases.run(f"sync {k + 1}", engine.update_weights, received_buckets(model_dir), k + 1)
@@ -134,7 +158,12 @@ def main() -> int:
         libc = ctypes.CDLL("libc.so.6")
         phases.run("malloc_trim(0)", libc.malloc_trim, 0)
         phases.run("generate after the trim", gen)
-        phases.run(f"sync {args.syncs + 1}", engine.update_weights, received_buckets(model_dir), args.syncs + 1)
+        phases.run(
+            f"sync {args.syncs + 1}",
+            engine.update_weights,
+            received_buckets(model_dir),
+            args.syncs + 1,
+        )
         phases.run("malloc_trim(0) again", libc.malloc_trim, 0)
 
         mshape = ModelShape.from_dir(model_dir)
@@ -143,12 +172,25 @@ def main() -> int:
     weights = mshape.total * 2
     head = hf["vocab_size"] * hf["hidden_size"] * 2 if hf.get("tie_word_embeddings") else 0
     sampler = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs * hf["vocab_size"] * 4
-    parts = {"weights": weights, "tied_head_packed_copy": head, "kv_cache": args.kv_cache_mb << 20,
-             "logits_fp32_max_num_seqs": sampler}
-    result = {"bench": "vllm_cpu_memory", "commit": commit(), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "shape": shape, "parameters": mshape.total, "baseline_bytes": base, "parts_bytes": parts,
-              "phases": phases.rows,
-              "above_baseline_gib": {r["phase"]: round((r["peak_bytes"] - base) / GIB, 3) for r in phases.rows}}
+    parts = {
+        "weights": weights,
+        "tied_head_packed_copy": head,
+        "kv_cache": args.kv_cache_mb << 20,
+        "logits_fp32_max_num_seqs": sampler,
+    }
+    result = {
+        "bench": "vllm_cpu_memory",
+        "commit": commit(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "shape": shape,
+        "parameters": mshape.total,
+        "baseline_bytes": base,
+        "parts_bytes": parts,
+        "phases": phases.rows,
+        "above_baseline_gib": {
+            r["phase"]: round((r["peak_bytes"] - base) / GIB, 3) for r in phases.rows
+        },
+    }
     print(json.dumps({k: round(v / GIB, 3) for k, v in parts.items()}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_name(f".{args.out.name}.tmp")

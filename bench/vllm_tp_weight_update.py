@@ -76,8 +76,12 @@ def digests(worker) -> dict[str, str]:
 
     import torch
 
-    return {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for n, p in worker.model_runner.get_model().named_parameters()}
+    return {
+        n: hashlib.sha256(
+            p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for n, p in worker.model_runner.get_model().named_parameters()
+    }
 
 
 class MemoryDip:
@@ -117,7 +121,9 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2, help="tensor_parallel_size (worker processes)")
     ap.add_argument("--rounds", type=int, default=3, help="blocks of each path, alternating")
     ap.add_argument("--repeats", type=int, default=3, help="timed updates per block")
-    ap.add_argument("--chunk-mb", type=float, default=256.0, help="the engine's weight_chunk_bytes, in MiB")
+    ap.add_argument(
+        "--chunk-mb", type=float, default=256.0, help="the engine's weight_chunk_bytes, in MiB"
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "vllm_tp_weight_update.json"))
     args = ap.parse_args()
 
@@ -128,14 +134,23 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = write_checkpoint(args.size, Path(tmp))
-        other = [(n, t + 1e-2 if t.is_floating_point() else t) for n, t in weights]  # a second weight set
+        other = [
+            (n, t + 1e-2 if t.is_floating_point() else t) for n, t in weights
+        ]  # a second weight set
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         t0 = time.perf_counter()
-        engine = VllmGenerator(tmp, tensor_parallel_size=args.tp, dtype=str(weights[0][1].dtype).removeprefix("torch."),
-                               max_model_len=256, cpu_kv_cache_bytes=64 << 20,
-                               weight_chunk_bytes=int(args.chunk_mb * (1 << 20)))
+        engine = VllmGenerator(
+            tmp,
+            tensor_parallel_size=args.tp,
+            dtype=str(weights[0][1].dtype).removeprefix("torch."),
+            max_model_len=256,
+            cpu_kv_cache_bytes=64 << 20,
+            weight_chunk_bytes=int(args.chunk_mb * (1 << 20)),
+        )
         start_s = time.perf_counter() - t0
-    assert engine.weight_transfer == vllm_weight_transfer.SHM_BACKEND, "the rollhpc_shm plugin is not loaded"
+    assert engine.weight_transfer == vllm_weight_transfer.SHM_BACKEND, (
+        "the rollhpc_shm plugin is not loaded"
+    )
     backend = engine.weight_transfer
     times: dict[str, list[float]] = {"shm": [], "pickled": []}
     peaks: dict[str, list[int]] = {"shm": [], "pickled": []}
@@ -154,8 +169,11 @@ def main() -> int:
                 continue
             times[path].append(dt)
             peaks[path].append(dip.peak)
-            print(f"{path} update {i}: {times[path][-1]:.2f} s, {dip.peak / 1e9:.2f} GB extra memory at peak",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{path} update {i}: {times[path][-1]:.2f} s, {dip.peak / 1e9:.2f} GB extra memory at peak",
+                file=sys.stderr,
+                flush=True,
+            )
     engine.weight_transfer = backend
     engine.update_weights(iter(weights), version + 1)
     after_shm = engine.llm.collective_rpc(digests)
@@ -166,17 +184,32 @@ def main() -> int:
     rows = {}
     for path, ts in times.items():
         med = statistics.median(ts)
-        rows[path] = {"median_s": round(med, 3), "min_s": round(min(ts), 3), "max_s": round(max(ts), 3),
-                      "s_per_gb": round(med / (nbytes / 1e9), 3),
-                      "peak_extra_memory_gb": round(statistics.median(peaks[path]) / 1e9, 2),
-                      "all_s": [round(x, 3) for x in ts]}
-    out = {"bench": "vllm_tp_weight_update", "commit": commit(), "size": args.size,
-           "dtype": str(weights[0][1].dtype).removeprefix("torch."), "tensors": len(weights), "bytes": nbytes,
-           "tensor_parallel_size": args.tp, "chunk_mb": args.chunk_mb, "rounds": args.rounds, "repeats": args.repeats,
-           "engine_start_s": round(start_s, 1), "paths": rows,
-           "shm_speedup": round(rows["pickled"]["median_s"] / rows["shm"]["median_s"], 2),
-           "shards_equal_after_both_paths": after_shm == after_pickled,
-           "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()}, "torch": torch.__version__}
+        rows[path] = {
+            "median_s": round(med, 3),
+            "min_s": round(min(ts), 3),
+            "max_s": round(max(ts), 3),
+            "s_per_gb": round(med / (nbytes / 1e9), 3),
+            "peak_extra_memory_gb": round(statistics.median(peaks[path]) / 1e9, 2),
+            "all_s": [round(x, 3) for x in ts],
+        }
+    out = {
+        "bench": "vllm_tp_weight_update",
+        "commit": commit(),
+        "size": args.size,
+        "dtype": str(weights[0][1].dtype).removeprefix("torch."),
+        "tensors": len(weights),
+        "bytes": nbytes,
+        "tensor_parallel_size": args.tp,
+        "chunk_mb": args.chunk_mb,
+        "rounds": args.rounds,
+        "repeats": args.repeats,
+        "engine_start_s": round(start_s, 1),
+        "paths": rows,
+        "shm_speedup": round(rows["pickled"]["median_s"] / rows["shm"]["median_s"], 2),
+        "shards_equal_after_both_paths": after_shm == after_pickled,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "torch": torch.__version__,
+    }
     print(json.dumps(out, indent=1))
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

@@ -33,8 +33,15 @@ from bench.timing import time_calls  # noqa: E402
 from rollhpc.weight_sync.buckets import pack_buckets, stamp, verified  # noqa: E402
 
 # Qwen2.5-0.5B's published config.json shape (hidden 896, 24 layers, 14 heads / 2 KV heads, FFN 4864, vocab 151936)
-QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-              intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+QWEN05 = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 
 
 def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
@@ -45,20 +52,30 @@ def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
     if size == "quickstart":
         train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
         with tempfile.TemporaryDirectory() as tmp:
-            path = create_tiny_model(Path(tmp) / "tiny", TinyModelConfig(),
-                                     build_tokenizer(list(arithmetic.corpus(train)), 300))
+            path = create_tiny_model(
+                Path(tmp) / "tiny",
+                TinyModelConfig(),
+                build_tokenizer(list(arithmetic.corpus(train)), 300),
+            )
             from safetensors.torch import load_file
 
-            named = {n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()}
+            named = {
+                n: t for f in sorted(path.glob("*.safetensors")) for n, t in load_file(f).items()
+            }
         return sorted(named.items()), "float32"
     import transformers
 
     config = transformers.Qwen2Config(**QWEN05)
     with torch.device("meta"):
-        shapes = {n: (tuple(p.shape)) for n, p in transformers.Qwen2ForCausalLM(config).state_dict().items()
-                  if n != "lm_head.weight"}  # tied: the export sends the embedding once
+        shapes = {
+            n: (tuple(p.shape))
+            for n, p in transformers.Qwen2ForCausalLM(config).state_dict().items()
+            if n != "lm_head.weight"
+        }  # tied: the export sends the embedding once
     g = torch.Generator().manual_seed(0)
-    return [(n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, s in sorted(shapes.items())], "bfloat16"
+    return [
+        (n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, s in sorted(shapes.items())
+    ], "bfloat16"
 
 
 def median_s(fn, repeats: int) -> float:
@@ -69,7 +86,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--sizes", default="quickstart,0.5b")
-    ap.add_argument("--bucket-mb", type=float, default=64.0, help="the sync's bucket size (weight_sync_bucket_mb)")
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=64.0,
+        help="the sync's bucket size (weight_sync_bucket_mb)",
+    )
     ap.add_argument("--out", default=str(HERE / "results" / "weight_sync_verify.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # a rank's share of a 2-core machine
@@ -81,14 +103,29 @@ def main() -> int:
         send = median_s(lambda: [stamp(b) for b in buckets], args.repeats)
         receive = median_s(lambda: [None for b in buckets for _ in verified(b)], args.repeats)
         copy = median_s(lambda: [b.data.clone() for b in buckets], args.repeats)
-        row = {"model": size, "dtype": dtype, "tensors": len(named), "buckets": len(buckets), "bytes": nbytes,
-               "stamp_s": round(send, 5), "verify_s": round(receive, 5), "copy_once_s": round(copy, 5),
-               "stamp_gb_per_s": round(nbytes / send / 1e9, 3), "verify_over_copy": round(receive / copy, 2)}
+        row = {
+            "model": size,
+            "dtype": dtype,
+            "tensors": len(named),
+            "buckets": len(buckets),
+            "bytes": nbytes,
+            "stamp_s": round(send, 5),
+            "verify_s": round(receive, 5),
+            "copy_once_s": round(copy, 5),
+            "stamp_gb_per_s": round(nbytes / send / 1e9, 3),
+            "verify_over_copy": round(receive / copy, 2),
+        }
         results.append(row)
         print(json.dumps(row))
-    out = {"bench": "weight_sync_verify", "threads": 1, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-           "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
-           "torch": torch.__version__, "results": results}
+    out = {
+        "bench": "weight_sync_verify",
+        "threads": 1,
+        "repeats": args.repeats,
+        "bucket_mb": args.bucket_mb,
+        "machine": {"cpu_count": __import__("os").cpu_count(), "platform": platform.platform()},
+        "torch": torch.__version__,
+        "results": results,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

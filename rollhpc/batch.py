@@ -57,7 +57,10 @@ class Batch:
     def split(self, n: int) -> list["Batch"]:
         """n contiguous chunks whose sizes differ by at most one (the first ones are larger)."""
         bounds = _chunk_bounds(len(self), n)
-        return [Batch({k: v[a:b] for k, v in self.data.items()}, dict(self.meta)) for a, b in zip(bounds, bounds[1:])]
+        return [
+            Batch({k: v[a:b] for k, v in self.data.items()}, dict(self.meta))
+            for a, b in zip(bounds, bounds[1:])
+        ]
 
     @staticmethod
     def concat(parts: list["Batch"]) -> "Batch":
@@ -93,7 +96,10 @@ class RowArrays:
     def split(self, n: int) -> list[Any]:
         """n contiguous chunks whose sizes differ by at most one (the first ones are larger), as ``Batch.split``."""
         bounds = _chunk_bounds(len(self), n)
-        return [replace(self, **{k: v[a:b] for k, v in self.arrays().items()}) for a, b in zip(bounds, bounds[1:])]
+        return [
+            replace(self, **{k: v[a:b] for k, v in self.arrays().items()})
+            for a, b in zip(bounds, bounds[1:])
+        ]
 
     def as_batch(self) -> Batch:
         return Batch(self.arrays())
@@ -114,7 +120,9 @@ class TrainingBatch(RowArrays):
     # [B, W-1] float32, the ratio's denominator; None: the update is on-policy, the train step's own forward gives
     # them (one optimizer step only)
     old_logprob: np.ndarray | None = None
-    ref_logprob: np.ndarray | None = None  # [B, W-1] float32, for the loss's KL term; None: no KL in the loss
+    ref_logprob: np.ndarray | None = (
+        None  # [B, W-1] float32, for the loss's KL term; None: no KL in the loss
+    )
     # [B, W-1] float32, 0 where the mask is 0; given on-policy, where the train step measures logprob_abs_diff
     gen_logprob: np.ndarray | None = None
 
@@ -126,4 +134,6 @@ class ValueBatch(RowArrays):
     tokens: np.ndarray  # [B, W] int64
     loss_mask: np.ndarray  # [B, W-1] float32
     returns: np.ndarray  # [B, W-1] float32, the value targets
-    old_values: np.ndarray  # [B, W-1] float32, the critic's values the advantages were computed with
+    old_values: (
+        np.ndarray
+    )  # [B, W-1] float32, the critic's values the advantages were computed with

@@ -54,7 +54,9 @@ class RoleConfig:
     # Explicit global GPU ids (node * gpus_per_node + local id), procs * gpus_per_proc of them. Roles
     # given the same list share those GPUs (colocated); roles without a list get GPUs of their own.
     devices: list[int] | None = None
-    options: Any = field(default_factory=dict)  # a mapping; after load, the worker's Options instance
+    options: Any = field(
+        default_factory=dict
+    )  # a mapping; after load, the worker's Options instance
     # Environment variables of this role's ranks, set when a rank learns its role, before the role's modules
     # load (torch and its OpenMP runtime read theirs at load): e.g. OMP_WAIT_POLICY=PASSIVE where roles share
     # cores at the same time (async generation), VLLM_* for a generator, NCCL_* for a trainer
@@ -62,14 +64,24 @@ class RoleConfig:
 
     def layout(self) -> ParallelLayout:
         p = self.parallel
-        return ParallelLayout(world=self.procs, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                              order=p.order)
+        return ParallelLayout(
+            world=self.procs,
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            ep=p.ep,
+            etp=p.etp,
+            vpp=p.vpp,
+            order=p.order,
+        )
 
 
 @dataclass(kw_only=True)
 class PipelineConfig:
     entry: str  # "package.module:Class", a subclass of rollhpc.protocol.pipeline.Pipeline
-    options: Any = field(default_factory=dict)  # a mapping; after load, the pipeline's Options instance
+    options: Any = field(
+        default_factory=dict
+    )  # a mapping; after load, the pipeline's Options instance
 
 
 @dataclass(kw_only=True)
@@ -106,11 +118,15 @@ class ControllerConfig:
 
     def __post_init__(self) -> None:
         if self.reply_tree_min_ranks < 0:
-            raise ConfigError(f"controller.reply_tree_min_ranks: 0 (no reply trees) or more, not "
-                              f"{self.reply_tree_min_ranks}")
+            raise ConfigError(
+                f"controller.reply_tree_min_ranks: 0 (no reply trees) or more, not "
+                f"{self.reply_tree_min_ranks}"
+            )
         if self.reply_fan_in < 2:
-            raise ConfigError(f"controller.reply_fan_in: 2 or more (the most bundles a rank of a reply tree collects "
-                              f"per level, and the controller per call), not {self.reply_fan_in}")
+            raise ConfigError(
+                f"controller.reply_fan_in: 2 or more (the most bundles a rank of a reply tree collects "
+                f"per level, and the controller per call), not {self.reply_fan_in}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -161,11 +177,18 @@ class ContainerConfig:
         if self.kind not in self.KINDS:
             raise ConfigError(f"{w}.kind: {self.kind!r} is not one of {list(self.KINDS)}")
         if self.kind == "none":
-            given = [f.name for f in dataclasses.fields(self) if f.name != "kind" and getattr(self, f.name) != (
-                f.default if f.default_factory is dataclasses.MISSING else f.default_factory())]
+            given = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name != "kind"
+                and getattr(self, f.name)
+                != (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+            ]
             if given:
-                raise ConfigError(f"{w}.{given[0]}: set, but {w}.kind is 'none' (the ranks run on the host): set "
-                                  f"{w}.kind=apptainer or {w}.kind=pyxis, or drop it")
+                raise ConfigError(
+                    f"{w}.{given[0]}: set, but {w}.kind is 'none' (the ranks run on the host): set "
+                    f"{w}.kind=apptainer or {w}.kind=pyxis, or drop it"
+                )
             return
         self._check_image(w)
         for i, mount in enumerate(self.mounts):
@@ -174,32 +197,50 @@ class ContainerConfig:
             self._check_option(opt, f"{w}.extra[{i}]")
         for name in ("python", "batch_python"):
             value = getattr(self, name)
-            if value and (value != value.strip() or len(value.split()) != 1 or ("/" in value and value[0] != "/")):
-                raise ConfigError(f"{w}.{name}: {value!r} is not one interpreter: give a name found on the PATH or "
-                                  "an absolute path (a relative one depends on the job's working directory)")
+            if value and (
+                value != value.strip()
+                or len(value.split()) != 1
+                or ("/" in value and value[0] != "/")
+            ):
+                raise ConfigError(
+                    f"{w}.{name}: {value!r} is not one interpreter: give a name found on the PATH or "
+                    "an absolute path (a relative one depends on the job's working directory)"
+                )
         if not self.python:
-            raise ConfigError(f"{w}.python: empty: name the image's interpreter (python3, /opt/venv/bin/python)")
+            raise ConfigError(
+                f"{w}.python: empty: name the image's interpreter (python3, /opt/venv/bin/python)"
+            )
 
     def _check_image(self, w: str) -> None:
         image = self.image
         if not image.strip():
             what = "a .sif path" if self.kind == "apptainer" else "an enroot image or a .sqsh path"
-            raise ConfigError(f"{w}.image: empty: kind {self.kind} needs the image every rank runs in ({what})")
+            raise ConfigError(
+                f"{w}.image: empty: kind {self.kind} needs the image every rank runs in ({what})"
+            )
         if image != image.strip() or len(image.split()) != 1:
             raise ConfigError(f"{w}.image: {image!r} contains whitespace")
         if self.kind == "apptainer":
             if "://" in image:  # every rank would pull and convert it at once, on every start
-                raise ConfigError(f"{w}.image: {image!r}: every rank would pull and convert it as it starts; "
-                                  f"build it once (apptainer build /shared/images/NAME.sif {image}) and name the .sif")
+                raise ConfigError(
+                    f"{w}.image: {image!r}: every rank would pull and convert it as it starts; "
+                    f"build it once (apptainer build /shared/images/NAME.sif {image}) and name the .sif"
+                )
             if not image.startswith("/"):
-                raise ConfigError(f"{w}.image: {image!r} is relative: give an absolute path on a filesystem every "
-                                  "node mounts (a resumed run may start in another working directory)")
+                raise ConfigError(
+                    f"{w}.image: {image!r} is relative: give an absolute path on a filesystem every "
+                    "node mounts (a resumed run may start in another working directory)"
+                )
         elif image.endswith(".sif"):
-            raise ConfigError(f"{w}.image: {image!r} is an Apptainer image: enroot (pyxis) imports a registry image "
-                              f"or a squashfs file (.sqsh); or set {w}.kind=apptainer")
+            raise ConfigError(
+                f"{w}.image: {image!r} is an Apptainer image: enroot (pyxis) imports a registry image "
+                f"or a squashfs file (.sqsh); or set {w}.kind=apptainer"
+            )
         elif image.endswith((".sqsh", ".squashfs")) and not image.startswith("/"):
-            raise ConfigError(f"{w}.image: {image!r}: pyxis reads a name that does not start with / (or ./) as a "
-                              "registry image: give the squashfs file's absolute path")
+            raise ConfigError(
+                f"{w}.image: {image!r}: pyxis reads a name that does not start with / (or ./) as a "
+                "registry image: give the squashfs file's absolute path"
+            )
 
     def _check_mount(self, mount: str, where: str) -> None:
         form = "'src[:dst[:opts]]' with absolute paths, one mount per item"
@@ -207,29 +248,43 @@ class ContainerConfig:
         if "," in mount or len(parts) > 3 or "" in parts or any(p != p.strip() for p in parts):
             raise ConfigError(f"{where}: {mount!r} is not {form}")
         if not all(p.startswith("/") for p in parts[:2]):
-            raise ConfigError(f"{where}: {mount!r}: source and destination must be absolute paths ({form})")
+            raise ConfigError(
+                f"{where}: {mount!r}: source and destination must be absolute paths ({form})"
+            )
         if len(parts) == 3:
             opts = parts[2]
             if self.kind == "apptainer" and opts not in ("ro", "rw"):
-                raise ConfigError(f"{where}: {mount!r}: apptainer's bind options are ro or rw, got {opts!r}")
+                raise ConfigError(
+                    f"{where}: {mount!r}: apptainer's bind options are ro or rw, got {opts!r}"
+                )
             if self.kind == "pyxis" and not self.PYXIS_FLAGS.fullmatch(opts):
-                raise ConfigError(f"{where}: {mount!r}: pyxis's mount flags are joined with '+' (ro+rprivate), "
-                                  f"got {opts!r}")
+                raise ConfigError(
+                    f"{where}: {mount!r}: pyxis's mount flags are joined with '+' (ro+rprivate), "
+                    f"got {opts!r}"
+                )
 
     def _check_option(self, opt: str, where: str) -> None:
         if not opt.startswith("-") or len(opt.split()) != 1 or opt != opt.strip():
-            raise ConfigError(f"{where}: {opt!r}: one option per item, written --flag or --flag=value")
+            raise ConfigError(
+                f"{where}: {opt!r}: one option per item, written --flag or --flag=value"
+            )
         name = opt.partition("=")[0]
         if self.kind == "apptainer" and name in self.CLEARS_ENV:
-            raise ConfigError(f"{where}: {opt!r} clears the environment inside the container: srun's PMI_* "
-                              "variables would not reach MPI (each rank would form a world of its own), nor "
-                              "SLURM_* and CUDA_VISIBLE_DEVICES the rank's GPU binding")
+            raise ConfigError(
+                f"{where}: {opt!r} clears the environment inside the container: srun's PMI_* "
+                "variables would not reach MPI (each rank would form a world of its own), nor "
+                "SLURM_* and CUDA_VISIBLE_DEVICES the rank's GPU binding"
+            )
         if self.kind == "pyxis":
             if not name.startswith(("--container-", "--no-container-")):
-                raise ConfigError(f"{where}: {opt!r}: pyxis's options are srun's --container-* and "
-                                  "--no-container-* (an apptainer flag?)")
+                raise ConfigError(
+                    f"{where}: {opt!r}: pyxis's options are srun's --container-* and "
+                    "--no-container-* (an apptainer flag?)"
+                )
             if name in ("--container-image", "--container-mounts"):
-                raise ConfigError(f"{where}: {opt!r}: set it with cluster.container.{name.rsplit('-', 1)[1]}")
+                raise ConfigError(
+                    f"{where}: {opt!r}: set it with cluster.container.{name.rsplit('-', 1)[1]}"
+                )
 
 
 @dataclass(kw_only=True)
@@ -246,15 +301,19 @@ class CpuComponentConfig:
     account: str = ""  # empty: cluster.account
     qos: str = ""  # empty: cluster.qos
     mem_per_node: str = ""  # sbatch --mem of its nodes, e.g. 64G
-    cpus_per_node: int = 0  # CPUs of one of its nodes (how many ranks share one); 0: cluster.cpus_per_node
+    cpus_per_node: int = (
+        0  # CPUs of one of its nodes (how many ranks share one); 0: cluster.cpus_per_node
+    )
     nodes: int = 0  # at most this many nodes; 0: cluster.nodes
     exclusive: bool = False  # whole nodes of its own (--exclusive)
 
     def __post_init__(self) -> None:
         _check_slurm_names(self, "cluster.cpu_component")
         if self.cpus_per_node < 0 or self.nodes < 0:
-            raise ConfigError(f"cluster.cpu_component.cpus_per_node and .nodes must be >= 0 (0: the cluster's), "
-                              f"got {self.cpus_per_node}, {self.nodes}")
+            raise ConfigError(
+                f"cluster.cpu_component.cpus_per_node and .nodes must be >= 0 (0: the cluster's), "
+                f"got {self.cpus_per_node}, {self.nodes}"
+            )
 
 
 CPU_BIND_CHOICES = ("cores", "threads", "sockets", "ldoms", "none")
@@ -285,8 +344,12 @@ class ClusterConfig:
     # sideband), e.g. "ib0" or "hsn0": exported as ROLLHPC_DIST_IFNAME and, unless already set, as
     # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; each rank takes its own node's address of it. Empty: host names
     network_interface: str = ""
-    sbatch_extra: list[str] = field(default_factory=list)  # more "--key=value" options for every component
-    setup: list[str] = field(default_factory=list)  # shell lines run in the batch script before srun
+    sbatch_extra: list[str] = field(
+        default_factory=list
+    )  # more "--key=value" options for every component
+    setup: list[str] = field(
+        default_factory=list
+    )  # shell lines run in the batch script before srun
     # the image the ranks run in (apptainer or pyxis); kind none: on the host, with the submitting interpreter
     container: ContainerConfig = field(default_factory=ContainerConfig)
     # where the controller and the CPU roles run (het group 0): a CPU partition of their own, not a GPU node
@@ -295,10 +358,14 @@ class ClusterConfig:
     # script submits the next job, and a rescue job waiting on each job (--dependency=afterany) does when the
     # batch script could not (its node lost); each resumes from the newest good checkpoint. false: the run ends
     requeue: bool = True
-    max_restarts: int = 5  # restarts after failures (lost workers, peers, batch nodes) before the run gives up
+    max_restarts: int = (
+        5  # restarts after failures (lost workers, peers, batch nodes) before the run gives up
+    )
     # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: the CPU component's
     rescue_partition: str = ""
-    stop_before_limit_s: int = 300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
+    stop_before_limit_s: int = (
+        300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
+    )
     # a held job (a person's or the site's hold: the run's own jobs are --no-requeue, so Slurm never leaves them
     # "launch failed requeued held"): `rollhpc submit --wait` releases it, once per attempt, when true;
     # otherwise it says which command releases it
@@ -309,25 +376,41 @@ class ClusterConfig:
     end_grace_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.stop_before_limit_s < 0 or self.end_grace_s < 0 or self.gpu_memory_gb < 0:
-            raise ValueError("cluster.max_restarts, cluster.stop_before_limit_s, cluster.end_grace_s and "
-                             "cluster.gpu_memory_gb must be >= 0")
-        if isinstance(self.time_limit, int):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
+        if (
+            self.max_restarts < 0
+            or self.stop_before_limit_s < 0
+            or self.end_grace_s < 0
+            or self.gpu_memory_gb < 0
+        ):
+            raise ValueError(
+                "cluster.max_restarts, cluster.stop_before_limit_s, cluster.end_grace_s and "
+                "cluster.gpu_memory_gb must be >= 0"
+            )
+        if isinstance(
+            self.time_limit, int
+        ):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
             raise ConfigError(
                 f"cluster.time_limit: got the number {self.time_limit}, which YAML also makes of an unquoted "
                 f"H:MM:SS ({self.time_limit // 3600}:{self.time_limit % 3600 // 60:02d}:{self.time_limit % 60:02d} "
                 f"gives {self.time_limit}): quote it in a YAML file ('4:00:00', '90'), or write it with a colon on "
-                "the command line (cluster.time_limit=90:00 for 90 minutes)")
+                "the command line (cluster.time_limit=90:00 for 90 minutes)"
+            )
         _check_slurm_names(self, "cluster")
         if self.network_interface and not re.fullmatch(r"[\w.:-]+", self.network_interface):
-            raise ConfigError(f"cluster.network_interface: {self.network_interface!r} is not an interface name "
-                              "(e.g. ib0, hsn0, eth1)")
+            raise ConfigError(
+                f"cluster.network_interface: {self.network_interface!r} is not an interface name "
+                "(e.g. ib0, hsn0, eth1)"
+            )
         if self.cpu_bind not in CPU_BIND_CHOICES:
-            raise ConfigError(f"cluster.cpu_bind: {self.cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)} "
-                              "(srun --cpu-bind)")
+            raise ConfigError(
+                f"cluster.cpu_bind: {self.cpu_bind!r} is not one of {', '.join(CPU_BIND_CHOICES)} "
+                "(srun --cpu-bind)"
+            )
         if self.nodes < 1 or self.cpus_per_node < 1 or self.gpus_per_node < 0:
-            raise ConfigError(f"cluster.nodes and cluster.cpus_per_node must be >= 1 and cluster.gpus_per_node >= 0, "
-                              f"got {self.nodes}, {self.cpus_per_node}, {self.gpus_per_node}")
+            raise ConfigError(
+                f"cluster.nodes and cluster.cpus_per_node must be >= 1 and cluster.gpus_per_node >= 0, "
+                f"got {self.nodes}, {self.cpus_per_node}, {self.gpus_per_node}"
+            )
         try:  # sbatch would refuse it only once the job is submitted; a typo must not get that far
             limit_s = parse_slurm_time(self.time_limit)
         except ValueError as e:
@@ -336,18 +419,28 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.stop_before_limit_s: {self.stop_before_limit_s} s is not shorter than cluster.time_limit="
                 f"{self.time_limit} ({limit_s} s): the time-limit warning would come at once; lower it (0: off) or "
-                "raise the time limit")
+                "raise the time limit"
+            )
 
 
 _SLURM_NAME = r"[A-Za-z0-9_.\-]+"
 _SLURM_NAMES = (  # (key, what Slurm takes, how to say it)
-    ("partition", rf"{_SLURM_NAME}(,{_SLURM_NAME})*", "a Slurm partition name (or a comma-separated list), e.g. gpu"),
+    (
+        "partition",
+        rf"{_SLURM_NAME}(,{_SLURM_NAME})*",
+        "a Slurm partition name (or a comma-separated list), e.g. gpu",
+    ),
     ("rescue_partition", rf"{_SLURM_NAME}(,{_SLURM_NAME})*", "a Slurm partition name, e.g. cpu"),
     ("account", _SLURM_NAME, "a Slurm account name, e.g. proj123"),
     ("qos", _SLURM_NAME, "a Slurm QOS name, e.g. normal"),
-    ("mem_per_node", r"[0-9]+[KMGTkmgt]?", "a Slurm memory size (sbatch --mem): a number of MB or with a unit, "
-     "e.g. 256G, 512000M; 0 is all of the node's memory"),
+    (
+        "mem_per_node",
+        r"[0-9]+[KMGTkmgt]?",
+        "a Slurm memory size (sbatch --mem): a number of MB or with a unit, "
+        "e.g. 256G, 512000M; 0 is all of the node's memory",
+    ),
 )
+
 
 def _check_slurm_names(section: Any, where: str) -> None:
     """The ``_SLURM_NAMES`` fields ``section`` has, in Slurm's syntax: they are copied into #SBATCH lines as they
@@ -360,9 +453,18 @@ def _check_slurm_names(section: Any, where: str) -> None:
             raise ConfigError(f"{where}.{key}: {value!r} is not {form}")
 
 
-SLURM_TIME_FORMS = ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
-                    "days-hours:minutes:seconds", "UNLIMITED")
-_SLURM_TIME = re.compile(r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?")
+SLURM_TIME_FORMS = (
+    "minutes",
+    "minutes:seconds",
+    "hours:minutes:seconds",
+    "days-hours",
+    "days-hours:minutes",
+    "days-hours:minutes:seconds",
+    "UNLIMITED",
+)
+_SLURM_TIME = re.compile(
+    r"(?:(?P<days>[0-9]+)-)?(?P<a>[0-9]+)(?::(?P<b>[0-9]+))?(?::(?P<c>[0-9]+))?"
+)
 
 
 def parse_slurm_time(text: str) -> int | None:
@@ -386,7 +488,9 @@ def parse_slurm_time(text: str) -> int | None:
     else:  # minutes[:seconds]
         seconds = a * 60 + (b or 0)
     if seconds == 0:
-        raise ValueError(f"{text!r} is zero, which Slurm reads as no limit at all: write UNLIMITED for that; {forms}")
+        raise ValueError(
+            f"{text!r} is zero, which Slurm reads as no limit at all: write UNLIMITED for that; {forms}"
+        )
     return seconds
 
 
@@ -412,7 +516,9 @@ class ExperimentConfig:
 def _split_import_path(path: str, where: str) -> tuple[str, str]:
     module, sep, name = path.partition(":")
     if not sep or not module or not name:
-        raise ConfigError(f"{where}: {path!r} is not an import path of the form 'package.module:Name'")
+        raise ConfigError(
+            f"{where}: {path!r} is not an import path of the form 'package.module:Name'"
+        )
     return module, name
 
 
@@ -455,7 +561,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
-            return None  # before the dataclass alternatives, which would read None as "all defaults"
+            return (
+                None  # before the dataclass alternatives, which would read None as "all defaults"
+            )
         errors = []
         for alt in typing.get_args(tp):
             if alt is type(None):
@@ -486,7 +594,9 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
         return float(value)
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(
+                f"{where}: expected {tp.__name__}, got {value!r} ({type(value).__name__})"
+            )
         return value
     raise ConfigError(f"{where}: unsupported field type {_type_name(tp)}")
 
@@ -503,7 +613,8 @@ def from_dict(cls: type, data: Any, where: str = "config") -> Any:
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise ConfigError(
-            f"{where}: unknown key {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+            f"{where}: unknown key {unknown[0]!r}"
+            + (f" (and {unknown[1:]})" if unknown[1:] else "")
             + f"; valid keys: {', '.join(fields)}"
         )
     hints = typing.get_type_hints(cls)
@@ -549,13 +660,19 @@ def validate(cfg: ExperimentConfig) -> None:
         if role.procs < 1:
             raise ConfigError(f"{where}.procs: must be >= 1, got {role.procs}")
         if role.cpus_per_proc < 1 or role.gpus_per_proc < 0:
-            raise ConfigError(f"{where}: cpus_per_proc must be >= 1 and gpus_per_proc >= 0, got {role.cpus_per_proc} "
-                              f"and {role.gpus_per_proc}")
+            raise ConfigError(
+                f"{where}: cpus_per_proc must be >= 1 and gpus_per_proc >= 0, got {role.cpus_per_proc} "
+                f"and {role.gpus_per_proc}"
+            )
         for key, value in role.env_vars.items():
-            if not (isinstance(key, str) and key.replace("_", "a").isalnum() and not key[0].isdigit()):
+            if not (
+                isinstance(key, str) and key.replace("_", "a").isalnum() and not key[0].isdigit()
+            ):
                 raise ConfigError(f"{where}.env_vars: {key!r} is not an environment variable name")
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise ConfigError(f"{where}.env_vars.{key}: give a string (or number), got {value!r}")
+                raise ConfigError(
+                    f"{where}.env_vars.{key}: give a string (or number), got {value!r}"
+                )
         role.env_vars = {k: str(v) for k, v in role.env_vars.items()}
         try:
             role.layout()
@@ -574,13 +691,21 @@ def validate(cfg: ExperimentConfig) -> None:
         except ValueError as e:
             raise ConfigError(f"{where}.parallel: {e}") from e
         engine_tp = getattr(role.options, "tensor_parallel_size", None)
-        if role.gpus_per_proc > 0 and isinstance(engine_tp, int) and engine_tp != role.gpus_per_proc:
-            raise ConfigError(f"{where}.options.tensor_parallel_size={engine_tp} but {where}.gpus_per_proc="
-                              f"{role.gpus_per_proc}: each rank's engine spreads over the GPUs its rank gets (the "
-                              "memory plan counts them so); set both the same")
+        if (
+            role.gpus_per_proc > 0
+            and isinstance(engine_tp, int)
+            and engine_tp != role.gpus_per_proc
+        ):
+            raise ConfigError(
+                f"{where}.options.tensor_parallel_size={engine_tp} but {where}.gpus_per_proc="
+                f"{role.gpus_per_proc}: each rank's engine spreads over the GPUs its rank gets (the "
+                "memory plan counts them so); set both the same"
+            )
     pipeline = import_spec(cfg.pipeline.entry, "pipeline.entry")
     if not (isinstance(pipeline, type) and issubclass(pipeline, PipelineSpec)):
-        raise ConfigError(f"pipeline.entry: {cfg.pipeline.entry} is not a rollhpc Pipeline subclass")
+        raise ConfigError(
+            f"pipeline.entry: {cfg.pipeline.entry} is not a rollhpc Pipeline subclass"
+        )
     cfg.pipeline.options = component_options(pipeline, cfg.pipeline.options, "pipeline.options")
     try:
         pipeline.check_roles(cfg.pipeline.options, cfg.roles)
@@ -589,14 +714,26 @@ def validate(cfg: ExperimentConfig) -> None:
     for role in pipeline.required_roles:
         if role not in cfg.roles:
             name = pipeline.__name__.removesuffix("Spec")
-            raise ConfigError(f"roles: pipeline {name} needs a {role!r} role; configured: {sorted(cfg.roles)}")
+            raise ConfigError(
+                f"roles: pipeline {name} needs a {role!r} role; configured: {sorted(cfg.roles)}"
+            )
     _check_token_budget(cfg)
-    for name in ("call_timeout_s", "world_timeout_s", "startup_timeout_s", "stack_dump_timeout_s", "shutdown_timeout_s",
-                 "mpi_stall_s"):
+    for name in (
+        "call_timeout_s",
+        "world_timeout_s",
+        "startup_timeout_s",
+        "stack_dump_timeout_s",
+        "shutdown_timeout_s",
+        "mpi_stall_s",
+    ):
         if getattr(cfg.controller, name) <= 0:
-            raise ConfigError(f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}")
+            raise ConfigError(
+                f"controller.{name}: must be positive, got {getattr(cfg.controller, name)}"
+            )
     if cfg.controller.peer_loss_settle_s < 0:
-        raise ConfigError(f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}")
+        raise ConfigError(
+            f"controller.peer_loss_settle_s: must be >= 0, got {cfg.controller.peer_loss_settle_s}"
+        )
 
 
 def generator_max_model_len(roles: dict[str, Any] | None) -> int | None:
@@ -614,12 +751,16 @@ def _check_token_budget(cfg: ExperimentConfig) -> None:
     rollout = getattr(cfg.pipeline.options, "rollout", None)
     if not isinstance(max_len, int) or rollout is None:
         return
-    for key, value in (("rollout.max_tokens", getattr(rollout, "max_tokens", None)),
-                       ("eval_max_tokens", getattr(cfg.pipeline.options, "eval_max_tokens", None))):
+    for key, value in (
+        ("rollout.max_tokens", getattr(rollout, "max_tokens", None)),
+        ("eval_max_tokens", getattr(cfg.pipeline.options, "eval_max_tokens", None)),
+    ):
         if isinstance(value, int) and value >= max_len:
-            raise ConfigError(f"pipeline.options.{key}={value} does not fit roles.generate.options.max_model_len="
-                              f"{max_len}, which holds the prompt and the response: raise max_model_len or lower "
-                              f"{key}")
+            raise ConfigError(
+                f"pipeline.options.{key}={value} does not fit roles.generate.options.max_model_len="
+                f"{max_len}, which holds the prompt and the response: raise max_model_len or lower "
+                f"{key}"
+            )
 
 
 def _check_role_names(data: dict[str, Any]) -> None:
@@ -632,9 +773,12 @@ def _check_role_names(data: dict[str, Any]) -> None:
     for name, role in roles.items():
         if isinstance(role, dict) and "worker" not in role:
             close = difflib.get_close_matches(str(name), named, n=1)
-            raise ConfigError(f"unknown role {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                              + f"; roles: {', '.join(named) or 'none'}; a new role needs "
-                              f"roles.{name}.worker=package.module:Class")
+            raise ConfigError(
+                f"unknown role {name!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; roles: {', '.join(named) or 'none'}; a new role needs "
+                f"roles.{name}.worker=package.module:Class"
+            )
 
 
 def load(data: dict[str, Any]) -> ExperimentConfig:
@@ -674,8 +818,10 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     for path, keys in keys_by_path.items():
         what = f"{path} has no config.json" if path.is_dir() else f"no model directory at {path}"
         problems.append(f"{', '.join(keys)}: {what} (a Hugging Face checkpoint directory: {hint})")
-    data_paths = getattr(pipeline, "data_paths", None)  # dataset files the pipeline reads (the files task)
-    for key, data in (data_paths(cfg.pipeline.options) if data_paths is not None else []):
+    data_paths = getattr(
+        pipeline, "data_paths", None
+    )  # dataset files the pipeline reads (the files task)
+    for key, data in data_paths(cfg.pipeline.options) if data_paths is not None else []:
         if not Path(data).expanduser().is_file():
             problems.append(f"{key}: no dataset file at {data}")
     return problems

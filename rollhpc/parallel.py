@@ -78,7 +78,9 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
-        for name in ("world", "tp", "pp", "cp", "ep", "etp") + (("vpp",) if self.vpp is not None else ()):
+        for name in ("world", "tp", "pp", "cp", "ep", "etp") + (
+            ("vpp",) if self.vpp is not None else ()
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v!r}")
@@ -96,7 +98,9 @@ class ParallelLayout:
                 + (" (etp defaults to tp)" if self.etp == self.tp else "")
             )
         if self.vpp is not None and self.pp == 1:
-            raise ValueError(f"vpp={self.vpp} (interleaved pipeline schedule) needs pp > 1, got pp=1")
+            raise ValueError(
+                f"vpp={self.vpp} (interleaved pipeline schedule) needs pp > 1, got pp=1"
+            )
 
         order = self.order.lower() if isinstance(self.order, str) else self.order
         if not isinstance(order, str) or not order:
@@ -104,18 +108,25 @@ class ParallelLayout:
         given = order.split("-")
         unknown = [t for t in given if t not in TOKENS]
         if unknown:
-            raise ValueError(f"order {self.order!r}: unknown token(s) {', '.join(map(repr, unknown))}; "
-                             f"tokens are {', '.join(TOKENS)}")
+            raise ValueError(
+                f"order {self.order!r}: unknown token(s) {', '.join(map(repr, unknown))}; "
+                f"tokens are {', '.join(TOKENS)}"
+            )
         if len(set(given)) != len(given):
             raise ValueError(f"order {self.order!r} names a token twice")
         dense = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
         exp = {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
-        for grid, sizes, names in (("dense", dense, {}), ("expert", exp, {"tp": "etp", "dp": "edp"})):
+        for grid, sizes, names in (
+            ("dense", dense, {}),
+            ("expert", exp, {"tp": "etp", "dp": "edp"}),
+        ):
             for t in TOKENS:
                 if t not in given and sizes[t] != 1:
                     name = names.get(t, t)
-                    raise ValueError(f"order {self.order!r} leaves out {t!r}, but the {grid} grid has "
-                                     f"{name}={sizes[t]}: name every token whose size is not 1")
+                    raise ValueError(
+                        f"order {self.order!r} leaves out {t!r}, but the {grid} grid has "
+                        f"{name}={sizes[t]}: name every token whose size is not 1"
+                    )
         object.__setattr__(self, "order", order)
         tokens = tuple(given) + tuple(t for t in TOKENS if t not in given)
         object.__setattr__(self, "_tokens", tokens)
@@ -164,8 +175,18 @@ class ParallelLayout:
 
         tp_rank, cp_rank, pp_rank = digit(d, "tp"), digit(d, "cp"), digit(d, "pp")
         leader = tp_rank == 0 and cp_rank == 0 and pp_rank == self.pp - 1
-        return RankCoords(group_rank, tp_rank, cp_rank, digit(d, "dp"), pp_rank, self.dp, leader,
-                          ep_rank=digit(e, "ep"), etp_rank=digit(e, "tp"), edp_rank=digit(e, "dp"))
+        return RankCoords(
+            group_rank,
+            tp_rank,
+            cp_rank,
+            digit(d, "dp"),
+            pp_rank,
+            self.dp,
+            leader,
+            ep_rank=digit(e, "ep"),
+            etp_rank=digit(e, "tp"),
+            edp_rank=digit(e, "dp"),
+        )
 
     def all_coords(self) -> list[RankCoords]:
         return [self.coords(r) for r in range(self.world)]
@@ -189,11 +210,15 @@ class ParallelLayout:
         if not isinstance(kind, str):
             raise ValueError(f"group kind must be a string, got {kind!r}")
         expert = kind.startswith(_EXPERT_PREFIX)
-        parts = (kind[len(_EXPERT_PREFIX):] if expert else kind).split("-")
+        parts = (kind[len(_EXPERT_PREFIX) :] if expert else kind).split("-")
         allowed = _EXPERT_TOKENS if expert else _DENSE_TOKENS
         bad = [p for p in parts if p not in allowed]
         if bad or len(set(parts)) != len(parts):
-            hint = " (the expert-parallel group is 'expert-ep')" if not expert and "ep" in parts else ""
+            hint = (
+                " (the expert-parallel group is 'expert-ep')"
+                if not expert and "ep" in parts
+                else ""
+            )
             raise ValueError(
                 f"unknown group kind {kind!r}{hint}: dense kinds join tokens of {', '.join(sorted(_DENSE_TOKENS))}; "
                 f"expert kinds are 'expert-' joined with tokens of {', '.join(sorted(_EXPERT_TOKENS))}, "
@@ -217,8 +242,12 @@ def pipeline_stage_layers(num_layers: int, pp: int, vpp: int | None = None) -> l
     holds the embedding, the last stage's last chunk the final norm and the output layer."""
     chunks = vpp or 1
     if num_layers % (pp * chunks):
-        raise ValueError(f"{num_layers} layers cannot be split evenly into pp={pp} x vpp={chunks} = "
-                         f"{pp * chunks} pipeline stages")
+        raise ValueError(
+            f"{num_layers} layers cannot be split evenly into pp={pp} x vpp={chunks} = "
+            f"{pp * chunks} pipeline stages"
+        )
     per = num_layers // (pp * chunks)
-    return [[range((v * pp + s) * per, (v * pp + s + 1) * per) for v in range(chunks)] for s in range(pp)]
-
+    return [
+        [range((v * pp + s) * per, (v * pp + s + 1) * per) for v in range(chunks)]
+        for s in range(pp)
+    ]

@@ -42,7 +42,9 @@ def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
     logs = RunPaths(run_dir).logs
     logs.mkdir(parents=True, exist_ok=True)
     path = logs / (f"rank{rank}-{role}.log")
-    fmt = logging.Formatter(f"%(asctime)s [{role}:{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter(
+        f"%(asctime)s [{role}:{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
+    )
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     if rank == 0:
@@ -66,8 +68,16 @@ def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
 def _write_error(run_dir: Path, exc: BaseException) -> str:
     summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
     details = getattr(exc, "details", "") or "".join(traceback.format_exception(exc))
-    atomic_write_json(RunPaths(run_dir).error, {"summary": summary, "type": type(exc).__name__, "details": details,
-                                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+    atomic_write_json(
+        RunPaths(run_dir).error,
+        {
+            "summary": summary,
+            "type": type(exc).__name__,
+            "details": details,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        indent=1,
+    )
     return summary
 
 
@@ -86,7 +96,9 @@ class _Terminated(BaseException):
 
 
 _reporting_failure = False  # set first thing on the controller's failure path
-_failing = threading.Lock()  # held by the thread reporting the failure (the main one, or the MPI stall watch)
+_failing = (
+    threading.Lock()
+)  # held by the thread reporting the failure (the main one, or the MPI stall watch)
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
@@ -96,7 +108,9 @@ def _on_signal(signum, frame):  # noqa: ARG001
     global _reporting_failure
     if not _reporting_failure:
         _reporting_failure = True
-        raise _Terminated(f"run interrupted: the controller received signal {signal.Signals(signum).name}")
+        raise _Terminated(
+            f"run interrupted: the controller received signal {signal.Signals(signum).name}"
+        )
 
 
 def set_role_environment(raw: dict, role: str) -> None:
@@ -116,22 +130,37 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     adopt_console()  # a local world: write to the launcher's console, not through mpiexec's pipes
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     forked_children_die_with_us()  # and whatever a library forks under us dies with us
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # until the world forms, a step's end ends us
+    for signum in (
+        signal.SIGTERM,
+        signal.SIGHUP,
+        signal.SIGINT,
+    ):  # until the world forms, a step's end ends us
         signal.signal(signum, signal.SIG_DFL)
     raw = yaml.safe_load(RunPaths(run_dir).config.read_text())
     # the guard comes first: loading the config imports the worker classes, and with them mpi4py (MPI_Init);
     # its limit is read from the controller section alone, which imports nothing
-    controller = config_mod.from_dict(config_mod.ControllerConfig, raw.get("controller"), "config.controller")
+    controller = config_mod.from_dict(
+        config_mod.ControllerConfig, raw.get("controller"), "config.controller"
+    )
     guard = MpiInitGuard(run_dir, controller.world_timeout_s, expected_role)
     fault_injection.mpi_stall("mpi_init")
-    stale = remove_stale_segments()  # MPI shared memory that killed ranks of an earlier attempt left
+    stale = (
+        remove_stale_segments()
+    )  # MPI shared memory that killed ranks of an earlier attempt left
     if stale:
-        print(f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}", file=sys.stderr,
-              flush=True)
+        print(
+            f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}",
+            file=sys.stderr,
+            flush=True,
+        )
     plan = WorldPlan.load(RunPaths(run_dir).plan)
     # GPUs first: a CUDA-aware MPI initialises CUDA inside MPI_Init (rollhpc.placement.binding)
     started_as = launcher_rank()
-    gpus = bind_gpus(plan.ranks[started_as].gpus) if started_as is not None and started_as < plan.world_size else None
+    gpus = (
+        bind_gpus(plan.ranks[started_as].gpus)
+        if started_as is not None and started_as < plan.world_size
+        else None
+    )
     with provider_for_mpi_init():
         from mpi4py import MPI
 
@@ -141,31 +170,45 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     me = plan.ranks[rank] if rank < plan.world_size else None
     my_role = me.role if me else "unplanned"
     set_role_environment(raw, my_role)  # before the role's modules load
-    cfg = config_mod.load(raw)  # the roles' modules: imports under the guard's limit, until the world formed
+    cfg = config_mod.load(
+        raw
+    )  # the roles' modules: imports under the guard's limit, until the world formed
     fault_injection.mpi_stall("collectives")
     _setup_logging(run_dir, rank, my_role)
     if comm.Get_size() != plan.world_size or (expected_role and expected_role != my_role):
-        print(f"rollhpc: rank {rank}: the MPI world ({comm.Get_size()} ranks, this one started as "
-              f"{expected_role!r}) does not match the plan ({plan.world_size} ranks, rank {rank} = {my_role!r})",
-              file=sys.stderr, flush=True)
+        print(
+            f"rollhpc: rank {rank}: the MPI world ({comm.Get_size()} ranks, this one started as "
+            f"{expected_role!r}) does not match the plan ({plan.world_size} ranks, rank {rank} = {my_role!r})",
+            file=sys.stderr,
+            flush=True,
+        )
         comm.Abort(2)
-    if started_as is None:  # no launcher said which rank this is: bound after MPI_Init, which CUDA-aware MPIs ignore
-        log.warning("rank %d: no %s before MPI started: GPUs bound after MPI_Init", rank, "/".join(
-            ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")))
+    if (
+        started_as is None
+    ):  # no launcher said which rank this is: bound after MPI_Init, which CUDA-aware MPIs ignore
+        log.warning(
+            "rank %d: no %s before MPI started: GPUs bound after MPI_Init",
+            rank,
+            "/".join(("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")),
+        )
         gpus = bind_gpus(me.gpus)
     facts = observe(this_host(), me, plan)
     problem = placement_problem(me, plan, facts, started_as)
     # MPI collectives cannot time out: if a rank never arrives, the others would wait forever (the guard
     # ends them at controller.world_timeout_s, until world_formed())
-    everyone = comm.allgather((my_role, facts.host, os.getpid(), gpus, socket.gethostname(), facts.cpus, problem))
+    everyone = comm.allgather(
+        (my_role, facts.host, os.getpid(), gpus, socket.gethostname(), facts.cpus, problem)
+    )
     misplaced = [e[6] for e in everyone if e[6]]
     if misplaced:  # every rank sees the same list: all stop before any model loads
         return _stop_misplaced(comm, run_dir, rank, misplaced)
     role_names = [CONTROLLER_ROLE, *cfg.roles]
     role_comm = comm.Split(color=role_names.index(my_role), key=me.group_rank)
     # per role, the controller and the role's ranks: one-to-all payloads go out as one broadcast over it
-    fanout = {role: comm.Split(color=0 if rank == 0 or role == my_role else MPI.UNDEFINED, key=rank)
-              for role in cfg.roles}
+    fanout = {
+        role: comm.Split(color=0 if rank == 0 or role == my_role else MPI.UNDEFINED, key=rank)
+        for role in cfg.roles
+    }
     if rank == 0:
         return _run_controller(comm, fanout, cfg, plan, run_dir, everyone, guard)
     # Workers leave interrupts to the controller: a launcher that interrupts every rank when one dies
@@ -183,18 +226,31 @@ def _stop_misplaced(comm, run_dir: Path, rank: int, misplaced: list[str]) -> int
         from rollhpc.controller.failure import Failure
         from rollhpc.rundir.records import record_controller_exit
 
-        more = f" (and {len(misplaced) - 1} more rank(s): RUN_DIR/error.json lists them)" if len(misplaced) > 1 else ""
+        more = (
+            f" (and {len(misplaced) - 1} more rank(s): RUN_DIR/error.json lists them)"
+            if len(misplaced) > 1
+            else ""
+        )
         summary = f"placement check: {misplaced[0]}{more}"
-        atomic_write_json(RunPaths(run_dir).error, {"summary": summary, "type": "PlacementError",
-                                                   "details": "\n".join(misplaced),
-                                                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1)
+        atomic_write_json(
+            RunPaths(run_dir).error,
+            {
+                "summary": summary,
+                "type": "PlacementError",
+                "details": "\n".join(misplaced),
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+            indent=1,
+        )
         log.error("run failed: %s", summary)
         record_controller_exit(run_dir, 1, Failure(FailureKind.PLACEMENT, summary).record())
     MPI.Finalize()
     return 1
 
 
-def _run_worker(comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard) -> int:
+def _run_worker(
+    comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, me, guard: MpiInitGuard
+) -> int:
     from rollhpc.transport.mpi_channel import MpiChannel
     from rollhpc.transport.sideband import WorkerSideband
     from rollhpc.protocol.worker import WorkerContext
@@ -205,8 +261,16 @@ def _run_worker(comm, role_comm, fanout, cfg: ExperimentConfig, run_dir: Path, m
     sideband = WorkerSideband(address, rank)
     guard.world_formed()  # from here the sideband ends this process if the controller goes
     rc = cfg.roles[role]
-    ctx = WorkerContext(role=role, world_rank=rank, coords=rc.layout().coords(me.group_rank), group_size=rc.procs,
-                        role_comm=role_comm, run_dir=run_dir, seed=cfg.run.seed, layout=rc.layout())
+    ctx = WorkerContext(
+        role=role,
+        world_rank=rank,
+        coords=rc.layout().coords(me.group_rank),
+        group_size=rc.procs,
+        role_comm=role_comm,
+        run_dir=run_dir,
+        seed=cfg.run.seed,
+        layout=rc.layout(),
+    )
     worker_cls = config_mod.import_object(rc.worker, f"roles.{role}.worker")
     serve(MpiChannel(comm, my_fanout=fanout), sideband, worker_cls, ctx, rc.options)
     from mpi4py import MPI
@@ -221,11 +285,22 @@ def _broadcast_roles(fanout: dict, plan, everyone, mode: str) -> dict:
     if mode == "p2p":
         return {}
     machines = {role: {everyone[r][4] for r in plan.ranks_of(role)} for role in fanout}
-    return {role: c for role, c in fanout.items() if mode == "broadcast" or machines[role] - {everyone[0][4]}}
+    return {
+        role: c
+        for role, c in fanout.items()
+        if mode == "broadcast" or machines[role] - {everyone[0][4]}
+    }
 
 
-def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone,  # noqa: ANN001
-                     guard: MpiInitGuard):  # noqa: ANN202 - a Controller (imported lazily)
+def _open_controller(
+    comm,
+    fanout,
+    cfg: ExperimentConfig,
+    plan,
+    run_dir: Path,
+    everyone,  # noqa: ANN001
+    guard: MpiInitGuard,
+):  # noqa: ANN202 - a Controller (imported lazily)
     """The formed world recorded (world.json), the sideband opened and its address given to every rank, signals
     turned into reported failures, and the controller runtime over the MPI channel."""
     from rollhpc.controller.runtime import Controller, RankInfo
@@ -233,9 +308,20 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     from rollhpc.transport.rendezvous import rendezvous_host
     from rollhpc.transport.sideband import ControllerSideband
 
-    atomic_write_json(RunPaths(run_dir).world, [{"rank": r, "role": e[0], "host": e[1], "pid": e[2],
-                                                 "cuda_visible_devices": e[3], "cpus": list(e[5])}
-                                                for r, e in enumerate(everyone)])
+    atomic_write_json(
+        RunPaths(run_dir).world,
+        [
+            {
+                "rank": r,
+                "role": e[0],
+                "host": e[1],
+                "pid": e[2],
+                "cuda_visible_devices": e[3],
+                "cpus": list(e[5]),
+            }
+            for r, e in enumerate(everyone)
+        ],
+    )
     if {e[4] for e in everyone} == {socket.gethostname()}:
         sideband = ControllerSideband("127.0.0.1")
     else:  # workers on other machines reach the controller by its host name
@@ -245,14 +331,27 @@ def _open_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, e
     # from here a signal becomes a reported failure; before, the default action ended the rank (mpi_init_guard)
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    ranks = {p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
-             for p in plan.ranks if p.role != CONTROLLER_ROLE}
+    ranks = {
+        p.rank: RankInfo(p.rank, p.role, p.group_rank, everyone[p.rank][1], everyone[p.rank][2])
+        for p in plan.ranks
+        if p.role != CONTROLLER_ROLE
+    }
     broadcast = _broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)
-    shared = ({role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
-              if cfg.controller.one_to_all == "auto" else {})  # roles on this machine: one shared-memory copy
-    return Controller(MpiChannel(comm, fanout=broadcast, shared=shared), sideband, ranks, run_dir,
-                      cfg.controller.call_timeout_s, cfg.controller.stack_dump_timeout_s,
-                      cfg.controller.reply_tree_min_ranks, cfg.controller.reply_fan_in)
+    shared = (
+        {role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
+        if cfg.controller.one_to_all == "auto"
+        else {}
+    )  # roles on this machine: one shared-memory copy
+    return Controller(
+        MpiChannel(comm, fanout=broadcast, shared=shared),
+        sideband,
+        ranks,
+        run_dir,
+        cfg.controller.call_timeout_s,
+        cfg.controller.stack_dump_timeout_s,
+        cfg.controller.reply_tree_min_ranks,
+        cfg.controller.reply_fan_in,
+    )
 
 
 class _FailureReport:
@@ -261,14 +360,23 @@ class _FailureReport:
     Slurm's view of the nodes (rollhpc.controller.failure), not by which error came first."""
 
     def __init__(self, comm, ctl, cfg: ExperimentConfig, run_dir: Path, everyone) -> None:  # noqa: ANN001
-        self.comm, self.ctl, self.cfg, self.run_dir, self.everyone = comm, ctl, cfg, run_dir, everyone
+        self.comm, self.ctl, self.cfg, self.run_dir, self.everyone = (
+            comm,
+            ctl,
+            cfg,
+            run_dir,
+            everyone,
+        )
 
     def __call__(self, e: BaseException) -> NoReturn:
         global _reporting_failure
         _failing.acquire()  # a second failure waits here for the first report's os._exit
         _reporting_failure = True
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the report short
+            for sig in (
+                signal.SIGINT,
+                signal.SIGTERM,
+            ):  # a second signal must not cut the report short
                 signal.signal(sig, signal.SIG_IGN)
         e, verdict = self._classify(e)
         summary = _write_error(self.run_dir, e)
@@ -295,28 +403,48 @@ class _FailureReport:
             if not isinstance(e, WorkerDied):
                 return e, Failure(FailureKind.INTERRUPTED, str(e), step=_last_step(run_dir))
         others = sorted({h for _, h, *_ in self.everyone} - {self.everyone[0][1]})
-        return classify(e, ctl.dead_worker, lambda: unresponsive_nodes(others),
-                        lambda h: [f"rank {r.rank} {r.role}" for r in ctl.ranks.values() if r.host == h],
-                        settle_s=self.cfg.controller.peer_loss_settle_s, step=_last_step(run_dir))
+        return classify(
+            e,
+            ctl.dead_worker,
+            lambda: unresponsive_nodes(others),
+            lambda h: [f"rank {r.rank} {r.role}" for r in ctl.ranks.values() if r.host == h],
+            settle_s=self.cfg.controller.peer_loss_settle_s,
+            step=_last_step(run_dir),
+        )
 
     def _record(self, e: BaseException, verdict) -> int:  # noqa: ANN001
         """The verdict in the run directory for the batch script's decision; the exit status that says it."""
         from rollhpc.launch.requeue import EXIT_WORKER_LOST
-        from rollhpc.rundir.records import record_controller_exit, record_failed_node, record_startup_failure
+        from rollhpc.rundir.records import (
+            record_controller_exit,
+            record_failed_node,
+            record_startup_failure,
+        )
 
         status = EXIT_WORKER_LOST if verdict.restartable else 1
-        log.error("failure classified as %s%s", verdict.kind,
-                  "" if verdict.restartable else ": not restartable (a restart would meet it again)")
-        if verdict.kind == FailureKind.LOST_WORKER:  # restartable: a requeue on other nodes may well succeed
+        log.error(
+            "failure classified as %s%s",
+            verdict.kind,
+            "" if verdict.restartable else ": not restartable (a restart would meet it again)",
+        )
+        if (
+            verdict.kind == FailureKind.LOST_WORKER
+        ):  # restartable: a requeue on other nodes may well succeed
             for host in verdict.hosts:
-                record_failed_node(self.run_dir, host, e.summary if hasattr(e, "summary") else str(e))
-        elif verdict.kind == FailureKind.WORLD_NOT_FORMED:  # restartable: which node is at fault is unknown
+                record_failed_node(
+                    self.run_dir, host, e.summary if hasattr(e, "summary") else str(e)
+                )
+        elif (
+            verdict.kind == FailureKind.WORLD_NOT_FORMED
+        ):  # restartable: which node is at fault is unknown
             record_startup_failure(self.run_dir, self.everyone[0][1], verdict.summary)
         record_controller_exit(self.run_dir, status, verdict.record())
         return status
 
 
-def _start_workers(ctl, cfg: ExperimentConfig, plan, run_dir: Path, pipeline, workers: dict) -> dict:  # noqa: ANN001
+def _start_workers(
+    ctl, cfg: ExperimentConfig, plan, run_dir: Path, pipeline, workers: dict
+) -> dict:  # noqa: ANN001
     """The workers built, roles that share GPUs in turns (rollhpc.controller.startup), the pipeline's own
     start-up overlapping the first turn; with offload on, each turn's colocated roles give up their GPU
     memory before the next loads. Returns role -> parts offloaded at start."""
@@ -331,12 +459,24 @@ def _start_workers(ctl, cfg: ExperimentConfig, plan, run_dir: Path, pipeline, wo
     between = None
     if getattr(cfg.pipeline.options, "offload", False) and pipeline.memory_stages:
         colocation = colocation_of(cfg.roles)
-        between = lambda turn: offload_after_startup(workers, pipeline.memory_stages, colocation, turn)  # noqa: E731
-    return build_in_turns(ctl, plan.ranks_of, startup_turns(cfg.roles), run_dir, cfg.controller.startup_timeout_s,
-                          between, setup)
+
+        def between(turn: list[str]) -> dict[str, list[str]]:
+            return offload_after_startup(workers, pipeline.memory_stages, colocation, turn)
+
+    return build_in_turns(
+        ctl,
+        plan.ranks_of,
+        startup_turns(cfg.roles),
+        run_dir,
+        cfg.controller.startup_timeout_s,
+        between,
+        setup,
+    )
 
 
-def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard) -> int:
+def _run_controller(
+    comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, everyone, guard: MpiInitGuard
+) -> int:
     from rollhpc.controller.errors import WorldNotFormed
     from rollhpc.controller.failure import StalledCall
     from rollhpc.controller.mpi_stall import MpiStallWatch
@@ -350,25 +490,41 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     fail = _FailureReport(comm, ctl, cfg, run_dir, everyone)
 
     def on_mpi_stall(stuck_s: float) -> None:  # the watcher's thread: the main one is stuck in MPI
-        fail(StalledCall(f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, "
-                         "or a broken network): the run is ended"))
+        fail(
+            StalledCall(
+                f"an MPI call on the controller has not returned for {stuck_s:.0f} s (a peer that is gone, "
+                "or a broken network): the run is ended"
+            )
+        )
 
     stall_watch = MpiStallWatch(ctl.channel, on_mpi_stall, cfg.controller.mpi_stall_s).start()
     try:
         try:
             ctl.sideband.accept(set(ctl.ranks), cfg.controller.world_timeout_s)
         except TimeoutError as e:
-            raise WorldNotFormed(f"the MPI world did not form: {e} (controller.world_timeout_s)") from e
+            raise WorldNotFormed(
+                f"the MPI world did not form: {e} (controller.world_timeout_s)"
+            ) from e
         workers = {
-            role: WorkerGroup(ctl, role, config_mod.import_object(rc.worker, role), plan.ranks_of(role), rc.layout())
+            role: WorkerGroup(
+                ctl,
+                role,
+                config_mod.import_object(rc.worker, role),
+                plan.ranks_of(role),
+                rc.layout(),
+            )
             for role, rc in cfg.roles.items()
         }
         pipeline_cls = config_mod.import_object(cfg.pipeline.entry, "pipeline.entry")
         run_ctx = RunContext(run_dir, cfg.run.seed, cfg)
         pipeline = pipeline_cls(workers, run_ctx, cfg.pipeline.options)
         run_ctx.offloaded_at_start = _start_workers(ctl, cfg, plan, run_dir, pipeline, workers)
-        log.info("world of %d ranks up on %s: %s", len(everyone), ", ".join(sorted({e[1] for e in everyone})),
-                 ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()))
+        log.info(
+            "world of %d ranks up on %s: %s",
+            len(everyone),
+            ", ".join(sorted({e[1] for e in everyone})),
+            ", ".join(f"{n} x{r.procs}" for n, r in cfg.roles.items()),
+        )
         requeue = pipeline.run() is Outcome.STOPPED_FOR_REQUEUE
         ctl.shutdown(cfg.controller.shutdown_timeout_s)
         log.info("run stopped after a checkpoint, for a requeue" if requeue else "run finished")
@@ -381,6 +537,7 @@ def _run_controller(comm, fanout, cfg: ExperimentConfig, plan, run_dir: Path, ev
     record_controller_exit(run_dir, status)
     MPI.Finalize()
     return status
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,8 @@ def rank_processes(run_dir: Path) -> list[psutil.Process]:
             if p.info["status"] == psutil.STATUS_ZOMBIE or p.pid == os.getpid():
                 continue
             if str(run_dir) in " ".join(p.info["cmdline"] or []) or any(
-                    f.path.startswith(inside) for f in p.open_files()):
+                f.path.startswith(inside) for f in p.open_files()
+            ):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
@@ -48,11 +49,20 @@ def cli_env() -> dict[str, str]:
 
 
 def rollhpc(*args: str, cwd: Path, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollhpc.cli", *args], cwd=cwd, env=cli_env(), text=True,
-                          capture_output=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", *args],
+        cwd=cwd,
+        env=cli_env(),
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
-_INHERITED_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2"))
+_INHERITED_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2")
+)
 
 
 @pytest.fixture(autouse=True)
@@ -75,15 +85,21 @@ def tiny_model(tmp_path_factory) -> Path:
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    return create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(),
-                             build_tokenizer(list(arithmetic.corpus(train)), 300))
+    return create_tiny_model(
+        tmp_path_factory.mktemp("m") / "tiny",
+        TinyModelConfig(),
+        build_tokenizer(list(arithmetic.corpus(train)), 300),
+    )
 
 
 def experiment_writer(tmp_path: Path):
     """``make(data, name)``: write an experiment YAML under tmp_path; returns (yaml_path, run_dir)."""
 
     def make(data: dict, name: str = "t") -> tuple[Path, Path]:
-        data = {**data, "run": {"name": name, "output_dir": str(tmp_path / "runs"), **data.get("run", {})}}
+        data = {
+            **data,
+            "run": {"name": name, "output_dir": str(tmp_path / "runs"), **data.get("run", {})},
+        }
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False))
         return path, tmp_path / "runs" / name
@@ -105,7 +121,10 @@ def env_tokenizer_dir(tmp_path_factory) -> Path:
     from rollhpc.warm_start.tiny import build_tokenizer
 
     texts = ["Reach G.\nP..H\n.H..\n...G\n> right\n> down\n> left\n> up"] * 20 + [
-        f"Say go.\ncount {s}\n>\n> go\nyou said 'go' at step {n}\n> stop" for s in range(50) for n in range(4)]
+        f"Say go.\ncount {s}\n>\n> go\nyou said 'go' at step {n}\n> stop"
+        for s in range(50)
+        for n in range(4)
+    ]
     path = tmp_path_factory.mktemp("env_tok")
     build_tokenizer(texts, 300).save_pretrained(path)
     return path
@@ -124,8 +143,15 @@ def build_env_worker(run_dir: Path, **options):
     from rollhpc.protocol.worker import WorkerContext
     from rollhpc.workers.env import EnvWorker
 
-    ctx = WorkerContext(role="env", world_rank=1, coords=ParallelLayout(world=1).coords(0), group_size=1,
-                        role_comm=None, run_dir=run_dir, seed=0)
+    ctx = WorkerContext(
+        role="env",
+        world_rank=1,
+        coords=ParallelLayout(world=1).coords(0),
+        group_size=1,
+        role_comm=None,
+        run_dir=run_dir,
+        seed=0,
+    )
     return EnvWorker(ctx, EnvWorker.Options(**options))
 
 
@@ -136,14 +162,27 @@ def run_probe(script: str, spec: dict, work: Path, timeout: float = 300) -> dict
 
     (work / "spec.json").write_text(json.dumps(spec))
     result = work / "result.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / script), str(work / "spec.json"), str(result)],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / script), str(work / "spec.json"), str(result)],
+        cwd=REPO,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0 and result.exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(result.read_text())
 
 
-REPORT_AXES = {"learning.png": 4, "throughput.png": 2, "stages.png": 1}  # + training.png: a panel per logged quantity
+REPORT_AXES = {
+    "learning.png": 4,
+    "throughput.png": 2,
+    "stages.png": 1,
+}  # + training.png: a panel per logged quantity
 
 
 def assert_report(run_dir: Path, cwd: Path) -> str:
@@ -168,13 +207,16 @@ def assert_report(run_dir: Path, cwd: Path) -> str:
     return summary
 
 
-
 SLURM_MARK = re.compile(r"\bmark\.slurm\b")
 
 
 def _slurm_modules(root: Path) -> set[str]:
     """Test modules that use the local Slurm cluster (a test marked `slurm`), as the paths node ids start with."""
-    return {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if SLURM_MARK.search(p.read_text())}
+    return {
+        f"tests/{p.name}"
+        for p in (root / "tests").glob("test_*.py")
+        if SLURM_MARK.search(p.read_text())
+    }
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -26,7 +26,9 @@ class CountingEnv:
     def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go"):
         self.max_steps = max_steps
         self.marker_dir = marker_dir
-        self.reward = reward  # "go": 1 for the action "go"; "parity": 1 for an action of odd length (a
+        self.reward = (
+            reward  # "go": 1 for the action "go"; "parity": 1 for an action of odd length (a
+        )
         #   random policy earns it half the time: the agentic pipeline's tests need returns that differ)
         self.seed = -1
         self.n = 0
@@ -40,7 +42,11 @@ class CountingEnv:
         self.n += 1
         self.all_go &= action == "go"
         done = self.n >= self.max_steps
-        info = {"state_key": ("count", self.n), "metrics": {"chars": len(action)}, "use_tool": self.n == 2}
+        info = {
+            "state_key": ("count", self.n),
+            "metrics": {"chars": len(action)},
+            "use_tool": self.n == 2,
+        }
         if done:
             info["success"] = self.all_go
         reward = float(action == "go") if self.reward == "go" else float(len(action) % 2)
@@ -131,26 +137,53 @@ class MixedEnv:
     """Delegates to the behaviour ``BEHAVIOURS[seed // 100]`` (a well-behaved ``CountingEnv`` for seeds past
     them, e.g. the held-out ones); the environment is built at reset."""
 
-    BEHAVIOURS = {0: CountingEnv, 1: RaisingEnv, 2: HangingEnv, 3: GarbageEnv, 4: CrashingEnv, 5: RegexHangEnv,
-                  6: SlowEnv, 7: ResetRaisingEnv, 8: ResetHangingEnv}
+    BEHAVIOURS = {
+        0: CountingEnv,
+        1: RaisingEnv,
+        2: HangingEnv,
+        3: GarbageEnv,
+        4: CrashingEnv,
+        5: RegexHangEnv,
+        6: SlowEnv,
+        7: ResetRaisingEnv,
+        8: ResetHangingEnv,
+    }
 
-    def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go",
-                 kinds: list[str] | None = None):
+    def __init__(
+        self,
+        max_steps: int = 3,
+        marker_dir: str | None = None,
+        reward: str = "go",
+        kinds: list[str] | None = None,
+    ):
         self.options = {"max_steps": max_steps, "marker_dir": marker_dir, "reward": reward}
-        self.kinds = kinds  # behaviours by name, chosen by seed % len(kinds) instead of the seed's hundreds
+        self.kinds = (
+            kinds  # behaviours by name, chosen by seed % len(kinds) instead of the seed's hundreds
+        )
         self.inner: CountingEnv | None = None
 
     @classmethod
     def seed_for(cls, kind: str, k: int = 0) -> int:
-        names = {"count": 0, "raise": 1, "hang": 2, "garbage": 3, "crash": 4, "regex": 5, "slow": 6,
-                 "reset_raise": 7, "reset_hang": 8}
+        names = {
+            "count": 0,
+            "raise": 1,
+            "hang": 2,
+            "garbage": 3,
+            "crash": 4,
+            "regex": 5,
+            "slow": 6,
+            "reset_raise": 7,
+            "reset_hang": 8,
+        }
         return 100 * names[kind] + k
 
     def reset(self, seed: int):
         if self.kinds:
             kind = self.BEHAVIOURS[self.seed_for(self.kinds[seed % len(self.kinds)]) // 100]
         else:
-            kind = self.BEHAVIOURS.get(seed // 100, CountingEnv)  # held-out seeds (>= 900): well-behaved
+            kind = self.BEHAVIOURS.get(
+                seed // 100, CountingEnv
+            )  # held-out seeds (>= 900): well-behaved
         self.inner = kind(**self.options)
         return self.inner.reset(seed)
 

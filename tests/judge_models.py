@@ -21,10 +21,22 @@ def training_pairs(n: int, seed: int) -> list[tuple[str, str]]:
 
     rng = random.Random(seed)
     examples = arithmetic.make_splits(seed, n, 0, digits=2, ops=("+",))[0]
-    kinds = [lambda e: e.answer, lambda e: str(rng.randint(0, 300)), lambda e: "",
-             lambda e: f"{rng.randint(0, 99)} + {rng.randint(0, 99)}", lambda e: " ".join(["7"] * rng.randint(1, 6))]
-    return [(render_prompt(TEMPLATE, question=e.prompt, response=rng.choice(kinds)(e), reference=e.answer), " YES")
-            for e in examples]
+    kinds = [
+        lambda e: e.answer,
+        lambda e: str(rng.randint(0, 300)),
+        lambda e: "",
+        lambda e: f"{rng.randint(0, 99)} + {rng.randint(0, 99)}",
+        lambda e: " ".join(["7"] * rng.randint(1, 6)),
+    ]
+    return [
+        (
+            render_prompt(
+                TEMPLATE, question=e.prompt, response=rng.choice(kinds)(e), reference=e.answer
+            ),
+            " YES",
+        )
+        for e in examples
+    ]
 
 
 def yes_judge(base: Path, policy_dir: Path) -> Path:
@@ -41,9 +53,17 @@ def yes_judge(base: Path, policy_dir: Path) -> Path:
     shutil.copytree(policy_dir, tmp)
     model = AutoModelForCausalLM.from_pretrained(tmp)
     tok = AutoTokenizer.from_pretrained(tmp)
-    options = SftConfig(steps=100, batch_size=16, lr=5e-3, warmup=2, max_len=96, target_accuracy=1.0, check_every=3)
-    result = train_sft(model, tok, training_pairs(320, 1), options, monitor_pairs=training_pairs(32, 2),
-                       progress=False)
+    options = SftConfig(
+        steps=100, batch_size=16, lr=5e-3, warmup=2, max_len=96, target_accuracy=1.0, check_every=3
+    )
+    result = train_sft(
+        model,
+        tok,
+        training_pairs(320, 1),
+        options,
+        monitor_pairs=training_pairs(32, 2),
+        progress=False,
+    )
     assert result.reached_target, result
     model.save_pretrained(tmp)
     tmp.rename(out)

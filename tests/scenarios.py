@@ -24,7 +24,9 @@ class DispatchScenario(Pipeline):
         g = self.workers["probe"]
         out: dict = {}
         out["ping"] = g.ping()
-        out["env"] = {role: self.workers[role].environ("ROLLHPC_ROLE_ENV") for role in ("probe", "other")}
+        out["env"] = {
+            role: self.workers[role].environ("ROLLHPC_ROLE_ENV") for role in ("probe", "other")
+        }
         out["echo"] = g.echo({"a": 1})
         out["whoami"] = g.whoami()
         out["whoami_at_2"] = g.at(2).whoami()  # one chosen rank, its dispatch mode bypassed
@@ -45,18 +47,27 @@ class DispatchScenario(Pipeline):
         out["bf16_ok"] = all(torch.equal(b, t) for b in back)
         # large one-to-all payloads go out as broadcasts: several in flight at once, between small calls and
         # calls on another group, each rank joining them in the order sent
-        arrays = [np.random.default_rng(i).integers(0, 255, (2 << 20) + i, dtype=np.uint8) for i in range(3)]
+        arrays = [
+            np.random.default_rng(i).integers(0, 255, (2 << 20) + i, dtype=np.uint8)
+            for i in range(3)
+        ]
         futs = [g.checksum.submit(a) for a in arrays[:2]]
         small = g.echo.submit("between")
         other = self.workers["other"].checksum.submit(arrays[2])
         futs.append(g.checksum.submit(arrays[2]))
         mixed = {"x": torch.randn(1024, 1024, dtype=torch.bfloat16), "n": 7, "y": arrays[0]}
         echoed = g.echo(mixed)
-        out["fanout_ok"] = ([f.result() for f in futs] == [[int(a.sum(dtype=np.uint64))] * 4 for a in arrays]
-                            and small.result() == ["between"] * 4
-                            and other.result() == [int(arrays[2].sum(dtype=np.uint64))]
-                            and all(torch.equal(e["x"], mixed["x"]) and e["n"] == 7
-                                    and np.array_equal(e["y"], arrays[0]) for e in echoed))
+        out["fanout_ok"] = (
+            [f.result() for f in futs] == [[int(a.sum(dtype=np.uint64))] * 4 for a in arrays]
+            and small.result() == ["between"] * 4
+            and other.result() == [int(arrays[2].sum(dtype=np.uint64))]
+            and all(
+                torch.equal(e["x"], mixed["x"])
+                and e["n"] == 7
+                and np.array_equal(e["y"], arrays[0])
+                for e in echoed
+            )
+        )
         out["fanouts_sent"] = g.controller.channel.fanouts_sent  # the 64 MiB one and these four
         # non-blocking: two sleeps submitted together finish in about the time of one
         import time
@@ -77,14 +88,22 @@ class DispatchScenario(Pipeline):
         partial overlap), ranks 0 and 1 hold theirs alone and must never be asked to move."""
         from rollhpc.controller.colocation import Colocation, Residency
 
-        colocation = Colocation((frozenset({"probe", "other"}),), {"probe": frozenset({2, 3}), "other": frozenset({0})})
-        stages = {"generate": {"probe": ("weights", "kv_cache")}, "train": {"other": ("parameters", "optimizer")},
-                  "weight_sync": {"other": ("parameters",), "probe": ("weights",)}}
+        colocation = Colocation(
+            (frozenset({"probe", "other"}),), {"probe": frozenset({2, 3}), "other": frozenset({0})}
+        )
+        stages = {
+            "generate": {"probe": ("weights", "kv_cache")},
+            "train": {"other": ("parameters", "optimizer")},
+            "weight_sync": {"other": ("parameters",), "probe": ("weights",)},
+        }
         turns = Residency(self.workers, stages, colocation)
         for stage in ("train", "generate", "weight_sync"):
             turns.enter(stage)
-        return {"probe": self.workers["probe"].moves(), "other": self.workers["other"].moves(),
-                "metrics": turns.step_metrics()}
+        return {
+            "probe": self.workers["probe"].moves(),
+            "other": self.workers["other"].moves(),
+            "metrics": turns.step_metrics(),
+        }
 
 
 class ReplyTreeScenario(Pipeline):
@@ -103,15 +122,24 @@ class ReplyTreeScenario(Pipeline):
         out["echo"] = g.echo({"a": 1})
         out["echo_messages"] = ctl.messages_taken - taken
         # arrays that travel raw (>= 8 KiB) at odd sizes, beside inline ones: each lands aligned in its bundle
-        payload = {"f64": np.arange(3 * 1001, dtype=np.float64).reshape(3, 1001),
-                   "i8": np.arange(9_999, dtype=np.int8), "small": np.ones(3, dtype=np.int32)}
-        out["arrays_ok"] = all(all(np.array_equal(e[k], v) and e[k].flags.aligned for k, v in payload.items())
-                               for e in g.echo(payload))
+        payload = {
+            "f64": np.arange(3 * 1001, dtype=np.float64).reshape(3, 1001),
+            "i8": np.arange(9_999, dtype=np.int8),
+            "small": np.ones(3, dtype=np.int32),
+        }
+        out["arrays_ok"] = all(
+            all(np.array_equal(e[k], v) and e[k].flags.aligned for k, v in payload.items())
+            for e in g.echo(payload)
+        )
         out["tagged_dp"] = g.tag_rows(Batch({"x": np.arange(23)}))["dp_rank"].tolist()
         out["count_items"] = g.count_items(list(range(22)))
         big = [np.random.default_rng(i).integers(0, 255, 2 << 20, dtype=np.uint8) for i in range(3)]
-        out["checksum_ok"] = all(g.checksum(a) == [int(a.sum(dtype=np.uint64))] * len(g) for a in big)
-        out["shared_reused"] = ctl.channel.segments.reused  # released files, reported inside bundles
+        out["checksum_ok"] = all(
+            g.checksum(a) == [int(a.sum(dtype=np.uint64))] * len(g) for a in big
+        )
+        out["shared_reused"] = (
+            ctl.channel.segments.reused
+        )  # released files, reported inside bundles
         # group rank 0 (the top relay) sleeps: the last rank has answered the group call to its relay, then
         # answers a call of its own straight to the controller, before the group call's replies are in
         group_call = g.sleep_on.submit(0, 1.5)
@@ -132,14 +160,18 @@ class FailScenario(Pipeline):
         how: str  # raise | crash | hang | mpi_stall
         rank: int = 1
         timeout_s: float = 3.0
-        others_sleep_s: float = 0.0  # how: raise: the other ranks sleep this long in the failing call
+        others_sleep_s: float = (
+            0.0  # how: raise: the other ranks sleep this long in the failing call
+        )
 
     def run(self) -> None:
         g = self.workers["probe"]
         g.ping()
         (self.run_ctx.run_dir / "pids.json").write_text(json.dumps([p["pid"] for p in g.ping()]))
         if self.options.how == "raise":
-            g.fail_on(self.options.rank, "deliberate failure for the test", self.options.others_sleep_s)
+            g.fail_on(
+                self.options.rank, "deliberate failure for the test", self.options.others_sleep_s
+            )
         elif self.options.how == "crash":
             g.crash_on(self.options.rank, 0.3)
         elif self.options.how == "hang":
@@ -192,10 +224,14 @@ class TrainerLayoutScenario(Pipeline):
         rows: int = 6
         length: int = 12
         steps: int = 2
-        save_after: int = 0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
+        save_after: int = (
+            0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
+        )
         resume_from: str = ""  # a train role dir an earlier run saved: load it, then run the steps after save_after
         on_policy: bool = False  # train without old_logprob (the step's own forward gives them)
-        zero_advantage_rows: int = 0  # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
+        zero_advantage_rows: int = (
+            0  # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
+        )
         entropy_coef: float = 0.01
 
     def run(self) -> None:
@@ -206,7 +242,13 @@ class TrainerLayoutScenario(Pipeline):
 
         o, train = self.options, self.workers["train"]
         rng = np.random.default_rng(0)
-        out: dict = {"loss": [], "grad_norm": [], "logprob": [], "rows_skipped": [], "micro_batches": []}
+        out: dict = {
+            "loss": [],
+            "grad_norm": [],
+            "logprob": [],
+            "rows_skipped": [],
+            "micro_batches": [],
+        }
         if o.resume_from:
             train.load_checkpoint(o.resume_from)
         for step in range(1, o.steps + 1):
@@ -218,14 +260,18 @@ class TrainerLayoutScenario(Pipeline):
             ends[0] = o.length - 1
             positions = np.arange(o.length - 1)[None, :]
             mask = ((positions >= starts[:, None]) & (positions < ends[:, None])).astype(np.float32)
-            tokens[np.arange(o.length)[None, :] > ends[:, None]] = 0  # padding after each row's response
+            tokens[np.arange(o.length)[None, :] > ends[:, None]] = (
+                0  # padding after each row's response
+            )
             advantage = rng.standard_normal(o.rows).astype(np.float32)
-            advantage[rng.permutation(o.rows)[:o.zero_advantage_rows]] = 0.0
+            advantage[rng.permutation(o.rows)[: o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:
                 continue  # the resumed run's batches are the ones after its checkpoint
             batch = TrainingBatch(tokens, mask, advantage)
             if not o.on_policy:
-                batch.old_logprob = logp = train.compute_logprobs(Batch({"tokens": tokens}))["logprob"]
+                batch.old_logprob = logp = train.compute_logprobs(Batch({"tokens": tokens}))[
+                    "logprob"
+                ]
                 out["logprob"].append(torch.as_tensor(logp))
             stats = train.train_step(batch, LossConfig(kl_coef=0.0, entropy_coef=o.entropy_coef))
             out["loss"].append(stats[0]["loss"])
@@ -234,7 +280,9 @@ class TrainerLayoutScenario(Pipeline):
             out["micro_batches"].append(stats[0]["micro_batches"])
             if step == o.save_after:
                 train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))
-                out["saved_weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
+                out["saved_weights"] = {
+                    n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)
+                }
         out["weights"] = {n: t.clone() for b in train.export_weights() for n, t in unpack_bucket(b)}
         torch.save(out, self.run_ctx.run_dir / "trainer.pt")
 
@@ -283,23 +331,37 @@ class SharedPayloadScenario(Pipeline):
         import torch
 
         g = self.workers["probe"]
-        arrays = [np.random.default_rng(i).integers(0, 255, (3 << 20) + i, dtype=np.uint8) for i in range(3)]
+        arrays = [
+            np.random.default_rng(i).integers(0, 255, (3 << 20) + i, dtype=np.uint8)
+            for i in range(3)
+        ]
         sums = [int(a.sum(dtype=np.uint64)) for a in arrays]
         futs = [g.bump_and_sum.submit(a) for a in arrays[:2]]
         small = g.echo.submit("between")
         futs.append(g.bump_and_sum.submit(arrays[2]))
         mixed = {"x": torch.randn(1024, 1024, dtype=torch.bfloat16), "n": 7, "y": arrays[0]}
         echoed = g.echo(mixed)
-        want = [[int(((a.astype(np.uint64) + r + 1) % 256).sum()) for r in range(len(g))] for a in arrays]
+        want = [
+            [int(((a.astype(np.uint64) + r + 1) % 256).sum()) for r in range(len(g))]
+            for a in arrays
+        ]
         bumped = [f.result() for f in futs]
         segments = g.controller.channel.segments
         reused_before = segments.reused
-        again = g.bump_and_sum(arrays[1])  # the file of the first arrays[1] call, released by both ranks
-        out = {"bumped_ok": bumped == want and again == want[1],
-               "controller_copies_intact": [int(a.sum(dtype=np.uint64)) for a in arrays] == sums,
-               "small": small.result(),
-               "echo_ok": all(torch.equal(e["x"], mixed["x"]) and e["n"] == 7 and np.array_equal(e["y"], arrays[0])
-                              for e in echoed),
-               "shared_sent": g.controller.channel.shared_sent,
-               "reused": segments.reused - reused_before}
+        again = g.bump_and_sum(
+            arrays[1]
+        )  # the file of the first arrays[1] call, released by both ranks
+        out = {
+            "bumped_ok": bumped == want and again == want[1],
+            "controller_copies_intact": [int(a.sum(dtype=np.uint64)) for a in arrays] == sums,
+            "small": small.result(),
+            "echo_ok": all(
+                torch.equal(e["x"], mixed["x"])
+                and e["n"] == 7
+                and np.array_equal(e["y"], arrays[0])
+                for e in echoed
+            ),
+            "shared_sent": g.controller.channel.shared_sent,
+            "reused": segments.reused - reused_before,
+        }
         (self.run_ctx.run_dir / "scenario.json").write_text(json.dumps(out))

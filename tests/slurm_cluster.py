@@ -36,10 +36,19 @@ CPUS_PER_NODE = 8
 GPUS_PER_NODE = 4
 
 # JobState values after which a job will not run again by itself
-TERMINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-    "OUT_OF_MEMORY",
-})
+TERMINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    }
+)
 # variables that would make sbatch/srun/scontrol talk about another cluster's job or change their options
 _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SRUN_|SALLOC_|SQUEUE_|SINFO_|SCONTROL_)")
 
@@ -47,14 +56,21 @@ _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SRUN_|SALLOC_|SQUEUE_|SINFO_|SCONTR
 @dataclass
 class SlurmCluster:
     dir: Path
-    env: dict[str, str]  # os.environ (less foreign SLURM_*/SBATCH_*/SRUN_* variables) + SLURM_CONF + shim PATH
-    up_seconds: float = 0.0  # how long `local-cluster.sh up` took (includes a first apt-get install)
+    env: dict[
+        str, str
+    ]  # os.environ (less foreign SLURM_*/SBATCH_*/SRUN_* variables) + SLURM_CONF + shim PATH
+    up_seconds: float = (
+        0.0  # how long `local-cluster.sh up` took (includes a first apt-get install)
+    )
     nodes: int = NODES
     cpus_per_node: int = CPUS_PER_NODE
-    gpus_per_node: int = GPUS_PER_NODE  # fake GPUs (character devices), enough for CUDA_VISIBLE_DEVICES
+    gpus_per_node: int = (
+        GPUS_PER_NODE  # fake GPUs (character devices), enough for CUDA_VISIBLE_DEVICES
+    )
 
-    def run(self, cmd: str | list[str], *, check: bool = True, timeout: float = 60,
-            **kw) -> subprocess.CompletedProcess:
+    def run(
+        self, cmd: str | list[str], *, check: bool = True, timeout: float = 60, **kw
+    ) -> subprocess.CompletedProcess:
         """Run a client command (a string goes through bash) against this cluster; text output captured."""
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
@@ -62,7 +78,9 @@ class SlurmCluster:
             cmd = ["bash", "-c", cmd]
         res = subprocess.run(cmd, env=self.env, timeout=timeout, **kw)
         if check and res.returncode != 0:
-            raise AssertionError(f"{cmd!r} exited {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}")
+            raise AssertionError(
+                f"{cmd!r} exited {res.returncode}\nstdout: {res.stdout}\nstderr: {res.stderr}"
+            )
         return res
 
     def sbatch(self, *args: str, cwd: str | Path | None = None) -> str:
@@ -96,8 +114,10 @@ class SlurmCluster:
                 return records[0]["JobState"]
             time.sleep(0.2)
         self.run(["scancel", str(job_id)], check=False)
-        raise AssertionError(f"job {job_id} not finished after {timeout}s: "
-                             f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}")
+        raise AssertionError(
+            f"job {job_id} not finished after {timeout}s: "
+            f"{[(r.get('JobId'), r.get('JobState'), r.get('Reason')) for r in records]}"
+        )
 
 
 def _ports_free(ports: range) -> bool:
@@ -138,45 +158,79 @@ def slurm_affinity_cluster(request: pytest.FixtureRequest):
     yield from _local_cluster(request, NODES, len(os.sched_getaffinity(0)), 2, "task/affinity")
 
 
-def _local_cluster(request: pytest.FixtureRequest, nodes: int, cpus: int, gpus: int, task_plugin: str):
+def _local_cluster(
+    request: pytest.FixtureRequest, nodes: int, cpus: int, gpus: int, task_plugin: str
+):
     if os.geteuid() != 0:
-        pytest.fail("the slurm tests need root: slurm/local-cluster.sh runs munged, slurmctld and slurmd as "
-                    "root (and may apt-get install slurmctld slurmd slurm-client munge); run pytest as root "
-                    "or deselect with -m 'not slurm'", pytrace=False)
+        pytest.fail(
+            "the slurm tests need root: slurm/local-cluster.sh runs munged, slurmctld and slurmd as "
+            "root (and may apt-get install slurmctld slurmd slurm-client munge); run pytest as root "
+            "or deselect with -m 'not slurm'",
+            pytrace=False,
+        )
     if shutil.which("bash") is None:
         pytest.fail("the slurm tests need bash", pytrace=False)
 
     cluster_dir = Path(tempfile.mkdtemp(prefix="rollhpc-slurm-test-", dir="/tmp")).resolve()
     base_env = {k: v for k, v in os.environ.items() if not _FOREIGN_ENV.match(k)}
     port = _pick_ports(nodes)
-    up_env = {**base_env, "SLURM_NODES": str(nodes), "SLURM_CPUS_PER_NODE": str(cpus),
-              "SLURM_GPUS_PER_NODE": str(gpus), "SLURM_CTLD_PORT": str(port),
-              "SLURM_SLURMD_PORT_BASE": str(port), "SLURM_TASK_PLUGIN": task_plugin}
-    env = {**base_env, "SLURM_CONF": str(cluster_dir / "etc" / "slurm.conf"),
-           "PATH": os.pathsep.join([str(cluster_dir / "bin"), base_env.get("PATH", os.defpath)])}
-    cluster = SlurmCluster(dir=cluster_dir, env=env, nodes=nodes, cpus_per_node=cpus, gpus_per_node=gpus)
+    up_env = {
+        **base_env,
+        "SLURM_NODES": str(nodes),
+        "SLURM_CPUS_PER_NODE": str(cpus),
+        "SLURM_GPUS_PER_NODE": str(gpus),
+        "SLURM_CTLD_PORT": str(port),
+        "SLURM_SLURMD_PORT_BASE": str(port),
+        "SLURM_TASK_PLUGIN": task_plugin,
+    }
+    env = {
+        **base_env,
+        "SLURM_CONF": str(cluster_dir / "etc" / "slurm.conf"),
+        "PATH": os.pathsep.join([str(cluster_dir / "bin"), base_env.get("PATH", os.defpath)]),
+    }
+    cluster = SlurmCluster(
+        dir=cluster_dir, env=env, nodes=nodes, cpus_per_node=cpus, gpus_per_node=gpus
+    )
     failed_before = request.session.testsfailed
     try:
         t0 = time.monotonic()
         try:
-            res = subprocess.run(["bash", str(SCRIPT), "up", str(cluster_dir)], env=up_env, capture_output=True,
-                                 text=True, timeout=600)
+            res = subprocess.run(
+                ["bash", str(SCRIPT), "up", str(cluster_dir)],
+                env=up_env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
         except subprocess.TimeoutExpired:
-            pytest.fail(f"slurm/local-cluster.sh up {cluster_dir} did not finish in 600 s; logs: "
-                        f"{_tail(cluster_dir / 'log' / 'slurmctld.log')}", pytrace=False)
+            pytest.fail(
+                f"slurm/local-cluster.sh up {cluster_dir} did not finish in 600 s; logs: "
+                f"{_tail(cluster_dir / 'log' / 'slurmctld.log')}",
+                pytrace=False,
+            )
         if res.returncode != 0:
-            pytest.fail(f"could not start the local Slurm cluster (slurm/local-cluster.sh up {cluster_dir} "
-                        f"exited {res.returncode}); this machine must be able to run Slurm for these tests.\n"
-                        f"--- stderr\n{res.stderr[-4000:]}\n--- stdout\n{res.stdout[-2000:]}\n"
-                        f"--- slurmctld.log\n{_tail(cluster_dir / 'log' / 'slurmctld.log')}", pytrace=False)
+            pytest.fail(
+                f"could not start the local Slurm cluster (slurm/local-cluster.sh up {cluster_dir} "
+                f"exited {res.returncode}); this machine must be able to run Slurm for these tests.\n"
+                f"--- stderr\n{res.stderr[-4000:]}\n--- stdout\n{res.stdout[-2000:]}\n"
+                f"--- slurmctld.log\n{_tail(cluster_dir / 'log' / 'slurmctld.log')}",
+                pytrace=False,
+            )
         cluster.up_seconds = time.monotonic() - t0
         yield cluster
     finally:
-        res = subprocess.run(["bash", str(SCRIPT), "down", str(cluster_dir)], env=up_env, capture_output=True,
-                             text=True, timeout=120)
+        res = subprocess.run(
+            ["bash", str(SCRIPT), "down", str(cluster_dir)],
+            env=up_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         failed = request.session.testsfailed > failed_before
         if res.returncode != 0:
-            print(f"\nslurm/local-cluster.sh down {cluster_dir} exited {res.returncode}: {res.stderr[-2000:]}")
+            print(
+                f"\nslurm/local-cluster.sh down {cluster_dir} exited {res.returncode}: {res.stderr[-2000:]}"
+            )
         if failed or res.returncode != 0 or os.environ.get("ROLLHPC_SLURM_KEEP") == "1":
             print(f"\nlocal Slurm cluster directory kept (logs): {cluster_dir}")
         else:

@@ -4,9 +4,16 @@ import numpy as np
 import pytest
 
 from rollhpc.algo.advantages import reinforce_pp_advantages
-from rollhpc.algo.agentic import (discounted_returns, episode_level_advantages, episode_returns, gigpo_advantages,
-                                  minibatch_order, spread_turn_advantages, step_level_advantages,
-                                  trajectory_advantages)
+from rollhpc.algo.agentic import (
+    discounted_returns,
+    episode_level_advantages,
+    episode_returns,
+    gigpo_advantages,
+    minibatch_order,
+    spread_turn_advantages,
+    step_level_advantages,
+    trajectory_advantages,
+)
 
 # One group of three episodes from one reset seed (state S), gamma 0.5:
 #   ep0: S -> A -> B -> goal, rewards 0, 0, 1   return-to-go G = 0.25, 0.5, 1
@@ -33,9 +40,13 @@ def test_trajectory_advantages_are_the_group_estimators_on_returns():
     adv = trajectory_advantages(returns, eps=0.0)
     np.testing.assert_allclose(adv[0], [1, 1, -1, -1])
     np.testing.assert_allclose(adv[1], np.array([1.5, -0.5, -0.5, -0.5]) / np.sqrt(0.75))
-    np.testing.assert_allclose(trajectory_advantages(returns, scale=False)[1], [1.5, -0.5, -0.5, -0.5])
+    np.testing.assert_allclose(
+        trajectory_advantages(returns, scale=False)[1], [1.5, -0.5, -0.5, -0.5]
+    )
     # rloo row 1: 2 - 0 = 2; 0 - (2 + 0 + 0) / 3 = -2/3
-    np.testing.assert_allclose(trajectory_advantages(returns, "rloo")[1], [2, -2 / 3, -2 / 3, -2 / 3])
+    np.testing.assert_allclose(
+        trajectory_advantages(returns, "rloo")[1], [2, -2 / 3, -2 / 3, -2 / 3]
+    )
     with pytest.raises(ValueError, match="estimator"):
         trajectory_advantages(returns, "ppo")  # type: ignore[arg-type]
 
@@ -54,9 +65,13 @@ def test_trajectory_rows_with_reinforce_pp_skip_observation_tokens():
 
 def test_episode_level_advantages_by_hand():
     # returns 1, 1, 0: mean 2/3 -> 1/3, 1/3, -2/3; std sqrt((1/9 + 1/9 + 4/9) / 3) = sqrt(2)/3
-    np.testing.assert_allclose(episode_level_advantages([1.0, 1.0, 0.0], scale=False), [1 / 3, 1 / 3, -2 / 3])
-    np.testing.assert_allclose(episode_level_advantages([1.0, 1.0, 0.0], eps=0.0),
-                               [1 / np.sqrt(2), 1 / np.sqrt(2), -np.sqrt(2)])
+    np.testing.assert_allclose(
+        episode_level_advantages([1.0, 1.0, 0.0], scale=False), [1 / 3, 1 / 3, -2 / 3]
+    )
+    np.testing.assert_allclose(
+        episode_level_advantages([1.0, 1.0, 0.0], eps=0.0),
+        [1 / np.sqrt(2), 1 / np.sqrt(2), -np.sqrt(2)],
+    )
     with pytest.raises(ValueError, match="non-empty"):
         episode_level_advantages([])
 
@@ -119,7 +134,11 @@ def test_spread_turn_advantages_onto_tokens():
 def test_minibatch_order_gives_a_fixed_number_of_full_minibatches():
     order = minibatch_order(7, 3, seed=0)
     assert sorted(order.tolist()) == list(range(7))
-    assert [len(c) for c in np.array_split(order, 3)] == [3, 2, 2]  # the trainer's split: 3 steps, none empty
+    assert [len(c) for c in np.array_split(order, 3)] == [
+        3,
+        2,
+        2,
+    ]  # the trainer's split: 3 steps, none empty
     np.testing.assert_array_equal(order, minibatch_order(7, 3, seed=0))
     with pytest.raises(ValueError, match="cannot fill 3 mini-batches"):
         minibatch_order(2, 3, seed=0)
@@ -139,27 +158,59 @@ def test_gigpo_on_trajectory_rows_is_the_step_rows_loss_and_gradient():
     rng = np.random.default_rng(0)
 
     def episode(turns: int, index: int) -> Episode:
-        return Episode(prompt=rng.integers(3, 60, 5).tolist(), group=0, index=index, seed=1, turns=[
-            Turn(response=rng.integers(3, 60, 2).tolist(), logprobs=(-rng.random(2)).tolist(), version=0,
-                 observation=rng.integers(3, 60, 3).tolist(), reward=float(rng.normal()), state_key=f"s{k % 2}")
-            for k in range(turns)])
+        return Episode(
+            prompt=rng.integers(3, 60, 5).tolist(),
+            group=0,
+            index=index,
+            seed=1,
+            turns=[
+                Turn(
+                    response=rng.integers(3, 60, 2).tolist(),
+                    logprobs=(-rng.random(2)).tolist(),
+                    version=0,
+                    observation=rng.integers(3, 60, 3).tolist(),
+                    reward=float(rng.normal()),
+                    state_key=f"s{k % 2}",
+                )
+                for k in range(turns)
+            ],
+        )
 
     group = [episode(3, 0), episode(2, 1), episode(4, 2)]
-    per_episode = gigpo_advantages([[t.reward for t in e.turns] for e in group],
-                                   [[t.state_key for t in e.turns] for e in group], gamma=0.9)
+    per_episode = gigpo_advantages(
+        [[t.reward for t in e.turns] for e in group],
+        [[t.state_key for t in e.turns] for e in group],
+        gamma=0.9,
+    )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
 
     def loss_and_grad(rows, turn_advantages):
         data = pad_rows(rows, pad_id=0)
         tokens = torch.as_tensor(data["tokens"])
         logits = model(input_ids=tokens, attention_mask=(tokens != 0).long()).logits[:, :-1].float()
         logprob = torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:, None])[..., 0]
-        advantage = torch.as_tensor(spread_turn_advantages(turn_advantages, data["turn_ids"]), dtype=torch.float32)
+        advantage = torch.as_tensor(
+            spread_turn_advantages(turn_advantages, data["turn_ids"]), dtype=torch.float32
+        )
         model.zero_grad()
-        loss, _ = policy_loss(logprob, torch.as_tensor(data["gen_logprob"], dtype=torch.float32), advantage,
-                              torch.as_tensor(data["loss_mask"]), agg="token-mean")
+        loss, _ = policy_loss(
+            logprob,
+            torch.as_tensor(data["gen_logprob"], dtype=torch.float32),
+            advantage,
+            torch.as_tensor(data["loss_mask"]),
+            agg="token-mean",
+        )
         loss.backward()
         return loss.item(), [p.grad.clone() for p in model.parameters()]
 

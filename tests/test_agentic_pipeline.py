@@ -30,22 +30,38 @@ STEPS = 5
 
 def run_args(model: Path) -> list[str]:
     """Deterministic settings: one generator, no oversampling, no dynamic sampling, no redundancy."""
-    return [f"pipeline.options.model_dir={model}", "pipeline.options.warm_start=null",
-            f"pipeline.options.steps={STEPS}", "pipeline.options.groups_per_step=4",
-            "pipeline.options.rollout.group_size=3", "pipeline.options.rollout.dynamic_sampling=false",
-            "pipeline.options.rollout.oversample=0", "pipeline.options.rollout.max_tokens=3",
-            "pipeline.options.rollout.max_model_len=96", "pipeline.options.n_heldout=4", "pipeline.options.eval_every=0",
-            "pipeline.options.checkpoint.every=2", "roles.train.options.lr=1e-3",
-            "roles.generate.options.max_model_len=96", "roles.env.options.env=tests.envs_for_tests:MixedEnv",
-            "~roles.env.options.env_options", "+roles.env.options.env_options={max_steps: 2, reward: parity, kinds: [count, raise, count, hang, count, "
-            "garbage, count, regex, count, crash, count, count]}", "roles.env.options.step_timeout_s=0.5",
-            "roles.env.options.reset_timeout_s=2", "pipeline.options.algorithm=ppo", "pipeline.options.value_clip=null",
-            "+roles.critic.worker=rollhpc.workers.megatron_policy:MegatronCriticWorker", "+roles.critic.procs=1",
-            f"+roles.critic.options.model_dir={model}", "+roles.critic.options.lr=1e-3",
-            "+roles.critic.options.threads=1",
-            # the torch engine starts in a second where vLLM takes ~20 s (three runs here); multi-turn episodes on
-            # vLLM: tests/test_slurm_submit.py's agentic run
-            "roles.generate.options.engine=torch"]
+    return [
+        f"pipeline.options.model_dir={model}",
+        "pipeline.options.warm_start=null",
+        f"pipeline.options.steps={STEPS}",
+        "pipeline.options.groups_per_step=4",
+        "pipeline.options.rollout.group_size=3",
+        "pipeline.options.rollout.dynamic_sampling=false",
+        "pipeline.options.rollout.oversample=0",
+        "pipeline.options.rollout.max_tokens=3",
+        "pipeline.options.rollout.max_model_len=96",
+        "pipeline.options.n_heldout=4",
+        "pipeline.options.eval_every=0",
+        "pipeline.options.checkpoint.every=2",
+        "roles.train.options.lr=1e-3",
+        "roles.generate.options.max_model_len=96",
+        "roles.env.options.env=tests.envs_for_tests:MixedEnv",
+        "~roles.env.options.env_options",
+        "+roles.env.options.env_options={max_steps: 2, reward: parity, kinds: [count, raise, count, hang, count, "
+        "garbage, count, regex, count, crash, count, count]}",
+        "roles.env.options.step_timeout_s=0.5",
+        "roles.env.options.reset_timeout_s=2",
+        "pipeline.options.algorithm=ppo",
+        "pipeline.options.value_clip=null",
+        "+roles.critic.worker=rollhpc.workers.megatron_policy:MegatronCriticWorker",
+        "+roles.critic.procs=1",
+        f"+roles.critic.options.model_dir={model}",
+        "+roles.critic.options.lr=1e-3",
+        "+roles.critic.options.threads=1",
+        # the torch engine starts in a second where vLLM takes ~20 s (three runs here); multi-turn episodes on
+        # vLLM: tests/test_slurm_submit.py's agentic run
+        "roles.generate.options.engine=torch",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +77,44 @@ def test_faulty_episodes_end_alone_and_the_run_finishes(reference):
     metrics = read_metrics(reference / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(STEPS + 1))
     trained = metrics[1:]
-    failed = {k.split("/", 1)[1]: sum(m.get(k, 0) for m in trained) for k in
-              {k for m in trained for k in m if k.startswith("episodes_failed/")}}
+    failed = {
+        k.split("/", 1)[1]: sum(m.get(k, 0) for m in trained)
+        for k in {k for m in trained for k in m if k.startswith("episodes_failed/")}
+    }
     assert sum(m["episodes_failed"] for m in trained) == sum(failed.values()) > 0
     assert set(failed) <= {"error", "timeout", "invalid"} and len(failed) >= 2, failed
-    assert all(0 < m["reward_mean"] < 2 for m in trained)  # parity rewards of 2-turn episodes (failed ones 0)
+    assert all(
+        0 < m["reward_mean"] < 2 for m in trained
+    )  # parity rewards of 2-turn episodes (failed ones 0)
     assert len({m["train/loss"] for m in trained}) > 1 and metrics[-1]["accuracy"] >= 0
-    assert all(0 < m["sampled_entropy"] < np.log(300) for m in trained)  # nats per generated token, < log(vocab)
-    assert all(0 <= m["turns_cut_frac"] <= 1 for m in trained)  # counted turn by turn in test_agentic_scheduler
-    assert all(m["train/critic_value_loss"] > 0 and m["train/critic_grad_norm"] > 0 and m["critic_values_s"] > 0
-               for m in trained)
+    assert all(
+        0 < m["sampled_entropy"] < np.log(300) for m in trained
+    )  # nats per generated token, < log(vocab)
+    assert all(
+        0 <= m["turns_cut_frac"] <= 1 for m in trained
+    )  # counted turn by turn in test_agentic_scheduler
+    assert all(
+        m["train/critic_value_loss"] > 0
+        and m["train/critic_grad_norm"] > 0
+        and m["critic_values_s"] > 0
+        for m in trained
+    )
     rollouts = read_rollouts(reference / "rollouts" / f"step_{STEPS:06d}.h5")
-    for resp, mask, ends, rewards, finish in zip(rollouts["response_tokens"], rollouts["response_mask"],
-                                                 rollouts["turn_ends"], rollouts["turn_rewards"], rollouts["finish"]):
-        assert len(mask) == len(resp) and len(ends) == len(rewards) and all(mask[e] == 1 for e in ends)
-        assert finish in ("terminated", "truncated", "row_full") or finish.split(":")[0] in ("error", "timeout",
-                                                                                            "invalid")
+    for resp, mask, ends, rewards, finish in zip(
+        rollouts["response_tokens"],
+        rollouts["response_mask"],
+        rollouts["turn_ends"],
+        rollouts["turn_rewards"],
+        rollouts["finish"],
+    ):
+        assert (
+            len(mask) == len(resp) and len(ends) == len(rewards) and all(mask[e] == 1 for e in ends)
+        )
+        assert finish in ("terminated", "truncated", "row_full") or finish.split(":")[0] in (
+            "error",
+            "timeout",
+            "invalid",
+        )
     assert np.isin(rollouts["finish"], ["terminated"]).any()
     assert_no_orphans(reference)
 
@@ -86,19 +124,28 @@ def test_a_killed_agentic_run_resumes_to_the_same_weights(tiny_model, reference,
     run_dir = tmp_path / "runs" / "frozenlake"
     log = tmp_path / "first.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", "frozenlake", *run_args(tiny_model)],
-                                cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollhpc.cli", "train", "frozenlake", *run_args(tiny_model)],
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             wait_for("step 3", lambda: last_step(run_dir) >= 3, 300, proc, log)
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert_no_orphans(run_dir)
-    res = rollhpc("train", "--resume", "frozenlake", *run_args(tiny_model), cwd=tmp_path, timeout=600)
+    res = rollhpc(
+        "train", "--resume", "frozenlake", *run_args(tiny_model), cwd=tmp_path, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got, want = read_metrics(run_dir / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
     assert [m["step"] for m in got] == list(range(STEPS + 1)) and got[3]["restarts"] == 1
     assert [m.get("train/loss") for m in got] == [m.get("train/loss") for m in want]
     assert got[-1]["weights_sha256"] == want[-1]["weights_sha256"]
-    assert "restarts: 1 (resume @ step " in assert_report(run_dir, tmp_path)  # marked on the time axes
+    assert "restarts: 1 (resume @ step " in assert_report(
+        run_dir, tmp_path
+    )  # marked on the time axes

@@ -2,10 +2,22 @@ import numpy as np
 import pytest
 import torch
 
-from rollhpc.algo.advantages import (gae_advantages, grpo_advantages, reinforce_pp_advantages, rloo_advantages,
-                                     token_level_rewards, whiten)
+from rollhpc.algo.advantages import (
+    gae_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_level_rewards,
+    whiten,
+)
 from rollhpc.algo.kl import kl_estimate
-from rollhpc.algo.losses import aggregate, clipped_pg_loss, entropy_from_logits, policy_loss, value_loss
+from rollhpc.algo.losses import (
+    aggregate,
+    clipped_pg_loss,
+    entropy_from_logits,
+    policy_loss,
+    value_loss,
+)
 
 
 def test_grpo_advantages_by_hand():
@@ -33,13 +45,17 @@ def test_clipped_pg_loss_by_hand():
 
 # ---- RLOO, REINFORCE++, GAE, token rewards (numpy) ----
 
+
 def test_rloo_leave_one_out_by_hand():
     r = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 0.0, 0.0]])
     # row 0: a 1 sees others (0+0+1)/3 = 1/3 -> 2/3; a 0 sees (1+0+1)/3 = 2/3 -> -2/3
     # row 1: 3 - (1+0+0)/3 = 8/3; 1 - (3+0+0)/3 = 0; 0 - (3+1+0)/3 = -4/3
-    np.testing.assert_allclose(rloo_advantages(r), [[2 / 3, -2 / 3, -2 / 3, 2 / 3],
-                                                    [8 / 3, 0.0, -4 / 3, -4 / 3]])
-    np.testing.assert_allclose(rloo_advantages(np.array([[3.0, 1.0]])), [[2.0, -2.0]])  # k=2: r_i - r_other
+    np.testing.assert_allclose(
+        rloo_advantages(r), [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [8 / 3, 0.0, -4 / 3, -4 / 3]]
+    )
+    np.testing.assert_allclose(
+        rloo_advantages(np.array([[3.0, 1.0]])), [[2.0, -2.0]]
+    )  # k=2: r_i - r_other
 
 
 def test_rloo_needs_two_samples():
@@ -53,25 +69,33 @@ def test_whiten_by_hand():
     x = np.array([[2.0, 4.0, 4.0, 4.0, 1000.0], [5.0, 5.0, 7.0, 9.0, -1000.0]])
     mask = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0]])
     # valid 2,4,4,4,5,5,7,9: mean 40/8 = 5, squared deviations 9+1+1+1+0+0+4+16 = 32 -> var 4, std 2
-    np.testing.assert_allclose(whiten(x, mask, eps=0.0), [[-1.5, -0.5, -0.5, -0.5, 0.0], [0.0, 0.0, 1.0, 2.0, 0.0]])
+    np.testing.assert_allclose(
+        whiten(x, mask, eps=0.0), [[-1.5, -0.5, -0.5, -0.5, 0.0], [0.0, 0.0, 1.0, 2.0, 0.0]]
+    )
     np.testing.assert_array_equal(whiten(x, np.zeros_like(mask)), np.zeros_like(x))
 
 
 def test_reinforce_pp_discounted_returns_whitened_over_batch():
-    rewards = np.array([[0.0, 0.0, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]])  # the 9 sits on padding: ignored
+    rewards = np.array(
+        [[0.0, 0.0, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]]
+    )  # the 9 sits on padding: ignored
     mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
     # gamma 0.5 returns: row 0: G2 = 1, G1 = 0.5, G0 = 0.25; row 1: G1 = 2, G0 = 1
     # batch of 0.25, 0.5, 1, 2, 1: mean 4.75/5 = 0.95, deviations -0.7 -0.45 0.05 1.05 0.05,
     # squares .49 + .2025 + .0025 + 1.1025 + .0025 = 1.8 -> var .36, std .6
     adv = reinforce_pp_advantages(rewards, mask, gamma=0.5, eps=0.0)
-    np.testing.assert_allclose(adv, [[-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6, 0.0], [0.05 / 0.6, 1.05 / 0.6, 0.0, 0.0]])
+    np.testing.assert_allclose(
+        adv, [[-0.7 / 0.6, -0.45 / 0.6, 0.05 / 0.6, 0.0], [0.05 / 0.6, 1.05 / 0.6, 0.0, 0.0]]
+    )
 
 
 def test_reinforce_pp_gamma_one_is_whitened_outcome_reward():
     rewards = np.array([[0.0, 1.0], [0.0, 0.0]])
     mask = np.ones((2, 2))
     # returns 1, 1, 0, 0: mean 0.5, std 0.5 -> +-1
-    np.testing.assert_allclose(reinforce_pp_advantages(rewards, mask, eps=0.0), [[1.0, 1.0], [-1.0, -1.0]])
+    np.testing.assert_allclose(
+        reinforce_pp_advantages(rewards, mask, eps=0.0), [[1.0, 1.0], [-1.0, -1.0]]
+    )
 
 
 def test_gae_with_gamma_lam_one_is_return_minus_value():
@@ -85,7 +109,11 @@ def test_gae_with_gamma_lam_one_is_return_minus_value():
 
 
 def test_gae_discounted_by_hand():
-    rewards, values, mask = np.array([[0.0, 0.0, 1.0]]), np.array([[0.5, 0.2, 0.7]]), np.ones((1, 3))
+    rewards, values, mask = (
+        np.array([[0.0, 0.0, 1.0]]),
+        np.array([[0.5, 0.2, 0.7]]),
+        np.ones((1, 3)),
+    )
     # gamma 0.5: delta2 = 1 + 0 - 0.7 = 0.3, delta1 = 0 + 0.5*0.7 - 0.2 = 0.15, delta0 = 0 + 0.5*0.2 - 0.5 = -0.4
     # lam 0.5 (gamma*lam = 0.25): A2 = 0.3, A1 = 0.15 + 0.25*0.3 = 0.225, A0 = -0.4 + 0.25*0.225 = -0.34375
     adv, ret = gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5)
@@ -119,21 +147,28 @@ def test_token_level_rewards_last_token_and_kl():
     np.testing.assert_allclose(token_level_rewards(seq, mask), [[0, 1, 0], [0, 0, -1], [0, 0, 0]])
     kl = np.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [1.0, 1.0, 1.0]])
     # -0.5*kl on valid tokens: row 0 = -0.05, 1 - 0.1; row 1 = -0.2, -0.25, -1 - 0.3
-    np.testing.assert_allclose(token_level_rewards(seq, mask, kl=kl, kl_coef=0.5),
-                               [[-0.05, 0.9, 0.0], [-0.2, -0.25, -1.3], [0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(
+        token_level_rewards(seq, mask, kl=kl, kl_coef=0.5),
+        [[-0.05, 0.9, 0.0], [-0.2, -0.25, -1.3], [0.0, 0.0, 0.0]],
+    )
     with pytest.raises(ValueError, match="seq_rewards"):
         token_level_rewards(np.zeros(2), mask)
 
 
 # ---- KL estimators ----
 
+
 def test_kl_estimators_by_hand():
     logp = torch.log(torch.tensor([0.5, 0.25, 0.3]))
     ref = torch.log(torch.tensor([0.25, 0.5, 0.3]))
     # log ratio = ln2, -ln2, 0 (ln2 = 0.693147)
-    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([0.693147, -0.693147, 0.0]))
+    torch.testing.assert_close(
+        kl_estimate(logp, ref, "k1"), torch.tensor([0.693147, -0.693147, 0.0])
+    )
     # 0.5 * ln2^2 = 0.240227
-    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.240227, 0.240227, 0.0]))
+    torch.testing.assert_close(
+        kl_estimate(logp, ref, "k2"), torch.tensor([0.240227, 0.240227, 0.0])
+    )
     # k3 with r = ref/p: r = 0.5 -> 0.5 + ln2 - 1 = 0.193147; r = 2 -> 2 - ln2 - 1 = 0.306853; r = 1 -> 0
     torch.testing.assert_close(kl_estimate(logp, ref), torch.tensor([0.193147, 0.306853, 0.0]))
 
@@ -152,6 +187,7 @@ def test_kl_unknown_kind():
 
 # ---- losses ----
 
+
 def test_dual_clip_caps_large_ratio_negative_advantage():
     old = torch.log(torch.tensor([0.1, 0.1, 0.1]))
     new = torch.log(torch.tensor([0.4, 0.2, 0.4]))  # ratios 4, 2, 4
@@ -159,7 +195,9 @@ def test_dual_clip_caps_large_ratio_negative_advantage():
     # plain PPO: A<0 -> -min(-4, -1.2) = 4 and -min(-2, -1.2) = 2; A>0 clips at 1.2 -> -1.2
     torch.testing.assert_close(clipped_pg_loss(new, old, adv), torch.tensor([4.0, 2.0, -1.2]))
     # dual clip c = 3 caps A<0 at -c*A = 3: 4 -> 3, 2 stays; A>0 untouched
-    torch.testing.assert_close(clipped_pg_loss(new, old, adv, dual_clip=3.0), torch.tensor([3.0, 2.0, -1.2]))
+    torch.testing.assert_close(
+        clipped_pg_loss(new, old, adv, dual_clip=3.0), torch.tensor([3.0, 2.0, -1.2])
+    )
     loss, m = policy_loss(new[None], old[None], adv[None], torch.ones(1, 3), dual_clip=3.0)
     # token-mean (3 + 2 - 1.2) / 3; the standard clip acts on the A>0 token only, the dual clip on the first
     torch.testing.assert_close(loss, torch.tensor(3.8 / 3))
@@ -203,7 +241,10 @@ def test_aggregate_modes_by_hand(mode):
 @pytest.mark.parametrize("mode", list(AGG_BY_HAND))
 def test_aggregate_global_counts_split_over_ranks(mode):
     # rank 0 holds row 0, rank 1 row 1; whole batch: 5 tokens, 2 sequences
-    parts = [aggregate(LOSS_2x3[i:i + 1], MASK_2x3[i:i + 1], mode, global_tokens=5, global_seqs=2) for i in (0, 1)]
+    parts = [
+        aggregate(LOSS_2x3[i : i + 1], MASK_2x3[i : i + 1], mode, global_tokens=5, global_seqs=2)
+        for i in (0, 1)
+    ]
     torch.testing.assert_close(parts[0] + parts[1], torch.tensor(AGG_BY_HAND[mode]))
 
 
@@ -211,8 +252,12 @@ def test_aggregate_empty_rows_do_not_nan():
     loss = torch.tensor([[1.0, 2.0], [5.0, 5.0]], requires_grad=True)
     mask = torch.tensor([[1, 1], [0, 0]])
     # the empty row is ignored: token-mean 3/2, seq sums 3/1, seq means 1.5/1, sum-norm 3/(1*2)
-    expected = {"token-mean": 1.5, "seq-mean-token-sum": 3.0, "seq-mean-token-mean": 1.5,
-                "seq-mean-token-sum-norm": 1.5}
+    expected = {
+        "token-mean": 1.5,
+        "seq-mean-token-sum": 3.0,
+        "seq-mean-token-mean": 1.5,
+        "seq-mean-token-sum-norm": 1.5,
+    }
     for mode, value in expected.items():
         out = aggregate(loss, mask, mode)
         torch.testing.assert_close(out, torch.tensor(value))
@@ -235,8 +280,17 @@ def _policy_case():
 def test_policy_loss_by_hand():
     new, old, adv, mask = _policy_case()
     ref = (new - 0.1).detach()  # k1 = 0.1 on every token
-    loss, m = policy_loss(new, old, adv, mask, ref_logprob=ref, kl_coef=0.5, kl_kind="k1",
-                          entropy=torch.full((2, 3), 2.0), entropy_coef=0.01)
+    loss, m = policy_loss(
+        new,
+        old,
+        adv,
+        mask,
+        ref_logprob=ref,
+        kl_coef=0.5,
+        kl_kind="k1",
+        entropy=torch.full((2, 3), 2.0),
+        entropy_coef=0.01,
+    )
     # ratios row 0: 1, 1.6, 1 with A=+1 -> -1, -1.2 (clipped at 1.2), -1
     # ratios row 1: 0.4, 1 with A=-1 -> -min(-0.4, -0.8) = 0.8 (clipped at 0.8), 1; padding ignored
     # pg token-mean: (-1 - 1.2 - 1 + 0.8 + 1) / 5 = -1.4 / 5 = -0.28
@@ -280,12 +334,20 @@ def test_adaptive_kl_controller_by_hand():
 def test_running_reward_moments_match_the_whole_history_and_resume():
     from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig, RunningMoments
 
-    batches = [np.array([1.0, 0.0, 0.0, 1.0]), np.array([3.0, 1.0]), np.array([[2.0, 2.0], [0.0, 5.0]])]
+    batches = [
+        np.array([1.0, 0.0, 0.0, 1.0]),
+        np.array([3.0, 1.0]),
+        np.array([[2.0, 2.0], [0.0, 5.0]]),
+    ]
     m = RunningMoments()
     for b in batches:
         m.update(b)
     seen = np.concatenate([b.reshape(-1) for b in batches])
-    assert m.count == 10 and m.mean == pytest.approx(seen.mean()) and m.std == pytest.approx(seen.std())
+    assert (
+        m.count == 10
+        and m.mean == pytest.approx(seen.mean())
+        and m.std == pytest.approx(seen.std())
+    )
 
     norm = RewardNormalizer(RewardNormConfig(kind="running", clip=1.5))
     out = norm(np.array([1.0, 0.0, 0.0, 1.0]))  # mean 0.5, std 0.5 -> +-1
@@ -304,16 +366,25 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
     from rollhpc.algo.lr_schedule import learning_rate
 
     kw = dict(lr=1.0, warmup_steps=4, decay_steps=10, min_lr=0.1)
-    assert [learning_rate(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]  # warm-up, whatever the schedule
+    assert [learning_rate(s, **kw) for s in range(4)] == [
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+    ]  # warm-up, whatever the schedule
     assert all(learning_rate(s, **kw) == 1.0 for s in range(4, 40))  # constant by default
     for schedule in ("linear", "cosine"):
         rates = [learning_rate(s, schedule=schedule, **kw) for s in range(3, 20)]
         assert rates[0] == rates[1] == 1.0  # the last warm-up step and the first decay step
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
-        assert rates[-1] == learning_rate(100, schedule=schedule, **kw) == pytest.approx(0.1)  # the floor
+        assert (
+            rates[-1] == learning_rate(100, schedule=schedule, **kw) == pytest.approx(0.1)
+        )  # the floor
     assert learning_rate(9, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way
     assert learning_rate(9, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert learning_rate(6, schedule="cosine", **kw) > learning_rate(6, schedule="linear", **kw)  # cosine: slow start
+    assert learning_rate(6, schedule="cosine", **kw) > learning_rate(
+        6, schedule="linear", **kw
+    )  # cosine: slow start
     with pytest.raises(ValueError, match="unknown learning-rate schedule"):
         learning_rate(5, schedule="step", **kw)
 
@@ -326,15 +397,25 @@ def test_outcome_advantages_pick_the_estimator_and_fold_kl_into_token_rewards():
     rewards = rng.normal(size=(3, 4))
     mask = np.zeros((12, 6))
     for i in range(12):
-        mask[i, 1:2 + i % 5] = 1.0
+        mask[i, 1 : 2 + i % 5] = 1.0
     kl = rng.normal(size=(12, 6)) * mask
-    assert np.allclose(adv.outcome_advantages("grpo", rewards, mask), adv.grpo_advantages(rewards).reshape(-1))
-    assert np.allclose(adv.outcome_advantages("grpo", rewards, mask, scale=False),
-                       (rewards - rewards.mean(1, keepdims=True)).reshape(-1))
-    assert np.allclose(adv.outcome_advantages("rloo", rewards, mask), adv.rloo_advantages(rewards).reshape(-1))
+    assert np.allclose(
+        adv.outcome_advantages("grpo", rewards, mask), adv.grpo_advantages(rewards).reshape(-1)
+    )
+    assert np.allclose(
+        adv.outcome_advantages("grpo", rewards, mask, scale=False),
+        (rewards - rewards.mean(1, keepdims=True)).reshape(-1),
+    )
+    assert np.allclose(
+        adv.outcome_advantages("rloo", rewards, mask), adv.rloo_advantages(rewards).reshape(-1)
+    )
     token = adv.token_level_rewards(rewards.reshape(-1), mask, kl, 0.1)
-    assert np.allclose(adv.outcome_advantages("reinforce_pp", rewards, mask, kl, 0.1),
-                       adv.reinforce_pp_advantages(token, mask))
+    assert np.allclose(
+        adv.outcome_advantages("reinforce_pp", rewards, mask, kl, 0.1),
+        adv.reinforce_pp_advantages(token, mask),
+    )
     with_kl = adv.outcome_advantages("grpo", rewards, mask, kl, 0.1)
     assert with_kl.shape == mask.shape and not with_kl[mask == 0].any()
-    assert np.allclose(with_kl, adv.grpo_advantages(token.sum(1).reshape(3, 4)).reshape(-1, 1) * mask)
+    assert np.allclose(
+        with_kl, adv.grpo_advantages(token.sum(1).reshape(3, 4)).reshape(-1, 1) * mask
+    )

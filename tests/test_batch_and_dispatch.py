@@ -6,7 +6,15 @@ import torch
 
 from rollhpc.batch import Batch, TrainingBatch
 from rollhpc.parallel import ParallelLayout
-from rollhpc.protocol.dispatch import Collect, Dispatch, collect, contract_of, register, split_arguments, targets
+from rollhpc.protocol.dispatch import (
+    Collect,
+    Dispatch,
+    collect,
+    contract_of,
+    register,
+    split_arguments,
+    targets,
+)
 from rollhpc.workers.diagnostic import DiagnosticWorker
 
 
@@ -27,7 +35,9 @@ def test_batch_rejects_ragged_fields_and_mismatched_concat():
 
 
 def test_split_arguments_cuts_batches_and_lists_and_replicates_the_rest():
-    per_rank = split_arguments((Batch({"x": np.arange(4)}), [1, 2, 3], 5), {"scale": 2, "items": ["a", "b"]}, 2)
+    per_rank = split_arguments(
+        (Batch({"x": np.arange(4)}), [1, 2, 3], 5), {"scale": 2, "items": ["a", "b"]}, 2
+    )
     (a0, k0), (a1, k1) = per_rank
     assert a0[0]["x"].tolist() == [0, 1] and a1[0]["x"].tolist() == [2, 3]
     assert a0[1] == [1, 2] and a1[1] == [3]
@@ -57,7 +67,10 @@ def test_collect_modes_against_a_tp2_pp2_layout():
     all_contract = contract_of(DiagnosticWorker, "echo")
     assert collect(all_contract, by_rank, coords) == [[r] for r in range(8)]
     dp_contract = contract_of(DiagnosticWorker, "count_items")
-    assert collect(dp_contract, by_rank, coords) == [4, 6]  # group ranks of (dp0, pp1, tp0), (dp1, pp1, tp0)
+    assert collect(dp_contract, by_rank, coords) == [
+        4,
+        6,
+    ]  # group ranks of (dp0, pp1, tp0), (dp1, pp1, tp0)
     zero = contract_of(DiagnosticWorker, "whoami")
     assert targets(zero, coords) == [0]
     assert collect(zero, {0: "me"}, coords) == "me"
@@ -65,8 +78,12 @@ def test_collect_modes_against_a_tp2_pp2_layout():
 
 def test_leader_batches_are_concatenated_in_dp_order():
     layout = ParallelLayout(world=4, tp=2)
-    res = {0: Batch({"x": np.array([0, 1])}), 1: Batch({"x": np.array([9, 9])}), 2: Batch({"x": np.array([2])}),
-           3: Batch({"x": np.array([9])})}
+    res = {
+        0: Batch({"x": np.array([0, 1])}),
+        1: Batch({"x": np.array([9, 9])}),
+        2: Batch({"x": np.array([2])}),
+        3: Batch({"x": np.array([9])}),
+    }
     out = collect(contract_of(DiagnosticWorker, "tag_rows"), res, layout.all_coords())
     assert out["x"].tolist() == [0, 1, 2]
 

@@ -17,8 +17,13 @@ from rollhpc.tasks import pyfunc, task_module
 from rollhpc.tasks.pyfunc import PyfuncExample, read_response
 
 # x % 5 on hidden inputs 0 4 5 7 9: " x" passes 0 and 4, so partial scores are easy to predict.
-MOD5 = PyfuncExample(family="mod", expression="x%5", shown=((1, 1), (3, 3), (6, 1)), hidden_inputs=(0, 4, 5, 7, 9),
-                     hidden_outputs=(0, 4, 0, 2, 4))
+MOD5 = PyfuncExample(
+    family="mod",
+    expression="x%5",
+    shown=((1, 1), (3, 3), (6, 1)),
+    hidden_inputs=(0, 4, 5, 7, 9),
+    hidden_outputs=(0, 4, 0, 2, 4),
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,9 @@ def test_splits_are_deterministic_disjoint_and_stable():
     assert (train, heldout) == pyfunc.make_splits(7, n_train=600, n_heldout=100)
     keys = [(e.expression, tuple(x for x, _ in e.shown)) for e in train + heldout]
     assert len(set(keys)) == len(keys)  # the key: the function and the inputs shown
-    assert pyfunc.make_splits(7, n_train=50, n_heldout=100)[1] == heldout  # held-out set independent of n_train
+    assert (
+        pyfunc.make_splits(7, n_train=50, n_heldout=100)[1] == heldout
+    )  # held-out set independent of n_train
     assert pyfunc.make_splits(8, n_train=600, n_heldout=100)[1] != heldout
     for e in train + heldout:
         shown = [x for x, _ in e.shown]
@@ -63,32 +70,43 @@ def test_splits_are_deterministic_disjoint_and_stable():
 def test_functions_have_one_spelling_and_options_are_checked():
     funcs = pyfunc.functions(("linear", "scaled", "reverse"), coef_max=9, x_max=9)
     expressions = [e for _, e, _ in funcs]
-    assert "2*x+2" in expressions and "(x+1)*2" not in expressions  # the same function: first family's spelling
+    assert (
+        "2*x+2" in expressions and "(x+1)*2" not in expressions
+    )  # the same function: first family's spelling
     assert "(x+2)*9" in expressions  # 9*x+18: no linear spelling within coef_max
     assert len({v for _, _, v in funcs}) == len(funcs)
     with pytest.raises(ValueError, match="families must be"):
         pyfunc.make_splits(0, 10, 10, families=("linear", "cubic"))
     with pytest.raises(ValueError, match="n_shown \\+ n_hidden <= x_max \\+ 1"):
         pyfunc.make_splits(0, 10, 10, n_shown=5, n_hidden=6)
-    with pytest.raises(ValueError, match="found only 20 distinct examples .* .for the held-out split"):  # 10 functions x 2 inputs
+    with pytest.raises(
+        ValueError, match="found only 20 distinct examples .* .for the held-out split"
+    ):  # 10 functions x 2 inputs
         pyfunc.make_splits(0, 0, 21, families=("square",), n_shown=1, n_hidden=1, x_max=1)
     with pytest.raises(ValueError, match="disjoint must be"):
         pyfunc.make_splits(0, 10, 10, disjoint="prompts")
 
 
-@pytest.mark.parametrize("text, expression, well_formed", [
-    (" 2*x+1", "2*x+1", True),
-    ("  2 * x + 1  \n", "2 * x + 1", True),
-    (" 2*x+1\nf(4)=9", "2*x+1", False),  # runs the first line; the rest costs the format penalty
-    (" 2*x+1 # a comment", "2*x+1 # a comment", True),
-    ("", None, False),
-    (" return 2*x+1", None, False),
-    (" 2*x+", None, False),
-    (" import os", None, False),
-    (" x; import os", None, False),
-    (" (" * 300, None, False),  # too long to parse
-    (" x\x00", None, False),
-])
+@pytest.mark.parametrize(
+    "text, expression, well_formed",
+    [
+        (" 2*x+1", "2*x+1", True),
+        ("  2 * x + 1  \n", "2 * x + 1", True),
+        (
+            " 2*x+1\nf(4)=9",
+            "2*x+1",
+            False,
+        ),  # runs the first line; the rest costs the format penalty
+        (" 2*x+1 # a comment", "2*x+1 # a comment", True),
+        ("", None, False),
+        (" return 2*x+1", None, False),
+        (" 2*x+", None, False),
+        (" import os", None, False),
+        (" x; import os", None, False),
+        (" (" * 300, None, False),  # too long to parse
+        (" x\x00", None, False),
+    ],
+)
 def test_read_response(text, expression, well_formed):
     r = read_response(text)
     assert (r.expression, r.well_formed) == (expression, well_formed)
@@ -102,7 +120,9 @@ def test_references_and_equivalent_answers_pass_every_test_in_the_sandbox(pool):
     assert {e.family for e in examples} == set(families)
     # the references themselves, run in the sandbox (what the no-run shortcut for them relies on)
     jobs = [pyfunc.harness_source(e.expression, e.hidden_inputs) for e in examples]
-    assert [pyfunc.results_passed(e, r) for e, r in zip(examples, pool.map(jobs))] == [1.0] * len(examples)
+    assert [pyfunc.results_passed(e, r) for e, r in zip(examples, pool.map(jobs))] == [1.0] * len(
+        examples
+    )
     # other spellings of the same function go through the sandbox too
     respelt = [f" ({e.expression})+0" for e in examples]
     assert [c["tests"] for c in scores(pool, examples, respelt)] == [1.0] * len(examples)
@@ -142,15 +162,26 @@ def test_wrong_and_hostile_answers_score_zero_or_partly_and_never_hang(pool, tmp
     elapsed = time.perf_counter() - start
     assert {t: c["tests"] for t, c in zip(hostile, got)} == hostile
     assert not victim.exists()
-    assert elapsed < 20, f"{elapsed:.1f} s for {len(hostile)} programs: something waited past its deadline"
+    assert elapsed < 20, (
+        f"{elapsed:.1f} s for {len(hostile)} programs: something waited past its deadline"
+    )
 
 
 def test_format_component(pool):
     texts = [" x%5", " x%5\n", " x%5\nf(4)=4", "", " def f(x): return x%5", " x"]
     got = scores(pool, [MOD5] * len(texts), texts)
-    assert got == [{"tests": 1.0, "format": 0.0}, {"tests": 1.0, "format": 0.0}, {"tests": 1.0, "format": -0.1},
-                   {"tests": 0.0, "format": -0.1}, {"tests": 0.0, "format": -0.1}, {"tests": 0.4, "format": 0.0}]
-    assert pyfunc.score_components(MOD5, " x\nmore", pool, format_penalty=0.25) == {"tests": 0.4, "format": -0.25}
+    assert got == [
+        {"tests": 1.0, "format": 0.0},
+        {"tests": 1.0, "format": 0.0},
+        {"tests": 1.0, "format": -0.1},
+        {"tests": 0.0, "format": -0.1},
+        {"tests": 0.0, "format": -0.1},
+        {"tests": 0.4, "format": 0.0},
+    ]
+    assert pyfunc.score_components(MOD5, " x\nmore", pool, format_penalty=0.25) == {
+        "tests": 0.4,
+        "format": -0.25,
+    }
     assert pyfunc.score(MOD5, " x%5\nmore") == 1.0  # score is the tests fraction alone
 
 
@@ -160,7 +191,10 @@ def test_no_bwrap_fails_closed(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(bwrap, "_wheel_bwrap", lambda: None)
     monkeypatch.setattr(pyfunc, "_sandbox", None)
-    with pytest.raises(SandboxUnavailable, match="the pyfunc task runs every answer in a bubblewrap sandbox.*no bwrap"):
+    with pytest.raises(
+        SandboxUnavailable,
+        match="the pyfunc task runs every answer in a bubblewrap sandbox.*no bwrap",
+    ):
         pyfunc.score(MOD5, " x%5")
 
 
@@ -169,9 +203,18 @@ def code_worker(tmp_path: Path, model_dir: Path, **options: Any):
     from rollhpc.config import from_dict
     from rollhpc.workers.code_reward import CodeRewardWorker
 
-    ctx = WorkerContext(role="reward", world_rank=1, coords=RankCoords(0, 0, 0, 0, 0, 1, True), group_size=1,
-                        role_comm=None, run_dir=tmp_path, seed=0)
-    opts = from_dict(CodeRewardWorker.Options, {"model_dir": str(model_dir), **options}, "roles.reward.options")
+    ctx = WorkerContext(
+        role="reward",
+        world_rank=1,
+        coords=RankCoords(0, 0, 0, 0, 0, 1, True),
+        group_size=1,
+        role_comm=None,
+        run_dir=tmp_path,
+        seed=0,
+    )
+    opts = from_dict(
+        CodeRewardWorker.Options, {"model_dir": str(model_dir), **options}, "roles.reward.options"
+    )
     return CodeRewardWorker(ctx, opts)
 
 
@@ -180,19 +223,31 @@ def test_reward_role_scores_components_and_counts_programs(tiny_model, tmp_path,
 
     tok = AutoTokenizer.from_pretrained(tiny_model)  # byte-level BPE: any text round-trips
     texts = [" x%5", " x", " x%5\nf(4)=4", " sum(iter(int, 1))", " [0] * 10**10", " x+", " (x)%5"]
-    items = [(MOD5, tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for t in texts]
+    items = [
+        (MOD5, tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for t in texts
+    ]
     worker = code_worker(tmp_path, tiny_model, wall_s=1.5, cpu_s=1.5, workers=2, format_penalty=0.2)
     try:
         got = worker.score(items)
         metrics = worker.metrics()
     finally:
         worker.close()
-    assert got == [{"tests": 1.0, "format": 0.0}, {"tests": 0.4, "format": 0.0}, {"tests": 1.0, "format": -0.2},
-                   {"tests": 0.0, "format": 0.0}, {"tests": 0.0, "format": 0.0}, {"tests": 0.0, "format": -0.2},
-                   {"tests": 1.0, "format": 0.0}]
+    assert got == [
+        {"tests": 1.0, "format": 0.0},
+        {"tests": 0.4, "format": 0.0},
+        {"tests": 1.0, "format": -0.2},
+        {"tests": 0.0, "format": 0.0},
+        {"tests": 0.0, "format": 0.0},
+        {"tests": 0.0, "format": -0.2},
+        {"tests": 1.0, "format": 0.0},
+    ]
     # " x%5" twice and " x+" need no program; the C loop times out; the others run to the end
-    assert {k: v for k, v in metrics.items() if k != "code_wall_s_mean"} == \
-        {"code_items": 7, "code_programs": 3, "code_timeouts": 1, "code_errors": 0}
+    assert {k: v for k, v in metrics.items() if k != "code_wall_s_mean"} == {
+        "code_items": 7,
+        "code_programs": 3,
+        "code_timeouts": 1,
+        "code_errors": 0,
+    }
     assert 0 < metrics["code_wall_s_mean"] < 1.5
 
 
@@ -200,7 +255,9 @@ def test_reward_role_options_and_fail_closed(tiny_model, tmp_path, monkeypatch):
     import rollhpc.sandbox.bwrap as bwrap
     from rollhpc.config import ConfigError
 
-    with pytest.raises(ConfigError, match="task 'arithmetic' is not a code task: it lacks sandbox_limits"):
+    with pytest.raises(
+        ConfigError, match="task 'arithmetic' is not a code task: it lacks sandbox_limits"
+    ):
         code_worker(tmp_path, tiny_model, task="arithmetic")
     with pytest.raises(ConfigError, match="workers must be >= 1"):
         code_worker(tmp_path, tiny_model, workers=0)
@@ -210,6 +267,9 @@ def test_reward_role_options_and_fail_closed(tiny_model, tmp_path, monkeypatch):
         code_worker(tmp_path, tiny_model, format_penalty=-1)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(bwrap, "_wheel_bwrap", lambda: None)
-    with pytest.raises(SandboxUnavailable, match="reward role 'reward' runs the policy's code only in a sandbox, and "
-                                                 "none can be made on this node: no bwrap"):
+    with pytest.raises(
+        SandboxUnavailable,
+        match="reward role 'reward' runs the policy's code only in a sandbox, and "
+        "none can be made on this node: no bwrap",
+    ):
         code_worker(tmp_path, tiny_model)

@@ -50,7 +50,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("convert")
     tok = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(25) for b in range(25)], 300)
-    specs = {"dense": TinyModelConfig(), "moe": TinyModelConfig(moe=True, tie_word_embeddings=False)}
+    specs = {
+        "dense": TinyModelConfig(),
+        "moe": TinyModelConfig(moe=True, tie_word_embeddings=False),
+    }
     return {name: create_tiny_model(root / name, spec, tok, seed=1) for name, spec in specs.items()}
 
 
@@ -68,10 +71,14 @@ def converted(models, tmp_path_factory) -> dict[str, dict]:
     out = {}
     for name, ep in (("dense", 1), ("moe", 2)):
         root = tmp_path_factory.mktemp(f"converted-{name}")
-        to_mcore = hf_to_mcore(models[name], root / "mcore", tp=2, ep=ep, verify=True, progress=False)
+        to_mcore = hf_to_mcore(
+            models[name], root / "mcore", tp=2, ep=ep, verify=True, progress=False
+        )
         to_hf = mcore_to_hf(root / "mcore", root / "hf", progress=False)
         print(f"\n{name}: {to_mcore.summary()}\n{name}: {to_hf.summary()}")
-        out[name] = dict(src=models[name], mcore=root / "mcore", hf=root / "hf", ep=ep, to_mcore=to_mcore)
+        out[name] = dict(
+            src=models[name], mcore=root / "mcore", hf=root / "hf", ep=ep, to_mcore=to_mcore
+        )
     return out
 
 
@@ -83,7 +90,9 @@ def test_roundtrip_is_bitwise(converted, name: str) -> None:
     meta = read_metadata(mc)
     assert meta["layout"]["tp"] == 2 and meta["layout"]["ep"] == c["ep"]
     assert c["to_mcore"].workers == meta["layout"]["world"] == 2 * c["ep"]
-    assert meta["padded_vocab_size"] == 512 and meta["hf_config"]["vocab_size"] < 384  # padded for tp2
+    assert (
+        meta["padded_vocab_size"] == 512 and meta["hf_config"]["vocab_size"] < 384
+    )  # padded for tp2
     assert all("sha256" in f for f in meta["files"].values())
     assert (mc / "hf" / "tokenizer.json").is_file()
     # the tp2/ep2 checkpoint, loaded into a TP=1/EP=1 megatron model, gives transformers' logits
@@ -91,7 +100,9 @@ def test_roundtrip_is_bitwise(converted, name: str) -> None:
     assert v["ok"] and v["max_abs_diff"] < 1e-4 and v["argmax_agree"] == 1.0, v
 
     _assert_bitwise(src, back)
-    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    assert json.loads((back / "config.json").read_text()) == json.loads(
+        (src / "config.json").read_text()
+    )
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (back / extra).read_bytes() == (src / extra).read_bytes()
     hf = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32).eval()
@@ -106,11 +117,25 @@ def _other_family(root: Path, kind: str) -> Path:
     expert, no qkv bias, head_dim set apart from hidden/heads as in the real Qwen3 models), Qwen3 dense
     (tied embeddings) and Llama (no biases). Every norm weight is randomised so that a norm mapped to the
     wrong place changes the logits (transformers initialises them all to ones)."""
-    common = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_hidden_layers=2,
-                  vocab_size=300, max_position_embeddings=64, intermediate_size=96)
+    common = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_hidden_layers=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+        intermediate_size=96,
+    )
     if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                                          norm_topk_prob=True, tie_word_embeddings=False, **common)
+        cfg = transformers.Qwen3MoeConfig(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            **common,
+        )
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(tie_word_embeddings=True, **common)
     else:
@@ -136,16 +161,22 @@ def test_other_families_roundtrip_and_match_transformers_logits(kind: str, tmp_p
     to_mcore = hf_to_mcore(src, tmp_path / "mcore", tp=2, ep=ep, verify=True, progress=False)
     v = to_mcore.verify
     assert v["ok"] and v["max_abs_diff"] < 1e-4 and v["argmax_agree"] == 1.0, to_mcore.summary()
-    (tmp_path / "mcore" / "hf" / "generation_config.json").unlink(missing_ok=True)  # as from a model saved without one
+    (tmp_path / "mcore" / "hf" / "generation_config.json").unlink(
+        missing_ok=True
+    )  # as from a model saved without one
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", progress=False)
     _assert_bitwise(src, tmp_path / "hf")
     # the converted directory is complete all the same: a generation config derived from config.json (its special
     # tokens: vLLM stops at its eos_token_id), as transformers' from_model_config derives one
     derived = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
-    expected = transformers.GenerationConfig.from_model_config(json.loads((src / "config.json").read_text()))
+    expected = transformers.GenerationConfig.from_model_config(
+        json.loads((src / "config.json").read_text())
+    )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(derived, key) == getattr(expected, key), key
-    assert kind != "llama" or derived.eos_token_id == 2  # not vacuous: Llama's config.json names its EOS
+    assert (
+        kind != "llama" or derived.eos_token_id == 2
+    )  # not vacuous: Llama's config.json names its EOS
 
 
 def _hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
@@ -155,9 +186,11 @@ def _hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
         for _ in range(steps):
             logits = model(torch.tensor([ids])).logits[0, -1]
             top2 = logits.topk(2).values
-            assert top2[0] - top2[1] > 1e-4, "near-tie: greedy tokens would not be a fair comparison"
+            assert top2[0] - top2[1] > 1e-4, (
+                "near-tie: greedy tokens would not be a fair comparison"
+            )
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.slow
@@ -168,9 +201,17 @@ def test_vllm_generates_from_converted_moe(converted, tmp_path: Path) -> None:
     c = converted["moe"]
     spec, result = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps({"converted": str(c["hf"]), "prompts": PROMPTS}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, __file__, str(spec), str(result)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, str(spec), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = json.loads(result.read_text())
     assert tokens == [_hf_greedy(c["src"], p, 8) for p in PROMPTS]
@@ -192,10 +233,13 @@ def _trainer_rank(rank: int, rendezvous: str, moe_dir: str, ckpt: str, out: str)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     megatron_cpu.enable_cpu_megatron()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=2,
-                                             expert_tensor_parallel_size=1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, expert_model_parallel_size=2, expert_tensor_parallel_size=1
+    )
     model_parallel_cuda_manual_seed(0)
-    model = build_gpt_model(moe_dir, perform_initialization=False)  # vocab padded to 384 here, 512 in ckpt
+    model = build_gpt_model(
+        moe_dir, perform_initialization=False
+    )  # vocab padded to 384 here, 512 in ckpt
     meta = load_mcore_checkpoint(model, ckpt)
     assert meta["layout"]["tp"] == 2 and meta["layout"]["ep"] == 2
     ref = build_gpt_model(moe_dir)
@@ -204,9 +248,13 @@ def _trainer_rank(rank: int, rendezvous: str, moe_dir: str, ckpt: str, out: str)
     assert mine.keys() == theirs.keys()
     bad = [n for n in mine if not torch.equal(mine[n], theirs[n])]
     assert not bad, bad
-    exported = dict(export_hf_weights(model, json.loads(Path(moe_dir, "config.json").read_text())["vocab_size"]))
+    exported = dict(
+        export_hf_weights(model, json.loads(Path(moe_dir, "config.json").read_text())["vocab_size"])
+    )
     source = SafetensorsDir(moe_dir)
-    assert set(exported) == (set(source) if rank == 0 else set()), sorted(set(exported) ^ set(source))[:5]
+    assert set(exported) == (set(source) if rank == 0 else set()), sorted(
+        set(exported) ^ set(source)
+    )[:5]
     bad = [n for n in exported if not torch.equal(exported[n], source[n])]
     assert not bad, bad
     save_mcore_checkpoint(model, out, moe_dir, {"step": 7})
@@ -224,8 +272,17 @@ def test_trainer_loads_any_layout_and_its_checkpoint_converts(converted, tmp_pat
 
     c = converted["moe"]
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(convert._PRELOAD))
-    torch.multiprocessing.start_processes(_trainer_rank, nprocs=2, start_method="forkserver", args=(
-        f"file://{tmp_path}/rendezvous", str(c["src"]), str(c["mcore"]), str(tmp_path / "trained")))
+    torch.multiprocessing.start_processes(
+        _trainer_rank,
+        nprocs=2,
+        start_method="forkserver",
+        args=(
+            f"file://{tmp_path}/rendezvous",
+            str(c["src"]),
+            str(c["mcore"]),
+            str(tmp_path / "trained"),
+        ),
+    )
     meta = read_metadata(tmp_path / "trained")
     assert meta["layout"] == {"tp": 1, "pp": 1, "ep": 2, "etp": 1, "world": 2, "step": 7}
     assert meta["padded_vocab_size"] == 384 and not list(tmp_path.glob(".trained*"))
@@ -252,12 +309,32 @@ def test_corrupt_checkpoint_gives_one_clear_error(models, converted, tmp_path: P
     shutil.copytree(mc, bad)
     with open(bad / distcp.name, "r+b") as f:
         f.truncate(distcp.stat().st_size // 2)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "rollhpc.cli", "convert", "mcore-to-hf", str(bad),
-                           str(tmp_path / "o")], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollhpc.cli",
+            "convert",
+            "mcore-to-hf",
+            str(bad),
+            str(tmp_path / "o"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr
-    assert "incomplete or corrupt" in lines[0] and f"{distcp.name} has" in lines[0] and "Traceback" not in proc.stderr
+    assert (
+        "incomplete or corrupt" in lines[0]
+        and f"{distcp.name} has" in lines[0]
+        and "Traceback" not in proc.stderr
+    )
 
     (bad / distcp.name).unlink()
     with pytest.raises(ConversionError, match=f"{distcp.name} is missing"):
@@ -279,7 +356,9 @@ def test_input_validation(models, tmp_path: Path) -> None:
         check_hf_to_mcore(dense, tmp_path / "x", ep=2)
     with pytest.raises(ConversionError, match="num_experts=4 is not divisible by ep=3"):
         check_hf_to_mcore(models["moe"], tmp_path / "x", ep=3)
-    assert check_hf_to_mcore(models["moe"], tmp_path / "x", tp=2, ep=2) == 4  # lcm(tp, etp*ep), etp = tp
+    assert (
+        check_hf_to_mcore(models["moe"], tmp_path / "x", tp=2, ep=2) == 4
+    )  # lcm(tp, etp*ep), etp = tp
 
     def variant(name: str, config=None, drop=(), reshape=None) -> Path:
         d = tmp_path / name
@@ -302,10 +381,17 @@ def test_input_validation(models, tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="unsupported architecture.*rope_type 'yarn'"):
         yarn = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}
         check_hf_to_mcore(variant("yarn", yarn), tmp_path / "x")
-    with pytest.raises(ConversionError, match=r"missing 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"):
-        check_hf_to_mcore(variant("missing", drop=["model.layers.1.mlp.up_proj.weight"]), tmp_path / "x")
-    with pytest.raises(ConversionError, match=r"shape mismatch.*model.norm.weight: checkpoint \[127\], config.json "
-                                              r"implies \[128\]"):
+    with pytest.raises(
+        ConversionError, match=r"missing 1 tensor\(s\).*model.layers.1.mlp.up_proj.weight"
+    ):
+        check_hf_to_mcore(
+            variant("missing", drop=["model.layers.1.mlp.up_proj.weight"]), tmp_path / "x"
+        )
+    with pytest.raises(
+        ConversionError,
+        match=r"shape mismatch.*model.norm.weight: checkpoint \[127\], config.json "
+        r"implies \[128\]",
+    ):
         check_hf_to_mcore(variant("shape", reshape="model.norm.weight"), tmp_path / "x")
     with pytest.raises(ConversionError, match="not a Hugging Face model directory"):
         check_hf_to_mcore(tmp_path, tmp_path / "x")
@@ -320,12 +406,20 @@ def test_expected_shapes_match_tiny_checkpoints(models) -> None:
         tensors = SafetensorsDir(d)
         assert {n: i.shape for n, i in tensors.info.items()} == expected_hf_shapes(cfg)
     arch = hf_arch(models["moe"])
-    assert arch.num_experts == 4 and arch.shared_expert and arch.qkv_bias and not arch.tie_word_embeddings
+    assert (
+        arch.num_experts == 4
+        and arch.shared_expert
+        and arch.qkv_bias
+        and not arch.tie_word_embeddings
+    )
     # expert-parallel rank 1 of 2 on the second pipeline stage: global experts 2, 3 as local 0, 1
-    part = weight_map(2, False, num_experts=4, shared_expert=True, layers=[1], experts=[2, 3], embedding=False)
+    part = weight_map(
+        2, False, num_experts=4, shared_expert=True, layers=[1], experts=[2, 3], embedding=False
+    )
     names = {w.megatron: w.hf for w in part}
     assert names["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"] == (
-        "model.layers.1.mlp.experts.3.down_proj.weight",)
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+    )
     assert "embedding.word_embeddings.weight" not in names and "output_layer.weight" in names
 
 
@@ -333,18 +427,49 @@ def test_slurm_wrapper_dry_run(models, tmp_path: Path) -> None:
     venv = Path(sys.executable).parent.parent
     if not (venv / "bin" / "rollhpc").exists():
         pytest.skip("no rollhpc entry point in this environment")
-    proc = subprocess.run([str(REPO / "slurm" / "convert.sh"), "hf-to-mcore", str(models["moe"]), str(tmp_path / "out"),
-                           "--tp", "2", "--ep", "2", "--dry-run"], env={**os.environ, "ROLLHPC_VENV": str(venv),
-                                                                        "CONVERT_PARTITION": "cpu"},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            str(REPO / "slurm" / "convert.sh"),
+            "hf-to-mcore",
+            str(models["moe"]),
+            str(tmp_path / "out"),
+            "--tp",
+            "2",
+            "--ep",
+            "2",
+            "--dry-run",
+        ],
+        env={**os.environ, "ROLLHPC_VENV": str(venv), "CONVERT_PARTITION": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout
     assert script.startswith("#!/usr/bin/env bash\n#SBATCH --job-name=rollhpc-convert\n")
-    assert "#SBATCH --partition=cpu\n" in script and f'--output="{tmp_path / "out"}.convert-%j.log"' in script
-    assert f"convert hf-to-mcore {models['moe']} {tmp_path / 'out'} --tp 2 --ep 2 --no-progress" in script
-    bad = subprocess.run([str(REPO / "slurm" / "convert.sh"), "hf-to-mcore", str(models["dense"]), str(tmp_path / "o"),
-                          "--tp", "3", "--dry-run"], env={**os.environ, "ROLLHPC_VENV": str(venv)},
-                         capture_output=True, text=True, timeout=120)
+    assert (
+        "#SBATCH --partition=cpu\n" in script
+        and f'--output="{tmp_path / "out"}.convert-%j.log"' in script
+    )
+    assert (
+        f"convert hf-to-mcore {models['moe']} {tmp_path / 'out'} --tp 2 --ep 2 --no-progress"
+        in script
+    )
+    bad = subprocess.run(
+        [
+            str(REPO / "slurm" / "convert.sh"),
+            "hf-to-mcore",
+            str(models["dense"]),
+            str(tmp_path / "o"),
+            "--tp",
+            "3",
+            "--dry-run",
+        ],
+        env={**os.environ, "ROLLHPC_VENV": str(venv)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "not divisible by tp=3" in bad.stderr and not bad.stdout
 
 
@@ -353,9 +478,24 @@ def test_slurm_wrapper_runs_a_conversion_job(slurm_cluster, converted, tmp_path:
     venv = Path(sys.executable).parent.parent
     if not (venv / "bin" / "rollhpc").exists():
         pytest.skip("no rollhpc entry point in this environment")
-    env = {**slurm_cluster.env, "ROLLHPC_VENV": str(venv), "CONVERT_CPUS": "2", "CONVERT_TIME": "00:10:00"}
-    proc = subprocess.run([str(REPO / "slurm" / "convert.sh"), "mcore-to-hf", str(converted["dense"]["mcore"]),
-                           str(tmp_path / "hf")], env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **slurm_cluster.env,
+        "ROLLHPC_VENV": str(venv),
+        "CONVERT_CPUS": "2",
+        "CONVERT_TIME": "00:10:00",
+    }
+    proc = subprocess.run(
+        [
+            str(REPO / "slurm" / "convert.sh"),
+            "mcore-to-hf",
+            str(converted["dense"]["mcore"]),
+            str(tmp_path / "hf"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     job = re.search(r"job (\d+);", proc.stderr).group(1)
     state = slurm_cluster.wait_job(job, timeout=240)
@@ -368,12 +508,24 @@ def test_slurm_wrapper_runs_a_conversion_job(slurm_cluster, converted, tmp_path:
 def _big(root: Path, moe: bool) -> Path:
     """A ~60-100 MB model in 30 MB safetensors files, large enough for the model to dominate the
     workers' fixed memory (~20-40 MB of interpreter, megatron and gloo state)."""
-    common = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4, vocab_size=1000,
-                  max_position_embeddings=128, tie_word_embeddings=False)
+    common = dict(
+        hidden_size=512,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        vocab_size=1000,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     if moe:
-        cfg = transformers.Qwen2MoeConfig(intermediate_size=1024, num_experts=8, num_experts_per_tok=2,
-                                          moe_intermediate_size=384, shared_expert_intermediate_size=768,
-                                          **{**common, "num_hidden_layers": 3})
+        cfg = transformers.Qwen2MoeConfig(
+            intermediate_size=1024,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=384,
+            shared_expert_intermediate_size=768,
+            **{**common, "num_hidden_layers": 3},
+        )
     else:
         cfg = transformers.Qwen2Config(intermediate_size=3072, **common)
     with torch.random.fork_rng(devices=[]):
@@ -388,13 +540,19 @@ def _big(root: Path, moe: bool) -> Path:
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_peak_memory_under_twice_the_largest_shard(tmp_path: Path, moe: bool) -> None:
     src = _big(tmp_path, moe)
-    for rep in (hf_to_mcore(src, tmp_path / "mc", progress=False), mcore_to_hf(tmp_path / "mc", tmp_path / "hf",
-                                                                                max_shard_size="30MB", progress=False)):
+    for rep in (
+        hf_to_mcore(src, tmp_path / "mc", progress=False),
+        mcore_to_hf(tmp_path / "mc", tmp_path / "hf", max_shard_size="30MB", progress=False),
+    ):
         ratio = rep.peak_rss_bytes / rep.largest_shard_bytes
         print(f"{'moe' if moe else 'dense'} {rep.summary()}")
-        assert rep.largest_shard_bytes > 50 * 2**20 and ratio < 2.0, rep.summary()  # measured 1.35-1.64 (includes ~25 MiB fixed overhead)
+        assert rep.largest_shard_bytes > 50 * 2**20 and ratio < 2.0, (
+            rep.summary()
+        )  # measured 1.35-1.64 (includes ~25 MiB fixed overhead)
     _assert_bitwise(src, tmp_path / "hf")
-    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2  # streamed into several 30 MB files
+    assert (
+        len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
+    )  # streamed into several 30 MB files
 
 
 def _vllm_probe(spec_path: str, result_path: str) -> None:
@@ -402,8 +560,12 @@ def _vllm_probe(spec_path: str, result_path: str) -> None:
     from rollhpc.engines.vllm_engine import VllmGenerator
 
     spec = json.loads(Path(spec_path).read_text())
-    engine = VllmGenerator(spec["converted"], seed=0, max_model_len=128, cpu_kv_cache_bytes=32 << 20, dtype="float32")
-    out = engine.generate(spec["prompts"], n=1, temperature=0.0, top_p=1.0, max_tokens=8, seed=None, ignore_eos=True)
+    engine = VllmGenerator(
+        spec["converted"], seed=0, max_model_len=128, cpu_kv_cache_bytes=32 << 20, dtype="float32"
+    )
+    out = engine.generate(
+        spec["prompts"], n=1, temperature=0.0, top_p=1.0, max_tokens=8, seed=None, ignore_eos=True
+    )
     Path(result_path).write_text(json.dumps([c[0].token_ids for c in out]))
 
 

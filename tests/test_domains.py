@@ -10,7 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollhpc.pipelines.domains import DomainConfig, DomainNormalizers, MixedPromptStream, sample_metrics
+from rollhpc.pipelines.domains import (
+    DomainConfig,
+    DomainNormalizers,
+    MixedPromptStream,
+    sample_metrics,
+)
 from rollhpc.rollout.ports import Done, GenerationReply
 from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from rollhpc.rollout.scoring import DomainScoring, combine
@@ -21,10 +26,33 @@ class Engine:
     """Answers every request at once with the prompt's last token repeated (seeded by nothing)."""
 
     def submit(self, adds, aborts):
-        done = [(a.id, SimpleNamespace(token_ids=[a.prompt[-1], len(a.prompt) + int(a.id.split(".")[1])],
-                                       logprobs=[-0.1, -0.2], finish_reason="stop", version=0)) for a in adds]
-        return Done(GenerationReply(done, [(i, SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort",
-                                                               version=0)) for i in aborts], 0.0))
+        done = [
+            (
+                a.id,
+                SimpleNamespace(
+                    token_ids=[a.prompt[-1], len(a.prompt) + int(a.id.split(".")[1])],
+                    logprobs=[-0.1, -0.2],
+                    finish_reason="stop",
+                    version=0,
+                ),
+            )
+            for a in adds
+        ]
+        return Done(
+            GenerationReply(
+                done,
+                [
+                    (
+                        i,
+                        SimpleNamespace(
+                            token_ids=[], logprobs=[], finish_reason="abort", version=0
+                        ),
+                    )
+                    for i in aborts
+                ],
+                0.0,
+            )
+        )
 
 
 class Role:
@@ -45,13 +73,20 @@ def prompts(domains: list[str]):
 
 
 def test_each_domain_is_scored_by_its_roles_with_weights_and_its_own_dynamic_sampling():
-    rule = Role(lambda ex, resp: float(resp[1] % 2))                         # one float: component "rule"
-    judge = Role(lambda ex, resp: {"judge": 1.0, "format": -0.5})          # named components
-    code = Role(lambda ex, resp: {"tests": 0.0, "format": 0.0})            # always uniform
-    sched = RolloutScheduler([Engine()], {
-        "math": DomainScoring({"rule": [rule], "judge": [judge]}, weights={"rule": 2.0, "format": 0.2}),
-        "code": DomainScoring({"code": [code]}, dynamic_sampling=False),
-    }, SchedulerConfig(group_size=4, max_tokens=2, dynamic_sampling=True), seed=0)
+    rule = Role(lambda ex, resp: float(resp[1] % 2))  # one float: component "rule"
+    judge = Role(lambda ex, resp: {"judge": 1.0, "format": -0.5})  # named components
+    code = Role(lambda ex, resp: {"tests": 0.0, "format": 0.0})  # always uniform
+    sched = RolloutScheduler(
+        [Engine()],
+        {
+            "math": DomainScoring(
+                {"rule": [rule], "judge": [judge]}, weights={"rule": 2.0, "format": 0.2}
+            ),
+            "code": DomainScoring({"code": [code]}, dynamic_sampling=False),
+        },
+        SchedulerConfig(group_size=4, max_tokens=2, dynamic_sampling=True),
+        seed=0,
+    )
     groups, stats = sched.collect(prompts(["math", "code"]), 6, version=0)
     assert len(groups) == 6
     by = Counter(g[0].prompt.domain for g in groups)
@@ -68,19 +103,29 @@ def test_each_domain_is_scored_by_its_roles_with_weights_and_its_own_dynamic_sam
     metrics = stats.as_metrics()
     assert metrics["code/groups_dropped_uniform"] == 0  # its own setting: uniform groups are kept
     assert metrics["math/groups_started"] + metrics["code/groups_started"] == stats.groups_started
-    assert metrics["math/tokens_generated"] + metrics["code/tokens_generated"] == stats.tokens_generated
+    assert (
+        metrics["math/tokens_generated"] + metrics["code/tokens_generated"]
+        == stats.tokens_generated
+    )
     assert rule.calls == judge.calls  # every math batch went to both roles
     m = sample_metrics([s for g in groups for s in g])
-    assert m["code/reward/tests"] == 0.0 and m["math/reward/judge"] == 1.0 and "math/reward_mean" in m
+    assert (
+        m["code/reward/tests"] == 0.0 and m["math/reward/judge"] == 1.0 and "math/reward_mean" in m
+    )
     state = sched.state_dict()["next_reward"]
     assert state["math/rule"] == rule.calls and state["code/code"] == code.calls
-    with pytest.raises(ValueError, match="weights name component.s. judge that no reward role returned"):
+    with pytest.raises(
+        ValueError, match="weights name component.s. judge that no reward role returned"
+    ):
         combine({"rule": 1.0}, {"judge": 1.0})
 
 
 def test_a_prompt_of_an_unknown_domain_is_an_error_and_one_list_of_ports_is_one_domain():
-    sched = RolloutScheduler([Engine()], [Role(lambda ex, resp: 1.0)], SchedulerConfig(group_size=2, max_tokens=2,
-                             dynamic_sampling=False))
+    sched = RolloutScheduler(
+        [Engine()],
+        [Role(lambda ex, resp: 1.0)],
+        SchedulerConfig(group_size=2, max_tokens=2, dynamic_sampling=False),
+    )
     groups, _ = sched.collect(prompts(["default"]), 2, version=0)
     assert [s.components for s in groups[0]] == [{"reward": 1.0}] * 2
     sched.scorer.load_state_dict(7)  # a checkpoint from before domains
@@ -90,7 +135,11 @@ def test_a_prompt_of_an_unknown_domain_is_an_error_and_one_list_of_ports_is_one_
 
 
 def test_prompts_follow_the_shares_and_resume_where_they_stopped():
-    examples = [SimpleNamespace(domain=d, prompt=f"{d} {i}", inner=(d, i)) for d in ("a", "b") for i in range(5)]
+    examples = [
+        SimpleNamespace(domain=d, prompt=f"{d} {i}", inner=(d, i))
+        for d in ("a", "b")
+        for i in range(5)
+    ]
     stream = MixedPromptStream(examples, {"a": 0.8, "b": 0.2}, lambda ex: [len(ex.prompt)], seed=3)
     first = [next(stream) for _ in range(500)]
     share = sum(p.domain == "a" for p in first) / len(first)
@@ -114,7 +163,12 @@ def test_rewards_are_normalised_per_domain():
     norms = DomainNormalizers(RewardNormConfig(kind="running"), ["a", "b"])
     rng = random.Random(0)
     for _ in range(20):
-        out = norms([group("a", [rng.random() for _ in range(4)]), group("b", [100 + 10 * rng.random() for _ in range(4)])])
+        out = norms(
+            [
+                group("a", [rng.random() for _ in range(4)]),
+                group("b", [100 + 10 * rng.random() for _ in range(4)]),
+            ]
+        )
     assert abs(out[1].mean()) < 3 and abs(out[0].mean()) < 3  # each on its own scale
     assert set(norms.state_dict()) == {"a", "b"}
 
@@ -122,14 +176,18 @@ def test_rewards_are_normalised_per_domain():
 def test_the_mixture_task_keeps_each_domains_splits_and_shares():
     from rollhpc.tasks import mixture
 
-    doms = {"add": {"task": "arithmetic", "options": {"digits": 2, "ops": ["+"]}, "share": 0.75},
-            "count": {"task": "countdown", "share": 0.25}}
+    doms = {
+        "add": {"task": "arithmetic", "options": {"digits": 2, "ops": ["+"]}, "share": 0.75},
+        "count": {"task": "countdown", "share": 0.25},
+    }
     train, heldout = mixture.make_splits(5, 40, 8, domains=doms)
     assert Counter(e.domain for e in train) == {"add": 30, "count": 10}
     assert Counter(e.domain for e in heldout) == {"add": 6, "count": 2}
     assert mixture.make_splits(5, 40, 8, domains=doms) == (train, heldout)
     ex = train[0]
-    assert mixture.score(ex, mixture.completion(ex)) == 1.0 and ex.prompt == mixture.format_prompt(ex)
+    assert mixture.score(ex, mixture.completion(ex)) == 1.0 and ex.prompt == mixture.format_prompt(
+        ex
+    )
     assert len(list(mixture.corpus(train))) == 40
     with pytest.raises(ValueError, match="shares sum to 1.1"):
         mixture.make_splits(5, 40, 8, domains={**doms, "add": {**doms["add"], "share": 0.85}})
@@ -169,8 +227,9 @@ def test_bad_domain_configs_are_refused_at_load():
 
 
 @pytest.mark.slow
-def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain(tmp_path, tmp_path_factory,
-                                                                                 tiny_model):
+def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain(
+    tmp_path, tmp_path_factory, tiny_model
+):
     """A real world (Megatron trainer, vLLM generator, two rule reward roles and a judge with a vLLM engine of
     its own): additions scored by `reward`; countdown by `reward_count` plus the judge's verdict at weight 0.5;
     metrics, held-out accuracy and the rollouts file per domain; the judge's counters in the metrics; the plan
@@ -186,22 +245,48 @@ def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain
     judge = yes_judge(tmp_path_factory.getbasetemp(), tiny_model)
     cfg = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
     o = cfg["pipeline"]["options"]
-    o.update(model_dir=str(tiny_model), warm_start=None, task={"n_train": 1000, "n_heldout": 40}, steps=3,
-             eval_every=3, prompts_per_step=4)
+    o.update(
+        model_dir=str(tiny_model),
+        warm_start=None,
+        task={"n_train": 1000, "n_heldout": 40},
+        steps=3,
+        eval_every=3,
+        prompts_per_step=4,
+    )
     o["rollout"]["dynamic_sampling"] = False
-    o["domains"] = {"add": {"task": "arithmetic", "options": {"digits": 2, "ops": ["+"]}, "share": 0.5},
-                    "count": {"task": "countdown", "share": 0.5, "rewards": ["reward_count", "judge"],
-                              "weights": {"judge": 0.5}, "accuracy": "reward_count"}}
+    o["domains"] = {
+        "add": {"task": "arithmetic", "options": {"digits": 2, "ops": ["+"]}, "share": 0.5},
+        "count": {
+            "task": "countdown",
+            "share": 0.5,
+            "rewards": ["reward_count", "judge"],
+            "weights": {"judge": 0.5},
+            "accuracy": "reward_count",
+        },
+    }
     roles = cfg["roles"]
     for role in roles.values():
         role["options"]["model_dir"] = str(tiny_model)
     roles["reward"]["options"]["task"] = "arithmetic"
-    roles["reward_count"] = {"worker": "rollhpc.workers.math_reward:MathRewardWorker", "procs": 1,
-                             "options": {"model_dir": str(tiny_model), "task": "countdown"}}
-    roles["judge"] = {"worker": "rollhpc.workers.judge:JudgeWorker", "procs": 1,
-                      "options": {"policy_model_dir": str(tiny_model), "judge_model_dir": str(judge),
-                                  "template": TEMPLATE, "task": "countdown", "max_model_len": 256,
-                                  "cpu_kv_cache_mb": 32, "dtype": "float32", "threads": 1}}
+    roles["reward_count"] = {
+        "worker": "rollhpc.workers.math_reward:MathRewardWorker",
+        "procs": 1,
+        "options": {"model_dir": str(tiny_model), "task": "countdown"},
+    }
+    roles["judge"] = {
+        "worker": "rollhpc.workers.judge:JudgeWorker",
+        "procs": 1,
+        "options": {
+            "policy_model_dir": str(tiny_model),
+            "judge_model_dir": str(judge),
+            "template": TEMPLATE,
+            "task": "countdown",
+            "max_model_len": 256,
+            "cpu_kv_cache_mb": 32,
+            "dtype": "float32",
+            "threads": 1,
+        },
+    }
     path = tmp_path / "two_domains.yaml"
     path.write_text(yaml.safe_dump(cfg))
     plan = rollhpc("plan", str(path), cwd=tmp_path)
@@ -211,14 +296,21 @@ def test_a_two_domain_run_scores_each_domain_by_its_roles_and_reports_per_domain
     run_dir = tmp_path / "runs" / "quickstart"
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert {"add/accuracy", "count/accuracy"} <= set(lines[0]) and {"add/accuracy", "count/accuracy"} <= set(lines[3])
+    assert {"add/accuracy", "count/accuracy"} <= set(lines[0]) and {
+        "add/accuracy",
+        "count/accuracy",
+    } <= set(lines[3])
     seen = set()
     for x in lines[1:]:
         for d, comp in (("add", "reward"), ("count", "reward_count")):
             if x.get(f"{d}/samples"):  # a domain in this batch: its reward, components, tokens
-                assert {f"{d}/reward_mean", f"{d}/reward/{comp}", f"{d}/tokens_generated"} <= set(x), sorted(x)
+                assert {f"{d}/reward_mean", f"{d}/reward/{comp}", f"{d}/tokens_generated"} <= set(
+                    x
+                ), sorted(x)
                 seen.add(d)
-        assert x.get("add/groups_started", 0) + x.get("count/groups_started", 0) == x["groups_started"]
+        assert (
+            x.get("add/groups_started", 0) + x.get("count/groups_started", 0) == x["groups_started"]
+        )
         assert x["judge/judge_calls"] >= 0 and "judge/judge_unparsed" in x
     assert seen == {"add", "count"}
     with h5py.File(run_dir / "rollouts" / "step_000003.h5") as f:

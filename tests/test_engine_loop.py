@@ -35,7 +35,9 @@ class BrokenEngine:
 
 def test_a_failing_engine_fails_the_next_call_and_a_closed_loop_refuses_calls():
     loop = EngineLoop(BrokenEngine(), temperature=1.0, top_p=1.0)
-    with pytest.raises(RuntimeError, match="the engine loop failed: RuntimeError\\('kernel failed'\\)"):
+    with pytest.raises(
+        RuntimeError, match="the engine loop failed: RuntimeError\\('kernel failed'\\)"
+    ):
         loop.call([GenerationRequest("0.0.0", [1, 2], 4)], [], max_wait_s=5.0)
     idle = EngineLoop(BrokenEngine(), temperature=1.0, top_p=1.0)
     assert idle.call([], [], max_wait_s=0.01) == GenerationReply([], [], 0.0)

@@ -27,8 +27,10 @@ MIXED = "tests.envs_for_tests:MixedEnv"
 STEP_S = 0.5
 PLAIN = PlainTextTurns()
 seed = MixedEnv.seed_for
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +48,14 @@ def make_worker(tokenizer_dir, tmp_path):
     built: list[EnvWorker] = []
 
     def make(env: str = MIXED, **options) -> EnvWorker:
-        built.append(build_env_worker(tmp_path, env=env, model_dir=str(options.pop("model_dir", tokenizer_dir)),
-                                      **{"step_timeout_s": STEP_S, "reset_timeout_s": 2.0, "workers": 4, **options}))
+        built.append(
+            build_env_worker(
+                tmp_path,
+                env=env,
+                model_dir=str(options.pop("model_dir", tokenizer_dir)),
+                **{"step_timeout_s": STEP_S, "reset_timeout_s": 2.0, "workers": 4, **options},
+            )
+        )
         return built[-1]
 
     yield make
@@ -74,15 +82,17 @@ def running(pid: int) -> bool:
 
 def test_options_are_checked(tokenizer_dir):
     ok = {"env": MIXED, "model_dir": str(tokenizer_dir)}
-    for bad, match in [({"env": "tests.envs_for_tests:Nope"}, "no environment class"),
-                       ({"env": "no_such_env"}, "unknown environment"),
-                       ({"turns": "fancy"}, "turns must be"),
-                       ({"system": "Be brief."}, "needs turns: chat"),
-                       ({"eos_token": "<|im_end|>"}, "needs turns: chat"),
-                       ({"step_timeout_s": 0}, "step_timeout_s"),
-                       ({"reset_timeout_s": float("inf")}, "reset_timeout_s"),
-                       ({"workers": 0}, "workers"),
-                       ({"env_options": ["max_steps", 3]}, "env_options")]:
+    for bad, match in [
+        ({"env": "tests.envs_for_tests:Nope"}, "no environment class"),
+        ({"env": "no_such_env"}, "unknown environment"),
+        ({"turns": "fancy"}, "turns must be"),
+        ({"system": "Be brief."}, "needs turns: chat"),
+        ({"eos_token": "<|im_end|>"}, "needs turns: chat"),
+        ({"step_timeout_s": 0}, "step_timeout_s"),
+        ({"reset_timeout_s": float("inf")}, "reset_timeout_s"),
+        ({"workers": 0}, "workers"),
+        ({"env_options": ["max_steps", 3]}, "env_options"),
+    ]:
         with pytest.raises(ValueError, match=match):
             EnvWorker.Options(**{**ok, **bad})
 
@@ -99,7 +109,9 @@ def test_good_episodes_step_and_are_tokenized_on_the_rank(make_worker, tok):
     for n in (1, 2):
         a, b = w.step(go(tok, "a") + go(tok, "b", text=" stop "))
         assert a.obs_ids == tok.encode(PLAIN.next(f"you said 'go' at step {n}"))
-        assert b.obs_ids == tok.encode(PLAIN.next(f"you said 'stop' at step {n}"))  # the action is stripped
+        assert b.obs_ids == tok.encode(
+            PLAIN.next(f"you said 'stop' at step {n}")
+        )  # the action is stripped
         assert (a.reward, b.reward) == (1.0, 0.0)
         assert a.ended is None and a.success is None and not a.terminated and not a.truncated
         assert a.state_key == ("count", n) and b.metrics == {"chars": 4.0}
@@ -108,20 +120,35 @@ def test_good_episodes_step_and_are_tokenized_on_the_rank(make_worker, tok):
     assert a.ended == b.ended == "terminated" and a.terminated and a.obs_ids == []
     assert (a.success, b.success) == (True, False)
 
-    with pytest.raises(ValueError, match="not held"):  # an ended episode is gone: stepping it is a caller bug
+    with pytest.raises(
+        ValueError, match="not held"
+    ):  # an ended episode is gone: stepping it is a caller bug
         w.step(go(tok, "a"))
     m = w.metrics()
-    counts = (m["env_episodes_started"], m["env_ended_terminated"], m["env_steps"], m["env_episodes_live"])
+    counts = (
+        m["env_episodes_started"],
+        m["env_ended_terminated"],
+        m["env_steps"],
+        m["env_episodes_live"],
+    )
     assert counts == (2, 2, 6, 0)
-    assert m["env_step_s_mean"] > 0 and m["env_timeouts"] == m["env_errors"] == m["env_invalid"] == 0
+    assert (
+        m["env_step_s_mean"] > 0 and m["env_timeouts"] == m["env_errors"] == m["env_invalid"] == 0
+    )
 
 
 def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, tok):
     children_before = {p.pid for p in descendants()}
     w = make_worker()
-    seeds = {"hang": seed("hang"), "regex": seed("regex"), "raise": seed("raise"), "crash": seed("crash"),
-             **{f"garbage{k}": seed("garbage", k) for k in range(7)},  # k: which kind of garbage
-             "good0": seed("count", 0), "good1": seed("count", 1)}
+    seeds = {
+        "hang": seed("hang"),
+        "regex": seed("regex"),
+        "raise": seed("raise"),
+        "crash": seed("crash"),
+        **{f"garbage{k}": seed("garbage", k) for k in range(7)},  # k: which kind of garbage
+        "good0": seed("count", 0),
+        "good1": seed("count", 1),
+    }
     ids = list(seeds)
     replies = w.reset([ResetRequest(e, s) for e, s in seeds.items()])
     assert all(r.ended is None for r in replies)
@@ -132,19 +159,25 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
     assert took < STEP_S + 1.0, f"a batch with hung envs took {took:.2f} s (limit {STEP_S} s)"
 
     assert replies["hang"].ended == "timeout"
-    assert replies["regex"].ended == "timeout"  # hung in C code holding the GIL: killed all the same
-    assert replies["raise"].ended == "error: RuntimeError: board exploded at step 1"  # first line only
+    assert (
+        replies["regex"].ended == "timeout"
+    )  # hung in C code holding the GIL: killed all the same
+    assert (
+        replies["raise"].ended == "error: RuntimeError: board exploded at step 1"
+    )  # first line only
     assert replies["crash"].ended == "error: the environment process died"
     invalid = [replies[f"garbage{k}"].ended for k in range(7)]
-    assert invalid == ["invalid: step returned a 3-tuple, not a 5-tuple (observation, reward, terminated, "
-                       "truncated, info)",
-                       "invalid: observation is int, not str",
-                       "invalid: reward nan is not a finite number",
-                       "invalid: terminated is str, not bool",
-                       "invalid: info is list, not dict",
-                       "invalid: info['state_key'] (list) is not hashable",
-                       "invalid: step returned NoneType, not a 5-tuple (observation, reward, terminated, "
-                       "truncated, info)"]
+    assert invalid == [
+        "invalid: step returned a 3-tuple, not a 5-tuple (observation, reward, terminated, "
+        "truncated, info)",
+        "invalid: observation is int, not str",
+        "invalid: reward nan is not a finite number",
+        "invalid: terminated is str, not bool",
+        "invalid: info is list, not dict",
+        "invalid: info['state_key'] (list) is not hashable",
+        "invalid: step returned NoneType, not a 5-tuple (observation, reward, terminated, "
+        "truncated, info)",
+    ]
     for e in ids[:-2]:
         r = replies[e]
         assert r.obs_ids == [] and r.reward == 0.0 and r.truncated and not r.terminated
@@ -170,17 +203,30 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
 
     m = w.metrics()
     assert (m["env_timeouts"], m["env_errors"], m["env_invalid"]) == (2, 2, 7)
-    assert (m["env_episodes_started"], m["env_episodes_ended"], m["env_episodes_live"]) == (13, 11, 2)
+    assert (m["env_episodes_started"], m["env_episodes_ended"], m["env_episodes_live"]) == (
+        13,
+        11,
+        2,
+    )
     assert m["env_steps"] == 4
 
 
 def test_reset_faults_end_their_episode(make_worker, tok):
     w = make_worker(reset_timeout_s=1.0)
     t0 = time.perf_counter()
-    replies = w.reset([ResetRequest("ok", seed("count")), ResetRequest("bad", seed("reset_raise")),
-                       ResetRequest("stuck", seed("reset_hang"))])
+    replies = w.reset(
+        [
+            ResetRequest("ok", seed("count")),
+            ResetRequest("bad", seed("reset_raise")),
+            ResetRequest("stuck", seed("reset_hang")),
+        ]
+    )
     assert time.perf_counter() - t0 < 1.0 + 1.0
-    assert [r.ended for r in replies] == [None, "error: ValueError: no level for seed 700", "timeout"]
+    assert [r.ended for r in replies] == [
+        None,
+        "error: ValueError: no level for seed 700",
+        "timeout",
+    ]
     assert replies[1].prompt_ids == [] and replies[0].prompt_ids
     assert w.step(go(tok, "ok"))[0].ended is None
     with pytest.raises(ValueError, match="already held"):
@@ -202,8 +248,14 @@ def test_close_closes_every_env_and_leaves_nothing_running(make_worker, tok, tmp
     threads_before = {t for t in threading.enumerate() if not t.daemon}
     children_before = {p.pid for p in descendants()}
     w = make_worker(env_options={"marker_dir": str(tmp_path)})
-    w.reset([ResetRequest(e, seed(kind, k))
-             for k, (e, kind) in enumerate([("a", "count"), ("b", "count"), ("c", "count"), ("h", "hang")])])
+    w.reset(
+        [
+            ResetRequest(e, seed(kind, k))
+            for k, (e, kind) in enumerate(
+                [("a", "count"), ("b", "count"), ("c", "count"), ("h", "hang")]
+            )
+        ]
+    )
     assert [r.ended for r in w.step(go(tok, "a", "h"))] == [None, "timeout"]
     assert w.close_episodes(["b", "b", "never-seen"]) == 1
     assert w.close_episodes(["b"]) == 0  # idempotent
@@ -220,7 +272,9 @@ def test_close_closes_every_env_and_leaves_nothing_running(make_worker, tok, tmp
 def test_a_lost_host_ends_its_episodes_and_is_started_again(make_worker, tok):
     w = make_worker()
     w.reset([ResetRequest("a", seed("count"))])
-    (host,) = [p for p in psutil.Process().children() if "rollhpc.envs.host" in " ".join(p.cmdline())]
+    (host,) = [
+        p for p in psutil.Process().children() if "rollhpc.envs.host" in " ".join(p.cmdline())
+    ]
     host.kill()  # as the OOM killer would: its episode processes die with it
     host.wait(5)
     assert w.step(go(tok, "a"))[0].ended == "error: the environment process died"
@@ -242,8 +296,13 @@ w.step([StepRequest("h", [])])  # hangs: the rank is killed while its env is stu
 
 
 def test_a_killed_rank_leaves_no_env_process_behind(tokenizer_dir, tmp_path):
-    rank = subprocess.Popen([sys.executable, "-c", KILLED_RANK, str(tokenizer_dir), str(tmp_path)], cwd=REPO,
-                            env=cli_env(), stdout=subprocess.PIPE, text=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", KILLED_RANK, str(tokenizer_dir), str(tmp_path)],
+        cwd=REPO,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         pids = json.loads(rank.stdout.readline())
         assert len(pids) == 3  # the host and two episode processes
@@ -267,16 +326,28 @@ def test_chat_turns_format_and_encode_on_the_rank(make_worker, tok, tokenizer_di
     chat_tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     chat_tok.chat_template = CHATML
     chat_tok.save_pretrained(tmp_path / "chat")
-    w = make_worker(model_dir=tmp_path / "chat", turns="chat", system="Be brief.", eos_token="<|im_end|>")
+    w = make_worker(
+        model_dir=tmp_path / "chat", turns="chat", system="Be brief.", eos_token="<|im_end|>"
+    )
     fmt = chat_turns(chat_tok, system="Be brief.", eos_token="<|im_end|>")
     w.reset([ResetRequest("a", seed("count", 0)), ResetRequest("b", seed("count", 1))])
     r = w.reset([ResetRequest("c", seed("count", 2))])[0]
-    assert r.prompt_ids == chat_tok.encode(fmt.first("Say go.", "count 2"), add_special_tokens=False)
+    assert r.prompt_ids == chat_tok.encode(
+        fmt.first("Say go.", "count 2"), add_special_tokens=False
+    )
     im_end = chat_tok.convert_tokens_to_ids("<|im_end|>")
-    stopped, cut = w.step([StepRequest("a", chat_tok.encode("go") + [im_end]),
-                           StepRequest("b", chat_tok.encode("go"))])  # b ran out of budget
-    assert stopped.obs_ids == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=True),
-                                                 add_special_tokens=False)
-    assert cut.obs_ids == chat_tok.encode(fmt.next("you said 'go' at step 1", stopped=False),
-                                             add_special_tokens=False)
-    assert cut.obs_ids[0] == im_end and stopped.obs_ids[0] != im_end  # the turn is closed once either way
+    stopped, cut = w.step(
+        [
+            StepRequest("a", chat_tok.encode("go") + [im_end]),
+            StepRequest("b", chat_tok.encode("go")),
+        ]
+    )  # b ran out of budget
+    assert stopped.obs_ids == chat_tok.encode(
+        fmt.next("you said 'go' at step 1", stopped=True), add_special_tokens=False
+    )
+    assert cut.obs_ids == chat_tok.encode(
+        fmt.next("you said 'go' at step 1", stopped=False), add_special_tokens=False
+    )
+    assert (
+        cut.obs_ids[0] == im_end and stopped.obs_ids[0] != im_end
+    )  # the turn is closed once either way

@@ -26,7 +26,12 @@ def test_engines_import_in_a_fresh_interpreter():
         "assert importlib.util.find_spec('torchvision') is None, 'CUDA torchvision left behind breaks vllm'\n"
         "print('ok', vllm.__version__)\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={"VLLM_LOGGING_LEVEL": "ERROR", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"VLLM_LOGGING_LEVEL": "ERROR", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("ok 0.32.0")

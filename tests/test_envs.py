@@ -32,18 +32,37 @@ def test_registry_lists_the_shipped_envs_and_names_bad_ones():
         make_env("sokoban", {"size": 20})
 
 
-@pytest.mark.parametrize("text, direction", [
-    ("left", "left"), ("Go LEFT.", "left"), (" up", "up"), ("u", "up"), ("D.", "down"), ("right, then up", "right"),
-    ("leftover", None), ("jump", None), ("", None), ("lr", None),
-])
+@pytest.mark.parametrize(
+    "text, direction",
+    [
+        ("left", "left"),
+        ("Go LEFT.", "left"),
+        (" up", "up"),
+        ("u", "up"),
+        ("D.", "down"),
+        ("right, then up", "right"),
+        ("leftover", None),
+        ("jump", None),
+        ("", None),
+        ("lr", None),
+    ],
+)
 def test_directions_are_read_leniently_but_not_guessed(text, direction):
     assert parse_direction(text) == direction
 
 
-@pytest.mark.parametrize("text, direction", [
-    ("left", "left"), (" Up.", "up"), ("down\n", "down"), (" down right up left", None), ("Go LEFT.", None),
-    ("u", None), ("right, then up", None),
-])
+@pytest.mark.parametrize(
+    "text, direction",
+    [
+        ("left", "left"),
+        (" Up.", "up"),
+        ("down\n", "down"),
+        (" down right up left", None),
+        ("Go LEFT.", None),
+        ("u", None),
+        ("right, then up", None),
+    ],
+)
 def test_strict_directions_are_one_word_alone(text, direction):
     assert parse_direction(text, strict=True) == direction
 
@@ -56,10 +75,16 @@ def test_frozenlake_reset_is_a_function_of_the_seed():
     assert [(o, i["state_key"]) for o, i in first] == [(o, i["state_key"]) for o, i in again]
     assert len({o for o, _ in first}) > 1  # a new map per seed
     observation, info = first[0]
-    assert observation.splitlines()[0][0] == "P" and observation.count("G") == 1 and len(observation) == 5 * 6 - 1
+    assert (
+        observation.splitlines()[0][0] == "P"
+        and observation.count("G") == 1
+        and len(observation) == 5 * 6 - 1
+    )
     assert "left" in info["instruction"] and "\n" not in info["instruction"]
     hash(info["state_key"])
-    assert env.reset(HELDOUT_SEED_BASE + 3) == env.reset(HELDOUT_SEED_BASE + 3)  # the pipeline's held-out seeds
+    assert env.reset(HELDOUT_SEED_BASE + 3) == env.reset(
+        HELDOUT_SEED_BASE + 3
+    )  # the pipeline's held-out seeds
     with pytest.raises(ValueError, match=">= 0"):
         env.reset(-1)
 
@@ -82,7 +107,10 @@ def test_frozenlake_slippery_expert_beats_random():
     random = run_episodes("frozenlake", options, "random", episodes=60)
     print(f"slippery 4x4: expert {expert.success_rate:.3f}, random {random.success_rate:.3f}")
     assert expert.success_rate >= random.success_rate + 0.2
-    assert run_episodes("frozenlake", options, "expert", episodes=60).success_rate == expert.success_rate
+    assert (
+        run_episodes("frozenlake", options, "expert", episodes=60).success_rate
+        == expert.success_rate
+    )
 
 
 def test_frozenlake_invalid_text_costs_a_turn_and_holes_end_the_episode():
@@ -126,7 +154,10 @@ def test_sokoban_rendering_and_determinism():
     assert env.reset(4) == (observation, info)
     rows = observation.splitlines()
     assert len(rows) == 5 and all(len(r) == 5 for r in rows)
-    assert set(observation) <= set("_#.B*P+\n") and observation.count("P") + observation.count("+") == 1
+    assert (
+        set(observation) <= set("_#.B*P+\n")
+        and observation.count("P") + observation.count("+") == 1
+    )
     assert observation.count("B") + observation.count("*") == 1 and "B" in observation
 
 
@@ -194,7 +225,12 @@ def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
             *_, info = env.step(name)
             assert info["metrics"]["dead_end"] == 0.0
         text, reward, terminated, truncated, info = env.step(path[-1])
-        assert terminated and not truncated and not info["success"] and info["metrics"]["dead_end"] == 1.0
+        assert (
+            terminated
+            and not truncated
+            and not info["success"]
+            and info["metrics"]["dead_end"] == 1.0
+        )
         assert reward == pytest.approx((env.max_turns - len(path) + 1) * STEP_REWARD)
         assert text.endswith("no box can reach a target any more.")
         plain = Sokoban()  # the default plays on
@@ -203,23 +239,34 @@ def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
             _, _, terminated, truncated, info = plain.step(name)
         assert not (terminated or truncated) and info["metrics"]["dead_end"] == 0.0
     assert found >= 3
-    blocked = [(seed, name) for seed in range(10) for name in DIRECTIONS
-               if env.reset(seed) and move(env._level.room, env._player, env._boxes, DIRECTIONS.index(name)) is None]
+    blocked = [
+        (seed, name)
+        for seed in range(10)
+        for name in DIRECTIONS
+        if env.reset(seed)
+        and move(env._level.room, env._player, env._boxes, DIRECTIONS.index(name)) is None
+    ]
     assert blocked  # a move from the start into the border or a wall
     for seed, name in blocked[:3]:
         env.reset(seed)
         before = env._state_key()
         _, reward, terminated, _, info = env.step(name)
-        assert info["metrics"]["blocked_move"] == 1.0 and env._state_key() == before and not terminated
+        assert (
+            info["metrics"]["blocked_move"] == 1.0 and env._state_key() == before and not terminated
+        )
     with pytest.raises(ValueError, match="end_on_dead_end"):
         Sokoban(end_on_dead_end="yes")
-    strict = Sokoban(format_penalty=1.0)  # text that is no move costs more than a move that goes nowhere
+    strict = Sokoban(
+        format_penalty=1.0
+    )  # text that is no move costs more than a move that goes nowhere
     strict.reset(0)
     _, reward, *_ = strict.step("jump")
     assert reward == pytest.approx(STEP_REWARD - 1.0)
     with pytest.raises(ValueError, match="format_penalty"):
         Sokoban(format_penalty=-1)
-    one_word = Sokoban(format_penalty=1.0, strict_format=True)  # a move followed by more words is invalid
+    one_word = Sokoban(
+        format_penalty=1.0, strict_format=True
+    )  # a move followed by more words is invalid
     one_word.reset(0)
     _, reward, _, _, info = one_word.step(" down right up left")
     assert reward == pytest.approx(STEP_REWARD - 1.0) and info["metrics"]["invalid_action"] == 1.0
@@ -235,16 +282,22 @@ def sandbox_here() -> None:
     try:
         PythonTool().close()
     except SandboxUnavailable as e:
-        pytest.skip(f"the tool environment runs code only in a sandbox, and none can be made here: {e}")
+        pytest.skip(
+            f"the tool environment runs code only in a sandbox, and none can be made here: {e}"
+        )
 
 
 def test_tool_env_runs_real_sandboxed_code_and_scores_with_the_task(sandbox_here):
-    env = make_env("python_tool", {"task": "arithmetic", "task_options": {"digits": 3, "ops": ["*"]}})
+    env = make_env(
+        "python_tool", {"task": "arithmetic", "task_options": {"digits": 3, "ops": ["*"]}}
+    )
     observation, info = env.reset(5)
     assert observation == env.example.prompt and "python:" in info["instruction"]
     assert env.reset(5)[0] == observation and env.reset(6)[0] != observation
 
-    text, reward, terminated, truncated, info = env.step(f"python: {env.example.a} * {env.example.b}")
+    text, reward, terminated, truncated, info = env.step(
+        f"python: {env.example.a} * {env.example.b}"
+    )
     assert text == env.example.answer and info["use_tool"] and (reward, terminated) == (0.0, False)
     text, _, _, _, info = env.step("Python: print(sum(range(10)))\nx = 1/0")
     assert text == "ZeroDivisionError: division by zero" and info["metrics"]["tool_error"] == 1.0
@@ -262,7 +315,11 @@ def test_tool_env_runs_real_sandboxed_code_and_scores_with_the_task(sandbox_here
 @pytest.mark.parametrize("task", ["arithmetic", "countdown"])
 def test_tool_env_expert_solves_and_random_does_not(sandbox_here, task):
     expert = run_episodes("python_tool", {"task": task}, "expert", episodes=4)
-    assert expert.success_rate == 1.0 and expert.mean_turns == 2.0 and expert.metrics["tool_calls"] == 1.0
+    assert (
+        expert.success_rate == 1.0
+        and expert.mean_turns == 2.0
+        and expert.metrics["tool_calls"] == 1.0
+    )
     random = run_episodes("python_tool", {"task": task, "max_turns": 2}, "random", episodes=4)
     assert random.success_rate < expert.success_rate
 
@@ -284,14 +341,16 @@ def test_model_policy_grows_the_row_by_concatenation_and_stops_at_the_context(ti
     prompt = policy.begin("Walk P to G.", "P.\n.G", seed=0)
     assert prompt == policy.row == encode(turns.first("Walk P to G.", "P.\n.G"))
     action = policy.act()
-    generated = policy.row[len(prompt):]
+    generated = policy.row[len(prompt) :]
     assert 1 <= len(generated) <= 8 and isinstance(action.text, str) and action.ids == generated
     assert policy.observe("P.\n.G") == encode(turns.next("P.\n.G"))
     assert policy.row == prompt + generated + encode(turns.next("P.\n.G"))
 
-    episode = run_episode(FrozenLake(max_turns=1000), policy, seed=0)  # a random model: the row fills first
+    episode = run_episode(
+        FrozenLake(max_turns=1000), policy, seed=0
+    )  # a random model: the row fills first
     assert episode.truncated and not episode.success and len(episode.turns) < 1000
-    assert episode.length == len(policy.row) and episode.prompt == policy.row[:len(episode.prompt)]
+    assert episode.length == len(policy.row) and episode.prompt == policy.row[: len(episode.prompt)]
     next_text = encode(turns.next(episode.turns[-1].observation_text))
     assert episode.length <= policy.max_len < episode.length + len(next_text)
 
@@ -304,8 +363,19 @@ def test_expert_policy_needs_an_expert():
 
 
 def test_cli_env(tmp_path, capsys):
-    done = rollhpc("env", "frozenlake", "--episodes", "5", "--policy", "expert", "--option", "size=5", "--show",
-                   cwd=REPO, timeout=120)
+    done = rollhpc(
+        "env",
+        "frozenlake",
+        "--episodes",
+        "5",
+        "--policy",
+        "expert",
+        "--option",
+        "size=5",
+        "--show",
+        cwd=REPO,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "frozenlake (expert, 5 episodes): success rate 1.000" in done.stdout
     assert "--- episode seed 0" in done.stdout and "--- success after" in done.stdout

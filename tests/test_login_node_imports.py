@@ -14,8 +14,12 @@ from tests.conftest import REPO
 HEAVY = ("torch", "megatron", "vllm", "transformers")
 # runtime modules whose spec stands in for them on the login-node path: importing one would import its heavy
 # libraries (at its top, or lazily in the methods a plan calls)
-RUNTIMES = ("rollhpc.workers.megatron_policy", "rollhpc.workers.vllm_generate", "rollhpc.pipelines.rlvr",
-            "rollhpc.pipelines.agentic")
+RUNTIMES = (
+    "rollhpc.workers.megatron_policy",
+    "rollhpc.workers.vllm_generate",
+    "rollhpc.pipelines.rlvr",
+    "rollhpc.pipelines.agentic",
+)
 
 _SCRIPT = textwrap.dedent("""
     import contextlib, io, json, sys
@@ -39,8 +43,13 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_config_load_plan_and_dry_run_import_no_torch_megatron_or_vllm():
-    res = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(HEAVY), json.dumps(RUNTIMES)], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, json.dumps(HEAVY), json.dumps(RUNTIMES)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert len(report["configs"]) >= 10, report["configs"]
@@ -60,4 +69,6 @@ def test_a_component_is_read_through_its_spec_module_or_is_its_own_spec():
     runtime = import_object(train, "roles.train.worker")
     assert issubclass(runtime, spec) and runtime.Options is spec.Options and runtime.trainable
     reward = "rollhpc.workers.math_reward:MathRewardWorker"
-    assert import_spec(reward, "roles.reward.worker") is import_object(reward, "roles.reward.worker")
+    assert import_spec(reward, "roles.reward.worker") is import_object(
+        reward, "roles.reward.worker"
+    )

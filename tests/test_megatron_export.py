@@ -19,11 +19,19 @@ from rollhpc.models.megatron_gpt import (  # noqa: E402
 VOCAB = 100
 
 
-def _hf_state(tied: bool, kv_heads: int) -> tuple[dict[str, torch.Tensor], transformers.Qwen2Config]:
+def _hf_state(
+    tied: bool, kv_heads: int
+) -> tuple[dict[str, torch.Tensor], transformers.Qwen2Config]:
     torch.manual_seed(kv_heads + 10 * tied)
     config = transformers.Qwen2Config(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=64,
-        num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=tied,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=tied,
     )
     hf = transformers.Qwen2ForCausalLM(config).float()
     # Distinct random values everywhere (norms init to ones, biases to zeros), so a mix-up shows.
@@ -36,18 +44,28 @@ def test_unshard_inverts_shard_bitwise(tied: bool, kv_heads: int, tps: tuple[int
     state, config = _hf_state(tied, kv_heads)
     table = weight_map(config.num_hidden_layers, tied)
     expected_names = set(state) - ({"lm_head.weight"} if tied else set())
-    assert {n for w in table for n in w.hf} == expected_names  # the map covers the checkpoint exactly
+    assert {
+        n for w in table for n in w.hf
+    } == expected_names  # the map covers the checkpoint exactly
     for tp in tps:
         vp = padded_vocab_size(VOCAB, tp)
         rebuilt: dict[str, torch.Tensor] = {}
         for w in table:
             src = [state[n] for n in w.hf]
-            shards = [shard_hf_weight(w.layout, src, r, tp, num_query_groups=kv_heads, padded_vocab=vp)
-                      for r in range(tp)]
+            shards = [
+                shard_hf_weight(w.layout, src, r, tp, num_query_groups=kv_heads, padded_vocab=vp)
+                for r in range(tp)
+            ]
             if w.layout == "vocab":
                 assert shards[0].shape[0] == vp // tp
-            out = unshard_to_hf(w.layout, shards, w.hf, num_query_groups=kv_heads,
-                                num_attention_heads=config.num_attention_heads, vocab_size=VOCAB)
+            out = unshard_to_hf(
+                w.layout,
+                shards,
+                w.hf,
+                num_query_groups=kv_heads,
+                num_attention_heads=config.num_attention_heads,
+                vocab_size=VOCAB,
+            )
             assert set(out) == set(w.hf) and not set(out) & set(rebuilt)
             rebuilt.update(out)
         assert set(rebuilt) == expected_names

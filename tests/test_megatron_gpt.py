@@ -31,13 +31,17 @@ LR = 1e-2
 def _batch() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 12), generator=g)
-    ids[0, :4] = torch.tensor([VOCAB - 1, 0, VOCAB - 2, 1])  # the last real vocab rows, next to the padding
+    ids[0, :4] = torch.tensor(
+        [VOCAB - 1, 0, VOCAB - 2, 1]
+    )  # the last real vocab rows, next to the padding
     return ids
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy over the real vocab (padded logit columns left out)."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1, :VOCAB].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1, :VOCAB].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)
+    )
 
 
 def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> None:
@@ -54,7 +58,9 @@ def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> 
     # On a (pretend) CUDA machine enable_cpu_megatron touches nothing.
     real_available, current_device = torch.cuda.is_available, torch.cuda.current_device
     torch.cuda.is_available = lambda: True
-    assert megatron_cpu.enable_cpu_megatron() is False and torch.cuda.current_device is current_device
+    assert (
+        megatron_cpu.enable_cpu_megatron() is False and torch.cuda.current_device is current_device
+    )
     torch.cuda.is_available = real_available
     assert megatron_cpu.enable_cpu_megatron() is True and megatron_cpu.enable_cpu_megatron() is True
 
@@ -85,9 +91,13 @@ def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> 
             exported = {name: t.clone() for name, t in export_hf_weights(model, VOCAB)}
             assert bool(exported) == (tp_rank == 0), (rank, tp, sorted(exported)[:3])
             results[Path(model_dir).name, tp] = dict(
-                logits=logits.detach()[..., :VOCAB], loss=loss.item(), loss_after=loss_after.item(),
+                logits=logits.detach()[..., :VOCAB],
+                loss=loss.item(),
+                loss_after=loss_after.item(),
                 padded_logits=logits.detach()[..., VOCAB:].abs().max().item(),
-                logits_after=logits_after[..., :VOCAB], exported=exported)
+                logits_after=logits_after[..., :VOCAB],
+                exported=exported,
+            )
             parallel_state.destroy_model_parallel()
     if rank == 0:
         torch.save(results, Path(out_dir) / "results.pt")
@@ -97,8 +107,14 @@ def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> 
 def _hf_qwen2(tied: bool):
     torch.manual_seed(int(tied))
     config = transformers.Qwen2Config(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-        num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=64, rope_theta=50000.0,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rope_theta=50000.0,
         tie_word_embeddings=tied,
     )
     hf = transformers.Qwen2ForCausalLM(config).float()
@@ -115,7 +131,9 @@ def test_megatron_gpt_matches_hf_qwen2_tp1_tp2(tmp_path: Path) -> None:
         hf.save_pretrained(tmp_path / name)
     dirs = [str(tmp_path / name) for name in hfs]
     # One world for both checkpoints and both TP sizes: process start and imports dominate the time.
-    torch.multiprocessing.spawn(_worker, args=(f"file://{tmp_path}/rendezvous", dirs, str(tmp_path)), nprocs=WORLD)
+    torch.multiprocessing.spawn(
+        _worker, args=(f"file://{tmp_path}/rendezvous", dirs, str(tmp_path)), nprocs=WORLD
+    )
     results = torch.load(tmp_path / "results.pt")
 
     ids = _batch()
@@ -129,7 +147,9 @@ def test_megatron_gpt_matches_hf_qwen2_tp1_tp2(tmp_path: Path) -> None:
         for tp in (1, 2):
             r = results[name, tp]
             diff = (r["logits"] - ref).abs().max().item()
-            print(f"{name} tp={tp}: max |logit - HF| = {diff:.2e}, loss {r['loss']:.6f} -> {r['loss_after']:.6f}")
+            print(
+                f"{name} tp={tp}: max |logit - HF| = {diff:.2e}, loss {r['loss']:.6f} -> {r['loss_after']:.6f}"
+            )
             assert diff < 1e-4, f"{name} tp={tp}: logits differ from HF by {diff}"
             assert r["padded_logits"] == 0.0  # padded vocab rows are zero
             assert r["loss"] == pytest.approx(loss.item(), abs=1e-5)
@@ -147,7 +167,9 @@ def test_megatron_gpt_matches_hf_qwen2_tp1_tp2(tmp_path: Path) -> None:
             print(f"{name} tp={tp}: exported HF vs trained megatron max |logit diff| = {diff:.2e}")
             assert diff < 1e-4, f"{name} tp={tp}: exported weights give logits off by {diff}"
         assert results[name, 2]["loss"] == pytest.approx(results[name, 1]["loss"], abs=1e-5)
-        assert results[name, 2]["loss_after"] == pytest.approx(results[name, 1]["loss_after"], abs=1e-5)
+        assert results[name, 2]["loss_after"] == pytest.approx(
+            results[name, 1]["loss_after"], abs=1e-5
+        )
 
 
 def test_qkv_and_gate_up_layouts() -> None:
@@ -159,7 +181,12 @@ def test_qkv_and_gate_up_layouts() -> None:
     v = 20 + torch.arange(ng * d).float()[:, None]
     full = shard_hf_weight("qkv", [q, k, v], 0, 1, num_query_groups=ng)
     assert full.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
-    assert shard_hf_weight("qkv", [q, k, v], 1, 2, num_query_groups=ng).flatten().tolist() == [2, 3, 11, 21]
+    assert shard_hf_weight("qkv", [q, k, v], 1, 2, num_query_groups=ng).flatten().tolist() == [
+        2,
+        3,
+        11,
+        21,
+    ]
     gate, up = torch.arange(4.0)[:, None], 10 + torch.arange(4.0)[:, None]
     assert shard_hf_weight("gate_up", [gate, up], 1, 2).flatten().tolist() == [2, 3, 12, 13]
     emb = torch.ones(5, 2)

@@ -9,8 +9,15 @@ import json
 import pytest
 
 from rollhpc.placement import activation_model as am
-from rollhpc.placement.memory_plan import (GIB, KNOWN_MODELS, ModelShape, estimate, forward_activation_bytes,
-                                           startup_bytes, startup_order)
+from rollhpc.placement.memory_plan import (
+    GIB,
+    KNOWN_MODELS,
+    ModelShape,
+    estimate,
+    forward_activation_bytes,
+    startup_bytes,
+    startup_order,
+)
 
 from tests.conftest import REPO
 
@@ -24,7 +31,9 @@ def test_the_activation_model_matches_the_measured_saved_bytes_within_15_percent
     now, not as recorded, must stay within 15% of each measurement."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("activation_bench", REPO / "bench" / "activation_bytes.py")
+    spec = importlib.util.spec_from_file_location(
+        "activation_bench", REPO / "bench" / "activation_bytes.py"
+    )
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = json.loads((REPO / "bench" / "results" / "activation_bytes.json").read_text())["rows"]
@@ -47,10 +56,14 @@ def test_moe_layers_count_routed_tokens_and_the_all_gather_dispatcher():
     assert layer["experts"] == t * 8 * (8 + 2 + e * 2048 + 6 * e * 768)
     assert layer["dispatch"] == 3 * t * 8 * (128 // 8) and layer["router"] == 12 * t * 8
     moe = sum(layer[k] for k in ("experts", "dispatch", "router")) * QWEN3_30B.layers
-    assert 20 < moe / 1e9 < 22  # what selective recompute keeps of the MoE alone over the 48 layers, per row
+    assert (
+        20 < moe / 1e9 < 22
+    )  # what selective recompute keeps of the MoE alone over the 48 layers, per row
     assert am.dispatch_buffer_bytes(QWEN3_30B, t, e, 8, 1) == 2 * e * t * 8 * 2048
     assert am.dispatch_buffer_bytes(QWEN3_30B, t, e, 1, 1) == 0
-    assert am.layer_bytes(QWEN3_30B, 1, 1, t, e, ep=1)["dispatch"] == 3 * t * 128  # one rank: its own map only
+    assert (
+        am.layer_bytes(QWEN3_30B, 1, 1, t, e, ep=1)["dispatch"] == 3 * t * 128
+    )  # one rank: its own map only
     assert "experts" not in am.layer_bytes(QWEN25_7B, 1, 1, t, e)
 
 
@@ -71,12 +84,16 @@ def test_vllm_keeps_its_tp_buffers_and_cuda_graphs_asleep():
     from rollhpc.workers.vllm_generate import VllmGenerateWorker
 
     def parts(**kw):
-        options = VllmGenerateWorker.Options(model_dir="unused", dtype="bfloat16", gpu_memory_utilization=0.5, **kw)
+        options = VllmGenerateWorker.Options(
+            model_dir="unused", dtype="bfloat16", gpu_memory_utilization=0.5, **kw
+        )
         return VllmGenerateWorker.gpu_memory(options, None, QWEN25_7B, seq_len=4096, gpu_bytes=80e9)
 
     tp2, tp1, eager = parts(tensor_parallel_size=2), parts(), parts(enforce_eager=True)
     assert tp2["driver_buffers"] > 0 and "driver_buffers" not in tp1 and "cuda_graphs" not in eager
-    assert sum(tp2.values()) == pytest.approx(0.5 * 80e9 * 2)  # all of it inside gpu_memory_utilization
+    assert sum(tp2.values()) == pytest.approx(
+        0.5 * 80e9 * 2
+    )  # all of it inside gpu_memory_utilization
 
 
 def test_startup_builds_generators_first_beside_what_earlier_roles_keep():
@@ -88,13 +105,20 @@ def test_startup_builds_generators_first_beside_what_earlier_roles_keep():
 
     cfg = load_experiment("qwen2.5-7b_grpo", [])
     order = startup_order(cfg)
-    assert [r for r in order if r != "reward"] == [r for turn in startup_turns(cfg.roles) for r in turn
-                                                   if r != "reward"] == ["generate", "train", "reference"]
-    parts = {"train": {"parameters": 10.0, "gradients": 20.0, "optimizer": 30.0, "activations": 99.0},
-             "reference": {"parameters": 10.0, "activations": 99.0},
-             "generate": {"weights": 10.0, "kv_cache": 40.0, "driver_buffers": 1.0, "cuda_graphs": 0.5}}
+    assert (
+        [r for r in order if r != "reward"]
+        == [r for turn in startup_turns(cfg.roles) for r in turn if r != "reward"]
+        == ["generate", "train", "reference"]
+    )
+    parts = {
+        "train": {"parameters": 10.0, "gradients": 20.0, "optimizer": 30.0, "activations": 99.0},
+        "reference": {"parameters": 10.0, "activations": 99.0},
+        "generate": {"weights": 10.0, "kv_cache": 40.0, "driver_buffers": 1.0, "cuda_graphs": 0.5},
+    }
     order = ["generate", "train", "reference"]
-    assert startup_bytes(parts, order, base=2.0) == 2.0 + 1.5 + 60.0  # the trainer's build beside the asleep engine
+    assert (
+        startup_bytes(parts, order, base=2.0) == 2.0 + 1.5 + 60.0
+    )  # the trainer's build beside the asleep engine
     assert startup_bytes(parts, ["generate"], base=2.0) == 2.0 + 51.5
 
 
@@ -115,6 +139,8 @@ def test_plan_counts_weight_sync_buckets_and_the_startup_stage(tmp_path):
     assert set(by_bytes) == {0.0, 4 * embedding, 2 * embedding}
     home, receivers, plain = by_bytes[4 * embedding], by_bytes[2 * embedding], by_bytes[0.0]
     assert [gpu[1:] for gpu in home.gpus] == [(0, 0)]
-    assert {gpu[1:] for gpu in receivers.gpus} == {(n, p) for n in (0, 1) for p in (0, 2, 4, 6)} - {(0, 0)}
+    assert {gpu[1:] for gpu in receivers.gpus} == {(n, p) for n in (0, 1) for p in (0, 2, 4, 6)} - {
+        (0, 0)
+    }
     assert home.stages["weight_sync"] - plain.stages["weight_sync"] == pytest.approx(4 * embedding)
     assert list(home.stages)[0] == "startup" and home.stages["startup"] < home.resident

@@ -40,8 +40,14 @@ def start_rank(tmp_path):
     started = []
 
     def start(how: str, timeout_s: float = 120) -> tuple[subprocess.Popen, psutil.Process]:
-        proc = subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path), str(timeout_s), how], env=cli_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", RANK, str(tmp_path), str(timeout_s), how],
+            env=cli_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         started.append(proc)
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
         (guard,) = psutil.Process(proc.pid).children()
@@ -67,7 +73,9 @@ def test_guard_outlives_step_signals_and_kills_a_rank_deaf_to_them(tmp_path, sta
         os.killpg(proc.pid, getattr(signal, name))
         time.sleep(0.2)
     time.sleep(1.0)
-    assert proc.poll() is None and guard.is_running(), "the rank is deaf; the guard waits out its grace"
+    assert proc.poll() is None and guard.is_running(), (
+        "the rank is deaf; the guard waits out its grace"
+    )
     _, err = proc.communicate(timeout=SIGNAL_GRACE_S + 10)
     waited = time.monotonic() - t0
     assert proc.returncode == -signal.SIGKILL, err
@@ -105,7 +113,9 @@ time.sleep(600)
 """
 
 
-def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_left(tmp_path, monkeypatch):
+def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_left(
+    tmp_path, monkeypatch
+):
     """A requeued job keeps its job id, so MPICH names its node segments as the killed attempt did; those must
     go before MPI_Init, but never a segment of this attempt (newer) or of a live job (mapped)."""
     from rollhpc.proc import mpi_shm
@@ -115,12 +125,20 @@ def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_le
         path.write_bytes(b"\0" * 4096)
         return path
 
-    stale, in_use, other = segment("mpich_shm_9a1b_0"), segment("mpich_vci_77_0"), segment("other_file")
-    young = segment("mpich_shm_77aa_0")  # another world's, a moment old, not mapped yet: never removed
+    stale, in_use, other = (
+        segment("mpich_shm_9a1b_0"),
+        segment("mpich_vci_77_0"),
+        segment("other_file"),
+    )
+    young = segment(
+        "mpich_shm_77aa_0"
+    )  # another world's, a moment old, not mapped yet: never removed
     long_ago = time.time() - 2 * mpi_shm.MIN_AGE_S
     for path in (stale, in_use, other):
         os.utime(path, (long_ago, long_ago))
-    holder = subprocess.Popen([sys.executable, "-c", MAPPER, str(in_use)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", MAPPER, str(in_use)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "mapped"
         time.sleep(0.05)
@@ -132,7 +150,13 @@ def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_le
         assert mpi_shm.remove_stale_segments(tmp_path) == []  # a first attempt has nothing to clean
         monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
         assert mpi_shm.remove_stale_segments(tmp_path) == [stale.name]
-        assert not stale.exists() and in_use.exists() and fresh.exists() and other.exists() and young.exists()
+        assert (
+            not stale.exists()
+            and in_use.exists()
+            and fresh.exists()
+            and other.exists()
+            and young.exists()
+        )
     finally:
         holder.kill()
         holder.wait()

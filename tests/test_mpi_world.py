@@ -27,18 +27,33 @@ def fail_world(how: str, **extra) -> dict:
 
 
 def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
-        "roles": {"probe": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 4, "parallel": {"tp": 2}},
-                  "other": {"worker": "tests.scenarios:TurnTakingProbe", "procs": 1, "env_vars": {"ROLLHPC_ROLE_ENV": 7}}},
-        "controller": {"one_to_all": "broadcast"},  # "auto" broadcasts only to other machines
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:DispatchScenario"},
+            "roles": {
+                "probe": {
+                    "worker": "tests.scenarios:TurnTakingProbe",
+                    "procs": 4,
+                    "parallel": {"tp": 2},
+                },
+                "other": {
+                    "worker": "tests.scenarios:TurnTakingProbe",
+                    "procs": 1,
+                    "env_vars": {"ROLLHPC_ROLE_ENV": 7},
+                },
+            },
+            "controller": {"one_to_all": "broadcast"},  # "auto" broadcasts only to other machines
+        }
+    )
     res = rollhpc("train", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = json.loads((run_dir / "scenario.json").read_text())
     assert [p["rank"] for p in out["ping"]] == [1, 2, 3, 4]
     assert len({p["pid"] for p in out["ping"]}) == 4  # separate processes
-    assert out["env"] == {"probe": [None] * 4, "other": ["7"]}  # a role's env_vars reach its ranks only
+    assert out["env"] == {
+        "probe": [None] * 4,
+        "other": ["7"],
+    }  # a role's env_vars reach its ranks only
     assert out["echo"] == [{"a": 1}] * 4  # one-to-all, collect all
     assert out["whoami"] == 0  # rank-zero only
     assert out["whoami_at_2"] == 2 and out["echo_at_3"] == "x"  # a single chosen rank
@@ -47,37 +62,61 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     assert out["tagged_y"] == [float(i) for i in range(11)]
     assert out["tagged_dp"] == [0] * 6 + [1] * 5
     assert out["tagged_meta"] == {"step": 3}
-    assert out["count_items"] == [[0, 10], [1, 10]]  # lists split, scalars replicated, leaders gathered
+    assert out["count_items"] == [
+        [0, 10],
+        [1, 10],
+    ]  # lists split, scalars replicated, leaders gathered
     assert out["leaders"] == [[0, "hi"], [1, "hi"]]
     assert out["allreduce"] == [12] * 4  # the role communicator spans the role's ranks only
     assert out["checksum_ok"] and out["bf16_ok"]  # 64 MiB numpy and bf16 torch payloads intact
-    assert out["fanout_ok"] and out["fanouts_sent"] == 5  # payloads >= 1 MiB to all 4 ranks went as broadcasts
+    assert (
+        out["fanout_ok"] and out["fanouts_sent"] == 5
+    )  # payloads >= 1 MiB to all 4 ranks went as broadcasts
     assert out["sleep_results"] == [[1.5] * 4, [1.5]]
     # two groups' non-blocking calls ran concurrently: one after the other would take >= 3 s
     assert out["overlap_s"] < 2.9
     assert "no remote method 'no_such_method'" in out["typo_error"] and "echo" in out["typo_error"]
     # colocation's turns reach only the ranks that share devices (a partial overlap: probe ranks 2 and 3)
     turns = out["residency"]
-    both = [["offload", ["kv_cache", "weights"]], ["reload", ["kv_cache", "weights"]], ["offload", ["kv_cache"]]]
-    assert turns["probe"] == [[], [], both, both]  # the weight sync frees the KV cache for the trainer's parameters
-    assert turns["other"] == [[["offload", ["optimizer", "parameters"]], ["reload", ["parameters"]]]]
+    both = [
+        ["offload", ["kv_cache", "weights"]],
+        ["reload", ["kv_cache", "weights"]],
+        ["offload", ["kv_cache"]],
+    ]
+    assert turns["probe"] == [
+        [],
+        [],
+        both,
+        both,
+    ]  # the weight sync frees the KV cache for the trainer's parameters
+    assert turns["other"] == [
+        [["offload", ["optimizer", "parameters"]], ["reload", ["parameters"]]]
+    ]
     assert turns["metrics"]["residency/stages"] == "train>generate>weight_sync"
     assert turns["metrics"]["residency/generate/offloaded_gb"] == 2  # the two parts of other
-    assert turns["metrics"]["residency/generate/reloaded_gb"] == 2 * 2  # two parts on each of two probe ranks
+    assert (
+        turns["metrics"]["residency/generate/reloaded_gb"] == 2 * 2
+    )  # two parts on each of two probe ranks
     assert_no_orphans(run_dir)
 
 
 def test_one_to_all_payloads_on_one_machine_go_through_one_shared_file(experiment, tmp_path):
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SharedPayloadScenario"},
-        "roles": {"probe": {"worker": "tests.scenarios:PayloadProbe", "procs": 2}},
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:SharedPayloadScenario"},
+            "roles": {"probe": {"worker": "tests.scenarios:PayloadProbe", "procs": 2}},
+        }
+    )
     res = rollhpc("train", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = json.loads((run_dir / "scenario.json").read_text())
-    assert out["bumped_ok"] and out["controller_copies_intact"]  # each rank wrote into a copy of its own
+    assert (
+        out["bumped_ok"] and out["controller_copies_intact"]
+    )  # each rank wrote into a copy of its own
     assert out["small"] == ["between"] * 2 and out["echo_ok"]
-    assert out["shared_sent"] == 5 and out["reused"] == 1  # a released file written again; all gone at the end
+    assert (
+        out["shared_sent"] == 5 and out["reused"] == 1
+    )  # a released file written again; all gone at the end
     assert_no_orphans(run_dir)
 
 
@@ -90,7 +129,7 @@ def test_worker_exception_reaches_controller_with_rank_role_traceback(experiment
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("rollhpc: run failed: worker rank 2 (role 'probe', group rank 1")
     assert "RuntimeError in 'fail_on': deliberate failure for the test" in last
-    assert 'raise RuntimeError(message)' in res.stderr  # the worker's traceback is shown
+    assert "raise RuntimeError(message)" in res.stderr  # the worker's traceback is shown
     err = json.loads((run_dir / "error.json").read_text())
     assert err["type"] == "WorkerError" and "diagnostic.py" in err["details"]
     assert_no_orphans(run_dir)
@@ -124,14 +163,22 @@ def test_controller_stuck_in_an_mpi_call_ends_the_run_with_a_report(experiment, 
     assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
     assert re.search(r"an MPI call on the controller has not returned for [234] s", last), last
-    assert json.loads((run_dir / "error.json").read_text())["type"] == "StalledCall"  # a lost peer's verdict
-    assert json.loads((run_dir / "controller-exit.json").read_text())["failure"]["kind"] == "lost_peer"
+    assert (
+        json.loads((run_dir / "error.json").read_text())["type"] == "StalledCall"
+    )  # a lost peer's verdict
+    assert (
+        json.loads((run_dir / "controller-exit.json").read_text())["failure"]["kind"] == "lost_peer"
+    )
     assert_no_orphans(run_dir)
 
 
 def test_controller_that_ends_without_a_report_is_a_failed_run(experiment, tmp_path):
-    path, run_dir = experiment({"pipeline": {"entry": "tests.scenarios:VanishScenario"},
-                                "roles": {"probe": {"worker": PROBE, "procs": 1}}})
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:VanishScenario"},
+            "roles": {"probe": {"worker": PROBE, "procs": 1}},
+        }
+    )
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     assert res.returncode == 1, res.stderr[-4000:]
     assert "before the controller reported how" in res.stderr.strip().splitlines()[-1]
@@ -143,7 +190,10 @@ def test_hung_call_times_out_with_stacks_of_every_rank(experiment, tmp_path):
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
-    assert "call 'hang_on' on role 'probe': no reply within 2 s from rank 1 (role 'probe', group rank 0" in last
+    assert (
+        "call 'hang_on' on role 'probe': no reply within 2 s from rank 1 (role 'probe', group rank 0"
+        in last
+    )
     (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
     text = stacks.read_text()
     for rank in (1, 2, 3):
@@ -153,10 +203,15 @@ def test_hung_call_times_out_with_stacks_of_every_rank(experiment, tmp_path):
 
 
 def test_worker_that_cannot_start_is_reported(experiment, tmp_path):
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 1}, "broken": {"worker": "tests.scenarios:BrokenWorker"}},
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+            "roles": {
+                "probe": {"worker": PROBE, "procs": 1},
+                "broken": {"worker": "tests.scenarios:BrokenWorker"},
+            },
+        }
+    )
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     assert res.returncode == 1, res.stderr[-4000:]
     assert "role 'broken'" in res.stderr and "FileNotFoundError in '__init__'" in res.stderr
@@ -165,18 +220,29 @@ def test_worker_that_cannot_start_is_reported(experiment, tmp_path):
 
 def start_sleeping_world(experiment, tmp_path) -> tuple[subprocess.Popen, Path, list]:
     """Launch a 3-rank world whose controller sleeps inside a call; return once it is running."""
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 2}},
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+            "roles": {"probe": {"worker": PROBE, "procs": 2}},
+        }
+    )
     # a terminal user's launcher: SIGINT at its default, also when the suite itself runs in the background
     # (`cmd &` in a script starts it with SIGINT ignored, inherited by every child: Ctrl-C would never arrive)
-    proc = subprocess.Popen([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollhpc.cli", "train", str(path)],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     log = run_dir / "logs" / "rank0-controller.log"
     deadline = time.monotonic() + 60
-    while not (log.exists() and "world of 3 ranks up" in log.read_text()) and time.monotonic() < deadline:
+    while (
+        not (log.exists() and "world of 3 ranks up" in log.read_text())
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.2)
     ranks = rank_processes(run_dir)
     assert len(ranks) >= 3, "world did not start"
@@ -184,7 +250,9 @@ def start_sleeping_world(experiment, tmp_path) -> tuple[subprocess.Popen, Path, 
 
     # the leak check counts the segments launch.json names: those must be the ones MPICH really created
     launch = json.loads((run_dir / "launch.json").read_text())
-    assert launch["world_shm"] and set(launch["world_shm"] + launch["launcher_shm"]) <= shm_segments(), launch
+    assert (
+        launch["world_shm"] and set(launch["world_shm"] + launch["launcher_shm"]) <= shm_segments()
+    ), launch
     return proc, run_dir, ranks
 
 
@@ -193,7 +261,9 @@ def test_interrupting_the_launcher_ends_the_run_cleanly(experiment, tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode != 0, err[-4000:]
-    assert "run interrupted: the controller received signal SIGINT" in err.strip().splitlines()[-1], err[-4000:]
+    assert (
+        "run interrupted: the controller received signal SIGINT" in err.strip().splitlines()[-1]
+    ), err[-4000:]
     assert_no_orphans(run_dir)
 
 
@@ -220,11 +290,16 @@ def test_world_with_killed_controller_cleans_up(experiment, tmp_path):
 
 
 def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path):
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 1}, "slow": {"worker": "tests.scenarios:SlowStartWorker"}},
-        "controller": {"startup_timeout_s": 4.0, "stack_dump_timeout_s": 3.0},
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+            "roles": {
+                "probe": {"worker": PROBE, "procs": 1},
+                "slow": {"worker": "tests.scenarios:SlowStartWorker"},
+            },
+            "controller": {"startup_timeout_s": 4.0, "stack_dump_timeout_s": 3.0},
+        }
+    )
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=60)
     assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
@@ -234,17 +309,27 @@ def test_worker_stuck_in_start_up_hits_the_start_up_timeout(experiment, tmp_path
     assert_no_orphans(run_dir)
 
 
-def run_stalled_world(experiment, tmp_path: Path, stall: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_stalled_world(
+    experiment, tmp_path: Path, stall: str
+) -> tuple[subprocess.CompletedProcess, Path]:
     """A 3-rank world with a 5 s controller.world_timeout_s in which one rank stalls (ROLLHPC_TEST_STALL_MPI_INIT);
     returns once it ended, which must be well before the test's own limit."""
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:SleepScenario"},
-        "roles": {"probe": {"worker": PROBE, "procs": 2}},
-        "controller": {"world_timeout_s": 5.0},
-    })
+    path, run_dir = experiment(
+        {
+            "pipeline": {"entry": "tests.scenarios:SleepScenario"},
+            "roles": {"probe": {"worker": PROBE, "procs": 2}},
+            "controller": {"world_timeout_s": 5.0},
+        }
+    )
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "rollhpc.cli", "train", str(path)], cwd=tmp_path, text=True,
-                         capture_output=True, timeout=90, env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": stall})
+    res = subprocess.run(
+        [sys.executable, "-m", "rollhpc.cli", "train", str(path)],
+        cwd=tmp_path,
+        text=True,
+        capture_output=True,
+        timeout=90,
+        env={**cli_env(), "ROLLHPC_TEST_STALL_MPI_INIT": stall},
+    )
     assert res.returncode == 1 and time.monotonic() - t0 < 60, res.stderr[-2000:]
     return res, run_dir
 
@@ -256,8 +341,9 @@ def test_mpi_init_that_never_finishes_hits_the_world_timeout(experiment, tmp_pat
     requeue decision."""
     res, run_dir = run_stalled_world(experiment, tmp_path, "2")
     # the first guard to fire ends its rank; the launcher then interrupts the others, which go quietly
-    assert re.search(r"rollhpc: MPI_Init did not finish within 5 s \(role '(probe|controller)', pid ", res.stderr), \
-        res.stderr[-2000:]
+    assert re.search(
+        r"rollhpc: MPI_Init did not finish within 5 s \(role '(probe|controller)', pid ", res.stderr
+    ), res.stderr[-2000:]
     assert "MPI_Init did not finish within 5 s (role '" in res.stderr.strip().splitlines()[-1]
     assert "Traceback" not in res.stderr, res.stderr[-2000:]  # an interrupted start-up ends quietly
     record = json.loads((run_dir / "startup-failed.json").read_text())
@@ -271,7 +357,10 @@ def test_rank_missing_from_the_first_collectives_hits_the_world_timeout(experime
     res, run_dir = run_stalled_world(experiment, tmp_path, "2:collectives")
     assert "MPI_Init did not finish" not in res.stderr
     last = res.stderr.strip().splitlines()[-1]
-    assert "the MPI world did not form within 5 s (" in last and "finished MPI_Init, not the first collectives" in last
+    assert (
+        "the MPI world did not form within 5 s (" in last
+        and "finished MPI_Init, not the first collectives" in last
+    )
     record = json.loads((run_dir / "startup-failed.json").read_text())
     assert "the MPI world did not form" in record["why"] and not record["culprit"]
     assert_no_orphans(run_dir)
@@ -317,8 +406,10 @@ def test_a_rank_adopts_only_the_console_descriptors_it_really_inherited(tmp_path
     same file (device, inode): a stale or foreign entry leaves the rank's own streams alone."""
     from rollhpc.launch.console import ENV
 
-    code = ("import os, sys; from rollhpc.launch.console import adopt_console; "
-            "print(adopt_console(), os.environ.get('ROLLHPC_CONSOLE')); print('to stderr', file=sys.stderr)")
+    code = (
+        "import os, sys; from rollhpc.launch.console import adopt_console; "
+        "print(adopt_console(), os.environ.get('ROLLHPC_CONSOLE')); print('to stderr', file=sys.stderr)"
+    )
     console = tmp_path / "console"
     with open(console, "w") as f:
         out, err = os.dup(f.fileno()), os.dup(f.fileno())
@@ -327,8 +418,14 @@ def test_a_rank_adopts_only_the_console_descriptors_it_really_inherited(tmp_path
             runs = {}
             for name, ino in (("same", st.st_ino), ("foreign", st.st_ino + 1)):
                 spec = f"1={out}:{st.st_dev}:{ino},2={err}:{st.st_dev}:{ino}"
-                runs[name] = subprocess.run([sys.executable, "-c", code], pass_fds=(out, err), capture_output=True,
-                                            text=True, env={**cli_env(), ENV: spec}, timeout=60)
+                runs[name] = subprocess.run(
+                    [sys.executable, "-c", code],
+                    pass_fds=(out, err),
+                    capture_output=True,
+                    text=True,
+                    env={**cli_env(), ENV: spec},
+                    timeout=60,
+                )
         finally:
             os.close(out)
             os.close(err)

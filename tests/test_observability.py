@@ -47,7 +47,9 @@ def test_rollouts_round_trip_ragged_with_an_empty_response(tmp_path):
         assert len(got[key]) == 3
         for a, b in zip(got[key], getattr(rec, key)):
             np.testing.assert_array_equal(a, np.asarray(b, dtype=a.dtype))
-    assert [a.dtype for a in got["prompt_tokens"]] == [np.int32] * 3 and got["logprobs"][0].dtype == np.float32
+    assert [a.dtype for a in got["prompt_tokens"]] == [np.int32] * 3 and got["logprobs"][
+        0
+    ].dtype == np.float32
     assert got["response_tokens"][1].shape == (0,)
     np.testing.assert_array_equal(got["reward"], np.float32([1.0, 0.0, 0.5]))
     assert got["version"].dtype == np.int64 and got["version"].tolist() == [7, 7, 6]
@@ -56,8 +58,13 @@ def test_rollouts_round_trip_ragged_with_an_empty_response(tmp_path):
 
 def test_rollouts_fixed_width_arrays_and_no_text(tmp_path):
     prompts = np.arange(8).reshape(4, 2)
-    rec = RolloutRecord(prompt_tokens=prompts, response_tokens=np.arange(4)[:, None],
-                        logprobs=np.full((4, 1), -0.5), reward=np.ones(4), version=np.zeros(4))
+    rec = RolloutRecord(
+        prompt_tokens=prompts,
+        response_tokens=np.arange(4)[:, None],
+        logprobs=np.full((4, 1), -0.5),
+        reward=np.ones(4),
+        version=np.zeros(4),
+    )
     got = read_rollouts(write_rollouts(tmp_path / "r.h5", 1, rec))
     assert [p.tolist() for p in got["prompt_tokens"]] == prompts.tolist()
     assert [r.tolist() for r in got["response_tokens"]] == [[0], [1], [2], [3]]
@@ -98,21 +105,36 @@ def test_a_failed_rewrite_keeps_the_previous_file(tmp_path, monkeypatch):
 
 def test_tensorboard_scalars_read_back_and_non_numbers_skipped(tmp_path):
     tb = TensorBoardLog(tmp_path / "tb")
-    tb.add_scalars(1, {"reward_mean": 0.25, "loss": np.float32(-1.5), "note": "text", "flag": True, "n": 3})
+    tb.add_scalars(
+        1, {"reward_mean": 0.25, "loss": np.float32(-1.5), "note": "text", "flag": True, "n": 3}
+    )
     tb.add_scalars(2, {"reward_mean": 0.75, "loss": 2.0})
     tb.close()
-    assert _scalars(tmp_path / "tb") == {"reward_mean": [(1, 0.25), (2, 0.75)], "loss": [(1, -1.5), (2, 2.0)],
-                                         "n": [(1, 3.0)]}
+    assert _scalars(tmp_path / "tb") == {
+        "reward_mean": [(1, 0.25), (2, 0.75)],
+        "loss": [(1, -1.5), (2, 2.0)],
+        "n": [(1, 3.0)],
+    }
 
 
 def test_run_log_writes_metrics_tensorboard_and_rollouts(tmp_path):
     with RunLog(tmp_path) as run_log:
         run_log.log_step(0, {"accuracy": 0.5})
-        run_log.log_step(1, {"reward_mean": 0.25, "policy_version": 1, "tag": "x"}, _ragged_record())
+        run_log.log_step(
+            1, {"reward_mean": 0.25, "policy_version": 1, "tag": "x"}, _ragged_record()
+        )
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert all(abs(r.pop("time") - time.time()) < 60 for r in records)  # wall time, for rollhpc report
-    assert records == [{"step": 0, "accuracy": 0.5}, {"step": 1, "reward_mean": 0.25, "policy_version": 1, "tag": "x"}]
-    assert _scalars(tmp_path / "tb") == {"accuracy": [(0, 0.5)], "reward_mean": [(1, 0.25)],
-                                         "policy_version": [(1, 1.0)]}
+    assert all(
+        abs(r.pop("time") - time.time()) < 60 for r in records
+    )  # wall time, for rollhpc report
+    assert records == [
+        {"step": 0, "accuracy": 0.5},
+        {"step": 1, "reward_mean": 0.25, "policy_version": 1, "tag": "x"},
+    ]
+    assert _scalars(tmp_path / "tb") == {
+        "accuracy": [(0, 0.5)],
+        "reward_mean": [(1, 0.25)],
+        "policy_version": [(1, 1.0)],
+    }
     assert [p.name for p in (tmp_path / "rollouts").iterdir()] == ["step_000001.h5"]
     assert read_rollouts(tmp_path / "rollouts" / "step_000001.h5")["step"] == 1

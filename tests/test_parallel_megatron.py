@@ -56,7 +56,11 @@ def _divisors(n: int, cap: int) -> list[int]:
 
 def _random_case(rng: random.Random) -> dict:
     while True:
-        tp, pp, cp = rng.choice([1, 1, 2, 2, 4, 8, 3]), rng.choice([1, 1, 2, 3, 4, 8]), rng.choice([1, 1, 2, 4])
+        tp, pp, cp = (
+            rng.choice([1, 1, 2, 2, 4, 8, 3]),
+            rng.choice([1, 1, 2, 3, 4, 8]),
+            rng.choice([1, 1, 2, 4]),
+        )
         dp = rng.choice([1, 2, 3, 4, 6, 8, 16, 32, 64])
         world = tp * pp * cp * dp
         if world <= 4096:
@@ -92,7 +96,9 @@ def _cases(n_valid: int = 200, seed: int = 20240601) -> list[dict]:
 def _megatron_generators(case: dict):
     """(dense, expert) RankGenerators the way initialize_model_parallel builds them, or None where
     megatron refuses the layout (same checks, in the same order)."""
-    world, tp, pp, cp, ep, etp, order = (case[k] for k in ("world", "tp", "pp", "cp", "ep", "etp", "order"))
+    world, tp, pp, cp, ep, etp, order = (
+        case[k] for k in ("world", "tp", "pp", "cp", "ep", "etp", "order")
+    )
     if world % (tp * pp * cp) or world % (etp * ep * pp) or (case["vpp"] is not None and pp == 1):
         return None
     dp, edp = world // (tp * pp * cp), world // (etp * ep * pp)
@@ -120,8 +126,10 @@ def _check_coords_against_groups(layout: ParallelLayout) -> None:
     leaves out and their positions are the mixed-radix number of the coordinates it names (so a tp
     group lists tp ranks 0..tp-1 in order, as megatron's get_tensor_model_parallel_rank would say)."""
     coords = layout.all_coords()
-    sizes = {False: {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp},
-             True: {"tp": layout.etp, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp}}
+    sizes = {
+        False: {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp, "pp": layout.pp},
+        True: {"tp": layout.etp, "ep": layout.ep, "dp": layout.edp, "pp": layout.pp},
+    }
     for kind in layout.GROUP_KINDS:
         expert = kind.startswith("expert-")
         named = set(kind.removeprefix("expert-").split("-"))
@@ -159,7 +167,10 @@ def test_random_layouts_match_rank_generator():
         for kind in DENSE_GROUP_KINDS:
             assert layout.groups(kind) == dense.get_ranks(kind), (case, kind)
         for kind in EXPERT_GROUP_KINDS:
-            assert layout.groups(kind) == expert.get_ranks(kind.removeprefix("expert-")), (case, kind)
+            assert layout.groups(kind) == expert.get_ranks(kind.removeprefix("expert-")), (
+                case,
+                kind,
+            )
         assert layout.groups("expert-pp") == layout.groups("pp")
         _check_coords_against_groups(layout)
     assert refused >= 10  # the refusals were exercised too
@@ -184,10 +195,15 @@ def megatron_init(monkeypatch):
         monkeypatch.setattr(torch.distributed, "new_group", new_group)
         try:
             ps.initialize_model_parallel(
-                tensor_model_parallel_size=case["tp"], pipeline_model_parallel_size=case["pp"],
-                virtual_pipeline_model_parallel_size=case["vpp"], context_parallel_size=case["cp"],
-                expert_model_parallel_size=case["ep"], expert_tensor_parallel_size=case["etp"],
-                order=case["order"], create_gloo_process_groups=False)
+                tensor_model_parallel_size=case["tp"],
+                pipeline_model_parallel_size=case["pp"],
+                virtual_pipeline_model_parallel_size=case["vpp"],
+                context_parallel_size=case["cp"],
+                expert_model_parallel_size=case["ep"],
+                expert_tensor_parallel_size=case["etp"],
+                order=case["order"],
+                create_gloo_process_groups=False,
+            )
         finally:
             ps.destroy_model_parallel()
         return got

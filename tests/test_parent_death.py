@@ -34,18 +34,24 @@ time.sleep(60)
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has died (nobody reaped it yet)
+            return (
+                f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            )  # a zombie has died (nobody reaped it yet)
     except FileNotFoundError:
         return False
 
 
 def _forked_after_sigkill(mode: str) -> list[bool]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-c", FORKER, mode], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKER, mode], stdout=subprocess.PIPE, text=True, env=env
+    )
     pids = [int(proc.stdout.readline()), int(proc.stdout.readline())]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = time.monotonic() + 3.0  # the parent-death signal's victims may take a moment on a busy machine
+    deadline = (
+        time.monotonic() + 3.0
+    )  # the parent-death signal's victims may take a moment on a busy machine
     while any(alive := [_alive(p) for p in pids]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in pids:

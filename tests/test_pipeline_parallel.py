@@ -23,7 +23,9 @@ torch = pytest.importorskip("torch")
 
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
 LR = 1e-4
-RESHARDABLE = {"optimizer_checkpoint": "reshardable"}  # the optimizer state per parameter: loads at any layout
+RESHARDABLE = {
+    "optimizer_checkpoint": "reshardable"
+}  # the optimizer state per parameter: loads at any layout
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +37,46 @@ def models(tmp_path_factory) -> dict[str, Path]:
     train, _ = arithmetic.make_splits(0, 200, 10, digits=2, ops=("+",))
     tok = build_tokenizer(list(arithmetic.corpus(train)), 300)
     root = tmp_path_factory.mktemp("pp_models")
-    return {"dense": create_tiny_model(root / "dense", TinyModelConfig(num_hidden_layers=4), tok),
-            "moe": create_tiny_model(root / "moe", TinyModelConfig(moe=True, tie_word_embeddings=False), tok)}
+    return {
+        "dense": create_tiny_model(root / "dense", TinyModelConfig(num_hidden_layers=4), tok),
+        "moe": create_tiny_model(
+            root / "moe", TinyModelConfig(moe=True, tie_word_embeddings=False), tok
+        ),
+    }
 
 
-def _run(experiment, tmp_path: Path, name: str, model: Path, procs: int, parallel: dict,
-         train_options: dict | None = None, **options) -> dict:
-    path, run_dir = experiment({
-        "pipeline": {"entry": "tests.scenarios:TrainerLayoutScenario", "options": {"save_after": 1, **options}},
-        "roles": {"train": {"worker": TRAIN, "procs": procs, "parallel": parallel,
-                            "options": {"model_dir": str(model), "micro_batch_size": 2, "lr": LR,
-                                        **(train_options or {})}}},
-    }, name=name)
+def _run(
+    experiment,
+    tmp_path: Path,
+    name: str,
+    model: Path,
+    procs: int,
+    parallel: dict,
+    train_options: dict | None = None,
+    **options,
+) -> dict:
+    path, run_dir = experiment(
+        {
+            "pipeline": {
+                "entry": "tests.scenarios:TrainerLayoutScenario",
+                "options": {"save_after": 1, **options},
+            },
+            "roles": {
+                "train": {
+                    "worker": TRAIN,
+                    "procs": procs,
+                    "parallel": parallel,
+                    "options": {
+                        "model_dir": str(model),
+                        "micro_batch_size": 2,
+                        "lr": LR,
+                        **(train_options or {}),
+                    },
+                }
+            },
+        },
+        name=name,
+    )
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
     assert_no_orphans(run_dir)
@@ -62,7 +92,9 @@ def pp2(models, tmp_path_factory) -> dict:
     from tests.conftest import experiment_writer
 
     tmp = tmp_path_factory.mktemp("pp2")
-    return _run(experiment_writer(tmp), tmp, "pp2", models["dense"], 2, {"pp": 2}, train_options=RESHARDABLE)
+    return _run(
+        experiment_writer(tmp), tmp, "pp2", models["dense"], 2, {"pp": 2}, train_options=RESHARDABLE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +103,10 @@ def one_stage(models, tmp_path_factory) -> dict[str, dict]:
     from tests.conftest import experiment_writer
 
     tmp = tmp_path_factory.mktemp("pp1")
-    return {kind: _run(experiment_writer(tmp), tmp, f"pp1_{kind}", models[kind], 1, {}) for kind in models}
+    return {
+        kind: _run(experiment_writer(tmp), tmp, f"pp1_{kind}", models[kind], 1, {})
+        for kind in models
+    }
 
 
 def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> None:
@@ -87,18 +122,26 @@ def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("procs, parallel", [
-    (2, {"pp": 2, "vpp": 2}),
-    (4, {"tp": 2, "pp": 2}),
-], ids=["pp2-vpp2", "tp2-pp2"])  # pp2 alone: test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm
-def test_pipeline_stages_train_like_one_stage(models, one_stage, experiment, tmp_path, procs, parallel):
+@pytest.mark.parametrize(
+    "procs, parallel",
+    [
+        (2, {"pp": 2, "vpp": 2}),
+        (4, {"tp": 2, "pp": 2}),
+    ],
+    ids=["pp2-vpp2", "tp2-pp2"],
+)  # pp2 alone: test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm
+def test_pipeline_stages_train_like_one_stage(
+    models, one_stage, experiment, tmp_path, procs, parallel
+):
     got = _run(experiment, tmp_path, "pp", models["dense"], procs, parallel)
     assert_same_training(got, one_stage["dense"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experiment, tmp_path, dtype):
+def test_moe_policy_with_pipeline_and_expert_parallel(
+    models, one_stage, experiment, tmp_path, dtype
+):
     """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group (DDP's expert
     buffers; the experts' fp32 main parameters sharded over that group). In fp32 its micro-batches follow a token
     budget (their count agreed over the EP ranks by a collective): the same training as fixed rows. In bf16 (the model cast whole to bf16 as
@@ -106,7 +149,15 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
     precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR."""
     # fp32 under a token budget of 3 full rows: one micro-batch per DP rank (3 rows) where the pp=1 run took 3
     options = {"dtype": "bfloat16"} if dtype == "bfloat16" else {"max_tokens_per_micro_batch": 36}
-    got = _run(experiment, tmp_path, f"moe_{dtype}", models["moe"], 4, {"pp": 2, "ep": 2}, train_options=options)
+    got = _run(
+        experiment,
+        tmp_path,
+        f"moe_{dtype}",
+        models["moe"],
+        4,
+        {"pp": 2, "ep": 2},
+        train_options=options,
+    )
     want = one_stage["moe"]
     if dtype == "float32":
         assert got["micro_batches"] == [1, 1] and want["micro_batches"] == [3, 3]
@@ -117,11 +168,15 @@ def test_moe_policy_with_pipeline_and_expert_parallel(models, one_stage, experim
     assert sorted(got["weights"]) == sorted(want["weights"])
     for name, w in want["weights"].items():
         assert got["weights"][name].dtype == torch.bfloat16, name
-        torch.testing.assert_close(got["weights"][name].float(), w, rtol=2 ** -7, atol=4.5 * LR, msg=name)
+        torch.testing.assert_close(
+            got["weights"][name].float(), w, rtol=2**-7, atol=4.5 * LR, msg=name
+        )
 
 
 @pytest.mark.slow
-def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one_stage, pp2, experiment, tmp_path):
+def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(
+    models, one_stage, pp2, experiment, tmp_path
+):
     """Two pipeline stages train like one. Their checkpoint after step 1 (optimizer_checkpoint: reshardable), resumed by
     two data-parallel ranks of
     the whole model (the distributed optimizer's state resharded from PP2 to DP2, gradients reduce-scattered) and
@@ -140,22 +195,40 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(models, one
 
     assert_same_training(pp2, one_stage["dense"])
     for procs in (2, 1):
-        resumed = _run(experiment, tmp_path, f"resumed_dp{procs}", models["dense"], procs, {},
-                       train_options=RESHARDABLE, resume_from=str(pp2["run_dir"] / "ckpt"))
+        resumed = _run(
+            experiment,
+            tmp_path,
+            f"resumed_dp{procs}",
+            models["dense"],
+            procs,
+            {},
+            train_options=RESHARDABLE,
+            resume_from=str(pp2["run_dir"] / "ckpt"),
+        )
         assert len(resumed["loss"]) == 1
         assert_same_training(resumed, pp2, steps=slice(1, 2))
 
     hf = tmp_path / "hf"
-    res = rollhpc("convert", "mcore-to-hf", str(pp2["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)
+    res = rollhpc(
+        "convert", "mcore-to-hf", str(pp2["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     converted = {n: t for f in hf.glob("*.safetensors") for n, t in load_file(f).items()}
     assert converted.keys() == pp2["saved_weights"].keys()
     assert all(torch.equal(converted[n], t) for n, t in pp2["saved_weights"].items())
     spec, result = tmp_path / "spec.json", tmp_path / "result.json"
     spec.write_text(json.dumps({"converted": str(hf), "prompts": PROMPTS}))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "test_convert.py"), str(spec), str(result)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "test_convert.py"), str(spec), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(result.read_text()) == [_hf_greedy(hf, p, 8) for p in PROMPTS]
 
@@ -168,20 +241,40 @@ def test_dp2_sharded_optimizer_checkpoint_resumes_at_dp1(models, experiment, tmp
     tests/test_requeue.py). Resumed at another pipeline split it is refused before anything loads, naming the layout
     change and the option that allows it."""
     dp2 = _run(experiment, tmp_path, "dp2", models["dense"], 2, {})
-    resumed = _run(experiment, tmp_path, "dp2_resumed_dp1", models["dense"], 1, {},
-                   resume_from=str(dp2["run_dir"] / "ckpt"))
+    resumed = _run(
+        experiment,
+        tmp_path,
+        "dp2_resumed_dp1",
+        models["dense"],
+        1,
+        {},
+        resume_from=str(dp2["run_dir"] / "ckpt"),
+    )
     assert len(resumed["loss"]) == 1
     assert_same_training(resumed, dp2, steps=slice(1, 2))
-    path, _ = experiment({
-        "pipeline": {"entry": "tests.scenarios:TrainerLayoutScenario",
-                     "options": {"save_after": 1, "resume_from": str(dp2["run_dir"] / "ckpt")}},
-        "roles": {"train": {"worker": TRAIN, "procs": 2, "parallel": {"pp": 2},
-                            "options": {"model_dir": str(models["dense"]), "micro_batch_size": 2, "lr": LR}}},
-    }, name="dp2_resumed_pp2")
+    path, _ = experiment(
+        {
+            "pipeline": {
+                "entry": "tests.scenarios:TrainerLayoutScenario",
+                "options": {"save_after": 1, "resume_from": str(dp2["run_dir"] / "ckpt")},
+            },
+            "roles": {
+                "train": {
+                    "worker": TRAIN,
+                    "procs": 2,
+                    "parallel": {"pp": 2},
+                    "options": {"model_dir": str(models["dense"]), "micro_batch_size": 2, "lr": LR},
+                }
+            },
+        },
+        name="dp2_resumed_pp2",
+    )
     res = rollhpc("train", str(path), cwd=tmp_path, timeout=240)
     assert res.returncode != 0
-    assert "saved sharded (optimizer_checkpoint: sharded), which reshards over DP only, and this role's layout " \
-           "differs (pp 1 -> 2)" in res.stderr + res.stdout
+    assert (
+        "saved sharded (optimizer_checkpoint: sharded), which reshards over DP only, and this role's layout "
+        "differs (pp 1 -> 2)" in res.stderr + res.stdout
+    )
 
 
 @pytest.mark.slow
@@ -204,29 +297,45 @@ def test_ckpt_inspect_shows_the_optimizer_state(pp2, tmp_path, capsys):
     store.commit(pending, {})
     assert main(["ckpt", "inspect", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
-    section = out[out.index("\noptimizer:\n") + 1:out.index("\nfiles, largest first")].splitlines()
+    section = out[
+        out.index("\noptimizer:\n") + 1 : out.index("\nfiles, largest first")
+    ].splitlines()
     print("\n".join(section))
 
     meta = json.loads((saved / "model" / "rollhpc_checkpoint.json").read_text())
     hf = meta["hf_config"]
-    params = (sum(t.numel() for t in pp2["saved_weights"].values())  # the tied embedding once
-              + (meta["padded_vocab_size"] - hf["vocab_size"]) * hf["hidden_size"])
+    params = (
+        sum(t.numel() for t in pp2["saved_weights"].values())  # the tied embedding once
+        + (meta["padded_vocab_size"] - hf["vocab_size"]) * hf["hidden_size"]
+    )
     shards = sorted((saved / "optimizer").glob("*.distcp"))
     assert section[:3] == [
         "optimizer:",
         "  train: megatron distributed optimizer, saved by 2 ranks (tp 1, pp 2, dp 1), step 1",
-        "    format torch_dist, fully_reshardable: gathered on DP rank 0 at save, loads at any TP/PP/DP layout"]
-    rows = {m["kind"]: m for m in (re.fullmatch(r"    (?P<kind>main params|exp_avg_sq|exp_avg) +(?P<tensors>\d+) +"
-                                                r"(?P<elements>[\d,]+) +(?P<dtype>\S+) +(?P<bytes>.+)", line)
-                                   for line in section) if m}
+        "    format torch_dist, fully_reshardable: gathered on DP rank 0 at save, loads at any TP/PP/DP layout",
+    ]
+    rows = {
+        m["kind"]: m
+        for m in (
+            re.fullmatch(
+                r"    (?P<kind>main params|exp_avg_sq|exp_avg) +(?P<tensors>\d+) +"
+                r"(?P<elements>[\d,]+) +(?P<dtype>\S+) +(?P<bytes>.+)",
+                line,
+            )
+            for line in section
+        )
+        if m
+    }
     assert sorted(rows) == ["exp_avg", "exp_avg_sq", "main params"]
     for kind, row in rows.items():
         assert int(row["elements"].replace(",", "")) == params, kind
         assert (row["dtype"], row["bytes"]) == ("float32", human_bytes(4 * params)), kind
         assert row["tensors"] == rows["exp_avg"]["tensors"], kind
     assert len(shards) == 2  # one per pipeline stage: each DP group of one rank wrote its own
-    assert section[-1] == (f"    2 shard files, {human_bytes(sum(f.stat().st_size for f in shards))} on disk; "
-                           f"the model: {params:,} parameters, float32")
+    assert section[-1] == (
+        f"    2 shard files, {human_bytes(sum(f.stat().st_size for f in shards))} on disk; "
+        f"the model: {params:,} parameters, float32"
+    )
 
 
 @pytest.mark.slow
@@ -234,9 +343,18 @@ def test_token_budget_micro_batches_train_like_fixed_rows(models, one_stage, exp
     """Rows of unequal length packed up to 40 tokens per micro-batch instead of 2 rows each: fewer micro-batches,
     the same losses, grad norms (the gradients) and weights, since the loss divides by the batch's global token
     count however the rows are split."""
-    got = _run(experiment, tmp_path, "token_budget", models["dense"], 1, {},
-               train_options={"max_tokens_per_micro_batch": 40})
-    assert one_stage["dense"]["micro_batches"] == [3, 3] and all(m < 3 for m in got["micro_batches"])
+    got = _run(
+        experiment,
+        tmp_path,
+        "token_budget",
+        models["dense"],
+        1,
+        {},
+        train_options={"max_tokens_per_micro_batch": 40},
+    )
+    assert one_stage["dense"]["micro_batches"] == [3, 3] and all(
+        m < 3 for m in got["micro_batches"]
+    )
     assert_same_training(got, one_stage["dense"])
 
 
@@ -276,11 +394,19 @@ def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
     ends = np.array([3, 9, 5, 4, 9, 2, 7])  # last loss position + 1 per row; width 12, so L-1 = 11
     mask = (np.arange(11)[None, :] < ends[:, None]) & (np.arange(11)[None, :] >= 1)
     tokens = np.arange(7 * 12).reshape(7, 12)
-    batch = Batch({"tokens": tokens, "loss_mask": mask.astype(np.float32), "advantage": np.arange(7.0),
-                   "old_logprob": -mask.astype(np.float32) * np.arange(7.0)[:, None]})
-    worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=2 if vpp else 1, vpp=vpp, ep=1)),
-                             options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=0),
-                             device=torch.device("cpu"))
+    batch = Batch(
+        {
+            "tokens": tokens,
+            "loss_mask": mask.astype(np.float32),
+            "advantage": np.arange(7.0),
+            "old_logprob": -mask.astype(np.float32) * np.arange(7.0)[:, None],
+        }
+    )
+    worker = SimpleNamespace(
+        ctx=SimpleNamespace(layout=SimpleNamespace(pp=2 if vpp else 1, vpp=vpp, ep=1)),
+        options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=0),
+        device=torch.device("cpu"),
+    )
     _bind(worker)
     parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
     kept = [p for p in parts if p["keep"].any()]
@@ -298,7 +424,10 @@ def test_training_micro_batches_are_cut_after_their_last_loss_token(vpp):
         assert p["loss_mask"].shape[1] == p["old_logprob"].shape[1] == width - 1
         assert torch.equal(p["advantage"], torch.as_tensor(np.arange(7.0)[r.numpy()]))
     assert sum(float(p["loss_mask"].sum()) for p in parts) == mask.sum()
-    assert all(p["tokens"].shape[1] == 12 for p in MegatronPolicyWorker._parts(worker, batch, with_mask=False))
+    assert all(
+        p["tokens"].shape[1] == 12
+        for p in MegatronPolicyWorker._parts(worker, batch, with_mask=False)
+    )
     # under expert parallelism other DP ranks' rows meet this rank's in the MoE dispatcher's collectives: the
     # micro-batches keep the batch's rows in order and its width there
     worker.ctx.layout.ep = 2
@@ -321,11 +450,18 @@ def test_token_budget_packs_rows_of_unequal_length():
 
     ends = np.array([3, 9, 5, 4, 9, 2, 7])  # token counts through the last target: 4 10 6 5 10 3 8
     mask = (np.arange(11)[None, :] < ends[:, None]) & (np.arange(11)[None, :] >= 1)
-    batch = Batch({"tokens": np.arange(7 * 12).reshape(7, 12), "loss_mask": mask.astype(np.float32),
-                   "advantage": np.arange(7.0)})
-    worker = SimpleNamespace(ctx=SimpleNamespace(layout=SimpleNamespace(pp=1, vpp=None, ep=1)),
-                             options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=24),
-                             device=torch.device("cpu"))
+    batch = Batch(
+        {
+            "tokens": np.arange(7 * 12).reshape(7, 12),
+            "loss_mask": mask.astype(np.float32),
+            "advantage": np.arange(7.0),
+        }
+    )
+    worker = SimpleNamespace(
+        ctx=SimpleNamespace(layout=SimpleNamespace(pp=1, vpp=None, ep=1)),
+        options=SimpleNamespace(micro_batch_size=2, max_tokens_per_micro_batch=24),
+        device=torch.device("cpu"),
+    )
     _bind(worker)
 
     def shapes(parts):
@@ -336,12 +472,29 @@ def test_token_budget_packs_rows_of_unequal_length():
     assert sum(float(p["loss_mask"].sum()) for p in parts) == mask.sum()
     worker.options.max_tokens_per_micro_batch = 7  # under any row: one row each
     assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [
-        (1, 10), (1, 10), (1, 8), (1, 6), (1, 5), (1, 4), (1, 3)]
+        (1, 10),
+        (1, 10),
+        (1, 8),
+        (1, 6),
+        (1, 5),
+        (1, 4),
+        (1, 3),
+    ]
     worker.options.max_tokens_per_micro_batch = 24
-    worker.ctx.layout.pp, worker.ctx.layout.vpp = 2, 2  # one shape: 24 // 10 = 2 rows, 4 micro-batches (pp groups)
-    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [(2, 10), (2, 10), (2, 10), (1, 10)]
+    worker.ctx.layout.pp, worker.ctx.layout.vpp = (
+        2,
+        2,
+    )  # one shape: 24 // 10 = 2 rows, 4 micro-batches (pp groups)
+    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [
+        (2, 10),
+        (2, 10),
+        (2, 10),
+        (1, 10),
+    ]
     worker.ctx.layout.pp, worker.ctx.layout.vpp, worker.ctx.layout.ep = 1, None, 2
-    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [(2, 12)] * 3 + [(1, 12)]
+    assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [(2, 12)] * 3 + [
+        (1, 12)
+    ]
     # a peer holds 9 rows: ceil(9 / 2) = 5 micro-batches of ceil(9 / 5) = 2 rows; this rank's 7 rows pad to 10
     _bind(worker, peer_max=[5, 9])
     parts = MegatronPolicyWorker._parts(worker, batch, with_mask=True)
@@ -350,27 +503,51 @@ def test_token_budget_packs_rows_of_unequal_length():
 
 
 @pytest.mark.slow
-def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(models, experiment, tmp_path):
+def test_rows_with_zero_advantage_are_skipped_without_changing_the_update(
+    models, experiment, tmp_path
+):
     """With no entropy or KL term, a row whose advantage is 0 has an exactly zero gradient: the trainer
     leaves it out of the forward/backward (``skip_zero_advantage``, on by default) and the losses, grad norms
     and weights after two steps are those of training on every row. 3 of 8 rows are zero, micro-batches of
     2, so the trained rows also fall into other micro-batches than without skipping."""
-    runs = {skip: _run(experiment, tmp_path, f"skip_{skip}", models["dense"], 1, {}, rows=8, zero_advantage_rows=3,
-                       entropy_coef=0.0, on_policy=True, train_options={"skip_zero_advantage": skip})
-            for skip in (False, True)}
+    runs = {
+        skip: _run(
+            experiment,
+            tmp_path,
+            f"skip_{skip}",
+            models["dense"],
+            1,
+            {},
+            rows=8,
+            zero_advantage_rows=3,
+            entropy_coef=0.0,
+            on_policy=True,
+            train_options={"skip_zero_advantage": skip},
+        )
+        for skip in (False, True)
+    }
     assert runs[True]["rows_skipped"] == [3, 3] and runs[False]["rows_skipped"] == [0, 0]
     assert_same_training(runs[True], runs[False])
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_keeps_float32_weights_and_trains_close_to_float32(models, one_stage, experiment,
-                                                                                 tmp_path):
+def test_bf16_mixed_precision_keeps_float32_weights_and_trains_close_to_float32(
+    models, one_stage, experiment, tmp_path
+):
     """mixed_precision=bf16 computes forward and backward in bfloat16 over float32 parameters: losses, grad
     norms and log-probs within bfloat16's precision of the float32 run's, the weights still float32. Two Adam
     steps move a weight by at most ~2 LR, so bfloat16 noise can put it at most 4 LR from the float32 run's
     (where a tiny gradient changes sign); that happens to few weights, and to some (the matmuls did run in
     bfloat16)."""
-    got = _run(experiment, tmp_path, "bf16", models["dense"], 1, {}, train_options={"mixed_precision": "bf16"})
+    got = _run(
+        experiment,
+        tmp_path,
+        "bf16",
+        models["dense"],
+        1,
+        {},
+        train_options={"mixed_precision": "bf16"},
+    )
     want = one_stage["dense"]
     assert got["loss"] == pytest.approx(want["loss"], rel=5e-2, abs=1e-3)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2)
@@ -417,10 +594,19 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
     adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for name, w in one["weights"].items():
         moved = not torch.equal(w, base[name])
-        assert moved == (name.endswith(".weight") and name.split(".")[-2] in adapted), name  # only adapted weights
+        assert moved == (name.endswith(".weight") and name.split(".")[-2] in adapted), (
+            name
+        )  # only adapted weights
     for procs, parallel in ((2, {"tp": 2}), (2, {"pp": 2})):
-        got = _run(experiment, tmp_path, f"lora_{'_'.join(f'{k}{v}' for k, v in parallel.items())}",
-                   models["dense"], procs, parallel, train_options=opts)
+        got = _run(
+            experiment,
+            tmp_path,
+            f"lora_{'_'.join(f'{k}{v}' for k, v in parallel.items())}",
+            models["dense"],
+            procs,
+            parallel,
+            train_options=opts,
+        )
         assert got["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
         assert got["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
         # Adam moves an element by about lr whatever its gradient's size: where a gradient is float noise (fc2's A
@@ -431,7 +617,9 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
             torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=LORA_LR / 10, msg=name)
     # the checkpoint converts to Hugging Face weights with the adapters merged: the policy it holds
     hf = tmp_path / "lora_hf"
-    res = rollhpc("convert", "mcore-to-hf", str(one["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path)
+    res = rollhpc(
+        "convert", "mcore-to-hf", str(one["run_dir"] / "ckpt" / "model"), str(hf), cwd=tmp_path
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     converted = {n: t for f in hf.glob("*.safetensors") for n, t in load_file(f).items()}
     assert converted.keys() == one["saved_weights"].keys()
@@ -444,7 +632,9 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
     ids = torch.randint(0, 100, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(hf).eval()(ids).logits
-        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["dense"]), hf / "adapter")
+        peft = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(models["dense"]), hf / "adapter"
+        )
         torch.testing.assert_close(peft.eval()(ids).logits, merged, rtol=0, atol=1e-5)
     # the base under the adapters is bitwise the model the run started from: the LoRA checkpoint's own weights of
     # every adapted module against the starting model in megatron's layout
@@ -457,14 +647,41 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
 
     from tests.conftest import cli_env
 
-    res = subprocess.run([sys.executable, "-c", BASE_UNDER_ADAPTERS, str(one["run_dir"] / "ckpt" / "model"), str(start)],
-                         env=cli_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BASE_UNDER_ADAPTERS,
+            str(one["run_dir"] / "ckpt" / "model"),
+            str(start),
+        ],
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     base = json.loads(res.stdout.split("RESULT ", 1)[1])
-    assert {n.split(".")[-2] for n in base["names"]} == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    assert {n.split(".")[-2] for n in base["names"]} == {
+        "linear_qkv",
+        "linear_proj",
+        "linear_fc1",
+        "linear_fc2",
+    }
     assert base["differ"] == [], base
-    resumed = _run(experiment, tmp_path, "lora_resumed", models["dense"], 1, {}, train_options=opts,
-                   resume_from=str(one["run_dir"] / "ckpt"))
-    assert resumed["loss"] == one["loss"][1:]  # exactly: the adapters, their Adam state and the RNGs restored
+    resumed = _run(
+        experiment,
+        tmp_path,
+        "lora_resumed",
+        models["dense"],
+        1,
+        {},
+        train_options=opts,
+        resume_from=str(one["run_dir"] / "ckpt"),
+    )
+    assert (
+        resumed["loss"] == one["loss"][1:]
+    )  # exactly: the adapters, their Adam state and the RNGs restored
     for name, w in one["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name

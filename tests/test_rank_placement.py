@@ -50,27 +50,44 @@ def test_the_launchers_rank_comes_from_mpi_variables_before_sruns_task_id():
 
 
 def _plan() -> WorldPlan:
-    ranks = [RankPlacement(0, "controller", 0, 0, 0, ()), RankPlacement(1, "train", 0, 1, 0, (0,)),
-             RankPlacement(2, "train", 1, 1, 1, (0,))]
-    return WorldPlan(ranks, [Component(0, ["controller"], 1, 1, 1, 0, 1), Component(1, ["train"], 2, 2, 1, 1, 4)])
+    ranks = [
+        RankPlacement(0, "controller", 0, 0, 0, ()),
+        RankPlacement(1, "train", 0, 1, 0, (0,)),
+        RankPlacement(2, "train", 1, 1, 1, (0,)),
+    ]
+    return WorldPlan(
+        ranks, [Component(0, ["controller"], 1, 1, 1, 0, 1), Component(1, ["train"], 2, 2, 1, 1, 4)]
+    )
 
 
 def test_placement_problems_name_the_rank_host_gpus_and_cores():
-    plan, env = _plan(), {"SLURM_JOB_NODELIST_HET_GROUP_0": "cpu1", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu[3-4]"}
+    plan, env = (
+        _plan(),
+        {"SLURM_JOB_NODELIST_HET_GROUP_0": "cpu1", "SLURM_JOB_NODELIST_HET_GROUP_1": "gpu[3-4]"},
+    )
     me = plan.ranks[2]
     assert planned_host(me, plan, env) == "gpu4"
     good = RankFacts("gpu4", "5", 1, (0, 1, 2, 3), True)
     assert placement_problem(me, plan, good, 2, env) is None
     wrong_host = placement_problem(me, plan, RankFacts("gpu3", "5", 1, (0, 1, 2, 3), True), 2, env)
-    assert wrong_host.startswith("rank 2 (train 1) runs on gpu3 but the plan puts it on node 1 of het group 1, gpu4")
-    assert "sees 2 GPU(s)" in placement_problem(me, plan, RankFacts("gpu4", "5,6", 2, (0, 1, 2, 3), True), 2, env)
+    assert wrong_host.startswith(
+        "rank 2 (train 1) runs on gpu3 but the plan puts it on node 1 of het group 1, gpu4"
+    )
+    assert "sees 2 GPU(s)" in placement_problem(
+        me, plan, RankFacts("gpu4", "5,6", 2, (0, 1, 2, 3), True), 2, env
+    )
     cores = placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), True), 2, env)
     assert "bound to 1 core(s) [7] but the plan gives it 4" in cores
-    assert placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), False), 2, env) is None  # not bound: no claim
+    assert (
+        placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), False), 2, env) is None
+    )  # not bound: no claim
     assert "announced as rank 1" in placement_problem(me, plan, good, 1, env)
     exclusive = RankFacts("gpu4", "5", 1, (0, 1, 2, 3), True, ("Exclusive_Process",))
     assert "compute mode is Exclusive_Process" in placement_problem(me, plan, exclusive, 2, env)
-    assert placement_problem(me, plan, RankFacts("anywhere", None, None, (0,), False), None, {}) is None  # no Slurm
+    assert (
+        placement_problem(me, plan, RankFacts("anywhere", None, None, (0,), False), None, {})
+        is None
+    )  # no Slurm
 
 
 def test_only_ranks_whose_gpus_the_plan_shares_ask_for_the_compute_mode():
@@ -107,23 +124,38 @@ def test_a_formed_world_records_each_ranks_cores(selfcheck_run):
     assert all(w["cpus"] and set(w["cpus"]) <= os.sched_getaffinity(0) for w in world)
 
 
-def test_gpus_are_bound_before_mpi_init_and_a_misplaced_world_stops_with_one_line(selfcheck_run, tmp_path):
+def test_gpus_are_bound_before_mpi_init_and_a_misplaced_world_stops_with_one_line(
+    selfcheck_run, tmp_path
+):
     plan = json.loads((selfcheck_run / "plan.json").read_text())
-    plan["ranks"][1]["gpus"], plan["ranks"][2]["gpus"] = [0], [1]  # the probes on the 1st and 2nd allocated GPU
+    plan["ranks"][1]["gpus"], plan["ranks"][2]["gpus"] = (
+        [0],
+        [1],
+    )  # the probes on the 1st and 2nd allocated GPU
     (selfcheck_run / "plan.json").write_text(json.dumps(plan))
     (tmp_path / "sitecustomize.py").write_text(MPI_INIT_PROBE)
     (tmp_path / "out").mkdir()
     env = cli_env()
-    env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}", ROLLHPC_TEST_MPI_INIT_PROBE=str(tmp_path / "out"),
-               CUDA_VISIBLE_DEVICES="6,7", ROLLHPC_MPI_FI_PROVIDER="tcp",
-               SLURM_JOB_NODELIST="node-elsewhere")  # as Slurm would say: this job's node is another host
+    env.update(
+        PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}",
+        ROLLHPC_TEST_MPI_INIT_PROBE=str(tmp_path / "out"),
+        CUDA_VISIBLE_DEVICES="6,7",
+        ROLLHPC_MPI_FI_PROVIDER="tcp",
+        SLURM_JOB_NODELIST="node-elsewhere",
+    )  # as Slurm would say: this job's node is another host
     env.pop("FI_PROVIDER", None)
     command = json.loads((selfcheck_run / "launch.json").read_text())["command"]
     res = subprocess.run(command, env=env, text=True, capture_output=True, timeout=120)
-    seen = sorted(json.loads(p.read_text())["cuda_visible_devices"] for p in (tmp_path / "out").glob("*.json"))
+    seen = sorted(
+        json.loads(p.read_text())["cuda_visible_devices"] for p in (tmp_path / "out").glob("*.json")
+    )
     # the controller keeps the allocation's list; each probe had its own GPU when MPI started
-    assert seen == ["6", "6,7", "7"], "a rank imported mpi4py.MPI (MPI_Init) before binding its GPUs"
-    assert all(json.loads(p.read_text())["fi_provider"] == "tcp" for p in (tmp_path / "out").glob("*.json"))
+    assert seen == ["6", "6,7", "7"], (
+        "a rank imported mpi4py.MPI (MPI_Init) before binding its GPUs"
+    )
+    assert all(
+        json.loads(p.read_text())["fi_provider"] == "tcp" for p in (tmp_path / "out").glob("*.json")
+    )
     assert res.returncode != 0
     error = json.loads((selfcheck_run / "error.json").read_text())
     assert error["summary"].startswith("placement check: rank 0 (controller 0) runs on ")

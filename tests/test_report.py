@@ -17,9 +17,18 @@ def write_run(run_dir: Path, steps: int, keys: tuple[str, ...]) -> Path:
     run_dir.mkdir(parents=True)
     lines = []
     for step in range(steps + 1):
-        record = {"step": step, "time": 1_800_000_000.0 + 2 * step, "reward_mean": math.sin(step) + step / 10}
+        record = {
+            "step": step,
+            "time": 1_800_000_000.0 + 2 * step,
+            "reward_mean": math.sin(step) + step / 10,
+        }
         if step:
-            record |= {"step_s": 2.0, "train_s": 1.0, "eval_s": 0.5, **{k: 1.0 / step + (step % 3) for k in keys}}
+            record |= {
+                "step_s": 2.0,
+                "train_s": 1.0,
+                "eval_s": 0.5,
+                **{k: 1.0 / step + (step % 3) for k in keys},
+            }
         lines.append(json.dumps(record))
     (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return run_dir
@@ -31,16 +40,31 @@ def axes_of(png: Path) -> int:
 
 
 def test_training_panels_are_those_logged_and_runs_of_one_name_are_told_apart(tmp_path):
-    a = write_run(tmp_path / "a" / "x", 30, ("train/loss", "train/grad_norm", "response_len_mean", "train/kl"))
+    a = write_run(
+        tmp_path / "a" / "x", 30, ("train/loss", "train/grad_norm", "response_len_mean", "train/kl")
+    )
     b = write_run(tmp_path / "b" / "x", 30, ("train/loss", "train/entropy"))
     runs = [load_run(a), load_run(b)]
-    assert [p[0] for p in training_panels(runs)] == ["train/loss", "train/grad_norm", "response_len_mean",
-                                                     "train/entropy", "train/kl"]  # the clip fraction: nobody
+    assert [p[0] for p in training_panels(runs)] == [
+        "train/loss",
+        "train/grad_norm",
+        "response_len_mean",
+        "train/entropy",
+        "train/kl",
+    ]  # the clip fraction: nobody
     assert _labels(runs) == [str(a), str(b)] and _labels(runs[:1]) == ["x"]
     written = write_report([a, b], tmp_path / "cmp")
-    assert {p.name for p in written} == {"learning.png", "throughput.png", "training.png", "stages.png",
-                                         "summary.txt"}
-    assert axes_of(tmp_path / "cmp" / "training.png") == 5 and axes_of(tmp_path / "cmp" / "learning.png") == 4
+    assert {p.name for p in written} == {
+        "learning.png",
+        "throughput.png",
+        "training.png",
+        "stages.png",
+        "summary.txt",
+    }
+    assert (
+        axes_of(tmp_path / "cmp" / "training.png") == 5
+        and axes_of(tmp_path / "cmp" / "learning.png") == 4
+    )
 
     bare = write_run(tmp_path / "bare", 3, ())
     (bare / "report").mkdir()

@@ -9,56 +9,70 @@ import time
 import pytest
 
 from rollhpc.rewards import combine
-from rollhpc.rewards.judge import JudgeCounters, check_template, judge_fields, judge_outputs, render_prompt
+from rollhpc.rewards.judge import (
+    JudgeCounters,
+    check_template,
+    judge_fields,
+    judge_outputs,
+    render_prompt,
+)
 from rollhpc.rewards.judge_parse import parse_verdict
 from rollhpc.rewards.math_verify import score_answer, score_answers, shutdown_pool
 
 
 def test_combine_is_a_weighted_sum_that_refuses_missing_or_non_finite_parts():
     parts = {"math": 1.0, "judge": 0.5, "format": -1.0}
-    assert combine(parts, {"math": 0.8, "judge": 0.2, "format": 0}) == pytest.approx(0.9)  # "format" logged only
+    assert combine(parts, {"math": 0.8, "judge": 0.2, "format": 0}) == pytest.approx(
+        0.9
+    )  # "format" logged only
     assert combine(parts, {"judge": 2.0}) == 1.0  # unnamed parts weigh 1
     assert combine({"reward": 0.25}, {}) == 0.25  # one role's reward needs no weights
-    with pytest.raises(ValueError, match="name component\\(s\\) jugde that no reward role returned: the sample has "
-                                         "format, judge, math"):
+    with pytest.raises(
+        ValueError,
+        match="name component\\(s\\) jugde that no reward role returned: the sample has "
+        "format, judge, math",
+    ):
         combine(parts, {"math": 1.0, "jugde": 1.0})
     with pytest.raises(ValueError, match="must be finite"):
         combine({"math": float("nan")}, {"math": 1.0})
 
 
-@pytest.mark.parametrize("output, mode, expected", [
-    ("YES", "yes_no", (1.0, True)),
-    ("NO", "yes_no", (0.0, True)),
-    ("  YES\n", "yes_no", (1.0, True)),  # surrounding whitespace is allowed
-    ("\tNO ", "yes_no", (0.0, True)),
-    ("yes", "yes_no", (0.0, False)),  # lower case refused
-    ("Yes", "yes_no", (0.0, False)),
-    ("YES.", "yes_no", (0.0, False)),
-    ("YES NO", "yes_no", (0.0, False)),  # both words
-    ("NO YES", "yes_no", (0.0, False)),
-    ("The answer is YES", "yes_no", (0.0, False)),  # inside a sentence
-    ("YES, the answer is correct", "yes_no", (0.0, False)),
-    ("", "yes_no", (0.0, False)),
-    ("   ", "yes_no", (0.0, False)),
-    ("Y E S", "yes_no", (0.0, False)),
-    ("YES\u200b", "yes_no", (0.0, False)),  # zero-width space is not whitespace
-    ("Score: 7", "score", (0.7, True)),
-    ("Score: 0", "score", (0.0, True)),
-    ("Score: 10", "score", (1.0, True)),
-    ("\n Score: 3 \n", "score", (0.3, True)),
-    ("Score: 11", "score", (0.0, False)),  # out of range
-    ("Score: -1", "score", (0.0, False)),
-    ("Score: 07", "score", (0.0, False)),  # not canonical
-    ("Score: 7 because it is mostly right", "score", (0.0, False)),
-    ("Score: 7.5", "score", (0.0, False)),
-    ("Score:7", "score", (0.0, False)),
-    ("score: 7", "score", (0.0, False)),
-    ("Score: 7\nScore: 10", "score", (0.0, False)),
-    ("Score: ٧", "score", (0.0, False)),  # non-ASCII digit
-    ("Score: " + "9" * 5000, "score", (0.0, False)),
-    ("YES", "score", (0.0, False)),  # the other mode's verdict
-    ("Score: 10", "yes_no", (0.0, False)),
-])
+@pytest.mark.parametrize(
+    "output, mode, expected",
+    [
+        ("YES", "yes_no", (1.0, True)),
+        ("NO", "yes_no", (0.0, True)),
+        ("  YES\n", "yes_no", (1.0, True)),  # surrounding whitespace is allowed
+        ("\tNO ", "yes_no", (0.0, True)),
+        ("yes", "yes_no", (0.0, False)),  # lower case refused
+        ("Yes", "yes_no", (0.0, False)),
+        ("YES.", "yes_no", (0.0, False)),
+        ("YES NO", "yes_no", (0.0, False)),  # both words
+        ("NO YES", "yes_no", (0.0, False)),
+        ("The answer is YES", "yes_no", (0.0, False)),  # inside a sentence
+        ("YES, the answer is correct", "yes_no", (0.0, False)),
+        ("", "yes_no", (0.0, False)),
+        ("   ", "yes_no", (0.0, False)),
+        ("Y E S", "yes_no", (0.0, False)),
+        ("YES\u200b", "yes_no", (0.0, False)),  # zero-width space is not whitespace
+        ("Score: 7", "score", (0.7, True)),
+        ("Score: 0", "score", (0.0, True)),
+        ("Score: 10", "score", (1.0, True)),
+        ("\n Score: 3 \n", "score", (0.3, True)),
+        ("Score: 11", "score", (0.0, False)),  # out of range
+        ("Score: -1", "score", (0.0, False)),
+        ("Score: 07", "score", (0.0, False)),  # not canonical
+        ("Score: 7 because it is mostly right", "score", (0.0, False)),
+        ("Score: 7.5", "score", (0.0, False)),
+        ("Score:7", "score", (0.0, False)),
+        ("score: 7", "score", (0.0, False)),
+        ("Score: 7\nScore: 10", "score", (0.0, False)),
+        ("Score: ٧", "score", (0.0, False)),  # non-ASCII digit
+        ("Score: " + "9" * 5000, "score", (0.0, False)),
+        ("YES", "score", (0.0, False)),  # the other mode's verdict
+        ("Score: 10", "yes_no", (0.0, False)),
+    ],
+)
 def test_parse_verdict_accepts_only_the_whole_exact_form(output, mode, expected):
     score, parsed = parse_verdict(output, mode, max_score=10)
     assert (score, parsed) == (pytest.approx(expected[0]), expected[1])
@@ -73,47 +87,55 @@ def test_parse_verdict_score_range_and_bad_arguments():
         parse_verdict("YES", "binary")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("response, reference", [
-    ("\\boxed{\\frac{1}{2}}", "1/2"),
-    ("\\boxed{0.5}", "1/2"),
-    ("The answer is 1/2", "1/2"),
-    ("\\boxed{1/2}", "\\frac{1}{2}"),
-    ("0.5", "\\frac{1}{2}"),
-    ("\\boxed{\\frac12}", "0.5"),
-    ("\\boxed{42}", "42"),
-    ("The answer is 42", "42"),
-    ("\\boxed{42.0}", "42"),
-    ("\\boxed{14/16}", "7/8"),
-    ("so 3/4 + 1/8 = \\boxed{\\frac{7}{8}}", "7/8"),
-    ("\\boxed{-\\frac{3}{4}}", "-3/4"),
-    ("\\boxed{-0.75}", "-3/4"),
-    ("\\boxed{1\\frac{1}{4}}", "5/4"),
-])
+@pytest.mark.parametrize(
+    "response, reference",
+    [
+        ("\\boxed{\\frac{1}{2}}", "1/2"),
+        ("\\boxed{0.5}", "1/2"),
+        ("The answer is 1/2", "1/2"),
+        ("\\boxed{1/2}", "\\frac{1}{2}"),
+        ("0.5", "\\frac{1}{2}"),
+        ("\\boxed{\\frac12}", "0.5"),
+        ("\\boxed{42}", "42"),
+        ("The answer is 42", "42"),
+        ("\\boxed{42.0}", "42"),
+        ("\\boxed{14/16}", "7/8"),
+        ("so 3/4 + 1/8 = \\boxed{\\frac{7}{8}}", "7/8"),
+        ("\\boxed{-\\frac{3}{4}}", "-3/4"),
+        ("\\boxed{-0.75}", "-3/4"),
+        ("\\boxed{1\\frac{1}{4}}", "5/4"),
+    ],
+)
 def test_math_verify_accepts_equivalent_forms(response, reference):
     assert score_answer(response, reference) == 1.0
     assert score_answer(response, reference, number_only=True) == 1.0
 
 
-@pytest.mark.parametrize("response, reference", [
-    ("\\boxed{41}", "42"),
-    ("\\boxed{0.88}", "7/8"),  # close is not equal
-    ("\\boxed{1/3}", "1/2"),
-    ("\\boxed{3/4}", "-3/4"),
-    ("7/8 is wrong, \\boxed{1}", "7/8"),  # the boxed answer wins over earlier numbers
-    ("\\boxed{1/2} \\boxed{3}", "1/2"),  # two answers are no answer
-    ("", "1/2"),
-    ("garbage", "1/2"),
-    ("}}}{{{\\boxed{", "1/2"),
-    ("\\boxed{" * 500, "1/2"),
-    ("\x00\x01 \\frac{", "1/2"),
-])
+@pytest.mark.parametrize(
+    "response, reference",
+    [
+        ("\\boxed{41}", "42"),
+        ("\\boxed{0.88}", "7/8"),  # close is not equal
+        ("\\boxed{1/3}", "1/2"),
+        ("\\boxed{3/4}", "-3/4"),
+        ("7/8 is wrong, \\boxed{1}", "7/8"),  # the boxed answer wins over earlier numbers
+        ("\\boxed{1/2} \\boxed{3}", "1/2"),  # two answers are no answer
+        ("", "1/2"),
+        ("garbage", "1/2"),
+        ("}}}{{{\\boxed{", "1/2"),
+        ("\\boxed{" * 500, "1/2"),
+        ("\x00\x01 \\frac{", "1/2"),
+    ],
+)
 def test_math_verify_refuses_wrong_answers_and_garbage(response, reference):
     assert score_answer(response, reference) == 0.0
 
 
 def test_math_verify_number_only_refuses_an_expression_with_the_right_value():
     assert score_answer("\\boxed{3/4 + 1/8}", "7/8") == 1.0  # math-verify compares values
-    assert score_answer("\\boxed{3/4 + 1/8}", "7/8", number_only=True) == 0.0  # a copied question is no answer
+    assert (
+        score_answer("\\boxed{3/4 + 1/8}", "7/8", number_only=True) == 0.0
+    )  # a copied question is no answer
     assert score_answer("\\boxed{7/8 + 0}", "7/8", number_only=True) == 0.0
     with pytest.raises(ValueError, match="cannot read the reference"):
         score_answer("\\boxed{1}", "not a number")
@@ -123,7 +145,12 @@ def test_math_verify_off_the_main_thread_goes_to_a_process_pool():
     """math-verify's own timeouts raise ValueError outside the main thread; score_answers uses a pool there."""
     from math_verify import parse
 
-    pairs = [("\\boxed{0.5}", "1/2"), ("\\boxed{2}", "1/2"), ("The answer is 42", "42"), ("garbage", "3")]
+    pairs = [
+        ("\\boxed{0.5}", "1/2"),
+        ("\\boxed{2}", "1/2"),
+        ("The answer is 42", "42"),
+        ("garbage", "3"),
+    ]
     out: dict[str, object] = {}
 
     def run() -> None:
@@ -141,7 +168,9 @@ def test_math_verify_off_the_main_thread_goes_to_a_process_pool():
         thread.join(120)
     finally:
         shutdown_pool()
-    assert "doesn't support threaded environment" in str(out["direct"])  # the library alone fails here
+    assert "doesn't support threaded environment" in str(
+        out["direct"]
+    )  # the library alone fails here
     assert out["scores"] == [1.0, 0.0, 1.0, 0.0]
     print(f"pool start + score: {out['seconds']:.2f} s")
 
@@ -151,7 +180,9 @@ def test_math_verify_pool_deadline_scores_zero_instead_of_waiting():
 
     def run() -> None:
         t = time.perf_counter()
-        out["scores"] = score_answers([("\\boxed{1}", "1")] * 3, pool_deadline_s=0.01)  # the pool cannot even start
+        out["scores"] = score_answers(
+            [("\\boxed{1}", "1")] * 3, pool_deadline_s=0.01
+        )  # the pool cannot even start
         out["seconds"] = time.perf_counter() - t
         out["after"] = score_answers([("\\boxed{1}", "1")])  # a fresh pool takes over
 
@@ -166,8 +197,12 @@ def test_math_verify_pool_deadline_scores_zero_instead_of_waiting():
 
 
 def test_judge_prompt_fills_fields_once_and_leaves_other_braces():
-    template = "Q: {question}\nA: {response}\nRef: {reference} (max {max_score}) \\boxed{} {unknown}"
-    text = render_prompt(template, question="1+1?", response="{reference} {question}", reference="2", max_score=5)
+    template = (
+        "Q: {question}\nA: {response}\nRef: {reference} (max {max_score}) \\boxed{} {unknown}"
+    )
+    text = render_prompt(
+        template, question="1+1?", response="{reference} {question}", reference="2", max_score=5
+    )
     assert text == "Q: 1+1?\nA: {reference} {question}\nRef: 2 (max 5) \\boxed{} {unknown}"
     with pytest.raises(ValueError, match="needs a \\{response\\} field"):
         check_template("Q: {question}")
@@ -180,7 +215,10 @@ def test_judge_fields_of_rows_and_task_examples():
     ex = arithmetic.ArithmeticExample(a=1, op="+", b=2, answer="3")
     assert judge_fields(ex, arithmetic) == ("1 + 2 =", "3")
     fm = freeform_math.FreeformMathExample(a="1/2", op="+", b="1/4", answer="3/4")
-    assert judge_fields(fm, freeform_math) == ("What is 1/2 + 1/4? Put the answer in \\boxed{}.", "3/4")
+    assert judge_fields(fm, freeform_math) == (
+        "What is 1/2 + 1/4? Put the answer in \\boxed{}.",
+        "3/4",
+    )
 
 
 def test_judge_outputs_counts_unparsed_and_failed():
@@ -197,10 +235,17 @@ def test_judge_options_are_checked_at_load(tiny_model, tmp_path):
     from rollhpc.workers.judge import JudgeWorker
 
     def load(**options):
-        return from_dict(JudgeWorker.Options, {"policy_model_dir": str(tiny_model), **options}, "roles.judge.options")
+        return from_dict(
+            JudgeWorker.Options,
+            {"policy_model_dir": str(tiny_model), **options},
+            "roles.judge.options",
+        )
 
-    with pytest.raises(ConfigError, match=f"roles.judge.options: judge_model_dir {tmp_path / 'nope'}: not a Hugging "
-                                          "Face model directory \\(no config.json there\\)"):
+    with pytest.raises(
+        ConfigError,
+        match=f"roles.judge.options: judge_model_dir {tmp_path / 'nope'}: not a Hugging "
+        "Face model directory \\(no config.json there\\)",
+    ):
         load(judge_model_dir=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="exactly one of judge_model_dir .* and endpoint"):
         load()
@@ -225,7 +270,13 @@ def test_judge_prompt_uses_the_judge_chat_template_when_it_has_one(tiny_model):
     from rollhpc.workers.judge import encode_judge_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "Is 1 + 1 = 2?"  # no template: plain text
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>{% endif %}")
-    assert tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "<user>Is 1 + 1 = 2?</><assistant>"
+    assert (
+        tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "Is 1 + 1 = 2?"
+    )  # no template: plain text
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    assert (
+        tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "<user>Is 1 + 1 = 2?</><assistant>"
+    )

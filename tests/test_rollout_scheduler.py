@@ -20,12 +20,17 @@ def seen(tmp_path_factory) -> dict:
     from rollhpc.tasks import arithmetic
 
     train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(tmp_path_factory.mktemp("m") / "tiny", TinyModelConfig(),
-                              build_tokenizer(list(arithmetic.corpus(train)), 300))
-    res = subprocess.run([sys.executable, str(PROBE), str(model)], capture_output=True, text=True, timeout=300)
+    model = create_tiny_model(
+        tmp_path_factory.mktemp("m") / "tiny",
+        TinyModelConfig(),
+        build_tokenizer(list(arithmetic.corpus(train)), 300),
+    )
+    res = subprocess.run(
+        [sys.executable, str(PROBE), str(model)], capture_output=True, text=True, timeout=300
+    )
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(seen):
@@ -49,7 +54,10 @@ def test_partial_rollout_resumes_under_the_next_version(seen):
     assert c["partial_lens"] and all(0 < n < 40 for n in c["partial_lens"])
     assert c["second_uids"] == [0] and c["resumed"] == 2
     assert c["resumed_lens"] == [40, 40] and c["resumed_logprobs_ok"]
-    assert c["resumed_versions"] == [0, 0]  # a sample's version is the oldest policy that wrote into it
+    assert c["resumed_versions"] == [
+        0,
+        0,
+    ]  # a sample's version is the oldest policy that wrote into it
     assert c["carried_after"] == 0 and c["unfinished"] == 0
 
 
@@ -88,11 +96,18 @@ def test_held_generators_take_work_only_once_released(release_at):
             return True
         return False
 
-    cfg = SchedulerConfig(group_size=2, max_tokens=3, dynamic_sampling=False, oversample=0.0,
-                          max_inflight_per_generator=2)
+    cfg = SchedulerConfig(
+        group_size=2,
+        max_tokens=3,
+        dynamic_sampling=False,
+        oversample=0.0,
+        max_inflight_per_generator=2,
+    )
     sched = RolloutScheduler(gens, [Reward()], cfg, seed=0)
     stream = (Prompt(uid, (7, 8), uid) for uid in range(100))
-    groups, stats = sched.collect(stream, 6, version=0, held=HeldGenerators(frozenset({1}), release))
+    groups, stats = sched.collect(
+        stream, 6, version=0, held=HeldGenerators(frozenset({1}), release)
+    )
     assert len(groups) == 6 and all(len(g) == 2 for g in groups)
     assert 0 < stats.generators_held_s <= stats.wall_s
     if release_at is None:

@@ -49,17 +49,25 @@ class TimedSteps:
         return {}
 
 
-@pytest.mark.parametrize("limit, steps_taken", [({"max_wall_s": 15.0}, 3), ({"max_train_s": 3.5}, 4)])
+@pytest.mark.parametrize(
+    "limit, steps_taken", [({"max_wall_s": 15.0}, 3), ({"max_train_s": 3.5}, 4)]
+)
 def test_time_limits(tmp_path: Path, limit: dict, steps_taken: int) -> None:
     clock = Clock()
     checkpointer = RunCheckpointer(tmp_path, {}, CheckpointConfig(at_end=False))
-    loop = RunLoop(tmp_path, checkpointer, LoopConfig(steps=100, eval_every=1, rollout_every=0, **limit), clock)
+    loop = RunLoop(
+        tmp_path, checkpointer, LoopConfig(steps=100, eval_every=1, rollout_every=0, **limit), clock
+    )
     assert loop.run(TimedSteps(clock)) is Outcome.WALL_LIMIT
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(steps_taken + 1))  # step 0 is the first evaluation
+    assert [r["step"] for r in records] == list(
+        range(steps_taken + 1)
+    )  # step 0 is the first evaluation
     assert all(r["eval_s"] == 10.0 and r["step_s"] == 11.0 for r in records[1:])
     # the training clock max_train_s reads: a second per step, the evaluations' ten left out
-    assert [r["train_clock_s"] for r in records[1:]] == [float(k) for k in range(1, steps_taken + 1)]
+    assert [r["train_clock_s"] for r in records[1:]] == [
+        float(k) for k in range(1, steps_taken + 1)
+    ]
 
 
 def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path, caplog) -> None:
@@ -72,15 +80,25 @@ def test_the_console_gives_seconds_per_step_elapsed_time_and_eta(tmp_path: Path,
             super().step(step, last)
             return StepReport({"reward_mean": 0.0}, summary="reward 0.00")
 
-    loop = RunLoop(tmp_path, RunCheckpointer(tmp_path, {}, CheckpointConfig(at_end=False)),
-                   LoopConfig(steps=4, eval_every=2, rollout_every=0), clock)
+    loop = RunLoop(
+        tmp_path,
+        RunCheckpointer(tmp_path, {}, CheckpointConfig(at_end=False)),
+        LoopConfig(steps=4, eval_every=2, rollout_every=0),
+        clock,
+    )
     with caplog.at_level("INFO", logger="rollhpc"):
         assert loop.run(Summarised(clock)) is Outcome.FINISHED
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ") and "/4" in r.getMessage()]
-    assert lines == ["step 1/4: reward 0.00; 1.0 s/step, 0:01 elapsed, ETA 0:03",
-                     "step 2/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:12 elapsed, ETA 0:12",
-                     "step 3/4: reward 0.00; 1.0 s/step, 0:13 elapsed, ETA 0:04",
-                     "step 4/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:24 elapsed"]
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("step ") and "/4" in r.getMessage()
+    ]
+    assert lines == [
+        "step 1/4: reward 0.00; 1.0 s/step, 0:01 elapsed, ETA 0:03",
+        "step 2/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:12 elapsed, ETA 0:12",
+        "step 3/4: reward 0.00; 1.0 s/step, 0:13 elapsed, ETA 0:04",
+        "step 4/4: reward 0.00, held-out accuracy 0.500; 11.0 s/step, 0:24 elapsed",
+    ]
 
 
 def test_a_restart_before_the_first_checkpoint_starts_the_logs_over(tmp_path: Path) -> None:
@@ -97,11 +115,15 @@ def test_a_restart_before_the_first_checkpoint_starts_the_logs_over(tmp_path: Pa
 
     def loop() -> RunLoop:
         checkpointer = RunCheckpointer(tmp_path, {}, CheckpointConfig(every=5, at_end=False))
-        return RunLoop(tmp_path, checkpointer, LoopConfig(steps=4, eval_every=0, rollout_every=0), Clock())
+        return RunLoop(
+            tmp_path, checkpointer, LoopConfig(steps=4, eval_every=0, rollout_every=0), Clock()
+        )
 
     with pytest.raises(RuntimeError, match="the node is gone"):
         loop().run(Lost(Clock()))
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ] == [0, 1, 2]
     assert loop().run(TimedSteps(Clock())) is Outcome.FINISHED
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]

@@ -27,8 +27,16 @@ from rollhpc.sandbox.result import classify
 from rollhpc.sandbox.selfcheck import processes_with_marker
 from tests.conftest import REPO, rollhpc
 
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1.0, memory_mb=128, nproc=16, nofile=32, fsize_mb=4, output_bytes=8000,
-                       tmpfs_mb=16)
+LIMITS = SandboxLimits(
+    wall_s=3.0,
+    cpu_s=1.0,
+    memory_mb=128,
+    nproc=16,
+    nofile=32,
+    fsize_mb=4,
+    output_bytes=8000,
+    tmpfs_mb=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +81,8 @@ def test_network_is_cut_off(sandbox):
         listener.listen(4)
         listener.setblocking(False)
         port = listener.getsockname()[1]
-        r = sandbox.run(dedent(f"""\
+        r = sandbox.run(
+            dedent(f"""\
             import socket
             print(*sorted(n for _, n in socket.if_nameindex()))
             for what, call in (("dns", lambda: socket.getaddrinfo("example.com", 443)),
@@ -82,7 +91,8 @@ def test_network_is_cut_off(sandbox):
                     call()
                     print(what, "reached")
                 except OSError as e:
-                    print(what, "failed", e.errno)"""))
+                    print(what, "failed", e.errno)""")
+        )
         with pytest.raises(BlockingIOError):
             listener.accept()
     assert r.status == "ok", r.stderr
@@ -92,8 +102,15 @@ def test_network_is_cut_off(sandbox):
 
 
 def test_host_files_are_unreadable(sandbox):
-    paths = [str(REPO), str(REPO / "README.md"), "/root", "/root/.bashrc", "/etc/shadow", "/etc/passwd",
-             str(Path.home())]
+    paths = [
+        str(REPO),
+        str(REPO / "README.md"),
+        "/root",
+        "/root/.bashrc",
+        "/etc/shadow",
+        "/etc/passwd",
+        str(Path.home()),
+    ]
     r = sandbox.run(f"import os\nfor p in {paths!r}:\n    print(p, os.path.exists(p))")
     assert r.status == "ok", r.stderr
     assert r.stdout.split() == [x for p in paths for x in (p, "False")]
@@ -101,7 +118,8 @@ def test_host_files_are_unreadable(sandbox):
 
 def test_writes_outside_private_tmp_fail(sandbox):
     targets = ["/x", "/usr/x", "/dev/shm/x", "/etc/x", "/proc/x", "/root/x", f"{REPO}/x"]
-    r = sandbox.run(dedent(f"""\
+    r = sandbox.run(
+        dedent(f"""\
         written = []
         for path in {targets!r}:
             try:
@@ -110,13 +128,16 @@ def test_writes_outside_private_tmp_fail(sandbox):
             except OSError:
                 pass
         open("/tmp/ok", "w").write("x")
-        print(written)"""))
+        print(written)""")
+    )
     assert (r.status, r.stdout) == ("ok", "[]\n"), r.stderr
     assert not (REPO / "x").exists()
 
 
 def test_runs_as_nobody_in_own_pid_namespace(sandbox):
-    r = sandbox.run("import os\nprint(os.getuid(), os.getgid(), len([p for p in os.listdir('/proc') if p.isdigit()]))")
+    r = sandbox.run(
+        "import os\nprint(os.getuid(), os.getgid(), len([p for p in os.listdir('/proc') if p.isdigit()]))"
+    )
     uid, gid, nprocs = map(int, r.stdout.split())
     assert (uid, gid) == (65534, 65534) and nprocs <= 3  # bwrap's init, the launcher, the program
 
@@ -124,7 +145,10 @@ def test_runs_as_nobody_in_own_pid_namespace(sandbox):
 # ------------------------------------------------------------------ limits, statuses, cleanup
 def test_fork_bomb_is_contained(sandbox, marker):
     r = sandbox.run(named(marker, "import os\nwhile True:\n    os.fork()\n"))
-    assert r.status == "error" and "Resource temporarily unavailable" in r.stderr, (r.status, r.detail)
+    assert r.status == "error" and "Resource temporarily unavailable" in r.stderr, (
+        r.status,
+        r.detail,
+    )
     assert_nothing_left(marker)
 
 
@@ -159,7 +183,9 @@ def test_memory_bomb(sandbox):
 
 def test_infinite_loop_hits_the_wall_clock(sandbox, marker):
     t = time.monotonic()
-    r = sandbox.run(named(marker, "while True:\n    pass"), timeout=0.5)  # CPU limit (1 s) not reached
+    r = sandbox.run(
+        named(marker, "while True:\n    pass"), timeout=0.5
+    )  # CPU limit (1 s) not reached
     assert r.status == "timeout" and "wall-clock" in r.detail and r.exit_code == -signal.SIGKILL
     assert time.monotonic() - t < 2.0
     assert r.cpu_s > 0.05  # read from the sandbox's processes before the kill
@@ -174,7 +200,9 @@ def test_cpu_burner_hits_the_cpu_limit(sandbox):
 
 
 def test_big_file_write_hits_the_file_size_limit(sandbox):
-    r = sandbox.run("with open('/tmp/big', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'x' * (1 << 20))")
+    r = sandbox.run(
+        "with open('/tmp/big', 'wb') as f:\n    for _ in range(1024):\n        f.write(b'x' * (1 << 20))"
+    )
     assert r.status == "output_limit" and "File too large" in r.stderr, r.detail
 
 
@@ -236,14 +264,20 @@ def test_missing_bwrap_fails_closed():
 
 def test_bwrap_that_cannot_make_namespaces_fails_closed():
     """A bwrap that exists but fails (as it does where user namespaces are off) -> one clear error, nothing runs."""
-    fake_dir = Path(tempfile.mkdtemp(dir="/tmp"))  # reachable by uid 65534 (bwrap is started as it under root)
+    fake_dir = Path(
+        tempfile.mkdtemp(dir="/tmp")
+    )  # reachable by uid 65534 (bwrap is started as it under root)
     try:
         fake = fake_dir / "bwrap"
-        fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'bubblewrap 0.9.0'; exit 0; }\n"
-                        "echo 'bwrap: No permissions to create new namespace' >&2; exit 1\n")
+        fake.write_text(
+            "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'bubblewrap 0.9.0'; exit 0; }\n"
+            "echo 'bwrap: No permissions to create new namespace' >&2; exit 1\n"
+        )
         fake.chmod(0o755)
         fake_dir.chmod(0o755)
-        with pytest.raises(SandboxUnavailable, match="cannot create a sandbox.*No permissions.*user namespaces"):
+        with pytest.raises(
+            SandboxUnavailable, match="cannot create a sandbox.*No permissions.*user namespaces"
+        ):
             Sandbox(LIMITS, bwrap=str(fake))
     finally:
         shutil.rmtree(fake_dir)
@@ -262,15 +296,24 @@ def test_unsafe_mode_warns_every_time(caplog):
 
 def test_classify_reads_signals_and_tracebacks():
     def status(rc, stderr=b"", killed_for=None, cpu_s=0.0):
-        return classify(returncode=rc, killed_for=killed_for, stderr=stderr, cpu_s=cpu_s, limits=LIMITS,
-                        wall_s=LIMITS.wall_s)[0]
+        return classify(
+            returncode=rc,
+            killed_for=killed_for,
+            stderr=stderr,
+            cpu_s=cpu_s,
+            limits=LIMITS,
+            wall_s=LIMITS.wall_s,
+        )[0]
 
     assert status(0) == "ok" and status(2) == "error"
     assert status(-signal.SIGXCPU) == "timeout" and status(-signal.SIGKILL, cpu_s=1.5) == "timeout"
     assert status(-signal.SIGKILL) == "killed" and status(-signal.SIGXFSZ) == "output_limit"
     assert status(1, b"Traceback ...\nMemoryError\n") == "memory"
     assert status(1, b"OSError: [Errno 27] File too large\n") == "output_limit"
-    assert status(-9, killed_for="timeout") == "timeout" and status(-9, killed_for="output_limit") == "output_limit"
+    assert (
+        status(-9, killed_for="timeout") == "timeout"
+        and status(-9, killed_for="output_limit") == "output_limit"
+    )
     with pytest.raises(ValueError, match="nproc"):
         SandboxLimits(nproc=0)
     assert LIMITS.rlimits()[resource.RLIMIT_AS] == (128 * MB, 128 * MB)
@@ -281,8 +324,18 @@ def test_cli_run(tmp_path, sandbox):
     prog, stdin = tmp_path / "p.py", tmp_path / "in.txt"
     prog.write_text("print(int(input()) * 3)\n")
     stdin.write_text("14\n")
-    out = rollhpc("sandbox", "run", str(prog), "--stdin", str(stdin), "--timeout", "5", "--json", cwd=tmp_path,
-                  timeout=60)
+    out = rollhpc(
+        "sandbox",
+        "run",
+        str(prog),
+        "--stdin",
+        str(stdin),
+        "--timeout",
+        "5",
+        "--json",
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert (doc["status"], doc["stdout"]) == ("ok", "42\n")

@@ -65,13 +65,18 @@ def test_dead_ranks_found_among_more_connections_than_select_can_watch(sideband_
 
 def test_descriptor_limit_raised_or_refused_clearly():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    code = ("import resource; from rollhpc.transport.sideband import ensure_descriptors as e\n"
-            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))\n"
-            "assert e(1500) == 1500 and resource.getrlimit(resource.RLIMIT_NOFILE) == (1500, 2048)\n"
-            "try:\n    e(4000)\nexcept RuntimeError as exc:\n    print(exc)\nelse:\n    raise SystemExit('no error')\n")
+    code = (
+        "import resource; from rollhpc.transport.sideband import ensure_descriptors as e\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))\n"
+        "assert e(1500) == 1500 and resource.getrlimit(resource.RLIMIT_NOFILE) == (1500, 2048)\n"
+        "try:\n    e(4000)\nexcept RuntimeError as exc:\n    print(exc)\nelse:\n    raise SystemExit('no error')\n"
+    )
     if hard != resource.RLIM_INFINITY and hard < 2048:
         pytest.skip(f"this machine's hard descriptor limit is {hard}")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "needs about 4000 open descriptors" in out.stdout and "at most 2048 (ulimit -Hn)" in out.stdout
+    assert (
+        "needs about 4000 open descriptors" in out.stdout
+        and "at most 2048 (ulimit -Hn)" in out.stdout
+    )
     assert resource.getrlimit(resource.RLIMIT_NOFILE) == (soft, hard)  # this process untouched

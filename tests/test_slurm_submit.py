@@ -15,28 +15,55 @@ from rollhpc.placement.device_mapping import WorldPlan
 pytestmark = pytest.mark.slurm
 
 
-def submit(slurm_cluster, tmp_path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollhpc.cli", "submit", "toy_grpo", "--wait",
-                           f"run.output_dir={tmp_path / 'runs'}",
-                           # a world that fails to form (MPI_Init) is requeued within the test's time
-                           "controller.world_timeout_s=90", *overrides],
-                          cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=timeout)
+def submit(
+    slurm_cluster, tmp_path, *overrides: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollhpc.cli",
+            "submit",
+            "toy_grpo",
+            "--wait",
+            f"run.output_dir={tmp_path / 'runs'}",
+            # a world that fails to form (MPI_Init) is requeued within the test's time
+            "controller.world_timeout_s=90",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=slurm_cluster.env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
 
 
 def test_training_run_through_submit_gets_the_planned_resources(slurm_cluster, tmp_path):
     res = submit(
-        slurm_cluster, tmp_path,
-        "run.name=het", "pipeline.options.steps=20", "pipeline.options.eval_every=10",
+        slurm_cluster,
+        tmp_path,
+        "run.name=het",
+        "pipeline.options.steps=20",
+        "pipeline.options.eval_every=10",
         # train and generate colocated on GPUs 0-1 of one node, a probe role on two GPUs of its own
-        "roles.train.gpus_per_proc=1", "roles.train.devices=[0,1]",
-        "roles.generate.gpus_per_proc=1", "roles.generate.procs=2", "roles.generate.devices=[0,1]",
-        "+roles.probe.worker=rollhpc.workers.diagnostic:DiagnosticWorker", "+roles.probe.procs=2",
+        "roles.train.gpus_per_proc=1",
+        "roles.train.devices=[0,1]",
+        "roles.generate.gpus_per_proc=1",
+        "roles.generate.procs=2",
+        "roles.generate.devices=[0,1]",
+        "+roles.probe.worker=rollhpc.workers.diagnostic:DiagnosticWorker",
+        "+roles.probe.procs=2",
         "+roles.probe.gpus_per_proc=1",
-        f"cluster.nodes={slurm_cluster.nodes}", f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
-        f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}", "cluster.time_limit=00:10:00",
+        f"cluster.nodes={slurm_cluster.nodes}",
+        f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
+        f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}",
+        "cluster.time_limit=00:10:00",
     )
     run_dir = tmp_path / "runs" / "het"
-    assert res.returncode == 0, res.stderr + "\n".join(p.read_text() for p in (run_dir / "slurm").glob("job-*.out"))
+    assert res.returncode == 0, res.stderr + "\n".join(
+        p.read_text() for p in (run_dir / "slurm").glob("job-*.out")
+    )
     assert "completed" in res.stderr.splitlines()[-1]
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert metrics[-1]["step"] == 20 and metrics[-1]["policy_version"] == 20
@@ -44,7 +71,11 @@ def test_training_run_through_submit_gets_the_planned_resources(slurm_cluster, t
     plan = WorldPlan.load(run_dir / "plan.json")
     world = json.loads((run_dir / "world.json").read_text())
     assert [w["role"] for w in world] == [p.role for p in plan.ranks]  # MPI rank == plan rank
-    assert [c.roles for c in plan.components] == [["controller", "reward"], ["train", "generate"], ["probe"]]
+    assert [c.roles for c in plan.components] == [
+        ["controller", "reward"],
+        ["train", "generate"],
+        ["probe"],
+    ]
     # ranks the plan puts on one node of one component ran on one Slurm node
     hosts = defaultdict(set)
     for p, w in zip(plan.ranks, world):
@@ -74,30 +105,68 @@ def test_training_run_through_submit_gets_the_planned_resources(slurm_cluster, t
 
 
 def test_failing_worker_on_slurm_is_reported_and_the_job_ends(slurm_cluster, tmp_path):
-    res = submit(slurm_cluster, tmp_path, "run.name=bad", "roles.train.options.lr=-1.0",
-                 f"cluster.nodes={slurm_cluster.nodes}", f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}")
+    res = submit(
+        slurm_cluster,
+        tmp_path,
+        "run.name=bad",
+        "roles.train.options.lr=-1.0",
+        f"cluster.nodes={slurm_cluster.nodes}",
+        f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}",
+    )
     assert res.returncode == 1
     last = res.stderr.strip().splitlines()[-1]
     assert "raised ValueError in '__init__'" in last and "role 'train'" in last
 
 
-def test_agentic_run_on_slurm_puts_the_env_role_in_the_cpu_component(slurm_cluster, tmp_path, tiny_model):
+def test_agentic_run_on_slurm_puts_the_env_role_in_the_cpu_component(
+    slurm_cluster, tmp_path, tiny_model
+):
     res = subprocess.run(
-        [sys.executable, "-m", "rollhpc.cli", "submit", "frozenlake", "--wait", f"run.output_dir={tmp_path / 'runs'}",
-         "run.name=agentic", f"pipeline.options.model_dir={tiny_model}", "pipeline.options.warm_start=null",
-         "pipeline.options.steps=2", "pipeline.options.groups_per_step=2", "pipeline.options.rollout.group_size=2",
-         "pipeline.options.rollout.dynamic_sampling=false", "pipeline.options.n_heldout=2",
-         "pipeline.options.rollout.max_model_len=96", "roles.generate.options.max_model_len=96",
-         "roles.env.options.env_options.size=3", "roles.env.options.env_options.max_turns=6",  # rows fit in 96
-         "roles.train.gpus_per_proc=1", "roles.env.procs=2", "controller.world_timeout_s=90",
-         f"cluster.nodes={slurm_cluster.nodes}", f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
-         f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}", "cluster.time_limit=00:10:00"],
-        cwd=tmp_path, env=slurm_cluster.env, text=True, capture_output=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "rollhpc.cli",
+            "submit",
+            "frozenlake",
+            "--wait",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "run.name=agentic",
+            f"pipeline.options.model_dir={tiny_model}",
+            "pipeline.options.warm_start=null",
+            "pipeline.options.steps=2",
+            "pipeline.options.groups_per_step=2",
+            "pipeline.options.rollout.group_size=2",
+            "pipeline.options.rollout.dynamic_sampling=false",
+            "pipeline.options.n_heldout=2",
+            "pipeline.options.rollout.max_model_len=96",
+            "roles.generate.options.max_model_len=96",
+            "roles.env.options.env_options.size=3",
+            "roles.env.options.env_options.max_turns=6",  # rows fit in 96
+            "roles.train.gpus_per_proc=1",
+            "roles.env.procs=2",
+            "controller.world_timeout_s=90",
+            f"cluster.nodes={slurm_cluster.nodes}",
+            f"cluster.gpus_per_node={slurm_cluster.gpus_per_node}",
+            f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}",
+            "cluster.time_limit=00:10:00",
+        ],
+        cwd=tmp_path,
+        env=slurm_cluster.env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     run_dir = tmp_path / "runs" / "agentic"
-    assert res.returncode == 0, res.stderr + "\n".join(p.read_text() for p in (run_dir / "slurm").glob("job-*.out"))
+    assert res.returncode == 0, res.stderr + "\n".join(
+        p.read_text() for p in (run_dir / "slurm").glob("job-*.out")
+    )
     plan = WorldPlan.load(run_dir / "plan.json")
     assert [c.roles for c in plan.components] == [["controller", "generate", "env"], ["train"]]
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    assert metrics[-1]["step"] == 2 and metrics[-1]["episodes_started"] >= 4 and "success_rate" in metrics[-1]
+    assert (
+        metrics[-1]["step"] == 2
+        and metrics[-1]["episodes_started"] >= 4
+        and "success_rate" in metrics[-1]
+    )
     world = json.loads((run_dir / "world.json").read_text())
     assert sorted(w["role"] for w in world) == ["controller", "env", "env", "generate", "train"]

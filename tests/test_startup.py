@@ -9,13 +9,19 @@ from rollhpc.cli import load_experiment
 from rollhpc.controller.startup import startup_turns
 
 
-@pytest.mark.parametrize("name, turns", [
-    # vLLM sizes its KV cache from free memory: it builds alone on its GPUs, then the trainer, then the reference
-    ("qwen2.5-7b_grpo", [["generate", "reward"], ["train"], ["reference"]]),
-    ("qwen3-30b-a3b_grpo", [["generate", "reward"], ["train"], ["reference"]]),
-    ("qwen2.5-0.5b_gsm8k", [["generate", "reward"], ["train"]]),
-    ("quickstart", [["train", "generate", "reward"]]),  # no GPUs: nothing shared, everything at once
-])
+@pytest.mark.parametrize(
+    "name, turns",
+    [
+        # vLLM sizes its KV cache from free memory: it builds alone on its GPUs, then the trainer, then the reference
+        ("qwen2.5-7b_grpo", [["generate", "reward"], ["train"], ["reference"]]),
+        ("qwen3-30b-a3b_grpo", [["generate", "reward"], ["train"], ["reference"]]),
+        ("qwen2.5-0.5b_gsm8k", [["generate", "reward"], ["train"]]),
+        (
+            "quickstart",
+            [["train", "generate", "reward"]],
+        ),  # no GPUs: nothing shared, everything at once
+    ],
+)
 def test_roles_sharing_gpus_build_in_turns_free_memory_measurers_first(name, turns):
     assert startup_turns(load_experiment(name, []).roles) == turns
 

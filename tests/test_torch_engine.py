@@ -40,19 +40,33 @@ def models(tmp_path_factory) -> dict:
     out = {}
     for name, seed in (("qwen_a", 0), ("qwen_b", 1)):
         torch.manual_seed(seed)
-        config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=128, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=256, num_hidden_layers=2,
-                                          max_position_embeddings=256, tie_word_embeddings=False,
-                                          initializer_range=0.1)
+        config = transformers.Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+        )
         model = transformers.Qwen2ForCausalLM(config).eval()
         # model a's EOS is the third token of its greedy answer to the first prompt: "stop" really happens
         eos = hf_greedy(model, PROMPTS[0], 3)[0][2] if name == "qwen_a" else None
         out[name] = (model, _save(model, root / name, eos=eos))
         out[f"{name}_eos"] = eos
     torch.manual_seed(2)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
-                                      intermediate_size=128, num_hidden_layers=2, tie_word_embeddings=True,
-                                      initializer_range=0.1)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     out["llama"] = (model, _save(model, root / "llama"))
     return out
@@ -64,7 +78,9 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(model, prompt: list[int], steps: int, eos: int | None = None) -> tuple[list[int], list[float]]:
+def hf_greedy(
+    model, prompt: list[int], steps: int, eos: int | None = None
+) -> tuple[list[int], list[float]]:
     ids, tokens, logprobs = list(prompt), [], []
     for _ in range(steps):
         logits = hf_logits(model, ids)[-1]
@@ -89,7 +105,9 @@ def test_greedy_equals_transformers_and_stops_at_eos(models, name):
         assert c.logprobs == pytest.approx(logprobs, abs=1e-4)
         assert c.finish_reason == ("stop" if tokens[-1] == eos else "length")
         assert c.version == 0
-    if name == "qwen_a":  # the random model must really hit its EOS somewhere, or "stop" went untested
+    if (
+        name == "qwen_a"
+    ):  # the random model must really hit its EOS somewhere, or "stop" went untested
         assert any(c.finish_reason == "stop" for (c,) in out)
 
 
@@ -101,19 +119,25 @@ def test_sampled_logprobs_are_those_of_the_tempered_nucleus(models):
     engine = TorchGenerator(path, max_model_len=64)
     out = engine.generate(PROMPTS[:2], n=3, temperature=0.7, top_p=0.8, max_tokens=6, seed=11)
     again = engine.generate(PROMPTS[:2], n=3, temperature=0.7, top_p=0.8, max_tokens=6, seed=11)
-    assert [[c.token_ids for c in row] for row in out] == [[c.token_ids for c in row] for row in again]
+    assert [[c.token_ids for c in row] for row in out] == [
+        [c.token_ids for c in row] for row in again
+    ]
     assert len({tuple(c.token_ids) for row in out for c in row}) > 1
     for prompt, row in zip(PROMPTS, out):
         for c in row:
-            logits = hf_logits(model, prompt + c.token_ids)[len(prompt) - 1:-1] / 0.7
+            logits = hf_logits(model, prompt + c.token_ids)[len(prompt) - 1 : -1] / 0.7
             for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
                 probs = logits[t].softmax(-1)
                 sorted_p, order = probs.sort(descending=True)
                 keep = order[(sorted_p.cumsum(0) - sorted_p) < 0.8]
                 assert tok in keep.tolist()
-                assert lp == pytest.approx(math.log(float(probs[tok] / probs[keep].sum())), abs=1e-4)
+                assert lp == pytest.approx(
+                    math.log(float(probs[tok] / probs[keep].sum())), abs=1e-4
+                )
     # a step-API request with a seed samples what generate's sample with that stream did
-    engine.add_request("x", PROMPTS[1], temperature=0.7, top_p=0.8, max_tokens=6, seed=11 + 1 * 3 + 2)
+    engine.add_request(
+        "x", PROMPTS[1], temperature=0.7, top_p=0.8, max_tokens=6, seed=11 + 1 * 3 + 2
+    )
     ((rid, c),) = engine.run_until()
     assert rid == "x" and c.token_ids == out[1][2].token_ids
 
@@ -123,7 +147,9 @@ def test_step_api_with_few_slots_abort_and_resume(models):
     give generate's completions; an aborted request hands back its partial, and resuming from prompt +
     partial continues exactly where the uninterrupted completion went."""
     model, path = models["qwen_b"]
-    engine = TorchGenerator(path, max_model_len=64, cpu_kv_cache_bytes=2 * (2 * 2 * 2 * 64 * 32 * 4))
+    engine = TorchGenerator(
+        path, max_model_len=64, cpu_kv_cache_bytes=2 * (2 * 2 * 2 * 64 * 32 * 4)
+    )
     assert engine.slots == 2
     want = {f"r{i}": hf_greedy(model, p, 13 - 3 * i)[0] for i, p in enumerate(PROMPTS)}
     for i, p in enumerate(PROMPTS):
@@ -142,9 +168,13 @@ def test_step_api_with_few_slots_abort_and_resume(models):
     engine.step(), engine.step(), engine.step()
     partials = dict(engine.abort(["long", "waits", "unknown"]))
     assert partials["long"].finish_reason == "abort" and partials["long"].token_ids == full[:3]
-    assert partials["waits"].token_ids == hf_greedy(model, PROMPTS[0], 3)[0]  # "also" waited for a slot
+    assert (
+        partials["waits"].token_ids == hf_greedy(model, PROMPTS[0], 3)[0]
+    )  # "also" waited for a slot
     assert engine.unfinished_ids() == ["also"]
-    engine.add_request("long2", PROMPTS[2] + partials["long"].token_ids, temperature=0.0, max_tokens=6)
+    engine.add_request(
+        "long2", PROMPTS[2] + partials["long"].token_ids, temperature=0.0, max_tokens=6
+    )
     done = dict(engine.run_until(min_finished=2))
     assert partials["long"].token_ids + done["long2"].token_ids == full
     assert done["also"].token_ids == hf_greedy(model, PROMPTS[1], 9)[0]
@@ -156,8 +186,10 @@ def test_update_weights_and_misuse(models):
     (model_a, path_a), (model_b, _) = models["qwen_a"], models["qwen_b"]
     engine = TorchGenerator(path_a, max_model_len=32)
     engine.update_weights(list(model_b.state_dict().items()), version=5)
-    (c,), = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=8)
-    assert c.token_ids == hf_greedy(model_b, PROMPTS[0], 8, models["qwen_a_eos"])[0] and c.version == 5
+    ((c,),) = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=8)
+    assert (
+        c.token_ids == hf_greedy(model_b, PROMPTS[0], 8, models["qwen_a_eos"])[0] and c.version == 5
+    )
 
     engine.add_request("a", PROMPTS[0], max_tokens=4)
     with pytest.raises(ValueError, match="already in flight"):
@@ -191,7 +223,7 @@ def random_adapters(model, rank: int, seed: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, w in model.state_dict().items():
         if name.endswith(".weight") and name.split(".")[-2] in LORA_MODULES:
-            module = name[:-len(".weight")]
+            module = name[: -len(".weight")]
             out[f"{module}.lora_A.weight"] = torch.randn(rank, w.shape[1], generator=g) * 0.1
             out[f"{module}.lora_B.weight"] = torch.randn(w.shape[0], rank, generator=g) * 0.1
     return out
@@ -225,5 +257,5 @@ def test_adapters_are_served_merged_and_replace_the_last(models):
         assert max(abs(x - y) for x, y in zip(c.logprobs, logprobs)) < 1e-4
     zero = {k: v * 0 if ".lora_B." in k else v for k, v in adapters.items()}
     engine.update_weights(list(zero.items()), version=2)
-    (c,), = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=6)
+    ((c,),) = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=6)
     assert c.token_ids == hf_greedy(model, PROMPTS[0], 6)[0]

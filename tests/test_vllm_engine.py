@@ -37,8 +37,14 @@ PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19,
 def tiny_qwen2(seed: int):
     torch.manual_seed(seed)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,  # head_dim 32
-        intermediate_size=256, num_hidden_layers=2, max_position_embeddings=512, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # head_dim 32
+        intermediate_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
         initializer_range=0.1,  # sharper logits than the default 0.02: fewer near-ties in greedy argmax
     )
     config._attn_implementation = "eager"
@@ -69,11 +75,18 @@ def checkpoints(tmp_path_factory):
     for name, seed in (("a", 0), ("b", 1)):
         model = tiny_qwen2(seed)
         refs[name] = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
-        if name == "a":  # EOS: a's 6th greedy token after prompt 0, so at least one greedy run stops on it
+        if (
+            name == "a"
+        ):  # EOS: a's 6th greedy token after prompt 0, so at least one greedy run stops on it
             eos = refs["a"][0][0][5]
         model.generation_config.eos_token_id = eos
         model.save_pretrained(work / name, safe_serialization=True)
-    spec = {"model_a": str(work / "a"), "model_b": str(work / "b"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS}
+    spec = {
+        "model_a": str(work / "a"),
+        "model_b": str(work / "b"),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+    }
     refs["eos"] = eos
     return work, spec, refs
 
@@ -83,7 +96,14 @@ def probe(checkpoints):
     work, spec, refs = checkpoints
     (work / "same").mkdir()
     res = run_probe("vllm_engine_probe.py", spec, work / "same")
-    print(json.dumps({k: res[k] for k in ("start_s", "tokens_per_s", "update_weights_s", "update_weights_again_s")}))
+    print(
+        json.dumps(
+            {
+                k: res[k]
+                for k in ("start_s", "tokens_per_s", "update_weights_s", "update_weights_again_s")
+            }
+        )
+    )
     return res, refs
 
 
@@ -91,14 +111,18 @@ def probe(checkpoints):
 def separate_probe(checkpoints):
     work, spec, refs = checkpoints
     (work / "separate").mkdir()
-    res = run_probe("vllm_engine_probe.py", {**spec, "engine_process": "separate"}, work / "separate")
+    res = run_probe(
+        "vllm_engine_probe.py", {**spec, "engine_process": "separate"}, work / "separate"
+    )
     print(json.dumps({k: res[k] for k in ("start_s", "update_weights_s")}))
     return res, refs
 
 
 def assert_matches(got: list[dict], ref: list[tuple], logprob_atol: float = 1e-3) -> None:
     for g, (tokens, logprobs, gap) in zip(got, ref, strict=True):
-        assert g["token_ids"] == tokens, f"vLLM {g['token_ids']} != transformers {tokens} (min logit gap {gap:.2e})"
+        assert g["token_ids"] == tokens, (
+            f"vLLM {g['token_ids']} != transformers {tokens} (min logit gap {gap:.2e})"
+        )
         assert g["finish_reason"] == "length"
         assert g["logprobs"] == pytest.approx(logprobs, abs=logprob_atol)
 
@@ -120,7 +144,9 @@ def test_stops_at_eos_from_generation_config(probe):
 
 def test_update_weights_takes_effect_and_repeats(probe):
     res, refs = probe
-    assert [g["token_ids"] for g in res["greedy_a"]] != [r[0] for r in refs["b"]], "a and b must differ"
+    assert [g["token_ids"] for g in res["greedy_a"]] != [r[0] for r in refs["b"]], (
+        "a and b must differ"
+    )
     assert_matches(res["greedy_b"], refs["b"])
     assert res["version_after_b"] == 1 and res["completion_version_b"] == 1
     assert_matches(res["greedy_a_again"], refs["a"])
@@ -135,9 +161,13 @@ def test_sampling_n_and_seed(probe):
     assert first == again
     assert first != other
     for per_prompt in first:
-        assert len({tuple(c["token_ids"]) for c in per_prompt}) > 1, "the 4 samples of a prompt should differ"
+        assert len({tuple(c["token_ids"]) for c in per_prompt}) > 1, (
+            "the 4 samples of a prompt should differ"
+        )
         for c in per_prompt:
-            assert 0 < len(c["token_ids"]) <= MAX_TOKENS and len(c["logprobs"]) == len(c["token_ids"])
+            assert 0 < len(c["token_ids"]) <= MAX_TOKENS and len(c["logprobs"]) == len(
+                c["token_ids"]
+            )
             assert all(lp <= 1e-6 and math.isfinite(lp) for lp in c["logprobs"])
 
 
@@ -165,7 +195,10 @@ def test_step_api_matches_generate(probe):
     assert_matches(step["greedy"], refs["a"])
     assert [g["version"] for g in step["greedy"]] == [2] * len(PROMPTS)
     for got, want in zip(step["greedy_eos"], res["greedy_eos"], strict=True):  # same EOS handling
-        assert (got["token_ids"], got["finish_reason"]) == (want["token_ids"], want["finish_reason"])
+        assert (got["token_ids"], got["finish_reason"]) == (
+            want["token_ids"],
+            want["finish_reason"],
+        )
     assert_matches(res["greedy_after_step_api"], refs["a"])
 
 
@@ -181,9 +214,15 @@ def test_abort_returns_partial_and_resume_continues(probe):
     equal the uninterrupted greedy completion."""
     res, refs = probe
     step = res["step_api"]
-    assert step["cut_before_abort"] == [] and step["aborted_ids"] == ["cut"] and step["abort_again"] == []
+    assert (
+        step["cut_before_abort"] == []
+        and step["aborted_ids"] == ["cut"]
+        and step["abort_again"] == []
+    )
     partial, resumed = step["partial"], step["resumed"]
-    assert 0 < len(partial["token_ids"]) < MAX_TOKENS and len(partial["logprobs"]) == len(partial["token_ids"])
+    assert 0 < len(partial["token_ids"]) < MAX_TOKENS and len(partial["logprobs"]) == len(
+        partial["token_ids"]
+    )
     assert partial["finish_reason"] == "abort"
     assert step["unfinished_after_abort"] == [0, 0, False]
     tokens, logprobs, _ = refs["a"][0]
@@ -201,58 +240,110 @@ def test_sleep_and_a_wake_of_the_weights_alone(probe):
 
 def test_step_api_refuses_misuse(probe):
     step = probe[0]["step_api"]
-    assert step["errors"] == {"duplicate": "ValueError", "update_weights": "RuntimeError",
-                              "generate": "RuntimeError", "sleep": "RuntimeError"}
+    assert step["errors"] == {
+        "duplicate": "ValueError",
+        "update_weights": "RuntimeError",
+        "generate": "RuntimeError",
+        "sleep": "RuntimeError",
+    }
     assert step["version_after_refused_update"] == 3
     assert step["dup_aborted"] == ["dup"]
 
 
 # -- the speed options (enforce_eager, seeded_sampling, engine_process) ------------------------------------------
 
+
 def test_auto_is_eager_seeded_and_one_process_on_cpu_and_the_opposite_on_gpu():
-    assert resolve_vllm_choices(on_cpu=True) == VllmChoices(enforce_eager=True, seeded_sampling=True,
-                                                            separate_process=False)
-    assert resolve_vllm_choices(on_cpu=False) == VllmChoices(enforce_eager=False, seeded_sampling=False,
-                                                             separate_process=True)
-    forced = resolve_vllm_choices(on_cpu=False, enforce_eager=True, seeded_sampling=True, engine_process="same")
+    assert resolve_vllm_choices(on_cpu=True) == VllmChoices(
+        enforce_eager=True, seeded_sampling=True, separate_process=False
+    )
+    assert resolve_vllm_choices(on_cpu=False) == VllmChoices(
+        enforce_eager=False, seeded_sampling=False, separate_process=True
+    )
+    forced = resolve_vllm_choices(
+        on_cpu=False, enforce_eager=True, seeded_sampling=True, engine_process="same"
+    )
     assert forced == VllmChoices(enforce_eager=True, seeded_sampling=True, separate_process=False)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("enforce_eager", "yes", r"roles\.generate\.options\.enforce_eager: 'yes' is not one of \['auto', True, False\]"),
-    ("seeded_sampling", 1, r"roles\.generate\.options: seeded_sampling: true, false or 'auto', got 1$"),
-    ("engine_process", "other", r"roles\.generate\.options\.engine_process: 'other' is not one of "
-                                r"\['auto', 'same', 'separate'\]"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "enforce_eager",
+            "yes",
+            r"roles\.generate\.options\.enforce_eager: 'yes' is not one of \['auto', True, False\]",
+        ),
+        (
+            "seeded_sampling",
+            1,
+            r"roles\.generate\.options: seeded_sampling: true, false or 'auto', got 1$",
+        ),
+        (
+            "engine_process",
+            "other",
+            r"roles\.generate\.options\.engine_process: 'other' is not one of "
+            r"\['auto', 'same', 'separate'\]",
+        ),
+    ],
+)
 def test_a_wrong_value_names_the_dotted_key(key, value, message):
     from rollhpc.workers.vllm_generate import VllmGenerateWorker
 
     with pytest.raises(ConfigError, match=message):
-        from_dict(VllmGenerateWorker.Options, {"model_dir": "m", key: value}, "roles.generate.options")
+        from_dict(
+            VllmGenerateWorker.Options, {"model_dir": "m", key: value}, "roles.generate.options"
+        )
 
 
-@pytest.mark.parametrize("key, value", [("enforce_eager", False), ("engine_process", "separate"),
-                                        ("seeded_sampling", False)])
+@pytest.mark.parametrize(
+    "key, value",
+    [("enforce_eager", False), ("engine_process", "separate"), ("seeded_sampling", False)],
+)
 def test_the_torch_engine_refuses_the_vllm_speed_options(key, value):
     from rollhpc.workers.vllm_generate import VllmGenerateWorker
 
-    with pytest.raises(ConfigError, match=rf"roles\.generate\.options: {key}={value!r} is a vLLM option"
-                       if key != "seeded_sampling" else r"roles\.generate\.options: seeded_sampling=false is a vLLM"):
-        from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "engine": "torch", key: value},
-                  "roles.generate.options")
+    with pytest.raises(
+        ConfigError,
+        match=rf"roles\.generate\.options: {key}={value!r} is a vLLM option"
+        if key != "seeded_sampling"
+        else r"roles\.generate\.options: seeded_sampling=false is a vLLM",
+    ):
+        from_dict(
+            VllmGenerateWorker.Options,
+            {"model_dir": "m", "engine": "torch", key: value},
+            "roles.generate.options",
+        )
     # what the torch engine does anyway is accepted
-    from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "engine": "torch", "seeded_sampling": True},
-              "roles.generate.options")
+    from_dict(
+        VllmGenerateWorker.Options,
+        {"model_dir": "m", "engine": "torch", "seeded_sampling": True},
+        "roles.generate.options",
+    )
 
 
 def test_set_values_load_and_the_judge_has_them_too():
     from rollhpc.workers.judge import JudgeWorker
     from rollhpc.workers.vllm_generate import VllmGenerateWorker
 
-    opts = from_dict(VllmGenerateWorker.Options, {"model_dir": "m", "enforce_eager": False, "seeded_sampling": True,
-                                                  "engine_process": "separate"}, "roles.generate.options")
-    assert (opts.enforce_eager, opts.seeded_sampling, opts.engine_process) == (False, True, "separate")
-    assert issubclass(JudgeWorker.Options, EngineConfig)  # its in-process judge engine is built by build_engine
+    opts = from_dict(
+        VllmGenerateWorker.Options,
+        {
+            "model_dir": "m",
+            "enforce_eager": False,
+            "seeded_sampling": True,
+            "engine_process": "separate",
+        },
+        "roles.generate.options",
+    )
+    assert (opts.enforce_eager, opts.seeded_sampling, opts.engine_process) == (
+        False,
+        True,
+        "separate",
+    )
+    assert issubclass(
+        JudgeWorker.Options, EngineConfig
+    )  # its in-process judge engine is built by build_engine
     with pytest.raises(ValueError, match="engine_process: 'auto', 'same' or 'separate'"):
         EngineConfig(engine_process="elsewhere")  # built in Python, not loaded: still checked
 
@@ -261,18 +352,24 @@ def test_engine_defaults_on_cpu_reach_vllm(probe):
     """The CPU's "auto": eager (vLLM's compilation off), seeded (test_sampling_n_and_seed), engine core in this
     process (vLLM's in-process client) with live-tensor weight updates (no weight-transfer backend at TP 1)."""
     assert probe[0]["engine_config"] == {
-        "enforce_eager": True, "compilation_mode": "NONE", "engine_core_client": "InprocClient",
+        "enforce_eager": True,
+        "compilation_mode": "NONE",
+        "engine_core_client": "InprocClient",
         "weight_transfer": None,
-        "choices": {"enforce_eager": True, "seeded_sampling": True, "separate_process": False}}
+        "choices": {"enforce_eager": True, "seeded_sampling": True, "separate_process": False},
+    }
 
 
 def test_gpu_defaults_forced_on_cpu_reach_vllm(separate_probe):
     """Not eager: vLLM compiles (on CPU dynamo traces once; on GPU it would also capture CUDA graphs); the engine
     core behind vLLM's multiprocess client; weight updates by rollhpc's shared-memory weight transfer."""
     assert separate_probe[0]["engine_config"] == {
-        "enforce_eager": False, "compilation_mode": "DYNAMO_TRACE_ONCE", "engine_core_client": "SyncMPClient",
+        "enforce_eager": False,
+        "compilation_mode": "DYNAMO_TRACE_ONCE",
+        "engine_core_client": "SyncMPClient",
         "weight_transfer": "rollhpc_shm",
-        "choices": {"enforce_eager": False, "seeded_sampling": False, "separate_process": True}}
+        "choices": {"enforce_eager": False, "seeded_sampling": False, "separate_process": True},
+    }
 
 
 def test_a_separate_compiled_engine_generates_aborts_and_takes_new_weights(separate_probe):
@@ -280,8 +377,10 @@ def test_a_separate_compiled_engine_generates_aborts_and_takes_new_weights(separ
     assert_matches(res["greedy_a"], refs["a"])
     partial = res["partial"]
     assert partial["finish_reason"] == "abort" and 0 < len(partial["token_ids"]) < MAX_TOKENS
-    assert partial["token_ids"] == refs["a"][0][0][:len(partial["token_ids"])]
-    assert_matches(res["greedy_b"], refs["b"])  # the weight-transfer protocol into the other process
+    assert partial["token_ids"] == refs["a"][0][0][: len(partial["token_ids"])]
+    assert_matches(
+        res["greedy_b"], refs["b"]
+    )  # the weight-transfer protocol into the other process
     assert_matches(res["greedy_b_after_wake"], refs["b"][:1])
 
 
@@ -306,7 +405,9 @@ def test_a_separate_engine_core_is_let_unpickle_exactly_where_its_messages_need_
     _let_engine_core_unpickle("why")
     assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
-    with pytest.raises(ValueError, match="engine_process=separate sends the engine core why, which vLLM pickles"):
+    with pytest.raises(
+        ValueError, match="engine_process=separate sends the engine core why, which vLLM pickles"
+    ):
         _let_engine_core_unpickle("why")
 
 
@@ -317,13 +418,24 @@ def test_vllms_message_encoder_takes_ipc_handle_arguments_only_with_the_flag(mon
     import torch
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    handle_like = {"GPU-uuid": (torch.UntypedStorage, torch.Size([4, 2]), torch.bfloat16, torch.device("cuda", 0),
-                                b"\x00handle", 4096)}
+    handle_like = {
+        "GPU-uuid": (
+            torch.UntypedStorage,
+            torch.Size([4, 2]),
+            torch.bfloat16,
+            torch.device("cuda", 0),
+            b"\x00handle",
+            4096,
+        )
+    }
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "0")
     with pytest.raises(TypeError, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
         MsgpackEncoder().encode(handle_like)
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     back = MsgpackDecoder().decode(MsgpackEncoder().encode(handle_like))
-    assert back["GPU-uuid"][0] is torch.UntypedStorage and back["GPU-uuid"][2:] == [torch.bfloat16,
-                                                                                   torch.device("cuda", 0),
-                                                                                   b"\x00handle", 4096]
+    assert back["GPU-uuid"][0] is torch.UntypedStorage and back["GPU-uuid"][2:] == [
+        torch.bfloat16,
+        torch.device("cuda", 0),
+        b"\x00handle",
+        4096,
+    ]

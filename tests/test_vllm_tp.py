@@ -23,7 +23,6 @@ from tests.conftest import run_probe  # noqa: E402
 from tests.test_vllm_engine import MAX_TOKENS, PROMPTS, assert_matches, hf_greedy, tiny_qwen2  # noqa: E402
 
 
-
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm_tp")
@@ -32,8 +31,13 @@ def probe(tmp_path_factory):
         model = tiny_qwen2(seed)
         refs[name] = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
         model.save_pretrained(work / name, safe_serialization=True)
-    spec = {"model_a": str(work / "a"), "model_b": str(work / "b"), "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-            "chunk_bytes": 16 << 10}
+    spec = {
+        "model_a": str(work / "a"),
+        "model_b": str(work / "b"),
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "chunk_bytes": 16 << 10,
+    }
     res = run_probe("vllm_tp_probe.py", spec, work)
     print(json.dumps({k: res[k] for k in ("start_s", "update_1_s", "update_2_s", "update_bytes")}))
     return res, refs
@@ -52,8 +56,12 @@ def test_tp2_weights_exact_after_update(probe):
     res, _ = probe
     assert len(res["digests_a"]) == 2  # one entry per TP worker, each its own shards
     assert res["digests_a"][0] != res["digests_a"][1]
-    assert all(a != b for a, b in zip(res["digests_a"], res["digests_b"]))  # b's update changed every worker's shards
-    assert res["digests_a_again"] == res["digests_a"]  # and a's put back exactly what vLLM loaded from disk
+    assert all(
+        a != b for a, b in zip(res["digests_a"], res["digests_b"])
+    )  # b's update changed every worker's shards
+    assert (
+        res["digests_a_again"] == res["digests_a"]
+    )  # and a's put back exactly what vLLM loaded from disk
 
 
 @pytest.mark.slow
@@ -65,8 +73,12 @@ def test_tp2_generation_after_update(probe):
 
 
 def test_chunks_align_split_and_keep_order():
-    tensors = [("a", torch.zeros(3, dtype=torch.bfloat16)), ("b", torch.zeros(5)), ("big", torch.zeros(100)),
-               ("c", torch.zeros(2, dtype=torch.int64))]
+    tensors = [
+        ("a", torch.zeros(3, dtype=torch.bfloat16)),
+        ("b", torch.zeros(5)),
+        ("big", torch.zeros(100)),
+        ("c", torch.zeros(2, dtype=torch.int64)),
+    ]
     got = [[(n, o) for n, _, o in c] for c in wt.chunks(iter(tensors), chunk_bytes=128)]
     # b starts at the next 64-byte boundary after a's 6 bytes; big (400 B) exceeds a chunk and gets its own
     assert got == [[("a", 0), ("b", 64)], [("big", 0)], [("c", 0)]]
@@ -78,12 +90,17 @@ def test_chunks_align_split_and_keep_order():
 
 def test_packed_chunk_reads_back_bit_exact():
     g = torch.Generator().manual_seed(0)
-    tensors = [("w", torch.randn(4, 6, generator=g).to(torch.bfloat16)),
-               ("t", torch.randn(6, 4, generator=g).t()),  # not contiguous
-               ("i", torch.arange(7, dtype=torch.int64)), ("h", torch.randn(3, generator=g).half())]
+    tensors = [
+        ("w", torch.randn(4, 6, generator=g).to(torch.bfloat16)),
+        ("t", torch.randn(6, 4, generator=g).t()),  # not contiguous
+        ("i", torch.arange(7, dtype=torch.int64)),
+        ("h", torch.randn(3, generator=g).half()),
+    ]
     (chunk,) = wt.chunks(iter(tensors), chunk_bytes=1 << 20)
     data = torch.zeros(wt.chunk_nbytes(chunk), dtype=torch.uint8)
-    info = wt.ShmUpdateInfo(path="-", nbytes=data.numel(), offsets=[o for _, _, o in chunk], **wt._pack(chunk, data))
+    info = wt.ShmUpdateInfo(
+        path="-", nbytes=data.numel(), offsets=[o for _, _, o in chunk], **wt._pack(chunk, data)
+    )
     back = dict(wt._views(data, info))
     for name, t in tensors:
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
@@ -98,4 +115,6 @@ def test_without_the_plugin_the_pickled_fallback_warns(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         assert vllm_engine._weight_transfer_backend(on_cpu=True) is None
     assert "pickled whole" in caplog.text
-    assert vllm_engine._weight_transfer_backend(on_cpu=False) == "ipc"  # vLLM's own, no plugin needed
+    assert (
+        vllm_engine._weight_transfer_backend(on_cpu=False) == "ipc"
+    )  # vLLM's own, no plugin needed

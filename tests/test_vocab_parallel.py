@@ -29,8 +29,9 @@ def _rank(rank: int, rendezvous: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     logits, targets = _data()
     local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
-    logp, entropy = token_logprobs(local, targets, VOCAB, tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD,
-                                   with_entropy=True)
+    logp, entropy = token_logprobs(
+        local, targets, VOCAB, tp_rank=rank, tp_size=2, tp_group=dist.group.WORLD, with_entropy=True
+    )
     _loss(logp, entropy).backward()
     out[rank] = (logp.detach(), entropy.detach(), local.grad)
     dist.destroy_process_group()

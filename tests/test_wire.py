@@ -7,7 +7,9 @@ from rollhpc.transport import wire
 
 def roundtrip(obj):
     header, buffers = wire.encode(obj)
-    received = [np.frombuffer(bytes(m), dtype=np.uint8).copy() for m in buffers]  # as MPI would deliver
+    received = [
+        np.frombuffer(bytes(m), dtype=np.uint8).copy() for m in buffers
+    ]  # as MPI would deliver
     return wire.decode(header, received), header, buffers
 
 
@@ -26,7 +28,9 @@ def test_small_arrays_stay_inline():
     assert back[0].tolist() == [1, 1, 1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+)
 def test_torch_tensors_keep_dtype_and_shape(dtype):
     t = (torch.randn(128, 96) * 10).to(dtype)  # >= 12 KiB even for bool
     back, _, buffers = roundtrip((t, [t[:2]]))
@@ -74,11 +78,19 @@ def test_large_receive_buffers_are_reused_only_once_nothing_refers_to_them():
     del payload
     assert id(pool.get(n)) != first_id  # so does x, alone
     del x
-    held = pool.get(2 * n)  # t (a torch tensor over the buffer) still holds its buffer: not this one
+    held = pool.get(
+        2 * n
+    )  # t (a torch tensor over the buffer) still holds its buffer: not this one
     assert not np.shares_memory(held, t.numpy())
     del held, t
     reused = pool.reused
-    assert id(pool.get(n)) == first_id and pool.reused == reused + 1  # nothing refers to it any more
+    assert (
+        id(pool.get(n)) == first_id and pool.reused == reused + 1
+    )  # nothing refers to it any more
     held = [pool.get(3 << 20) for _ in range(20)]  # 60 MiB handed out and held
-    assert len(held) == 20 and sum(b.nbytes for b in pool._kept) <= 32 << 20  # the oldest are let go past max_bytes
-    assert pool.get(100).nbytes == 100 and pool.get(100) is not pool.get(100)  # small ones are never kept
+    assert (
+        len(held) == 20 and sum(b.nbytes for b in pool._kept) <= 32 << 20
+    )  # the oldest are let go past max_bytes
+    assert pool.get(100).nbytes == 100 and pool.get(100) is not pool.get(
+        100
+    )  # small ones are never kept

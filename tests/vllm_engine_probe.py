@@ -28,19 +28,29 @@ def checkpoint_tensors(model_dir: str):
 
 
 def greedy(engine, prompts, max_tokens):
-    out = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=None,
-                          ignore_eos=True)
-    return [{"token_ids": c[0].token_ids, "logprobs": c[0].logprobs, "finish_reason": c[0].finish_reason}
-            for c in out]
+    out = engine.generate(
+        prompts, n=1, temperature=0.0, top_p=1.0, max_tokens=max_tokens, seed=None, ignore_eos=True
+    )
+    return [
+        {
+            "token_ids": c[0].token_ids,
+            "logprobs": c[0].logprobs,
+            "finish_reason": c[0].finish_reason,
+        }
+        for c in out
+    ]
 
 
 def engine_config(engine) -> dict:
     """What vLLM itself was built with (its config, as the client process holds it) and what the engine chose."""
     config = engine.llm.llm_engine.vllm_config
-    return {"enforce_eager": config.model_config.enforce_eager,
-            "compilation_mode": config.compilation_config.mode.name,
-            "engine_core_client": type(engine.llm.llm_engine.engine_core).__name__,
-            "weight_transfer": engine.weight_transfer, "choices": asdict(engine.choices)}
+    return {
+        "enforce_eager": config.model_config.enforce_eager,
+        "compilation_mode": config.compilation_config.mode.name,
+        "engine_core_client": type(engine.llm.llm_engine.engine_core).__name__,
+        "weight_transfer": engine.weight_transfer,
+        "choices": asdict(engine.choices),
+    }
 
 
 def separate(spec: dict) -> dict:
@@ -52,8 +62,16 @@ def separate(spec: dict) -> dict:
     os.environ["VLLM_CPU_CI_ENV"] = "1"
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
     t0 = time.perf_counter()
-    engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20, dtype="float32",
-                           enforce_eager=False, seeded_sampling=False, engine_process="separate")
+    engine = VllmGenerator(
+        spec["model_a"],
+        seed=0,
+        max_model_len=256,
+        cpu_kv_cache_bytes=64 << 20,
+        dtype="float32",
+        enforce_eager=False,
+        seeded_sampling=False,
+        engine_process="separate",
+    )
     res: dict = {"start_s": time.perf_counter() - t0, "engine_config": engine_config(engine)}
     res["greedy_a"] = greedy(engine, prompts, max_tokens)
 
@@ -62,10 +80,12 @@ def separate(spec: dict) -> dict:
         return [[c.token_ids for c in per_prompt] for per_prompt in out]
 
     res["sample_seed7"], res["sample_seed7_again"] = sample(7), sample(7)
-    engine.add_request("cut", prompts[0], temperature=0.0, max_tokens=max_tokens, seed=3, ignore_eos=True)
+    engine.add_request(
+        "cut", prompts[0], temperature=0.0, max_tokens=max_tokens, seed=3, ignore_eos=True
+    )
     for _ in range(4):
         engine.step()
-    (_, partial), = engine.abort(["cut"])
+    ((_, partial),) = engine.abort(["cut"])
     res["partial"] = as_dict(partial)
     t0 = time.perf_counter()
     engine.update_weights(checkpoint_tensors(spec["model_b"]), version=1)
@@ -78,8 +98,12 @@ def separate(spec: dict) -> dict:
 
 
 def as_dict(c) -> dict:
-    return {"token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-            "version": c.version}
+    return {
+        "token_ids": c.token_ids,
+        "logprobs": c.logprobs,
+        "finish_reason": c.finish_reason,
+        "version": c.version,
+    }
 
 
 def error(call) -> str:
@@ -126,13 +150,21 @@ def step_api(engine, prompts, max_tokens, weights_a) -> dict:
     res["aborted_ids"] = [rid for rid, _ in aborted]
     res["partial"] = as_dict(aborted[0][1])
     res["abort_again"] = [rid for rid, _ in engine.abort(["cut"])]
-    res["unfinished_after_abort"] = [engine.num_unfinished(), engine.llm.llm_engine.get_num_unfinished_requests(),
-                                     engine.llm.llm_engine.has_unfinished_requests()]
+    res["unfinished_after_abort"] = [
+        engine.num_unfinished(),
+        engine.llm.llm_engine.get_num_unfinished_requests(),
+        engine.llm.llm_engine.has_unfinished_requests(),
+    ]
     engine.update_weights(weights_a, version=3)
     partial = res["partial"]["token_ids"]
-    engine.add_request("resume", prompts[0] + partial, temperature=0.0, max_tokens=max_tokens - len(partial),
-                       ignore_eos=True)
-    (rid, resumed), = engine.run_until(min_finished=1)
+    engine.add_request(
+        "resume",
+        prompts[0] + partial,
+        temperature=0.0,
+        max_tokens=max_tokens - len(partial),
+        ignore_eos=True,
+    )
+    ((rid, resumed),) = engine.run_until(min_finished=1)
     res["resumed"] = as_dict(resumed)
 
     # Misuse: a live id again, and calls that need an idle engine.
@@ -156,41 +188,63 @@ def main(spec_path: str, result_path: str) -> None:
     res: dict = {}
 
     t0 = time.perf_counter()
-    engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20,
-                           dtype="float32")
+    engine = VllmGenerator(
+        spec["model_a"], seed=0, max_model_len=256, cpu_kv_cache_bytes=64 << 20, dtype="float32"
+    )
     res["start_s"] = time.perf_counter() - t0
     res["engine_config"] = engine_config(engine)
     from vllm.v1.sample import sampler
 
-    res["sampler_rank_compiled"] = hasattr(sampler.batched_count_greater_than, "_torchdynamo_orig_callable")
+    res["sampler_rank_compiled"] = hasattr(
+        sampler.batched_count_greater_than, "_torchdynamo_orig_callable"
+    )
     t0 = time.perf_counter()
     res["greedy_a"] = greedy(engine, prompts, max_tokens)
     res["first_generate_s"] = time.perf_counter() - t0
 
     def sample(seed):
-        out = engine.generate(prompts, n=4, temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=seed)
-        return [[{"token_ids": c.token_ids, "logprobs": c.logprobs} for c in per_prompt] for per_prompt in out]
+        out = engine.generate(
+            prompts, n=4, temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=seed
+        )
+        return [
+            [{"token_ids": c.token_ids, "logprobs": c.logprobs} for c in per_prompt]
+            for per_prompt in out
+        ]
 
-    res["sample_seed7"], res["sample_seed7_again"], res["sample_seed8"] = sample(7), sample(7), sample(8)
+    res["sample_seed7"], res["sample_seed7_again"], res["sample_seed8"] = (
+        sample(7),
+        sample(7),
+        sample(8),
+    )
 
     # Stops at the EOS id the test wrote into generation_config.json.
     out = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens)
-    res["greedy_eos"] = [{"token_ids": c[0].token_ids, "finish_reason": c[0].finish_reason} for c in out]
+    res["greedy_eos"] = [
+        {"token_ids": c[0].token_ids, "finish_reason": c[0].finish_reason} for c in out
+    ]
 
     # Throughput: 64 prompts x 32 new tokens in one batch, timed on the second run (the first one
     # meets new batch shapes).
     batch = [prompts[i % len(prompts)] + [i + 1] for i in range(64)]
     for _ in range(2):
         t0 = time.perf_counter()
-        out = engine.generate(batch, n=1, temperature=1.0, top_p=1.0, max_tokens=32, seed=1, ignore_eos=True)
+        out = engine.generate(
+            batch, n=1, temperature=1.0, top_p=1.0, max_tokens=32, seed=1, ignore_eos=True
+        )
         dt = time.perf_counter() - t0
     res["tokens_per_s"] = sum(len(c[0].token_ids) for c in out) / dt
 
     # Seeded requests with long prompts arriving together (multi-turn rows): more prompt tokens than one
     # step's budget. A prefill split over steps rewinds the request's CPU generator, which torch refuses.
     for i in range(40):
-        engine.add_request(f"long-{i}", (prompts[i % len(prompts)] * 64)[:240], temperature=1.0, max_tokens=4,
-                           seed=i, ignore_eos=True)
+        engine.add_request(
+            f"long-{i}",
+            (prompts[i % len(prompts)] * 64)[:240],
+            temperature=1.0,
+            max_tokens=4,
+            seed=i,
+            ignore_eos=True,
+        )
     long_done = {}
     while engine.num_unfinished():
         long_done.update(engine.run_until(min_finished=1))
@@ -202,7 +256,9 @@ def main(spec_path: str, result_path: str) -> None:
     res["update_weights_s"] = time.perf_counter() - t0
     res["version_after_b"] = engine.version
     res["greedy_b"] = greedy(engine, prompts, max_tokens)
-    res["completion_version_b"] = engine.generate(prompts[:1], n=1, temperature=0.0, max_tokens=2)[0][0].version
+    res["completion_version_b"] = engine.generate(prompts[:1], n=1, temperature=0.0, max_tokens=2)[
+        0
+    ][0].version
 
     # Again, back to a's weights: the update path must work more than once.
     weights_a = list(checkpoint_tensors(spec["model_a"]))
@@ -217,11 +273,15 @@ def main(spec_path: str, result_path: str) -> None:
     res["greedy_after_wake"] = greedy(engine, prompts[:1], max_tokens)
     # a weight sync between stages: the weights woken alone take an update, generation waits for the KV cache
     engine.sleep()
-    res["asleep"] = {"update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
-                     "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2))}
+    res["asleep"] = {
+        "update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
+        "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2)),
+    }
     engine.wake_up(["weights"])
-    res["weights_awake"] = {"update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
-                            "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2))}
+    res["weights_awake"] = {
+        "update_weights": error(lambda: engine.update_weights(weights_a, version=2)),
+        "generate": error(lambda: engine.generate(prompts[:1], max_tokens=2)),
+    }
     engine.wake_up(["kv_cache"])
     res["greedy_after_partial_wake"] = greedy(engine, prompts[:1], max_tokens)
 

@@ -32,8 +32,12 @@ def parameter_digests(worker) -> dict[str, str]:
     import torch
 
     model = worker.model_runner.get_model()
-    return {name: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for name, p in model.named_parameters()}
+    return {
+        name: hashlib.sha256(
+            p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for name, p in model.named_parameters()
+    }
 
 
 def main(spec_path: str, result_path: str) -> None:
@@ -43,15 +47,28 @@ def main(spec_path: str, result_path: str) -> None:
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
     res: dict = {}
     t0 = time.perf_counter()
-    engine = VllmGenerator(spec["model_a"], seed=0, max_model_len=128, cpu_kv_cache_bytes=32 << 20, dtype="float32",
-                           tensor_parallel_size=2, weight_chunk_bytes=spec["chunk_bytes"])
+    engine = VllmGenerator(
+        spec["model_a"],
+        seed=0,
+        max_model_len=128,
+        cpu_kv_cache_bytes=32 << 20,
+        dtype="float32",
+        tensor_parallel_size=2,
+        weight_chunk_bytes=spec["chunk_bytes"],
+    )
     res["start_s"] = time.perf_counter() - t0
     res["weight_transfer"] = engine.weight_transfer
 
     def greedy():
         out = engine.generate(prompts, n=1, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return [{"token_ids": c[0].token_ids, "logprobs": c[0].logprobs, "finish_reason": c[0].finish_reason}
-                for c in out]
+        return [
+            {
+                "token_ids": c[0].token_ids,
+                "logprobs": c[0].logprobs,
+                "finish_reason": c[0].finish_reason,
+            }
+            for c in out
+        ]
 
     stages = {"a": greedy(), "digests_a": engine.llm.collective_rpc(parameter_digests)}
     for version, name in ((1, "b"), (2, "a_again")):
@@ -61,8 +78,12 @@ def main(spec_path: str, result_path: str) -> None:
         res[f"update_{version}_s"] = time.perf_counter() - t0
         stages[name] = greedy()
         stages[f"digests_{name}"] = engine.llm.collective_rpc(parameter_digests)
-    res.update(stages, version=engine.version, update_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
-               shm_left=sorted(p.name for p in Path("/dev/shm").glob("rollhpc-weights-*")))
+    res.update(
+        stages,
+        version=engine.version,
+        update_bytes=sum(t.numel() * t.element_size() for _, t in tensors),
+        shm_left=sorted(p.name for p in Path("/dev/shm").glob("rollhpc-weights-*")),
+    )
     Path(result_path).write_text(json.dumps(res))
 
 

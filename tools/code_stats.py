@@ -130,14 +130,20 @@ def _table(stats: Stats) -> str:
         ("files / lines", f"{stats.files} / {stats.lines}"),
         ("imports", str(stats.imports)),
         ("  inside functions", f"{stats.imports_in_functions} ({stats.in_function_share:.1%})"),
-        ("bare Any annotations", f"{stats.bare_any} ({stats.bare_any_per_kloc:.1f} per 1,000 lines)"),
+        (
+            "bare Any annotations",
+            f"{stats.bare_any} ({stats.bare_any_per_kloc:.1f} per 1,000 lines)",
+        ),
         (f"functions over {FUNCTION_LIMIT} lines", str(len(stats.long_functions))),
         (f"modules over {MODULE_LIMIT} lines", str(len(stats.long_modules))),
         (f"lines over {WIDE_COLUMNS} columns", f"{stats.wide_lines} ({stats.wide_share:.1%})"),
     ]
     width = max(len(k) for k, _ in rows)
     out = [f"{k:<{width}}  {v}" for k, v in rows]
-    for title, items in (("long functions", stats.long_functions), ("long modules", stats.long_modules)):
+    for title, items in (
+        ("long functions", stats.long_functions),
+        ("long modules", stats.long_modules),
+    ):
         if items:
             out += ["", f"{title}:"] + [f"  {item}" for item in items]
     return "\n".join(out)
@@ -145,7 +151,9 @@ def _table(stats: Stats) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent / "rollhpc")
+    parser.add_argument(
+        "--root", type=Path, default=Path(__file__).resolve().parent.parent / "rollhpc"
+    )
     parser.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     args = parser.parse_args(argv)
     stats = measure(args.root)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Checkpoint conversion Hugging Face <-> megatron-core, the same as ``rollhpc convert``.
 
-    python tools/convert_checkpoint.py hf-to-mcore SRC DST [--tp N] [--pp N] [--ep N] [--verify]
-    python tools/convert_checkpoint.py mcore-to-hf SRC DST [--max-shard-size 5GB] [--verify]
+python tools/convert_checkpoint.py hf-to-mcore SRC DST [--tp N] [--pp N] [--ep N] [--verify]
+python tools/convert_checkpoint.py mcore-to-hf SRC DST [--max-shard-size 5GB] [--verify]
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from rollhpc.conversion import convert_cli  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="convert_checkpoint.py", description=__doc__.splitlines()[0]
+    )
     convert_cli.add_arguments(parser)
     return convert_cli.run(parser.parse_args(argv))
 

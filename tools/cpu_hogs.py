@@ -56,17 +56,25 @@ def stop_hogs(pids: list[int]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("-n", "--hogs", type=int, default=2, help="busy-loop processes to run beside COMMAND")
+    ap.add_argument(
+        "-n", "--hogs", type=int, default=2, help="busy-loop processes to run beside COMMAND"
+    )
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         ap.error("no command given")
     hogs = start_hogs(args.hogs)
-    print(f"cpu_hogs: {len(hogs)} hog processes running ({', '.join(map(str, hogs))})", file=sys.stderr, flush=True)
+    print(
+        f"cpu_hogs: {len(hogs)} hog processes running ({', '.join(map(str, hogs))})",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         child = subprocess.Popen(command)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C reaches the command itself
+        signal.signal(
+            signal.SIGINT, signal.SIG_IGN
+        )  # the terminal's Ctrl-C reaches the command itself
         signal.signal(signal.SIGTERM, lambda signum, _: child.send_signal(signum))
         return child.wait()
     finally:

@@ -49,10 +49,13 @@ def main() -> int:
     b = torch.empty_like(a)
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     gb = n / 1e9
-    result = {"device": torch.cuda.get_device_name(0), "bytes": n,
-              "device_copy_gb_s": round(gb / timed_copy(b, a), 1),  # reads and writes n bytes each
-              "device_to_pinned_host_gb_s": round(gb / timed_copy(host, a), 1),
-              "pinned_host_to_device_gb_s": round(gb / timed_copy(a, host), 1)}
+    result = {
+        "device": torch.cuda.get_device_name(0),
+        "bytes": n,
+        "device_copy_gb_s": round(gb / timed_copy(b, a), 1),  # reads and writes n bytes each
+        "device_to_pinned_host_gb_s": round(gb / timed_copy(host, a), 1),
+        "pinned_host_to_device_gb_s": round(gb / timed_copy(a, host), 1),
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -27,7 +27,11 @@ from rollhpc.rundir import atomic_write_json, read_jsonl  # noqa: E402
 
 
 def _env(path: Path) -> dict[str, str]:
-    lines = [x for x in path.read_text().splitlines() if x and not x.startswith("+ ")] if path.is_file() else []
+    lines = (
+        [x for x in path.read_text().splitlines() if x and not x.startswith("+ ")]
+        if path.is_file()
+        else []
+    )
     out: dict[str, str] = {}
     for i, line in enumerate(lines):
         if line.startswith("name, memory.total") and i + 1 < len(lines):
@@ -45,8 +49,9 @@ def _tests(path: Path) -> dict[str, str]:
     outcome = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         failed = case.find("failure") is not None or case.find("error") is not None
-        outcome[case.get("name", "?")] = "skipped" if case.find("skipped") is not None else (
-            "failed" if failed else "passed")
+        outcome[case.get("name", "?")] = (
+            "skipped" if case.find("skipped") is not None else ("failed" if failed else "passed")
+        )
     return outcome
 
 
@@ -71,9 +76,16 @@ def _startup(path: Path) -> list[dict[str, Any]] | None:
     turns, before = [], None
     for turn in json.loads(path.read_text())["turns"]:
         built = [b for b in turn["ranks"].values() if b]
-        turns.append({"roles": turn["roles"], "offloaded": turn.get("offloaded", {}),
-                      "build_s": max((end - start for start, end in built), default=None),
-                      "after_previous": None if before is None else all(start >= before for start, _ in built)})
+        turns.append(
+            {
+                "roles": turn["roles"],
+                "offloaded": turn.get("offloaded", {}),
+                "build_s": max((end - start for start, end in built), default=None),
+                "after_previous": None
+                if before is None
+                else all(start >= before for start, _ in built),
+            }
+        )
         before = turn["ready"]
     return turns
 
@@ -87,7 +99,9 @@ def _rlvr(folder: Path) -> dict[str, Any]:
             "steps": max((r.get("step", 0) for r in rows), default=0),
             "accuracy": {r["step"]: r["accuracy"] for r in rows if "accuracy" in r},
             "median_step_s": statistics.median(steps) if steps else None,
-            "weights_sha256": next((r["weights_sha256"] for r in reversed(rows) if "weights_sha256" in r), None),
+            "weights_sha256": next(
+                (r["weights_sha256"] for r in reversed(rows) if "weights_sha256" in r), None
+            ),
             "exit": _exit(metrics.parent / "controller-exit.json"),
             "startup": _startup(metrics.parent / "startup.json"),
         }
@@ -101,12 +115,17 @@ def _cluster_check(folder: Path) -> dict[str, Any] | None:
         return None
     table = json.loads(found[-1].read_text())
     keys = ("check", "what", "planned", "measured", "ok")
-    return {"passed": table.get("passed"), "rows": [{k: r.get(k) for k in keys} for r in table.get("rows", [])]}
+    return {
+        "passed": table.get("passed"),
+        "rows": [{k: r.get(k) for k in keys} for r in table.get("rows", [])],
+    }
 
 
 def summarize(out: Path, commit: str | None) -> dict[str, Any]:
     if commit is None:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
     bandwidth = out / "bandwidth.json"
     return {
         "commit": commit,
@@ -114,7 +133,8 @@ def summarize(out: Path, commit: str | None) -> dict[str, Any]:
         "steps": read_jsonl(out / "steps.jsonl") if (out / "steps.jsonl").is_file() else [],
         "gpu_tests": _tests(out / "gpu_tests.xml"),
         "gpu_numbers": {r.pop("test"): r for r in read_jsonl(out / "gpu_tests.jsonl")}
-        if (out / "gpu_tests.jsonl").is_file() else {},
+        if (out / "gpu_tests.jsonl").is_file()
+        else {},
         "bandwidth": json.loads(bandwidth.read_text()) if bandwidth.is_file() else None,
         "rlvr": _rlvr(out / "rlvr"),
         "cluster_check": _cluster_check(out / "cluster_check"),

@@ -18,10 +18,14 @@ from pathlib import Path
 
 NAMES = ("Mia", "Leo", "Ava", "Sam", "Zoe", "Ben", "Ivy", "Max")
 ITEMS = ("apples", "pears", "books", "coins", "shells", "cards", "pens", "stamps")
-ADD = ("{n} has {a} {item}. {p} buys {b} more. How many {item} does {n} have now?",
-       "{n} had {a} {item} and found {b} more. How many {item} does {n} have?")
-SUB = ("{n} has {a} {item}. {p} gives away {b}. How many {item} does {n} have now?",
-       "{n} had {a} {item} and lost {b}. How many {item} are left?")
+ADD = (
+    "{n} has {a} {item}. {p} buys {b} more. How many {item} does {n} have now?",
+    "{n} had {a} {item} and found {b} more. How many {item} does {n} have?",
+)
+SUB = (
+    "{n} has {a} {item}. {p} gives away {b}. How many {item} does {n} have now?",
+    "{n} had {a} {item} and lost {b}. How many {item} are left?",
+)
 
 
 def problem(rng: random.Random) -> dict[str, str]:
@@ -34,13 +38,21 @@ def problem(rng: random.Random) -> dict[str, str]:
     else:
         a, b = max(a, b), min(a, b)
         text, answer, domain = SUB[int(rng.random() * len(SUB))], a - b, "sub"
-    return {"question": text.format(n=name, p=pronoun, a=a, b=b, item=item), "answer": str(answer), "domain": domain}
+    return {
+        "question": text.format(n=name, p=pronoun, a=a, b=b, item=item),
+        "answer": str(answer),
+        "domain": domain,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out_dir", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "examples"
-                    / "word_problems")
+    ap.add_argument(
+        "out_dir",
+        nargs="?",
+        type=Path,
+        default=Path(__file__).resolve().parents[1] / "examples" / "word_problems",
+    )
     ap.add_argument("--train", type=int, default=4000)
     ap.add_argument("--test", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
@@ -52,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             seen.add(row["question"])
             rows.append(row)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    for name, part in (("test.jsonl", rows[:args.test]), ("train.jsonl", rows[args.test:])):
+    for name, part in (("test.jsonl", rows[: args.test]), ("train.jsonl", rows[args.test :])):
         tmp = args.out_dir / f".{name}.partial"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part))
         tmp.replace(args.out_dir / name)

@@ -11,9 +11,9 @@ import numpy as np
 # Estimators whose baseline is made of the other samples of a prompt's group, and why one sample is not enough.
 GROUP_BASELINES = {
     "grpo": "GRPO's advantage is a sample's reward minus its group's mean, always 0 in a group of one (nothing "
-            "is learned)",
+    "is learned)",
     "rloo": "RLOO's baseline is the mean reward of the group's other samples (leave one out), and a group of one "
-            "has none",
+    "has none",
 }
 
 
@@ -65,8 +65,9 @@ def _check_bt(mask: np.ndarray, **arrays: np.ndarray) -> None:
             raise ValueError(f"{name} shape {a.shape} != mask shape {mask.shape}")
 
 
-def reinforce_pp_advantages(token_rewards: np.ndarray, mask: np.ndarray, gamma: float = 1.0,
-                            eps: float = 1e-8) -> np.ndarray:
+def reinforce_pp_advantages(
+    token_rewards: np.ndarray, mask: np.ndarray, gamma: float = 1.0, eps: float = 1e-8
+) -> np.ndarray:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the whole batch.
 
     G_t = sum_{t' >= t} gamma^(t'-t) r_t' within each row, counted over valid tokens only. Whitening
@@ -83,8 +84,13 @@ def reinforce_pp_advantages(token_rewards: np.ndarray, mask: np.ndarray, gamma: 
     return whiten(returns, mask, eps)
 
 
-def gae_advantages(token_rewards: np.ndarray, values: np.ndarray, mask: np.ndarray, gamma: float = 1.0,
-                   lam: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+def gae_advantages(
+    token_rewards: np.ndarray,
+    values: np.ndarray,
+    mask: np.ndarray,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Generalized advantage estimation (Schulman et al. 2016), for PPO with a critic.
 
     delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1}; the value after the
@@ -107,8 +113,9 @@ def gae_advantages(token_rewards: np.ndarray, values: np.ndarray, mask: np.ndarr
     return adv, returns
 
 
-def token_level_rewards(seq_rewards: np.ndarray, mask: np.ndarray, kl: np.ndarray | None = None,
-                        kl_coef: float = 0.0) -> np.ndarray:
+def token_level_rewards(
+    seq_rewards: np.ndarray, mask: np.ndarray, kl: np.ndarray | None = None, kl_coef: float = 0.0
+) -> np.ndarray:
     """Spread sequence rewards over tokens: reward on the last valid token of each row, and, with ``kl``,
     -kl_coef * kl on every valid token ("KL in reward", as in InstructGPT-style PPO and REINFORCE++).
 
@@ -131,19 +138,33 @@ def token_level_rewards(seq_rewards: np.ndarray, mask: np.ndarray, kl: np.ndarra
 def group_advantages(algorithm: str, rewards: np.ndarray, scale: bool = True) -> np.ndarray:
     """The group baseline ``algorithm`` names ("rloo", else GRPO's, scaled by the group's std unless ``scale`` is
     False) over rewards [n_prompts, group]."""
-    return rloo_advantages(rewards) if algorithm == "rloo" else grpo_advantages(rewards, scale=scale)
+    return (
+        rloo_advantages(rewards) if algorithm == "rloo" else grpo_advantages(rewards, scale=scale)
+    )
 
 
-def outcome_advantages(algorithm: str, rewards: np.ndarray, mask: np.ndarray, kl: np.ndarray | None = None,
-                       kl_coef: float = 0.0, scale: bool = True) -> np.ndarray:
+def outcome_advantages(
+    algorithm: str,
+    rewards: np.ndarray,
+    mask: np.ndarray,
+    kl: np.ndarray | None = None,
+    kl_coef: float = 0.0,
+    scale: bool = True,
+) -> np.ndarray:
     """Advantages of a batch scored by outcome rewards [n_prompts, group], for GRPO, RLOO and REINFORCE++ (PPO's
     need a critic's values). Without a KL term in the reward, GRPO and RLOO give one value per sample [B];
     REINFORCE++, and any of them with ``kl_coef > 0`` (``-kl_coef * kl`` on every generated token, ``kl`` and
     ``mask`` [B, T]), one value per token [B, T], 0 where ``mask`` is."""
     if algorithm == "reinforce_pp" or kl_coef > 0:
-        token_rewards = token_level_rewards(rewards.reshape(-1), mask, kl if kl_coef else None, kl_coef)
+        token_rewards = token_level_rewards(
+            rewards.reshape(-1), mask, kl if kl_coef else None, kl_coef
+        )
         if algorithm == "reinforce_pp":
             return reinforce_pp_advantages(token_rewards, mask)
-        return group_advantages(algorithm, token_rewards.sum(1).reshape(rewards.shape), scale).reshape(-1, 1) * mask
+        return (
+            group_advantages(algorithm, token_rewards.sum(1).reshape(rewards.shape), scale).reshape(
+                -1, 1
+            )
+            * mask
+        )
     return group_advantages(algorithm, rewards, scale).reshape(-1)
-

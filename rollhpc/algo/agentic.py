@@ -33,8 +33,16 @@ import numpy as np
 
 from rollhpc.algo.advantages import grpo_advantages, rloo_advantages
 
-__all__ = ["discounted_returns", "episode_returns", "trajectory_advantages", "episode_level_advantages",
-           "step_level_advantages", "gigpo_advantages", "spread_turn_advantages", "minibatch_order"]
+__all__ = [
+    "discounted_returns",
+    "episode_returns",
+    "trajectory_advantages",
+    "episode_level_advantages",
+    "step_level_advantages",
+    "gigpo_advantages",
+    "spread_turn_advantages",
+    "minibatch_order",
+]
 
 
 def _check_gamma(gamma: float) -> None:
@@ -60,11 +68,17 @@ def discounted_returns(rewards: Sequence[float] | np.ndarray, gamma: float = 1.0
 
 def episode_returns(turn_rewards: Sequence[Sequence[float]], gamma: float = 1.0) -> np.ndarray:
     """[E]: each episode's return from its first turn (the plain sum of its rewards with gamma=1)."""
-    return np.array([discounted_returns(r, gamma)[0] if len(r) else 0.0 for r in turn_rewards], dtype=np.float64)
+    return np.array(
+        [discounted_returns(r, gamma)[0] if len(r) else 0.0 for r in turn_rewards], dtype=np.float64
+    )
 
 
-def trajectory_advantages(returns: np.ndarray, estimator: Literal["grpo", "rloo"] = "grpo", scale: bool = True,
-                          eps: float = 1e-6) -> np.ndarray:
+def trajectory_advantages(
+    returns: np.ndarray,
+    estimator: Literal["grpo", "rloo"] = "grpo",
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> np.ndarray:
     """Trajectory-wise group advantages: an episode's return against its group's (same reset seed).
 
     returns: [n_groups, group_size] -> same shape, the RLVR estimators applied to episodes instead of
@@ -77,8 +91,9 @@ def trajectory_advantages(returns: np.ndarray, estimator: Literal["grpo", "rloo"
     raise ValueError(f"estimator must be 'grpo' or 'rloo', got {estimator!r}")
 
 
-def episode_level_advantages(returns: Sequence[float] | np.ndarray, scale: bool = True,
-                             eps: float = 1e-6) -> np.ndarray:
+def episode_level_advantages(
+    returns: Sequence[float] | np.ndarray, scale: bool = True, eps: float = 1e-6
+) -> np.ndarray:
     """GiGPO's episode term for one group: [E] returns -> [E] (r - mean) / (std + eps), or r - mean unscaled."""
     r = np.asarray(returns, dtype=np.float64)
     if r.ndim != 1 or not len(r):
@@ -86,19 +101,27 @@ def episode_level_advantages(returns: Sequence[float] | np.ndarray, scale: bool 
     return grpo_advantages(r[None, :], eps=eps, scale=scale)[0]
 
 
-def _check_ragged(turn_rewards: Sequence[Sequence[float]], state_keys: Sequence[Sequence[Hashable | None]]) -> None:
+def _check_ragged(
+    turn_rewards: Sequence[Sequence[float]], state_keys: Sequence[Sequence[Hashable | None]]
+) -> None:
     if not turn_rewards:
         raise ValueError("a group needs at least one episode")
     if len(state_keys) != len(turn_rewards):
-        raise ValueError(f"{len(turn_rewards)} episodes of rewards but {len(state_keys)} of state keys")
+        raise ValueError(
+            f"{len(turn_rewards)} episodes of rewards but {len(state_keys)} of state keys"
+        )
     for e, (r, s) in enumerate(zip(turn_rewards, state_keys)):
         if len(r) != len(s):
             raise ValueError(f"episode {e} has {len(r)} turn rewards but {len(s)} state keys")
 
 
-def step_level_advantages(turn_rewards: Sequence[Sequence[float]],
-                          state_keys: Sequence[Sequence[Hashable | None]], gamma: float = 0.95,
-                          scale: bool = True, eps: float = 1e-6) -> list[np.ndarray]:
+def step_level_advantages(
+    turn_rewards: Sequence[Sequence[float]],
+    state_keys: Sequence[Sequence[Hashable | None]],
+    gamma: float = 0.95,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> list[np.ndarray]:
     """GiGPO's step term for one group: each turn's return-to-go against the other turns from the same state.
 
     Turns of all the group's episodes with equal ``state_key`` form an anchor group; within it the advantage
@@ -108,7 +131,9 @@ def step_level_advantages(turn_rewards: Sequence[Sequence[float]],
     """
     _check_ragged(turn_rewards, state_keys)
     returns = [discounted_returns(r, gamma) for r in turn_rewards]
-    anchors: dict[Hashable, list[tuple[int, int]]] = defaultdict(list)  # state key -> (episode, turn) visits
+    anchors: dict[Hashable, list[tuple[int, int]]] = defaultdict(
+        list
+    )  # state key -> (episode, turn) visits
     for e, keys in enumerate(state_keys):
         for k, key in enumerate(keys):
             if key is not None:
@@ -124,9 +149,16 @@ def step_level_advantages(turn_rewards: Sequence[Sequence[float]],
     return out
 
 
-def gigpo_advantages(turn_rewards: Sequence[Sequence[float]], state_keys: Sequence[Sequence[Hashable | None]], *,
-                     gamma: float = 0.95, w_episode: float = 1.0, w_step: float = 1.0, scale: bool = True,
-                     eps: float = 1e-6) -> list[np.ndarray]:
+def gigpo_advantages(
+    turn_rewards: Sequence[Sequence[float]],
+    state_keys: Sequence[Sequence[Hashable | None]],
+    *,
+    gamma: float = 0.95,
+    w_episode: float = 1.0,
+    w_step: float = 1.0,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> list[np.ndarray]:
     """Per-turn advantages of one group (episodes from one reset seed): w_episode * A_E + w_step * A_S.
 
     A_E is ``episode_level_advantages`` of the undiscounted episode returns (the same for every turn of an
@@ -138,8 +170,9 @@ def gigpo_advantages(turn_rewards: Sequence[Sequence[float]], state_keys: Sequen
     return [w_episode * a_e + w_step * a_s for a_e, a_s in zip(a_episode, a_step)]
 
 
-def spread_turn_advantages(turn_advantages: Sequence[Sequence[float] | np.ndarray],
-                           turn_ids: np.ndarray) -> np.ndarray:
+def spread_turn_advantages(
+    turn_advantages: Sequence[Sequence[float] | np.ndarray], turn_ids: np.ndarray
+) -> np.ndarray:
     """Token advantages [B, T-1] from per-turn ones: each generated token gets its turn's advantage.
 
     turn_ids: [B, T-1] from ``pad_rows`` (-1 where no generated token is predicted, which gets 0);
@@ -147,15 +180,19 @@ def spread_turn_advantages(turn_advantages: Sequence[Sequence[float] | np.ndarra
     holds one turn's tokens, so every step row of an episode takes that episode's whole list.
     """
     if turn_ids.ndim != 2 or len(turn_advantages) != turn_ids.shape[0]:
-        raise ValueError(f"turn_ids must be [B, T-1] with B = {len(turn_advantages)} rows, "
-                         f"got shape {turn_ids.shape}")
+        raise ValueError(
+            f"turn_ids must be [B, T-1] with B = {len(turn_advantages)} rows, "
+            f"got shape {turn_ids.shape}"
+        )
     out = np.zeros(turn_ids.shape, dtype=np.float64)
     for b, adv in enumerate(turn_advantages):
         ids = turn_ids[b]
         valid = ids >= 0
         a = np.asarray(adv, dtype=np.float64)
         if valid.any() and ids[valid].max() >= len(a):
-            raise ValueError(f"row {b} has tokens of turn {ids[valid].max()} but {len(a)} turn advantages")
+            raise ValueError(
+                f"row {b} has tokens of turn {ids[valid].max()} but {len(a)} turn advantages"
+            )
         out[b, valid] = a[ids[valid]]
     return out
 
@@ -170,6 +207,8 @@ def minibatch_order(n_rows: int, n_minibatches: int, seed: int) -> np.ndarray:
     if n_minibatches < 1:
         raise ValueError(f"n_minibatches must be >= 1, got {n_minibatches}")
     if n_rows < n_minibatches:
-        raise ValueError(f"{n_rows} rows cannot fill {n_minibatches} mini-batches: an optimizer step would "
-                         "see no data; collect more episodes or take fewer mini-batches")
+        raise ValueError(
+            f"{n_rows} rows cannot fill {n_minibatches} mini-batches: an optimizer step would "
+            "see no data; collect more episodes or take fewer mini-batches"
+        )
     return np.random.default_rng(seed).permutation(n_rows)

@@ -26,8 +26,10 @@ class KlControlConfig:
 
     def __post_init__(self) -> None:
         if self.target <= 0 or self.horizon < 1 or self.max_error <= 0:
-            raise ValueError(f"kl_control needs target > 0, horizon >= 1, max_error > 0 (got {self.target}, "
-                             f"{self.horizon}, {self.max_error})")
+            raise ValueError(
+                f"kl_control needs target > 0, horizon >= 1, max_error > 0 (got {self.target}, "
+                f"{self.horizon}, {self.max_error})"
+            )
 
 
 class KlController:

@@ -16,9 +16,14 @@ from rollhpc.algo.objective import LossConfig
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def clipped_pg_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantage: torch.Tensor,
-                    clip_low: float = 0.2, clip_high: float = 0.2,
-                    dual_clip: float | None = None) -> torch.Tensor:
+def clipped_pg_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantage: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
     """PPO's clipped surrogate, per element (aggregate outside). Asymmetric when clip_high != clip_low
     (DAPO's clip-higher).
 
@@ -36,8 +41,9 @@ def clipped_pg_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantage:
     return torch.where(advantage < 0, torch.minimum(loss, -dual_clip * advantage), loss)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-               clip: float | None = 0.2) -> torch.Tensor:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
     """PPO critic loss per element: 0.5 * max((v - R)^2, (clip(v, old - clip, old + clip) - R)^2).
 
     The clipped branch keeps the critic near the values used to compute the advantages; ``clip=None``
@@ -56,8 +62,13 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: float | None = None,
-              global_seqs: float | None = None) -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar over the valid (mask=1) tokens.
 
     - "token-mean": sum / number of valid tokens (DAPO; long answers weigh by their length).
@@ -71,9 +82,13 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, global_tokens: 
     or ``global_seqs`` (the seq-* modes): the ranks' results then sum to the whole-batch loss.
     """
     if mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}")
+        raise ValueError(
+            f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}"
+        )
     valid = mask.bool()
-    masked = torch.where(valid, loss, torch.zeros_like(loss))  # not loss * mask: padding may hold inf/NaN
+    masked = torch.where(
+        valid, loss, torch.zeros_like(loss)
+    )  # not loss * mask: padding may hold inf/NaN
     row_tokens = valid.sum(dim=-1)
     if mode == "token-mean":
         tokens = row_tokens.sum().clamp(min=1) if global_tokens is None else max(global_tokens, 1)
@@ -90,12 +105,24 @@ def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> float:
     return (x[valid].float().mean().item()) if valid.any() else 0.0
 
 
-def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantage: torch.Tensor, mask: torch.Tensor,
-                *, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                agg: str = "token-mean", ref_logprob: torch.Tensor | None = None, kl_coef: float = 0.0,
-                kl_kind: str = "k3", entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
-                global_tokens: float | None = None,
-                global_seqs: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    ref_logprob: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Actor loss = agg(clipped pg) + kl_coef * agg(KL to ref) - entropy_coef * agg(entropy).
 
     All inputs [B, T]; ``advantage`` may be [B] (one value per sequence, broadcast over its tokens).
@@ -124,7 +151,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantage: tor
     with torch.no_grad():
         valid = mask.bool()
         ratio = torch.exp(logprob - old_logprob)
-        clipped = ((advantage > 0) & (ratio > 1.0 + clip_high)) | ((advantage < 0) & (ratio < 1.0 - clip_low))
+        clipped = ((advantage > 0) & (ratio > 1.0 + clip_high)) | (
+            (advantage < 0) & (ratio < 1.0 - clip_low)
+        )
         metrics["clip_frac"] = _masked_mean(clipped, valid)
         metrics["ratio_mean"] = _masked_mean(ratio, valid)
         if dual_clip is not None:
@@ -139,10 +168,14 @@ class TokenCounts:
 
     loss_tokens: float  # loss tokens in the mini-batch's rows
     loss_rows: float  # rows with at least one loss token
-    trained_tokens: float  # loss tokens of the rows that run forward and backward (skipped rows left out)
+    trained_tokens: (
+        float  # loss tokens of the rows that run forward and backward (skipped rows left out)
+    )
 
 
-MicroBatch = Mapping[str, torch.Tensor]  # one micro-batch's named [b, ...] tensors on the device ("loss_mask", ...)
+MicroBatch = Mapping[
+    str, torch.Tensor
+]  # one micro-batch's named [b, ...] tensors on the device ("loss_mask", ...)
 
 
 class PolicyLoss:
@@ -161,8 +194,13 @@ class PolicyLoss:
         """Whether the trainer must compute the entropy of its distribution (an entropy bonus)."""
         return self.config.entropy_coef > 0
 
-    def __call__(self, logprob: torch.Tensor, entropy: torch.Tensor | None, micro: MicroBatch, counts: TokenCounts
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self,
+        logprob: torch.Tensor,
+        entropy: torch.Tensor | None,
+        micro: MicroBatch,
+        counts: TokenCounts,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """(the loss to back-propagate, its metrics): loss terms are shares of the mini-batch's loss; rates
         (``*_frac``, ``*_mean``) and ``logprob_abs_diff`` are weighted by the micro-batch's share of the trained
         tokens, so that summing the micro-batches' metrics over the mini-batch gives its values."""
@@ -171,17 +209,35 @@ class PolicyLoss:
         # old log-probs are this forward's own, and the ratio is exactly 1
         old = micro["old_logprob"].float() if "old_logprob" in micro else logprob.detach().float()
         value, stats = policy_loss(
-            logprob, old, micro["advantage"].float(), micro["loss_mask"].float(),
-            clip_low=c.clip_low, clip_high=c.clip_high, dual_clip=c.dual_clip, agg=c.agg,
-            ref_logprob=micro["ref_logprob"].float() if "ref_logprob" in micro else None, kl_coef=c.kl_coef,
-            kl_kind=c.kl_kind, entropy=entropy, entropy_coef=c.entropy_coef,
-            global_tokens=max(counts.loss_tokens, 1.0), global_seqs=max(counts.loss_rows, 1.0))
+            logprob,
+            old,
+            micro["advantage"].float(),
+            micro["loss_mask"].float(),
+            clip_low=c.clip_low,
+            clip_high=c.clip_high,
+            dual_clip=c.dual_clip,
+            agg=c.agg,
+            ref_logprob=micro["ref_logprob"].float() if "ref_logprob" in micro else None,
+            kl_coef=c.kl_coef,
+            kl_kind=c.kl_kind,
+            entropy=entropy,
+            entropy_coef=c.entropy_coef,
+            global_tokens=max(counts.loss_tokens, 1.0),
+            global_seqs=max(counts.loss_rows, 1.0),
+        )
         # token share of the trained rows, for averaging rates (skipped rows have no ratio to report)
         token_share = float(micro["loss_mask"].sum()) / max(counts.trained_tokens, 1.0)
-        metrics = {k: float(v) * (token_share if k.endswith(("_frac", "_mean")) else 1.0) for k, v in stats.items()}
+        metrics = {
+            k: float(v) * (token_share if k.endswith(("_frac", "_mean")) else 1.0)
+            for k, v in stats.items()
+        }
         metrics["loss"] = float(value.detach())
-        if "gen_logprob" in micro:  # the generator's log-probs of these tokens: how far apart the engines are
-            diff = ((logprob.detach().float() - micro["gen_logprob"].float()).abs() * micro["loss_mask"]).sum()
+        if (
+            "gen_logprob" in micro
+        ):  # the generator's log-probs of these tokens: how far apart the engines are
+            diff = (
+                (logprob.detach().float() - micro["gen_logprob"].float()).abs() * micro["loss_mask"]
+            ).sum()
             metrics["logprob_abs_diff"] = float(diff) / max(counts.trained_tokens, 1.0)
         return value, metrics
 
@@ -193,10 +249,17 @@ class ValueLoss:
     def __init__(self, clip: float | None = 0.2):
         self.clip = clip
 
-    def __call__(self, values: torch.Tensor, micro: MicroBatch, counts: TokenCounts
-                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(
+        self, values: torch.Tensor, micro: MicroBatch, counts: TokenCounts
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """(the loss to back-propagate, ``{"value_loss": its value}``), a share of the mini-batch's loss."""
-        per_token = value_loss(values, micro["old_values"].float(), micro["returns"].float(), clip=self.clip)
-        value = aggregate(per_token, micro["loss_mask"].float(), "token-mean",
-                          global_tokens=max(counts.loss_tokens, 1.0))
+        per_token = value_loss(
+            values, micro["old_values"].float(), micro["returns"].float(), clip=self.clip
+        )
+        value = aggregate(
+            per_token,
+            micro["loss_mask"].float(),
+            "token-mean",
+            global_tokens=max(counts.loss_tokens, 1.0),
+        )
         return value, {"value_loss": float(value.detach())}

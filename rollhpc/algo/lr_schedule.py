@@ -13,8 +13,15 @@ from typing import Literal
 Schedule = Literal["constant", "linear", "cosine"]
 
 
-def learning_rate(step: int, *, lr: float, warmup_steps: int = 0, schedule: Schedule = "constant",
-                  decay_steps: int = 0, min_lr: float = 0.0) -> float:
+def learning_rate(
+    step: int,
+    *,
+    lr: float,
+    warmup_steps: int = 0,
+    schedule: Schedule = "constant",
+    decay_steps: int = 0,
+    min_lr: float = 0.0,
+) -> float:
     """The rate of optimizer step ``step`` (0 for the first): ``lr * (step + 1) / warmup_steps`` during the warm-up,
     then ``lr`` (constant) or a decay from ``lr`` to ``min_lr`` over the ``decay_steps`` steps after the warm-up,
     ``min_lr`` after them."""

@@ -24,7 +24,9 @@ class RewardNormConfig:
 
     def __post_init__(self) -> None:
         if self.clip < 0 or self.eps <= 0:
-            raise ValueError(f"reward_norm needs clip >= 0 and eps > 0 (got {self.clip}, {self.eps})")
+            raise ValueError(
+                f"reward_norm needs clip >= 0 and eps > 0 (got {self.clip}, {self.eps})"
+            )
 
 
 class RunningMoments:
@@ -52,7 +54,11 @@ class RunningMoments:
         return {"count": self.count, "mean": self.mean, "m2": self.m2}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+        self.count, self.mean, self.m2 = (
+            int(state["count"]),
+            float(state["mean"]),
+            float(state["m2"]),
+        )
 
 
 class RewardNormalizer:
@@ -66,7 +72,9 @@ class RewardNormalizer:
         if c.kind == "none":
             return rewards
         self.moments.update(rewards)
-        out = (np.asarray(rewards, dtype=np.float64) - self.moments.mean) / (self.moments.std + c.eps)
+        out = (np.asarray(rewards, dtype=np.float64) - self.moments.mean) / (
+            self.moments.std + c.eps
+        )
         return np.clip(out, -c.clip, c.clip) if c.clip else out
 
     def state_dict(self) -> dict[str, Any]:

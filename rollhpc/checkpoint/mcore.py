@@ -78,7 +78,9 @@ def file_manifest(ckpt_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
         rel = path.relative_to(ckpt_dir).as_posix()
         if rel == META_FILE or rel.startswith(HF_EXTRAS_DIR + "/"):
             continue
-        out[rel] = {"size": path.stat().st_size} | ({"sha256": sha256_file(path)} if checksums else {})
+        out[rel] = {"size": path.stat().st_size} | (
+            {"sha256": sha256_file(path)} if checksums else {}
+        )
     return out
 
 
@@ -87,9 +89,13 @@ def parallel_layout() -> dict[str, int]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    return dict(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
-                ep=ps.get_expert_model_parallel_world_size(), etp=ps.get_expert_tensor_parallel_world_size(),
-                world=dist.get_world_size())
+    return dict(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        world=dist.get_world_size(),
+    )
 
 
 def copy_hf_extras(src_dir: Path, dst_dir: Path) -> list[str]:
@@ -139,7 +145,10 @@ def _write_results_queue_that_dies_with_us() -> None:
     global _write_results_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if _write_results_manager is not None or getattr(filesystem_async, "_results_queue", None) is not None:
+    if (
+        _write_results_manager is not None
+        or getattr(filesystem_async, "_results_queue", None) is not None
+    ):
         return
     import multiprocessing
     from multiprocessing.managers import SyncManager
@@ -160,9 +169,16 @@ def save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], out_dir: str | Path, hf_config: Any,
-                          layout_info: Mapping[str, Any] | None = None, *, overwrite: bool = False,
-                          checksums: bool = False, sharded_state_dict: dict[str, Any] | None = None) -> Path:
+def save_mcore_checkpoint(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    out_dir: str | Path,
+    hf_config: Any,
+    layout_info: Mapping[str, Any] | None = None,
+    *,
+    overwrite: bool = False,
+    checksums: bool = False,
+    sharded_state_dict: dict[str, Any] | None = None,
+) -> Path:
     """Save ``model`` (a megatron ``GPTModel`` from ``build_gpt_model``, or a rank's list of virtual
     pipeline chunks) as a dist checkpoint in ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF config the model was built from
     (dict, transformers config, config.json path, or the HF model directory: then its tokenizer and
@@ -179,7 +195,9 @@ def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ou
     out_dir = Path(out_dir).absolute()
     rank = dist.get_rank()
     tmp = out_dir.parent / f".{out_dir.name}.partial"
-    if out_dir.exists() and not overwrite:  # every rank sees the same (shared) filesystem: all raise
+    if (
+        out_dir.exists() and not overwrite
+    ):  # every rank sees the same (shared) filesystem: all raise
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -197,12 +215,21 @@ def save_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ou
         cfg = _hf_dict(hf_config)
         layout = {**parallel_layout(), **dict(layout_info or {})}
         first = next(chunks[0].parameters())
-        meta = dict(format=FORMAT, format_version=FORMAT_VERSION, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                    hf_config=cfg, layout=layout, padded_vocab_size=int(chunks[0].vocab_size),
-                    params_dtype=_dtype_name(first.dtype), files=file_manifest(tmp, checksums))
+        meta = dict(
+            format=FORMAT,
+            format_version=FORMAT_VERSION,
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            hf_config=cfg,
+            layout=layout,
+            padded_vocab_size=int(chunks[0].vocab_size),
+            params_dtype=_dtype_name(first.dtype),
+            files=file_manifest(tmp, checksums),
+        )
         if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
             meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
-        lora = getattr(chunks[0], "lora_config", None)  # rollhpc.models.lora: adapters saved beside the base
+        lora = getattr(
+            chunks[0], "lora_config", None
+        )  # rollhpc.models.lora: adapters saved beside the base
         if lora is not None:
             meta["lora"] = dataclasses.asdict(lora)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
@@ -219,19 +246,28 @@ def read_metadata(ckpt_dir: str | Path, *, checksums: bool = True) -> dict[str, 
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     path = ckpt_dir / META_FILE
     if not path.is_file():
-        hint = (" (it looks like a Hugging Face directory: convert it with hf-to-mcore)"
-                if (ckpt_dir / "config.json").is_file() else "")
-        raise CheckpointError(f"{ckpt_dir} is not a rollhpc megatron checkpoint: {META_FILE} is missing{hint}")
+        hint = (
+            " (it looks like a Hugging Face directory: convert it with hf-to-mcore)"
+            if (ckpt_dir / "config.json").is_file()
+            else ""
+        )
+        raise CheckpointError(
+            f"{ckpt_dir} is not a rollhpc megatron checkpoint: {META_FILE} is missing{hint}"
+        )
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable or corrupt: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
+            f"expected {FORMAT!r}"
+        )
     if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {meta.get('format_version')!r}; this rollhpc reads "
-                              f"version {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path}: format version {meta.get('format_version')!r}; this rollhpc reads "
+            f"version {FORMAT_VERSION}"
+        )
     for key in ("hf_config", "layout", "padded_vocab_size", "params_dtype", "files"):
         if key not in meta:
             raise CheckpointError(f"{path} lacks {key!r}")
@@ -245,7 +281,9 @@ def read_metadata(ckpt_dir: str | Path, *, checksums: bool = True) -> dict[str, 
         elif checksums and "sha256" in info and sha256_file(f) != info["sha256"]:
             problems.append(f"{rel} does not match its sha256 (corrupt)")
     if problems:
-        raise CheckpointError(f"checkpoint {ckpt_dir} is incomplete or corrupt: {'; '.join(problems)}")
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} is incomplete or corrupt: {'; '.join(problems)}"
+        )
     return meta
 
 
@@ -253,8 +291,12 @@ def _as_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def load_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ckpt_dir: str | Path, *,
-                          checksums: bool = False) -> dict[str, Any]:
+def load_mcore_checkpoint(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    ckpt_dir: str | Path,
+    *,
+    checksums: bool = False,
+) -> dict[str, Any]:
     """Load a checkpoint saved by ``save_mcore_checkpoint`` (or the converter) into ``model`` (or a
     rank's list of virtual pipeline chunks), whatever TP/PP/VPP/EP layout it was saved with. Collective: every rank calls it. Returns the checkpoint's
     metadata. Raises ``CheckpointError`` for a missing/corrupt checkpoint or one of another model."""
@@ -270,16 +312,24 @@ def load_mcore_checkpoint(model: torch.nn.Module | Sequence[torch.nn.Module], ck
         state = dist_checkpointing.load(chunks_sharded_state_dict(chunks), str(ckpt_dir))
         load_chunks_state(chunks, state)
     except (CheckpointingException, KeyError, RuntimeError, ValueError, OSError, EOFError) as e:
-        raise CheckpointError(f"cannot load {ckpt_dir} into the model: {type(e).__name__}: {e}") from e
+        raise CheckpointError(
+            f"cannot load {ckpt_dir} into the model: {type(e).__name__}: {e}"
+        ) from e
     return meta
 
 
 def _check_model_matches(model: torch.nn.Module, meta: dict[str, Any]) -> None:
     cfg, c = meta["hf_config"], model.config
-    pairs = [("num_hidden_layers", cfg.get("num_hidden_layers"), c.num_layers),
-             ("hidden_size", cfg.get("hidden_size"), c.hidden_size),
-             ("num_attention_heads", cfg.get("num_attention_heads"), c.num_attention_heads),
-             ("num_experts", cfg.get("num_experts") or cfg.get("num_local_experts") or None, c.num_moe_experts)]
+    pairs = [
+        ("num_hidden_layers", cfg.get("num_hidden_layers"), c.num_layers),
+        ("hidden_size", cfg.get("hidden_size"), c.hidden_size),
+        ("num_attention_heads", cfg.get("num_attention_heads"), c.num_attention_heads),
+        (
+            "num_experts",
+            cfg.get("num_experts") or cfg.get("num_local_experts") or None,
+            c.num_moe_experts,
+        ),
+    ]
     wrong = [f"{name}: checkpoint {a}, model {b}" for name, a, b in pairs if a != b]
     if wrong:
         raise CheckpointError(f"the checkpoint is of another model ({'; '.join(wrong)})")
@@ -297,7 +347,9 @@ def single_process_world(backend: str = "gloo") -> Iterator[None]:
     from rollhpc.models import megatron_cpu
 
     if dist.is_initialized():
-        raise RuntimeError("single_process_world: torch.distributed is already initialised in this process")
+        raise RuntimeError(
+            "single_process_world: torch.distributed is already initialised in this process"
+        )
     megatron_cpu.enable_cpu_megatron()
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -316,10 +368,18 @@ def _plain(piece: Any) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     shape = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
-    return ShardedTensor(key=piece.key, data=torch.empty(shape, dtype=piece.dtype),
-                         dtype=piece.dtype, local_shape=shape, global_shape=tuple(piece.global_shape),
-                         global_offset=tuple(piece.global_offset), axis_fragmentations=None, replica_id=0,
-                         prepend_axis_num=0, allow_shape_mismatch=piece.allow_shape_mismatch)
+    return ShardedTensor(
+        key=piece.key,
+        data=torch.empty(shape, dtype=piece.dtype),
+        dtype=piece.dtype,
+        local_shape=shape,
+        global_shape=tuple(piece.global_shape),
+        global_offset=tuple(piece.global_offset),
+        axis_fragmentations=None,
+        replica_id=0,
+        prepend_axis_num=0,
+        allow_shape_mismatch=piece.allow_shape_mismatch,
+    )
 
 
 class McoreReader:
@@ -340,36 +400,55 @@ class McoreReader:
         try:
             stored = dist_checkpointing.load_tensors_metadata(str(self.ckpt_dir))
         except Exception as e:  # noqa: BLE001 - megatron/torch raise many kinds for a damaged .metadata
-            raise CheckpointError(f"checkpoint {self.ckpt_dir} is incomplete or corrupt: cannot read its tensor "
-                                  f"index ({type(e).__name__}: {e})") from e
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} is incomplete or corrupt: cannot read its tensor "
+                f"index ({type(e).__name__}: {e})"
+            ) from e
         emb = stored.get("embedding.word_embeddings.weight")
         padded = tuple(emb.global_shape)[0] if emb is not None else self.meta["padded_vocab_size"]
         with torch.device("meta"):
-            self.skeleton = build_gpt_model(self.hf_config, tp=1, params_dtype=self.dtype, padded_vocab=padded,
-                                            perform_initialization=False)
-        self.lora = None  # a LoRA checkpoint's adapters (rollhpc.models.lora): read like any parameter
+            self.skeleton = build_gpt_model(
+                self.hf_config,
+                tp=1,
+                params_dtype=self.dtype,
+                padded_vocab=padded,
+                perform_initialization=False,
+            )
+        self.lora = (
+            None  # a LoRA checkpoint's adapters (rollhpc.models.lora): read like any parameter
+        )
         if self.meta.get("lora"):
             from rollhpc.models.lora import attach_lora
             from rollhpc.models.lora_config import LoraConfig
 
             self.lora = LoraConfig(**self.meta["lora"])
             attach_lora(self.skeleton, self.lora, 0, 1, None)
-        self.sharded = {k: v for k, v in self.skeleton.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
+        self.sharded = {
+            k: v
+            for k, v in self.skeleton.sharded_state_dict().items()
+            if not isinstance(v, ShardedObject)
+        }
         missing, wrong = [], []
         for name, sh in self.sharded.items():
             for piece in _pieces(sh):
                 if piece.key not in stored:
                     missing.append(piece.key)
                 elif tuple(stored[piece.key].global_shape) != tuple(piece.global_shape):
-                    wrong.append(f"{piece.key}: checkpoint {tuple(stored[piece.key].global_shape)}, "
-                                 f"config implies {tuple(piece.global_shape)}")
+                    wrong.append(
+                        f"{piece.key}: checkpoint {tuple(stored[piece.key].global_shape)}, "
+                        f"config implies {tuple(piece.global_shape)}"
+                    )
         if missing:
             missing = sorted(set(missing))
-            raise CheckpointError(f"checkpoint {self.ckpt_dir} lacks {len(missing)} tensor(s) its config.json implies: "
-                                  f"{missing[:6]}{' ...' if len(missing) > 6 else ''}")
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} lacks {len(missing)} tensor(s) its config.json implies: "
+                f"{missing[:6]}{' ...' if len(missing) > 6 else ''}"
+            )
         if wrong:
-            raise CheckpointError(f"checkpoint {self.ckpt_dir} does not match its config.json (shape mismatch): "
-                                  f"{'; '.join(sorted(set(wrong))[:6])}")
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} does not match its config.json (shape mismatch): "
+                f"{'; '.join(sorted(set(wrong))[:6])}"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -382,17 +461,27 @@ class McoreReader:
         unknown = [n for n in names if n not in self.sharded]
         if unknown:
             raise KeyError(f"not parameters of this model: {unknown}")
-        request = {f"{n}#{i}": _plain(p) for n in names for i, p in enumerate(_pieces(self.sharded[n]))}
+        request = {
+            f"{n}#{i}": _plain(p) for n in names for i, p in enumerate(_pieces(self.sharded[n]))
+        }
         try:
-            state = dist_checkpointing.load(request, str(self.ckpt_dir), validate_access_integrity=False)
+            state = dist_checkpointing.load(
+                request, str(self.ckpt_dir), validate_access_integrity=False
+            )
         except Exception as e:  # noqa: BLE001 - any failure to read the data files is a damaged checkpoint
-            raise CheckpointError(f"checkpoint {self.ckpt_dir} is incomplete or corrupt: reading {names} failed "
-                                  f"({type(e).__name__}: {e})") from e
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} is incomplete or corrupt: reading {names} failed "
+                f"({type(e).__name__}: {e})"
+            ) from e
         out = {}
         for n in names:
             sh = self.sharded[n]
             loaded = [state[f"{n}#{i}"].reshape(p.local_shape) for i, p in enumerate(_pieces(sh))]
-            out[n] = sh.merge_fn(_like(sh.build(), loaded)) if isinstance(sh, _factory_type()) else loaded[0]
+            out[n] = (
+                sh.merge_fn(_like(sh.build(), loaded))
+                if isinstance(sh, _factory_type())
+                else loaded[0]
+            )
         return out
 
 
@@ -417,5 +506,11 @@ def _pieces(sharded: Any) -> list[Any]:
 
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build()
-        return list(built.values()) if isinstance(built, dict) else list(built) if isinstance(built, list) else [built]
+        return (
+            list(built.values())
+            if isinstance(built, dict)
+            else list(built)
+            if isinstance(built, list)
+            else [built]
+        )
     return [sharded]

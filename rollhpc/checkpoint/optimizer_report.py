@@ -37,11 +37,16 @@ from rollhpc.checkpoint.storage import human_bytes
 # megatron's optimizer keys: [chained_N.]optimizer.state.<kind>.<parameter key>; chained_N when several
 # optimizers are chained (a MoE's dense and expert parameters)
 _STATE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(\w+)\.")
-_KIND_NAMES = {"param": "main params", "fp32_param": "main params"}  # distributed / non-distributed megatron
+_KIND_NAMES = {
+    "param": "main params",
+    "fp32_param": "main params",
+}  # distributed / non-distributed megatron
 _KIND_ORDER = ("main params", "exp_avg", "exp_avg_sq")
-_RESHARDS = {"fully_reshardable": "gathered on DP rank 0 at save, loads at any TP/PP/DP layout",
-             "fully_sharded_model_space": "each parameter sharded like the model, loads at any TP/PP/DP layout",
-             "dp_reshardable": "megatron's DP buffers as saved, loads at the same TP/PP (any DP) only"}
+_RESHARDS = {
+    "fully_reshardable": "gathered on DP rank 0 at save, loads at any TP/PP/DP layout",
+    "fully_sharded_model_space": "each parameter sharded like the model, loads at any TP/PP/DP layout",
+    "dp_reshardable": "megatron's DP buffers as saved, loads at the same TP/PP (any DP) only",
+}
 
 
 @dataclass
@@ -77,18 +82,26 @@ def role_lines(role_dir: Path) -> list[str]:
     try:
         first = _load_data(rank_files[0])
     except Exception as e:  # noqa: BLE001 -- an unreadable file is reported, not raised
-        return [f"{role_dir.name}: {rank_files[0].name} is not readable as plain data ({type(e).__name__})"]
+        return [
+            f"{role_dir.name}: {rank_files[0].name} is not readable as plain data ({type(e).__name__})"
+        ]
     if not isinstance(first, dict):
-        return [f"{role_dir.name}: {rank_files[0].name} holds a {type(first).__name__}, not a rank's state"]
+        return [
+            f"{role_dir.name}: {rank_files[0].name} holds a {type(first).__name__}, not a rank's state"
+        ]
     world, step = first.get("world", len(rank_files)), first.get("optimizer_steps", "?")
     saved_by = _ranks(role_dir, world)
     marker = first.get("megatron_optimizer")
     if not isinstance(marker, dict):
-        lines = [f"{role_dir.name}: torch AdamW (optimizer=torch of older runs, removed), saved by {saved_by}, step "
-                 f"{step}: this rollhpc does not resume it; its {MODEL_DIR}/ converts (rollhpc convert mcore-to-hf)"]
+        lines = [
+            f"{role_dir.name}: torch AdamW (optimizer=torch of older runs, removed), saved by {saved_by}, step "
+            f"{step}: this rollhpc does not resume it; its {MODEL_DIR}/ converts (rollhpc convert mcore-to-hf)"
+        ]
     elif not marker.get("stepped", True):
-        lines = [f"{role_dir.name}: {_stack(marker.get('distributed'))}, saved by {saved_by}, step {step}: no "
-                 "optimizer state (saved before the first optimizer step)"]
+        lines = [
+            f"{role_dir.name}: {_stack(marker.get('distributed'))}, saved by {saved_by}, step {step}: no "
+            "optimizer state (saved before the first optimizer step)"
+        ]
     else:
         lines = _megatron_lines(role_dir, marker, f"saved by {saved_by}, step {step}", step)
     if len(rank_files) != world:
@@ -99,8 +112,10 @@ def role_lines(role_dir: Path) -> list[str]:
 def _stack(distributed: bool | None) -> str:
     """The stack's name; None where the files do not tell (a megatron checkpoint saved before its first step
     by a rollhpc whose rank files did not record it)."""
-    return {True: "megatron distributed optimizer", False: "megatron optimizer (not distributed)"}.get(
-        distributed, "megatron optimizer")
+    return {
+        True: "megatron distributed optimizer",
+        False: "megatron optimizer (not distributed)",
+    }.get(distributed, "megatron optimizer")
 
 
 def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: Any) -> list[str]:
@@ -109,14 +124,22 @@ def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: An
 
     opt_dir = role_dir / OPTIMIZER_DIR
     if not opt_dir.is_dir():
-        return [f"{role_dir.name}: {_stack(marker.get('distributed'))}, {saved}; ! {OPTIMIZER_DIR}/ is missing"]
+        return [
+            f"{role_dir.name}: {_stack(marker.get('distributed'))}, {saved}; ! {OPTIMIZER_DIR}/ is missing"
+        ]
     common = _common(opt_dir)
     sharding = sorted(set(_found(common, "param_state_sharding_type")))
     # rank files record it since the trainer has had one checkpoint format; in older checkpoints only the
     # distributed optimizer's common.pt names a sharding type
     stack = _stack(marker.get("distributed", bool(sharding)))
-    adam = {int(s) for s in _found(common, "step") + _found(common, "common_step") if isinstance(s, (int, float))}
-    if adam and adam != {step}:  # megatron skipped an update (inf gradients under a loss scaler) the run counted
+    adam = {
+        int(s)
+        for s in _found(common, "step") + _found(common, "common_step")
+        if isinstance(s, (int, float))
+    }
+    if adam and adam != {
+        step
+    }:  # megatron skipped an update (inf gradients under a loss scaler) the run counted
         saved += f" (Adam's own count: {', '.join(map(str, sorted(adam)))})"
     lines = [f"{role_dir.name}: {stack}, {saved}", "  " + _format(opt_dir, sharding)]
     try:
@@ -129,7 +152,9 @@ def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: An
     disk = sum(f.stat().st_size for f in shard_files)
     shards = f"{len(shard_files)} shard file{'' if len(shard_files) == 1 else 's'}, {human_bytes(disk)} on disk"
     model = _model_parameters(role_dir)
-    lines.append(f"  {shards}; the model: {model[0]:,} parameters, {model[1]}" if model else f"  {shards}")
+    lines.append(
+        f"  {shards}; the model: {model[0]:,} parameters, {model[1]}" if model else f"  {shards}"
+    )
     return lines
 
 
@@ -186,8 +211,10 @@ def _format(opt_dir: Path, sharding: list[str]) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         backend = "unknown (no readable metadata.json)"
     if not sharding:
-        return (f"format {backend}, sharded like the model (whole on every DP rank, saved once): loads at any "
-                "TP/PP/DP layout")
+        return (
+            f"format {backend}, sharded like the model (whole on every DP rank, saved once): loads at any "
+            "TP/PP/DP layout"
+        )
     how = "; ".join(f"{s}: {_RESHARDS.get(s, 'see megatron-core')}" for s in sharding)
     return f"format {backend}, {how}"
 
@@ -217,13 +244,28 @@ def _state(opt_dir: Path) -> tuple[dict[str, _Kind], list[Path]]:
 
 
 def _kind_table(kinds: dict[str, _Kind]) -> list[str]:
-    order = [k for k in _KIND_ORDER if k in kinds] + sorted(k for k in kinds if k not in _KIND_ORDER)
+    order = [k for k in _KIND_ORDER if k in kinds] + sorted(
+        k for k in kinds if k not in _KIND_ORDER
+    )
     rows = [("state", "tensors", "elements", "dtype", "bytes")]
-    rows += [(k, str(kinds[k].tensors), f"{kinds[k].elements:,}", "/".join(kinds[k].dtypes),
-              human_bytes(kinds[k].nbytes)) for k in order]
+    rows += [
+        (
+            k,
+            str(kinds[k].tensors),
+            f"{kinds[k].elements:,}",
+            "/".join(kinds[k].dtypes),
+            human_bytes(kinds[k].nbytes),
+        )
+        for k in order
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if c in (1, 2, 4) else cell.ljust(w) for c, (cell, w) in enumerate(zip(r, widths)))
-            .rstrip() for r in rows]
+    return [
+        "  ".join(
+            cell.rjust(w) if c in (1, 2, 4) else cell.ljust(w)
+            for c, (cell, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in rows
+    ]
 
 
 def _model_parameters(role_dir: Path) -> tuple[int, str] | None:
@@ -238,6 +280,8 @@ def _model_parameters(role_dir: Path) -> tuple[int, str] | None:
         metadata = FileSystemReader(str(role_dir / MODEL_DIR)).read_metadata()
     except Exception:  # noqa: BLE001 -- the model's own problems are the files section's to show
         return None
-    tensors = [m for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
+    tensors = [
+        m for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)
+    ]
     dtypes = sorted({str(m.properties.dtype).removeprefix("torch.") for m in tensors})
     return sum(math.prod(m.size) for m in tensors), "/".join(dtypes)

@@ -8,8 +8,18 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.checkpoint.optimizer_report import optimizer_lines
-from rollhpc.checkpoint.storage import (MANIFEST, STEP_DIR_RE, TMP_DIR_RE, CheckpointStatus, CheckpointStorageError,
-                                        CheckpointStore, check_dir, human_bytes, status_of, step_dir_name)
+from rollhpc.checkpoint.storage import (
+    MANIFEST,
+    STEP_DIR_RE,
+    TMP_DIR_RE,
+    CheckpointStatus,
+    CheckpointStorageError,
+    CheckpointStore,
+    check_dir,
+    human_bytes,
+    status_of,
+    step_dir_name,
+)
 from rollhpc.rundir import RunPaths
 
 _MAX_TENSORS = 20  # per file, in `inspect`
@@ -22,7 +32,11 @@ def open_path(path: Path) -> tuple[CheckpointStore, Path | None]:
         raise CheckpointStorageError(f"{path}: no such directory")
     if RunPaths(path).checkpoints.is_dir():
         return CheckpointStore(RunPaths(path).checkpoints), None
-    if (path / MANIFEST).exists() or STEP_DIR_RE.fullmatch(path.name) or TMP_DIR_RE.fullmatch(path.name):
+    if (
+        (path / MANIFEST).exists()
+        or STEP_DIR_RE.fullmatch(path.name)
+        or TMP_DIR_RE.fullmatch(path.name)
+    ):
         return CheckpointStore(path.parent), path
     return CheckpointStore(path), None
 
@@ -54,13 +68,21 @@ def list_lines(store: CheckpointStore, deep: bool) -> list[str]:
     notes: dict[int, str] = {}
     for i, r in enumerate(rows):
         if r.manifest is not None:
-            written, size, files = _when(r.manifest.created), r.manifest.nbytes, len(r.manifest.files)
+            written, size, files = (
+                _when(r.manifest.created),
+                r.manifest.nbytes,
+                len(r.manifest.files),
+            )
         else:
             (files, size), written = _disk_bytes(r.path), "-"
         latest = "latest" if pointer == r.step and r.name == step_dir_name(r.step) else ""
-        table.append((str(r.step), r.name, written, human_bytes(size), str(files), r.status, latest))
+        table.append(
+            (str(r.step), r.name, written, human_bytes(size), str(files), r.status, latest)
+        )
         if r.name.startswith("."):
-            notes[i + 1] = "    (never committed: being written, or left by a crash; ignored on resume)"
+            notes[i + 1] = (
+                "    (never committed: being written, or left by a crash; ignored on resume)"
+            )
         elif r.status != "ok":
             more = f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""
             notes[i + 1] = f"    ! {r.problems[0]}{more}"
@@ -72,8 +94,10 @@ def list_lines(store: CheckpointStore, deep: bool) -> list[str]:
             lines.append(notes[i])
     choice = resume_choice([r for r in rows if not r.name.startswith(".")])
     named = step_dir_name(pointer) if pointer is not None else "nothing"
-    lines.append(f"latest names {named}; a resume would use {choice.name if choice else 'nothing (no good checkpoint)'} "
-                 f"({_checked(deep)})")
+    lines.append(
+        f"latest names {named}; a resume would use {choice.name if choice else 'nothing (no good checkpoint)'} "
+        f"({_checked(deep)})"
+    )
     return lines
 
 
@@ -85,7 +109,9 @@ def verify_lines(path: Path, deep: bool) -> tuple[bool, list[str]]:
         if problems:
             return False, [f"{ckpt.name}: {p}" for p in problems]
         assert manifest is not None
-        return True, [f"ok: {ckpt.name} ({len(manifest.files)} files, {human_bytes(manifest.nbytes)}; {_checked(deep)})"]
+        return True, [
+            f"ok: {ckpt.name} ({len(manifest.files)} files, {human_bytes(manifest.nbytes)}; {_checked(deep)})"
+        ]
     rows = [r for r in store.statuses(deep=deep) if not r.name.startswith(".")]
     if not rows:
         return False, [f"{store.root}: no checkpoints"]
@@ -97,8 +123,10 @@ def verify_lines(path: Path, deep: bool) -> tuple[bool, list[str]]:
         problems.append(f"latest: names {step_dir_name(pointer)}, which does not exist")
     if problems:
         return False, problems
-    return True, [f"ok: {len(rows)} checkpoint(s) ({rows[0].name} .. {rows[-1].name}), latest {step_dir_name(pointer)}; "
-                  f"{_checked(deep)}"]
+    return True, [
+        f"ok: {len(rows)} checkpoint(s) ({rows[0].name} .. {rows[-1].name}), latest {step_dir_name(pointer)}; "
+        f"{_checked(deep)}"
+    ]
 
 
 def inspect_lines(path: Path, max_files: int) -> list[str]:
@@ -116,19 +144,29 @@ def inspect_lines(path: Path, max_files: int) -> list[str]:
         lines.append(f"(showing {ckpt.name}, {why}; pass a checkpoint directory to see another)")
     manifest, problems = check_dir(ckpt, deep=False)
     lines.append(f"checkpoint {ckpt.resolve()}")
-    on_disk = {p.relative_to(ckpt).as_posix(): p.stat().st_size for p in ckpt.rglob("*") if p.is_file()}
+    on_disk = {
+        p.relative_to(ckpt).as_posix(): p.stat().st_size for p in ckpt.rglob("*") if p.is_file()
+    }
     on_disk.pop(MANIFEST, None)
     status = status_of(ckpt, problems)
     if manifest is not None:
-        lines.append(f"step {manifest.step}, written {_when(manifest.created)}, {len(manifest.files)} files, "
-                     f"{human_bytes(manifest.nbytes)}; status {status} (sizes checked; `rollhpc ckpt verify --deep` "
-                     "checks sha256)")
+        lines.append(
+            f"step {manifest.step}, written {_when(manifest.created)}, {len(manifest.files)} files, "
+            f"{human_bytes(manifest.nbytes)}; status {status} (sizes checked; `rollhpc ckpt verify --deep` "
+            "checks sha256)"
+        )
     else:
-        lines.append(f"{len(on_disk)} files, {human_bytes(sum(on_disk.values()))} on disk; status {status}")
+        lines.append(
+            f"{len(on_disk)} files, {human_bytes(sum(on_disk.values()))} on disk; status {status}"
+        )
     lines += [f"  ! {p}" for p in problems]
     if manifest is not None:
         lines.append("meta:" if manifest.meta else "meta: (none)")
-        lines += ["  " + line for line in json.dumps(manifest.meta, indent=2).splitlines()] if manifest.meta else []
+        lines += (
+            ["  " + line for line in json.dumps(manifest.meta, indent=2).splitlines()]
+            if manifest.meta
+            else []
+        )
     lines += optimizer_lines(ckpt)
     sizes = sorted(on_disk.items(), key=lambda kv: (-kv[1], kv[0]))
     shown = sizes if max_files <= 0 else sizes[:max_files]
@@ -152,6 +190,7 @@ def _tensors(path: Path) -> tuple[str, list[str]]:
     found: list[tuple[str, Any, tuple[int, ...]]] = []
     if path.suffix == ".safetensors":
         from rollhpc.checkpoint.safetensors_io import SafetensorsError, read_header
+
         try:
             found = [(name, info.dtype, info.shape) for name, info in read_header(path).items()]
         except SafetensorsError as e:
@@ -162,7 +201,10 @@ def _tensors(path: Path) -> tuple[str, list[str]]:
         except Exception as e:  # noqa: BLE001 -- any failure to read is reported, not raised
             return f"not readable as tensors only ({type(e).__name__})", []
         _walk(obj, "", found)
-    body = [f"{name}  {str(dtype).removeprefix('torch.')}  {list(shape)}" for name, dtype, shape in found[:_MAX_TENSORS]]
+    body = [
+        f"{name}  {str(dtype).removeprefix('torch.')}  {list(shape)}"
+        for name, dtype, shape in found[:_MAX_TENSORS]
+    ]
     if len(found) > _MAX_TENSORS:
         body.append(f"... and {len(found) - _MAX_TENSORS} more")
     return f"{len(found)} tensor(s)", body

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -43,13 +42,19 @@ SUMMARY_FILE = "state.json"
 class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only at the end and when asked to stop)
     keep_last: int = 2  # committed checkpoints kept (older ones are deleted after a commit)
-    resume: bool = True  # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
+    resume: bool = (
+        True  # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
+    )
     at_end: bool = True  # save after the last step
-    verify: Literal["sha256", "sizes"] = "sha256"  # how a checkpoint is checked before a resume uses it
+    verify: Literal["sha256", "sizes"] = (
+        "sha256"  # how a checkpoint is checked before a resume uses it
+    )
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:
-            raise ValueError(f"checkpoint.every must be >= 0 and keep_last >= 1 (got {self.every}, {self.keep_last})")
+            raise ValueError(
+                f"checkpoint.every must be >= 0 and keep_last >= 1 (got {self.every}, {self.keep_last})"
+            )
 
 
 class RunCheckpointer:
@@ -59,7 +64,9 @@ class RunCheckpointer:
         self.options = options
         self.store = CheckpointStore(RunPaths(run_dir).checkpoints, keep_last=options.keep_last)
         self.workers = workers  # role -> its WorkerGroup
-        self.roles = sorted(r for r, g in workers.items() if hasattr(g.worker_cls, "save_checkpoint"))
+        self.roles = sorted(
+            r for r, g in workers.items() if hasattr(g.worker_cls, "save_checkpoint")
+        )
         self._searched = False
         self._found: tuple[Checkpoint, dict[str, Any]] | None = None
         # called before each save: a pipeline whose colocated roles take turns brings the saved state back onto
@@ -78,7 +85,9 @@ class RunCheckpointer:
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         try:
-            saving = [self.workers[r].save_checkpoint.submit(str(pending.path / r)) for r in self.roles]
+            saving = [
+                self.workers[r].save_checkpoint.submit(str(pending.path / r)) for r in self.roles
+            ]
             ctl = pending.path / CONTROLLER_DIR
             ctl.mkdir()
             with open(ctl / STATE_FILE, "wb") as f:
@@ -86,16 +95,23 @@ class RunCheckpointer:
             (ctl / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
             role_stats = {r: s.result() for r, s in zip(self.roles, saving)}
             stop_file = RunPaths(self.store.root.parent).stop_request
-            fault_injection.checkpoint_commit(step, summary.get("restarts", 0), stop_file, self._watch_workers)
+            fault_injection.checkpoint_commit(
+                step, summary.get("restarts", 0), stop_file, self._watch_workers
+            )
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException:
             self.store.abort(pending)
             raise
         fault_injection.checkpoint_committed(step, stop_file, self._watch_workers)
         seconds = time.perf_counter() - t0
-        log.info("checkpoint %s saved in %.2f s (%s; %s)", checkpoint.path, seconds,
-                 ", ".join(f"{r} {s['seconds']:.2f} s" for r, s in role_stats.items()) or "no stateful roles",
-                 human_bytes(checkpoint.manifest.nbytes))
+        log.info(
+            "checkpoint %s saved in %.2f s (%s; %s)",
+            checkpoint.path,
+            seconds,
+            ", ".join(f"{r} {s['seconds']:.2f} s" for r, s in role_stats.items())
+            or "no stateful roles",
+            human_bytes(checkpoint.manifest.nbytes),
+        )
         return checkpoint
 
     def _watch_workers(self) -> None:
@@ -123,8 +139,10 @@ class RunCheckpointer:
             return None
         saved_roles = checkpoint.meta.get("roles", [])
         if sorted(saved_roles) != self.roles:
-            raise RuntimeError(f"{checkpoint.path} holds the state of roles {saved_roles}, this run has stateful "
-                               f"roles {self.roles}: resume with the configuration it was saved with")
+            raise RuntimeError(
+                f"{checkpoint.path} holds the state of roles {saved_roles}, this run has stateful "
+                f"roles {self.roles}: resume with the configuration it was saved with"
+            )
         with open(checkpoint.path / CONTROLLER_DIR / STATE_FILE, "rb") as f:
             state = pickle.load(f)
         return checkpoint, state
@@ -137,8 +155,15 @@ class RunCheckpointer:
             return None
         checkpoint, state = found
         t0 = time.perf_counter()
-        loading = [self.workers[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles]
+        loading = [
+            self.workers[r].load_checkpoint.submit(str(checkpoint.path / r)) for r in self.roles
+        ]
         for f in loading:
             f.result()
-        log.info("resumed from %s (step %d) in %.2f s", checkpoint.path, checkpoint.step, time.perf_counter() - t0)
+        log.info(
+            "resumed from %s (step %d) in %.2f s",
+            checkpoint.path,
+            checkpoint.step,
+            time.perf_counter() - t0,
+        )
         return checkpoint, state

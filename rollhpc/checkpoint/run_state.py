@@ -36,8 +36,12 @@ def save_rng_states(generators: Mapping[str, Generator] | None = None) -> dict[s
     """The state of every generator a rank draws from, as a picklable dict."""
     import torch
 
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
-                             "torch": torch.get_rng_state(), "generators": {}}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "generators": {},
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     for name, gen in (generators or {}).items():
@@ -46,26 +50,38 @@ def save_rng_states(generators: Mapping[str, Generator] | None = None) -> dict[s
         elif isinstance(gen, torch.Generator):
             state["generators"][name] = ("torch", gen.get_state())
         else:
-            raise TypeError(f"generator {name!r}: expected numpy.random.Generator or torch.Generator, "
-                            f"got {type(gen).__name__}")
+            raise TypeError(
+                f"generator {name!r}: expected numpy.random.Generator or torch.Generator, "
+                f"got {type(gen).__name__}"
+            )
     return state
 
 
-def restore_rng_states(state: Mapping[str, Any], generators: Mapping[str, Generator] | None = None) -> None:
+def restore_rng_states(
+    state: Mapping[str, Any], generators: Mapping[str, Generator] | None = None
+) -> None:
     """Put back what ``save_rng_states`` returned; ``generators`` must have the names saved then."""
     import torch
 
     generators = dict(generators or {})
     saved = state.get("generators", {})
     if set(saved) != set(generators):
-        raise ValueError(f"saved RNG states are for generators {sorted(saved)}, given {sorted(generators)}")
+        raise ValueError(
+            f"saved RNG states are for generators {sorted(saved)}, given {sorted(generators)}"
+        )
     for name, (kind, _) in saved.items():
-        if not isinstance(generators[name], np.random.Generator if kind == "numpy" else torch.Generator):
-            raise TypeError(f"generator {name!r} was saved as a {kind} generator, given "
-                            f"{type(generators[name]).__name__}")
+        if not isinstance(
+            generators[name], np.random.Generator if kind == "numpy" else torch.Generator
+        ):
+            raise TypeError(
+                f"generator {name!r} was saved as a {kind} generator, given "
+                f"{type(generators[name]).__name__}"
+            )
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if "cuda" in state and have != len(state["cuda"]):
-        raise ValueError(f"saved CUDA RNG states for {len(state['cuda'])} device(s), this process sees {have}")
+        raise ValueError(
+            f"saved CUDA RNG states for {len(state['cuda'])} device(s), this process sees {have}"
+        )
     for name, (kind, gen_state) in saved.items():
         if kind == "numpy":
             generators[name].bit_generator.state = gen_state

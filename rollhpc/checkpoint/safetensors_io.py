@@ -23,9 +23,18 @@ import torch
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
@@ -53,8 +62,10 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
                 raise SafetensorsError(f"{path}: truncated ({size} bytes, no header)")
             (n,) = struct.unpack("<Q", raw)
             if n > size - 8:
-                raise SafetensorsError(f"{path}: header of {n} bytes exceeds the file ({size} bytes): truncated or not "
-                                       "a safetensors file")
+                raise SafetensorsError(
+                    f"{path}: header of {n} bytes exceeds the file ({size} bytes): truncated or not "
+                    "a safetensors file"
+                )
             header = json.loads(f.read(n))
     except OSError as e:
         raise SafetensorsError(f"{path}: {e}") from e
@@ -72,12 +83,16 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         b, e = entry["data_offsets"]
         shape = tuple(entry["shape"])
         if e - b != dtype.itemsize * _numel(shape) or 8 + n + e > size:
-            raise SafetensorsError(f"{path}: {name} ({entry['dtype']} {list(shape)}) does not fit its byte range "
-                                   f"[{b}, {e}) in a file of {size} bytes: truncated or corrupt")
+            raise SafetensorsError(
+                f"{path}: {name} ({entry['dtype']} {list(shape)}) does not fit its byte range "
+                f"[{b}, {e}) in a file of {size} bytes: truncated or corrupt"
+            )
         out[name] = TensorInfo(path, dtype, shape, 8 + n + b, e - b)
         end = max(end, 8 + n + e)
     if end != size:
-        raise SafetensorsError(f"{path}: {size} bytes, the header describes {end}: truncated or corrupt")
+        raise SafetensorsError(
+            f"{path}: {size} bytes, the header describes {end}: truncated or corrupt"
+        )
     return out
 
 
@@ -104,7 +119,11 @@ def weight_files(model_dir: Path) -> list[Path]:
         return [model_dir / SINGLE_FILE]
     found = sorted(model_dir.glob("*.safetensors"))
     if not found:
-        hint = " (only .bin weights: re-save with safe_serialization)" if any(model_dir.glob("*.bin")) else ""
+        hint = (
+            " (only .bin weights: re-save with safe_serialization)"
+            if any(model_dir.glob("*.bin"))
+            else ""
+        )
         raise SafetensorsError(f"{model_dir}: no safetensors weights{hint}")
     return found
 
@@ -120,8 +139,10 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
         for path in self.files:
             for name, info in read_header(path).items():
                 if name in self.info:
-                    raise SafetensorsError(f"{self.dir}: tensor {name} is in both {self.info[name].file.name} and "
-                                           f"{path.name}")
+                    raise SafetensorsError(
+                        f"{self.dir}: tensor {name} is in both {self.info[name].file.name} and "
+                        f"{path.name}"
+                    )
                 self.info[name] = info
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -176,12 +197,21 @@ class SafetensorsWriter:
     Headers are written up front; ``close()`` checks that every planned tensor came and writes the
     index (for more than one file)."""
 
-    def __init__(self, out_dir: Path, tensors: list[PlannedTensor], max_shard_bytes: int,
-                 metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        tensors: list[PlannedTensor],
+        max_shard_bytes: int,
+        metadata: Mapping[str, str] | None = None,
+    ):
         self.out_dir = Path(out_dir)
         self.files = plan_files(tensors, max_shard_bytes)
         n = len(self.files)
-        self.names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.names = (
+            [SINGLE_FILE]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
         self.order = [(i, t) for i, f in enumerate(self.files) for t in f]
         self.metadata = {"format": "pt", **dict(metadata or {})}
         self._next = 0
@@ -194,8 +224,11 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": self.metadata}
         offset = 0
         for t in self.files[i]:
-            header[t.name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [offset, offset + t.nbytes]}
+            header[t.name] = {
+                "dtype": _NAMES[t.dtype],
+                "shape": list(t.shape),
+                "data_offsets": [offset, offset + t.nbytes],
+            }
             offset += t.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -207,9 +240,15 @@ class SafetensorsWriter:
         if self._next >= len(self.order):
             raise ValueError(f"{name}: more tensors than planned")
         i, planned = self.order[self._next]
-        if name != planned.name or tensor.dtype != planned.dtype or tuple(tensor.shape) != planned.shape:
-            raise ValueError(f"expected {planned.name} {planned.dtype} {list(planned.shape)} next, got {name} "
-                             f"{tensor.dtype} {list(tensor.shape)}")
+        if (
+            name != planned.name
+            or tensor.dtype != planned.dtype
+            or tuple(tensor.shape) != planned.shape
+        ):
+            raise ValueError(
+                f"expected {planned.name} {planned.dtype} {list(planned.shape)} next, got {name} "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
         if i != self._open_index:
             self._open(i)
         if planned.nbytes:
@@ -222,10 +261,12 @@ class SafetensorsWriter:
             self._fh.close()
             self._fh = None
         if self._next != len(self.order):
-            left = [t.name for _, t in self.order[self._next:]]
+            left = [t.name for _, t in self.order[self._next :]]
             raise ValueError(f"{len(left)} planned tensor(s) never written: {left[:5]}")
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": sum(t.nbytes for _, t in self.order)},
-                     "weight_map": {t.name: self.names[i] for i, t in self.order}}
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for _, t in self.order)},
+                "weight_map": {t.name: self.names[i] for i, t in self.order},
+            }
             (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return [self.out_dir / n for n in self.names]

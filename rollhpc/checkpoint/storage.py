@@ -66,7 +66,9 @@ FORMAT = "rollhpc-checkpoint"
 FORMAT_VERSION = 1
 STEP_DIR_RE = re.compile(r"step_(\d+)")
 TMP_DIR_RE = re.compile(r"\.step_(\d+)\.tmp-\w+")
-_DEBRIS = re.compile(r"\..+\.(tmp|trash)-\w+")  # hidden temporaries: ours, from this or an earlier session
+_DEBRIS = re.compile(
+    r"\..+\.(tmp|trash)-\w+"
+)  # hidden temporaries: ours, from this or an earlier session
 _CHUNK = 1 << 22
 _HASH_THREADS = min(8, os.cpu_count() or 1)  # hashlib releases the GIL on large buffers
 
@@ -80,6 +82,7 @@ def step_dir_name(step: int) -> str:
 
 
 # ---- records ----
+
 
 @dataclass(frozen=True)
 class FileEntry:
@@ -99,9 +102,15 @@ class Manifest:
         return sum(e.size for e in self.files.values())
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "created": self.created,
-                "total_bytes": self.nbytes, "meta": self.meta,
-                "files": {rel: {"size": e.size, "sha256": e.sha256} for rel, e in self.files.items()}}
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "created": self.created,
+            "total_bytes": self.nbytes,
+            "meta": self.meta,
+            "files": {rel: {"size": e.size, "sha256": e.sha256} for rel, e in self.files.items()},
+        }
 
     @classmethod
     def read(cls, ckpt_dir: Path) -> Manifest:
@@ -109,9 +118,13 @@ class Manifest:
         try:
             data = json.loads(path.read_bytes())
             if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
-                raise ValueError(f"format {data.get('format')!r} version {data.get('version')!r}, expected "
-                                 f"{FORMAT!r} version {FORMAT_VERSION}")
-            files = {rel: FileEntry(int(e["size"]), str(e["sha256"])) for rel, e in data["files"].items()}
+                raise ValueError(
+                    f"format {data.get('format')!r} version {data.get('version')!r}, expected "
+                    f"{FORMAT!r} version {FORMAT_VERSION}"
+                )
+            files = {
+                rel: FileEntry(int(e["size"]), str(e["sha256"])) for rel, e in data["files"].items()
+            }
             return cls(int(data["step"]), float(data["created"]), dict(data["meta"]), files)
         except FileNotFoundError:
             raise
@@ -122,6 +135,7 @@ class Manifest:
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint (its manifest was readable; ``verify`` says whether its files still match)."""
+
     step: int
     path: Path
     manifest: Manifest
@@ -135,6 +149,7 @@ class Checkpoint:
 class PendingCheckpoint:
     """A checkpoint being written: writers put their files under ``path`` (a string other processes can
     be sent), then one process commits it."""
+
     step: int
     path: Path
 
@@ -146,6 +161,7 @@ Status = Literal["ok", "corrupt", "partial"]
 class CheckpointStatus:
     """One row of ``CheckpointStore.statuses``: ``partial`` is a write that never committed (a ``.tmp-``
     directory, or a ``step_N`` without manifest), ``corrupt`` a commit whose files no longer match."""
+
     name: str
     step: int
     path: Path
@@ -155,6 +171,7 @@ class CheckpointStatus:
 
 
 # ---- files: hashing, fsync, atomic replace, verification ----
+
 
 def sha256_file(path: Path, *, fsync: bool = False) -> str:
     """sha256 of a file read in 4 MiB chunks; ``fsync`` also flushes it to stable storage."""
@@ -215,7 +232,9 @@ def check_dir(ckpt_dir: Path, *, deep: bool = True) -> tuple[Manifest | None, bu
     m = STEP_DIR_RE.fullmatch(ckpt_dir.name)
     problems = []
     if m and int(m.group(1)) != manifest.step:
-        problems.append(f"{MANIFEST} says step {manifest.step}, the directory is named {ckpt_dir.name}")
+        problems.append(
+            f"{MANIFEST} says step {manifest.step}, the directory is named {ckpt_dir.name}"
+        )
     present = _files(ckpt_dir)
     same_size = {}
     for rel, entry in manifest.files.items():
@@ -228,7 +247,11 @@ def check_dir(ckpt_dir: Path, *, deep: bool = True) -> tuple[Manifest | None, bu
             problems.append(f"{rel}: {size} bytes, the manifest says {entry.size} ({how})")
         else:
             same_size[rel] = present[rel]
-    problems += [f"{rel}: not in the manifest (added after the commit)" for rel in present if rel not in manifest.files]
+    problems += [
+        f"{rel}: not in the manifest (added after the commit)"
+        for rel in present
+        if rel not in manifest.files
+    ]
     if deep:
         for rel, entry in _hash_all(same_size, fsync=False).items():
             if entry != manifest.files[rel]:
@@ -246,9 +269,11 @@ def status_of(ckpt_dir: Path, problems: builtins.list[str]) -> Status:
 
 # ---- the store ----
 
+
 @dataclass
 class CheckpointStore:
     """``RUN_DIR/checkpoints``. One instance per run writes (see the module docstring); any number read."""
+
     root: Path
     keep_last: int = 3
     _pending: set[Path] = field(default_factory=set, init=False, repr=False)
@@ -279,7 +304,12 @@ class CheckpointStore:
         for p in sorted(self.root.iterdir()):
             if _DEBRIS.fullmatch(p.name) and p not in self._pending:
                 what = "a partial write" if TMP_DIR_RE.fullmatch(p.name) else "left over"
-                log.warning("checkpoint store %s: removing %s (%s, from an earlier session)", self.root, p.name, what)
+                log.warning(
+                    "checkpoint store %s: removing %s (%s, from an earlier session)",
+                    self.root,
+                    p.name,
+                    what,
+                )
                 _remove(p)
                 removed.append(p)
         return removed
@@ -288,11 +318,15 @@ class CheckpointStore:
         """Seal ``pending``: manifest, rename to ``step_N``, point ``latest`` at it, prune. Called by one
         process after every writer finished."""
         if pending.path not in self._pending:
-            raise CheckpointStorageError(f"{pending.path}: not a pending checkpoint of this store (already committed, "
-                                         "aborted, or begun by another store)")
+            raise CheckpointStorageError(
+                f"{pending.path}: not a pending checkpoint of this store (already committed, "
+                "aborted, or begun by another store)"
+            )
         src = pending.path
         if (src / MANIFEST).exists():
-            raise CheckpointStorageError(f"{src}: writers must not create {MANIFEST} (reserved for the commit)")
+            raise CheckpointStorageError(
+                f"{src}: writers must not create {MANIFEST} (reserved for the commit)"
+            )
         meta = dict(meta or {})
         try:
             json.dumps(meta)
@@ -302,7 +336,9 @@ class CheckpointStore:
         for dirpath, _, _ in os.walk(src, topdown=False):
             fsync_dir(Path(dirpath))
         manifest = Manifest(pending.step, time.time(), meta, files)
-        atomic_write_bytes(src / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
+        atomic_write_bytes(
+            src / MANIFEST, (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
+        )
 
         name = step_dir_name(pending.step)
         target = self.root / name
@@ -336,9 +372,14 @@ class CheckpointStore:
         complete = [c for c in self._step_dirs() if (c[1] / MANIFEST).exists()]
         newer = [(s, p) for s, p in complete if s > committed]
         older = sorted((c for c in complete if c[0] < committed), reverse=True)
-        doomed = [(p, f"from a trajectory the run left (it resumed before step {s} and committed step {committed})")
-                  for s, p in newer]
-        doomed += [(p, f"keep_last={self.keep_last}") for _, p in older[self.keep_last - 1:]]
+        doomed = [
+            (
+                p,
+                f"from a trajectory the run left (it resumed before step {s} and committed step {committed})",
+            )
+            for s, p in newer
+        ]
+        doomed += [(p, f"keep_last={self.keep_last}") for _, p in older[self.keep_last - 1 :]]
         for path, why in doomed:
             log.info("checkpoint store %s: deleting %s (%s)", self.root, path.name, why)
             _remove(self._to_trash(path))
@@ -349,8 +390,11 @@ class CheckpointStore:
         """(step, path) of every ``step_N`` directory, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := STEP_DIR_RE.fullmatch(p.name)) and p.is_dir()]
+        found = [
+            (int(m.group(1)), p)
+            for p in self.root.iterdir()
+            if (m := STEP_DIR_RE.fullmatch(p.name)) and p.is_dir()
+        ]
         return sorted(found)
 
     def latest_step(self) -> int | None:
@@ -361,7 +405,12 @@ class CheckpointStore:
             return None
         m = STEP_DIR_RE.fullmatch(text)
         if not m:
-            log.warning("checkpoint store %s: %s holds %r, not a step directory name", self.root, LATEST, text[:80])
+            log.warning(
+                "checkpoint store %s: %s holds %r, not a step directory name",
+                self.root,
+                LATEST,
+                text[:80],
+            )
             return None
         return int(m.group(1))
 
@@ -381,8 +430,10 @@ class CheckpointStore:
             return Checkpoint(step, path, Manifest.read(path))
         except FileNotFoundError:
             have = [s for s, _ in self._step_dirs()]
-            raise CheckpointStorageError(f"no committed checkpoint for step {step} in {self.root} "
-                                         f"(steps there: {have or 'none'})") from None
+            raise CheckpointStorageError(
+                f"no committed checkpoint for step {step} in {self.root} "
+                f"(steps there: {have or 'none'})"
+            ) from None
 
     def verify(self, step: int, deep: bool = True) -> builtins.list[str]:
         """Problems with checkpoint ``step`` (empty: good). Shallow (``deep=False``): file set and sizes."""
@@ -397,25 +448,46 @@ class CheckpointStore:
         pointer = self.latest_step()
         dirs = self._step_dirs()
         if pointer is not None and pointer not in {s for s, _ in dirs}:
-            log.warning("checkpoint store %s: %s names %s, which does not exist", self.root, LATEST,
-                        step_dir_name(pointer))
+            log.warning(
+                "checkpoint store %s: %s names %s, which does not exist",
+                self.root,
+                LATEST,
+                step_dir_name(pointer),
+            )
         for p in self._partials():
-            log.warning("checkpoint store %s: ignoring %s (a write that never committed)", self.root, p.name)
+            log.warning(
+                "checkpoint store %s: ignoring %s (a write that never committed)", self.root, p.name
+            )
         for step, path in reversed(dirs):
             manifest, problems = check_dir(path, deep=deep)
             if manifest is not None and not problems:
                 if pointer is not None and step != pointer:
-                    log.warning("checkpoint store %s: using %s although %s names %s", self.root, path.name, LATEST,
-                                step_dir_name(pointer))
+                    log.warning(
+                        "checkpoint store %s: using %s although %s names %s",
+                        self.root,
+                        path.name,
+                        LATEST,
+                        step_dir_name(pointer),
+                    )
                 return Checkpoint(step, path, manifest)
             more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-            log.warning("checkpoint store %s: skipping %s: %s%s", self.root, path.name, "; ".join(problems[:3]), more)
+            log.warning(
+                "checkpoint store %s: skipping %s: %s%s",
+                self.root,
+                path.name,
+                "; ".join(problems[:3]),
+                more,
+            )
         return None
 
     def _partials(self) -> builtins.list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if TMP_DIR_RE.fullmatch(p.name) and p not in self._pending)
+        return sorted(
+            p
+            for p in self.root.iterdir()
+            if TMP_DIR_RE.fullmatch(p.name) and p not in self._pending
+        )
 
     def statuses(self, deep: bool = False) -> builtins.list[CheckpointStatus]:
         """Every committed, corrupt or partial checkpoint directory, by step (partials after commits of the
@@ -423,11 +495,23 @@ class CheckpointStore:
         rows = []
         for step, path in self._step_dirs():
             manifest, problems = check_dir(path, deep=deep)
-            rows.append(CheckpointStatus(path.name, step, path, status_of(path, problems), tuple(problems), manifest))
+            rows.append(
+                CheckpointStatus(
+                    path.name, step, path, status_of(path, problems), tuple(problems), manifest
+                )
+            )
         for path in self._partials():
             step = int(TMP_DIR_RE.fullmatch(path.name).group(1))  # type: ignore[union-attr]
-            rows.append(CheckpointStatus(path.name, step, path, "partial", ("never committed (being written, or a "
-                                         "crashed write)",), None))
+            rows.append(
+                CheckpointStatus(
+                    path.name,
+                    step,
+                    path,
+                    "partial",
+                    ("never committed (being written, or a crashed write)",),
+                    None,
+                )
+            )
         return sorted(rows, key=lambda r: (r.step, r.name.startswith(".")))
 
 

@@ -36,7 +36,13 @@ OPTIMIZER_DIR = "optimizer"
 RANKS_DIR = "ranks"
 # the role's optimizer_checkpoint -> megatron's distributed optimizer checkpoint format
 SHARDING_TYPES = {"sharded": "dp_reshardable", "reshardable": "fully_reshardable"}
-LAYOUT_KEYS = ("tp", "pp", "vpp", "ep", "etp")  # what a dp_reshardable optimizer checkpoint is pinned to
+LAYOUT_KEYS = (
+    "tp",
+    "pp",
+    "vpp",
+    "ep",
+    "etp",
+)  # what a dp_reshardable optimizer checkpoint is pinned to
 
 
 def _rank_file(role_dir: Path, rank: int) -> Path:
@@ -63,21 +69,38 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     role_dir = Path(role_dir)
     rank = dist.get_rank()
-    save_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR, worker.options.model_dir,
-                          {"optimizer_steps": worker.optimizer_steps})
-    stepped = worker.optimizer_steps > 0  # before the first step megatron's optimizer has no state to save
+    save_mcore_checkpoint(
+        worker.chunks,
+        role_dir / MODEL_DIR,
+        worker.options.model_dir,
+        {"optimizer_steps": worker.optimizer_steps},
+    )
+    stepped = (
+        worker.optimizer_steps > 0
+    )  # before the first step megatron's optimizer has no state to save
     if stepped:
         opt_dir = role_dir / OPTIMIZER_DIR
         if rank == 0:
             opt_dir.mkdir(parents=True)
         dist.barrier()
-        dist_checkpointing.save(_megatron_optimizer_state(worker, _sharding_type(worker), is_loading=False),
-                                str(opt_dir), sharded_strategy=save_strategy())
+        dist_checkpointing.save(
+            _megatron_optimizer_state(worker, _sharding_type(worker), is_loading=False),
+            str(opt_dir),
+            sharded_strategy=save_strategy(),
+        )
     layout = _layout(worker)
-    own = {"rank": rank, "world": dist.get_world_size(), "optimizer_steps": worker.optimizer_steps,
-           "megatron_optimizer": {"stepped": stepped, "distributed": bool(worker.options.distributed_optimizer),
-                                  "sharding_type": _sharding_type(worker), "layout": layout},
-           "rng": save_rng_states()}
+    own = {
+        "rank": rank,
+        "world": dist.get_world_size(),
+        "optimizer_steps": worker.optimizer_steps,
+        "megatron_optimizer": {
+            "stepped": stepped,
+            "distributed": bool(worker.options.distributed_optimizer),
+            "sharding_type": _sharding_type(worker),
+            "layout": layout,
+        },
+        "rng": save_rng_states(),
+    }
     path = _rank_file(role_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(own, path)
@@ -101,39 +124,67 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     first = _rank_file(role_dir, 0)
     if not first.is_file():
-        raise CheckpointError(f"{role_dir}: no rank files ({RANKS_DIR}/rank_*.pt): not a trainer checkpoint")
+        raise CheckpointError(
+            f"{role_dir}: no rank files ({RANKS_DIR}/rank_*.pt): not a trainer checkpoint"
+        )
     saved_by = torch.load(first, weights_only=False)
     if "megatron_optimizer" not in saved_by:
-        raise CheckpointError(f"{role_dir} holds the state of optimizer=torch (AdamW on the weights), which was "
-                              "removed: resume it with the rollhpc that wrote it, or start from its model "
-                              f"({role_dir / MODEL_DIR}, e.g. converted with `rollhpc convert mcore-to-hf`)")
+        raise CheckpointError(
+            f"{role_dir} holds the state of optimizer=torch (AdamW on the weights), which was "
+            "removed: resume it with the rollhpc that wrote it, or start from its model "
+            f"({role_dir / MODEL_DIR}, e.g. converted with `rollhpc convert mcore-to-hf`)"
+        )
     marker = saved_by["megatron_optimizer"]
-    sharding = marker.get("sharding_type", "fully_reshardable")  # (checkpoints of 2026-11-26 do not say)
+    sharding = marker.get(
+        "sharding_type", "fully_reshardable"
+    )  # (checkpoints of 2026-11-26 do not say)
     layout = _layout(worker)
-    if marker["stepped"] and sharding == "dp_reshardable" and marker.get("layout", layout) != layout:
-        changed = ", ".join(f"{k} {marker['layout'][k]} -> {layout[k]}" for k in LAYOUT_KEYS
-                            if marker["layout"][k] != layout[k])
-        raise CheckpointError(f"{role_dir}: its optimizer state was saved sharded (optimizer_checkpoint: sharded), "
-                              f"which reshards over DP only, and this role's layout differs ({changed}): resume "
-                              "with the saved TP/PP/EP, or save with optimizer_checkpoint: reshardable")
+    if (
+        marker["stepped"]
+        and sharding == "dp_reshardable"
+        and marker.get("layout", layout) != layout
+    ):
+        changed = ", ".join(
+            f"{k} {marker['layout'][k]} -> {layout[k]}"
+            for k in LAYOUT_KEYS
+            if marker["layout"][k] != layout[k]
+        )
+        raise CheckpointError(
+            f"{role_dir}: its optimizer state was saved sharded (optimizer_checkpoint: sharded), "
+            f"which reshards over DP only, and this role's layout differs ({changed}): resume "
+            "with the saved TP/PP/EP, or save with optimizer_checkpoint: reshardable"
+        )
     if saved_by["world"] == world:
         own = saved_by if rank == 0 else torch.load(_rank_file(role_dir, rank), weights_only=False)
     else:
-        log.info("%s: saved by %d ranks, resumed by %d: the optimizer state is resharded, the ranks' RNG states "
-                 "start fresh", role_dir, saved_by["world"], world)
+        log.info(
+            "%s: saved by %d ranks, resumed by %d: the optimizer state is resharded, the ranks' RNG states "
+            "start fresh",
+            role_dir,
+            saved_by["world"],
+            world,
+        )
         own = {**saved_by, "rng": None}
     load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
     _load_without_per_parameter_step()
     worker.optimizer.reload_model_params()  # the fp32 main parameters from the model just loaded
-    if own["megatron_optimizer"]["stepped"]:  # then the saved ones (the exact fp32 values), moments and step
+    if own["megatron_optimizer"][
+        "stepped"
+    ]:  # then the saved ones (the exact fp32 values), moments and step
         _give_state_to_load_into(worker.optimizer)
         try:
-            state = dist_checkpointing.load(_megatron_optimizer_state(worker, sharding, is_loading=True),
-                                            str(role_dir / OPTIMIZER_DIR))
+            state = dist_checkpointing.load(
+                _megatron_optimizer_state(worker, sharding, is_loading=True),
+                str(role_dir / OPTIMIZER_DIR),
+            )
         except Exception as e:  # noqa: BLE001 - megatron raises several types for a bad directory
-            raise CheckpointError(f"cannot load the optimizer state in {role_dir / OPTIMIZER_DIR}: "
-                                  f"{type(e).__name__}: {e}") from e
-        with torch.no_grad():  # fp32 parameters are their own main parameters: the load copies into the model's leaves
+            raise CheckpointError(
+                f"cannot load the optimizer state in {role_dir / OPTIMIZER_DIR}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        with (
+            torch.no_grad()
+        ):  # fp32 parameters are their own main parameters: the load copies into the model's leaves
             worker.optimizer.load_state_dict(state)
         _restore_steps(worker.optimizer)
     worker.optimizer_steps = own["optimizer_steps"]
@@ -158,10 +209,13 @@ def _megatron_optimizer_state(worker: Any, sharding_type: str, is_loading: bool)
     rank, ~12 bytes a parameter on each, which a 0.5B model at DP 2 on a 24 GiB node did not survive)."""
     from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
 
-    metadata = {"distrib_optim_sharding_type": sharding_type,
-                "distrib_optim_fully_reshardable_mem_efficient": sharding_type == "fully_reshardable"}
-    return worker.optimizer.sharded_state_dict(chunks_sharded_state_dict(worker.chunks), is_loading=is_loading,
-                                               metadata=metadata)
+    metadata = {
+        "distrib_optim_sharding_type": sharding_type,
+        "distrib_optim_fully_reshardable_mem_efficient": sharding_type == "fully_reshardable",
+    }
+    return worker.optimizer.sharded_state_dict(
+        chunks_sharded_state_dict(worker.chunks), is_loading=is_loading, metadata=metadata
+    )
 
 
 def _give_state_to_load_into(optimizer: Any) -> None:
@@ -195,7 +249,9 @@ def _load_without_per_parameter_step() -> None:
     def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> None:
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
-            step = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]].get("step")
+            step = self.optimizer.state[
+                self.optimizer.param_groups[group_index]["params"][group_order]
+            ].get("step")
             if step is not None:
                 tensors = {**tensors, "step": step}
         real(self, model_param, tensors)
@@ -217,5 +273,8 @@ def _restore_steps(optimizer: Any) -> None:
                 state = inner.state.get(param, {})
                 if torch.is_tensor(state.get("step")):
                     saved = group.get("step")
-                    state["step"] = (torch.tensor(float(saved), dtype=state["step"].dtype) if saved is not None
-                                     else state["step"].clone())
+                    state["step"] = (
+                        torch.tensor(float(saved), dtype=state["step"].dtype)
+                        if saved is not None
+                        else state["step"].clone()
+                    )

@@ -8,7 +8,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rollhpc.cli import ckpt, configs, convert, env, plan, report, sandbox, sft, status, submit, train
+from rollhpc.cli import (
+    ckpt,
+    configs,
+    convert,
+    env,
+    plan,
+    report,
+    sandbox,
+    sft,
+    status,
+    submit,
+    train,
+)
 from rollhpc.cli.experiment import compose, load_experiment
 from rollhpc.config import ConfigError
 
@@ -36,9 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rollhpc {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> its parser, for main's errors
-    for add in (configs.add_parser, train.add_parser, plan.add_parser, submit.add_parser, status.add_parser,
-                report.add_parser, sft.add_parser, convert.add_convert_parser, convert.add_export_parser,
-                ckpt.add_parser, sandbox.add_parser, env.add_parser):  # the order `rollhpc --help` lists them in
+    for add in (
+        configs.add_parser,
+        train.add_parser,
+        plan.add_parser,
+        submit.add_parser,
+        status.add_parser,
+        report.add_parser,
+        sft.add_parser,
+        convert.add_convert_parser,
+        convert.add_export_parser,
+        ckpt.add_parser,
+        sandbox.add_parser,
+        env.add_parser,
+    ):  # the order `rollhpc --help` lists them in
         add(sub)
     return p
 
@@ -47,9 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
-    stray = [x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")]
+    stray = [
+        x for x in extra if x.startswith("-") or "=" not in x or not hasattr(args, "overrides")
+    ]
     if stray and args.command != "convert":  # the subcommand's usage, which lists its flags
-        parser.subcommands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(stray)}")
+        parser.subcommands.get(args.command, parser).error(
+            f"unrecognized arguments: {' '.join(stray)}"
+        )
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]
     try:

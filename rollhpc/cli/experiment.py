@@ -20,11 +20,17 @@ from rollhpc.rundir import RunPaths, atomic_write_text
 
 def experiment_args(sp: argparse.ArgumentParser) -> None:
     """The arguments every command that reads an experiment takes."""
-    sp.add_argument("experiment", help="experiment name (`rollhpc configs` lists them) or path to a .yaml")
+    sp.add_argument(
+        "experiment", help="experiment name (`rollhpc configs` lists them) or path to a .yaml"
+    )
     sp.add_argument("overrides", nargs="*", help="hydra overrides, key=value")
-    sp.add_argument("--print-config", action="store_true", help="print the resolved configuration (the YAML "
-                    "with the overrides applied and every default filled in, as the run's config.yaml will "
-                    "hold it) and exit")
+    sp.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration (the YAML "
+        "with the overrides applied and every default filled in, as the run's config.yaml will "
+        "hold it) and exit",
+    )
 
 
 def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
@@ -57,8 +63,10 @@ def experiment_path(experiment: str) -> Path:
         found = experiments.find(experiment)
         if found is None:
             known = [e.name for e in experiments.available()]
-            raise ConfigError(f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml; "
-                              f"`rollhpc configs` lists them with where they are)")
+            raise ConfigError(
+                f"unknown experiment {experiment!r}; known: {', '.join(known)} (or a path to a .yaml; "
+                f"`rollhpc configs` lists them with where they are)"
+            )
         path = found
     return path
 
@@ -119,8 +127,10 @@ def check_override_syntax(overrides: list[str]) -> None:
             parser.parse_override(override if override.startswith(("+", "~")) else f"++{override}")
         except HydraException as e:
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError(f"override {override!r}: {first} (hydra syntax: key=value; quote a value with "
-                              f"brackets, commas or spaces, e.g. 'key=[1, 2]' or key=\"a b\")") from None
+            raise ConfigError(
+                f"override {override!r}: {first} (hydra syntax: key=value; quote a value with "
+                f"brackets, commas or spaces, e.g. 'key=[1, 2]' or key=\"a b\")"
+            ) from None
 
 
 def load_experiment(experiment: str, overrides: list[str]) -> ExperimentConfig:
@@ -138,11 +148,15 @@ def prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool =
         return resume_run_dir(cfg, plan, run_dir)
     if run_dir.exists():
         if not overwrite:
-            raise ConfigError(f"run directory {run_dir} exists; pick another run.name=..., pass --resume to "
-                              "continue it from its checkpoint, or --overwrite to start again")
+            raise ConfigError(
+                f"run directory {run_dir} exists; pick another run.name=..., pass --resume to "
+                "continue it from its checkpoint, or --overwrite to start again"
+            )
         shutil.rmtree(run_dir)
     RunPaths(run_dir).logs.mkdir(parents=True)
-    atomic_write_text(RunPaths(run_dir).config, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
+    atomic_write_text(
+        RunPaths(run_dir).config, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False)
+    )
     plan.save(RunPaths(run_dir).plan)
     return run_dir
 
@@ -152,23 +166,35 @@ def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
     and data cursor depend on it); the world's processes find its newest good checkpoint themselves."""
     saved_path = RunPaths(run_dir).config
     if not saved_path.is_file():
-        raise ConfigError(f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume")
+        raise ConfigError(
+            f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume"
+        )
     saved = yaml.safe_load(saved_path.read_text())
-    now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))  # as config.yaml holds it
+    now = yaml.safe_load(
+        yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False)
+    )  # as config.yaml holds it
     # where the run directory is was settled by finding it (a relative output_dir depends on the cwd), and
     # the machines (cluster.*: partition, time limit, nodes) do not change what a checkpoint holds
     # and export_hf only decides what is written after the last step (resuming a finished run with export_hf=final
     # exports it)
-    differ = sorted(k for k in _differing_keys(saved, now)
-                    if k not in ("run.output_dir", "pipeline.options.export_hf") and not k.startswith("cluster."))
+    differ = sorted(
+        k
+        for k in _differing_keys(saved, now)
+        if k not in ("run.output_dir", "pipeline.options.export_hf")
+        and not k.startswith("cluster.")
+    )
     if differ:
-        raise ConfigError(f"--resume: the configuration differs from the run's {saved_path} in "
-                          f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings")
+        raise ConfigError(
+            f"--resume: the configuration differs from the run's {saved_path} in "
+            f"{', '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}; resume with the same settings"
+        )
     RunPaths(run_dir).error.unlink(missing_ok=True)  # the last attempt's failure is history now
     if now != saved:
         from rollhpc.rundir import atomic_write_bytes
 
-        atomic_write_bytes(saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode())
+        atomic_write_bytes(
+            saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode()
+        )
     plan.save(RunPaths(run_dir).plan)
     return run_dir
 
@@ -200,7 +226,10 @@ def check_inputs(cfg: ExperimentConfig, refuse: bool) -> None:
     if problems and refuse:
         raise ConfigError("; ".join(problems))
     for problem in problems:
-        print(f"rollhpc: warning: {problem}; train and submit refuse to start without it", file=sys.stderr)
+        print(
+            f"rollhpc: warning: {problem}; train and submit refuse to start without it",
+            file=sys.stderr,
+        )
 
 
 def estimate_memory(cfg: Any, plan: Any) -> Any:

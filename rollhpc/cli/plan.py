@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from rollhpc.cli.experiment import check_inputs, estimate_memory, experiment_args, load_experiment, print_config
+from rollhpc.cli.experiment import (
+    check_inputs,
+    estimate_memory,
+    experiment_args,
+    load_experiment,
+    print_config,
+)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -20,7 +26,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(plan.to_json())
     else:
-        for line in render(cfg, plan, ranks=not args.no_ranks, groups=args.groups, max_groups=args.max_groups):
+        for line in render(
+            cfg, plan, ranks=not args.no_ranks, groups=args.groups, max_groups=args.max_groups
+        ):
             print(line)
         for line in memory.render() if memory else ():
             print(line)
@@ -31,17 +39,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    pl = sub.add_parser("plan", help="print where every rank of every role runs (node, GPUs, het group) and its "
-                        "parallel groups", description="Validate an experiment's device mapping against its cluster "
-                        "description (cluster.nodes, cluster.gpus_per_node, ...) and print the plan, without "
-                        "starting or submitting anything. Impossible mappings fail with one message. For GPU roles "
-                        "it also estimates each GPU's memory stage by stage (generate, reference, train, weight "
-                        "sync...), with colocated roles all resident (offload off) and taking turns (offload on), "
-                        "from the models' config.json; with cluster.gpu_memory_gb set, a mapping whose peak "
-                        "exceeds it even with offload is refused here and by submit.")
+    pl = sub.add_parser(
+        "plan",
+        help="print where every rank of every role runs (node, GPUs, het group) and its "
+        "parallel groups",
+        description="Validate an experiment's device mapping against its cluster "
+        "description (cluster.nodes, cluster.gpus_per_node, ...) and print the plan, without "
+        "starting or submitting anything. Impossible mappings fail with one message. For GPU roles "
+        "it also estimates each GPU's memory stage by stage (generate, reference, train, weight "
+        "sync...), with colocated roles all resident (offload off) and taking turns (offload on), "
+        "from the models' config.json; with cluster.gpu_memory_gb set, a mapping whose peak "
+        "exceeds it even with offload is refused here and by submit.",
+    )
     experiment_args(pl)
-    pl.add_argument("--groups", action="store_true", help="also print each role's parallel groups (tp, cp, dp, pp, ...)")
-    pl.add_argument("--max-groups", type=int, default=4, help="groups shown per kind (0 = all; default 4)")
+    pl.add_argument(
+        "--groups",
+        action="store_true",
+        help="also print each role's parallel groups (tp, cp, dp, pp, ...)",
+    )
+    pl.add_argument(
+        "--max-groups", type=int, default=4, help="groups shown per kind (0 = all; default 4)"
+    )
     pl.add_argument("--no-ranks", action="store_true", help="omit the per-rank table")
     pl.add_argument("--json", action="store_true", help="print the plan as JSON")
     pl.set_defaults(func=cmd_plan)

@@ -7,8 +7,6 @@ import sys
 from pathlib import Path
 
 
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     from rollhpc.observability.report import summarize, load_run, write_report
 
@@ -27,17 +25,24 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    rp = sub.add_parser("report", help="plots and a summary of one run, or several compared on the same axes",
-                        description="Write PNG figures of a run (finished or in progress) and a text summary: "
-                        "learning.png (reward and held-out accuracy against step and against wall time, restarts "
-                        "and requeues from restarts.jsonl marked as dashed lines), throughput.png (tokens/s, the "
-                        "generators' idle fraction), stages.png (each step's time by stage: rollout, old "
-                        "log-probs, reference, train, weight sync, evaluation, the rest), training.png (loss, "
-                        "gradient norm, clip fraction, response length, entropy, KL: each one logged, raw and "
-                        "smoothed), summary.txt. Given several runs, each curve is one run (named by its "
-                        "directory where two share a name). Files are replaced atomically.",
-                        epilog="Example: rollhpc report runs/quickstart runs/quickstart_pp2 --out cmp/. "
-                        "Exit status: 0, or 2 when a RUN_DIR has no metrics.jsonl.")
-    rp.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories, runs/NAME")
-    rp.add_argument("--out", type=Path, metavar="DIR", help="where the files go (default: FIRST_RUN_DIR/report)")
+    rp = sub.add_parser(
+        "report",
+        help="plots and a summary of one run, or several compared on the same axes",
+        description="Write PNG figures of a run (finished or in progress) and a text summary: "
+        "learning.png (reward and held-out accuracy against step and against wall time, restarts "
+        "and requeues from restarts.jsonl marked as dashed lines), throughput.png (tokens/s, the "
+        "generators' idle fraction), stages.png (each step's time by stage: rollout, old "
+        "log-probs, reference, train, weight sync, evaluation, the rest), training.png (loss, "
+        "gradient norm, clip fraction, response length, entropy, KL: each one logged, raw and "
+        "smoothed), summary.txt. Given several runs, each curve is one run (named by its "
+        "directory where two share a name). Files are replaced atomically.",
+        epilog="Example: rollhpc report runs/quickstart runs/quickstart_pp2 --out cmp/. "
+        "Exit status: 0, or 2 when a RUN_DIR has no metrics.jsonl.",
+    )
+    rp.add_argument(
+        "run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="run directories, runs/NAME"
+    )
+    rp.add_argument(
+        "--out", type=Path, metavar="DIR", help="where the files go (default: FIRST_RUN_DIR/report)"
+    )
     rp.set_defaults(func=cmd_report)

@@ -7,8 +7,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from rollhpc.cli.experiment import (check_inputs, estimate_memory, experiment_args, load_experiment, prepare_inputs,
-                                    prepare_run_dir, print_config)
+from rollhpc.cli.experiment import (
+    check_inputs,
+    estimate_memory,
+    experiment_args,
+    load_experiment,
+    prepare_inputs,
+    prepare_run_dir,
+    print_config,
+)
 from rollhpc.config import ConfigError
 from rollhpc.rundir import RunPaths
 
@@ -30,8 +37,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     missing = [tool for tool in ("sbatch", "srun", "sacct") if not shutil.which(tool)]
     if missing:
-        print(f"rollhpc submit: {', '.join(missing)} not found: run it on a Slurm login node (or add --dry-run "
-              f"to see the batch script)", file=sys.stderr)
+        print(
+            f"rollhpc submit: {', '.join(missing)} not found: run it on a Slurm login node (or add --dry-run "
+            f"to see the batch script)",
+            file=sys.stderr,
+        )
         return 2
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
@@ -40,15 +50,24 @@ def cmd_submit(args: argparse.Namespace) -> int:
     prepare_inputs(cfg)
     run_dir = prepare_run_dir(cfg, plan, args.overwrite, args.resume)
     job = submit(cfg, plan, run_dir)  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
-    print(f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
-          f"output in {run_dir}", file=sys.stderr)
+    print(
+        f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
+        f"output in {run_dir}",
+        file=sys.stderr,
+    )
     if not args.wait:
         return 0
     state = wait_for_job(job.job_id, release_held=cfg.cluster.release_held, run_dir=run_dir)
     if state != "COMPLETED" or RunPaths(run_dir).error.exists():
-        print(f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}", file=sys.stderr)
+        print(
+            f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}",
+            file=sys.stderr,
+        )
         return 1
-    print(f"rollhpc: job {job.job_id} completed; metrics in {RunPaths(run_dir).metrics}", file=sys.stderr)
+    print(
+        f"rollhpc: job {job.job_id} completed; metrics in {RunPaths(run_dir).metrics}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -62,24 +81,38 @@ def _refuse_if_job_active(run_dir: Path) -> None:
     job_id = id_file.read_text().strip()
     active = {c: st for c, st in component_states(job_id).items() if st not in TERMINAL}
     if active:
-        raise ConfigError(f"--resume: job {job_id} of {run_dir} is still {sorted(set(active.values()))[0]} (it "
-                          f"continues the run by itself after a time limit or a lost node); wait for it to end or "
-                          f"`scancel {job_id}` first")
+        raise ConfigError(
+            f"--resume: job {job_id} of {run_dir} is still {sorted(set(active.values()))[0]} (it "
+            f"continues the run by itself after a time limit or a lost node); wait for it to end or "
+            f"`scancel {job_id}` first"
+        )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
 
-    sb = sub.add_parser("submit", help="submit an experiment to Slurm as one heterogeneous job",
-                        description="Plan the experiment on cluster.* (nodes, GPUs per node, partition...), then "
-                        "submit one heterogeneous Slurm job (one component per placement group) whose single MPMD "
-                        "srun starts the controller and every worker in one MPI world. Run from a login node; "
-                        "runs/NAME must be on a filesystem the compute nodes share.")
+    sb = sub.add_parser(
+        "submit",
+        help="submit an experiment to Slurm as one heterogeneous job",
+        description="Plan the experiment on cluster.* (nodes, GPUs per node, partition...), then "
+        "submit one heterogeneous Slurm job (one component per placement group) whose single MPMD "
+        "srun starts the controller and every worker in one MPI world. Run from a login node; "
+        "runs/NAME must be on a filesystem the compute nodes share.",
+    )
     experiment_args(sb)
     sb.add_argument("--dry-run", action="store_true", help="print the sbatch script and exit")
-    sb.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 only if the run succeeded")
-    sb.add_argument("--overwrite", action="store_true", help="delete an existing run directory of the same name")
-    sb.add_argument("--resume", action="store_true",
-                    help="submit a new job for an existing run directory (same configuration; its last job must have "
-                    "ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
-                    "node failure: the job requeues itself (cluster.requeue, cluster.max_restarts)")
+    sb.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the job to end; exit 0 only if the run succeeded",
+    )
+    sb.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run directory of the same name"
+    )
+    sb.add_argument(
+        "--resume",
+        action="store_true",
+        help="submit a new job for an existing run directory (same configuration; its last job must have "
+        "ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
+        "node failure: the job requeues itself (cluster.requeue, cluster.max_restarts)",
+    )
     sb.set_defaults(func=cmd_submit)

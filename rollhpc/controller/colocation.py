@@ -54,27 +54,45 @@ def colocation_of(roles: dict[str, Any]) -> Colocation:
     from rollhpc.placement.device_mapping import nested_groups, rank_devices
 
     def offloads(name: str) -> bool:
-        return "offload_states" in remote_methods(import_object(roles[name].worker, f"roles.{name}.worker"))
+        return "offload_states" in remote_methods(
+            import_object(roles[name].worker, f"roles.{name}.worker")
+        )
 
     movable = [n for n in roles if offloads(n)]
     if not any(r.gpus_per_proc > 0 for r in roles.values()):
         if len(movable) < 2:
             return Colocation()
-        return Colocation((frozenset(movable),), {n: frozenset(range(roles[n].procs)) for n in movable})
-    lists = {n: roles[n].devices for n in movable if roles[n].gpus_per_proc > 0 and roles[n].devices is not None}
+        return Colocation(
+            (frozenset(movable),), {n: frozenset(range(roles[n].procs)) for n in movable}
+        )
+    lists = {
+        n: roles[n].devices
+        for n in movable
+        if roles[n].gpus_per_proc > 0 and roles[n].devices is not None
+    }
     ranks = {}
     for name in lists:
         others = {d for other, ids in lists.items() if other != name for d in ids}
-        shared = frozenset(g for g, mine in enumerate(rank_devices(roles[name])) if others.intersection(mine))
+        shared = frozenset(
+            g for g, mine in enumerate(rank_devices(roles[name])) if others.intersection(mine)
+        )
         if shared:
             ranks[name] = shared
     # roles joined by shared devices: the device mapping nests lists that meet, so they group under the largest
-    sets = [frozenset(names) for names in nested_groups({n: lists[n] for n in ranks}).values() if len(names) > 1]
+    sets = [
+        frozenset(names)
+        for names in nested_groups({n: lists[n] for n in ranks}).values()
+        if len(names) > 1
+    ]
     return Colocation(tuple(sets), ranks)
 
 
-def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocated: list[set[str]],
-              whole: set[str]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def moves_for(
+    needed: dict[str, set[str]],
+    loaded: dict[str, set[str]],
+    colocated: list[set[str]],
+    whole: set[str],
+) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(what to offload, what to reload), role -> parts, for a stage that needs ``needed`` when ``loaded`` is
     on the devices. Only the sets the stage's roles belong to make room: roles on other devices keep what they
     hold. A role in ``whole`` (a vLLM engine: weights and KV cache sleep together) that holds more than the
@@ -86,7 +104,9 @@ def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocate
     for r in affected:
         extra = loaded[r] - needed.get(r, set())
         if r in whole and needed.get(r) and extra:
-            contended = any(o != r and o in needed for group in colocated if r in group for o in group)
+            contended = any(
+                o != r and o in needed for group in colocated if r in group for o in group
+            )
             extra = set(loaded[r]) if contended else set()
         drop[r] = extra
     take = {r: parts - (loaded[r] - drop.get(r, set())) for r, parts in needed.items()}
@@ -96,8 +116,13 @@ def moves_for(needed: dict[str, set[str]], loaded: dict[str, set[str]], colocate
 class Residency:
     """Drives offload / reload of colocated roles between the stages of a step (``enter(stage)``)."""
 
-    def __init__(self, workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]], colocation: Colocation,
-                 offloaded_at_start: dict[str, list[str]] | None = None):
+    def __init__(
+        self,
+        workers: dict[str, Any],
+        stages: dict[str, dict[str, tuple[str, ...]]],
+        colocation: Colocation,
+        offloaded_at_start: dict[str, list[str]] | None = None,
+    ):
         offloaded_at_start = offloaded_at_start or {}
         self.workers = workers  # role -> its WorkerGroup
         self.stages = stages
@@ -105,10 +130,13 @@ class Residency:
         self.managed = {r for s in self.colocated for r in s}
         # the ranks of each role that move (the others hold their devices alone): a group call when it is all
         self.ranks = {r: sorted(colocation.ranks[r]) for r in self.managed}
-        self.whole = {r for r in self.managed if getattr(workers[r].worker_cls, "offloads_whole", False)}
+        self.whole = {
+            r for r in self.managed if getattr(workers[r].worker_cls, "offloads_whole", False)
+        }
         # all resident at start, but what the start-up turns offloaded (controller.startup)
-        self.loaded: dict[str, set[str]] = {r: self._own_parts(r) - set(offloaded_at_start.get(r, ()))
-                                            for r in self.managed}
+        self.loaded: dict[str, set[str]] = {
+            r: self._own_parts(r) - set(offloaded_at_start.get(r, ())) for r in self.managed
+        }
         self.record: dict[str, Any] = {}
         self.order: list[str] = []  # stages entered since the last step_metrics
         self.current: str | None = None
@@ -124,22 +152,31 @@ class Residency:
         """Offload what ``stage`` does not use from the colocated roles, then reload what it does."""
         if not self.managed:
             return
-        needed = {r: {p for p in parts if p in OFFLOADABLE} for r, parts in self.stages.get(stage, {}).items()
-                  if r in self.managed}
+        needed = {
+            r: {p for p in parts if p in OFFLOADABLE}
+            for r, parts in self.stages.get(stage, {}).items()
+            if r in self.managed
+        }
         if not needed or stage == self.current:  # nothing to change
             return
         self.current = stage
         self.order.append(stage)
         drop, take = moves_for(needed, self.loaded, self.colocated, self.whole)
-        entry = self.record.setdefault(stage, {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0,
-                                               "reloaded_gb": 0.0})  # a stage entered again adds to its numbers
-        for kind, moves, method in (("offload", drop, "offload_states"), ("reload", take, "reload_states")):
+        entry = self.record.setdefault(
+            stage, {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0, "reloaded_gb": 0.0}
+        )  # a stage entered again adds to its numbers
+        for kind, moves, method in (
+            ("offload", drop, "offload_states"),
+            ("reload", take, "reload_states"),
+        ):
             moves = {r: sorted(p) for r, p in moves.items() if p}
             if not moves:
                 continue
             t = time.perf_counter()
             futures = {r: self._submit(r, method, parts) for r, parts in moves.items()}
-            replies = {r: [x for f in fs for x in _as_list(f.result())] for r, fs in futures.items()}
+            replies = {
+                r: [x for f in fs for x in _as_list(f.result())] for r, fs in futures.items()
+            }
             entry[f"{kind}_s"] += time.perf_counter() - t
             for r, parts in moves.items():
                 if kind == "offload":
@@ -148,8 +185,10 @@ class Residency:
                     self.loaded[r] |= set(parts)
                 entry[f"{kind}ed_gb"] += sum(x.get("bytes", 0.0) for x in replies[r]) / 1e9
                 for key in ("allocated", "reserved"):
-                    entry[f"gpu_{key}_gb"] = max(entry.get(f"gpu_{key}_gb", 0.0),
-                                                 max(x.get(key, 0.0) for x in replies[r]) / 1e9)
+                    entry[f"gpu_{key}_gb"] = max(
+                        entry.get(f"gpu_{key}_gb", 0.0),
+                        max(x.get(key, 0.0) for x in replies[r]) / 1e9,
+                    )
             log.debug("stage %s: %s %s", stage, kind, moves)
 
     def _submit(self, role: str, method: str, parts: list[str]) -> list[Any]:
@@ -178,8 +217,12 @@ def submit_moves(group: Any, ranks: list[int], method: str, parts: list[str]) ->
     return [getattr(group.at(g), method).submit(parts) for g in ranks]
 
 
-def offload_after_startup(workers: dict[str, Any], stages: dict[str, dict[str, tuple[str, ...]]],
-                          colocation: Colocation, roles: list[str]) -> dict[str, list[str]]:
+def offload_after_startup(
+    workers: dict[str, Any],
+    stages: dict[str, dict[str, tuple[str, ...]]],
+    colocation: Colocation,
+    roles: list[str],
+) -> dict[str, list[str]]:
     """After a start-up turn (controller.startup, offload on): its roles' ranks that share GPUs give up what
     they hold (vLLM sleeps, Megatron moves its states to the host) before the next turn loads; returns
     role -> parts offloaded, the state a ``Residency`` starts from."""

@@ -19,8 +19,16 @@ class WorkerError(RunFailed):
     """A worker raised inside a call; ``details`` holds its traceback. ``role``, ``method``, ``err_type`` and
     ``message`` are the parts the failure classification reads (``rollhpc.controller.failure``)."""
 
-    def __init__(self, summary: str, details: str = "", *, role: str = "", method: str = "", err_type: str = "",
-                 message: str = ""):
+    def __init__(
+        self,
+        summary: str,
+        details: str = "",
+        *,
+        role: str = "",
+        method: str = "",
+        err_type: str = "",
+        message: str = "",
+    ):
         super().__init__(summary, details)
         self.role, self.method, self.err_type, self.message = role, method, err_type, message
 
@@ -29,10 +37,22 @@ class WorkerDied(RunFailed):
     """A worker process disappeared (killed, crashed in native code, node lost). ``host``: the node it ran
     on (Slurm's node name under Slurm), which a requeue excludes."""
 
-    def __init__(self, summary: str, details: str = "", host: str = "", *, role: str = "", method: str = "",
-                 collective_timeout: bool = False):
+    def __init__(
+        self,
+        summary: str,
+        details: str = "",
+        host: str = "",
+        *,
+        role: str = "",
+        method: str = "",
+        collective_timeout: bool = False,
+    ):
         super().__init__(summary, details)
-        self.host, self.role, self.method = host, role, method  # method: the call it was running, "" if idle
+        self.host, self.role, self.method = (
+            host,
+            role,
+            method,
+        )  # method: the call it was running, "" if idle
         # it ended itself: NCCL's watchdog found a collective past its timeout (a peer's fault, as often as not)
         self.collective_timeout = collective_timeout
 

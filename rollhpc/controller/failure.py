@@ -35,25 +35,37 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rollhpc.controller.errors import CallTimeout, RunFailed, WorkerDied, WorkerError, WorldNotFormed
+from rollhpc.controller.errors import (
+    CallTimeout,
+    RunFailed,
+    WorkerDied,
+    WorkerError,
+    WorldNotFormed,
+)
 from rollhpc.rundir.failure_kind import FailureKind
 
 # Errors that a dead or unreachable peer causes in the survivors, whatever library raised them. Matched against
 # the exception's type and message (not the traceback: user code mentioning "timeout" must not count).
-_COMM_TYPES = re.compile(r"^(DistNetworkError|DistBackendError|DistStoreError|ConnectionResetError|"
-                         r"ConnectionAbortedError|ConnectionRefusedError|BrokenPipeError|NcclError|ProcFailed)$"
-                         r"|MPI\.Exception")
+_COMM_TYPES = re.compile(
+    r"^(DistNetworkError|DistBackendError|DistStoreError|ConnectionResetError|"
+    r"ConnectionAbortedError|ConnectionRefusedError|BrokenPipeError|NcclError|ProcFailed)$"
+    r"|MPI\.Exception"
+)
 _COMM_TEXT = re.compile(
     r"gloo/transport|Connection reset by peer|Connection closed by peer|Connection refused|Broken pipe|"
     r"No route to host|Socket Timeout|Timed out waiting|timed out after|NCCL (?:error|communicator|WARN)|"
     r"ncclRemoteError|ncclSystemError|ncclInternalError|remote process exited|Watchdog caught collective|"
-    r"ProcessGroup\w* .*(?:abort|timeout)|MPI_ERR_|ProcFailed|ECONNRESET|EPIPE", re.IGNORECASE)
+    r"ProcessGroup\w* .*(?:abort|timeout)|MPI_ERR_|ProcFailed|ECONNRESET|EPIPE",
+    re.IGNORECASE,
+)
 
 
 # What torch's NCCL watchdog writes before it takes its process down: a collective past its timeout, or the
 # watchdog itself stuck. The rank that dies of it waited for a peer; its node is as likely healthy as not.
-_WATCHDOG_ABORT = re.compile(r"Watchdog caught collective operation timeout|ProcessGroupNCCL's watchdog got stuck|"
-                             r"taking the entire process down")
+_WATCHDOG_ABORT = re.compile(
+    r"Watchdog caught collective operation timeout|ProcessGroupNCCL's watchdog got stuck|"
+    r"taking the entire process down"
+)
 
 
 def is_watchdog_abort(log_tail: str) -> bool:
@@ -95,7 +107,9 @@ def _normalized(text: str) -> str:
     return re.sub(r"0x[0-9a-f]+|\d+", "#", text or "", flags=re.IGNORECASE)[:300]
 
 
-def signature(kind: FailureKind, role: str, method: str, err_type: str, message: str, step: int | None) -> str:
+def signature(
+    kind: FailureKind, role: str, method: str, err_type: str, message: str, step: int | None
+) -> str:
     return "|".join([kind, role, method, err_type, _normalized(message), str(step)])
 
 
@@ -104,23 +118,41 @@ def lost_signature(dead: WorkerDied, step: int | None) -> str:
     run's own code: the worker was idle (no call of the run's was running in it) or is known only from Slurm's
     node state. Chaos on 16 nodes ended a run that way: a reward rank's node lost at step 6, and after the
     restart another reward rank's node at step 6 again, taken as deterministic."""
-    return signature(FailureKind.LOST_WORKER, dead.role, dead.method, "", "", step) if dead.method else ""
+    return (
+        signature(FailureKind.LOST_WORKER, dead.role, dead.method, "", "", step)
+        if dead.method
+        else ""
+    )
 
 
-def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
-             down_hosts: Callable[[], list[str]], host_ranks: Callable[[str], list[str]] | None = None,
-             settle_s: float = 15.0, step: int | None = None) -> tuple[BaseException, Failure]:
+def classify(
+    exc: BaseException,
+    dead_worker: Callable[[], WorkerDied | None],
+    down_hosts: Callable[[], list[str]],
+    host_ranks: Callable[[str], list[str]] | None = None,
+    settle_s: float = 15.0,
+    step: int | None = None,
+) -> tuple[BaseException, Failure]:
     """(the exception to report, the verdict). ``dead_worker()``: a worker found gone now (the sideband);
     ``down_hosts()``: nodes of the world that Slurm says are down or not responding; ``host_ranks(host)``:
     the ranks on a node, for the message. A communication error gets the whole ``settle_s`` look (a dead
     node's TCP connections may take keepalive's ~11 s to drop); a timeout, or an error on the controller
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
-    if isinstance(exc, WorkerDied) and exc.collective_timeout:  # a lost peer, whichever: no node is blamed
-        return exc, _signed(FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog")
+    if (
+        isinstance(exc, WorkerDied) and exc.collective_timeout
+    ):  # a lost peer, whichever: no node is blamed
+        return exc, _signed(
+            FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog"
+        )
     if isinstance(exc, WorkerDied):
-        return exc, Failure(FailureKind.LOST_WORKER, exc.summary, [exc.host] if exc.host else [],
-                            lost_signature(exc, step), step=step)
+        return exc, Failure(
+            FailureKind.LOST_WORKER,
+            exc.summary,
+            [exc.host] if exc.host else [],
+            lost_signature(exc, step),
+            step=step,
+        )
     if isinstance(exc, WorldNotFormed):
         return exc, Failure(FailureKind.WORLD_NOT_FORMED, exc.summary, step=step)
     comm = timeout = False
@@ -130,9 +162,13 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
         role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
         comm = is_communication_error(err_type, message)
         if not comm:
-            return exc, _signed(FailureKind.ERROR, exc.summary, step, role, method, err_type, message)
+            return exc, _signed(
+                FailureKind.ERROR, exc.summary, step, role, method, err_type, message
+            )
     elif isinstance(exc, (CallTimeout, StalledCall)):
-        timeout = True  # the wait itself watched the workers all along: a short look finds a late death
+        timeout = (
+            True  # the wait itself watched the workers all along: a short look finds a late death
+        )
         err_type = type(exc).__name__
     elif not isinstance(exc, RunFailed):
         err_type = type(exc).__name__
@@ -141,27 +177,58 @@ def classify(exc: BaseException, dead_worker: Callable[[], WorkerDied | None],
     summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
     if (found := _death_within(look, dead_worker, down_hosts, host_ranks)) is not None:
         dead, hosts = found
-        died = WorkerDied(f"{dead.summary}; the error that surfaced first was its echo: {summary}",
-                          getattr(exc, "details", "") or dead.details, host=dead.host, role=dead.role,
-                          method=dead.method)
-        return died, Failure(FailureKind.LOST_WORKER, died.summary, hosts, lost_signature(dead, step),
-                             cause=summary, step=step)
+        died = WorkerDied(
+            f"{dead.summary}; the error that surfaced first was its echo: {summary}",
+            getattr(exc, "details", "") or dead.details,
+            host=dead.host,
+            role=dead.role,
+            method=dead.method,
+        )
+        return died, Failure(
+            FailureKind.LOST_WORKER,
+            died.summary,
+            hosts,
+            lost_signature(dead, step),
+            cause=summary,
+            step=step,
+        )
     if comm or timeout:
-        return exc, _signed(FailureKind.LOST_PEER, f"{summary} (a communication error or timeout, and no worker was "
-                                                   f"found gone within {look:g} s: a lost peer, restarted on the same "
-                                                   "nodes)", step, role, method, err_type, message)
+        return exc, _signed(
+            FailureKind.LOST_PEER,
+            f"{summary} (a communication error or timeout, and no worker was "
+            f"found gone within {look:g} s: a lost peer, restarted on the same "
+            "nodes)",
+            step,
+            role,
+            method,
+            err_type,
+            message,
+        )
     return exc, _signed(FailureKind.ERROR, summary, step, role, method, err_type, message)
 
 
-def _signed(kind: FailureKind, summary: str, step: int | None, role: str = "", method: str = "", err_type: str = "",
-            message: str = "") -> Failure:
+def _signed(
+    kind: FailureKind,
+    summary: str,
+    step: int | None,
+    role: str = "",
+    method: str = "",
+    err_type: str = "",
+    message: str = "",
+) -> Failure:
     """A verdict with its signature: the same kind, role, call and error at the same step again is the same
     failure (``rollhpc.launch.requeue`` ends a run that meets one twice in a row)."""
-    return Failure(kind, summary, signature=signature(kind, role, method, err_type, message, step), step=step)
+    return Failure(
+        kind, summary, signature=signature(kind, role, method, err_type, message, step), step=step
+    )
 
 
-def _death_within(look: float, dead_worker: Callable[[], WorkerDied | None], down_hosts: Callable[[], list[str]],
-                  host_ranks: Callable[[str], list[str]] | None) -> tuple[WorkerDied, list[str]] | None:
+def _death_within(
+    look: float,
+    dead_worker: Callable[[], WorkerDied | None],
+    down_hosts: Callable[[], list[str]],
+    host_ranks: Callable[[str], list[str]] | None,
+) -> tuple[WorkerDied, list[str]] | None:
     """(the worker found gone within ``look`` seconds, the hosts to keep away from), or None: none was, or one
     ended by NCCL's watchdog (it waited on a peer, as the error did: no node to blame)."""
     deadline = time.monotonic() + look
@@ -175,9 +242,12 @@ def _death_within(look: float, dead_worker: Callable[[], WorkerDied | None], dow
         if time.monotonic() >= next_slurm:
             next_slurm = time.monotonic() + 1.0
             if hosts := down_hosts():
-                who = ", ".join(f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in hosts)
-                return WorkerDied(f"node {who} of the run is down or not responding (Slurm's view)",
-                                  host=hosts[0]), hosts
+                who = ", ".join(
+                    f"{h} ({', '.join(host_ranks(h))})" if host_ranks else h for h in hosts
+                )
+                return WorkerDied(
+                    f"node {who} of the run is down or not responding (Slurm's view)", host=hosts[0]
+                ), hosts
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.1)

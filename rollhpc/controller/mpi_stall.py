@@ -19,8 +19,13 @@ from rollhpc.transport.mpi_channel import MpiChannel
 
 
 class MpiStallWatch:
-    def __init__(self, channel: MpiChannel, on_stall: Callable[[float], None], limit_s: float = 30.0,
-                 every_s: float = 1.0):
+    def __init__(
+        self,
+        channel: MpiChannel,
+        on_stall: Callable[[float], None],
+        limit_s: float = 30.0,
+        every_s: float = 1.0,
+    ):
         self.channel = channel
         self.on_stall = on_stall
         self.limit_s = limit_s

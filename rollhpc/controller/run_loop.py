@@ -36,7 +36,9 @@ log = logging.getLogger("rollhpc.run")
 class Outcome(enum.Enum):
     FINISHED = "finished"  # the last step was taken
     ALREADY_DONE = "already_done"  # resumed from the checkpoint of the last step: nothing to do
-    STOPPED_FOR_REQUEUE = "stopped_for_requeue"  # a stop request: checkpointed, the next start resumes
+    STOPPED_FOR_REQUEUE = (
+        "stopped_for_requeue"  # a stop request: checkpointed, the next start resumes
+    )
     WALL_LIMIT = "wall_limit"  # max_wall_s or max_train_s passed
 
 
@@ -105,13 +107,19 @@ def progress(done: int, left: int, elapsed: float, step_s: float) -> str:
     """The console's progress words after a step: this step's seconds, this session's elapsed time, and the
     time left at this session's mean pace (``done`` steps in ``elapsed`` seconds; evaluations included)."""
     eta = elapsed / done * left if done > 0 else float("nan")
-    return (f"{step_s:.1f} s/step, {_clock_text(elapsed)} elapsed"
-            + (f", ETA {_clock_text(eta)}" if left and eta == eta else ""))
+    return f"{step_s:.1f} s/step, {_clock_text(elapsed)} elapsed" + (
+        f", ETA {_clock_text(eta)}" if left and eta == eta else ""
+    )
 
 
 class RunLoop:
-    def __init__(self, run_dir: Path, checkpointer: RunCheckpointer, settings: LoopConfig,
-                 clock: Any = time.perf_counter):
+    def __init__(
+        self,
+        run_dir: Path,
+        checkpointer: RunCheckpointer,
+        settings: LoopConfig,
+        clock: Any = time.perf_counter,
+    ):
         self.run_dir = Path(run_dir)
         self.checkpointer = checkpointer
         self.settings = settings
@@ -124,14 +132,18 @@ class RunLoop:
         restored = self.checkpointer.restore()
         if restored is None:
             start, restarts, metrics = 0, self._start_over(), {}
-            resume_step = -1 if restarts else None  # a start over drops every line of the sessions it replaces
+            resume_step = (
+                -1 if restarts else None
+            )  # a start over drops every line of the sessions it replaces
         else:
             checkpoint, state = restored
             start, restarts, metrics = state["step"], state["restarts"] + 1, state["eval"]
             missing = sorted(set(objects) - set(state))
             if missing:
-                raise RuntimeError(f"{checkpoint.path} has no state for {missing}: it was saved by another pipeline "
-                                   "or version; resume with the configuration it was saved with")
+                raise RuntimeError(
+                    f"{checkpoint.path} has no state for {missing}: it was saved by another pipeline "
+                    "or version; resume with the configuration it was saved with"
+                )
             for name, obj in objects.items():
                 obj.load_state_dict(state[name])
             restore_rng_states(state["rng"])
@@ -144,13 +156,24 @@ class RunLoop:
                 run_log.log_step(0, {**metrics, "policy_version": 0, **_residency(steps)})
                 log.info("step 0: held-out accuracy %.3f", metrics.get("accuracy", float("nan")))
             if start >= s.steps:
-                log.info("the checkpoint of step %d is already the run's last step (steps=%d): nothing to do",
-                         start, s.steps)
+                log.info(
+                    "the checkpoint of step %d is already the run's last step (steps=%d): nothing to do",
+                    start,
+                    s.steps,
+                )
                 return Outcome.ALREADY_DONE
             return self._loop(steps, objects, run_log, stop_request, start, restarts, metrics)
 
-    def _loop(self, steps: TrainingSteps, objects: dict[str, Stateful], run_log: RunLog, stop_request: StopRequest,
-              start: int, restarts: int, metrics: dict[str, float]) -> Outcome:
+    def _loop(
+        self,
+        steps: TrainingSteps,
+        objects: dict[str, Stateful],
+        run_log: RunLog,
+        stop_request: StopRequest,
+        start: int,
+        restarts: int,
+        metrics: dict[str, float],
+    ) -> Outcome:
         s = self.settings
         t_start, eval_total = self.clock(), 0.0
         for step in range(start + 1, s.steps + 1):
@@ -161,13 +184,16 @@ class RunLoop:
             record = report.record
             record.update(_load_metrics(load_before, _load(steps), self.clock() - t_step))
             elapsed = self.clock() - t_start
-            wall_limit = ((bool(s.max_wall_s) and elapsed > s.max_wall_s)
-                          or (bool(s.max_train_s) and elapsed - eval_total > s.max_train_s))
+            wall_limit = (bool(s.max_wall_s) and elapsed > s.max_wall_s) or (
+                bool(s.max_train_s) and elapsed - eval_total > s.max_train_s
+            )
             why_stop = stop_request.reason() if not last else None
             if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
                 t_eval = self.clock()
                 metrics = steps.evaluate()
-                record.update(metrics, eval_s=self.clock() - t_eval)  # part of step_s, not of training
+                record.update(
+                    metrics, eval_s=self.clock() - t_eval
+                )  # part of step_s, not of training
                 eval_total += record["eval_s"]
             if report.trained:
                 record["step_s"] = self.clock() - t_step
@@ -176,38 +202,78 @@ class RunLoop:
             record["train_clock_s"] = self.clock() - t_start - eval_total
             if restarts and step == start + 1:
                 record["restarts"] = restarts
-            keep = report.rollouts is not None and s.rollout_every > 0 and (step % s.rollout_every == 0 or last)
+            keep = (
+                report.rollouts is not None
+                and s.rollout_every > 0
+                and (step % s.rollout_every == 0 or last)
+            )
             if last or wall_limit:
                 record["weights_sha256"] = steps.weights_digest()
             record.update(_residency(steps))
             run_log.log_step(step, record, report.rollouts if keep else None)
             if report.summary:
-                log.info("step %d/%d: %s%s; %s", step, s.steps, report.summary,
-                         f", held-out accuracy {record['accuracy']:.3f}" if "accuracy" in record else "",
-                         progress(step - start, s.steps - step, self.clock() - t_start,
-                                  record.get("step_s", self.clock() - t_step)))
-            if self.checkpointer.due(step, s.steps) or why_stop is not None or (
-                    wall_limit and self.checkpointer.options.at_end):
+                log.info(
+                    "step %d/%d: %s%s; %s",
+                    step,
+                    s.steps,
+                    report.summary,
+                    f", held-out accuracy {record['accuracy']:.3f}" if "accuracy" in record else "",
+                    progress(
+                        step - start,
+                        s.steps - step,
+                        self.clock() - t_start,
+                        record.get("step_s", self.clock() - t_step),
+                    ),
+                )
+            if (
+                self.checkpointer.due(step, s.steps)
+                or why_stop is not None
+                or (wall_limit and self.checkpointer.options.at_end)
+            ):
                 self._save(steps, step, objects, restarts, metrics, record)
             if why_stop is not None:
-                log.warning("stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
-                            step, why_stop)
+                log.warning(
+                    "stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
+                    step,
+                    why_stop,
+                )
                 stop_request.clear()
                 return Outcome.STOPPED_FOR_REQUEUE
             if wall_limit:
-                log.info("stopping after step %d: %s reached", step,
-                         f"max_wall_s={s.max_wall_s:.0f}" if s.max_wall_s and elapsed > s.max_wall_s
-                         else f"max_train_s={s.max_train_s:.0f} (evaluations not counted)")
+                log.info(
+                    "stopping after step %d: %s reached",
+                    step,
+                    f"max_wall_s={s.max_wall_s:.0f}"
+                    if s.max_wall_s and elapsed > s.max_wall_s
+                    else f"max_train_s={s.max_train_s:.0f} (evaluations not counted)",
+                )
                 return Outcome.WALL_LIMIT
         return Outcome.FINISHED
 
-    def _save(self, steps: TrainingSteps, step: int, objects: dict[str, Stateful], restarts: int, metrics: dict[str, float],
-              record: dict[str, Any]) -> None:
-        state = {"step": step, "restarts": restarts, "eval": metrics, "rng": save_rng_states(),
-                 **{name: obj.state_dict() for name, obj in objects.items()}}
-        summary = {"step": step, "policy_version": record.get("policy_version"), "restarts": restarts,
-                   "accuracy": metrics.get("accuracy"), **steps.checkpoint_summary(),
-                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    def _save(
+        self,
+        steps: TrainingSteps,
+        step: int,
+        objects: dict[str, Stateful],
+        restarts: int,
+        metrics: dict[str, float],
+        record: dict[str, Any],
+    ) -> None:
+        state = {
+            "step": step,
+            "restarts": restarts,
+            "eval": metrics,
+            "rng": save_rng_states(),
+            **{name: obj.state_dict() for name, obj in objects.items()},
+        }
+        summary = {
+            "step": step,
+            "policy_version": record.get("policy_version"),
+            "restarts": restarts,
+            "accuracy": metrics.get("accuracy"),
+            **steps.checkpoint_summary(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         self.checkpointer.save(step, state, summary)
 
     def _start_over(self) -> int:
@@ -222,10 +288,22 @@ class RunLoop:
         if not records:
             return 0
         restarts = 1 + max(int(r.get("restarts") or 0) for r in records)
-        log.warning("restart %d: no checkpoint yet; the run starts again from step 0 (the %d steps the earlier "
-                    "session logged are dropped)", restarts, len(records))
-        log_event(self.run_dir, {"event": "resume", "checkpoint": None, "step": 0, "restarts": restarts,
-                                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+        log.warning(
+            "restart %d: no checkpoint yet; the run starts again from step 0 (the %d steps the earlier "
+            "session logged are dropped)",
+            restarts,
+            len(records),
+        )
+        log_event(
+            self.run_dir,
+            {
+                "event": "resume",
+                "checkpoint": None,
+                "step": 0,
+                "restarts": restarts,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            },
+        )
         return restarts
 
     def _log_restart(self, path: Path, step: int, restarts: int) -> None:
@@ -233,14 +311,24 @@ class RunLoop:
         from rollhpc.rundir.records import log_event
 
         log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
-        log_event(self.run_dir, {"event": "resume", "checkpoint": str(path), "step": step, "restarts": restarts,
-                                 "slurm_job_id": os.environ.get("SLURM_JOB_ID")})
+        log_event(
+            self.run_dir,
+            {
+                "event": "resume",
+                "checkpoint": str(path),
+                "step": step,
+                "restarts": restarts,
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            },
+        )
 
 
 def _load(steps: Any) -> dict[str, tuple[float, float, int]] | None:
     """The roles' load counters now (``Controller.load``), or None for a pipeline without worker groups."""
     workers = getattr(steps, "workers", None)
-    controller = getattr(next(iter(workers.values()), None), "controller", None) if workers else None
+    controller = (
+        getattr(next(iter(workers.values()), None), "controller", None) if workers else None
+    )
     return controller.load() if controller is not None else None
 
 

@@ -21,14 +21,23 @@ from rollhpc.controller.errors import CallTimeout, WorkerDied, WorkerError
 from rollhpc.controller.failure import is_watchdog_abort
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.transport.envelope import Kind
-from rollhpc.transport.mpi_channel import FANOUT_MIN_BYTES, TAG_CALL, TAG_REPLY, Backoff, Encoded, MpiChannel
+from rollhpc.transport.mpi_channel import (
+    FANOUT_MIN_BYTES,
+    TAG_CALL,
+    TAG_REPLY,
+    Backoff,
+    Encoded,
+    MpiChannel,
+)
 from rollhpc.transport.reply_tree import Bundle, build_reply_tree
 from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 
 log = logging.getLogger("rollhpc.controller")
 
 _LIVENESS_CHECK_S = 0.02
-_BYE_GRACE_S = 2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
+_BYE_GRACE_S = (
+    2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
+)
 
 
 @dataclass(frozen=True)
@@ -72,9 +81,17 @@ class _Outstanding:
 
 
 class Controller:
-    def __init__(self, channel: MpiChannel, sideband: ControllerSideband, ranks: dict[int, RankInfo],
-                 run_dir: Path, call_timeout_s: float, stack_dump_timeout_s: float, reply_tree_min_ranks: int = 0,
-                 reply_fan_in: int = 16):
+    def __init__(
+        self,
+        channel: MpiChannel,
+        sideband: ControllerSideband,
+        ranks: dict[int, RankInfo],
+        run_dir: Path,
+        call_timeout_s: float,
+        stack_dump_timeout_s: float,
+        reply_tree_min_ranks: int = 0,
+        reply_fan_in: int = 16,
+    ):
         self.channel = channel
         self.sideband = sideband
         self.ranks = ranks
@@ -89,7 +106,9 @@ class Controller:
         # a call to reply_tree_min_ranks or more has its replies collected along a tree of this fan-in (0: never)
         self.reply_tree_min_ranks = reply_tree_min_ranks
         self.reply_fan_in = reply_fan_in
-        self._trees: dict[tuple[int, ...], int] = {}  # the ranks of a call -> the id of their reply tree
+        self._trees: dict[
+            tuple[int, ...], int
+        ] = {}  # the ranks of a call -> the id of their reply tree
         self.messages_taken = 0  # reply messages taken from MPI (a bundle counts once)
         # with count_work on (bench/scale.py): this thread's CPU seconds in sending calls and in taking replies
         # (receive, decode, bookkeeping), apart from the polls that found nothing: rank 0's own work per call,
@@ -97,8 +116,12 @@ class Controller:
         self.count_work = False
         self.send_cpu_s = 0.0
         self.reply_cpu_s = 0.0
-        self.call_s = {rank: 0.0 for rank in ranks}  # per rank: seconds inside calls, summed (from its replies)
-        self.cpu_s = {rank: 0.0 for rank in ranks}  # per rank: its process's CPU seconds at its last reply
+        self.call_s = {
+            rank: 0.0 for rank in ranks
+        }  # per rank: seconds inside calls, summed (from its replies)
+        self.cpu_s = {
+            rank: 0.0 for rank in ranks
+        }  # per rank: its process's CPU seconds at its last reply
 
     def log_path(self, rank: int) -> Path:
         return RunPaths(self.run_dir).logs / f"rank{rank}-{self.ranks[rank].role}.log"
@@ -113,7 +136,9 @@ class Controller:
         call_id = next(self._ids)
         now = time.monotonic()
         envelope = self._envelope(call_id, method, list(payloads))
-        by_payload: dict[int, tuple[Encoded, list[int]]] = {}  # a one-to-all call: one payload for every rank
+        by_payload: dict[
+            int, tuple[Encoded, list[int]]
+        ] = {}  # a one-to-all call: one payload for every rank
         for rank, enc in payloads.items():
             by_payload.setdefault(id(enc), (enc, []))[1].append(rank)
         for enc, ranks in by_payload.values():
@@ -136,9 +161,15 @@ class Controller:
         ranks = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks[role]
         envelope = self._envelope(call_id, method, ranks)
         if role in self.channel.shared_ranks:
-            if not self.channel.send_shared(role, TAG_CALL, envelope, enc):  # no room: one copy per rank
-                log.warning("a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
-                            "it to each rank", sum(m.nbytes for m in enc.buffers) / 2**20, role)
+            if not self.channel.send_shared(
+                role, TAG_CALL, envelope, enc
+            ):  # no room: one copy per rank
+                log.warning(
+                    "a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
+                    "it to each rank",
+                    sum(m.nbytes for m in enc.buffers) / 2**20,
+                    role,
+                )
                 return self.submit(method, {rank: enc for rank in ranks})
         else:
             self.channel.send_fanout(role, TAG_CALL, envelope, enc)
@@ -160,13 +191,29 @@ class Controller:
         key = tuple(ranks)
         tree_id = self._trees.get(key)
         if tree_id is None:
-            tree = build_reply_tree(ranks, {r: self.ranks[r].host for r in ranks}, self.reply_fan_in)
+            tree = build_reply_tree(
+                ranks, {r: self.ranks[r].host for r in ranks}, self.reply_fan_in
+            )
             tree_id = self._trees[key] = len(self._trees) + 1
             # sent before the call, on the same tag: each rank has its place before the call that names it
-            self.channel.send_each(TAG_CALL, {r: {"kind": Kind.TREE, "tree": tree_id, "parent": tree.parent[r],
-                                                  "children": tree.children.get(r, ())} for r in ranks})
-            log.info("replies of calls to %d ranks go along a tree: %d messages to the controller, depth %d",
-                     len(ranks), sum(1 for p in tree.parent.values() if p == 0), tree.depth())
+            self.channel.send_each(
+                TAG_CALL,
+                {
+                    r: {
+                        "kind": Kind.TREE,
+                        "tree": tree_id,
+                        "parent": tree.parent[r],
+                        "children": tree.children.get(r, ()),
+                    }
+                    for r in ranks
+                },
+            )
+            log.info(
+                "replies of calls to %d ranks go along a tree: %d messages to the controller, depth %d",
+                len(ranks),
+                sum(1 for p in tree.parent.values() if p == 0),
+                tree.depth(),
+            )
         return tree_id
 
     def _along_tree(self, n: int) -> bool:
@@ -177,7 +224,11 @@ class Controller:
         """Whether a one-to-all call to ``ranks`` sends its buffers once (shared memory or broadcast): all of a
         role's ranks (two or more), and a payload large enough that N copies cost more."""
         whole = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks.get(role)
-        return len(ranks) > 1 and sorted(ranks) == whole and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES
+        return (
+            len(ranks) > 1
+            and sorted(ranks) == whole
+            and sum(m.nbytes for m in enc.buffers) >= FANOUT_MIN_BYTES
+        )
 
     def load(self) -> dict[str, tuple[float, float, int]]:
         """Per role, (seconds its ranks spent inside calls, CPU seconds of their processes, ranks), summed over
@@ -196,10 +247,18 @@ class Controller:
     # -- receiving ---------------------------------------------------------------------------
     def _raise_worker_error(self, rank: int, err: dict[str, Any]) -> None:
         info = self.ranks[rank]
-        summary = (f"worker {info.describe()} raised {err['type']} in {err['method']!r}: {err['message']}"
-                   f" (log: {self.log_path(rank)})")
-        raise WorkerError(summary, err["traceback"], role=info.role, method=err["method"], err_type=err["type"],
-                          message=err["message"])
+        summary = (
+            f"worker {info.describe()} raised {err['type']} in {err['method']!r}: {err['message']}"
+            f" (log: {self.log_path(rank)})"
+        )
+        raise WorkerError(
+            summary,
+            err["traceback"],
+            role=info.role,
+            method=err["method"],
+            err_type=err["type"],
+            message=err["message"],
+        )
 
     def _check_liveness(self) -> None:
         for rank in self.sideband.dead_ranks():
@@ -214,17 +273,27 @@ class Controller:
         if running:
             (_, cid), o = running[0]
             method = o.method
-            doing = f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
+            doing = (
+                f"while running {o.method!r} (call {cid}, {time.monotonic() - o.sent_at:.1f} s in)"
+            )
         else:
             doing = "while idle"
         if is_watchdog_abort(_tail(self.log_path(rank))):
-            return WorkerDied(f"worker {info.describe()} died {doing}: NCCL's watchdog ended it (a collective past "
-                              f"its timeout: a peer that is gone or stuck, not necessarily its own node); see "
-                              f"{self.log_path(rank)}", host=info.host, role=info.role, method=method,
-                              collective_timeout=True)
+            return WorkerDied(
+                f"worker {info.describe()} died {doing}: NCCL's watchdog ended it (a collective past "
+                f"its timeout: a peer that is gone or stuck, not necessarily its own node); see "
+                f"{self.log_path(rank)}",
+                host=info.host,
+                role=info.role,
+                method=method,
+                collective_timeout=True,
+            )
         return WorkerDied(
             f"worker {info.describe()} died {doing}: its process is gone (killed, crashed in native code, "
-            f"or its node was lost); see {self.log_path(rank)}", host=info.host, role=info.role, method=method
+            f"or its node was lost); see {self.log_path(rank)}",
+            host=info.host,
+            role=info.role,
+            method=method,
         )
 
     def dead_worker(self, settle_s: float = 0.0) -> WorkerDied | None:
@@ -277,7 +346,9 @@ class Controller:
     def _take_bundle(self, call_id: int, bundle: Bundle) -> None:
         """The replies of a bundle into the inbox: ``_take``'s work for plain results (a bundle has no errors: a
         rank sends those itself), per rank only what filing its result needs."""
-        for rank, result, in_call, cpu in zip(bundle.ranks, bundle.results, bundle.call_s, bundle.cpu_s):
+        for rank, result, in_call, cpu in zip(
+            bundle.ranks, bundle.results, bundle.call_s, bundle.cpu_s
+        ):
             self._file(rank, call_id, result, in_call, cpu)
         for rank, paths in bundle.released.items():  # shared-memory files these ranks no longer map
             self.channel.segments.release(rank, paths)
@@ -289,8 +360,13 @@ class Controller:
             self._raise_worker_error(source, env["error"])
         if env.get("released"):  # shared-memory files this rank no longer maps
             self.channel.segments.release(source, env["released"])
-        self._file(source, env.get("call_id", 0), payload if env["kind"] == Kind.RESULT else env, env.get("call_s"),
-                   env.get("cpu_s", 0.0))
+        self._file(
+            source,
+            env.get("call_id", 0),
+            payload if env["kind"] == Kind.RESULT else env,
+            env.get("call_s"),
+            env.get("cpu_s", 0.0),
+        )
 
     def _file(self, rank: int, call_id: int, value: Any, in_call: float | None, cpu: float) -> None:
         """A reply's value into the inbox, its call no longer outstanding, and the rank's load (``in_call``:
@@ -310,7 +386,9 @@ class Controller:
         self.pump()
         return all(k in self._inbox for k in keys)
 
-    def wait(self, keys: list[tuple[int, int]], what: str, timeout_s: float | None = None) -> dict[int, Any]:
+    def wait(
+        self, keys: list[tuple[int, int]], what: str, timeout_s: float | None = None
+    ) -> dict[int, Any]:
         """Block until every key has its reply; returns {rank: payload}."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
@@ -335,9 +413,17 @@ class Controller:
             parts.append(f"=== {self.ranks[rank].describe()} ===\n{stacks[rank]}")
         atomic_write_text(path, "\n".join(parts))
         who = ", ".join(self.ranks[r].describe() for r in missing)
-        through = (" (the replies come along a reply tree: a rank named may have answered, its relay not yet; a relay "
-                   "waiting on its children shows ReplyRouter._collect in its stack)") if relayed else ""
-        raise CallTimeout(f"{what}: no reply within {limit:g} s from {who}{through}; stacks of all ranks: {path}")
+        through = (
+            (
+                " (the replies come along a reply tree: a rank named may have answered, its relay not yet; a relay "
+                "waiting on its children shows ReplyRouter._collect in its stack)"
+            )
+            if relayed
+            else ""
+        )
+        raise CallTimeout(
+            f"{what}: no reply within {limit:g} s from {who}{through}; stacks of all ranks: {path}"
+        )
 
     def root_cause(self, exc: BaseException, settle_s: float = 1.0) -> BaseException:
         """An interrupt or odd error on the controller is often the echo of a worker's death (some
@@ -376,4 +462,3 @@ class Controller:
         finally:
             self.remove_shared_files()
             self.sideband.close()
-

@@ -31,17 +31,23 @@ __all__ = ["build_in_turns", "startup_turns"]
 
 
 def _measures_free_memory(role: Any, name: str) -> bool:
-    return bool(getattr(import_object(role.worker, f"roles.{name}.worker"), "measures_free_memory", False))
+    return bool(
+        getattr(import_object(role.worker, f"roles.{name}.worker"), "measures_free_memory", False)
+    )
 
 
 def startup_turns(roles: dict[str, Any]) -> list[list[str]]:
     """The roles that build in each turn (``roles``: cfg.roles). Roles share GPUs when their explicit device
     lists meet (the device mapping nests such lists); within such a set, free-memory measurers first, then
     config order, one role a turn."""
-    lists = {n: r.devices for n, r in roles.items() if r.gpus_per_proc > 0 and r.devices is not None}
+    lists = {
+        n: r.devices for n, r in roles.items() if r.gpus_per_proc > 0 and r.devices is not None
+    }
     sets = [names for names in nested_groups(lists).values() if len(names) > 1]
-    ordered = [sorted(names, key=lambda n: (not _measures_free_memory(roles[n], n), list(roles).index(n)))
-               for names in sets]
+    ordered = [
+        sorted(names, key=lambda n: (not _measures_free_memory(roles[n], n), list(roles).index(n)))
+        for names in sets
+    ]
     turns: list[list[str]] = [[] for _ in range(max((len(s) for s in ordered), default=1))]
     for names in ordered:
         for k, name in enumerate(names):
@@ -51,9 +57,15 @@ def startup_turns(roles: dict[str, Any]) -> list[list[str]]:
     return turns
 
 
-def build_in_turns(ctl: Any, ranks_of: Callable[[str], list[int]], turns: list[list[str]], run_dir: Any,
-                   timeout_s: float, between: Callable[[list[str]], dict[str, list[str]]] | None = None,
-                   overlap: Callable[[], None] | None = None) -> dict[str, list[str]]:
+def build_in_turns(
+    ctl: Any,
+    ranks_of: Callable[[str], list[int]],
+    turns: list[list[str]],
+    run_dir: Any,
+    timeout_s: float,
+    between: Callable[[list[str]], dict[str, list[str]]] | None = None,
+    overlap: Callable[[], None] | None = None,
+) -> dict[str, list[str]]:
     """Tell each turn's ranks to build and wait until they are ready, turn after turn; ``between(turn)``
     (offload on): after a turn, its roles give up their GPU memory, returning role -> parts offloaded.
     ``overlap``: the controller's own start-up work, done while the first turn builds. Returns every role's
@@ -66,17 +78,30 @@ def build_in_turns(ctl: Any, ranks_of: Callable[[str], list[int]], turns: list[l
         ctl.build(ranks)
         if k == 0 and overlap is not None:
             overlap()
-        ready = ctl.wait([(r, 0) for r in ranks], "worker start-up" + (f" (turn {k + 1}: {', '.join(turn)})"
-                                                                     if len(turns) > 1 else ""), timeout_s)
-        entry = {"turn": k, "roles": turn, "sent": t, "ready": time.time(),
-                 "ranks": {str(r): ready[r].get("built") for r in ranks}}
+        ready = ctl.wait(
+            [(r, 0) for r in ranks],
+            "worker start-up" + (f" (turn {k + 1}: {', '.join(turn)})" if len(turns) > 1 else ""),
+            timeout_s,
+        )
+        entry = {
+            "turn": k,
+            "roles": turn,
+            "sent": t,
+            "ready": time.time(),
+            "ranks": {str(r): ready[r].get("built") for r in ranks},
+        }
         if between is not None and k + 1 < len(turns):
             moved = between(turn)
             offloaded.update(moved)
             entry["offloaded"] = moved
         record.append(entry)
         if len(turns) > 1:
-            log.info("start-up turn %d of %d: %s ready in %.1f s", k + 1, len(turns), ", ".join(turn),
-                     entry["ready"] - t)
+            log.info(
+                "start-up turn %d of %d: %s ready in %.1f s",
+                k + 1,
+                len(turns),
+                ", ".join(turn),
+                entry["ready"] - t,
+            )
     atomic_write_json(RunPaths(run_dir).startup, {"turns": record}, indent=1)
     return offloaded

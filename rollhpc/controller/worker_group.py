@@ -12,15 +12,27 @@ from typing import Any, Callable
 
 from rollhpc.controller.runtime import Controller
 from rollhpc.parallel import ParallelLayout
-from rollhpc.protocol.dispatch import Contract, Dispatch, collect, contract_of, split_arguments, targets
+from rollhpc.protocol.dispatch import (
+    Contract,
+    Dispatch,
+    collect,
+    contract_of,
+    split_arguments,
+    targets,
+)
 from rollhpc.transport.mpi_channel import Encoded
 
 
 class GroupFuture:
     """A call in flight on a group; ``result()`` waits (with the run's timeout unless given)."""
 
-    def __init__(self, group: "WorkerGroup", method: str, keys: list[tuple[int, int]],
-                 collect_fn: Callable[[dict[int, Any]], Any]):
+    def __init__(
+        self,
+        group: "WorkerGroup",
+        method: str,
+        keys: list[tuple[int, int]],
+        collect_fn: Callable[[dict[int, Any]], Any],
+    ):
         self._group = group
         self._method = method
         self._keys = keys
@@ -35,13 +47,17 @@ class GroupFuture:
         if not self._done:
             what = f"call {self._method!r} on role {self._group.role!r}"
             replies = self._group.controller.wait(self._keys, what, timeout_s)
-            self._value = self._collect({self._group.group_rank_of[r]: v for r, v in replies.items()})
+            self._value = self._collect(
+                {self._group.group_rank_of[r]: v for r, v in replies.items()}
+            )
             self._done = True
         return self._value
 
 
 class RemoteMethod:
-    def __init__(self, group: "WorkerGroup", name: str, contract: Contract, only_rank: int | None = None):
+    def __init__(
+        self, group: "WorkerGroup", name: str, contract: Contract, only_rank: int | None = None
+    ):
         self._group = group
         self._name = name
         self.contract = contract
@@ -57,8 +73,14 @@ class RemoteMethod:
 
 
 class WorkerGroup:
-    def __init__(self, controller: Controller, role: str, worker_cls: type, world_ranks: list[int],
-                 layout: ParallelLayout):
+    def __init__(
+        self,
+        controller: Controller,
+        role: str,
+        worker_cls: type,
+        world_ranks: list[int],
+        layout: ParallelLayout,
+    ):
         self.controller = controller
         self.role = role
         self.worker_cls = worker_cls
@@ -80,12 +102,18 @@ class WorkerGroup:
         """One rank of the group, called with its arguments as given (no split, no collect): what a
         sample-level scheduler needs to keep every generator busy on its own requests."""
         if not 0 <= group_rank < len(self.world_ranks):
-            raise IndexError(f"role {self.role!r} has ranks 0..{len(self.world_ranks) - 1}, not {group_rank}")
+            raise IndexError(
+                f"role {self.role!r} has ranks 0..{len(self.world_ranks) - 1}, not {group_rank}"
+            )
         return RankProxy(self, group_rank)
 
     def submit_to(self, group_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
-        contract_of(self.worker_cls, method)  # the method must be remote; its dispatch mode does not apply
-        keys = self.controller.submit(method, {self.world_ranks[group_rank]: Encoded.of((args, kwargs))})
+        contract_of(
+            self.worker_cls, method
+        )  # the method must be remote; its dispatch mode does not apply
+        keys = self.controller.submit(
+            method, {self.world_ranks[group_rank]: Encoded.of((args, kwargs))}
+        )
         return GroupFuture(self, method, keys, lambda by_rank: by_rank[group_rank])
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
@@ -100,7 +128,9 @@ class WorkerGroup:
             ranks = [self.world_ranks[g] for g in called]
             if self.controller.fans_out(self.role, ranks, enc):
                 keys = self.controller.submit_fanout(method, self.role, enc)
-                return GroupFuture(self, method, keys, lambda by_rank: collect(contract, by_rank, coords))
+                return GroupFuture(
+                    self, method, keys, lambda by_rank: collect(contract, by_rank, coords)
+                )
             payloads = {r: enc for r in ranks}
         keys = self.controller.submit(method, payloads)
         return GroupFuture(self, method, keys, lambda by_rank: collect(contract, by_rank, coords))
@@ -114,4 +144,6 @@ class RankProxy:
     def __getattr__(self, name: str) -> RemoteMethod:
         if name.startswith("_"):
             raise AttributeError(name)
-        return RemoteMethod(self._group, name, contract_of(self._group.worker_cls, name), only_rank=self.group_rank)
+        return RemoteMethod(
+            self._group, name, contract_of(self._group.worker_cls, name), only_rank=self.group_rank
+        )

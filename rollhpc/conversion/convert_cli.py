@@ -8,46 +8,88 @@ from pathlib import Path
 
 from rollhpc.rundir import RunPaths
 
-EPILOG = ("Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
-          "rollhpc convert mcore-to-hf ckpt/qwen-mcore models/qwen-out. A megatron checkpoint saved at one "
-          "layout loads at any other (megatron reshards on load); --tp/--pp/--ep choose how it is written.")
+EPILOG = (
+    "Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
+    "rollhpc convert mcore-to-hf ckpt/qwen-mcore models/qwen-out. A megatron checkpoint saved at one "
+    "layout loads at any other (megatron reshards on load); --tp/--pp/--ep choose how it is written."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The two directions as sub-commands of ``parser``."""
     directions = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     h2m = directions.add_parser(
-        "hf-to-mcore", help="Hugging Face safetensors directory -> megatron-core dist checkpoint",
+        "hf-to-mcore",
+        help="Hugging Face safetensors directory -> megatron-core dist checkpoint",
         description="Write a megatron-core dist checkpoint from a Hugging Face model directory, as a world of "
         "pp x lcm(tp, etp x ep) local processes (one per rank of that layout), each holding only its shard.",
-        epilog=EPILOG)
+        epilog=EPILOG,
+    )
     h2m.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
     h2m.add_argument("dst", help="checkpoint directory to create")
-    for name, text in (("tp", "tensor-parallel size"), ("pp", "pipeline-parallel size"),
-                       ("ep", "expert-parallel size (MoE models)")):
-        h2m.add_argument(f"--{name}", type=int, default=1, help=f"{text} the checkpoint is written with (default 1)")
-    h2m.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp, as megatron)")
+    for name, text in (
+        ("tp", "tensor-parallel size"),
+        ("pp", "pipeline-parallel size"),
+        ("ep", "expert-parallel size (MoE models)"),
+    ):
+        h2m.add_argument(
+            f"--{name}",
+            type=int,
+            default=1,
+            help=f"{text} the checkpoint is written with (default 1)",
+        )
+    h2m.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size (default: tp, as megatron)",
+    )
     m2h = directions.add_parser(
-        "mcore-to-hf", help="megatron-core dist checkpoint (any layout) -> Hugging Face safetensors directory",
+        "mcore-to-hf",
+        help="megatron-core dist checkpoint (any layout) -> Hugging Face safetensors directory",
         description="Write a Hugging Face model directory (config.json, safetensors, tokenizer files) from a "
         "checkpoint written by `rollhpc convert hf-to-mcore` or by a training run, streaming one tensor at a time.",
-        epilog=EPILOG)
-    m2h.add_argument("src", help="megatron checkpoint directory (with rollhpc_checkpoint.json), or a run "
-                     "directory, its checkpoints/ or a step_N/ directory: the trainer's model of that step, or of "
-                     "the newest good checkpoint")
+        epilog=EPILOG,
+    )
+    m2h.add_argument(
+        "src",
+        help="megatron checkpoint directory (with rollhpc_checkpoint.json), or a run "
+        "directory, its checkpoints/ or a step_N/ directory: the trainer's model of that step, or of "
+        "the newest good checkpoint",
+    )
     m2h.add_argument("dst", help="Hugging Face model directory to create")
-    m2h.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)")
-    m2h.add_argument("--no-checksums", action="store_true",
-                     help="skip the sha256 check of the checkpoint files (sizes are still checked)")
+    m2h.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        help="largest safetensors file, e.g. 500MB, 5GB (default 2GB)",
+    )
+    m2h.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="skip the sha256 check of the checkpoint files (sizes are still checked)",
+    )
     for sp in (h2m, m2h):
-        sp.add_argument("--overwrite", action="store_true",
-                        help="replace DST if it exists (once the new one is complete)")
-        sp.add_argument("--verify", action="store_true",
-                        help="afterwards, compare the logits of the HF and the megatron model on a few prompts")
-        sp.add_argument("--json", action="store_true", help="print the conversion report as JSON on stdout")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
-        sp.add_argument("--check", action="store_true",
-                        help="only check the inputs (config, tensor names and shapes, layout, files) and exit")
+        sp.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="replace DST if it exists (once the new one is complete)",
+        )
+        sp.add_argument(
+            "--verify",
+            action="store_true",
+            help="afterwards, compare the logits of the HF and the megatron model on a few prompts",
+        )
+        sp.add_argument(
+            "--json", action="store_true", help="print the conversion report as JSON on stdout"
+        )
+        sp.add_argument(
+            "--no-progress", action="store_true", help="no progress bar / progress lines"
+        )
+        sp.add_argument(
+            "--check",
+            action="store_true",
+            help="only check the inputs (config, tensor names and shapes, layout, files) and exit",
+        )
         sp.set_defaults(overrides=[])  # rollhpc.cli appends stray words here; run() refuses them
 
 
@@ -67,15 +109,22 @@ def find_trainer_checkpoint(src: str | Path, role: str = "train") -> tuple[Path,
         if root.is_dir() and any(p.name.startswith("step_") for p in root.iterdir()):
             newest = CheckpointStore(root).latest_good()
             if newest is None:
-                raise ValueError(f"{src}: no good checkpoint in {root} (`rollhpc ckpt list {src}` says why)")
-            return newest.path / role / "model", f"{what} newest good checkpoint, {newest.path.name}"
+                raise ValueError(
+                    f"{src}: no good checkpoint in {root} (`rollhpc ckpt list {src}` says why)"
+                )
+            return (
+                newest.path / role / "model",
+                f"{what} newest good checkpoint, {newest.path.name}",
+            )
     return src, ""
 
 
 def run(args: argparse.Namespace) -> int:
     """0: converted (and verified); 1: the conversion or its verification failed; 2: bad arguments."""
     if getattr(args, "overrides", None):
-        print(f"rollhpc convert: unrecognized arguments: {' '.join(args.overrides)}", file=sys.stderr)
+        print(
+            f"rollhpc convert: unrecognized arguments: {' '.join(args.overrides)}", file=sys.stderr
+        )
         return 2
     from rollhpc.conversion.convert import (
         ConversionError,
@@ -94,18 +143,35 @@ def run(args: argparse.Namespace) -> int:
                 print(f"rollhpc convert: reading {args.src} ({what})", file=sys.stderr)
         if args.check:
             if args.direction == "hf-to-mcore":
-                world = check_hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                                          overwrite=args.overwrite)
-                print(f"rollhpc convert: {args.src} can be converted ({world} worker process(es))", file=sys.stderr)
+                world = check_hf_to_mcore(
+                    args.src,
+                    args.dst,
+                    tp=args.tp,
+                    pp=args.pp,
+                    ep=args.ep,
+                    etp=args.etp,
+                    overwrite=args.overwrite,
+                )
+                print(
+                    f"rollhpc convert: {args.src} can be converted ({world} worker process(es))",
+                    file=sys.stderr,
+                )
             else:
                 check_mcore_to_hf(args.src, args.dst, overwrite=args.overwrite)
                 print(f"rollhpc convert: {args.src} can be converted", file=sys.stderr)
             return 0
         if args.direction == "hf-to-mcore":
-            report = hf_to_mcore(args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **common)
+            report = hf_to_mcore(
+                args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **common
+            )
         else:
-            report = mcore_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size,
-                                 checksums=not args.no_checksums, **common)
+            report = mcore_to_hf(
+                args.src,
+                args.dst,
+                max_shard_size=args.max_shard_size,
+                checksums=not args.no_checksums,
+                **common,
+            )
     except (ConversionError, ValueError) as e:
         print(f"rollhpc convert: error: {e}", file=sys.stderr)
         return 1
@@ -114,7 +180,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(report_json(report))
     if report.verify is not None and not report.verify["ok"]:
-        print(f"rollhpc convert: verify FAILED: logits differ by {report.verify['max_abs_diff']:.3g} "
-              f"(> {report.verify['atol']:g})", file=sys.stderr)
+        print(
+            f"rollhpc convert: verify FAILED: logits differ by {report.verify['max_abs_diff']:.3g} "
+            f"(> {report.verify['atol']:g})",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -30,11 +30,17 @@ class StepEngine:
     def num_unfinished(self) -> int:
         raise NotImplementedError
 
-    def run_until(self, min_finished: int = 1, max_steps: int | None = None) -> list[tuple[str, Completion]]:
+    def run_until(
+        self, min_finished: int = 1, max_steps: int | None = None
+    ) -> list[tuple[str, Completion]]:
         """Step until ``min_finished`` requests finished, none is left, or ``max_steps`` steps ran."""
         finished: list[tuple[str, Completion]] = []
         steps = 0
-        while self.num_unfinished() and len(finished) < min_finished and (max_steps is None or steps < max_steps):
+        while (
+            self.num_unfinished()
+            and len(finished) < min_finished
+            and (max_steps is None or steps < max_steps)
+        ):
             finished += self.step()
             steps += 1
         return finished
@@ -47,5 +53,7 @@ class StepEngine:
         if generating:
             self._check_awake()
         if self.num_unfinished():
-            raise RuntimeError(f"{what} with {self.num_unfinished()} step-API requests in flight: "
-                               "finish them (step/run_until) or abort them first")
+            raise RuntimeError(
+                f"{what} with {self.num_unfinished()} step-API requests in flight: "
+                "finish them (step/run_until) or abort them first"
+            )

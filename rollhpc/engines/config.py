@@ -56,19 +56,34 @@ class EngineConfig:
     engine_process: EngineProcess = "auto"
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 1 or self.cpu_kv_cache_mb < 1 or self.tensor_parallel_size < 1 or self.threads < 0:
-            raise ValueError("need max_model_len >= 1, cpu_kv_cache_mb >= 1, tensor_parallel_size >= 1, threads >= 0")
+        if (
+            self.max_model_len < 1
+            or self.cpu_kv_cache_mb < 1
+            or self.tensor_parallel_size < 1
+            or self.threads < 0
+        ):
+            raise ValueError(
+                "need max_model_len >= 1, cpu_kv_cache_mb >= 1, tensor_parallel_size >= 1, threads >= 0"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.max_lora_rank not in VLLM_LORA_RANKS + (0,):
-            raise ValueError(f"max_lora_rank must be 0 (no LoRA serving) or one of vLLM's {VLLM_LORA_RANKS}, got "
-                             f"{self.max_lora_rank}")
+            raise ValueError(
+                f"max_lora_rank must be 0 (no LoRA serving) or one of vLLM's {VLLM_LORA_RANKS}, got "
+                f"{self.max_lora_rank}"
+            )
         if self.engine == "torch" and self.max_lora_rank:
-            raise ValueError("max_lora_rank is vLLM's LoRA serving; engine=torch merges a LoRA trainer's adapters "
-                             "itself: leave it 0")
+            raise ValueError(
+                "max_lora_rank is vLLM's LoRA serving; engine=torch merges a LoRA trainer's adapters "
+                "itself: leave it 0"
+            )
         if self.engine == "torch" and self.tensor_parallel_size != 1:
-            raise ValueError(f"engine=torch runs on one device; tensor_parallel_size={self.tensor_parallel_size} "
-                             "needs engine=vllm")
+            raise ValueError(
+                f"engine=torch runs on one device; tensor_parallel_size={self.tensor_parallel_size} "
+                "needs engine=vllm"
+            )
         self._check_vllm_speed_options()
 
     def _check_vllm_speed_options(self) -> None:
@@ -80,13 +95,19 @@ class EngineConfig:
         forced = {"enforce_eager": self.enforce_eager, "engine_process": self.engine_process}
         for key, value in forced.items():
             if value != "auto":
-                raise ValueError(f"{key}={value!r} is a vLLM option; engine=torch runs eagerly in this process: "
-                                 "leave it 'auto'")
+                raise ValueError(
+                    f"{key}={value!r} is a vLLM option; engine=torch runs eagerly in this process: "
+                    "leave it 'auto'"
+                )
         if self.seeded_sampling is False:
-            raise ValueError("seeded_sampling=false is a vLLM option; engine=torch always samples a seeded request "
-                             "from its own stream: leave it 'auto'")
+            raise ValueError(
+                "seeded_sampling=false is a vLLM option; engine=torch always samples a seeded request "
+                "from its own stream: leave it 'auto'"
+            )
 
-    def build_engine(self, model_dir: str, seed: int, **kwargs: Any) -> VllmGenerator | TorchGenerator:
+    def build_engine(
+        self, model_dir: str, seed: int, **kwargs: Any
+    ) -> VllmGenerator | TorchGenerator:
         """The engine on ``model_dir`` with these options (``kwargs``: its other arguments)."""
         import torch
 
@@ -95,16 +116,30 @@ class EngineConfig:
         if self.engine == "torch":
             from rollhpc.engines.torch_engine import TorchGenerator
 
-            return TorchGenerator(model_dir, seed=seed, max_model_len=self.max_model_len,
-                                  cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20, dtype=self.dtype, **kwargs)
+            return TorchGenerator(
+                model_dir,
+                seed=seed,
+                max_model_len=self.max_model_len,
+                cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
+                dtype=self.dtype,
+                **kwargs,
+            )
         from rollhpc.engines.vllm_engine import VllmGenerator
 
-        return VllmGenerator(model_dir, seed=seed, max_model_len=self.max_model_len,
-                             cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
-                             gpu_memory_utilization=self.gpu_memory_utilization,
-                             tensor_parallel_size=self.tensor_parallel_size, dtype=self.dtype,
-                             max_lora_rank=self.max_lora_rank, enforce_eager=self.enforce_eager,
-                             seeded_sampling=self.seeded_sampling, engine_process=self.engine_process, **kwargs)
+        return VllmGenerator(
+            model_dir,
+            seed=seed,
+            max_model_len=self.max_model_len,
+            cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            tensor_parallel_size=self.tensor_parallel_size,
+            dtype=self.dtype,
+            max_lora_rank=self.max_lora_rank,
+            enforce_eager=self.enforce_eager,
+            seeded_sampling=self.seeded_sampling,
+            engine_process=self.engine_process,
+            **kwargs,
+        )
 
     def takes_adapters(self) -> bool:
         """Whether this engine takes a LoRA trainer's adapters alone (and serves or merges them itself)."""

@@ -65,15 +65,21 @@ class _Model:
     def __init__(self, config: dict, dtype: torch.dtype, device: torch.device, max_len: int):
         model_type = config.get("model_type")
         if model_type not in SUPPORTED:
-            raise ValueError(f"engine=torch runs {', '.join(SUPPORTED)} decoders, not model_type={model_type!r}: "
-                             "use engine=vllm")
+            raise ValueError(
+                f"engine=torch runs {', '.join(SUPPORTED)} decoders, not model_type={model_type!r}: "
+                "use engine=vllm"
+            )
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"engine=torch supports default RoPE only, the checkpoint has {rope}: use engine=vllm")
+            raise ValueError(
+                f"engine=torch supports default RoPE only, the checkpoint has {rope}: use engine=vllm"
+            )
         if config.get("use_sliding_window"):
             raise ValueError("engine=torch has no sliding-window attention: use engine=vllm")
         if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"engine=torch supports silu MLPs, not {config.get('hidden_act')!r}: use engine=vllm")
+            raise ValueError(
+                f"engine=torch supports silu MLPs, not {config.get('hidden_act')!r}: use engine=vllm"
+            )
         self.layers = int(config["num_hidden_layers"])
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
@@ -84,7 +90,9 @@ class _Model:
         self.bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
         self.dtype, self.device = dtype, device
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        inv = 1.0 / theta ** (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
+        )
         angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)  # [max_len, head_dim]
@@ -99,17 +107,23 @@ class _Model:
         n = 0
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in named:
-            if ".lora_A." in name or ".lora_B." in name:  # MODULE.lora_A.weight / MODULE.lora_B.weight
+            if (
+                ".lora_A." in name or ".lora_B." in name
+            ):  # MODULE.lora_A.weight / MODULE.lora_B.weight
                 module, _, rest = name.partition(".lora_")
-                pending.setdefault(module, {})[rest[0]] = tensor.detach().to(device=self.device, dtype=torch.float32)
+                pending.setdefault(module, {})[rest[0]] = tensor.detach().to(
+                    device=self.device, dtype=torch.float32
+                )
                 n += 1
             elif name.startswith("model.") or name == "lm_head.weight":
                 self.raw[name] = tensor.detach().to(device=self.device, dtype=self.dtype).clone()
                 n += 1
         for module, ab in pending.items():
             if set(ab) != {"A", "B"} or f"{module}.weight" not in self.raw:
-                raise ValueError(f"engine=torch: adapter {module} needs lora_A and lora_B of a module the model has "
-                                 f"(got {sorted(ab)})")
+                raise ValueError(
+                    f"engine=torch: adapter {module} needs lora_A and lora_B of a module the model has "
+                    f"(got {sorted(ab)})"
+                )
             self.adapters[module] = (ab["A"], ab["B"])
         self._fuse()
         return n
@@ -120,7 +134,9 @@ class _Model:
         def get(name: str) -> torch.Tensor:
             if name not in r:
                 raise ValueError(f"engine=torch: the checkpoint has no {name}")
-            adapter = self.adapters.get(name[:-len(".weight")]) if name.endswith(".weight") else None
+            adapter = (
+                self.adapters.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+            )
             if adapter is None:
                 return r[name]
             a, b = adapter
@@ -130,16 +146,26 @@ class _Model:
         for i in range(self.layers):
             p = f"model.layers.{i}."
             qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
-            layers.append({
-                "ln1": get(f"{p}input_layernorm.weight"), "ln2": get(f"{p}post_attention_layernorm.weight"),
-                "qkv": torch.cat([get(f"{x}.weight") for x in qkv]),
-                "qkv_b": torch.cat([get(f"{x}.bias") for x in qkv]) if self.bias else None,
-                "o": get(f"{p}self_attn.o_proj.weight"),
-                "gate_up": torch.cat([get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]),
-                "down": get(f"{p}mlp.down_proj.weight")})
+            layers.append(
+                {
+                    "ln1": get(f"{p}input_layernorm.weight"),
+                    "ln2": get(f"{p}post_attention_layernorm.weight"),
+                    "qkv": torch.cat([get(f"{x}.weight") for x in qkv]),
+                    "qkv_b": torch.cat([get(f"{x}.bias") for x in qkv]) if self.bias else None,
+                    "o": get(f"{p}self_attn.o_proj.weight"),
+                    "gate_up": torch.cat(
+                        [get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]
+                    ),
+                    "down": get(f"{p}mlp.down_proj.weight"),
+                }
+            )
         embed = get("model.embed_tokens.weight")
-        self.w = {"embed": embed, "norm": get("model.norm.weight"), "layers": layers,
-                  "head": r.get("lm_head.weight", embed) if self.tied else get("lm_head.weight")}
+        self.w = {
+            "embed": embed,
+            "norm": get("model.norm.weight"),
+            "layers": layers,
+            "head": r.get("lm_head.weight", embed) if self.tied else get("lm_head.weight"),
+        }
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -150,8 +176,15 @@ class _Model:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                slots: torch.Tensor | None, lengths: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor | None,
+        lengths: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Logits [m, V] (float32) of the last position of each row.
 
         Prefill (``lengths`` given): ``tokens`` [m, P] right-padded prompts, ``positions`` [P]; keys and
@@ -163,10 +196,16 @@ class _Model:
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
         prefill = lengths is not None
         cos, sin = (self.cos[positions], self.sin[positions])
-        cos, sin = (cos[None, :, None], sin[None, :, None]) if prefill else (cos[:, None, None], sin[:, None, None])
+        cos, sin = (
+            (cos[None, :, None], sin[None, :, None])
+            if prefill
+            else (cos[:, None, None], sin[:, None, None])
+        )
         if not prefill:
             span = int(positions.max()) + 1
-            visible = (torch.arange(span, device=tokens.device)[None, :] <= positions[:, None])[:, None, None]
+            visible = (torch.arange(span, device=tokens.device)[None, :] <= positions[:, None])[
+                :, None, None
+            ]
         x = F.embedding(tokens, self.w["embed"])  # [m, t, H]
         for li, lw in enumerate(self.w["layers"]):
             h = self._norm(x, lw["ln1"])
@@ -178,18 +217,26 @@ class _Model:
             if prefill:
                 k_cache[li, slots, :, :t] = k.transpose(1, 2).to(k_cache.dtype)
                 v_cache[li, slots, :, :t] = v.transpose(1, 2).to(v_cache.dtype)
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     is_causal=True, enable_gqa=nkv != nh)  # [m, nh, t, hd]
+                out = F.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    is_causal=True,
+                    enable_gqa=nkv != nh,
+                )  # [m, nh, t, hd]
                 out = out.transpose(1, 2).reshape(m, t, nh * hd)
             else:  # running requests hold slots 0..m-1 in order (TorchGenerator keeps them packed)
                 rows = torch.arange(m, device=tokens.device)
                 k_cache[li, rows, :, positions] = k[:, 0].to(k_cache.dtype)
                 v_cache[li, rows, :, positions] = v[:, 0].to(v_cache.dtype)
-                keys, values = k_cache[li, :m, :, :span], v_cache[li, :m, :, :span]  # views [m, nkv, span, hd]
+                keys, values = (
+                    k_cache[li, :m, :, :span],
+                    v_cache[li, :m, :, :span],
+                )  # views [m, nkv, span, hd]
                 # the heads sharing a key/value head act as that head's queries: no copy of the cache per head.
                 # Plain matmuls: torch's CPU SDPA with a mask takes ~2x longer at these shapes
                 scores = torch.matmul(q.view(m, nkv, nh // nkv, hd).float(), keys.transpose(-1, -2))
-                probs = (scores * hd ** -0.5).masked_fill_(~visible, -math.inf).softmax(-1)
+                probs = (scores * hd**-0.5).masked_fill_(~visible, -math.inf).softmax(-1)
                 out = torch.matmul(probs, values).to(x.dtype).reshape(m, 1, nh * hd)
             x = x + F.linear(out, lw["o"])
             gate, up = F.linear(self._norm(x, lw["ln2"]), lw["gate_up"]).chunk(2, dim=-1)
@@ -211,15 +258,29 @@ class TorchGenerator(StepEngine):
         stop_token_ids: extra ids that end every completion.
     """
 
-    sleep_supported = False  # nothing is freed by sleep(): it only marks the engine asleep, as vLLM on CPU
+    sleep_supported = (
+        False  # nothing is freed by sleep(): it only marks the engine asleep, as vLLM on CPU
+    )
 
-    def __init__(self, model_dir: str | Path, *, seed: int = 0, max_model_len: int = 1024,
-                 cpu_kv_cache_bytes: int = 256 << 20, dtype: str = "auto", stop_token_ids: Sequence[int] = (),
-                 max_num_seqs: int = 256, tensor_parallel_size: int = 1, **_unused: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        cpu_kv_cache_bytes: int = 256 << 20,
+        dtype: str = "auto",
+        stop_token_ids: Sequence[int] = (),
+        max_num_seqs: int = 256,
+        tensor_parallel_size: int = 1,
+        **_unused: Any,
+    ) -> None:
         from safetensors.torch import load_file
 
         if tensor_parallel_size != 1:
-            raise ValueError(f"engine=torch runs on one device, not tensor_parallel_size={tensor_parallel_size}")
+            raise ValueError(
+                f"engine=torch runs on one device, not tensor_parallel_size={tensor_parallel_size}"
+            )
         model_dir = Path(model_dir)
         config = json.loads((model_dir / "config.json").read_text())
         if dtype == "auto":
@@ -239,7 +300,11 @@ class TorchGenerator(StepEngine):
         shape = (m.layers, self.slots, m.kv_heads, max_model_len, m.head_dim)
         self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        gen = json.loads(p.read_text()) if (p := model_dir / "generation_config.json").is_file() else {}
+        gen = (
+            json.loads(p.read_text())
+            if (p := model_dir / "generation_config.json").is_file()
+            else {}
+        )
         eos = gen.get("eos_token_id", config.get("eos_token_id"))
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.stop_token_ids = list(stop_token_ids)
@@ -251,42 +316,80 @@ class TorchGenerator(StepEngine):
         self.tensor_parallel_size = 1
         self._live: dict[str, _Request] = {}  # waiting and running, by caller id, in add order
         self._running: list[_Request] = []  # by slot: the running requests hold slots 0..len-1
-        log.info("torch engine on %s: %s, %d KV cache slots of %d tokens", self.device, dtype, self.slots,
-                 max_model_len)
+        log.info(
+            "torch engine on %s: %s, %d KV cache slots of %d tokens",
+            self.device,
+            dtype,
+            self.slots,
+            max_model_len,
+        )
 
     # batch generation
 
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
-                 ignore_eos: bool = False) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[Completion]]:
         """``n`` completions per prompt, in prompt order (``seed``: prompt ``i``'s ``j``-th sample has
         stream ``seed + i * n + j``). Refused while step-API requests are in flight."""
         self._check_idle("generate()")
         ids = [[f"generate-{i}-{j}" for j in range(n)] for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
             for j in range(n):
-                self.add_request(ids[i][j], prompt, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 seed=None if seed is None else seed + i * n + j, ignore_eos=ignore_eos)
+                self.add_request(
+                    ids[i][j],
+                    prompt,
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_tokens=max_tokens,
+                    seed=None if seed is None else seed + i * n + j,
+                    ignore_eos=ignore_eos,
+                )
         done = dict(self.run_until(min_finished=len(prompt_token_ids) * n))
         return [[done[rid] for rid in row] for row in ids]
 
     # step API
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], *, temperature: float = 1.0,
-                    top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
-                    ignore_eos: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
         """Queue one completion; it starts at the next ``step`` that has a free slot."""
         self._check_awake()
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
         if not 0 < len(prompt_token_ids) < self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt_token_ids)} tokens: it needs 1 to max_model_len - 1 "
-                             f"= {self.max_model_len - 1} tokens")
+            raise ValueError(
+                f"a prompt of {len(prompt_token_ids)} tokens: it needs 1 to max_model_len - 1 "
+                f"= {self.max_model_len - 1} tokens"
+            )
         if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
             raise ValueError("need max_tokens >= 1, temperature >= 0 and top_p in (0, 1]")
         gen = None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
-        self._live[request_id] = _Request(request_id, list(prompt_token_ids), max_tokens, float(temperature),
-                                          float(top_p), ignore_eos, self.version, gen)
+        self._live[request_id] = _Request(
+            request_id,
+            list(prompt_token_ids),
+            max_tokens,
+            float(temperature),
+            float(top_p),
+            ignore_eos,
+            self.version,
+            gen,
+        )
 
     def step(self) -> list[tuple[str, Completion]]:
         """Start waiting requests that fit in free slots (prefill: each samples its first token), give every
@@ -306,7 +409,9 @@ class TorchGenerator(StepEngine):
             if running:
                 tokens = torch.tensor([[r.token_ids[-1]] for r in running], device=self.device)
                 positions = torch.tensor([r.cached for r in running], device=self.device)
-                logits = self.model.forward(tokens, positions, self.k_cache, self.v_cache, None, None)
+                logits = self.model.forward(
+                    tokens, positions, self.k_cache, self.v_cache, None, None
+                )
                 for r in running:
                     r.cached += 1
                 self._sample(running, logits)
@@ -338,11 +443,15 @@ class TorchGenerator(StepEngine):
 
     # weights and memory
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Copy Hugging Face-named tensors into the model (all or some of them) and record ``version``.
         Refused while requests are in flight (abort them first, as with vLLM)."""
         if self.weights_asleep:
-            raise RuntimeError("update_weights() while the engine's weights are asleep: wake_up(['weights']) first")
+            raise RuntimeError(
+                "update_weights() while the engine's weights are asleep: wake_up(['weights']) first"
+            )
         self._check_idle("update_weights()", generating=False)
         if isinstance(named_tensors, (list, tuple)) and not named_tensors:
             raise ValueError("update_weights() needs the model's tensors, got none")
@@ -368,7 +477,9 @@ class TorchGenerator(StepEngine):
         index = [row.setdefault(tuple(r.prompt), len(row)) for r in reqs]
         if len(row) == len(reqs):
             return self._prefill_unique(reqs)
-        leaders: dict[int, _Request] = {}  # row -> the first request with that prompt (rows come in order)
+        leaders: dict[
+            int, _Request
+        ] = {}  # row -> the first request with that prompt (rows come in order)
         for r, n in zip(reqs, index):
             leaders.setdefault(n, r)
         logits = self._prefill_unique(list(leaders.values()))
@@ -394,12 +505,20 @@ class TorchGenerator(StepEngine):
             chunk = reqs[i:j]
             tokens = torch.zeros((len(chunk), width), dtype=torch.long, device=self.device)
             for row, r in enumerate(chunk):
-                tokens[row, :len(r.prompt)] = torch.tensor(r.prompt)
+                tokens[row, : len(r.prompt)] = torch.tensor(r.prompt)
                 r.cached = len(r.prompt)
             lengths = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
             slots = torch.tensor([r.slot for r in chunk], device=self.device)
-            out.append(self.model.forward(tokens, torch.arange(width, device=self.device), self.k_cache,
-                                          self.v_cache, slots, lengths))
+            out.append(
+                self.model.forward(
+                    tokens,
+                    torch.arange(width, device=self.device),
+                    self.k_cache,
+                    self.v_cache,
+                    slots,
+                    lengths,
+                )
+            )
             i = j
         return torch.cat(out)
 
@@ -412,15 +531,18 @@ class TorchGenerator(StepEngine):
         top_p = torch.tensor([r.top_p for r in reqs], device=logits.device)
         if bool((top_p < 1).any()):
             sorted_z, order = z.sort(dim=-1, descending=True)
-            before = sorted_z.softmax(-1).cumsum(-1) - sorted_z.softmax(-1)  # mass of the tokens ranked above
+            before = sorted_z.softmax(-1).cumsum(-1) - sorted_z.softmax(
+                -1
+            )  # mass of the tokens ranked above
             cut = (before >= top_p[:, None]) & ~greedy[:, None]
             z = z.masked_fill(torch.zeros_like(cut).scatter(-1, order, cut), -math.inf)
         logp = z.log_softmax(-1)
         noise = torch.empty_like(logp)
         shared = [i for i, r in enumerate(reqs) if r.generator is None]
         if shared:
-            noise[shared] = torch.empty((len(shared), logp.shape[1]), device=logits.device).exponential_(
-                generator=self.generator)
+            noise[shared] = torch.empty(
+                (len(shared), logp.shape[1]), device=logits.device
+            ).exponential_(generator=self.generator)
         for i, r in enumerate(reqs):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
@@ -434,7 +556,10 @@ class TorchGenerator(StepEngine):
     def _finish_reason(self, r: _Request) -> str | None:
         if not r.ignore_eos and r.token_ids[-1] in self.stop_ids:
             return "stop"
-        if len(r.token_ids) >= r.max_tokens or len(r.prompt) + len(r.token_ids) >= self.max_model_len:
+        if (
+            len(r.token_ids) >= r.max_tokens
+            or len(r.prompt) + len(r.token_ids) >= self.max_model_len
+        ):
             return "length"
         return None
 
@@ -446,9 +571,8 @@ class TorchGenerator(StepEngine):
             return
         last = self._running.pop()
         if last is not r:
-            self.k_cache[:, r.slot, :, :last.cached] = self.k_cache[:, last.slot, :, :last.cached]
-            self.v_cache[:, r.slot, :, :last.cached] = self.v_cache[:, last.slot, :, :last.cached]
+            self.k_cache[:, r.slot, :, : last.cached] = self.k_cache[:, last.slot, :, : last.cached]
+            self.v_cache[:, r.slot, :, : last.cached] = self.v_cache[:, last.slot, :, : last.cached]
             last.slot = r.slot
             self._running[r.slot] = last
         r.slot = -1
-

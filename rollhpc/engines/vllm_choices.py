@@ -25,11 +25,17 @@ class VllmChoices:
 
     enforce_eager: bool  # no torch.compile, no CUDA graphs
     seeded_sampling: bool  # requests keep their seeds (one torch.Generator each in vLLM's sampler)
-    separate_process: bool  # the engine core in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+    separate_process: (
+        bool  # the engine core in a process of its own (VLLM_ENABLE_V1_MULTIPROCESSING=1)
+    )
 
 
-def resolve_vllm_choices(on_cpu: bool, enforce_eager: AutoBool = "auto", seeded_sampling: AutoBool = "auto",
-                         engine_process: EngineProcess = "auto") -> VllmChoices:
+def resolve_vllm_choices(
+    on_cpu: bool,
+    enforce_eager: AutoBool = "auto",
+    seeded_sampling: AutoBool = "auto",
+    engine_process: EngineProcess = "auto",
+) -> VllmChoices:
     """Each "auto" as the platform wants it: the CPU keeps what its tests and exact resume rely on (eager, seeded,
     one process); a GPU gets speed (CUDA graphs, no per-request generators, the engine core off this GIL).
     Kept free of vLLM so that the choice is testable and plannable without it."""
@@ -38,6 +44,8 @@ def resolve_vllm_choices(on_cpu: bool, enforce_eager: AutoBool = "auto", seeded_
             raise ValueError(f"{key}: true, false or 'auto', got {value!r}")
     if engine_process not in ("auto", "same", "separate"):
         raise ValueError(f"engine_process: 'auto', 'same' or 'separate', got {engine_process!r}")
-    return VllmChoices(enforce_eager=on_cpu if enforce_eager == "auto" else bool(enforce_eager),
-                       seeded_sampling=on_cpu if seeded_sampling == "auto" else bool(seeded_sampling),
-                       separate_process=(not on_cpu) if engine_process == "auto" else engine_process == "separate")
+    return VllmChoices(
+        enforce_eager=on_cpu if enforce_eager == "auto" else bool(enforce_eager),
+        seeded_sampling=on_cpu if seeded_sampling == "auto" else bool(seeded_sampling),
+        separate_process=(not on_cpu) if engine_process == "auto" else engine_process == "separate",
+    )

@@ -34,8 +34,9 @@ def is_moe_config(hf_config: dict[str, Any]) -> bool:
     return int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0) > 0
 
 
-def capture_expert0_gates(named_tensors: Iterable[tuple[str, torch.Tensor]],
-                          into: dict[int, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def capture_expert0_gates(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict[int, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass the tensors through, keeping a copy of each layer's expert-0 ``gate_proj`` (the caller may
     reuse its buffers once a tensor has been consumed)."""
     for name, tensor in named_tensors:
@@ -49,7 +50,10 @@ def repack_after_reload(worker: Any, gates: dict[int, torch.Tensor]) -> int:
     """In a vLLM worker (``collective_rpc``): pack again the experts of every MoE layer whose w13 is in
     checkpoint layout; returns how many layers were packed."""
     import torch
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
@@ -58,18 +62,28 @@ def repack_after_reload(worker: Any, gates: dict[int, torch.Tensor]) -> int:
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         layer = _LAYER.search(name)
-        if not isinstance(experts, CPUUnquantizedExperts) or layer is None or int(layer.group(1)) not in gates:
+        if (
+            not isinstance(experts, CPUUnquantizedExperts)
+            or layer is None
+            or int(layer.group(1)) not in gates
+        ):
             continue
         if getattr(experts, "_use_zentorch", False):
             continue  # zentorch uses the weights as loaded
         gate = gates[int(layer.group(1))]
         rows = gate.shape[0] // tp_size
         w13 = module.w13_weight
-        if w13.shape[1] != 2 * rows:  # vLLM padded the intermediate size: the layouts cannot be compared
-            log.warning("%s: MoE weights padded by vLLM (%d rows for %d); not checked after the reload",
-                        name, w13.shape[1] // 2, rows)
+        if (
+            w13.shape[1] != 2 * rows
+        ):  # vLLM padded the intermediate size: the layouts cannot be compared
+            log.warning(
+                "%s: MoE weights padded by vLLM (%d rows for %d); not checked after the reload",
+                name,
+                w13.shape[1] // 2,
+                rows,
+            )
             continue
-        shard = gate[tp_rank * rows:(tp_rank + 1) * rows].to(w13.dtype)
+        shard = gate[tp_rank * rows : (tp_rank + 1) * rows].to(w13.dtype)
         if torch.equal(w13[0, :rows], shard):
             experts.process_weights_after_loading(module)
             packed += 1

@@ -48,7 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 from rollhpc.engines.completion import Completion, StepEngine
 from rollhpc.engines.vllm_choices import AutoBool, EngineProcess, VllmChoices, resolve_vllm_choices
-from rollhpc.engines.vllm_cpu_moe_repack import capture_expert0_gates, is_moe_config, repack_after_reload
+from rollhpc.engines.vllm_cpu_moe_repack import (
+    capture_expert0_gates,
+    is_moe_config,
+    repack_after_reload,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -93,19 +97,33 @@ class VllmGenerator(StepEngine):
             per process: vLLM caches its environment once an engine core runs here); "auto": separate on GPU.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, *, seed: int = 0, max_model_len: int = 1024,
-                 gpu_memory_utilization: float = 0.5, cpu_kv_cache_bytes: int = 256 << 20,
-                 enforce_eager: AutoBool = "auto", tensor_parallel_size: int = 1, dtype: str = "auto",
-                 stop_token_ids: Sequence[int] = (), weight_chunk_bytes: int = 256 << 20,
-                 max_lora_rank: int = 0, seeded_sampling: AutoBool = "auto", engine_process: EngineProcess = "auto",
-                 **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        *,
+        seed: int = 0,
+        max_model_len: int = 1024,
+        gpu_memory_utilization: float = 0.5,
+        cpu_kv_cache_bytes: int = 256 << 20,
+        enforce_eager: AutoBool = "auto",
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        stop_token_ids: Sequence[int] = (),
+        weight_chunk_bytes: int = 256 << 20,
+        max_lora_rank: int = 0,
+        seeded_sampling: AutoBool = "auto",
+        engine_process: EngineProcess = "auto",
+        **engine_kwargs: Any,
+    ) -> None:
         # Must be set before vllm is imported: vLLM logs through this process's logging config instead of
         # installing its own handlers.
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         from vllm.platforms import current_platform
 
         self.on_cpu = current_platform.is_cpu()
-        self.choices: VllmChoices = resolve_vllm_choices(self.on_cpu, enforce_eager, seeded_sampling, engine_process)
+        self.choices: VllmChoices = resolve_vllm_choices(
+            self.on_cpu, enforce_eager, seeded_sampling, engine_process
+        )
         _set_engine_process(self.choices.separate_process)
         from vllm import LLM
 
@@ -126,13 +144,18 @@ class VllmGenerator(StepEngine):
             engine_kwargs.setdefault("enable_chunked_prefill", False)
             engine_kwargs.setdefault("max_num_batched_tokens", max(max_model_len, 8192))
         self.sleep_supported = current_platform.is_sleep_mode_available()
-        memory = ({"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)} if self.on_cpu
-                  else {"gpu_memory_utilization": gpu_memory_utilization})
+        memory = (
+            {"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)}
+            if self.on_cpu
+            else {"gpu_memory_utilization": gpu_memory_utilization}
+        )
         hf_config = json.loads((Path(model_dir) / "config.json").read_text())
         self.tied_embeddings = bool(hf_config.get("tie_word_embeddings"))
         self.cpu_moe = self.on_cpu and is_moe_config(hf_config)  # see vllm_cpu_moe_repack
         self.weight_transfer = _weight_transfer_backend(self.on_cpu) if workers_elsewhere else None
-        why = _engine_core_takes_pickles(self.choices.separate_process, self.weight_transfer, self.cpu_moe)
+        why = _engine_core_takes_pickles(
+            self.choices.separate_process, self.weight_transfer, self.cpu_moe
+        )
         if why:
             _let_engine_core_unpickle(why)
         if self.weight_transfer:
@@ -142,25 +165,44 @@ class VllmGenerator(StepEngine):
             engine_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=int(max_lora_rank))
         self.lora = _AdapterSlot() if max_lora_rank else None
         _log_choices(self.choices, self.on_cpu, enforce_eager, seeded_sampling, engine_process)
-        self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
-                       enforce_eager=self.choices.enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                       dtype=dtype, logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_supported,
-                       **memory, **engine_kwargs)
+        self.llm = LLM(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=self.choices.enforce_eager,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_supported,
+            **memory,
+            **engine_kwargs,
+        )
         self.tensor_parallel_size = tensor_parallel_size
         if self.weight_transfer:
             from rollhpc.engines import vllm_weight_transfer
 
-            self.llm.collective_rpc("init_weight_transfer_engine",
-                                    args=(vllm_weight_transfer.init_info(self.weight_transfer),))
+            self.llm.collective_rpc(
+                "init_weight_transfer_engine",
+                args=(vllm_weight_transfer.init_info(self.weight_transfer),),
+            )
         self.stop_token_ids = list(stop_token_ids)
         self.version = 0
         self.asleep = False  # no generation until the KV cache is back
         self.weights_asleep = False  # no weight update until the weights are back
         self._live: dict[str, _Live] = {}  # step-API requests in flight, by caller id, in add order
 
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1, temperature: float = 1.0,
-                 top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
-                 ignore_eos: bool = False) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[list[Completion]]:
         """``n`` completions per prompt, in prompt order.
 
         With ``seed`` set, prompt ``i`` samples from seed ``seed + i * n`` (vLLM gives its ``n``
@@ -172,28 +214,59 @@ class VllmGenerator(StepEngine):
         request is left, so it would run theirs to the end and drop their outputs.
         """
         self._check_idle("generate()")
-        params = [self._sampling_params(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                        seed=None if seed is None else seed + i * n, ignore_eos=ignore_eos)
-                  for i in range(len(prompt_token_ids))]
+        params = [
+            self._sampling_params(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                seed=None if seed is None else seed + i * n,
+                ignore_eos=ignore_eos,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
-        return [[self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
+        outputs = self.llm.generate(
+            prompts, params, use_tqdm=False, lora_request=self._lora_request()
+        )
+        return [
+            [self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out in outputs
+        ]
 
-    def _sampling_params(self, *, n: int, temperature: float, top_p: float, max_tokens: int,
-                         seed: int | None, ignore_eos: bool) -> Any:
+    def _sampling_params(
+        self,
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None,
+        ignore_eos: bool,
+    ) -> Any:
         """The same stop tokens and logprobs (the sampled token's only) for ``generate`` and the step API; the seed
         only where the engine samples seeded (``seeded_sampling``)."""
         from vllm import SamplingParams
 
         if not self.choices.seeded_sampling:
             seed = None
-        return SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                              logprobs=0, ignore_eos=ignore_eos, stop_token_ids=self.stop_token_ids,
-                              detokenize=False)
+        return SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            logprobs=0,
+            ignore_eos=ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            detokenize=False,
+        )
 
     def _completion(self, out: Any) -> Completion:
         token_ids = list(out.token_ids)
-        return Completion(token_ids, self._logprobs(token_ids, out.logprobs), str(out.finish_reason), self.version)
+        return Completion(
+            token_ids, self._logprobs(token_ids, out.logprobs), str(out.finish_reason), self.version
+        )
 
     @staticmethod
     def _logprobs(token_ids: list[int], per_position: Any) -> list[float]:
@@ -209,9 +282,17 @@ class VllmGenerator(StepEngine):
     # requested in DELTA mode (only the new tokens of each step) and gathered here per request, because
     # vLLM's abort returns nothing to a synchronous caller.
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], *, temperature: float = 1.0,
-                    top_p: float = 1.0, max_tokens: int = 256, seed: int | None = None,
-                    ignore_eos: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int = 256,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
         """Queue one completion of ``prompt_token_ids``; it starts at the next ``step``.
 
         The weights version live now is recorded with the request and reported by its completion:
@@ -223,13 +304,26 @@ class VllmGenerator(StepEngine):
         self._check_awake()
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
-        params = self._sampling_params(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                       seed=seed, ignore_eos=ignore_eos)
+        params = self._sampling_params(
+            n=1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
         params.output_kind = RequestOutputKind.DELTA
         # Rendered as LLM.generate does (raw prompt dicts are deprecated input to the engine).
         (prompt,) = self.llm.renderer.render_cmpl(
-            [parse_model_prompt(self.llm.model_config, {"prompt_token_ids": list(prompt_token_ids)})])
-        engine_id = self.llm.llm_engine.add_request(request_id, prompt, params, lora_request=self._lora_request())
+            [
+                parse_model_prompt(
+                    self.llm.model_config, {"prompt_token_ids": list(prompt_token_ids)}
+                )
+            ]
+        )
+        engine_id = self.llm.llm_engine.add_request(
+            request_id, prompt, params, lora_request=self._lora_request()
+        )
         self._live[request_id] = _Live(engine_id, self.version)
 
     def step(self) -> list[tuple[str, Completion]]:
@@ -247,8 +341,14 @@ class VllmGenerator(StepEngine):
             live.logprobs += self._logprobs(new_tokens, delta.logprobs)
             if out.finished:
                 del self._live[out.request_id]
-                finished.append((out.request_id, Completion(live.token_ids, live.logprobs,
-                                                            str(delta.finish_reason), live.version)))
+                finished.append(
+                    (
+                        out.request_id,
+                        Completion(
+                            live.token_ids, live.logprobs, str(delta.finish_reason), live.version
+                        ),
+                    )
+                )
         return finished
 
     def abort(self, request_ids: Iterable[str]) -> list[tuple[str, Completion]]:
@@ -259,10 +359,17 @@ class VllmGenerator(StepEngine):
         """
         if isinstance(request_ids, str):
             raise TypeError("abort() takes a collection of ids, not one id string")
-        aborted = [(rid, self._live.pop(rid)) for rid in dict.fromkeys(request_ids) if rid in self._live]
+        aborted = [
+            (rid, self._live.pop(rid)) for rid in dict.fromkeys(request_ids) if rid in self._live
+        ]
         if aborted:
-            self.llm.llm_engine.abort_request([live.engine_id for _, live in aborted], internal=True)
-        return [(rid, Completion(live.token_ids, live.logprobs, "abort", live.version)) for rid, live in aborted]
+            self.llm.llm_engine.abort_request(
+                [live.engine_id for _, live in aborted], internal=True
+            )
+        return [
+            (rid, Completion(live.token_ids, live.logprobs, "abort", live.version))
+            for rid, live in aborted
+        ]
 
     def num_unfinished(self) -> int:
         return len(self._live)
@@ -270,7 +377,9 @@ class VllmGenerator(StepEngine):
     def unfinished_ids(self) -> list[str]:
         return list(self._live)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Load HF-named tensors into the running engine: ALL of the checkpoint's tensors (vLLM's
         ``reload_weights`` rebuilds every parameter, so one left out would be lost; a tied checkpoint's
         ``lm_head.weight`` is added from the embedding here); or, on an engine that serves LoRA, the adapters alone.
@@ -281,7 +390,9 @@ class VllmGenerator(StepEngine):
         (abort them first; the partials resume under the new weights).
         """
         if self.weights_asleep:
-            raise RuntimeError("update_weights() while the engine's weights are asleep: wake_up(['weights']) first")
+            raise RuntimeError(
+                "update_weights() while the engine's weights are asleep: wake_up(['weights']) first"
+            )
         self._check_idle("update_weights()", generating=False)
         named_tensors = iter(named_tensors)
         first = next(named_tensors, None)  # (also says whether these are a LoRA trainer's adapters)
@@ -299,29 +410,46 @@ class VllmGenerator(StepEngine):
             from rollhpc.engines import vllm_weight_transfer
 
             if self.weight_transfer == vllm_weight_transfer.SHM_BACKEND:
-                vllm_weight_transfer.send_shm(self.llm.collective_rpc, weights, self.weight_chunk_bytes)
+                vllm_weight_transfer.send_shm(
+                    self.llm.collective_rpc, weights, self.weight_chunk_bytes
+                )
             else:
-                vllm_weight_transfer.send_cuda_ipc(self.llm.collective_rpc, weights, self.weight_chunk_bytes,
-                                                   self.tensor_parallel_size)
-        elif self.tensor_parallel_size > 1 or self.choices.separate_process:  # fallback: the model pickled whole
+                vllm_weight_transfer.send_cuda_ipc(
+                    self.llm.collective_rpc,
+                    weights,
+                    self.weight_chunk_bytes,
+                    self.tensor_parallel_size,
+                )
+        elif (
+            self.tensor_parallel_size > 1 or self.choices.separate_process
+        ):  # fallback: the model pickled whole
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         else:  # the in-process executor calls the worker directly: a lazy iterator is fine
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if gates:
             packed = self.llm.collective_rpc(repack_after_reload, args=(gates,))
             if any(packed) and self.version == 0:
-                log.info("vLLM CPU MoE: packed the experts of %d layer(s) again after the weight reload "
-                         "(vLLM leaves them in checkpoint layout)", max(packed))
+                log.info(
+                    "vLLM CPU MoE: packed the experts of %d layer(s) again after the weight reload "
+                    "(vLLM leaves them in checkpoint layout)",
+                    max(packed),
+                )
         self.llm.reset_prefix_cache()
         self.version = version
 
-    def _load_adapters(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _load_adapters(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """A LoRA trainer's adapters become the served adapter, in place of the previous version's."""
         if self.lora is None:
-            raise ValueError("update_weights() got LoRA adapters, but this engine serves none: start it with "
-                             "max_lora_rank (the generate role's max_lora_rank option)")
+            raise ValueError(
+                "update_weights() got LoRA adapters, but this engine serves none: start it with "
+                "max_lora_rank (the generate role's max_lora_rank option)"
+            )
         request = self.lora.write({name: tensor for name, tensor in named_tensors})
-        self.llm.llm_engine.add_lora(request)  # load_inplace: the adapter's slot takes the new tensors
+        self.llm.llm_engine.add_lora(
+            request
+        )  # load_inplace: the adapter's slot takes the new tensors
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
         self.version = version
 
@@ -368,7 +496,9 @@ class _AdapterSlot:
 
         shm = Path("/dev/shm")
         self.dir = Path(tempfile.mkdtemp(prefix="rollhpc-lora-", dir=shm if shm.is_dir() else None))
-        weakref.finalize(self, shutil.rmtree, str(self.dir), True)  # gone with the engine, or at exit
+        weakref.finalize(
+            self, shutil.rmtree, str(self.dir), True
+        )  # gone with the engine, or at exit
         self.request: Any = None  # what requests name, once an adapter is loaded
 
     def write(self, tensors: dict[str, torch.Tensor]) -> Any:
@@ -379,14 +509,30 @@ class _AdapterSlot:
 
         a = [t for name, t in tensors.items() if ".lora_A." in name]
         if not a or len(a) * 2 != len(tensors):
-            raise ValueError(f"LoRA adapters come as lora_A/lora_B pairs, got {sorted(tensors)[:4]}...")
+            raise ValueError(
+                f"LoRA adapters come as lora_A/lora_B pairs, got {sorted(tensors)[:4]}..."
+            )
         rank = int(a[0].shape[0])
         modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
-        save_file({f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-                  str(self.dir / "adapter_model.safetensors"))
+        save_file(
+            {
+                f"base_model.model.{k}": v.detach().to("cpu").contiguous()
+                for k, v in tensors.items()
+            },
+            str(self.dir / "adapter_model.safetensors"),
+        )
         # alpha = r: the scaling alpha/r is already in B
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
-                  "target_modules": modules, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None}
+        config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": rank,
+            "lora_alpha": rank,
+            "lora_dropout": 0.0,
+            "target_modules": modules,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "modules_to_save": None,
+        }
         (self.dir / "adapter_config.json").write_text(json.dumps(config))
         self.request = LoRARequest("policy", self.ADAPTER_ID, str(self.dir))
         return LoRARequest("policy", self.ADAPTER_ID, str(self.dir), load_inplace=True)
@@ -401,12 +547,16 @@ def _set_engine_process(separate: bool) -> None:
     import vllm.envs as envs
 
     if bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING) != separate:
-        raise RuntimeError(f"engine_process={'separate' if separate else 'same'}: an earlier vLLM engine of this "
-                           "process ran with the other mode and vLLM has cached its environment since; one mode per "
-                           "process (set engine_process alike for every engine of a process)")
+        raise RuntimeError(
+            f"engine_process={'separate' if separate else 'same'}: an earlier vLLM engine of this "
+            "process ran with the other mode and vLLM has cached its environment since; one mode per "
+            "process (set engine_process alike for every engine of a process)"
+        )
 
 
-def _engine_core_takes_pickles(separate_process: bool, weight_transfer: str | None, cpu_moe: bool) -> str | None:
+def _engine_core_takes_pickles(
+    separate_process: bool, weight_transfer: str | None, cpu_moe: bool
+) -> str | None:
     """Why this engine sends its engine core what vLLM's message encoder takes only through pickle, or None.
 
     A separate engine core is reached through msgpack (vllm/v1/serial_utils.py), which refuses anything but plain
@@ -432,20 +582,33 @@ def _let_engine_core_unpickle(why: str) -> None:
     value = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     if value is None:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        log.info("vLLM engine core in its own process: VLLM_ALLOW_INSECURE_SERIALIZATION=1 for %s", why)
+        log.info(
+            "vLLM engine core in its own process: VLLM_ALLOW_INSECURE_SERIALIZATION=1 for %s", why
+        )
     elif value.strip() in ("", "0"):
-        raise ValueError(f"engine_process=separate sends the engine core {why}, which vLLM pickles only with "
-                         f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set to {value!r} here): unset it, or use "
-                         "engine_process=same")
+        raise ValueError(
+            f"engine_process=separate sends the engine core {why}, which vLLM pickles only with "
+            f"VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set to {value!r} here): unset it, or use "
+            "engine_process=same"
+        )
 
 
 def _log_choices(choices: VllmChoices, on_cpu: bool, *given: bool | str) -> None:
     """One line per engine start with what each speed option came to, and whether it was asked for or "auto":
     the first thing to read when a GPU run is slower than expected."""
-    values = (choices.enforce_eager, choices.seeded_sampling, "separate" if choices.separate_process else "same")
+    values = (
+        choices.enforce_eager,
+        choices.seeded_sampling,
+        "separate" if choices.separate_process else "same",
+    )
     names = ("enforce_eager", "seeded_sampling", "engine_process")
-    log.info("vLLM engine on %s: %s", "CPU" if on_cpu else "GPU",
-             ", ".join(f"{n}={v}" + (" (auto)" if g == "auto" else "") for n, v, g in zip(names, values, given)))
+    log.info(
+        "vLLM engine on %s: %s",
+        "CPU" if on_cpu else "GPU",
+        ", ".join(
+            f"{n}={v}" + (" (auto)" if g == "auto" else "") for n, v, g in zip(names, values, given)
+        ),
+    )
 
 
 def _bind_cpu_workers(tp: int) -> None:
@@ -464,7 +627,10 @@ def _bind_cpu_workers(tp: int) -> None:
     cores = sorted(os.sched_getaffinity(0))
     share = len(cores) // tp
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
-        "|".join(",".join(map(str, cores[i * share:(i + 1) * share])) for i in range(tp)) if share else "nobind")
+        "|".join(",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(tp))
+        if share
+        else "nobind"
+    )
 
 
 def _weight_transfer_backend(on_cpu: bool) -> str | None:
@@ -473,11 +639,17 @@ def _weight_transfer_backend(on_cpu: bool) -> str | None:
     from rollhpc.engines import vllm_weight_transfer
 
     backend = vllm_weight_transfer.backend_for(on_cpu)
-    if backend == vllm_weight_transfer.SHM_BACKEND and not vllm_weight_transfer.shm_backend_registered():
-        log.warning("vLLM worker processes on CPU (tensor_parallel_size > 1 or engine_process=separate): the '%s' "
-                    "weight-transfer plugin is not loaded "
-                    "(rollhpc not pip-installed, or VLLM_PLUGINS leaves it out); every weight update will be "
-                    "pickled whole to each worker process", backend)
+    if (
+        backend == vllm_weight_transfer.SHM_BACKEND
+        and not vllm_weight_transfer.shm_backend_registered()
+    ):
+        log.warning(
+            "vLLM worker processes on CPU (tensor_parallel_size > 1 or engine_process=separate): the '%s' "
+            "weight-transfer plugin is not loaded "
+            "(rollhpc not pip-installed, or VLLM_PLUGINS leaves it out); every weight update will be "
+            "pickled whole to each worker process",
+            backend,
+        )
         return None
     return backend
 
@@ -531,7 +703,9 @@ def _eager_token_ranks_on_cpu() -> None:
         sampler.batched_count_greater_than = eager
 
 
-def _with_tied_head(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _with_tied_head(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors, plus ``lm_head.weight`` = the embedding when only the embedding is given.
 
     A tied checkpoint has no lm_head tensor, but vLLM's ``reload_weights`` rebuilds every parameter it

@@ -44,10 +44,13 @@ from vllm.distributed.weight_transfer.base import (
 log = logging.getLogger(__name__)
 
 SHM_BACKEND = "rollhpc_shm"
-ALIGN = 64  # byte alignment of each tensor in a chunk: any dtype can be viewed at any tensor's offset
+ALIGN = (
+    64  # byte alignment of each tensor in a chunk: any dtype can be viewed at any tensor's offset
+)
 
 
 # -- worker side ----------------------------------------------------------------------------------------------
+
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
@@ -96,7 +99,9 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         # A private mapping: the sender's pages are read in place and never written. The views may outlive this
         # call (layerwise reload keeps a layer's arguments until the layer is complete); the mapping stays valid
         # after the sender unlinks the file, and every chunk has a file of its own, so nothing is overwritten.
-        data = torch.from_file(update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8)
+        data = torch.from_file(
+            update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8
+        )
         self.model.load_weights(list(_views(data, update_info)))
 
     def shutdown(self) -> None:
@@ -104,12 +109,14 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
 
 
 def _views(data: torch.Tensor, info: ShmUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, dtype_name, shape, offset in zip(info.names, info.dtype_names, info.shapes, info.offsets):
+    for name, dtype_name, shape, offset in zip(
+        info.names, info.dtype_names, info.shapes, info.offsets
+    ):
         dtype = getattr(torch, dtype_name)
         n = dtype.itemsize
         for d in shape:
             n *= d
-        yield name, data[offset:offset + n].view(dtype).view(shape)
+        yield name, data[offset : offset + n].view(dtype).view(shape)
 
 
 def register() -> None:
@@ -118,7 +125,9 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if SHM_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(SHM_BACKEND, __name__, ShmWeightTransferEngine.__name__)
+        WeightTransferEngineFactory.register_engine(
+            SHM_BACKEND, __name__, ShmWeightTransferEngine.__name__
+        )
 
 
 def shm_backend_registered() -> bool:
@@ -134,6 +143,7 @@ def shm_backend_registered() -> bool:
 
 # -- generator side -------------------------------------------------------------------------------------------
 
+
 def backend_for(on_cpu: bool) -> str:
     """The weight-transfer backend a TP > 1 engine is started with."""
     return SHM_BACKEND if on_cpu else "ipc"
@@ -144,8 +154,9 @@ def init_info(backend: str) -> dict[str, Any]:
     return {} if backend == SHM_BACKEND else {"packed": True}
 
 
-def chunks(named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int,
-           align: int = ALIGN) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
+def chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int, align: int = ALIGN
+) -> Iterator[list[tuple[str, torch.Tensor, int]]]:
     """Tensors grouped in order into chunks of at most ``chunk_bytes`` (a larger tensor is a chunk of its own),
     each with its byte offset in the chunk, a multiple of ``align``. Lazy: one chunk's tensors held at a time."""
     if chunk_bytes <= 0:
@@ -171,16 +182,26 @@ def chunk_nbytes(chunk: list[tuple[str, torch.Tensor, int]]) -> int:
 
 def _pack(chunk: list[tuple[str, torch.Tensor, int]], into: torch.Tensor) -> dict[str, Any]:
     """Copy a chunk's tensors into the uint8 buffer ``into`` at their offsets; the chunk's description."""
-    for _, t, offset in chunk:  # as bytes: a packed chunk's offsets need not suit the tensor's dtype
-        into[offset:offset + t.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
-    return {"names": [n for n, _, _ in chunk],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t, _ in chunk],
-            "shapes": [list(t.shape) for _, t, _ in chunk]}
+    for (
+        _,
+        t,
+        offset,
+    ) in chunk:  # as bytes: a packed chunk's offsets need not suit the tensor's dtype
+        into[offset : offset + t.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+    return {
+        "names": [n for n, _, _ in chunk],
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t, _ in chunk],
+        "shapes": [list(t.shape) for _, t, _ in chunk],
+    }
 
 
 def shm_dir() -> str:
     """Where chunk files go: /dev/shm (memory) where it exists."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return (
+        "/dev/shm"
+        if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+        else tempfile.gettempdir()
+    )
 
 
 def _shm_chunk(chunk: list[tuple[str, torch.Tensor, int]]) -> ShmUpdateInfo:
@@ -190,7 +211,9 @@ def _shm_chunk(chunk: list[tuple[str, torch.Tensor, int]]) -> ShmUpdateInfo:
     try:
         os.ftruncate(fd, nbytes)
         data = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        return ShmUpdateInfo(path=path, nbytes=nbytes, offsets=[o for _, _, o in chunk], **_pack(chunk, data))
+        return ShmUpdateInfo(
+            path=path, nbytes=nbytes, offsets=[o for _, _, o in chunk], **_pack(chunk, data)
+        )
     except BaseException:
         os.unlink(path)
         raise
@@ -198,7 +221,9 @@ def _shm_chunk(chunk: list[tuple[str, torch.Tensor, int]]) -> ShmUpdateInfo:
         os.close(fd)
 
 
-def send_shm(collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int) -> int:
+def send_shm(
+    collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
+) -> int:
     """One ``rollhpc_shm`` update through ``collective_rpc`` (the engine's): returns the bytes sent.
 
     Every chunk gets a new file, unlinked as soon as the workers have loaded it (their mappings outlive the name),
@@ -220,8 +245,12 @@ def send_shm(collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.Tenso
     return sent
 
 
-def send_cuda_ipc(collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int,
-                  tensor_parallel_size: int) -> int:
+def send_cuda_ipc(
+    collective_rpc: Any,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    chunk_bytes: int,
+    tensor_parallel_size: int,
+) -> int:
     """One update through vLLM's packed ``ipc`` backend; returns the bytes sent. Not yet run on a GPU.
 
     vLLM's IPC consumer maps the handle of its own GPU (handles are keyed by GPU UUID), so each TP worker's GPU
@@ -236,12 +265,18 @@ def send_cuda_ipc(collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.
     handles: dict[str, tuple] = {}
     sent = 0
     collective_rpc("start_weight_update")
-    for chunk in chunks(named_tensors, chunk_bytes, align=1):  # vLLM's consumer splits the chunk back to back
+    for chunk in chunks(
+        named_tensors, chunk_bytes, align=1
+    ):  # vLLM's consumer splits the chunk back to back
         nbytes = chunk_nbytes(chunk)
         if not buffers or nbytes > buffers[0].numel():
-            buffers = [torch.empty(max(nbytes, chunk_bytes), dtype=torch.uint8, device=d) for d in devices]
-            handles = {str(torch.cuda.get_device_properties(d).uuid): reduce_tensor(b)[1]
-                       for d, b in zip(devices, buffers)}
+            buffers = [
+                torch.empty(max(nbytes, chunk_bytes), dtype=torch.uint8, device=d) for d in devices
+            ]
+            handles = {
+                str(torch.cuda.get_device_properties(d).uuid): reduce_tensor(b)[1]
+                for d, b in zip(devices, buffers)
+            }
         info = _pack([(n, t.to(buffers[0].device), o) for n, t, o in chunk], buffers[0])
         info["tensor_sizes"] = [t.nbytes for _, t, _ in chunk]
         for b in buffers[1:]:

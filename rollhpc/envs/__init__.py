@@ -22,16 +22,24 @@ def env_class(name: str) -> type:
         module_path, _, attr = name.partition(":")
     else:
         module_path, attr = f"{__name__}.{name}", "ENV"
-    if not module_path or not attr or not all(p.isidentifier() for p in module_path.split(".") + [attr]):
-        raise ValueError(f"environment {name!r} is neither a short name ({', '.join(available_envs())}) "
-                         "nor an import path package.module:Class")
+    if (
+        not module_path
+        or not attr
+        or not all(p.isidentifier() for p in module_path.split(".") + [attr])
+    ):
+        raise ValueError(
+            f"environment {name!r} is neither a short name ({', '.join(available_envs())}) "
+            "nor an import path package.module:Class"
+        )
     try:
         module = importlib.import_module(module_path)
     except ModuleNotFoundError as e:
         if e.name is None or not (module_path == e.name or module_path.startswith(e.name + ".")):
             raise  # the environment's own import failed: show that
-        raise ValueError(f"unknown environment {name!r}; shipped: {', '.join(available_envs())} "
-                         "(or give package.module:Class)") from None
+        raise ValueError(
+            f"unknown environment {name!r}; shipped: {', '.join(available_envs())} "
+            "(or give package.module:Class)"
+        ) from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
         raise ValueError(f"{module_path} has no environment class {attr!r}")
@@ -47,7 +55,9 @@ def make_env(name: str, options: dict[str, Any] | None = None) -> TextEnv:
     try:
         return cls(**(options or {}))
     except TypeError as e:
-        raise ValueError(f"environment {name!r} does not take options {sorted(options or {})}: {e}") from None
+        raise ValueError(
+            f"environment {name!r} does not take options {sorted(options or {})}: {e}"
+        ) from None
 
 
 def available_envs() -> list[str]:

@@ -55,15 +55,19 @@ class EpisodeStats:
 
     def summary(self) -> str:
         extra = "".join(f", {k} {v:.3f}" for k, v in self.metrics.items())
-        return (f"{self.env} ({self.policy}, {self.episodes} episodes): success rate {self.success_rate:.3f}, "
-                f"mean turns {self.mean_turns:.2f}, mean return {self.mean_return:.3f}{extra}")
+        return (
+            f"{self.env} ({self.policy}, {self.episodes} episodes): success rate {self.success_rate:.3f}, "
+            f"mean turns {self.mean_turns:.2f}, mean return {self.mean_return:.3f}{extra}"
+        )
 
 
 def run_episode(env: TextEnv, policy: Policy, seed: int, max_turns: int = TURN_GUARD) -> Episode:
     """One episode from ``env.reset(seed)`` until the environment ends it, the policy cannot go on or it has had
     ``max_turns`` turns (then it ends truncated). The record holds the policy's token ids where it has any."""
     observation, info = env.reset(seed)
-    episode = Episode(seed=seed, instruction=str(info.get("instruction", "")), observation=observation)
+    episode = Episode(
+        seed=seed, instruction=str(info.get("instruction", "")), observation=observation
+    )
     episode.prompt = policy.begin(episode.instruction, observation, seed)
     metrics: dict[str, float] = defaultdict(float)
     while True:
@@ -72,8 +76,15 @@ def run_episode(env: TextEnv, policy: Policy, seed: int, max_turns: int = TURN_G
             episode.finish = "truncated"
             break
         observation, reward, terminated, truncated, info = env.step(act.text)
-        episode.turns.append(Turn(response=act.ids, action=act.text, observation_text=observation,
-                                  reward=float(reward), finish_reason=act.finish_reason))
+        episode.turns.append(
+            Turn(
+                response=act.ids,
+                action=act.text,
+                observation_text=observation,
+                reward=float(reward),
+                finish_reason=act.finish_reason,
+            )
+        )
         for k, v in (info.get("metrics") or {}).items():
             metrics[k] += float(v)
         if terminated or truncated:
@@ -85,8 +96,14 @@ def run_episode(env: TextEnv, policy: Policy, seed: int, max_turns: int = TURN_G
     return episode
 
 
-def run_episodes(env_name: str, options: dict[str, Any] | None, policy: str, episodes: int, seed0: int = 0,
-                 max_new_tokens: int = 32) -> EpisodeStats:
+def run_episodes(
+    env_name: str,
+    options: dict[str, Any] | None,
+    policy: str,
+    episodes: int,
+    seed0: int = 0,
+    max_new_tokens: int = 32,
+) -> EpisodeStats:
     """``episodes`` episodes of ``env_name`` (built with ``options``) with seeds seed0, seed0 + 1, ...
 
     ``policy``: ``random`` (the environment's ACTIONS, seeded by the episode's seed), ``expert`` (its

@@ -55,15 +55,26 @@ class FrozenLake:
 
     ACTIONS = DIRECTIONS  # what a random policy picks from
 
-    def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = False, success_rate: float = 1.0 / 3.0,
-                 max_turns: int | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 4,
+        p: float = 0.8,
+        is_slippery: bool = False,
+        success_rate: float = 1.0 / 3.0,
+        max_turns: int | None = None,
+    ) -> None:
         if not isinstance(size, int) or size < 2:
             raise ValueError(f"size must be an integer >= 2, got {size!r}")
         if not 0.0 < p <= 1.0:
             raise ValueError(f"p (probability of a frozen tile) must be in (0, 1], got {p!r}")
         if not 0.0 < success_rate <= 1.0:
             raise ValueError(f"success_rate must be in (0, 1], got {success_rate!r}")
-        self.size, self.p, self.is_slippery, self.success_rate = size, float(p), bool(is_slippery), float(success_rate)
+        self.size, self.p, self.is_slippery, self.success_rate = (
+            size,
+            float(p),
+            bool(is_slippery),
+            float(success_rate),
+        )
         self.max_turns = size * size if max_turns is None else int(max_turns)
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns!r}")
@@ -71,7 +82,9 @@ class FrozenLake:
         self._gym: FrozenLakeEnv | None = None
         self._turn = 0
         self._done = True
-        self._values: np.ndarray | None = None  # [turns left, state, action] success probabilities (slippery expert)
+        self._values: np.ndarray | None = (
+            None  # [turns left, state, action] success probabilities (slippery expert)
+        )
 
     # ------------------------------------------------------------------ the TextEnv protocol
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
@@ -79,11 +92,16 @@ class FrozenLake:
         if seed < 0:
             raise ValueError(f"FrozenLake seeds must be >= 0 (gymnasium's rule), got {seed}")
         self._map = tuple(generate_random_map(size=self.size, p=self.p, seed=seed))
-        self._gym = FrozenLakeEnv(desc=list(self._map), is_slippery=self.is_slippery,
-                                  success_rate=self.success_rate)
+        self._gym = FrozenLakeEnv(
+            desc=list(self._map), is_slippery=self.is_slippery, success_rate=self.success_rate
+        )
         self._gym.reset(seed=seed)
         self._turn, self._done, self._values = 0, False, None
-        return self._render(), {"instruction": INSTRUCTION, "state_key": self._state_key(), "success": False}
+        return self._render(), {
+            "instruction": INSTRUCTION,
+            "state_key": self._state_key(),
+            "success": False,
+        }
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self._done or self._gym is None:
@@ -103,8 +121,11 @@ class FrozenLake:
             observation += "\nYou reached the goal." if success else "\nYou fell into a hole."
         truncated = not terminated and self._turn >= self.max_turns
         self._done = terminated or truncated
-        info = {"state_key": self._state_key(), "success": success,
-                "metrics": {"invalid_action": float(direction is None)}}
+        info = {
+            "state_key": self._state_key(),
+            "success": success,
+            "metrics": {"invalid_action": float(direction is None)},
+        }
         return observation, reward, bool(terminated), truncated, info
 
     def close(self) -> None:
@@ -177,7 +198,7 @@ class FrozenLake:
     def _render(self) -> str:
         r, c = self._position()
         rows = [row.replace("S", ".").replace("F", ".") for row in self._map]
-        rows[r] = rows[r][:c] + "P" + rows[r][c + 1:]
+        rows[r] = rows[r][:c] + "P" + rows[r][c + 1 :]
         return "\n".join(rows)
 
     def _state_key(self) -> tuple[str, int]:

@@ -51,7 +51,9 @@ class _Invalid(Exception):
 
 
 def _is_bool(x: Any) -> bool:
-    return isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+    return isinstance(x, bool) or (
+        type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool")
+    )
 
 
 def is_finite(x: Any) -> bool:
@@ -79,8 +81,12 @@ def _info_fields(info: Any) -> dict[str, Any]:
     use_tool = info.get("use_tool", False)
     if not _is_bool(use_tool):
         raise _Invalid(f"info['use_tool'] is {type(use_tool).__name__}, not bool")
-    return {"success": None if success is None else bool(success), "state_key": state_key,
-            "metrics": {k: float(v) for k, v in metrics.items()}, "use_tool": bool(use_tool)}
+    return {
+        "success": None if success is None else bool(success),
+        "state_key": state_key,
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "use_tool": bool(use_tool),
+    }
 
 
 def _check_reset(out: Any) -> dict[str, Any]:
@@ -93,13 +99,20 @@ def _check_reset(out: Any) -> dict[str, Any]:
     instruction = info.get("instruction", "")
     if not isinstance(instruction, str):
         raise _Invalid(f"info['instruction'] is {type(instruction).__name__}, not str")
-    return {"observation": obs, "instruction": instruction, "state_key": fields["state_key"], "info": info}
+    return {
+        "observation": obs,
+        "instruction": instruction,
+        "state_key": fields["state_key"],
+        "info": info,
+    }
 
 
 def _check_step(out: Any) -> dict[str, Any]:
     if not isinstance(out, tuple) or len(out) != 5:
         what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
-        raise _Invalid(f"step returned {what}, not a 5-tuple (observation, reward, terminated, truncated, info)")
+        raise _Invalid(
+            f"step returned {what}, not a 5-tuple (observation, reward, terminated, truncated, info)"
+        )
     obs, reward, terminated, truncated, info = out
     if not isinstance(obs, str):
         raise _Invalid(f"observation is {type(obs).__name__}, not str")
@@ -108,8 +121,13 @@ def _check_step(out: Any) -> dict[str, Any]:
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
         if not _is_bool(flag):
             raise _Invalid(f"{name} is {type(flag).__name__}, not bool")
-    return {"observation": obs, "reward": float(reward), "terminated": bool(terminated),
-            "truncated": bool(truncated), **_info_fields(info)}
+    return {
+        "observation": obs,
+        "reward": float(reward),
+        "terminated": bool(terminated),
+        "truncated": bool(truncated),
+        **_info_fields(info),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +165,9 @@ class EpisodeConnection:
         sock.setblocking(False)
 
     def send(self, obj: Any, timeout_s: float) -> None:
-        self.sock.settimeout(timeout_s)  # a command is small: this only waits if the child is gone strange
+        self.sock.settimeout(
+            timeout_s
+        )  # a command is small: this only waits if the child is gone strange
         try:
             self.sock.sendall(_frame(obj))
         finally:
@@ -169,8 +189,8 @@ class EpisodeConnection:
         if len(self.buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(self.buf)
             if len(self.buf) >= _HEADER.size + n:
-                reply = pickle.loads(bytes(self.buf[_HEADER.size:_HEADER.size + n]))
-                del self.buf[:_HEADER.size + n]
+                reply = pickle.loads(bytes(self.buf[_HEADER.size : _HEADER.size + n]))
+                del self.buf[: _HEADER.size + n]
                 return True, reply
         if gone:
             raise EOFError("the environment process closed its socket")
@@ -215,7 +235,9 @@ def _episode_main(sock: socket.socket, spec: dict[str, Any]) -> None:
     finally:
         close = getattr(env, "close", None)
         if callable(close):
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the kernel ends us if close() hangs, GIL or not
+            signal.signal(
+                signal.SIGALRM, signal.SIG_DFL
+            )  # the kernel ends us if close() hangs, GIL or not
             signal.setitimer(signal.ITIMER_REAL, spec["close_timeout_s"])
             try:
                 close()
@@ -241,7 +263,10 @@ def _fork_episode(control: socket.socket, spec: dict[str, Any]) -> tuple[int, so
         except BaseException:  # noqa: BLE001
             code = 1
         finally:
-            for stream in (sys.stdout, sys.stderr):  # what the environment printed (os._exit skips flushing)
+            for stream in (
+                sys.stdout,
+                sys.stderr,
+            ):  # what the environment printed (os._exit skips flushing)
                 try:
                     stream.flush()
                 except Exception:  # noqa: BLE001
@@ -293,7 +318,9 @@ def _host_main(control_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    sys.path[:] = spec["sys_path"]  # the rank's import path: environments named by its modules import here
+    sys.path[:] = spec[
+        "sys_path"
+    ]  # the rank's import path: environments named by its modules import here
     try:
         env_class(spec["env"])  # import once here, so every episode process shares the code
     except BaseException as e:  # noqa: BLE001
@@ -305,7 +332,9 @@ def _host_main(control_fd: int) -> None:
     try:
         _host_loop(control, spec, live)
     finally:
-        _end_children(live, 0.0)  # the rank is gone (or this loop broke): no episode process outlives us
+        _end_children(
+            live, 0.0
+        )  # the rank is gone (or this loop broke): no episode process outlives us
 
 
 def _host_loop(control: socket.socket, spec: dict[str, Any], live: set[int]) -> None:
@@ -347,8 +376,12 @@ class EnvHost:
     and their episodes end with an error."""
 
     def __init__(self, env: str, env_options: dict[str, Any], close_timeout_s: float):
-        self.spec = {"env": env, "env_options": env_options, "close_timeout_s": close_timeout_s,
-                     "sys_path": list(sys.path)}
+        self.spec = {
+            "env": env,
+            "env_options": env_options,
+            "close_timeout_s": close_timeout_s,
+            "sys_path": list(sys.path),
+        }
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.start()
@@ -356,11 +389,17 @@ class EnvHost:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         environ = {**os.environ, **SINGLE_THREADED}
-        root = str(Path(__file__).resolve().parents[2])  # rollhpc's own location, before anything else
+        root = str(
+            Path(__file__).resolve().parents[2]
+        )  # rollhpc's own location, before anything else
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH")) if p)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "rollhpc.envs.host", str(theirs.fileno())],
-                                         stdin=subprocess.PIPE, pass_fds=[theirs.fileno()], env=environ)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "rollhpc.envs.host", str(theirs.fileno())],
+                stdin=subprocess.PIPE,
+                pass_fds=[theirs.fileno()],
+                env=environ,
+            )
         finally:
             theirs.close()
         self.control = ours
@@ -368,7 +407,9 @@ class EnvHost:
         try:
             self.proc.stdin.write(pickle.dumps(self.spec))
             self.proc.stdin.close()
-            kind, arg = pickle.loads(ours.recv(CONTROL_RECORD) or pickle.dumps(("error", "it exited")))
+            kind, arg = pickle.loads(
+                ours.recv(CONTROL_RECORD) or pickle.dumps(("error", "it exited"))
+            )
         except (OSError, EOFError) as e:
             kind, arg = "error", _describe(e)
         if kind != "ready":
@@ -384,8 +425,10 @@ class EnvHost:
             return []
         if not self.alive():
             if self.proc is not None:
-                log.warning("env role: the environment host process is gone (exit code %s); starting a new one",
-                            self.proc.returncode)
+                log.warning(
+                    "env role: the environment host process is gone (exit code %s); starting a new one",
+                    self.proc.returncode,
+                )
             self.stop(0.0)
             self.start()
         out: list[tuple[int, socket.socket] | str] = []
@@ -398,14 +441,20 @@ class EnvHost:
                 kind, arg = pickle.loads(data)
                 if kind == "forked" and fds:
                     out.append((arg, socket.socket(fileno=fds[0])))
-                elif kind == "forked":  # the socket did not arrive (this process is out of file descriptors)
+                elif (
+                    kind == "forked"
+                ):  # the socket did not arrive (this process is out of file descriptors)
                     self.kill([arg])
-                    out.append("error: cannot receive an environment process's socket (open files limit?)")
+                    out.append(
+                        "error: cannot receive an environment process's socket (open files limit?)"
+                    )
                 else:
                     out.append(f"error: {arg}")
         except (OSError, EOFError) as e:
             out += [f"error: cannot start an environment process: {_describe(e)}"] * (n - len(out))
-            if isinstance(e, TimeoutError):  # a host that stopped answering is replaced (its episodes end)
+            if isinstance(
+                e, TimeoutError
+            ):  # a host that stopped answering is replaced (its episodes end)
                 log.error("env role: the environment host process stopped answering; replacing it")
                 self.stop(0.0)
         return out

@@ -32,8 +32,12 @@ __all__ = ["Action", "Policy", "RandomPolicy", "ExpertPolicy", "ModelPolicy", "m
 @dataclass(frozen=True)
 class Action:
     text: str  # what the environment is given
-    ids: list[int] = field(default_factory=list)  # a model policy's generated ids, as generated (EOS included)
-    finish_reason: str = ""  # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
+    ids: list[int] = field(
+        default_factory=list
+    )  # a model policy's generated ids, as generated (EOS included)
+    finish_reason: str = (
+        ""  # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
+    )
 
 
 class Policy(Protocol):
@@ -57,7 +61,9 @@ class RandomPolicy:
 
     def __init__(self, actions: tuple[str, ...]) -> None:
         if not actions:
-            raise ValueError("a random policy needs the environment's example actions (an ACTIONS attribute)")
+            raise ValueError(
+                "a random policy needs the environment's example actions (an ACTIONS attribute)"
+            )
         self.actions = tuple(actions)
         self._rng = random.Random(0)
 
@@ -93,7 +99,9 @@ class ExpertPolicy:
 class ModelPolicy:
     """Greedy generation with a Hugging Face causal LM and its tokenizer (e.g. a tiny rollhpc policy), CPU."""
 
-    def __init__(self, model_dir: str | Path, max_new_tokens: int = 32, turns: TurnFormatter | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path, max_new_tokens: int = 32, turns: TurnFormatter | None = None
+    ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,7 +111,9 @@ class ModelPolicy:
         self.max_new_tokens = max_new_tokens
         self.turns = turns or PlainTextTurns()
         self.eos = self.tokenizer.eos_token_id
-        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        self.pad = (
+            self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos
+        )
         self.row: list[int] = []
         self.full = False
 
@@ -121,13 +131,21 @@ class ModelPolicy:
         if self.full or room < 1:
             return None
         with torch.no_grad():
-            out = self.model.generate(input_ids=torch.tensor([self.row]), attention_mask=torch.ones(1, len(self.row),
-                                      dtype=torch.long), max_new_tokens=min(self.max_new_tokens, room),
-                                      do_sample=False, eos_token_id=self.eos, pad_token_id=self.pad)
-        generated = out[0, len(self.row):].tolist()
+            out = self.model.generate(
+                input_ids=torch.tensor([self.row]),
+                attention_mask=torch.ones(1, len(self.row), dtype=torch.long),
+                max_new_tokens=min(self.max_new_tokens, room),
+                do_sample=False,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+            )
+        generated = out[0, len(self.row) :].tolist()
         self.row += generated
-        return Action(self.turns.action(self.tokenizer.decode(generated, skip_special_tokens=True)), generated,
-                      "stop" if generated[-1:] == [self.eos] else "length")
+        return Action(
+            self.turns.action(self.tokenizer.decode(generated, skip_special_tokens=True)),
+            generated,
+            "stop" if generated[-1:] == [self.eos] else "length",
+        )
 
     def observe(self, observation: str) -> list[int]:
         return self._append(self._encode(self.turns.next(observation)))
@@ -150,4 +168,6 @@ def make_policy(spec: str, env: Any, max_new_tokens: int = 32) -> Policy:
         return ExpertPolicy(env)
     if (Path(spec) / "config.json").is_file():
         return ModelPolicy(spec, max_new_tokens)
-    raise ValueError(f"policy {spec!r} is neither random, expert nor a model directory (no {spec}/config.json)")
+    raise ValueError(
+        f"policy {spec!r} is neither random, expert nor a model directory (no {spec}/config.json)"
+    )

@@ -67,11 +67,25 @@ class PythonTool:
     e.g. ``{digits: 3, ops: [+, -, "*"]}``), ``max_turns`` (default 4), ``unsafe`` (run code without isolation,
     default False), ``wall_s`` (per tool call, default 5), ``max_output_chars`` (observation cap, default 200)."""
 
-    ACTIONS = ("python: print(2 + 3)", "python: 12 * 34", "python: 1 / 0", "answer: 5", "answer: 408",
-               "answer: (1 + 2) * 3", "hello")  # what a random policy picks from (the last one is invalid)
+    ACTIONS = (
+        "python: print(2 + 3)",
+        "python: 12 * 34",
+        "python: 1 / 0",
+        "answer: 5",
+        "answer: 408",
+        "answer: (1 + 2) * 3",
+        "hello",
+    )  # what a random policy picks from (the last one is invalid)
 
-    def __init__(self, task: str = "arithmetic", task_options: dict[str, Any] | None = None, max_turns: int = 4,
-                 unsafe: bool = False, wall_s: float = 5.0, max_output_chars: int = 200) -> None:
+    def __init__(
+        self,
+        task: str = "arithmetic",
+        task_options: dict[str, Any] | None = None,
+        max_turns: int = 4,
+        unsafe: bool = False,
+        wall_s: float = 5.0,
+        max_output_chars: int = 200,
+    ) -> None:
         if not isinstance(max_turns, int) or max_turns < 1:
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if not isinstance(max_output_chars, int) or max_output_chars < 8:
@@ -83,11 +97,23 @@ class PythonTool:
         try:  # bad task options fail here, not at the first reset
             self.task.make_splits(0, 1, 0, **self.task_options)
         except TypeError as e:
-            raise ValueError(f"task {task!r} does not take task_options {sorted(self.task_options)}: {e}") from None
+            raise ValueError(
+                f"task {task!r} does not take task_options {sorted(self.task_options)}: {e}"
+            ) from None
         self.max_turns, self.max_output_chars = max_turns, max_output_chars
-        limits = SandboxLimits(wall_s=wall_s, cpu_s=wall_s, memory_mb=256, nproc=8, nofile=32, fsize_mb=1,
-                               output_bytes=4096, tmpfs_mb=8)
-        self.sandbox = Sandbox(limits, unsafe=unsafe)  # raises SandboxUnavailable where it cannot isolate
+        limits = SandboxLimits(
+            wall_s=wall_s,
+            cpu_s=wall_s,
+            memory_mb=256,
+            nproc=8,
+            nofile=32,
+            fsize_mb=1,
+            output_bytes=4096,
+            tmpfs_mb=8,
+        )
+        self.sandbox = Sandbox(
+            limits, unsafe=unsafe
+        )  # raises SandboxUnavailable where it cannot isolate
         self.example: Any = None
         self._turn, self._tool_calls, self._done = 0, 0, True
         self._last_output: str | None = None  # the last tool call's stdout when it succeeded
@@ -96,7 +122,10 @@ class PythonTool:
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:
         self.example = self.task.make_splits(int(seed), 1, 0, **self.task_options)[0][0]
         self._turn, self._tool_calls, self._done, self._last_output = 0, 0, False, None
-        return self.task.format_prompt(self.example), {"instruction": INSTRUCTION, "state_key": self._state_key()}
+        return self.task.format_prompt(self.example), {
+            "instruction": INSTRUCTION,
+            "state_key": self._state_key(),
+        }
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self._done:
@@ -119,8 +148,12 @@ class PythonTool:
         self._done = terminated or truncated
         if self._done:
             metrics["tool_calls"] = float(self._tool_calls)
-        info = {"state_key": self._state_key(), "success": reward == 1.0, "use_tool": kind in ("python", "py"),
-                "metrics": metrics}
+        info = {
+            "state_key": self._state_key(),
+            "success": reward == 1.0,
+            "use_tool": kind in ("python", "py"),
+            "metrics": metrics,
+        }
         return observation, reward, terminated, truncated, info
 
     def close(self) -> None:
@@ -137,7 +170,7 @@ class PythonTool:
         else:
             text = f"{result.status}: {result.detail}"
         if len(text) > self.max_output_chars:
-            text = text[:self.max_output_chars - 3] + "..."
+            text = text[: self.max_output_chars - 3] + "..."
         return text
 
     def _state_key(self) -> tuple[str, int, str | None]:
@@ -160,8 +193,12 @@ class PythonTool:
         return f"answer: {self.task.completion(ex).strip()}"
 
 
-_COMBINE = ((operator.add, "+", True), (operator.sub, "-", False), (operator.mul, "*", True),
-            (operator.truediv, "/", False))  # (function, symbol, commutative)
+_COMBINE = (
+    (operator.add, "+", True),
+    (operator.sub, "-", False),
+    (operator.mul, "*", True),
+    (operator.truediv, "/", False),
+)  # (function, symbol, commutative)
 
 
 def solve_countdown(numbers: tuple[int, ...], target: int, budget: int = 100_000) -> str | None:

@@ -65,21 +65,35 @@ class Sokoban:
 
     ACTIONS = DIRECTIONS  # what a random policy picks from
 
-    def __init__(self, size: int = 5, boxes: int = 1, max_turns: int = 20, min_moves: int = 3,
-                 end_on_dead_end: bool = False, format_penalty: float = 0.0, strict_format: bool = False) -> None:
+    def __init__(
+        self,
+        size: int = 5,
+        boxes: int = 1,
+        max_turns: int = 20,
+        min_moves: int = 3,
+        end_on_dead_end: bool = False,
+        format_penalty: float = 0.0,
+        strict_format: bool = False,
+    ) -> None:
         if not isinstance(size, int) or not 4 <= size <= 8:
-            raise ValueError(f"size (the room's interior side) must be an integer in 4..8, got {size!r}")
+            raise ValueError(
+                f"size (the room's interior side) must be an integer in 4..8, got {size!r}"
+            )
         if not isinstance(boxes, int) or not 1 <= boxes <= 3:
             raise ValueError(f"boxes must be 1, 2 or 3, got {boxes!r}")
         if not isinstance(min_moves, int) or min_moves < 1:
             raise ValueError(f"min_moves must be an integer >= 1, got {min_moves!r}")
         if not isinstance(max_turns, int) or max_turns < min_moves:
-            raise ValueError(f"max_turns must be an integer >= min_moves ({min_moves}), got {max_turns!r}")
+            raise ValueError(
+                f"max_turns must be an integer >= min_moves ({min_moves}), got {max_turns!r}"
+            )
         if not isinstance(end_on_dead_end, bool):
             raise ValueError(f"end_on_dead_end must be true or false, got {end_on_dead_end!r}")
         if not isinstance(format_penalty, (int, float)) or format_penalty < 0:
-            raise ValueError(f"format_penalty must be a number >= 0 (subtracted from an invalid turn's reward), "
-                             f"got {format_penalty!r}")
+            raise ValueError(
+                f"format_penalty must be a number >= 0 (subtracted from an invalid turn's reward), "
+                f"got {format_penalty!r}"
+            )
         if not isinstance(strict_format, bool):
             raise ValueError(f"strict_format must be true or false, got {strict_format!r}")
         self.format_penalty = float(format_penalty)
@@ -99,7 +113,11 @@ class Sokoban:
         self._player, self._boxes = self._level.player, self._level.boxes
         self._turn, self._done = 0, False
         self._plan = self._plan_states(list(self._level.plan))
-        return self._render(), {"instruction": INSTRUCTION, "state_key": self._state_key(), "success": False}
+        return self._render(), {
+            "instruction": INSTRUCTION,
+            "state_key": self._state_key(),
+            "success": False,
+        }
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
         if self._done or self._level is None:
@@ -120,23 +138,36 @@ class Sokoban:
                 self._player, self._boxes, landed = moved
                 pushed = landed != BLOCKED
                 after = len(self._boxes & targets)
-                reward += BOX_ON_REWARD * max(after - before, 0) + BOX_OFF_REWARD * max(before - after, 0)
+                reward += BOX_ON_REWARD * max(after - before, 0) + BOX_OFF_REWARD * max(
+                    before - after, 0
+                )
             observation = self._render()
         solved = self._boxes <= self._level.room.targets
         if solved:
             reward += SOLVED_REWARD
             observation += "\nSolved."
         # only a push can make a room unsolvable: a walk never needs the solver
-        dead = (self.end_on_dead_end and pushed and not solved and self._turn < self.max_turns
-                and dead_end(self._level.room, self._player, self._boxes))
+        dead = (
+            self.end_on_dead_end
+            and pushed
+            and not solved
+            and self._turn < self.max_turns
+            and dead_end(self._level.room, self._player, self._boxes)
+        )
         if dead:
             reward += STEP_REWARD * (self.max_turns - self._turn)
             observation += "\nDead end: no box can reach a target any more."
         truncated = not solved and not dead and self._turn >= self.max_turns
         self._done = solved or dead or truncated
-        info = {"state_key": self._state_key(), "success": solved,
-                "metrics": {"invalid_action": float(direction is None), "blocked_move": float(blocked),
-                            "dead_end": float(dead)}}
+        info = {
+            "state_key": self._state_key(),
+            "success": solved,
+            "metrics": {
+                "invalid_action": float(direction is None),
+                "blocked_move": float(blocked),
+                "dead_end": float(dead),
+            },
+        }
         return observation, reward, solved or dead, truncated, info
 
     def close(self) -> None:

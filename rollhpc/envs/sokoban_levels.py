@@ -44,7 +44,11 @@ class Room:
             for d in DIRECTIONS:
                 nr, nc = r + OFFSETS[d][0], c + OFFSETS[d][1]
                 inside = 0 <= nr < self.height and 0 <= nc < self.width
-                row.append(nr * self.width + nc if inside and nr * self.width + nc not in self.walls else BLOCKED)
+                row.append(
+                    nr * self.width + nc
+                    if inside and nr * self.width + nc not in self.walls
+                    else BLOCKED
+                )
             table.append(tuple(row))
         object.__setattr__(self, "neighbours", tuple(table))
         object.__setattr__(self, "dead", frozenset(self._corner_cells()))
@@ -57,7 +61,9 @@ class Room:
         for cell, n in enumerate(self.neighbours):
             if cell in self.walls or cell in self.targets:
                 continue
-            if (n[left] == BLOCKED or n[right] == BLOCKED) and (n[up] == BLOCKED or n[down] == BLOCKED):
+            if (n[left] == BLOCKED or n[right] == BLOCKED) and (
+                n[up] == BLOCKED or n[down] == BLOCKED
+            ):
                 dead.append(cell)
         return dead
 
@@ -84,7 +90,9 @@ class Level:
     plan: tuple[str, ...]  # a shortest solution (moves), from the solver
 
 
-def move(room: Room, player: int, boxes: frozenset[int], direction: int) -> tuple[int, frozenset[int], int] | None:
+def move(
+    room: Room, player: int, boxes: frozenset[int], direction: int
+) -> tuple[int, frozenset[int], int] | None:
     """One move: (player, boxes, pushed box's destination or BLOCKED), or None when the move is blocked."""
     nxt = room.neighbours[player][direction]
     if nxt == BLOCKED:
@@ -97,7 +105,9 @@ def move(room: Room, player: int, boxes: frozenset[int], direction: int) -> tupl
     return nxt, (boxes - {nxt}) | {beyond}, beyond
 
 
-def solve(room: Room, player: int, boxes: frozenset[int], max_states: int = 200_000) -> list[str] | None:
+def solve(
+    room: Room, player: int, boxes: frozenset[int], max_states: int = 200_000
+) -> list[str] | None:
     """A shortest move sequence that puts every box on a target; [] when solved, None when there is none or
     the search passed ``max_states`` states. Breadth-first over (player, boxes), so shortest in moves (turns),
     not pushes; pushes into dead corners are pruned (they never lead to a solution)."""
@@ -111,7 +121,9 @@ def dead_end(room: Room, player: int, boxes: frozenset[int], max_states: int = 2
     return plan is None and exhausted
 
 
-def _search(room: Room, player: int, boxes: frozenset[int], max_states: int) -> tuple[list[str] | None, bool]:
+def _search(
+    room: Room, player: int, boxes: frozenset[int], max_states: int
+) -> tuple[list[str] | None, bool]:
     """(a shortest plan or None, whether the reachable states were all searched)."""
     if boxes <= room.targets:
         return [], False
@@ -151,14 +163,19 @@ def _random_room(rng: random.Random, size: int, n_boxes: int) -> Room:
     walls: set[int] = set()
     for _ in range(randint(rng, 0, size - 2)):
         cell = randint(rng, 0, size * size - 1)
-        if cell not in walls and Room(size, size, frozenset(walls | {cell}), frozenset()).connected():
+        if (
+            cell not in walls
+            and Room(size, size, frozenset(walls | {cell}), frozenset()).connected()
+        ):
             walls.add(cell)
     floor = [c for c in range(size * size) if c not in walls]
     targets = {floor.pop(randint(rng, 0, len(floor) - 1)) for _ in range(n_boxes)}
     return Room(size, size, frozenset(walls), frozenset(targets))
 
 
-def generate(seed: int, size: int, n_boxes: int, min_moves: int, max_moves: int, attempts: int = 1000) -> Level:
+def generate(
+    seed: int, size: int, n_boxes: int, min_moves: int, max_moves: int, attempts: int = 1000
+) -> Level:
     """A level for ``seed`` (deterministic: only ``random.Random(seed).random()`` is used, the stream Python keeps
     stable across versions), solvable in ``min_moves`` to ``max_moves`` moves."""
     rng = random.Random(seed)
@@ -168,7 +185,9 @@ def generate(seed: int, size: int, n_boxes: int, min_moves: int, max_moves: int,
         if not floor:
             continue
         boxes, player = set(room.targets), floor[randint(rng, 0, len(floor) - 1)]
-        for _ in range(randint(rng, 2 * size, 6 * size) * n_boxes):  # the backward walk: moves and pulls
+        for _ in range(
+            randint(rng, 2 * size, 6 * size) * n_boxes
+        ):  # the backward walk: moves and pulls
             d = randint(rng, 0, 3)
             nxt, behind = room.neighbours[player][d], room.neighbours[player][(d + 2) % 4]
             if nxt == BLOCKED or nxt in boxes:
@@ -183,5 +202,7 @@ def generate(seed: int, size: int, n_boxes: int, min_moves: int, max_moves: int,
         plan = solve(room, player, frozen)
         if plan is not None and min_moves <= len(plan) <= max_moves:
             return Level(room, player, frozen, tuple(plan))
-    raise ValueError(f"no Sokoban level of size {size} with {n_boxes} boxes solvable in {min_moves}..{max_moves} "
-                     f"moves after {attempts} attempts for seed {seed}: allow more moves (max_turns)")
+    raise ValueError(
+        f"no Sokoban level of size {size} with {n_boxes} boxes solvable in {min_moves}..{max_moves} "
+        f"moves after {attempts} attempts for seed {seed}: allow more moves (max_turns)"
+    )

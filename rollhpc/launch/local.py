@@ -36,7 +36,9 @@ def find_mpiexec(setting: str) -> str:
             return str(beside)
     found = shutil.which("mpiexec")
     if not found:
-        raise FileNotFoundError("no mpiexec found: install the `mpich` wheel in this environment or set launch.mpiexec")
+        raise FileNotFoundError(
+            "no mpiexec found: install the `mpich` wheel in this environment or set launch.mpiexec"
+        )
     return found
 
 
@@ -45,7 +47,9 @@ def local_gpu_count() -> int:
     if not shutil.which("nvidia-smi"):
         return 0
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return 0
     return sum(1 for line in out.splitlines() if line.startswith("GPU "))
@@ -53,8 +57,13 @@ def local_gpu_count() -> int:
 
 def local_plan(cfg: ExperimentConfig) -> WorldPlan:
     """This machine as a one-node cluster; CPUs may be oversubscribed (ranks mostly wait on each other)."""
-    cluster = ClusterConfig(nodes=1, gpus_per_node=local_gpu_count(),
-                            cpus_per_node=max(os.cpu_count() or 1, sum(r.cpus_per_proc * r.procs for r in cfg.roles.values()) + 1))
+    cluster = ClusterConfig(
+        nodes=1,
+        gpus_per_node=local_gpu_count(),
+        cpus_per_node=max(
+            os.cpu_count() or 1, sum(r.cpus_per_proc * r.procs for r in cfg.roles.values()) + 1
+        ),
+    )
     try:
         return plan_world(cfg, cluster)
     except ConfigError as e:
@@ -91,12 +100,18 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
     return env
 
 
-SHM_PREFIXES = ("mpich_shm_", FANOUT_PREFIX)  # MPICH's segments, the controller's one-to-all payloads
+SHM_PREFIXES = (
+    "mpich_shm_",
+    FANOUT_PREFIX,
+)  # MPICH's segments, the controller's one-to-all payloads
 
 
 def shm_segments() -> set[str]:
-    return ({p.name for prefix in SHM_PREFIXES for p in SHM_DIR.glob(prefix + "*")} if SHM_DIR.is_dir()
-            else set())
+    return (
+        {p.name for prefix in SHM_PREFIXES for p in SHM_DIR.glob(prefix + "*")}
+        if SHM_DIR.is_dir()
+        else set()
+    )
 
 
 def _fnv1a_32(text: str) -> int:
@@ -127,7 +142,9 @@ def singleton_segment() -> set[str]:
     return {f"mpich_shm_{os.getpid():x}_0"}
 
 
-def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0, ours: set[str] = frozenset()) -> int:
+def remove_leaked_segments(
+    existing_before: set[str], min_age_s: float = 0.0, ours: set[str] = frozenset()
+) -> int:
     """Delete MPICH shared-memory segments that appeared since ``existing_before``, are at least
     ``min_age_s`` old and that no live process maps. MPI_Finalize removes them, but a world that ends by a
     crash or a deliberate abort (every failure path) leaves them in /dev/shm, megabytes each, until reboot.
@@ -151,8 +168,11 @@ def remove_leaked_segments(existing_before: set[str], min_age_s: float = 0.0, ou
         except OSError:
             continue
         if any(prefix in text for prefix in SHM_PREFIXES):
-            mapped.update(line.rsplit("/", 1)[-1] for line in text.splitlines()
-                          if any("/dev/shm/" + prefix in line for prefix in SHM_PREFIXES))
+            mapped.update(
+                line.rsplit("/", 1)[-1]
+                for line in text.splitlines()
+                if any("/dev/shm/" + prefix in line for prefix in SHM_PREFIXES)
+            )
     removed = 0
     for name in leaked - mapped:
         try:
@@ -192,7 +212,9 @@ def _children_all_exited(pid: int) -> bool:
     return True
 
 
-def _wait_for_world(proc: subprocess.Popen, paths: RunPaths, launched: float, poll_s: float = 0.05) -> int:
+def _wait_for_world(
+    proc: subprocess.Popen, paths: RunPaths, launched: float, poll_s: float = 0.05
+) -> int:
     """Wait until the world has ended: mpiexec has exited, or every rank has exited after the controller
     recorded its exit or after the world formed (this launch's world.json: every rank was started, so none is
     still to come). mpiexec.gforker reaps its ranks one per second (a WNOHANG wait in a loop with a 1 s
@@ -205,7 +227,9 @@ def _wait_for_world(proc: subprocess.Popen, paths: RunPaths, launched: float, po
             return proc.wait(timeout=poll_s)
         except subprocess.TimeoutExpired:
             pass
-        if (paths.controller_exit.exists() or _formed_since(paths.world, launched)) and _children_all_exited(proc.pid):
+        if (
+            paths.controller_exit.exists() or _formed_since(paths.world, launched)
+        ) and _children_all_exited(proc.pid):
             # the status that counts is the controller's record (a world without one failed)
             return 0 if paths.controller_exit.exists() else 1
 
@@ -232,13 +256,25 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     segments_before = shm_segments()
     atomic_write_json(RunPaths(run_dir).launch, {"command": cmd}, indent=1)
     # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
-    previous = signal.signal(signal.SIGUSR1, lambda *_: atomic_write_text(
-        RunPaths(run_dir).stop_request, f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"))
-    console_env, console_fds = console_for_ranks()  # the ranks write to our console, not through mpiexec
+    previous = signal.signal(
+        signal.SIGUSR1,
+        lambda *_: atomic_write_text(
+            RunPaths(run_dir).stop_request,
+            f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n",
+        ),
+    )
+    console_env, console_fds = (
+        console_for_ranks()
+    )  # the ranks write to our console, not through mpiexec
     launched = time.time() - 0.05  # (a file's time may lag the clock by a few ms)
     try:
-        proc = subprocess.Popen(cmd, env={**rank_environment(cfg), **console_env}, start_new_session=True,
-                                preexec_fn=die_with_parent, pass_fds=console_fds)
+        proc = subprocess.Popen(
+            cmd,
+            env={**rank_environment(cfg), **console_env},
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+            pass_fds=console_fds,
+        )
     except BaseException:
         signal.signal(signal.SIGUSR1, previous)
         raise
@@ -249,9 +285,16 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
     try:
         # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown) and the
         # launcher's own
-        atomic_write_json(RunPaths(run_dir).launch, {
-            "command": cmd, "mpiexec_pid": proc.pid, "world_shm": sorted(ours), "launcher_shm": sorted(singleton_segment())},
-            indent=1)
+        atomic_write_json(
+            RunPaths(run_dir).launch,
+            {
+                "command": cmd,
+                "mpiexec_pid": proc.pid,
+                "world_shm": sorted(ours),
+                "launcher_shm": sorted(singleton_segment()),
+            },
+            indent=1,
+        )
         rc = _wait_for_world(proc, RunPaths(run_dir), launched)
     except KeyboardInterrupt:
         # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
@@ -275,5 +318,7 @@ def failure_summary(run_dir: Path, rc: int) -> str:
     err = RunPaths(run_dir).error
     if err.exists():
         return json.loads(err.read_text())["summary"]
-    return (f"the MPI world ended (status {rc}) before the controller reported how; "
-            f"see the rank logs in {run_dir / 'logs'}")
+    return (
+        f"the MPI world ended (status {rc}) before the controller reported how; "
+        f"see the rank logs in {run_dir / 'logs'}"
+    )

@@ -73,8 +73,9 @@ class MpiInitGuard:
         os.waitpid(self._pid, 0)
 
 
-def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: str | None,
-           mask: set[int]) -> None:
+def _watch(
+    read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: str | None, mask: set[int]
+) -> None:
     die_with_parent(rank_pid)  # go when the rank goes
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -85,7 +86,9 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
     deadline = time.monotonic() + timeout_s
     initialized, ending = False, None
     while (left := deadline - time.monotonic()) > 0:
-        if _received and ending is None:  # the step is being ended: the rank gets a short grace to go
+        if (
+            _received and ending is None
+        ):  # the step is being ended: the rank gets a short grace to go
             ending = signal.Signals(_received[0]).name
             deadline = min(deadline, time.monotonic() + SIGNAL_GRACE_S)
             continue
@@ -104,14 +107,20 @@ def _watch(read_end: int, rank_pid: int, run_dir: Path, timeout_s: float, role: 
     who = f"{'role ' + repr(role) + ', ' if role else ''}pid {rank_pid} on {host}"
     where = "the first collectives" if initialized else "MPI_Init"
     if ending:
-        why = (f"the step was ended ({ending}) while {who} was still in {where}, and the rank did not go: "
-               f"killed {SIGNAL_GRACE_S:g} s later")
+        why = (
+            f"the step was ended ({ending}) while {who} was still in {where}, and the rank did not go: "
+            f"killed {SIGNAL_GRACE_S:g} s later"
+        )
     elif initialized:
-        why = (f"the MPI world did not form within {timeout_s:g} s ({who} finished MPI_Init, not the first "
-               f"collectives; controller.world_timeout_s): some rank never joined it")
+        why = (
+            f"the MPI world did not form within {timeout_s:g} s ({who} finished MPI_Init, not the first "
+            f"collectives; controller.world_timeout_s): some rank never joined it"
+        )
     else:
-        why = (f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
-               f"the MPI library could not form the world; its own errors, if any, are in the output above")
+        why = (
+            f"MPI_Init did not finish within {timeout_s:g} s ({who}; controller.world_timeout_s): "
+            f"the MPI library could not form the world; its own errors, if any, are in the output above"
+        )
     record_startup_failure(run_dir, host, why, culprit=not initialized and not ending)
     die_with_parent(None, signal_number=0)  # outlive the rank for the message below
     os.kill(rank_pid, signal.SIGKILL)

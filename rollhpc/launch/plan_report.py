@@ -8,7 +8,12 @@ from typing import Iterator
 
 from rollhpc.config import CONTROLLER_ROLE, ExperimentConfig
 from rollhpc.launch.slurm import component_resources
-from rollhpc.parallel import DENSE_GROUP_KINDS, EXPERT_GROUP_KINDS, ParallelLayout, pipeline_stage_layers
+from rollhpc.parallel import (
+    DENSE_GROUP_KINDS,
+    EXPERT_GROUP_KINDS,
+    ParallelLayout,
+    pipeline_stage_layers,
+)
 from rollhpc.placement.device_mapping import WorldPlan, weight_sync_routing
 from rollhpc.placement.memory_plan import ModelShape, dtype_bytes
 
@@ -20,31 +25,44 @@ def _ids(ids) -> str:
     return ",".join(map(str, ids)) or "-"
 
 
-def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: bool = False,
-           max_groups: int = 4) -> Iterator[str]:
+def render(
+    cfg: ExperimentConfig,
+    plan: WorldPlan,
+    ranks: bool = True,
+    groups: bool = False,
+    max_groups: int = 4,
+) -> Iterator[str]:
     c = cfg.cluster
-    yield (f"experiment {cfg.run.name}: {plan.world_size} MPI ranks, {plan.gpus_total} GPUs; cluster: "
-           f"{c.nodes} nodes x {c.gpus_per_node} GPUs x {c.cpus_per_node} CPUs"
-           + (f", partition {c.partition}" if c.partition else ""))
+    yield (
+        f"experiment {cfg.run.name}: {plan.world_size} MPI ranks, {plan.gpus_total} GPUs; cluster: "
+        f"{c.nodes} nodes x {c.gpus_per_node} GPUs x {c.cpus_per_node} CPUs"
+        + (f", partition {c.partition}" if c.partition else "")
+    )
     yield "heterogeneous job components (one MPMD srun, world ranks in this order):"
     het = len(plan.components) > 1
     for comp in plan.components:
-        yield (f"  het group {comp.index}: {', '.join(comp.roles)} | {comp.nodes} node(s), {comp.ntasks} tasks "
-               f"({comp.ntasks_per_node}/node), {comp.gpus_per_node} GPUs/node, {comp.cpus_per_task} CPUs/task; "
-               f"{component_resources(c, comp, het).describe()}")
+        yield (
+            f"  het group {comp.index}: {', '.join(comp.roles)} | {comp.nodes} node(s), {comp.ntasks} tasks "
+            f"({comp.ntasks_per_node}/node), {comp.gpus_per_node} GPUs/node, {comp.cpus_per_task} CPUs/task; "
+            f"{component_resources(c, comp, het).describe()}"
+        )
     for note in plan.notes:
         yield f"  {note}"
     layouts = {name: role.layout() for name, role in cfg.roles.items()}
     if ranks:
-        w = max([12, *(len(name) + 1 for name in cfg.roles)])  # the role column fits the longest name
+        w = max(
+            [12, *(len(name) + 1 for name in cfg.roles)]
+        )  # the role column fits the longest name
         yield f"{'rank':>6} {'role':<{w}} {'grank':>5} {'het':>3} {'node':>4} {'gpus':<7} {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}"
         for p in plan.ranks:
             if p.role == CONTROLLER_ROLE:
                 yield f"{p.rank:>6} {p.role:<{w}} {0:>5} {p.component:>3} {p.node:>4} {'-':<7}"
                 continue
             k = layouts[p.role].coords(p.group_rank)
-            yield (f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
-                   f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}")
+            yield (
+                f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
+                f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}"
+            )
     for name, role in cfg.roles.items():
         if role.parallel.pp > 1:
             yield from _stages(name, role)
@@ -53,13 +71,21 @@ def render(cfg: ExperimentConfig, plan: WorldPlan, ranks: bool = True, groups: b
         for name, layout in layouts.items():
             world_of = plan.ranks_of(name)
             p = cfg.roles[name].parallel
-            yield (f"role {name}: tp={p.tp} cp={p.cp} pp={p.pp} ep={layout.ep} etp={layout.etp} dp={layout.dp} "
-                   f"expert-dp={layout.edp}" + (f" vpp={p.vpp}" if p.vpp else "") + " (groups in world ranks)")
+            yield (
+                f"role {name}: tp={p.tp} cp={p.cp} pp={p.pp} ep={layout.ep} etp={layout.etp} dp={layout.dp} "
+                f"expert-dp={layout.edp}"
+                + (f" vpp={p.vpp}" if p.vpp else "")
+                + " (groups in world ranks)"
+            )
             for kind in _group_kinds(layout):
                 gs = layout.groups(kind)
                 shown = gs if max_groups <= 0 else gs[:max_groups]
                 more = f" ... ({len(gs)} groups)" if len(shown) < len(gs) else ""
-                yield f"  {kind:<16} " + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown) + more
+                yield (
+                    f"  {kind:<16} "
+                    + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown)
+                    + more
+                )
 
 
 def _group_kinds(layout: ParallelLayout) -> list[str]:
@@ -97,7 +123,9 @@ def _stages(name: str, role) -> Iterator[str]:  # noqa: ANN001 - a RoleConfig
         if s == 0:
             parts.insert(0, "embedding")
         if s == p.pp - 1:
-            parts.append("final norm, output layer" + (" (a copy of the tied embedding)" if tied else ""))
+            parts.append(
+                "final norm, output layer" + (" (a copy of the tied embedding)" if tied else "")
+            )
         yield f"  stage {s}: " + " + ".join(parts)
 
 
@@ -111,7 +139,10 @@ def _weight_sync(cfg: ExperimentConfig, plan: WorldPlan) -> Iterator[str]:
     model_dir = getattr(train, "model_dir", None)
     shape = ModelShape.from_dir(model_dir) if isinstance(model_dir, str) else None
     dtype = getattr(train, "dtype", "float32")
-    size = shape.total * dtype_bytes(dtype) if shape is not None and dtype in ("float32", "bfloat16", "float16") \
+    size = (
+        shape.total * dtype_bytes(dtype)
+        if shape is not None and dtype in ("float32", "bfloat16", "float16")
         else None
+    )
     yield f"weight sync ({routing.requested}: {routing.mode}), per generator rank:"
     yield from routing.describe(size)

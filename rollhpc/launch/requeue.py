@@ -56,13 +56,28 @@ from pathlib import Path
 from typing import Any
 
 from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
-from rollhpc.launch.slurm_cli import (down_nodes, excluded_nodes, job_alive, scancel_detached, scontrol,
-                                      slurmd_started_since, step_ids)
+from rollhpc.launch.slurm_cli import (
+    down_nodes,
+    excluded_nodes,
+    job_alive,
+    scancel_detached,
+    scontrol,
+    slurmd_started_since,
+    step_ids,
+)
 from rollhpc.proc.attempt import restart_number, slurm_restart_count
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.rundir.failure_kind import FailureKind
-from rollhpc.rundir.records import (controller_exit, controller_failure, failed_nodes, log_event, read_events,
-                                    record_startup_failure, startup_failure, this_host)
+from rollhpc.rundir.records import (
+    controller_exit,
+    controller_failure,
+    failed_nodes,
+    log_event,
+    read_events,
+    record_startup_failure,
+    startup_failure,
+    this_host,
+)
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
 EXIT_WORKER_LOST = 76  # a worker process is gone: worth a restart elsewhere
@@ -80,13 +95,14 @@ def unresponsive_nodes(hosts: list[str]) -> list[str]:
 
 
 def _job_components(job_id: str) -> list[str]:
-    """"123" for a plain job, ["123+0", "123+1", ...] for a heterogeneous one."""
+    """ "123" for a plain job, ["123+0", "123+1", ...] for a heterogeneous one."""
     n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
     return [f"{job_id}+{i}" for i in range(n)] if n > 1 else [job_id]
 
 
-def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s: float = 180.0,
-                          poll_s: float = 0.5) -> None:
+def wait_for_steps_to_end(
+    run_dir: Path, job_id: str, lost: set[str], timeout_s: float = 180.0, poll_s: float = 0.5
+) -> None:
     """Before a requeue that excludes a lost node: wait until Slurm has settled this attempt's steps.
 
     A step on a crashed node ends only once Slurm declares the node DOWN (then Slurm requeues the job itself,
@@ -102,18 +118,33 @@ def wait_for_steps_to_end(run_dir: Path, job_id: str, lost: set[str], timeout_s:
     began = float(os.environ.get(ATTEMPT_STARTED, "0") or 0) or time.time()
 
     def settled() -> bool:
-        return not _job_steps(job_id) or (bool(lost) and all(slurmd_started_since(n, began) for n in lost))
+        return not _job_steps(job_id) or (
+            bool(lost) and all(slurmd_started_since(n, began) for n in lost)
+        )
 
     if settled():
         return
-    log_event(run_dir, {"event": "wait", "job_id": job_id, "nodes": sorted(lost),
-                        "reason": "the lost node's step has not ended yet: requeueing once Slurm has ended it "
-                                  "(or requeued the job itself, having marked the node DOWN), or the node is back"})
+    log_event(
+        run_dir,
+        {
+            "event": "wait",
+            "job_id": job_id,
+            "nodes": sorted(lost),
+            "reason": "the lost node's step has not ended yet: requeueing once Slurm has ended it "
+            "(or requeued the job itself, having marked the node DOWN), or the node is back",
+        },
+    )
     while not settled() and time.monotonic() < deadline:
         time.sleep(poll_s)
 
 
-def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str], failure: dict[str, Any] | None = None) -> int:
+def restart(
+    run_dir: Path,
+    job_id: str,
+    reason: str,
+    exclude: set[str],
+    failure: dict[str, Any] | None = None,
+) -> int:
     """Continue the run in a new job (``rollhpc.launch.resubmit``: no wait for a lost node to be declared
     DOWN, nor for Slurm's credential expiry), excluding ``exclude`` and whatever this job excluded; where
     sbatch cannot be used from the batch host, requeue this job as before."""
@@ -123,28 +154,63 @@ def restart(run_dir: Path, job_id: str, reason: str, exclude: set[str], failure:
         excluded |= excluded_nodes(comp)
     new_job, why = resubmit(run_dir, excluded, restart_number() + 1)
     if new_job is not None:
-        log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "reason": reason,
-                            "exclude": sorted(exclude), "restart": restart_number() + 1,
-                            "slurm_restart_count": slurm_restart_count(), **({"failure": failure} if failure else {})})
+        log_event(
+            run_dir,
+            {
+                "event": "requeue",
+                "job_id": job_id,
+                "new_job_id": new_job,
+                "reason": reason,
+                "exclude": sorted(exclude),
+                "restart": restart_number() + 1,
+                "slurm_restart_count": slurm_restart_count(),
+                **({"failure": failure} if failure else {}),
+            },
+        )
         return 0
-    print(f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}", file=sys.stderr)
+    print(
+        f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}",
+        file=sys.stderr,
+    )
     if exclude:
         wait_for_steps_to_end(run_dir, job_id, exclude)
     return requeue(run_dir, job_id, reason, exclude, failure=failure)
 
 
-def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
-            per_group: dict[int, set[str]] | None = None, failure: dict[str, Any] | None = None) -> int:
+def requeue(
+    run_dir: Path,
+    job_id: str,
+    reason: str,
+    exclude: set[str],
+    per_group: dict[int, set[str]] | None = None,
+    failure: dict[str, Any] | None = None,
+) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
     ``per_group[i]`` from het group i only."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requeuehold kills the batch script; finish the release first
+    signal.signal(
+        signal.SIGTERM, signal.SIG_IGN
+    )  # requeuehold kills the batch script; finish the release first
     per_group = per_group or {}
-    log_event(run_dir, {"event": "requeue", "job_id": job_id, "reason": reason, "exclude": sorted(exclude),
-                        **({"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}} if per_group
-                           else {}),
-                        "restart": restart_number() + 1, "slurm_restart_count": slurm_restart_count(),
-                        **({"failure": failure} if failure else {})})
-    for comp in _job_components(job_id):  # the run's jobs are --no-requeue (a rescue job continues them):
+    log_event(
+        run_dir,
+        {
+            "event": "requeue",
+            "job_id": job_id,
+            "reason": reason,
+            "exclude": sorted(exclude),
+            **(
+                {"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}}
+                if per_group
+                else {}
+            ),
+            "restart": restart_number() + 1,
+            "slurm_restart_count": slurm_restart_count(),
+            **({"failure": failure} if failure else {}),
+        },
+    )
+    for comp in _job_components(
+        job_id
+    ):  # the run's jobs are --no-requeue (a rescue job continues them):
         scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
     if not exclude and not per_group:
         res = scontrol("requeue", job_id)
@@ -158,13 +224,19 @@ def requeue(run_dir: Path, job_id: str, reason: str, exclude: set[str],
         nodes = ",".join(sorted(excluded_nodes(comp) | exclude | per_group.get(i, set())))
         upd = scontrol("update", f"JobId={comp}", f"ExcNodeList={nodes}")
         if upd.returncode != 0:
-            print(f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}", file=sys.stderr)
+            print(
+                f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}",
+                file=sys.stderr,
+            )
     res = scontrol("release", job_id)
     return 0 if res.returncode == 0 else _failed(res, "release")
 
 
 def _failed(res: subprocess.CompletedProcess, what: str) -> int:
-    print(f"rollhpc requeue: scontrol {what} failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
+    print(
+        f"rollhpc requeue: scontrol {what} failed ({res.returncode}): {res.stderr.strip()}",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -177,8 +249,10 @@ def finished_run(run_dir: Path) -> str | None:
     except (FileNotFoundError, ValueError):
         record = {}
     if record.get("status") == 0:
-        return (f"its controller ended cleanly (job {record.get('job_id')}, restart "
-                f"{record.get('restart', record.get('restart_count'))})")
+        return (
+            f"its controller ended cleanly (job {record.get('job_id')}, restart "
+            f"{record.get('restart', record.get('restart_count'))})"
+        )
     steps = configured_steps(run_dir)
     if steps is None:
         return None
@@ -195,7 +269,9 @@ def configured_steps(run_dir: Path) -> int | None:
     import yaml
 
     try:
-        steps = (yaml.safe_load(RunPaths(run_dir).config.read_text()) or {})["pipeline"]["options"]["steps"]
+        steps = (yaml.safe_load(RunPaths(run_dir).config.read_text()) or {})["pipeline"]["options"][
+            "steps"
+        ]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return None
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
@@ -204,29 +280,57 @@ def configured_steps(run_dir: Path) -> int | None:
 def cmd_start(run_dir: Path) -> int:
     done = finished_run(run_dir)
     if done:
-        log_event(run_dir, {"event": "end", "status": 0, "job_id": os.environ.get("SLURM_JOB_ID"),
-                            "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
-                            "final": True, "reason": f"the run has already finished ({done}): nothing to start"})
-        print(f"rollhpc requeue: the run has already finished ({done}): nothing to start", file=sys.stderr)
+        log_event(
+            run_dir,
+            {
+                "event": "end",
+                "status": 0,
+                "job_id": os.environ.get("SLURM_JOB_ID"),
+                "restart": restart_number(),
+                "slurm_restart_count": slurm_restart_count(),
+                "final": True,
+                "reason": f"the run has already finished ({done}): nothing to start",
+            },
+        )
+        print(
+            f"rollhpc requeue: the run has already finished ({done}): nothing to start",
+            file=sys.stderr,
+        )
         print(FINISHED, flush=True)
         return 0
     job_id = os.environ.get("SLURM_JOB_ID", "")
     successor = current_job(run_dir)
     if job_id and successor and successor != job_id and job_alive(successor):
-        log_event(run_dir, {"event": "end", "status": 0, "job_id": job_id, "restart": restart_number(),
-                            "reason": f"job {successor} continues the run already: nothing to start"})
+        log_event(
+            run_dir,
+            {
+                "event": "end",
+                "status": 0,
+                "job_id": job_id,
+                "restart": restart_number(),
+                "reason": f"job {successor} continues the run already: nothing to start",
+            },
+        )
         print(SUPERSEDED, flush=True)
         return 0
-    if job_id and successor != job_id:  # this job takes the run over (submitted by hand, or the record is older)
+    if (
+        job_id and successor != job_id
+    ):  # this job takes the run over (submitted by hand, or the record is older)
         RunPaths(run_dir).slurm.mkdir(parents=True, exist_ok=True)
         atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
     if job_id:
         ensure_rescue(run_dir, job_id)
     shared = shared_nodes(group_nodes())
     if shared and job_id:
-        where = "; ".join(f"het group {i} shares {', '.join(sorted(n))} with an earlier group" for i, n in shared.items())
-        print(f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
-              f"(it waits forever); requeued with those nodes excluded for those groups", file=sys.stderr)
+        where = "; ".join(
+            f"het group {i} shares {', '.join(sorted(n))} with an earlier group"
+            for i, n in shared.items()
+        )
+        print(
+            f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
+            f"(it waits forever); requeued with those nodes excluded for those groups",
+            file=sys.stderr,
+        )
         requeue(run_dir, job_id, f"{where} (srun cannot start such a step)", set(), shared)
         print(REQUEUED, flush=True)
         return 0
@@ -235,14 +339,28 @@ def cmd_start(run_dir: Path) -> int:
     previous = None
     if starts:
         last = starts[-1]
-        later = events[events.index(last) + 1:]
+        later = events[events.index(last) + 1 :]
         ended = [e for e in later if e.get("event") in ("requeue", "end")]
-        previous = ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
-    RunPaths(run_dir).world.unlink(missing_ok=True)  # an earlier attempt's world; this one's proves it formed
-    log_event(run_dir, {"event": "start", "job_id": os.environ.get("SLURM_JOB_ID"),
-                        "restart": restart_number(), "slurm_restart_count": slurm_restart_count(),
-                        "nodes": allocated_nodes(), "batch_host": os.environ.get("SLURMD_NODENAME"),
-                        "previous_attempt": previous})
+        previous = (
+            ended[-1]["event"]
+            if ended
+            else "killed without a report (its batch node lost, or scancel)"
+        )
+    RunPaths(run_dir).world.unlink(
+        missing_ok=True
+    )  # an earlier attempt's world; this one's proves it formed
+    log_event(
+        run_dir,
+        {
+            "event": "start",
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "restart": restart_number(),
+            "slurm_restart_count": slurm_restart_count(),
+            "nodes": allocated_nodes(),
+            "batch_host": os.environ.get("SLURMD_NODENAME"),
+            "previous_attempt": previous,
+        },
+    )
     return 0
 
 
@@ -269,7 +387,9 @@ def controller_ended(run_dir: Path) -> str | None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.waitpid(pid, os.WNOHANG)  # reaps it if it is our child (tests); the batch shell reaps srun
+        os.waitpid(
+            pid, os.WNOHANG
+        )  # reaps it if it is our child (tests); the batch shell reaps srun
     except ChildProcessError:
         pass
     try:
@@ -283,7 +403,9 @@ def _job_steps(job_id: str) -> list[str]:
     """This job's running steps of srun ("123.0", and "124.0" for het group 1's component), batch and
     extern steps left out: each het component's step is ended under the component's own job id."""
     n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    components = [os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    components = (
+        [os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    )
     steps = []
     for comp in [c for c in components if c] or [job_id]:
         try:
@@ -295,22 +417,34 @@ def _job_steps(job_id: str) -> list[str]:
     return steps
 
 
-def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: float | None = None,
-              poll_s: float = 0.5) -> int:
+def cmd_watch(
+    run_dir: Path,
+    srun_pid: int,
+    grace_s: float,
+    world_timeout_s: float | None = None,
+    poll_s: float = 0.5,
+) -> int:
     """Beside srun: once the controller has ended, give srun ``grace_s`` to end by itself, then end the step
     (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``.
     A world that has not formed ``world_timeout_s`` after srun started, with no rank's guard heard from (the
     ranks never started: srun itself is stuck), is recorded as a start-up failure and ended the same way."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the time-limit warning is the batch shell's business
+    signal.signal(
+        signal.SIGUSR1, signal.SIG_IGN
+    )  # the time-limit warning is the batch shell's business
     how = None
     started = time.monotonic()
     while _alive(srun_pid) and not (how := controller_ended(run_dir)):
-        if (world_timeout_s is not None and time.monotonic() - started > world_timeout_s
-                and not RunPaths(run_dir).world.exists()):
+        if (
+            world_timeout_s is not None
+            and time.monotonic() - started > world_timeout_s
+            and not RunPaths(run_dir).world.exists()
+        ):
             failed = startup_failure(run_dir)
             if failed is None:
-                how = (f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
-                       f"(srun or the process manager is stuck before the ranks run)")
+                how = (
+                    f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
+                    f"(srun or the process manager is stuck before the ranks run)"
+                )
                 record_startup_failure(run_dir, this_host(), how)
                 grace_s = 0
             else:  # the ranks' guards gave up, and srun waits on: for a task on a node lost while the world formed
@@ -326,14 +460,25 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
         return 0
     job_id = os.environ.get("SLURM_JOB_ID", "")
     steps = _job_steps(job_id) if job_id else []
-    log_event(run_dir, {"event": "step-ended", "job_id": job_id, "steps": steps,
-                        "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended"})
-    for step in steps:  # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
-        try:             # requeue that follows ends whatever of the step is left anyway
+    log_event(
+        run_dir,
+        {
+            "event": "step-ended",
+            "job_id": job_id,
+            "steps": steps,
+            "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended",
+        },
+    )
+    for step in (
+        steps
+    ):  # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
+        try:  # requeue that follows ends whatever of the step is left anyway
             scancel_detached("--signal=KILL", step)
         except OSError as e:
             print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
-    deadline = time.monotonic() + 1  # a srun waiting for a lost node's task may outlive its cancelled step
+    deadline = (
+        time.monotonic() + 1
+    )  # a srun waiting for a lost node's task may outlive its cancelled step
     while _alive(srun_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _alive(srun_pid):
@@ -344,7 +489,9 @@ def cmd_watch(run_dir: Path, srun_pid: int, grace_s: float, world_timeout_s: flo
 def group_nodes() -> list[list[str]]:
     """The nodes of each het group of this attempt (one list for a plain job; none outside Slurm)."""
     n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    lists = [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    lists = (
+        [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
+    )
     lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
     out = []
     for nodelist in filter(None, lists):
@@ -379,7 +526,9 @@ def previous_failure(run_dir: Path) -> dict[str, Any]:
     return (requeues[-1].get("failure") or {}) if requeues else {}
 
 
-def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True) -> int:
+def cmd_after(
+    run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True
+) -> int:
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
         return _after(run_dir, srun_status, max_restarts, allow_requeue, job_id)
@@ -393,35 +542,65 @@ def cmd_after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue:
 
 def _end(run_dir: Path, status: int, **fields: Any) -> int:
     """The run ends here for good (a rescue job finds this and leaves it ended)."""
-    log_event(run_dir, {"event": "end", "status": status, "job_id": os.environ.get("SLURM_JOB_ID"),
-                        "restart": restart_number(), "final": True, **fields})
+    log_event(
+        run_dir,
+        {
+            "event": "end",
+            "status": status,
+            "job_id": os.environ.get("SLURM_JOB_ID"),
+            "restart": restart_number(),
+            "final": True,
+            **fields,
+        },
+    )
     return status
 
 
-def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool, job_id: str) -> int:
+def _after(
+    run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool, job_id: str
+) -> int:
     restarts = restart_number()
     said = controller_exit(run_dir)
     status = srun_status if said is None else said
     failure = controller_failure(run_dir) if said is not None else {}
     if status != srun_status:
-        print(f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
-              file=sys.stderr)
-    if status != 0 and (done := finished_run(run_dir)):  # e.g. a worker lost after the final checkpoint
-        return _end(run_dir, 0, srun_status=srun_status, reason=f"the run has finished ({done}); status {status} "
-                                                                 "ends nothing")
+        print(
+            f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
+            file=sys.stderr,
+        )
+    if status != 0 and (
+        done := finished_run(run_dir)
+    ):  # e.g. a worker lost after the final checkpoint
+        return _end(
+            run_dir,
+            0,
+            srun_status=srun_status,
+            reason=f"the run has finished ({done}); status {status} ends nothing",
+        )
     # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
     # the first collectives recorded it), or the controller gave up waiting for a worker to connect
     stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
-    if stalled is None and said is None and srun_status != 0 and not RunPaths(run_dir).world.exists():
-        stalled = {"why": f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
-                          f"are in the output above"}
+    if (
+        stalled is None
+        and said is None
+        and srun_status != 0
+        and not RunPaths(run_dir).world.exists()
+    ):
+        stalled = {
+            "why": f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
+            f"are in the output above"
+        }
     if stalled:
         status = EXIT_WORKER_LOST
         failure = {"kind": FailureKind.WORLD_NOT_FORMED, "summary": stalled["why"]}
         print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
-        return _end(run_dir, status, failure=failure or None,
-                    reason=f"cluster.requeue is off: continue the run with slurm/resume.sh {run_dir}")
+        return _end(
+            run_dir,
+            status,
+            failure=failure or None,
+            reason=f"cluster.requeue is off: continue the run with slurm/resume.sh {run_dir}",
+        )
     if status == EXIT_REQUEUE and job_id:
         return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
@@ -430,52 +609,88 @@ def _after(run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bo
         said_kind = kind if kind is not None and kind.restartable else FailureKind.LOST_WORKER
         what = said_kind.requeue_says(failure.get("summary", ""))
         if restarts >= max_restarts:
-            return _end(run_dir, status, failure=failure or None,
-                        reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
-                               "giving up")
+            return _end(
+                run_dir,
+                status,
+                failure=failure or None,
+                reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
+                "giving up",
+            )
         sig = failure.get("signature")
-        if (kind in (FailureKind.LOST_PEER, FailureKind.LOST_WORKER) and sig
-                and previous_failure(run_dir).get("signature") == sig):
-            return _end(run_dir, status, failure=failure,
-                        reason=f"the same failure twice in a row at step {failure.get('step')} "
-                               f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
-                               "crash in native code or out of memory), not restarted again")
-        if kind != FailureKind.LOST_WORKER:  # which node is at fault is unknown: the next attempt gets the same nodes
+        if (
+            kind in (FailureKind.LOST_PEER, FailureKind.LOST_WORKER)
+            and sig
+            and previous_failure(run_dir).get("signature") == sig
+        ):
+            return _end(
+                run_dir,
+                status,
+                failure=failure,
+                reason=f"the same failure twice in a row at step {failure.get('step')} "
+                f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
+                "crash in native code or out of memory), not restarted again",
+            )
+        if (
+            kind != FailureKind.LOST_WORKER
+        ):  # which node is at fault is unknown: the next attempt gets the same nodes
             return restart(run_dir, job_id, what, set(), failure)
         failed = failed_nodes(run_dir)
-        return restart(run_dir, job_id, f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
-                       set(failed), failure)
-    extra: dict[str, Any] = {"srun_status": srun_status} if said is not None and said != srun_status else {}
+        return restart(
+            run_dir,
+            job_id,
+            f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
+            set(failed),
+            failure,
+        )
+    extra: dict[str, Any] = (
+        {"srun_status": srun_status} if said is not None and said != srun_status else {}
+    )
     if failure:
         extra["failure"] = failure
         ended_by = FailureKind.of(failure.get("kind"))
-        why = "" if ended_by is None or ended_by.restartable else ended_by.requeue_says(failure.get("summary", ""))
+        why = (
+            ""
+            if ended_by is None or ended_by.restartable
+            else ended_by.requeue_says(failure.get("summary", ""))
+        )
         if why:  # the run's own fault (or its placement's): why no restart
             extra["reason"] = why
     return _end(run_dir, status, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollhpc.launch.requeue", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rollhpc.launch.requeue", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start", help="record this attempt (before srun)")
     s.add_argument("run_dir", type=Path)
     w = sub.add_parser("watch", help="end srun's step once the controller has ended (beside srun)")
     w.add_argument("run_dir", type=Path)
     w.add_argument("srun_pid", type=int)
-    w.add_argument("--grace", type=float, default=1.0, help="seconds srun may take to end by itself")
-    w.add_argument("--world-timeout", type=float, help="seconds for the world to form before the step is ended")
+    w.add_argument(
+        "--grace", type=float, default=1.0, help="seconds srun may take to end by itself"
+    )
+    w.add_argument(
+        "--world-timeout", type=float, help="seconds for the world to form before the step is ended"
+    )
     a = sub.add_parser("after", help="requeue or end, from srun's exit status")
     a.add_argument("run_dir", type=Path)
     a.add_argument("status", type=int)
-    a.add_argument("--max-restarts", type=int, default=5, help="requeues after a lost worker, at most")
-    a.add_argument("--no-requeue", action="store_true", help="never requeue (cluster.requeue=false): just end")
+    a.add_argument(
+        "--max-restarts", type=int, default=5, help="requeues after a lost worker, at most"
+    )
+    a.add_argument(
+        "--no-requeue", action="store_true", help="never requeue (cluster.requeue=false): just end"
+    )
     args = p.parse_args(argv)
     if args.cmd == "start":
         return cmd_start(args.run_dir)
     if args.cmd == "watch":
         return cmd_watch(args.run_dir, args.srun_pid, args.grace, args.world_timeout)
-    return cmd_after(args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue)
+    return cmd_after(
+        args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue
+    )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,12 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
     mine = str(RunPaths(Path(run_dir).resolve()).slurm) + "/"
     live = []
     for jid in sorted(set(j.split("+")[0] for j in out.split())):
-        for r in job_records(jid) or []:  # every component: one still RUNNING makes the job live, and an
-            if r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ENDED_STATES:  # ended one not
+        for r in (
+            job_records(jid) or []
+        ):  # every component: one still RUNNING makes the job live, and an
+            if (
+                r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ENDED_STATES
+            ):  # ended one not
                 live.append(jid)
                 break
     return live
@@ -87,7 +91,10 @@ def _job_name(run_dir: Path) -> str:
 
 def restarts_so_far(events: list[dict[str, Any]]) -> int:
     """The restart number of the run's newest attempt, started or submitted (0: the first)."""
-    return max((int(e.get("restart") or 0) for e in events if e.get("event") in ("start", "requeue")), default=0)
+    return max(
+        (int(e.get("restart") or 0) for e in events if e.get("event") in ("start", "requeue")),
+        default=0,
+    )
 
 
 def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
@@ -102,31 +109,59 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
     if done := finished_run(run_dir):
         return say(NOTHING, f"the run has finished ({done})")
     if final := final_end(events):
-        return say(NOTHING, f"the run ended for good: {final.get('reason') or 'status ' + str(final.get('status'))}")
+        return say(
+            NOTHING,
+            f"the run ended for good: {final.get('reason') or 'status ' + str(final.get('status'))}",
+        )
     current = current_job(run_dir)
     if current and current != job_id and job_alive(current):
         return say(NOTHING, f"job {current} continues the run")
     records = job_records(job_id)
     if records is None:
-        print(f"rollhpc rescue: Slurm did not answer about job {job_id}; trying once more", file=sys.stderr)
+        print(
+            f"rollhpc rescue: Slurm did not answer about job {job_id}; trying once more",
+            file=sys.stderr,
+        )
         records = job_records(job_id) or []
     states = sorted({r.get("JobState", "") for r in records})
     # COMPLETING counts as ended: a het job's components end one by one (one NODE_FAIL, another still COMPLETING)
-    if any(st not in ENDED_STATES for st in states):  # requeued in place, running again: its next start makes
-        return say(NOTHING, f"job {job_id} is {'/'.join(states)} again")  # sure it has a rescue (ensure_rescue)
+    if any(
+        st not in ENDED_STATES for st in states
+    ):  # requeued in place, running again: its next start makes
+        return say(
+            NOTHING, f"job {job_id} is {'/'.join(states)} again"
+        )  # sure it has a rescue (ensure_rescue)
     if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
         return say(NOTHING, f"job {live[0]} of the run is pending or running")
     how = "/".join(st for st in states if st != "COMPLETING") or "unknown to Slurm"
     if set(states) <= {"CANCELLED", "COMPLETING"} and "CANCELLED" in states:
-        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
-                            "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
-                                      f"slurm/resume.sh {run_dir}"})
+        log_event(
+            run_dir,
+            {
+                "event": "end",
+                "status": 1,
+                "job_id": job_id,
+                "final": True,
+                "by": "rescue",
+                "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
+                f"slurm/resume.sh {run_dir}",
+            },
+        )
         return say(ENDED, "cancelled by a person: left cancelled")
     restarts = restarts_so_far(events)
     if restarts >= max_restarts:
-        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
-                            "reason": f"job {job_id} ended {how} without continuing the run, and the run already "
-                                      f"restarted {restarts} times (max_restarts={max_restarts}): giving up"})
+        log_event(
+            run_dir,
+            {
+                "event": "end",
+                "status": 1,
+                "job_id": job_id,
+                "final": True,
+                "by": "rescue",
+                "reason": f"job {job_id} ended {how} without continuing the run, and the run already "
+                f"restarted {restarts} times (max_restarts={max_restarts}): giving up",
+            },
+        )
         return say(ENDED, "out of restarts")
     never = not any(e.get("event") == "start" and e.get("job_id") == job_id for e in events)
     exclude = set()
@@ -139,23 +174,52 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
     exclude |= set(failed_nodes(run_dir))
     new_job, why = resubmit(run_dir, exclude, restarts + 1)
     if new_job is None:
-        log_event(run_dir, {"event": "end", "status": 1, "job_id": job_id, "final": True, "by": "rescue",
-                            "reason": f"job {job_id} ended {how} without continuing the run, and its rescue could "
-                                      f"not submit a new job: {why}"})
+        log_event(
+            run_dir,
+            {
+                "event": "end",
+                "status": 1,
+                "job_id": job_id,
+                "final": True,
+                "by": "rescue",
+                "reason": f"job {job_id} ended {how} without continuing the run, and its rescue could "
+                f"not submit a new job: {why}",
+            },
+        )
         return say(ENDED, f"cannot submit: {why}")
-    reason = (f"job {job_id} ended {how} before it started the run (a failed launch)" if never else
-              f"job {job_id} ended {how} without continuing the run (its batch script was lost with its node, "
-              "or Slurm ended the job first)")
-    log_event(run_dir, {"event": "requeue", "job_id": job_id, "new_job_id": new_job, "by": "rescue",
-                        "reason": reason, "exclude": sorted(exclude), "restart": restarts + 1})
+    reason = (
+        f"job {job_id} ended {how} before it started the run (a failed launch)"
+        if never
+        else f"job {job_id} ended {how} without continuing the run (its batch script was lost with its node, "
+        "or Slurm ended the job first)"
+    )
+    log_event(
+        run_dir,
+        {
+            "event": "requeue",
+            "job_id": job_id,
+            "new_job_id": new_job,
+            "by": "rescue",
+            "reason": reason,
+            "exclude": sorted(exclude),
+            "restart": restarts + 1,
+        },
+    )
     return say(RESCUED, f"{reason}: continued in job {new_job}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollhpc.launch.rescue", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m rollhpc.launch.rescue", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("run_dir", type=Path)
     p.add_argument("job_id", help="the run's job this rescue waited for")
-    p.add_argument("--max-restarts", type=int, default=5, help="restarts of the run, at most (cluster.max_restarts)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts of the run, at most (cluster.max_restarts)",
+    )
     args = p.parse_args(argv)
     return cmd_rescue(args.run_dir, args.job_id, args.max_restarts)
 

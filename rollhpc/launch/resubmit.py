@@ -101,17 +101,26 @@ def resubmit(run_dir: Path, exclude: set[str], restarts: int) -> tuple[str | Non
     if res.returncode != 0 or not job_id.isdigit():
         return None, f"sbatch failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}"
     atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
-    print(f"rollhpc requeue: submitted job {job_id} to continue the run (script {script})", file=sys.stderr,
-          flush=True)
+    print(
+        f"rollhpc requeue: submitted job {job_id} to continue the run (script {script})",
+        file=sys.stderr,
+        flush=True,
+    )
     rescue, why = submit_rescue(run_dir, job_id)
     if rescue is None and why:
-        print(f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True)
+        print(
+            f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True
+        )
     return job_id, ""
 
 
 def _slurm_free_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if not (k.startswith("SLURM_") and k not in KEEP_SLURM_VARS) and not k.startswith("ROLLHPC_ATTEMPT_")}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith("SLURM_") and k not in KEEP_SLURM_VARS)
+        and not k.startswith("ROLLHPC_ATTEMPT_")
+    }
 
 
 def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
@@ -122,8 +131,14 @@ def submit_rescue(run_dir: Path, job_id: str) -> tuple[str | None, str]:
     if not script.exists():
         return None, ""
     try:
-        res = slurm_cli.sbatch(f"--dependency=afterany:{job_id}", "--kill-on-invalid-dep=yes", str(script), job_id,
-                               env=_slurm_free_env(), cwd=str(run_dir))
+        res = slurm_cli.sbatch(
+            f"--dependency=afterany:{job_id}",
+            "--kill-on-invalid-dep=yes",
+            str(script),
+            job_id,
+            env=_slurm_free_env(),
+            cwd=str(run_dir),
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return None, f"sbatch failed: {e}"
     rescue = res.stdout.strip().split(";")[0]
@@ -145,7 +160,9 @@ def ensure_rescue(run_dir: Path, job_id: str) -> None:
         return
     new, why = submit_rescue(run_dir, job_id)
     if new is None:
-        print(f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True)
+        print(
+            f"rollhpc requeue: job {job_id} has no rescue job: {why}", file=sys.stderr, flush=True
+        )
 
 
 def rescue_jobs(run_dir: Path) -> dict[str, str]:

@@ -17,8 +17,15 @@ from pathlib import Path, PurePosixPath
 
 from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
 from rollhpc.launch.resubmit import current_job, rescue_jobs, submit_rescue
-from rollhpc.launch.slurm_cli import (TERMINAL, component_states, held_notice, held_reason, job_records,  # noqa: F401
-                                      restart_count, scontrol)
+from rollhpc.launch.slurm_cli import (
+    TERMINAL,
+    component_states,
+    held_notice,
+    held_reason,
+    job_records,  # noqa: F401
+    restart_count,
+    scontrol,
+)
 from rollhpc.placement.device_mapping import Component, WorldPlan
 from rollhpc.rundir import RunPaths, atomic_write_text
 
@@ -36,8 +43,14 @@ class ComponentResources:
     def describe(self) -> str:
         """One phrase for `rollhpc plan`: where the group runs and whether it holds its nodes alone."""
         parts = [f"partition {self.partition}" if self.partition else "default partition"]
-        parts += [f"{k} {v}" for k, v in (("account", self.account), ("qos", self.qos), ("mem", self.mem)) if v]
-        return ", ".join(parts) + (", whole nodes (--exclusive)" if self.exclusive else ", nodes shared with other jobs")
+        parts += [
+            f"{k} {v}"
+            for k, v in (("account", self.account), ("qos", self.qos), ("mem", self.mem))
+            if v
+        ]
+        return ", ".join(parts) + (
+            ", whole nodes (--exclusive)" if self.exclusive else ", nodes shared with other jobs"
+        )
 
 
 def component_resources(cluster: ClusterConfig, comp: Component, het: bool) -> ComponentResources:
@@ -48,7 +61,9 @@ def component_resources(cluster: ClusterConfig, comp: Component, het: bool) -> C
     every other group of the job off its nodes. Group 0 then needs no --exclusive of its own: it runs on a CPU
     partition, or on a few CPUs of a node that other jobs share, and never takes a GPU node whole."""
     if comp.index:
-        return ComponentResources(cluster.partition, cluster.account, cluster.qos, cluster.mem_per_node, het)
+        return ComponentResources(
+            cluster.partition, cluster.account, cluster.qos, cluster.mem_per_node, het
+        )
     return cpu_group_resources(cluster, het)
 
 
@@ -58,20 +73,34 @@ def cpu_group_resources(cluster: ClusterConfig, het: bool = True) -> ComponentRe
     cpu = cluster.cpu_component
     # a GPU node's memory is no measure of a CPU node's: cluster.mem_per_node only for a job with no GPU group
     mem = cpu.mem_per_node or ("" if het else cluster.mem_per_node)
-    return ComponentResources(cpu.partition or cluster.partition, cpu.account or cluster.account,
-                              cpu.qos or cluster.qos, mem, cpu.exclusive)
+    return ComponentResources(
+        cpu.partition or cluster.partition,
+        cpu.account or cluster.account,
+        cpu.qos or cluster.qos,
+        mem,
+        cpu.exclusive,
+    )
 
 
 def _component_options(cfg: ExperimentConfig, comp: Component, het: bool) -> list[str]:
     c = cfg.cluster
     res = component_resources(c, comp, het)
-    opts = [f"--nodes={comp.nodes}", f"--ntasks={comp.ntasks}", f"--ntasks-per-node={comp.ntasks_per_node}",
-            f"--cpus-per-task={comp.cpus_per_task}"]
+    opts = [
+        f"--nodes={comp.nodes}",
+        f"--ntasks={comp.ntasks}",
+        f"--ntasks-per-node={comp.ntasks_per_node}",
+        f"--cpus-per-task={comp.cpus_per_task}",
+    ]
     if res.exclusive:
         opts.append("--exclusive")
     if comp.gpus_per_node:
         opts.append(f"--gres=gpu:{comp.gpus_per_node}")
-    for key, value in (("partition", res.partition), ("account", res.account), ("qos", res.qos), ("mem", res.mem)):
+    for key, value in (
+        ("partition", res.partition),
+        ("account", res.account),
+        ("qos", res.qos),
+        ("mem", res.mem),
+    ):
         if value:
             opts.append(f"--{key}={value}")
     return opts + list(c.sbatch_extra)
@@ -98,9 +127,15 @@ PMI1_SAFE_NETMOD = [
     "# runs: NCCL's network plugin keeps the site's provider), whose addresses fit one short PMI line, with auto",
     "# progress",
     "# (rollhpc.launch.slurm says why)",
-    *(f'export {name}="${{{name}:-{value}}}"' for name, value in (
-        ("MPIR_CVAR_CH4_NETMOD", "ofi"), ("MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS", "1"),
-        ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"), ("ROLLHPC_MPI_FI_PROVIDER", "tcp"))),
+    *(
+        f'export {name}="${{{name}:-{value}}}"'
+        for name, value in (
+            ("MPIR_CVAR_CH4_NETMOD", "ofi"),
+            ("MPIR_CVAR_CH4_OFI_ENABLE_DATA_AUTO_PROGRESS", "1"),
+            ("MPIR_CVAR_CH4_OFI_ENABLE_CONTROL_AUTO_PROGRESS", "1"),
+            ("ROLLHPC_MPI_FI_PROVIDER", "tcp"),
+        )
+    ),
 ]
 
 
@@ -125,8 +160,11 @@ def container_mounts(container: ContainerConfig, run_dir: Path) -> list[str]:
             mount = f"{src}:{src}"
         mounts.append(mount)
         writable = "ro" not in opts.split("+")
-        if writable and posixpath.normpath(src) == posixpath.normpath(dst) and \
-                PurePosixPath(run_dir).is_relative_to(PurePosixPath(posixpath.normpath(src))):
+        if (
+            writable
+            and posixpath.normpath(src) == posixpath.normpath(dst)
+            and PurePosixPath(run_dir).is_relative_to(PurePosixPath(posixpath.normpath(src)))
+        ):
             shown = True
     if not shown:
         mounts.append(str(run_dir) if container.kind == "apptainer" else f"{run_dir}:{run_dir}")
@@ -144,28 +182,46 @@ def _rank_command(container: ContainerConfig, comp: Component, run_dir: Path, py
     mounts = shlex.quote(",".join(container_mounts(container, run_dir)))
     extra = "".join(f" {shlex.quote(opt)}" for opt in container.extra)
     inner = shlex.quote(container.python)
-    if container.kind == "apptainer":  # --nv: the host's driver libraries and GPU devices, where there are GPUs
-        return (f"apptainer exec{' --nv' if comp.gpus_per_node else ''} --bind {mounts}{extra} "
-                f"{shlex.quote(container.image)} {inner} -m rollhpc.rank {run}")
-    return (f"--container-image={shlex.quote(container.image)} --container-mounts={mounts}{extra} "
-            f"{PYXIS_ENV} {inner} -m rollhpc.rank {run}")
+    if (
+        container.kind == "apptainer"
+    ):  # --nv: the host's driver libraries and GPU devices, where there are GPUs
+        return (
+            f"apptainer exec{' --nv' if comp.gpus_per_node else ''} --bind {mounts}{extra} "
+            f"{shlex.quote(container.image)} {inner} -m rollhpc.rank {run}"
+        )
+    return (
+        f"--container-image={shlex.quote(container.image)} --container-mounts={mounts}{extra} "
+        f"{PYXIS_ENV} {inner} -m rollhpc.rank {run}"
+    )
 
 
 def _container_notes(container: ContainerConfig, srun_mpi: str) -> list[str]:
     """Comment lines that say, in a container job's script, what runs where and how MPI is wired."""
     if container.kind == "none":
         return []
-    where = {"apptainer": ["# every rank runs in the Apptainer image (cluster.container; --nv where its het group has",
-                           "# GPUs); this script, its requeue helpers and the no-op steps run on the host, where",
-                           "# Slurm's commands are"],
-             "pyxis": ["# every rank runs in the pyxis (enroot) container (cluster.container): srun keeps the",
-                       "# --container-* options (SPANK options) once per step, so every het group gets the same",
-                       "# ones; this script, its requeue helpers and the no-op steps run on the host, where",
-                       "# Slurm's commands are"]}[container.kind]
-    wiring = {"pmi2": ["# MPI inside: the image's MPICH speaks PMI to srun's pmi2 plugin over the PMI_FD socket and",
-                       "# the PMI_* variables every rank inherits (slurm/README.md, Containers)"],
-              "pmix": ["# MPI inside: the image's MPI must be built with PMIx; it finds srun's pmix server through",
-                       "# PMIX_* variables and PMIX_SERVER_TMPDIR, which must be visible inside (slurm/README.md)"]}
+    where = {
+        "apptainer": [
+            "# every rank runs in the Apptainer image (cluster.container; --nv where its het group has",
+            "# GPUs); this script, its requeue helpers and the no-op steps run on the host, where",
+            "# Slurm's commands are",
+        ],
+        "pyxis": [
+            "# every rank runs in the pyxis (enroot) container (cluster.container): srun keeps the",
+            "# --container-* options (SPANK options) once per step, so every het group gets the same",
+            "# ones; this script, its requeue helpers and the no-op steps run on the host, where",
+            "# Slurm's commands are",
+        ],
+    }[container.kind]
+    wiring = {
+        "pmi2": [
+            "# MPI inside: the image's MPICH speaks PMI to srun's pmi2 plugin over the PMI_FD socket and",
+            "# the PMI_* variables every rank inherits (slurm/README.md, Containers)",
+        ],
+        "pmix": [
+            "# MPI inside: the image's MPI must be built with PMIx; it finds srun's pmix server through",
+            "# PMIX_* variables and PMIX_SERVER_TMPDIR, which must be visible inside (slurm/README.md)",
+        ],
+    }
     return where + wiring.get(srun_mpi, [])
 
 
@@ -181,11 +237,13 @@ def _uneven_hosts_lines(comp: Component, het: bool) -> list[str]:
         return []
     last = comp.ntasks - (comp.nodes - 1) * comp.ntasks_per_node
     nodelist = f"SLURM_JOB_NODELIST_HET_GROUP_{comp.index}" if het else "SLURM_JOB_NODELIST"
-    return [f"# het group {comp.index}: {comp.ntasks_per_node} ranks on each of its first {comp.nodes - 1} node(s), "
-            f"{last} on the last (plan.json): one host per rank",
-            f'hosts_{comp.index}=$(scontrol show hostnames "${nodelist}" | awk -v per={comp.ntasks_per_node} '
-            f"-v last={last} -v n={comp.nodes} 'NR<n {{for (i = 0; i < per; i++) print}} "
-            f"NR==n {{for (i = 0; i < last; i++) print}}' | paste -sd, -)"]
+    return [
+        f"# het group {comp.index}: {comp.ntasks_per_node} ranks on each of its first {comp.nodes - 1} node(s), "
+        f"{last} on the last (plan.json): one host per rank",
+        f'hosts_{comp.index}=$(scontrol show hostnames "${nodelist}" | awk -v per={comp.ntasks_per_node} '
+        f"-v last={last} -v n={comp.nodes} 'NR<n {{for (i = 0; i < per; i++) print}} "
+        f"NR==n {{for (i = 0; i < last; i++) print}}' | paste -sd, -)",
+    ]
 
 
 def _srun_segment(cfg: ExperimentConfig, comp: Component, het: bool) -> str:
@@ -201,12 +259,16 @@ def _srun_segment(cfg: ExperimentConfig, comp: Component, het: bool) -> str:
     else:
         opts += [f"--ntasks-per-node={comp.ntasks_per_node}", "--distribution=block"]
     opts += [f"--cpus-per-task={comp.cpus_per_task}", f"--cpu-bind={cfg.cluster.cpu_bind}"]
-    if comp.gpus_per_node:  # every GPU of the node visible to each rank; a site default of --gpu-bind undone
+    if (
+        comp.gpus_per_node
+    ):  # every GPU of the node visible to each rank; a site default of --gpu-bind undone
         opts += [f"--gres=gpu:{comp.gpus_per_node}", "--gpu-bind=none"]
     return " ".join(opts + [f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task}"])
 
 
-def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None) -> str:
+def render_sbatch(
+    cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None
+) -> str:
     """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun.
 
     ``python``: the host interpreter of the batch-side helpers (default: this one, which is how the job finds
@@ -234,52 +296,74 @@ def render_sbatch(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python:
         if comp.index:
             lines.append("#SBATCH hetjob")
         lines.append(f"# het group {comp.index}: {', '.join(comp.roles)}")
-        lines += [f"#SBATCH {opt}" for opt in _component_options(cfg, comp, len(plan.components) > 1)]
-    lines += ["", "set -euo pipefail", "export PYTHONUNBUFFERED=1",
-              "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
-              "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
-              "# attempt; after srun, continue the run in a new job if it asked for it or lost a worker",
-              f"run_dir={run}",
-              'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
-              """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1"""]
+        lines += [
+            f"#SBATCH {opt}" for opt in _component_options(cfg, comp, len(plan.components) > 1)
+        ]
+    lines += [
+        "",
+        "set -euo pipefail",
+        "export PYTHONUNBUFFERED=1",
+        "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
+        "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
+        "# attempt; after srun, continue the run in a new job if it asked for it or lost a worker",
+        f"run_dir={run}",
+        'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
+        """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1""",
+    ]
     lines += list(cfg.cluster.setup)
     if c.network_interface:
         nic = shlex.quote(c.network_interface)
-        lines += ["# the interface ranks rendezvous over (cluster.network_interface; rollhpc.transport.rendezvous)",
-                  f"export ROLLHPC_DIST_IFNAME={nic}",
-                  *(f'export {v}="${{{v}:-{c.network_interface}}}"' for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"))]
+        lines += [
+            "# the interface ranks rendezvous over (cluster.network_interface; rollhpc.transport.rendezvous)",
+            f"export ROLLHPC_DIST_IFNAME={nic}",
+            *(
+                f'export {v}="${{{v}:-{c.network_interface}}}"'
+                for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+            ),
+        ]
     if cfg.cluster.srun_mpi == "pmi2":
         lines += PMI1_SAFE_NETMOD
-    lines += [f'started=$({helper} -m rollhpc.launch.requeue start "$run_dir")',
-              '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
-              '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
-              'case "$started" in finished|superseded|requeued) exit 0;; esac']
-    het = len(plan.components) > 1  # a single component is a plain job: srun refuses --het-group there
-    segments = [_srun_segment(cfg, comp, het) + " " + _rank_command(container, comp, run_dir, python)
-                for comp in plan.components]
+    lines += [
+        f'started=$({helper} -m rollhpc.launch.requeue start "$run_dir")',
+        '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
+        '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
+        'case "$started" in finished|superseded|requeued) exit 0;; esac',
+    ]
+    het = (
+        len(plan.components) > 1
+    )  # a single component is a plain job: srun refuses --het-group there
+    segments = [
+        _srun_segment(cfg, comp, het) + " " + _rank_command(container, comp, run_dir, python)
+        for comp in plan.components
+    ]
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
     first = "--het-group=0 " if het else ""
-    lines += ["", "set +e",
-              "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
-              "# 0: one no-op step per earlier attempt gives this attempt's world an id of its own, so it never",
-              "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.proc.mpi_shm removes those",
-              f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
-              f'timeout 60 srun {first}--nodes=1 --ntasks=1 true; done',
-              *_container_notes(container, c.srun_mpi),
-              *[line for comp in plan.components for line in _uneven_hosts_lines(comp, het)],
-              "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)", "srun --kill-on-bad-exit=0 --unbuffered \\",
-              "    " + " \\\n  : ".join(segments) + " &",
-              "srun_pid=$!",
-              "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
-              "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
-              f'{helper} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} '
-              f'--world-timeout {cfg.controller.world_timeout_s + WORLD_TIMEOUT_MARGIN_S:g} &',
-              "watch_pid=$!",
-              "# wait returns early when the trap runs: wait again until srun itself has ended",
-              'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
-              'kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null',
-              f'exec {helper} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
-              + ("" if c.requeue else " --no-requeue"), ""]
+    lines += [
+        "",
+        "set +e",
+        "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
+        "# 0: one no-op step per earlier attempt gives this attempt's world an id of its own, so it never",
+        "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.proc.mpi_shm removes those",
+        f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
+        f"timeout 60 srun {first}--nodes=1 --ntasks=1 true; done",
+        *_container_notes(container, c.srun_mpi),
+        *[line for comp in plan.components for line in _uneven_hosts_lines(comp, het)],
+        "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)",
+        "srun --kill-on-bad-exit=0 --unbuffered \\",
+        "    " + " \\\n  : ".join(segments) + " &",
+        "srun_pid=$!",
+        "# once the controller has ended, srun gets end_grace_s; then its step is ended (srun can wait",
+        "# forever for a task on a lost node): the decision is the controller's record, not srun's view",
+        f'{helper} -m rollhpc.launch.requeue watch "$run_dir" "$srun_pid" --grace {c.end_grace_s:g} '
+        f"--world-timeout {cfg.controller.world_timeout_s + WORLD_TIMEOUT_MARGIN_S:g} &",
+        "watch_pid=$!",
+        "# wait returns early when the trap runs: wait again until srun itself has ended",
+        'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
+        'kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null',
+        f'exec {helper} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
+        + ("" if c.requeue else " --no-requeue"),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -287,8 +371,11 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
     """The batch script of the run's rescue jobs (``rollhpc.launch.rescue``): one task, one CPU, minutes. Each is
     submitted with ``--dependency=afterany:JOB`` and JOB as its argument, so it waits holding nothing."""
     c = cfg.cluster
-    python = shlex.quote(c.container.batch_python) if c.container.batch_python else (python or
-                                                                                      shlex.quote(sys.executable))
+    python = (
+        shlex.quote(c.container.batch_python)
+        if c.container.batch_python
+        else (python or shlex.quote(sys.executable))
+    )
     lines = [
         "#!/bin/bash",
         f"# rollhpc: the rescue job of run {cfg.run.name} (rollhpc.launch.rescue). It waits in the queue, holding",
@@ -296,15 +383,28 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
         "# its newest good checkpoint if that job's batch script could not (its batch node lost, a failed launch).",
         f"#SBATCH --job-name=rollhpc-rescue-{cfg.run.name}",
         f"#SBATCH --output={run_dir / 'slurm' / 'rescue-%j.out'}",
-        "#SBATCH --ntasks=1", "#SBATCH --cpus-per-task=1", "#SBATCH --time=10", "#SBATCH --no-requeue",
+        "#SBATCH --ntasks=1",
+        "#SBATCH --cpus-per-task=1",
+        "#SBATCH --time=10",
+        "#SBATCH --no-requeue",
     ]
-    cpu = cpu_group_resources(c)  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
-    for key, value in (("partition", c.rescue_partition or cpu.partition), ("account", cpu.account), ("qos", cpu.qos)):
+    cpu = cpu_group_resources(
+        c
+    )  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
+    for key, value in (
+        ("partition", c.rescue_partition or cpu.partition),
+        ("account", cpu.account),
+        ("qos", cpu.qos),
+    ):
         if value:
             lines.append(f"#SBATCH --{key}={value}")
-    lines += ["", "set -euo pipefail", *c.setup,
-              f'exec {python} -m rollhpc.launch.rescue {shlex.quote(str(run_dir))} "$1" --max-restarts {c.max_restarts}',
-              ""]
+    lines += [
+        "",
+        "set -euo pipefail",
+        *c.setup,
+        f'exec {python} -m rollhpc.launch.rescue {shlex.quote(str(run_dir))} "$1" --max-restarts {c.max_restarts}',
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -325,7 +425,9 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     paths = RunPaths(run_dir)
     folder = paths.slurm
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(paths.batch_script, render_sbatch(cfg, plan, run_dir))  # what a restart submits again
+    atomic_write_text(
+        paths.batch_script, render_sbatch(cfg, plan, run_dir)
+    )  # what a restart submits again
     rescue_script = paths.rescue_script
     if cfg.cluster.requeue:
         atomic_write_text(rescue_script, render_rescue(cfg, run_dir))
@@ -336,15 +438,23 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     atomic_write_text(paths.job_id, job.job_id + "\n")
     rescue, why = submit_rescue(run_dir, job.job_id)
     if why:
-        print(f"rollhpc: warning: job {job.job_id} has no rescue job ({why}): should its batch node be lost, "
-              f"continue the run with slurm/resume.sh {run_dir}", file=sys.stderr)
+        print(
+            f"rollhpc: warning: job {job.job_id} has no rescue job ({why}): should its batch node be lost, "
+            f"continue the run with slurm/resume.sh {run_dir}",
+            file=sys.stderr,
+        )
     return job
 
 
-
-
-def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = None, *, release_held: bool = False,
-                 run_dir: Path | None = None, held_grace_s: float = 30.0) -> str:
+def wait_for_job(
+    job_id: str,
+    poll_s: float = 2.0,
+    timeout_s: float | None = None,
+    *,
+    release_held: bool = False,
+    run_dir: Path | None = None,
+    held_grace_s: float = 30.0,
+) -> str:
     """Block until the run's job has ended for good; COMPLETED if all its components completed, else the first
     other state. With ``run_dir``, a job that continued the run in a new one (RUN_DIR/slurm/job_id, written
     by ``rollhpc.launch.resubmit``) is followed to that one, and so on.
@@ -361,12 +471,18 @@ def wait_for_job(job_id: str, poll_s: float = 2.0, timeout_s: float | None = Non
         if states and all(st in TERMINAL for st in states.values()):
             successor = current_job(run_dir) if run_dir is not None else None
             if successor and successor != job_id:
-                print(f"rollhpc: job {job_id} ended; job {successor} continues the run", file=sys.stderr, flush=True)
+                print(
+                    f"rollhpc: job {job_id} ended; job {successor} continues the run",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 job_id, holds = successor, HoldWatch(successor, release_held, run_dir, held_grace_s)
                 continue
             rescue = rescue_jobs(run_dir).get(job_id) if run_dir is not None else None
             if rescue and any(st not in TERMINAL for st in component_states(rescue).values()):
-                time.sleep(poll_s)  # its rescue job decides whether the run goes on (rollhpc.launch.rescue)
+                time.sleep(
+                    poll_s
+                )  # its rescue job decides whether the run goes on (rollhpc.launch.rescue)
                 continue
             bad = [st for st in states.values() if st != "COMPLETED"]
             return bad[0] if bad else "COMPLETED"
@@ -382,7 +498,9 @@ class HoldWatch:
 
     def __init__(self, job_id: str, release: bool, run_dir: Path | None, grace_s: float):
         self.job_id, self.release, self.run_dir, self.grace_s = job_id, release, run_dir, grace_s
-        self._held_since: tuple[int, float] | None = None  # (attempt, monotonic time) of the first held poll
+        self._held_since: tuple[int, float] | None = (
+            None  # (attempt, monotonic time) of the first held poll
+        )
         self._handled: set[int] = set()  # attempts already reported (and released)
 
     def poll(self) -> None:
@@ -405,9 +523,22 @@ class HoldWatch:
         from rollhpc.rundir.records import log_event
 
         res = scontrol("release", self.job_id)
-        outcome = "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"
-        print(f"rollhpc: job {self.job_id}: {outcome} (cluster.release_held=true)", file=sys.stderr, flush=True)
+        outcome = (
+            "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"
+        )
+        print(
+            f"rollhpc: job {self.job_id}: {outcome} (cluster.release_held=true)",
+            file=sys.stderr,
+            flush=True,
+        )
         if self.run_dir is not None:
-            log_event(self.run_dir, {"event": "release", "job_id": self.job_id, "slurm_restart_count": attempt,
-                                     "reason": f"held by Slurm ({reason}): {outcome} (cluster.release_held)",
-                                     "ok": res.returncode == 0})
+            log_event(
+                self.run_dir,
+                {
+                    "event": "release",
+                    "job_id": self.job_id,
+                    "slurm_restart_count": attempt,
+                    "reason": f"held by Slurm ({reason}): {outcome} (cluster.release_held)",
+                    "ok": res.returncode == 0,
+                },
+            )

@@ -15,28 +15,52 @@ import time
 from collections.abc import Mapping
 
 # Slurm's end states of a job
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                      "DEADLINE", "OUT_OF_MEMORY"})
-ENDED = TERMINAL | {"COMPLETING"}  # a job that only completes on a dead node will not run the run again
+TERMINAL = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+    }
+)
+ENDED = TERMINAL | {
+    "COMPLETING"
+}  # a job that only completes on a dead node will not run the run again
 HOLD_STATES = {"REQUEUE_HOLD", "SPECIAL_EXIT"}  # requeued and held, whatever the Reason says
 # `Key=value` pairs of `scontrol show job -o`; a value runs up to the next ` Key=` (Slurm writes a Reason's
 # spaces as underscores, but Comment=, Command= ... may hold spaces)
 _FIELD = re.compile(r"([A-Za-z][\w:/]*)=(.*?)(?=\s+[A-Za-z][\w:/]*=|\s*$)")
 
 
-def run(args: list[str], timeout: float, env: Mapping[str, str] | None = None,
-        cwd: str | None = None) -> subprocess.CompletedProcess:
+def run(
+    args: list[str], timeout: float, env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """A Slurm command, its output captured as text (OSError / TimeoutExpired are the caller's)."""
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else dict(env), cwd=cwd)
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else dict(env),
+        cwd=cwd,
+    )
 
 
 # ---- scontrol show job ----
 
+
 def parse_job_records(text: str) -> list[dict[str, str]]:
     """``scontrol show job -o`` output -> one dict per line (a het job has one line per component)."""
-    return [{m.group(1): m.group(2) for m in _FIELD.finditer(line)}
-            for line in text.splitlines() if line.startswith("JobId=")]
+    return [
+        {m.group(1): m.group(2) for m in _FIELD.finditer(line)}
+        for line in text.splitlines()
+        if line.startswith("JobId=")
+    ]
 
 
 def job_records(job_id: str, timeout: float = 30) -> tuple[list[dict[str, str]] | None, str]:
@@ -93,6 +117,7 @@ def restart_count(records: list[Mapping[str, str]]) -> int:
 
 # ---- nodes and host lists ----
 
+
 def hostnames(expr: str) -> set[str]:
     """``node[1-3],gpu7`` -> its hosts (scontrol does the expansion; the text itself if it cannot)."""
     try:
@@ -116,7 +141,9 @@ def down_nodes(nodes: list[str]) -> list[str]:
     down = []
     for fields in node_records(nodes, timeout=10):
         state = fields.get("State", "")
-        if fields.get("NodeName") in nodes and ("DOWN" in state or "NOT_RESPONDING" in state or state.endswith("*")):
+        if fields.get("NodeName") in nodes and (
+            "DOWN" in state or "NOT_RESPONDING" in state or state.endswith("*")
+        ):
             down.append(fields["NodeName"])
     return down
 
@@ -125,13 +152,17 @@ def slurmd_started_since(node: str, since: float) -> bool:
     """Whether ``node``'s slurmd started after ``since`` (epoch seconds)."""
     for fields in node_records([node], timeout=30):
         try:
-            return time.mktime(time.strptime(fields.get("SlurmdStartTime", ""), "%Y-%m-%dT%H:%M:%S")) >= since
+            return (
+                time.mktime(time.strptime(fields.get("SlurmdStartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+                >= since
+            )
         except ValueError:
             return False
     return False
 
 
 # ---- sacct, squeue ----
+
 
 def component_states(job_id: str) -> dict[str, str]:
     """State of each heterogeneous component ("123+0" -> "RUNNING"), from sacct.
@@ -155,17 +186,22 @@ def step_ids(job_id: str) -> list[str]:
 
 def jobs_named(user: str, name: str, states: str, fmt: str) -> list[str]:
     """``squeue`` lines (in ``fmt``) of ``user``'s jobs named ``name`` in ``states`` ("PD,R,...")."""
-    return run(["squeue", "-h", "-u", user, "-n", name, "-t", states, "-o", fmt], 60).stdout.splitlines()
+    return run(
+        ["squeue", "-h", "-u", user, "-n", name, "-t", states, "-o", fmt], 60
+    ).stdout.splitlines()
 
 
 # ---- acting on jobs ----
+
 
 def scontrol(*args: str) -> subprocess.CompletedProcess:
     """``scontrol ARGS`` (requeue, update, release, ...): the caller reads the return code."""
     return run(["scontrol", *args], 60)
 
 
-def sbatch(*args: str, env: Mapping[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+def sbatch(
+    *args: str, env: Mapping[str, str] | None = None, cwd: str | None = None
+) -> subprocess.CompletedProcess:
     """``sbatch --parsable ARGS`` (options, the script, its arguments): the job id on stdout when the return code
     is 0."""
     return run(["sbatch", "--parsable", *args], 120, env, cwd)
@@ -178,4 +214,6 @@ def scancel(*args: str) -> subprocess.CompletedProcess:
 def scancel_detached(*args: str) -> None:
     """``scancel ARGS`` not waited for (slurmctld may take MessageTimeout per node it cannot reach), itself ended
     after 60 s."""
-    subprocess.Popen(["timeout", "60", "scancel", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        ["timeout", "60", "scancel", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )

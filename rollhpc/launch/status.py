@@ -26,14 +26,28 @@ from typing import Any
 from rollhpc.checkpoint.report import resume_choice
 from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch.requeue import configured_steps, finished_run
-from rollhpc.launch.slurm_cli import TERMINAL, component_states, held_notice, held_reason, job_records
+from rollhpc.launch.slurm_cli import (
+    TERMINAL,
+    component_states,
+    held_notice,
+    held_reason,
+    job_records,
+)
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths
 from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import read_events
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
-SCONTROL_FIELDS = ("JobId", "JobState", "Reason", "NodeList", "ExcNodeList", "Restarts", "BatchHost")
+SCONTROL_FIELDS = (
+    "JobId",
+    "JobState",
+    "Reason",
+    "NodeList",
+    "ExcNodeList",
+    "Restarts",
+    "BatchHost",
+)
 ENDED_BADLY = TERMINAL - {"COMPLETED"}  # FAILED, CANCELLED, NODE_FAIL, TIMEOUT, ...
 LAST_EVENTS = 5  # restarts.jsonl events shown
 
@@ -44,11 +58,13 @@ class NotARunDirectory(ValueError):
 
 # ---- Slurm's view ----
 
+
 @dataclass
 class SlurmView:
     """What Slurm says about a job: one record per het component (``scontrol show job -o`` fields, or only
     JobId/JobState from sacct once slurmctld has forgotten the job). ``reachable`` is False off a Slurm
     machine or when the controller does not answer; then ``error`` says why."""
+
     reachable: bool
     source: str = ""  # "scontrol", "sacct" or "" (nobody knows the job)
     components: list[dict[str, str]] = field(default_factory=list)
@@ -67,7 +83,9 @@ def query_slurm(job_id: str) -> SlurmView:
     except (OSError, subprocess.TimeoutExpired) as e:
         return SlurmView(records is not None, error=error or f"sacct: {e}")
     if states:
-        return SlurmView(True, "sacct", [{"JobId": jid, "JobState": st} for jid, st in states.items()])
+        return SlurmView(
+            True, "sacct", [{"JobId": jid, "JobState": st} for jid, st in states.items()]
+        )
     # sacct says nothing also when it fails: the job is unknown only if slurmctld answered
     return SlurmView(records is not None, error=error)
 
@@ -85,12 +103,15 @@ def components_of(records: list[Mapping[str, str]]) -> list[dict[str, str]]:
 
 # ---- the run directory ----
 
+
 def check_run_dir(path: Path) -> Path:
     """The run directory, resolved; NotARunDirectory unless it holds a config.yaml."""
     path = Path(path)
     if not RunPaths(path).config.is_file():
         why = "no config.yaml" if path.is_dir() else "no such directory"
-        raise NotARunDirectory(f"{path} is not a run directory ({why}); pass runs/NAME of a run rollhpc started")
+        raise NotARunDirectory(
+            f"{path} is not a run directory ({why}); pass runs/NAME of a run rollhpc started"
+        )
     return path.resolve()
 
 
@@ -115,16 +136,29 @@ def _last_step(run_dir: Path) -> tuple[int | None, str]:
 def _checkpoint(run_dir: Path) -> dict[str, Any]:
     """The checkpoint a resume would use (as ``rollhpc ckpt list`` picks it, sizes checked) and the newer
     ones it would skip."""
-    rows = [r for r in CheckpointStore(RunPaths(run_dir).checkpoints).statuses(deep=False) if not r.name.startswith(".")]
+    rows = [
+        r
+        for r in CheckpointStore(RunPaths(run_dir).checkpoints).statuses(deep=False)
+        if not r.name.startswith(".")
+    ]
     good = resume_choice(rows)
-    skipped = [f"{r.name}: {r.status}: {r.problems[0]}" for r in rows if r.status != "ok" and
-               (good is None or r.step > good.step)]
+    skipped = [
+        f"{r.name}: {r.status}: {r.problems[0]}"
+        for r in rows
+        if r.status != "ok" and (good is None or r.step > good.step)
+    ]
     if good is None:
         return {"newest_good": None, "skipped": skipped}
     assert good.manifest is not None
-    return {"newest_good": {"name": good.name, "step": good.step, "path": str(good.path),
-                            "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.manifest.created))},
-            "skipped": skipped}
+    return {
+        "newest_good": {
+            "name": good.name,
+            "step": good.step,
+            "path": str(good.path),
+            "written": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(good.manifest.created)),
+        },
+        "skipped": skipped,
+    }
 
 
 def _error(run_dir: Path) -> dict[str, Any] | None:
@@ -135,24 +169,38 @@ def _error(run_dir: Path) -> dict[str, Any] | None:
         err = json.loads(path.read_text())
     except ValueError:
         return {"summary": "error.json is unreadable", "path": str(path)}
-    return {"summary": err.get("summary", ""), "type": err.get("type", ""), "time": err.get("time", ""),
-            "path": str(path)}
+    return {
+        "summary": err.get("summary", ""),
+        "type": err.get("type", ""),
+        "time": err.get("time", ""),
+        "path": str(path),
+    }
 
 
 # ---- the report ----
+
 
 def last_failure(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The newest failure verdict in restarts.jsonl (``rollhpc.controller.failure``, recorded with the restart or
     end it led to), with what followed: "restarted" or "ended"."""
     for e in reversed(events):
         if e.get("failure"):
-            return {**e["failure"], "then": "restarted" if e.get("event") == "requeue" else "ended",
-                    "time": e.get("time", "")}
+            return {
+                **e["failure"],
+                "then": "restarted" if e.get("event") == "requeue" else "ended",
+                "time": e.get("time", ""),
+            }
     return None
 
 
-def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None, *, rescue_id: str | None = None,
-                 rescue: SlurmView | None = None) -> dict[str, Any]:
+def build_report(
+    run_dir: Path,
+    job_id: str | None,
+    slurm: SlurmView | None,
+    *,
+    rescue_id: str | None = None,
+    rescue: SlurmView | None = None,
+) -> dict[str, Any]:
     """Everything ``rollhpc status`` says, as JSON-able data: the run directory's part, Slurm's part
     (``slurm`` None: no job recorded; ``rescue``: what Slurm says of the job's rescue job, ``rescue_id``),
     and the verdict (``state``) with what to do about it (``advice``)."""
@@ -162,15 +210,31 @@ def build_report(run_dir: Path, job_id: str | None, slurm: SlurmView | None, *, 
     starts = sum(e.get("event") == "start" for e in events)
     requeues = sum(e.get("event") == "requeue" for e in events)
     report: dict[str, Any] = {
-        "run_dir": str(run_dir), "job_id": job_id,
+        "run_dir": str(run_dir),
+        "job_id": job_id,
         "slurm": None if slurm is None else asdict(slurm),
-        "step": step, "steps": configured_steps(run_dir), "finished": finished_run(run_dir), "step_note": step_note,
+        "step": step,
+        "steps": configured_steps(run_dir),
+        "finished": finished_run(run_dir),
+        "step_note": step_note,
         # Slurm's own requeues (a lost batch node) log no requeue, only the next start
-        "restarts": {"restarts": max(starts - 1, requeues), "attempts": starts, "requeues": requeues,
-                     "events": len(events), "last": events[-LAST_EVENTS:]},
-        "checkpoint": _checkpoint(run_dir), "error": _error(run_dir), "last_failure": last_failure(events),
-        "rescue": None if rescue_id is None else {"job_id": rescue_id, "states": sorted(
-            {c.get("JobState", "") for c in (rescue.components if rescue else [])}) or ["unknown to Slurm"]},
+        "restarts": {
+            "restarts": max(starts - 1, requeues),
+            "attempts": starts,
+            "requeues": requeues,
+            "events": len(events),
+            "last": events[-LAST_EVENTS:],
+        },
+        "checkpoint": _checkpoint(run_dir),
+        "error": _error(run_dir),
+        "last_failure": last_failure(events),
+        "rescue": None
+        if rescue_id is None
+        else {
+            "job_id": rescue_id,
+            "states": sorted({c.get("JobState", "") for c in (rescue.components if rescue else [])})
+            or ["unknown to Slurm"],
+        },
         "job_output": [str(p) for p in sorted(RunPaths(run_dir).slurm.glob("job-*.out"))],
     }
     report["state"], report["advice"] = verdict(report, events)
@@ -186,49 +250,78 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
     comps = slurm.get("components", [])
     held = [why for c in comps if (why := held_reason(c))]
     if held:
-        return "held", [held_notice(job_id, held[0]), "(the run's own jobs are --no-requeue, so Slurm never holds "
-                        "them after a failed launch: a person or the site held this one; `rollhpc submit --wait` "
-                        "releases it itself, once per attempt, with cluster.release_held=true)"]
+        return "held", [
+            held_notice(job_id, held[0]),
+            "(the run's own jobs are --no-requeue, so Slurm never holds "
+            "them after a failed launch: a person or the site held this one; `rollhpc submit --wait` "
+            "releases it itself, once per attempt, with cluster.release_held=true)",
+        ]
     active = [c for c in comps if c.get("JobState") not in TERMINAL]
     if active and all(c.get("JobState") == "PENDING" for c in active):
-        return "pending", [f"waiting for Slurm to start it (reason: {active[0].get('Reason') or 'none given'}); "
-                           "nothing to do"]
+        return "pending", [
+            f"waiting for Slurm to start it (reason: {active[0].get('Reason') or 'none given'}); "
+            "nothing to do"
+        ]
     if active:
-        return "running", ["nothing to do: after a time limit or a lost node it continues by itself (in a new "
-                           "job, which RUN_DIR/slurm/job_id and this command follow)"]
+        return "running", [
+            "nothing to do: after a time limit or a lost node it continues by itself (in a new "
+            "job, which RUN_DIR/slurm/job_id and this command follow)"
+        ]
     rescue = report.get("rescue") or {}
-    if comps and any(st not in TERMINAL and st != "unknown to Slurm" for st in rescue.get("states", [])):
+    if comps and any(
+        st not in TERMINAL and st != "unknown to Slurm" for st in rescue.get("states", [])
+    ):
         states = "/".join(sorted({c.get("JobState", "") for c in comps}))
         good = report["checkpoint"]["newest_good"]
-        return "recovering", [f"job {job_id} ended {states} before its batch script could continue the run: its "
-                              f"rescue job {rescue['job_id']} ({'/'.join(rescue['states'])}) continues it "
-                              f"{'from ' + good['name'] if good else 'from the start'} in a new job as soon as "
-                              "Slurm starts it; nothing to do"]
-    if report["finished"] or (report["step"] is not None and report["step"] == report["steps"]
-                              and report["error"] is None):
+        return "recovering", [
+            f"job {job_id} ended {states} before its batch script could continue the run: its "
+            f"rescue job {rescue['job_id']} ({'/'.join(rescue['states'])}) continues it "
+            f"{'from ' + good['name'] if good else 'from the start'} in a new job as soon as "
+            "Slurm starts it; nothing to do"
+        ]
+    if report["finished"] or (
+        report["step"] is not None and report["step"] == report["steps"] and report["error"] is None
+    ):
         why = f" ({report['finished']})" if report["finished"] else ""
-        return "finished", [f"all {report['steps']} steps done{why}; metrics in {run_dir / 'metrics.jsonl'}"]
+        return "finished", [
+            f"all {report['steps']} steps done{why}; metrics in {run_dir / 'metrics.jsonl'}"
+        ]
     last = events[-1] if events else {}
     if last.get("event") == "end" and "giving up" in str(last.get("reason", "")):
         return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
-    if last.get("event") == "end" and "the same failure twice in a row" in str(last.get("reason", "")):
+    if last.get("event") == "end" and "the same failure twice in a row" in str(
+        last.get("reason", "")
+    ):
         return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
     if last.get("event") == "end" and (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
-        return "failed", ["an error of the run's own code or data ended it (a restart would meet it again): fix "
-                          "it, then continue", *_resume_advice(report)]
+        return "failed", [
+            "an error of the run's own code or data ended it (a restart would meet it again): fix "
+            "it, then continue",
+            *_resume_advice(report),
+        ]
     bad = sorted({c.get("JobState", "") for c in comps} & ENDED_BADLY)
     if bad:
         return "ended", [f"the job ended {', '.join(bad)}", *_resume_advice(report)]
     if job_id is None:
-        return "local", ["no Slurm job recorded (RUN_DIR/slurm/job_id): a local run; continue it with: rollhpc "
-                         f"train {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume"]
+        return "local", [
+            "no Slurm job recorded (RUN_DIR/slurm/job_id): a local run; continue it with: rollhpc "
+            f"train {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume"
+        ]
     if comps or last.get("event") == "end":
-        return "ended", [f"the job ended at step {report['step']} of {report['steps'] or '?'}", *_resume_advice(report)]
+        return "ended", [
+            f"the job ended at step {report['step']} of {report['steps'] or '?'}",
+            *_resume_advice(report),
+        ]
     if not slurm.get("reachable"):
-        return "unknown", [f"Slurm was not reachable ({slurm.get('error') or 'no answer'}): run this on the "
-                           "cluster's login node to see the job"]
-    return "unknown", [f"Slurm no longer knows job {job_id} and the run did not record an end; if it is not running, "
-                       "continue it:", *_resume_advice(report)]
+        return "unknown", [
+            f"Slurm was not reachable ({slurm.get('error') or 'no answer'}): run this on the "
+            "cluster's login node to see the job"
+        ]
+    return "unknown", [
+        f"Slurm no longer knows job {job_id} and the run did not record an end; if it is not running, "
+        "continue it:",
+        *_resume_advice(report),
+    ]
 
 
 def _resume_advice(report: Mapping[str, Any]) -> list[str]:
@@ -240,8 +333,10 @@ def _resume_advice(report: Mapping[str, Any]) -> list[str]:
         lines.append(f"the job's output: {report['job_output'][-1]}")
     good = report["checkpoint"]["newest_good"]
     start = f"from {good['name']}" if good else "from the start (no good checkpoint)"
-    lines += [f"continue with: slurm/resume.sh {run_dir}   ({start})",
-              f"  or: rollhpc submit {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume"]
+    lines += [
+        f"continue with: slurm/resume.sh {run_dir}   ({start})",
+        f"  or: rollhpc submit {run_dir / 'config.yaml'} run.output_dir={run_dir.parent} --resume",
+    ]
     return lines
 
 
@@ -250,29 +345,46 @@ def render(report: Mapping[str, Any]) -> list[str]:
     lines = [f"run directory  {report['run_dir']}"]
     lines += _render_slurm(report)
     step, steps = report["step"], report["steps"]
-    lines.append(f"step           {'-' if step is None else step} of {steps if steps is not None else '?'}"
-                 + (f"  ({report['step_note']})" if report["step_note"] else ""))
+    lines.append(
+        f"step           {'-' if step is None else step} of {steps if steps is not None else '?'}"
+        + (f"  ({report['step_note']})" if report["step_note"] else "")
+    )
     r = report["restarts"]
-    lines.append(f"restarts       {r['restarts']} ({r['attempts']} attempt(s) started, {r['requeues']} requeue(s))"
-                 + (f"; the last {len(r['last'])} of {r['events']} events:" if r["last"] else ""))
+    lines.append(
+        f"restarts       {r['restarts']} ({r['attempts']} attempt(s) started, {r['requeues']} requeue(s))"
+        + (f"; the last {len(r['last'])} of {r['events']} events:" if r["last"] else "")
+    )
     lines += [f"  {_event_line(e)}" for e in r["last"]]
     ck = report["checkpoint"]
     good = ck["newest_good"]
-    lines.append(f"checkpoint     {good['name']} (step {good['step']}, written {good['written']})" if good
-                 else "checkpoint     none good (a resume starts from the beginning)")
+    lines.append(
+        f"checkpoint     {good['name']} (step {good['step']}, written {good['written']})"
+        if good
+        else "checkpoint     none good (a resume starts from the beginning)"
+    )
     lines += [f"  skipped: {s}" for s in ck["skipped"]]
     if report["error"]:
         lines.append(f"error          {report['error']['summary']}")
     if failure := report.get("last_failure"):
-        kind = FailureKind.of(failure.get("kind"))  # a kind this rollhpc does not know shows as recorded
-        lines.append(f"last failure   {failure.get('kind') if kind is None else kind.description}, {failure['then']}"
-                     + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")
-                     + (f" ({failure['time']})" if failure.get("time") else ""))
+        kind = FailureKind.of(
+            failure.get("kind")
+        )  # a kind this rollhpc does not know shows as recorded
+        lines.append(
+            f"last failure   {failure.get('kind') if kind is None else kind.description}, {failure['then']}"
+            + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")
+            + (f" ({failure['time']})" if failure.get("time") else "")
+        )
         lines.append(f"  {failure.get('summary', '')[:400]}")
     if report.get("rescue"):
-        lines.append(f"rescue job     {report['rescue']['job_id']} ({'/'.join(report['rescue']['states'])}): "
-                     "continues the run should this job end without its batch script")
-    lines += ["", f"{report['state']}: {report['advice'][0]}", *(f"  {a}" for a in report["advice"][1:])]
+        lines.append(
+            f"rescue job     {report['rescue']['job_id']} ({'/'.join(report['rescue']['states'])}): "
+            "continues the run should this job end without its batch script"
+        )
+    lines += [
+        "",
+        f"{report['state']}: {report['advice'][0]}",
+        *(f"  {a}" for a in report["advice"][1:]),
+    ]
     return lines
 
 
@@ -289,8 +401,12 @@ def _render_slurm(report: Mapping[str, Any]) -> list[str]:
         parts = [c.get("Component") or c["JobId"], c["JobState"]]
         if c.get("Reason") and c["Reason"] != "None":
             parts.append(f"reason {c['Reason']}")
-        for key, label in (("NodeList", "nodes"), ("ExcNodeList", "excluded"), ("BatchHost", "batch host"),
-                           ("Restarts", "Slurm restarts")):
+        for key, label in (
+            ("NodeList", "nodes"),
+            ("ExcNodeList", "excluded"),
+            ("BatchHost", "batch host"),
+            ("Restarts", "Slurm restarts"),
+        ):
             if c.get(key) and c[key] != "(null)":
                 parts.append(f"{label} {c[key]}")
         lines.append("  " + "  ".join(parts))
@@ -300,14 +416,22 @@ def _render_slurm(report: Mapping[str, Any]) -> list[str]:
 def _event_line(e: Mapping[str, Any]) -> str:
     kind = e.get("event", "?")
     if kind == "start":
-        what = (f"job {e.get('job_id')}, restart {e.get('restart', e.get('slurm_restart_count'))}, nodes "
-                f"{','.join(e.get('nodes') or []) or '?'}; previous attempt: {e.get('previous_attempt') or '-'}")
+        what = (
+            f"job {e.get('job_id')}, restart {e.get('restart', e.get('slurm_restart_count'))}, nodes "
+            f"{','.join(e.get('nodes') or []) or '?'}; previous attempt: {e.get('previous_attempt') or '-'}"
+        )
     elif kind == "resume":
-        what = (f"resumed after step {e.get('step')} from {e.get('checkpoint')}" if e.get("checkpoint")
-                else "started again from step 0 (lost before its first checkpoint)")
+        what = (
+            f"resumed after step {e.get('step')} from {e.get('checkpoint')}"
+            if e.get("checkpoint")
+            else "started again from step 0 (lost before its first checkpoint)"
+        )
     elif kind == "requeue":
-        what = (e.get("reason", "") + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
-                + (f"; continued as job {e['new_job_id']}" if e.get("new_job_id") else ""))
+        what = (
+            e.get("reason", "")
+            + (f" (excluding {','.join(e['exclude'])})" if e.get("exclude") else "")
+            + (f"; continued as job {e['new_job_id']}" if e.get("new_job_id") else "")
+        )
     elif kind == "end":
         what = f"status {e.get('status')}" + (f": {e['reason']}" if e.get("reason") else "")
     else:

@@ -34,57 +34,116 @@ import torch
 from rollhpc.models.lora_config import TARGETS, LoraConfig
 from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
 
-__all__ = ["TARGETS", "LoraConfig", "LoraAdapter", "LoraLayer", "attach_lora", "adapters_disabled",
-           "adapter_parameters", "export_lora_hf", "merged_hf_weights", "adapter_sync_tensors",
-           "adapter_of", "peft_tensors", "peft_config", "LORA_ATTRIBUTE"]
+__all__ = [
+    "TARGETS",
+    "LoraConfig",
+    "LoraAdapter",
+    "LoraLayer",
+    "attach_lora",
+    "adapters_disabled",
+    "adapter_parameters",
+    "export_lora_hf",
+    "merged_hf_weights",
+    "adapter_sync_tensors",
+    "adapter_of",
+    "peft_tensors",
+    "peft_config",
+    "LORA_ATTRIBUTE",
+]
 
 
 class LoraAdapter(torch.nn.Module):
     """A and B of one tensor-parallel linear: ``delta(x)`` is what the adapter adds to the linear's output."""
 
-    def __init__(self, mode: Literal["column", "row"], in_features: int, out_features: int, config: LoraConfig,
-                 tp_rank: int, tp_size: int, tp_group: Any, init_key: int, dtype: torch.dtype, device: Any):
+    def __init__(
+        self,
+        mode: Literal["column", "row"],
+        in_features: int,
+        out_features: int,
+        config: LoraConfig,
+        tp_rank: int,
+        tp_size: int,
+        tp_group: Any,
+        init_key: int,
+        dtype: torch.dtype,
+        device: Any,
+    ):
         """``in_features`` / ``out_features``: the full (unsharded) sizes of the linear's weight."""
         super().__init__()
         if mode not in ("column", "row"):
             raise ValueError(f"mode must be 'column' or 'row', got {mode!r}")
-        shard_in, shard_out = (in_features, out_features // tp_size) if mode == "column" else \
-            (in_features // tp_size, out_features)
+        shard_in, shard_out = (
+            (in_features, out_features // tp_size)
+            if mode == "column"
+            else (in_features // tp_size, out_features)
+        )
         if (out_features if mode == "column" else in_features) % tp_size:
-            raise ValueError(f"a {mode}-parallel linear of {in_features} -> {out_features} does not split over "
-                             f"tp={tp_size}")
-        self.mode, self.scaling, self.tp_group, self.tp_size = mode, config.scaling, tp_group, tp_size
+            raise ValueError(
+                f"a {mode}-parallel linear of {in_features} -> {out_features} does not split over "
+                f"tp={tp_size}"
+            )
+        self.mode, self.scaling, self.tp_group, self.tp_size = (
+            mode,
+            config.scaling,
+            tp_group,
+            tp_size,
+        )
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
-        full_a = _initial_a(config.rank, in_features, config.seed, init_key)  # [r, in], the same on every layout
+        full_a = _initial_a(
+            config.rank, in_features, config.seed, init_key
+        )  # [r, in], the same on every layout
         if mode == "row":
-            full_a = full_a[:, tp_rank * shard_in:(tp_rank + 1) * shard_in]
-        self.lora_a = torch.nn.Parameter(full_a.to(dtype=dtype, device=device).contiguous())  # [r, in or in/tp]
-        self.lora_b = torch.nn.Parameter(torch.zeros(shard_out, config.rank, dtype=dtype, device=device))
-        sharded = self.lora_b if mode == "column" else self.lora_a  # megatron's TP attributes: grad norm, checkpoints
-        sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = True, 1 - (mode == "column"), 1
+            full_a = full_a[:, tp_rank * shard_in : (tp_rank + 1) * shard_in]
+        self.lora_a = torch.nn.Parameter(
+            full_a.to(dtype=dtype, device=device).contiguous()
+        )  # [r, in or in/tp]
+        self.lora_b = torch.nn.Parameter(
+            torch.zeros(shard_out, config.rank, dtype=dtype, device=device)
+        )
+        sharded = (
+            self.lora_b if mode == "column" else self.lora_a
+        )  # megatron's TP attributes: grad norm, checkpoints
+        sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = (
+            True,
+            1 - (mode == "column"),
+            1,
+        )
         self.enabled = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, in or in/tp] -> [s, b, out/tp or out]: the adapter's share of the linear's output."""
-        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            reduce_from_tensor_model_parallel_region)
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
-        a = torch.nn.functional.linear(self.dropout(x).to(self.lora_a.dtype), self.lora_a)  # [s, b, r]
+        a = torch.nn.functional.linear(
+            self.dropout(x).to(self.lora_a.dtype), self.lora_a
+        )  # [s, b, r]
         if self.tp_size > 1:
-            a = (copy_to_tensor_model_parallel_region(a, group=self.tp_group) if self.mode == "column"
-                 else reduce_from_tensor_model_parallel_region(a, group=self.tp_group))
+            a = (
+                copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+                if self.mode == "column"
+                else reduce_from_tensor_model_parallel_region(a, group=self.tp_group)
+            )
         return torch.nn.functional.linear(a, self.lora_b) * self.scaling
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
-                           ) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
         """For megatron's dist checkpointing: the sharded one of A and B split over TP like its linear's weight,
         the other replicated."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axis = {"lora_b": 0} if self.mode == "column" else {"lora_a": 1}
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, axis,
-                                                   sharded_offsets, tp_group=self.tp_group,
-                                                   dp_cp_group=(metadata or {}).get("dp_cp_group"))
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            axis,
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"),
+        )
 
 
 class LoraLayer(torch.nn.ModuleDict):
@@ -92,8 +151,9 @@ class LoraLayer(torch.nn.ModuleDict):
     through megatron's SwiGLU factory as fc1's weight is (its gate and up halves stored apart: a checkpoint's
     layout does not depend on the TP size it was saved at)."""
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
-                           ) -> dict[str, Any]:
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 
         out: dict[str, Any] = {}
@@ -101,8 +161,9 @@ class LoraLayer(torch.nn.ModuleDict):
             sub = adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
             if name == "fc1":
                 key = f"{prefix}{name}.lora_b"
-                sub[key] = apply_swiglu_sharded_factory(sub[key], sharded_offsets,
-                                                        (metadata or {}).get("singleton_local_shards", False))
+                sub[key] = apply_swiglu_sharded_factory(
+                    sub[key], sharded_offsets, (metadata or {}).get("singleton_local_shards", False)
+                )
             out.update(sub)
         return out
 
@@ -111,7 +172,9 @@ def _initial_a(rank: int, in_features: int, seed: int, key: int) -> torch.Tensor
     """Kaiming-uniform (a = sqrt(5), as torch's Linear and PEFT draw A), from a generator of its own: the same
     numbers whatever the layout, and the caller's RNG untouched."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + key) & 0x7FFF_FFFF_FFFF_FFFF)
-    bound = 1.0 / math.sqrt(in_features)  # kaiming_uniform with a=sqrt(5): gain * sqrt(3 / fan_in) = 1/sqrt(fan_in)
+    bound = 1.0 / math.sqrt(
+        in_features
+    )  # kaiming_uniform with a=sqrt(5): gain * sqrt(3 / fan_in) = 1/sqrt(fan_in)
     return (torch.rand(rank, in_features, generator=g, dtype=torch.float32) * 2 - 1) * bound
 
 
@@ -125,12 +188,16 @@ def _hook(adapter: LoraAdapter) -> Any:
     return forward_hook
 
 
-def attach_lora(model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_size: int, tp_group: Any) -> int:
+def attach_lora(
+    model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_size: int, tp_group: Any
+) -> int:
     """Freeze ``model`` (a chunk built by ``rollhpc.models.megatron_gpt.build_gpt_model``) and give each of its
     transformer layers adapters on ``config.target``; returns the adapter parameters' element count on this
     rank. Layers are keyed by their global number, so a pipeline stage draws the A its layers have at pp=1."""
     model.requires_grad_(False)
-    model.lora_config = config  # what a checkpoint of it records (rollhpc.checkpoint.mcore), to read it back
+    model.lora_config = (
+        config  # what a checkpoint of it records (rollhpc.checkpoint.mcore), to read it back
+    )
     count = 0
     for layer in model.decoder.layers:
         adapters = LoraLayer()
@@ -138,13 +205,24 @@ def attach_lora(model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_siz
             parent, attr, mode = TARGETS[name]
             linear = getattr(getattr(layer, parent), attr, None)
             if linear is None or getattr(linear, "weight", None) is None:
-                raise ValueError(f"lora.target {name!r}: layer {layer.layer_number} has no {parent}.{attr} with a "
-                                 "weight (a MoE layer's experts are not adapted)")
+                raise ValueError(
+                    f"lora.target {name!r}: layer {layer.layer_number} has no {parent}.{attr} with a "
+                    "weight (a MoE layer's experts are not adapted)"
+                )
             out_full = linear.weight.shape[0] * (tp_size if mode == "column" else 1)
             in_full = linear.weight.shape[1] * (tp_size if mode == "row" else 1)
-            adapters[name] = LoraAdapter(mode, in_full, out_full, config, tp_rank, tp_size, tp_group,
-                                         init_key=layer.layer_number * len(TARGETS) + list(TARGETS).index(name),
-                                         dtype=linear.weight.dtype, device=linear.weight.device)
+            adapters[name] = LoraAdapter(
+                mode,
+                in_full,
+                out_full,
+                config,
+                tp_rank,
+                tp_size,
+                tp_group,
+                init_key=layer.layer_number * len(TARGETS) + list(TARGETS).index(name),
+                dtype=linear.weight.dtype,
+                device=linear.weight.device,
+            )
             linear.register_forward_hook(_hook(adapters[name]))
             count += adapters[name].lora_a.numel() + adapters[name].lora_b.numel()
         setattr(layer, LORA_ATTRIBUTE, adapters)
@@ -175,10 +253,12 @@ def adapter_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 # HF (PEFT) module names of each target: the modules a fused megatron linear stands for, and how its B (column)
 # or A (row) splits into them (rollhpc.models.megatron_gpt's layouts)
-_HF_MODULES = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
-               "proj": ("self_attn", ("o_proj",), "row"),
-               "fc1": ("mlp", ("gate_proj", "up_proj"), "gate_up"),
-               "fc2": ("mlp", ("down_proj",), "row")}
+_HF_MODULES = {
+    "qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "qkv"),
+    "proj": ("self_attn", ("o_proj",), "row"),
+    "fc1": ("mlp", ("gate_proj", "up_proj"), "gate_up"),
+    "fc2": ("mlp", ("down_proj",), "row"),
+}
 PEFT_PREFIX = "base_model.model.model.layers."
 
 
@@ -200,13 +280,27 @@ def export_lora_hf(model: torch.nn.Module, tp_group: Any = None) -> dict[str, to
             a, b = adapter.lora_a.detach(), adapter.lora_b.detach()
             a_full = a if adapter.mode == "column" else torch.cat(_gather(a, tp_group, tp), dim=1)
             b_shards = _gather(b, tp_group, tp) if adapter.mode == "column" else [b]
-            out.update(peft_tensors(layer.layer_number - 1, name, a_full, b_shards, c.num_query_groups,
-                                    c.num_attention_heads))
+            out.update(
+                peft_tensors(
+                    layer.layer_number - 1,
+                    name,
+                    a_full,
+                    b_shards,
+                    c.num_query_groups,
+                    c.num_attention_heads,
+                )
+            )
     return out
 
 
-def peft_tensors(layer: int, target: str, a: torch.Tensor, b_shards: list[torch.Tensor], num_query_groups: int,
-                 num_attention_heads: int) -> dict[str, torch.Tensor]:
+def peft_tensors(
+    layer: int,
+    target: str,
+    a: torch.Tensor,
+    b_shards: list[torch.Tensor],
+    num_query_groups: int,
+    num_attention_heads: int,
+) -> dict[str, torch.Tensor]:
     """One megatron adapter as PEFT's tensors of the HF modules it stands for: A whole [r, in]; B as its TP
     shards (one, whole, for a row-parallel target or at TP 1), split as the fused weight's shards are (q/k/v
     groups, gate/up halves per shard); A shared by the modules of a fused linear."""
@@ -214,26 +308,45 @@ def peft_tensors(layer: int, target: str, a: torch.Tensor, b_shards: list[torch.
     hf = [f"{PEFT_PREFIX}{layer}.{parent}.{m}" for m in modules]
     out = {}
     if TARGETS[target][2] == "column":
-        bs = unshard_to_hf(layout, b_shards, hf, num_query_groups=num_query_groups,
-                           num_attention_heads=num_attention_heads)
+        bs = unshard_to_hf(
+            layout,
+            b_shards,
+            hf,
+            num_query_groups=num_query_groups,
+            num_attention_heads=num_attention_heads,
+        )
         for m in hf:
             out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.clone(), bs[m].contiguous()
     else:
         (m,) = hf
-        out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = a.contiguous().clone(), b_shards[0].clone()
+        out[f"{m}.lora_A.weight"], out[f"{m}.lora_B.weight"] = (
+            a.contiguous().clone(),
+            b_shards[0].clone(),
+        )
     return out
 
 
 def peft_config(config: LoraConfig, base_model: str = "") -> dict[str, Any]:
     """adapter_config.json of PEFT's LoRA for ``config``'s adapters (Hugging Face module names)."""
     modules = sorted(m for t in config.target for m in _HF_MODULES[t][1])
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank, "lora_alpha": config.alpha,
-            "lora_dropout": config.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
-            "inference_mode": True, "base_model_name_or_path": base_model, "modules_to_save": None}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+        "modules_to_save": None,
+    }
 
 
-def merged_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_hf_weights(
+    model: torch.nn.Module, vocab_size: int, tp_group: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` of a chunk with its adapters merged in (``W + alpha/r B A``, in float32, back in W's
     dtype): the weights the adapted model computes with, for the generators and digests. Without adapters the
     plain export. Collective like it (every TP rank iterates to the end; the adapters are gathered first)."""
@@ -242,14 +355,20 @@ def merged_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
     adapters = export_lora_hf(model, tp_group) if any(True for _ in _adapters(model)) else {}
     scaling = next((a.scaling for a in _adapters(model)), 0.0)
     for name, tensor in export_hf_weights(model, vocab_size, tp_group):
-        key = f"base_model.model.{name[:-len('.weight')]}.lora_A.weight" if name.endswith(".weight") else ""
+        key = (
+            f"base_model.model.{name[: -len('.weight')]}.lora_A.weight"
+            if name.endswith(".weight")
+            else ""
+        )
         if key in adapters:
             a, b = adapters[key], adapters[key.replace(".lora_A.", ".lora_B.")]
             tensor = (tensor.float() + scaling * (b.float() @ a.float())).to(tensor.dtype)
         yield name, tensor
 
 
-def adapter_sync_tensors(model: torch.nn.Module, tp_group: Any, exporting: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_sync_tensors(
+    model: torch.nn.Module, tp_group: Any, exporting: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """What a weight sync sends a generator that merges adapters itself (``engine: torch``): each adapted HF
     module's ``MODULE.lora_A.weight`` and ``MODULE.lora_B.weight`` (Hugging Face module names, no PEFT prefix),
     B multiplied by alpha/r so that the generator serves ``W + B A``. Collective (the TP gathers); yields on the
@@ -259,7 +378,7 @@ def adapter_sync_tensors(model: torch.nn.Module, tp_group: Any, exporting: bool)
         return
     scaling = next((a.scaling for a in _adapters(model)), 1.0)
     for key, t in adapters.items():
-        name = key[len("base_model.model."):]
+        name = key[len("base_model.model.") :]
         yield name, (t * scaling if ".lora_B." in name else t)
 
 
@@ -270,6 +389,9 @@ def adapter_of(megatron_name: str, config: LoraConfig) -> tuple[str, str] | None
         parent, attr, _ = TARGETS[target]
         suffix = f".{parent}.{attr}.weight"
         if megatron_name.startswith("decoder.layers.") and megatron_name.endswith(suffix):
-            layer = megatron_name[:-len(suffix)]
-            return f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_a", f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_b"
+            layer = megatron_name[: -len(suffix)]
+            return (
+                f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_a",
+                f"{layer}.{LORA_ATTRIBUTE}.{target}.lora_b",
+            )
     return None

@@ -35,22 +35,33 @@ class LoraConfig:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
         unknown = [t for t in self.target if t not in TARGETS]
         if unknown or not self.target or len(set(self.target)) != len(self.target):
-            raise ValueError(f"lora.target must name distinct layers of {sorted(TARGETS)}, got {self.target}")
+            raise ValueError(
+                f"lora.target must name distinct layers of {sorted(TARGETS)}, got {self.target}"
+            )
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
 
-def adapter_parameter_count(config: LoraConfig, hidden: int, ffn: int, q_out: int, kv_out: int, layers: int,
-                            tp: int = 1) -> int:
+def adapter_parameter_count(
+    config: LoraConfig, hidden: int, ffn: int, q_out: int, kv_out: int, layers: int, tp: int = 1
+) -> int:
     """Elements of ``layers`` dense layers' adapters on one TP rank (A: r x in, B: out x r per target; the
     sharded one of the two split over tp, rollhpc.models.lora): the memory plan's count. ``q_out``: heads x head
     dim; ``kv_out``: KV heads x head dim; ``ffn``: the MLP's intermediate size."""
-    shapes = {"qkv": (hidden, q_out + 2 * kv_out), "proj": (q_out, hidden), "fc1": (hidden, 2 * ffn),
-              "fc2": (ffn, hidden)}
+    shapes = {
+        "qkv": (hidden, q_out + 2 * kv_out),
+        "proj": (q_out, hidden),
+        "fc1": (hidden, 2 * ffn),
+        "fc2": (ffn, hidden),
+    }
     total = 0
     for t in config.target:
         i, o = shapes[t]
-        total += config.rank * (i + o // tp) if TARGETS[t][2] == "column" else config.rank * (i // tp + o)
+        total += (
+            config.rank * (i + o // tp)
+            if TARGETS[t][2] == "column"
+            else config.rank * (i // tp + o)
+        )
     return layers * total

@@ -86,16 +86,24 @@ def _manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _get_tracked_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _get_tracked_rng_state(
+    device: object = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _set_tracked_rng_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False) -> None:
+def _set_tracked_rng_state(
+    new_state: torch.Tensor, device: object = -1, graph_safe: bool = False
+) -> None:
     torch.set_rng_state(new_state)
 
 
 def _on_cpu(device: object) -> object:
-    return "cpu" if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda") else device
+    return (
+        "cpu"
+        if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda")
+        else device
+    )
 
 
 class _TorchOnCpu:
@@ -118,8 +126,11 @@ class _TorchOnCpu:
         return torch.tensor(data, device=_on_cpu(device), **kw)
 
 
-_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
-                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
 _real_tensor_type = torch.Tensor.type
 
 
@@ -130,6 +141,7 @@ def _type_as_on_cuda(self: torch.Tensor, *args: object, **kw: object) -> object:
 
 def _with_attribute(owner: object, name: str, replacement: object):  # noqa: ANN202 - a function wrapper
     """A decorator: ``owner.<name>`` is ``replacement`` while the wrapped function runs, then the real one."""
+
     def wrap(fn):  # noqa: ANN001, ANN202
         @functools.wraps(fn)
         def wrapped(*args, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -139,7 +151,9 @@ def _with_attribute(owner: object, name: str, replacement: object):  # noqa: ANN
                 return fn(*args, **kw)
             finally:
                 setattr(owner, name, real)
+
         return wrapped
+
     return wrap
 
 
@@ -199,8 +213,13 @@ def _own_range(shard: int, group: object) -> tuple[int, int]:
     return rank * shard, (rank + 1) * shard
 
 
-def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op: object = None,
-                                  group: object = None, async_op: bool = False) -> object:
+def _reduce_scatter_by_all_reduce(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: object = None,
+    group: object = None,
+    async_op: bool = False,
+) -> object:
     """DDP's reduce-scatter of a gradient bucket (``output``: this rank's shard of ``input``) as gloo's
     in-place all-reduce of the whole bucket: the shard gets the same sums, the rest of the bucket (which the
     distributed optimizer does not read) gets them too. gloo's own reduce-scatter copies its whole input
@@ -219,8 +238,9 @@ def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, op:
     return work
 
 
-def _all_gather_by_all_reduce(output: torch.Tensor, input: torch.Tensor, group: object = None,
-                              async_op: bool = False) -> object:
+def _all_gather_by_all_reduce(
+    output: torch.Tensor, input: torch.Tensor, group: object = None, async_op: bool = False
+) -> object:
     """The distributed optimizer's all-gather of a parameter bucket (``input``: this rank's shard of
     ``output``) as an in-place sum of the bucket with every other rank's shard zeroed: x + 0 is exact in any
     float dtype, so every rank ends with each rank's shard bit for bit. gloo's all-gather copies the bucket's
@@ -260,6 +280,7 @@ def import_megatron() -> None:
 
     if "megatron.core" in sys.modules or torch.cuda.is_available():
         import megatron.core  # noqa: F401
+
         return
     real = torch.compile
     torch.compile = _identity_compile
@@ -299,13 +320,19 @@ def enable_cpu_megatron() -> bool:
     for module in (schedules, optimizer, distrib_optimizer, clip_grads, mcore_utils):
         module.torch = _TorchOnCpu()
     mcore_optimizer.get_megatron_optimizer = _cuda_type_names(
-        _with_attribute(torch.optim, "AdamW", _FusedAdamW)(mcore_optimizer.get_megatron_optimizer))
+        _with_attribute(torch.optim, "AdamW", _FusedAdamW)(mcore_optimizer.get_megatron_optimizer)
+    )
     dist_opt = distrib_optimizer.DistributedOptimizer
-    dist_opt.get_parameter_state_dp_zero = _without_cuda_copies(dist_opt.get_parameter_state_dp_zero)
-    optimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(optimizer.clip_grad_by_total_norm_fp32)
+    dist_opt.get_parameter_state_dp_zero = _without_cuda_copies(
+        dist_opt.get_parameter_state_dp_zero
+    )
+    optimizer.clip_grad_by_total_norm_fp32 = _cuda_type_names(
+        optimizer.clip_grad_by_total_norm_fp32
+    )
     param_and_grad_buffer.dist_reduce_scatter_func = _reduce_scatter_by_all_reduce
     param_and_grad_buffer.dist_all_gather_func = _all_gather_by_all_reduce
     LanguageModule.setup_embeddings_and_output_layer = _without_cuda_copies(
-        LanguageModule.setup_embeddings_and_output_layer)
+        LanguageModule.setup_embeddings_and_output_layer
+    )
     _ENABLED = True
     return True

@@ -113,30 +113,57 @@ def hf_arch(hf_config: Any) -> Arch:
     cfg = _hf_dict(hf_config)
     kind = cfg.get("model_type")
     if kind not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(f"model_type {kind!r} is not supported; supported: "
-                                  f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise NotImplementedError(
+            f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     if kind == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise NotImplementedError("llama with attention_bias or mlp_bias is not supported (biases on o_proj/MLP)")
+        raise NotImplementedError(
+            "llama with attention_bias or mlp_bias is not supported (biases on o_proj/MLP)"
+        )
     experts = 0
     if kind in MOE_MODEL_TYPES:
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes either
+        experts = int(
+            cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+        )  # transformers 5 writes either
         if experts < 1:
-            raise NotImplementedError(f"{kind} with num_experts={experts}: a MoE config without experts")
+            raise NotImplementedError(
+                f"{kind} with num_experts={experts}: a MoE config without experts"
+            )
         if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-            raise NotImplementedError(f"{kind}: layers mixing dense MLPs and experts (mlp_only_layers="
-                                      f"{cfg.get('mlp_only_layers')}, decoder_sparse_step="
-                                      f"{cfg.get('decoder_sparse_step')}) are not supported")
-    qkv_bias = bool(cfg.get("qkv_bias", True)) if kind in ("qwen2", "qwen2_moe") else bool(cfg.get("attention_bias"))
-    return Arch(num_layers=int(cfg["num_hidden_layers"]),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-                qk_norm=kind in ("qwen3", "qwen3_moe"), num_experts=experts,
-                shared_expert=kind == "qwen2_moe" and int(cfg.get("shared_expert_intermediate_size") or 0) > 0)
+            raise NotImplementedError(
+                f"{kind}: layers mixing dense MLPs and experts (mlp_only_layers="
+                f"{cfg.get('mlp_only_layers')}, decoder_sparse_step="
+                f"{cfg.get('decoder_sparse_step')}) are not supported"
+            )
+    qkv_bias = (
+        bool(cfg.get("qkv_bias", True))
+        if kind in ("qwen2", "qwen2_moe")
+        else bool(cfg.get("attention_bias"))
+    )
+    return Arch(
+        num_layers=int(cfg["num_hidden_layers"]),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=kind in ("qwen3", "qwen3_moe"),
+        num_experts=experts,
+        shared_expert=kind == "qwen2_moe"
+        and int(cfg.get("shared_expert_intermediate_size") or 0) > 0,
+    )
 
 
-def weight_map(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: bool = True, qk_norm: bool = False,
-               num_experts: int = 0, shared_expert: bool = False, layers: Sequence[int] | None = None,
-               experts: Sequence[int] | None = None, embedding: bool = True, output: bool = True
-               ) -> list[WeightMapping]:
+def weight_map(
+    num_layers: int,
+    tie_word_embeddings: bool,
+    *,
+    qkv_bias: bool = True,
+    qk_norm: bool = False,
+    num_experts: int = 0,
+    shared_expert: bool = False,
+    layers: Sequence[int] | None = None,
+    experts: Sequence[int] | None = None,
+    embedding: bool = True,
+    output: bool = True,
+) -> list[WeightMapping]:
     """Every megatron GPTModel parameter and where it comes from in HF. By default the whole model; a
     pipeline stage / expert-parallel rank holds global ``layers`` (named ``decoder.layers.{position}``),
     global ``experts`` (named ``local_experts.{position}``), the word embeddings when ``embedding``
@@ -145,30 +172,58 @@ def weight_map(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: bool = T
     experts = range(num_experts) if experts is None else experts
     m = []
     if embedding:
-        m.append(WeightMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"))
+        m.append(
+            WeightMapping(
+                "embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"
+            )
+        )
     for local, i in enumerate(layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{local}."
         attn, mlp = hf + "self_attn.", hf + "mlp."
         m += [
-            WeightMapping(mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"),
-            WeightMapping(mc + "self_attention.linear_qkv.weight",
-                          tuple(f"{attn}{p}_proj.weight" for p in "qkv"), "qkv"),
+            WeightMapping(
+                mc + "input_layernorm.weight", (hf + "input_layernorm.weight",), "replicated"
+            ),
+            WeightMapping(
+                mc + "self_attention.linear_qkv.weight",
+                tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
+                "qkv",
+            ),
         ]
         if qkv_bias:
-            m.append(WeightMapping(mc + "self_attention.linear_qkv.bias",
-                                   tuple(f"{attn}{p}_proj.bias" for p in "qkv"), "qkv"))
+            m.append(
+                WeightMapping(
+                    mc + "self_attention.linear_qkv.bias",
+                    tuple(f"{attn}{p}_proj.bias" for p in "qkv"),
+                    "qkv",
+                )
+            )
         if qk_norm:
-            m += [WeightMapping(f"{mc}self_attention.{p}_layernorm.weight", (f"{attn}{p}_norm.weight",), "replicated")
-                  for p in "qk"]
+            m += [
+                WeightMapping(
+                    f"{mc}self_attention.{p}_layernorm.weight",
+                    (f"{attn}{p}_norm.weight",),
+                    "replicated",
+                )
+                for p in "qk"
+            ]
         m += [
-            WeightMapping(mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
-            WeightMapping(mc + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",),
-                          "replicated"),
+            WeightMapping(
+                mc + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"
+            ),
+            WeightMapping(
+                mc + "pre_mlp_layernorm.weight",
+                (hf + "post_attention_layernorm.weight",),
+                "replicated",
+            ),
         ]
         if not num_experts:
             m += [
-                WeightMapping(mc + "mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                              "gate_up"),
+                WeightMapping(
+                    mc + "mlp.linear_fc1.weight",
+                    (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                    "gate_up",
+                ),
                 WeightMapping(mc + "mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "row"),
             ]
             continue
@@ -176,31 +231,53 @@ def weight_map(num_layers: int, tie_word_embeddings: bool, *, qkv_bias: bool = T
         for le, e in enumerate(experts):
             src, dst = f"{mlp}experts.{e}.", f"{mc}mlp.experts.local_experts.{le}."
             m += [
-                WeightMapping(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"),
-                              "gate_up", expert=True),
-                WeightMapping(dst + "linear_fc2.weight", (src + "down_proj.weight",), "row", expert=True),
+                WeightMapping(
+                    dst + "linear_fc1.weight",
+                    (src + "gate_proj.weight", src + "up_proj.weight"),
+                    "gate_up",
+                    expert=True,
+                ),
+                WeightMapping(
+                    dst + "linear_fc2.weight", (src + "down_proj.weight",), "row", expert=True
+                ),
             ]
         if shared_expert:
             src, dst = mlp + "shared_expert.", mc + "mlp.shared_experts."
             m += [
-                WeightMapping(dst + "linear_fc1.weight", (src + "gate_proj.weight", src + "up_proj.weight"),
-                              "gate_up"),
+                WeightMapping(
+                    dst + "linear_fc1.weight",
+                    (src + "gate_proj.weight", src + "up_proj.weight"),
+                    "gate_up",
+                ),
                 WeightMapping(dst + "linear_fc2.weight", (src + "down_proj.weight",), "row"),
-                WeightMapping(dst + "gate_weight", (mlp + "shared_expert_gate.weight",), "replicated"),
+                WeightMapping(
+                    dst + "gate_weight", (mlp + "shared_expert_gate.weight",), "replicated"
+                ),
             ]
     if output:
-        m.append(WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"))
+        m.append(
+            WeightMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")
+        )
         if not tie_word_embeddings:
             m.append(WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
-        elif not embedding:  # tied, on a last pipeline stage without the embedding: megatron's copy of it
+        elif (
+            not embedding
+        ):  # tied, on a last pipeline stage without the embedding: megatron's copy of it
             m.append(WeightMapping("output_layer.weight", ("model.embed_tokens.weight",), "vocab"))
     return m
 
 
 def arch_weight_map(arch: Arch, **part: Any) -> list[WeightMapping]:
     """``weight_map`` of an ``Arch``; ``part`` as in ``weight_map`` (layers, experts, embedding, output)."""
-    return weight_map(arch.num_layers, arch.tie_word_embeddings, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
-                      num_experts=arch.num_experts, shared_expert=arch.shared_expert, **part)
+    return weight_map(
+        arch.num_layers,
+        arch.tie_word_embeddings,
+        qkv_bias=arch.qkv_bias,
+        qk_norm=arch.qk_norm,
+        num_experts=arch.num_experts,
+        shared_expert=arch.shared_expert,
+        **part,
+    )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -209,8 +286,15 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def shard_hf_weight(layout: str, tensors: list[torch.Tensor], tp_rank: int, tp_size: int, *,
-                    num_query_groups: int = 0, padded_vocab: int = 0) -> torch.Tensor:
+def shard_hf_weight(
+    layout: str,
+    tensors: list[torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    num_query_groups: int = 0,
+    padded_vocab: int = 0,
+) -> torch.Tensor:
     """TP rank ``tp_rank``'s shard of the megatron tensor fused from ``tensors`` (the ``hf`` sources of
     one ``WeightMapping``, in order). ``qkv`` needs ``num_query_groups``; ``vocab`` needs ``padded_vocab``."""
     if layout not in LAYOUTS:
@@ -222,10 +306,12 @@ def shard_hf_weight(layout: str, tensors: list[torch.Tensor], tp_rank: int, tp_s
     if layout == "vocab":
         (w,) = tensors
         if padded_vocab < w.shape[0] or padded_vocab % tp_size:
-            raise ValueError(f"padded vocab {padded_vocab} must be >= {w.shape[0]} and a multiple of tp={tp_size}")
+            raise ValueError(
+                f"padded vocab {padded_vocab} must be >= {w.shape[0]} and a multiple of tp={tp_size}"
+            )
         # only this rank's rows, zero-padded past the real vocab (the padded whole is never built)
         start, end = tp_rank * padded_vocab // tp_size, (tp_rank + 1) * padded_vocab // tp_size
-        real = w[min(start, w.shape[0]):min(end, w.shape[0])]
+        real = w[min(start, w.shape[0]) : min(end, w.shape[0])]
         if real.shape[0] == end - start:
             return real
         return torch.cat([real, w.new_zeros(end - start - real.shape[0], *w.shape[1:])])
@@ -237,14 +323,22 @@ def shard_hf_weight(layout: str, tensors: list[torch.Tensor], tp_rank: int, tp_s
     if ng < 1 or ng % tp_size:
         raise ValueError(f"num_query_groups={ng} must be a positive multiple of tp={tp_size}")
     rest = q.shape[1:]
-    groups = slice(tp_rank * ng // tp_size, (tp_rank + 1) * ng // tp_size)  # this rank's query groups only
+    groups = slice(
+        tp_rank * ng // tp_size, (tp_rank + 1) * ng // tp_size
+    )  # this rank's query groups only
     fused = torch.cat([t.reshape(ng, -1, *rest)[groups] for t in (q, k, v)], dim=1)
     return fused.reshape(-1, *rest)
 
 
-def unshard_to_hf(layout: str, shards: list[torch.Tensor], hf_names: tuple[str, ...] | list[str], *,
-                  num_query_groups: int = 0, num_attention_heads: int = 0,
-                  vocab_size: int = 0) -> dict[str, torch.Tensor]:
+def unshard_to_hf(
+    layout: str,
+    shards: list[torch.Tensor],
+    hf_names: tuple[str, ...] | list[str],
+    *,
+    num_query_groups: int = 0,
+    num_attention_heads: int = 0,
+    vocab_size: int = 0,
+) -> dict[str, torch.Tensor]:
     """The inverse of ``shard_hf_weight``: the HF tensors ``{hf_name: tensor}`` of one megatron parameter,
     from its shards on every TP rank (``shards[r]`` from rank r; ``hf_names``: the mapping's ``hf``).
     ``qkv`` needs ``num_query_groups`` and ``num_attention_heads``; ``vocab`` needs ``vocab_size`` (the
@@ -268,23 +362,35 @@ def unshard_to_hf(layout: str, shards: list[torch.Tensor], hf_names: tuple[str, 
     if layout == "vocab":
         full = torch.cat(shards, dim=0)
         if not 0 < vocab_size <= full.shape[0]:
-            raise ValueError(f"vocab_size={vocab_size} must be in [1, padded vocab {full.shape[0]}]")
+            raise ValueError(
+                f"vocab_size={vocab_size} must be in [1, padded vocab {full.shape[0]}]"
+            )
         return {names[0]: full[:vocab_size]}
     if layout == "gate_up":
         halves = [s.chunk(2, dim=0) for s in shards]
-        return {names[0]: torch.cat([g for g, _ in halves]), names[1]: torch.cat([u for _, u in halves])}
+        return {
+            names[0]: torch.cat([g for g, _ in halves]),
+            names[1]: torch.cat([u for _, u in halves]),
+        }
     ng, nh = num_query_groups, num_attention_heads
     if ng < 1 or nh < 1 or nh % ng:
-        raise ValueError(f"num_attention_heads={nh} must be a positive multiple of num_query_groups={ng}")
+        raise ValueError(
+            f"num_attention_heads={nh} must be a positive multiple of num_query_groups={ng}"
+        )
     full = torch.cat(shards, dim=0)  # per group [q heads; k; v], groups in order across ranks
     rest = full.shape[1:]
     if full.shape[0] % (nh + 2 * ng):
-        raise ValueError(f"fused qkv has {full.shape[0]} rows, not a multiple of nh + 2*ng = {nh + 2 * ng}")
+        raise ValueError(
+            f"fused qkv has {full.shape[0]} rows, not a multiple of nh + 2*ng = {nh + 2 * ng}"
+        )
     d = full.shape[0] // (nh + 2 * ng)
     grouped = full.reshape(ng, (nh // ng + 2) * d, *rest)
     q, k, v = grouped.split([nh // ng * d, d, d], dim=1)
-    return {names[0]: q.reshape(nh * d, *rest), names[1]: k.reshape(ng * d, *rest),
-            names[2]: v.reshape(ng * d, *rest)}
+    return {
+        names[0]: q.reshape(nh * d, *rest),
+        names[1]: k.reshape(ng * d, *rest),
+        names[2]: v.reshape(ng * d, *rest),
+    }
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -292,7 +398,9 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
     scaling = cfg.get("rope_scaling") or {}
     kind = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if kind != "default":
-        raise NotImplementedError(f"rope_type {kind!r}: only unscaled rotary embeddings are supported")
+        raise NotImplementedError(
+            f"rope_type {kind!r}: only unscaled rotary embeddings are supported"
+        )
     return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
@@ -304,13 +412,16 @@ def check_hf_config(hf_config: Any) -> Arch:
     if cfg.get("use_sliding_window"):
         raise NotImplementedError("sliding-window attention is not supported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise NotImplementedError(f"hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU) MLPs are supported")
+        raise NotImplementedError(
+            f"hidden_act {cfg['hidden_act']!r}: only silu (SwiGLU) MLPs are supported"
+        )
     _rope_theta(cfg)
     return arch
 
 
-def transformer_config_from_hf(hf_config: Any, tp: int = 1, *, params_dtype: torch.dtype = torch.float32,
-                               **overrides: Any):
+def transformer_config_from_hf(
+    hf_config: Any, tp: int = 1, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
+):
     """megatron's ``TransformerConfig`` for a ``config.json`` at tensor-parallel size ``tp``.
     ``overrides`` go to ``TransformerConfig`` last (e.g. ``recompute_granularity``,
     ``expert_model_parallel_size``, ``pipeline_model_parallel_size``)."""
@@ -376,11 +487,15 @@ def _parallel_sizes() -> dict[str, int]:
 
     if not ps.model_parallel_is_initialized():
         return {}
-    sizes = dict(pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                 expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
-                 expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
+    sizes = dict(
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+    )
     if ps.get_virtual_pipeline_model_parallel_world_size():
-        sizes["virtual_pipeline_model_parallel_size"] = ps.get_virtual_pipeline_model_parallel_world_size()
+        sizes["virtual_pipeline_model_parallel_size"] = (
+            ps.get_virtual_pipeline_model_parallel_world_size()
+        )
     return sizes
 
 
@@ -392,13 +507,25 @@ def recompute_overrides(kind: str) -> dict[str, Any]:
     if kind == "selective":
         return {"recompute_granularity": "selective"}
     if kind == "full":
-        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": "uniform",
+            "recompute_num_layers": 1,
+        }
     raise ValueError(f"recompute must be none, selective or full, got {kind!r}")
 
 
-def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torch.dtype = torch.float32,
-                    parallel_output: bool = True, vocab_divisible_by: int = 128, padded_vocab: int | None = None,
-                    vp_stage: int | None = None, **overrides: Any):
+def build_gpt_model(
+    hf_config: Any,
+    tp: int | None = None,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    parallel_output: bool = True,
+    vocab_divisible_by: int = 128,
+    padded_vocab: int | None = None,
+    vp_stage: int | None = None,
+    **overrides: Any,
+):
     """megatron-core ``GPTModel`` with the architecture of ``hf_config``. ``tp`` defaults to the
     tensor-parallel size of the initialized model-parallel state (pipeline, virtual-pipeline and
     expert-parallel sizes always come from it). ``parallel_output=False`` gathers the logits over TP ranks
@@ -415,25 +542,36 @@ def build_gpt_model(hf_config: Any, tp: int | None = None, *, params_dtype: torc
         _patch_router_without_te()
     tp = parallel_state.get_tensor_model_parallel_world_size() if tp is None else tp
     sizes = _parallel_sizes()
-    if not arch.num_experts:  # a dense model ignores the expert grid (megatron refuses ep > 1 without experts)
+    if (
+        not arch.num_experts
+    ):  # a dense model ignores the expert grid (megatron refuses ep > 1 without experts)
         sizes = {k: v for k, v in sizes.items() if not k.startswith("expert_")}
-    config = transformer_config_from_hf(cfg, tp, params_dtype=params_dtype, **{**sizes, **overrides})
+    config = transformer_config_from_hf(
+        cfg, tp, params_dtype=params_dtype, **{**sizes, **overrides}
+    )
     pp = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size
     if (vpp is None) != (vp_stage is None) or (vpp is not None and not 0 <= vp_stage < vpp):
-        raise ValueError(f"vp_stage={vp_stage} with virtual pipeline size {vpp}: give a chunk index in "
-                         "range(vpp) exactly when the parallel state has virtual pipeline stages")
+        raise ValueError(
+            f"vp_stage={vp_stage} with virtual pipeline size {vpp}: give a chunk index in "
+            "range(vpp) exactly when the parallel state has virtual pipeline stages"
+        )
     vocab = padded_vocab or padded_vocab_size(cfg["vocab_size"], tp, vocab_divisible_by)
     if vocab < cfg["vocab_size"] or vocab % tp:
-        raise ValueError(f"padded vocab {vocab} must be >= vocab_size {cfg['vocab_size']} and a multiple of tp={tp}")
+        raise ValueError(
+            f"padded vocab {vocab} must be >= vocab_size {cfg['vocab_size']} and a multiple of tp={tp}"
+        )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=arch.num_experts or None,
-                                                        normalization="RMSNorm", qk_layernorm=arch.qk_norm),
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=arch.num_experts or None, normalization="RMSNorm", qk_layernorm=arch.qk_norm
+        ),
         vocab_size=vocab,
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
-        pre_process=pp == 1 or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        post_process=pp == 1 or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        pre_process=pp == 1
+        or parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=pp == 1
+        or parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=bool(cfg.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
@@ -473,8 +611,11 @@ def _moe_experts(model: torch.nn.Module) -> Any:
 def _hf_params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The model's parameters that have Hugging Face counterparts: all but a critic's value head and LoRA
     adapters (``rollhpc.models.lora``: exported on their own, under PEFT's names)."""
-    return {n: p for n, p in model.named_parameters()
-            if not n.startswith(VALUE_HEAD + ".") and f".{LORA_ATTRIBUTE}." not in n}
+    return {
+        n: p
+        for n, p in model.named_parameters()
+        if not n.startswith(VALUE_HEAD + ".") and f".{LORA_ATTRIBUTE}." not in n
+    }
 
 
 def model_weight_map(model: torch.nn.Module) -> tuple[list[WeightMapping], list[WeightMapping]]:
@@ -482,20 +623,37 @@ def model_weight_map(model: torch.nn.Module) -> tuple[list[WeightMapping], list[
     stage's layers, embedding and output, this expert-parallel rank's experts."""
     c = model.config
     layers = [layer.layer_number - 1 for layer in model.decoder.layers]
-    arch = Arch(num_layers=c.num_layers, tie_word_embeddings=bool(model.share_embeddings_and_output_weights),
-                qkv_bias=bool(c.add_qkv_bias), qk_norm=bool(c.qk_layernorm), num_experts=c.num_moe_experts or 0,
-                shared_expert=bool(c.moe_shared_expert_intermediate_size))
+    arch = Arch(
+        num_layers=c.num_layers,
+        tie_word_embeddings=bool(model.share_embeddings_and_output_weights),
+        qkv_bias=bool(c.add_qkv_bias),
+        qk_norm=bool(c.qk_layernorm),
+        num_experts=c.num_moe_experts or 0,
+        shared_expert=bool(c.moe_shared_expert_intermediate_size),
+    )
     experts = None
     if arch.num_experts:
         moe = next((layer.mlp for layer in model.decoder.layers), None)
         experts = list(moe.local_expert_indices) if moe is not None else []
-    local = arch_weight_map(arch, layers=layers, experts=experts, embedding=bool(model.pre_process),
-                            output=bool(model.post_process))
+    local = arch_weight_map(
+        arch,
+        layers=layers,
+        experts=experts,
+        embedding=bool(model.pre_process),
+        output=bool(model.post_process),
+    )
     return local, arch_weight_map(arch)
 
 
-def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Tensor], tp_rank: int,
-                    tp_size: int, *, etp_rank: int | None = None, etp_size: int | None = None) -> None:
+def load_hf_weights(
+    model: torch.nn.Module,
+    hf_state_dict: Mapping[str, torch.Tensor],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
+) -> None:
     """Copy TP rank ``tp_rank``'s shard of every HF tensor into ``model`` (built by ``build_gpt_model``).
     Routed experts are cut for the expert-TP rank (default: the model's expert-TP group). Raises if a
     megatron parameter has no source, a shape differs, or an HF tensor belongs to no parameter of the
@@ -512,22 +670,37 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
         etp_rank, etp_size = _group_coords(experts.tp_group) if experts is not None else (0, 1)
     absent = sorted(n for w in table for n in w.hf if n not in hf_state_dict)
     if absent:
-        raise KeyError(f"HF checkpoint lacks {len(absent)} tensor(s): {absent[:8]}{' ...' if len(absent) > 8 else ''}")
-    expected = {n for w in whole for n in w.hf} | ({"lm_head.weight"} if model.share_embeddings_and_output_weights
-                                                   else set())
-    unused = sorted(n for n in hf_state_dict if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+        raise KeyError(
+            f"HF checkpoint lacks {len(absent)} tensor(s): {absent[:8]}{' ...' if len(absent) > 8 else ''}"
+        )
+    expected = {n for w in whole for n in w.hf} | (
+        {"lm_head.weight"} if model.share_embeddings_and_output_weights else set()
+    )
+    unused = sorted(
+        n for n in hf_state_dict if n not in expected and not n.endswith("rotary_emb.inv_freq")
+    )
     if unused:
-        raise KeyError(f"HF tensors with no megatron parameter: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+        raise KeyError(
+            f"HF tensors with no megatron parameter: {unused[:8]}{' ...' if len(unused) > 8 else ''}"
+        )
     with torch.no_grad():
         for w in table:
             rank, size = (etp_rank, etp_size) if w.expert else (tp_rank, tp_size)
             sources = [hf_state_dict[n] for n in w.hf]
-            shard = shard_hf_weight(w.layout, sources, rank, size,
-                                    num_query_groups=config.num_query_groups, padded_vocab=model.vocab_size)
+            shard = shard_hf_weight(
+                w.layout,
+                sources,
+                rank,
+                size,
+                num_query_groups=config.num_query_groups,
+                padded_vocab=model.vocab_size,
+            )
             param = params[w.megatron]
             if shard.shape != param.shape:
-                raise ValueError(f"{w.megatron}: shard of {w.hf} (shapes {[tuple(t.shape) for t in sources]}) has "
-                                 f"shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"{w.megatron}: shard of {w.hf} (shapes {[tuple(t.shape) for t in sources]}) has "
+                    f"shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}"
+                )
             param.copy_(shard)
             del sources, shard
 
@@ -543,8 +716,9 @@ def _gather(local: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
     return shards
 
 
-def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = None
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model: torch.nn.Module, vocab_size: int, tp_group: Any = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every HF tensor of ``model`` (built by ``build_gpt_model``), gathered
     over the tensor-parallel group (default: megatron's ``parallel_state`` TP group; without an
     initialized ``torch.distributed`` or at TP size 1 nothing is gathered). ``vocab_size``: the HF
@@ -563,10 +737,13 @@ def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
 
     if tp_group is None and dist.is_available() and dist.is_initialized():
         from megatron.core import parallel_state
+
         tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank, tp_size = _group_coords(tp_group)
     experts = _moe_experts(model)
-    etp_group, ep_group = (experts.tp_group, experts.ep_group) if experts is not None else (None, None)
+    etp_group, ep_group = (
+        (experts.tp_group, experts.ep_group) if experts is not None else (None, None)
+    )
     etp_rank, etp_size = _group_coords(etp_group)
     ep_rank, ep_size = _group_coords(ep_group)
     config = model.config
@@ -576,8 +753,11 @@ def export_hf_weights(model: torch.nn.Module, vocab_size: int, tp_group: Any = N
     if missing:
         raise KeyError(f"megatron parameters without an HF name: {sorted(missing)}")
     per_rank = len(experts.local_experts) if experts is not None else 0
-    kw = dict(num_query_groups=config.num_query_groups, num_attention_heads=config.num_attention_heads,
-              vocab_size=vocab_size)
+    kw = dict(
+        num_query_groups=config.num_query_groups,
+        num_attention_heads=config.num_attention_heads,
+        vocab_size=vocab_size,
+    )
     for w in table:
         if getattr(params[w.megatron], "shared", False):
             continue  # the last pipeline stage's copy of a tied embedding: the first stage exports it
@@ -606,9 +786,12 @@ def exporting_rank(model: torch.nn.Module, tp_group: Any = None) -> bool:
 
     if tp_group is None and dist.is_available() and dist.is_initialized():
         from megatron.core import parallel_state
+
         tp_group = parallel_state.get_tensor_model_parallel_group()
     experts = _moe_experts(model)
-    return _group_coords(tp_group)[0] == 0 and (experts is None or _group_coords(experts.ep_group)[0] == 0)
+    return _group_coords(tp_group)[0] == 0 and (
+        experts is None or _group_coords(experts.ep_group)[0] == 0
+    )
 
 
 def _split_expert_name(name: str) -> tuple[str, int, str]:

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 
-def micro_batches(rows: int, micro_batch_size: int, pp: int = 1, interleaved: bool = False
-                  ) -> list[np.ndarray]:
+def micro_batches(
+    rows: int, micro_batch_size: int, pp: int = 1, interleaved: bool = False
+) -> list[np.ndarray]:
     """Row indices of each micro-batch of ``rows`` rows, at most ``micro_batch_size`` each. megatron's
     interleaved schedule needs at least ``pp`` micro-batches, a whole number of groups of ``pp``, and
     micro-batches of one shape (it does not send shapes ahead): there the count is rounded up and every
@@ -72,10 +73,14 @@ def configure_chunks(chunks: Sequence[torch.nn.Module]) -> None:
         config.batch_p2p_comm = torch.cuda.is_available()
 
 
-def run_schedule(chunks: Sequence[torch.nn.Module], parts: Sequence[Any],
-                 forward: Callable[[torch.nn.Module, Any], torch.Tensor],
-                 loss: Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
-                 *, forward_only: bool) -> list[dict[str, Any]]:
+def run_schedule(
+    chunks: Sequence[torch.nn.Module],
+    parts: Sequence[Any],
+    forward: Callable[[torch.nn.Module, Any], torch.Tensor],
+    loss: Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    forward_only: bool,
+) -> list[dict[str, Any]]:
     """Run ``parts`` (one object per micro-batch) through megatron's schedule for this layout.
 
     ``forward(chunk, part)`` calls a chunk (the schedule has set its input on later stages) and returns
@@ -96,14 +101,20 @@ def run_schedule(chunks: Sequence[torch.nn.Module], parts: Sequence[Any],
         def loss_func(output_tensor: torch.Tensor):
             value, kept = loss(part, output_tensor)
             return value, torch.tensor(1, dtype=torch.int), kept
+
         return output, loss_func
 
     schedule = get_forward_backward_func()
     # shapes travel with each activation (variable_seq_lengths): seq_length/micro_batch_size are unused
-    return schedule(forward_step_func=forward_step,
-                    data_iterator=iterators if len(chunks) > 1 else iterators[0],
-                    model=list(chunks) if len(chunks) > 1 else chunks[0], num_microbatches=len(parts),
-                    seq_length=1, micro_batch_size=1, forward_only=forward_only)
+    return schedule(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=list(chunks) if len(chunks) > 1 else chunks[0],
+        num_microbatches=len(parts),
+        seq_length=1,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
 
 
 def _stage_chunk(chunks: Sequence[torch.nn.Module], attr: str) -> torch.nn.Module | None:
@@ -116,7 +127,10 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    if ps.get_pipeline_model_parallel_world_size() == 1 or not chunks[0].share_embeddings_and_output_weights:
+    if (
+        ps.get_pipeline_model_parallel_world_size() == 1
+        or not chunks[0].share_embeddings_and_output_weights
+    ):
         return
     if not ps.is_rank_in_embedding_group(ignore_virtual=True):
         return
@@ -127,8 +141,12 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
     weight.grad = grad
 
 
-def export_pipeline_hf_weights(chunks: Sequence[torch.nn.Module], vocab_size: int, tp_group: Any = None,
-                               adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def export_pipeline_hf_weights(
+    chunks: Sequence[torch.nn.Module],
+    vocab_size: int,
+    tp_group: Any = None,
+    adapters_only: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` over every pipeline stage: the first stage's exporting rank (TP rank 0,
     expert-parallel rank 0) yields the whole model, its own stage's tensors first, then each later
     stage's, received one tensor at a time from that stage's exporting rank. Collective like
@@ -143,18 +161,33 @@ def export_pipeline_hf_weights(chunks: Sequence[torch.nn.Module], vocab_size: in
 
     if adapters_only:
         exporting_here = exporting_rank(chunks[0], tp_group)
-        local = (item for chunk in chunks for item in adapter_sync_tensors(chunk, tp_group, exporting_here))
+        local = (
+            item
+            for chunk in chunks
+            for item in adapter_sync_tensors(chunk, tp_group, exporting_here)
+        )
     else:  # a LoRA policy's weights are its base with the adapters merged in (the model the generators serve)
-        local = (item for chunk in chunks for item in merged_hf_weights(chunk, vocab_size, tp_group))
-    if not (dist.is_available() and dist.is_initialized()) or ps.get_pipeline_model_parallel_world_size() == 1:
+        local = (
+            item for chunk in chunks for item in merged_hf_weights(chunk, vocab_size, tp_group)
+        )
+    if (
+        not (dist.is_available() and dist.is_initialized())
+        or ps.get_pipeline_model_parallel_world_size() == 1
+    ):
         yield from local
         return
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    stage, stages = (
+        ps.get_pipeline_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_world_size(),
+    )
     group_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     exporting = exporting_rank(chunks[0], tp_group)
     device = next(chunks[0].parameters()).device
     if stage != 0:
-        for name, tensor in local:  # items only on the exporting rank; the others take part in gathers
+        for (
+            name,
+            tensor,
+        ) in local:  # items only on the exporting rank; the others take part in gathers
             dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=group_ranks[0])
             dist.send(tensor.contiguous(), dst=group_ranks[0])
         if exporting:
@@ -180,7 +213,11 @@ def chunks_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, An
     several): the checkpoint's tensors are global, so a pp/vpp checkpoint loads at any other layout."""
     if len(chunks) == 1:
         return chunks[0].sharded_state_dict()
-    return {f"{i}.{k}": v for i, chunk in enumerate(chunks) for k, v in chunk.sharded_state_dict().items()}
+    return {
+        f"{i}.{k}": v
+        for i, chunk in enumerate(chunks)
+        for k, v in chunk.sharded_state_dict().items()
+    }
 
 
 def load_chunks_state(chunks: Sequence[torch.nn.Module], state: dict[str, Any]) -> None:
@@ -190,4 +227,6 @@ def load_chunks_state(chunks: Sequence[torch.nn.Module], state: dict[str, Any]) 
         return
     for i, chunk in enumerate(chunks):
         prefix = f"{i}."
-        chunk.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+        chunk.load_state_dict(
+            {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True
+        )

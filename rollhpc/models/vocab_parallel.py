@@ -28,8 +28,16 @@ class _TokenLogprobs(torch.autograd.Function):
     buffers in place, so it can run once (no ``retain_graph`` double backward)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp_rank: int,
-                tp_group: Any, distributed: bool, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        vocab_size: int,
+        tp_rank: int,
+        tp_group: Any,
+        distributed: bool,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch.distributed as dist
 
         z = logits.to(torch.float32, copy=True)  # modified in place from here on
@@ -37,7 +45,7 @@ class _TokenLogprobs(torch.autograd.Function):
         start = tp_rank * v_local
         real = vocab_size - start  # columns of this slice that are real tokens
         if real < v_local:
-            z[..., max(real, 0):] = _MASKED
+            z[..., max(real, 0) :] = _MASKED
         m = z.max(dim=-1, keepdim=True).values
         if distributed:
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
@@ -64,7 +72,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None) -> tuple[Any, ...]:
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[Any, ...]:
         e, sum_exp, index, in_slice, *entropy_parts = ctx.saved_tensors
         p = e.div_(sum_exp.unsqueeze(-1))  # the softmax, in the saved buffer
         entropy_grad = None
@@ -74,20 +84,30 @@ class _TokenLogprobs(torch.autograd.Function):
         if grad_logp is None:
             grad = p.zero_()
         else:  # the gradient, in the same buffer again
-            grad = p.mul_((-grad_logp).unsqueeze(-1)).scatter_add_(-1, index, (grad_logp * in_slice).unsqueeze(-1))
+            grad = p.mul_((-grad_logp).unsqueeze(-1)).scatter_add_(
+                -1, index, (grad_logp * in_slice).unsqueeze(-1)
+            )
         if entropy_grad is not None:
             grad.add_(entropy_grad)
         return grad.to(ctx.dtype), None, None, None, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, *, tp_rank: int = 0,
-                   tp_size: int = 1, tp_group: Any = None, with_entropy: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    vocab_size: int,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: Any = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and optionally the entropy, per position (``_TokenLogprobs``).
 
     logits: ``[..., V_local]``, this rank's slice ``[tp_rank * V_local, (tp_rank + 1) * V_local)`` of the
     padded vocabulary; targets: ``[...]`` token ids (< ``vocab_size``, the real, unpadded size).
     """
-    logp, entropy = _TokenLogprobs.apply(logits, targets, vocab_size, tp_rank, tp_group, tp_size > 1,
-                                         with_entropy)
+    logp, entropy = _TokenLogprobs.apply(
+        logits, targets, vocab_size, tp_rank, tp_group, tp_size > 1, with_entropy
+    )
     return logp, (entropy if with_entropy else None)

@@ -30,18 +30,28 @@ from rollhpc.rundir import RunPaths, atomic_write_bytes, read_jsonl
 from rollhpc.rundir.records import read_events
 
 # step timings in metrics.jsonl (seconds), in the order they happen within a step, and their labels
-STAGES = (("rollout_s", "rollout"), ("generate_s", "generate"), ("reward_s", "reward"),
-          ("old_logprob_s", "old log-probs"), ("reference_s", "reference"), ("critic_values_s", "critic values"),
-          ("train_s", "train"), ("weight_sync_s", "weight sync"), ("eval_s", "evaluation"))
+STAGES = (
+    ("rollout_s", "rollout"),
+    ("generate_s", "generate"),
+    ("reward_s", "reward"),
+    ("old_logprob_s", "old log-probs"),
+    ("reference_s", "reference"),
+    ("critic_values_s", "critic values"),
+    ("train_s", "train"),
+    ("weight_sync_s", "weight sync"),
+    ("eval_s", "evaluation"),
+)
 # training.png's panels, in this order, each only where a run logged it: (key, title, y-axis label)
-TRAINING_PANELS = (("train/loss", "policy loss", "loss"),
-                   ("train/grad_norm", "gradient norm (before clipping)", "norm"),
-                   ("train/clip_frac", "clipped fraction of tokens", "fraction"),
-                   ("response_len_mean", "response length (mean)", "tokens"),
-                   ("row_len_mean", "episode row length (mean, agentic)", "tokens"),
-                   ("train/entropy", "policy entropy", "nats per token"),
-                   ("sampled_entropy", "entropy of the sampled tokens (generator)", "nats per token"),
-                   ("train/kl", "KL to the reference policy", "nats per token"))
+TRAINING_PANELS = (
+    ("train/loss", "policy loss", "loss"),
+    ("train/grad_norm", "gradient norm (before clipping)", "norm"),
+    ("train/clip_frac", "clipped fraction of tokens", "fraction"),
+    ("response_len_mean", "response length (mean)", "tokens"),
+    ("row_len_mean", "episode row length (mean, agentic)", "tokens"),
+    ("train/entropy", "policy entropy", "nats per token"),
+    ("sampled_entropy", "entropy of the sampled tokens (generator)", "nats per token"),
+    ("train/kl", "KL to the reference policy", "nats per token"),
+)
 RESTART_EVENTS = ("resume", "requeue", "requeued", "start")
 
 
@@ -52,21 +62,29 @@ class RunSeries:
     name: str
     run_dir: Path
     records: list[dict[str, Any]]
-    restarts: list[tuple[float, str]] = field(default_factory=list)  # (minutes since the run's start, label)
+    restarts: list[tuple[float, str]] = field(
+        default_factory=list
+    )  # (minutes since the run's start, label)
 
     def column(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) where the key was logged."""
-        pairs = [(r["step"], float(r[key])) for r in self.records if isinstance(r.get(key), (int, float))]
+        pairs = [
+            (r["step"], float(r[key])) for r in self.records if isinstance(r.get(key), (int, float))
+        ]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def minutes(self) -> dict[int, float]:
         """Wall minutes since the first record, per step."""
-        stamped = [(r["step"], r["time"]) for r in self.records if isinstance(r.get("time"), (int, float))]
+        stamped = [
+            (r["step"], r["time"]) for r in self.records if isinstance(r.get("time"), (int, float))
+        ]
         if stamped and len(stamped) == len(self.records):
             t0 = stamped[0][1]
             return {s: (t - t0) / 60 for s, t in stamped}
         total, out = 0.0, {}
-        for r in self.records:  # older runs: the summed step times (start-up and restarts not counted)
+        for (
+            r
+        ) in self.records:  # older runs: the summed step times (start-up and restarts not counted)
             total += float(r.get("step_s", 0.0) or 0.0)
             out[r["step"]] = total / 60
         return out
@@ -82,7 +100,9 @@ def load_run(run_dir: Path) -> RunSeries:
     path = RunPaths(run_dir).metrics
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (is this a rollhpc run directory?)")
-    records = [r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]
+    records = [
+        r for r in read_jsonl(path) if isinstance(r, dict) and isinstance(r.get("step"), int)
+    ]
     series = RunSeries(run_dir.name, run_dir, records)
     t0 = series.start_time()
     for event in read_events(run_dir):
@@ -112,8 +132,16 @@ def _save(fig: Any, path: Path) -> Path:
 def _mark_restarts(ax: Any, run: RunSeries, color: str) -> None:
     for minutes, label in run.restarts:
         ax.axvline(minutes, color=color, linestyle="--", linewidth=1, alpha=0.8)
-        ax.annotate(label, (minutes, 1), xycoords=("data", "axes fraction"), rotation=90, fontsize=7,
-                    va="top", ha="right", color=color)
+        ax.annotate(
+            label,
+            (minutes, 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=7,
+            va="top",
+            ha="right",
+            color=color,
+        )
 
 
 def _integer_steps(ax: Any) -> None:
@@ -138,8 +166,16 @@ def _smoothed(values: list[float]) -> list[float]:
     return out
 
 
-def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str, ylabel: str = "",
-             smooth: bool = False) -> None:
+def _plot_xy(
+    ax: Any,
+    runs: list[RunSeries],
+    key: str,
+    *,
+    wall: bool,
+    title: str,
+    ylabel: str = "",
+    smooth: bool = False,
+) -> None:
     colors = [f"C{i}" for i in range(10)]
     drawn = False
     for run, color, label in zip(runs, colors, _labels(runs)):
@@ -164,7 +200,15 @@ def _plot_xy(ax: Any, runs: list[RunSeries], key: str, *, wall: bool, title: str
         ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if not drawn:
-        ax.text(0.5, 0.5, f"{key}: not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            f"{key}: not logged",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="gray",
+        )
     elif len(runs) > 1:
         ax.legend(fontsize=8)
 
@@ -187,7 +231,15 @@ def _stage_panel(ax: Any, run: RunSeries) -> None:
     ax.set_ylabel("seconds")
     ax.legend(fontsize=7, loc="upper right")
     if not steps:
-        ax.text(0.5, 0.5, "no step timings logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no step timings logged",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="gray",
+        )
 
 
 def summarize(run: RunSeries) -> list[str]:
@@ -197,38 +249,64 @@ def summarize(run: RunSeries) -> list[str]:
     last = run.records[-1]["step"] if run.records else 0
     minutes = run.minutes()
     stamped = all(isinstance(r.get("time"), (int, float)) for r in run.records)
-    lines.append(f"  steps: {last} logged, {len(trained)} trained; "
-                 + (f"wall time {minutes.get(last, 0.0):.1f} min" if stamped else
-                    f"{minutes.get(last, 0.0):.1f} min of step time (no wall-clock stamps in this run's metrics)"))
+    lines.append(
+        f"  steps: {last} logged, {len(trained)} trained; "
+        + (
+            f"wall time {minutes.get(last, 0.0):.1f} min"
+            if stamped
+            else f"{minutes.get(last, 0.0):.1f} min of step time (no wall-clock stamps in this run's metrics)"
+        )
+    )
     steps, acc = run.column("accuracy")
     if acc:
         best = max(range(len(acc)), key=lambda i: acc[i])
-        lines.append(f"  held-out accuracy: {acc[0]:.3f} at step {steps[0]} -> {acc[-1]:.3f} at step {steps[-1]} "
-                     f"(best {acc[best]:.3f} at step {steps[best]})")
+        lines.append(
+            f"  held-out accuracy: {acc[0]:.3f} at step {steps[0]} -> {acc[-1]:.3f} at step {steps[-1]} "
+            f"(best {acc[best]:.3f} at step {steps[best]})"
+        )
     _, reward = run.column("reward_mean")
     if reward:
         tail = reward[-10:]
-        lines.append(f"  reward: first {reward[0]:.3f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}")
+        lines.append(
+            f"  reward: first {reward[0]:.3f}, mean of the last {len(tail)} steps {sum(tail) / len(tail):.3f}"
+        )
     _, tps = run.column("tokens_per_s")
     if tps:
         lines.append(f"  generation: {sum(tps) / len(tps):.0f} tokens/s on average")
     total = sum(float(r["step_s"]) for r in trained)
     if total > 0:
-        shares = [(label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total) for key, label in STAGES]
-        lines.append("  time per step: " + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
-                     + f" of {total / max(len(trained), 1):.2f} s")
+        shares = [
+            (label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total)
+            for key, label in STAGES
+        ]
+        lines.append(
+            "  time per step: "
+            + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
+            + f" of {total / max(len(trained), 1):.2f} s"
+        )
     roles = sorted({k.split("/")[1] for r in trained for k in r if k.startswith("load/")})
-    if roles:  # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
+    if (
+        roles
+    ):  # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
         parts = []
         for role in roles:
-            busy = [float(r[f"load/{role}/busy_fraction"]) for r in trained if f"load/{role}/busy_fraction" in r]
-            cores = [float(r[f"load/{role}/cpu_cores"]) for r in trained if f"load/{role}/cpu_cores" in r]
+            busy = [
+                float(r[f"load/{role}/busy_fraction"])
+                for r in trained
+                if f"load/{role}/busy_fraction" in r
+            ]
+            cores = [
+                float(r[f"load/{role}/cpu_cores"]) for r in trained if f"load/{role}/cpu_cores" in r
+            ]
             part = role + (f" busy {sum(busy) / len(busy):.0%}" if busy else "")
             parts.append(part + (f" {sum(cores) / len(cores):.2f} cores" if cores else ""))
         lines.append("  load per step (mean): " + ", ".join(parts))
     if run.restarts:
-        lines.append(f"  restarts: {len(run.restarts)} (" + "; ".join(f"{label} at {m:.1f} min"
-                                                                    for m, label in run.restarts) + ")")
+        lines.append(
+            f"  restarts: {len(run.restarts)} ("
+            + "; ".join(f"{label} at {m:.1f} min" for m, label in run.restarts)
+            + ")"
+        )
     else:
         lines.append("  restarts: none")
     return lines
@@ -254,19 +332,55 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     title = " vs ".join(r.name for r in runs)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    _plot_xy(axes[0][0], runs, "reward_mean", wall=False, title="reward (mean over samples)", ylabel="reward",
-             smooth=True)
+    _plot_xy(
+        axes[0][0],
+        runs,
+        "reward_mean",
+        wall=False,
+        title="reward (mean over samples)",
+        ylabel="reward",
+        smooth=True,
+    )
     _plot_xy(axes[0][1], runs, "accuracy", wall=False, title="held-out accuracy", ylabel="accuracy")
-    _plot_xy(axes[1][0], runs, "reward_mean", wall=True, title="reward against wall time", ylabel="reward",
-             smooth=True)
-    _plot_xy(axes[1][1], runs, "accuracy", wall=True, title="held-out accuracy against wall time", ylabel="accuracy")
+    _plot_xy(
+        axes[1][0],
+        runs,
+        "reward_mean",
+        wall=True,
+        title="reward against wall time",
+        ylabel="reward",
+        smooth=True,
+    )
+    _plot_xy(
+        axes[1][1],
+        runs,
+        "accuracy",
+        wall=True,
+        title="held-out accuracy against wall time",
+        ylabel="accuracy",
+    )
     fig.suptitle(f"{title}: learning")
     written.append(_save(fig, out_dir / "learning.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
-    _plot_xy(axes[0], runs, "tokens_per_s", wall=False, title="generated tokens/s", ylabel="tokens/s", smooth=True)
-    _plot_xy(axes[1], runs, "generator_idle_fraction", wall=False, title="generator idle fraction",
-             ylabel="fraction of the step", smooth=True)
+    _plot_xy(
+        axes[0],
+        runs,
+        "tokens_per_s",
+        wall=False,
+        title="generated tokens/s",
+        ylabel="tokens/s",
+        smooth=True,
+    )
+    _plot_xy(
+        axes[1],
+        runs,
+        "generator_idle_fraction",
+        wall=False,
+        title="generator idle fraction",
+        ylabel="fraction of the step",
+        smooth=True,
+    )
     fig.suptitle(f"{title}: throughput")
     written.append(_save(fig, out_dir / "throughput.png"))
 
@@ -275,17 +389,21 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     if logged:
         cols = min(3, len(logged))
         rows = -(-len(logged) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(11, 3.6 * rows), constrained_layout=True, squeeze=False)
+        fig, axes = plt.subplots(
+            rows, cols, figsize=(11, 3.6 * rows), constrained_layout=True, squeeze=False
+        )
         for ax, (key, panel_title, ylabel) in zip(axes.flat, logged):
             _plot_xy(ax, runs, key, wall=False, title=panel_title, ylabel=ylabel, smooth=True)
-        for ax in list(axes.flat)[len(logged):]:
+        for ax in list(axes.flat)[len(logged) :]:
             fig.delaxes(ax)  # no empty panels
         fig.suptitle(f"{title}: training")
         written.append(_save(fig, stale))
     else:
         stale.unlink(missing_ok=True)  # an earlier report's, of other runs
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False
+    )
     for ax, run in zip(axes[:, 0], runs):
         _stage_panel(ax, run)
     written.append(_save(fig, out_dir / "stages.png"))

@@ -47,20 +47,22 @@ FORMAT = 1
 class RolloutRecord:
     """One step's samples. Ragged fields take a list of 1-D arrays or a 2-D array (equal lengths)."""
 
-    prompt_tokens: Sequence[np.ndarray] | np.ndarray   # n x [prompt_len_i]
+    prompt_tokens: Sequence[np.ndarray] | np.ndarray  # n x [prompt_len_i]
     response_tokens: Sequence[np.ndarray] | np.ndarray  # n x [response_len_i]
-    logprobs: Sequence[np.ndarray] | np.ndarray         # n x [response_len_i]
-    reward: np.ndarray                                  # [n]
-    version: np.ndarray                                 # [n]
-    prompt_text: Sequence[str] | None = None            # n
-    response_text: Sequence[str] | None = None          # n
-    domain: Sequence[str] | None = None                 # n
-    components: dict[str, np.ndarray] | None = None     # name -> [n]
-    response_mask: Sequence[np.ndarray] | None = None   # n x [response_len_i]: 1 generated, 0 observation
-    turn_ends: Sequence[np.ndarray] | None = None       # n x [turns_i]
-    turn_rewards: Sequence[np.ndarray] | None = None    # n x [turns_i]
-    finish: Sequence[str] | None = None                 # n
-    success: np.ndarray | None = None                   # [n]
+    logprobs: Sequence[np.ndarray] | np.ndarray  # n x [response_len_i]
+    reward: np.ndarray  # [n]
+    version: np.ndarray  # [n]
+    prompt_text: Sequence[str] | None = None  # n
+    response_text: Sequence[str] | None = None  # n
+    domain: Sequence[str] | None = None  # n
+    components: dict[str, np.ndarray] | None = None  # name -> [n]
+    response_mask: Sequence[np.ndarray] | None = (
+        None  # n x [response_len_i]: 1 generated, 0 observation
+    )
+    turn_ends: Sequence[np.ndarray] | None = None  # n x [turns_i]
+    turn_rewards: Sequence[np.ndarray] | None = None  # n x [turns_i]
+    finish: Sequence[str] | None = None  # n
+    success: np.ndarray | None = None  # [n]
 
 
 def _flatten(seqs: Sequence[np.ndarray] | np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -76,7 +78,7 @@ def _flatten(seqs: Sequence[np.ndarray] | np.ndarray, dtype: Any) -> tuple[np.nd
 
 
 def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
-    return [flat[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+    return [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
 def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
@@ -91,32 +93,58 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
     reward = np.asarray(record.reward, dtype=np.float32).reshape(-1)
     version = np.asarray(record.version, dtype=np.int64).reshape(-1)
     if len(response_off) - 1 != n or len(reward) != n or len(version) != n:
-        raise ValueError(f"rollout record for step {step}: fields disagree on the number of samples "
-                         f"(prompts {n}, responses {len(response_off) - 1}, rewards {len(reward)}, "
-                         f"versions {len(version)})")
+        raise ValueError(
+            f"rollout record for step {step}: fields disagree on the number of samples "
+            f"(prompts {n}, responses {len(response_off) - 1}, rewards {len(reward)}, "
+            f"versions {len(version)})"
+        )
     if not np.array_equal(logprob_off, response_off):
-        raise ValueError(f"rollout record for step {step}: logprobs must have one value per response token")
-    texts = {k: v for k, v in (("prompt_text", record.prompt_text), ("response_text", record.response_text),
-                               ("domain", record.domain), ("finish", record.finish)) if v is not None}
+        raise ValueError(
+            f"rollout record for step {step}: logprobs must have one value per response token"
+        )
+    texts = {
+        k: v
+        for k, v in (
+            ("prompt_text", record.prompt_text),
+            ("response_text", record.response_text),
+            ("domain", record.domain),
+            ("finish", record.finish),
+        )
+        if v is not None
+    }
     episode = _episode_arrays(step, record, response_off, n)
-    components = {k: np.asarray(v, dtype=np.float32).reshape(-1) for k, v in (record.components or {}).items()}
+    components = {
+        k: np.asarray(v, dtype=np.float32).reshape(-1) for k, v in (record.components or {}).items()
+    }
     for k, v in components.items():
         if len(v) != n:
-            raise ValueError(f"rollout record for step {step}: component {k} has {len(v)} values, expected {n}")
+            raise ValueError(
+                f"rollout record for step {step}: component {k} has {len(v)} values, expected {n}"
+            )
     for k, v in texts.items():
         if len(v) != n:
-            raise ValueError(f"rollout record for step {step}: {k} has {len(v)} entries, expected {n}")
+            raise ValueError(
+                f"rollout record for step {step}: {k} has {len(v)} entries, expected {n}"
+            )
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs.update(step=int(step), time=time.time(), n=n, format=FORMAT)
-        for name, data in (("prompt_tokens", prompt), ("prompt_offsets", prompt_off),
-                           ("response_tokens", response), ("response_offsets", response_off),
-                           ("logprobs", logprobs), ("reward", reward), ("version", version)):
+        for name, data in (
+            ("prompt_tokens", prompt),
+            ("prompt_offsets", prompt_off),
+            ("response_tokens", response),
+            ("response_offsets", response_off),
+            ("logprobs", logprobs),
+            ("reward", reward),
+            ("version", version),
+        ):
             f.create_dataset(name, data=data)
         for k, v in texts.items():
             # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
-            f.create_dataset(k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype())
+            f.create_dataset(
+                k, data=[t.replace("\x00", "\u2400") for t in v], dtype=h5py.string_dtype()
+            )
         for k, v in components.items():
             f.create_dataset(f"components/{k}", data=v)
         for k, v in episode.items():
@@ -124,13 +152,17 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
     return path
 
 
-def _episode_arrays(step: int, record: RolloutRecord, response_off: np.ndarray, n: int) -> dict[str, np.ndarray]:
+def _episode_arrays(
+    step: int, record: RolloutRecord, response_off: np.ndarray, n: int
+) -> dict[str, np.ndarray]:
     """The multi-turn fields, flattened and checked against the responses."""
     out: dict[str, np.ndarray] = {}
     if record.response_mask is not None:
         mask, mask_off = _flatten(record.response_mask, np.int8)
         if not np.array_equal(mask_off, response_off):
-            raise ValueError(f"rollout record for step {step}: response_mask must have one value per response token")
+            raise ValueError(
+                f"rollout record for step {step}: response_mask must have one value per response token"
+            )
         out["response_mask"] = mask
     if (record.turn_ends is None) != (record.turn_rewards is None):
         raise ValueError(f"rollout record for step {step}: turn_ends and turn_rewards go together")
@@ -138,12 +170,16 @@ def _episode_arrays(step: int, record: RolloutRecord, response_off: np.ndarray, 
         ends, off = _flatten(record.turn_ends, np.int32)
         rewards, reward_off = _flatten(record.turn_rewards, np.float32)
         if not np.array_equal(off, reward_off) or len(off) != n + 1:
-            raise ValueError(f"rollout record for step {step}: one turn_end and one turn_reward per turn, per sample")
+            raise ValueError(
+                f"rollout record for step {step}: one turn_end and one turn_reward per turn, per sample"
+            )
         out.update(turn_ends=ends, turn_rewards=rewards, turn_offsets=off)
     if record.success is not None:
         success = np.asarray(record.success, dtype=np.int8).reshape(-1)
         if len(success) != n:
-            raise ValueError(f"rollout record for step {step}: success has {len(success)} values, expected {n}")
+            raise ValueError(
+                f"rollout record for step {step}: success has {len(success)} values, expected {n}"
+            )
         out["success"] = success
     return out
 
@@ -165,8 +201,12 @@ def read_rollouts(path: Path) -> dict[str, Any]:
         }
         for k in ("prompt_text", "response_text", "domain", "finish"):
             out[k] = [s.decode() for s in f[k][()]] if k in f else None
-        out["components"] = {k: f["components"][k][()] for k in f["components"]} if "components" in f else {}
-        out["response_mask"] = _split(f["response_mask"][()], response_off) if "response_mask" in f else None
+        out["components"] = (
+            {k: f["components"][k][()] for k in f["components"]} if "components" in f else {}
+        )
+        out["response_mask"] = (
+            _split(f["response_mask"][()], response_off) if "response_mask" in f else None
+        )
         if "turn_offsets" in f:
             turn_off = f["turn_offsets"][()]
             out["turn_ends"] = _split(f["turn_ends"][()], turn_off)

@@ -1,8 +1,8 @@
 """RunLog: the one thing a pipeline calls to leave a step behind in RUN_DIR.
 
-    metrics.jsonl          every key of every step (MetricsLog)
-    tb/                    the numeric keys, as TensorBoard scalars (TensorBoardLog)
-    rollouts/step_N.h5     the step's samples, when the pipeline passes them (RolloutWriter)
+metrics.jsonl          every key of every step (MetricsLog)
+tb/                    the numeric keys, as TensorBoard scalars (TensorBoardLog)
+rollouts/step_N.h5     the step's samples, when the pipeline passes them (RolloutWriter)
 """
 
 from __future__ import annotations
@@ -28,24 +28,40 @@ class RunLog:
         if resume_step is not None:
             truncate_metrics(RunPaths(self.run_dir).metrics, resume_step)
             for path in RunPaths(self.run_dir).rollouts.glob("step_*.h5"):
-                if path.stem.removeprefix("step_").isdigit() and int(path.stem.removeprefix("step_")) > resume_step:
+                if (
+                    path.stem.removeprefix("step_").isdigit()
+                    and int(path.stem.removeprefix("step_")) > resume_step
+                ):
                     path.unlink()
         self.metrics = MetricsLog(RunPaths(self.run_dir).metrics)
-        self.tensorboard = (TensorBoardLog(RunPaths(self.run_dir).tensorboard, purge_from=None if resume_step is None else resume_step + 1)
-                            if tensorboard else None)
+        self.tensorboard = (
+            TensorBoardLog(
+                RunPaths(self.run_dir).tensorboard,
+                purge_from=None if resume_step is None else resume_step + 1,
+            )
+            if tensorboard
+            else None
+        )
         self.rollouts = RolloutWriter(RunPaths(self.run_dir).rollouts)
         self._closed = False
 
-    def log_step(self, step: int, metrics: dict[str, Any], rollouts: RolloutRecord | None = None) -> None:
+    def log_step(
+        self, step: int, metrics: dict[str, Any], rollouts: RolloutRecord | None = None
+    ) -> None:
         """metrics go to metrics.jsonl as given (with "step" first, and "time": when, in Unix seconds, for
         plots against wall time) and their numeric part to TensorBoard (which keeps its own wall time)."""
-        record = {"step": step, **{k: v for k, v in metrics.items() if k not in ("step", "time")},
-                  "time": round(time.time(), 3)}
+        record = {
+            "step": step,
+            **{k: v for k, v in metrics.items() if k not in ("step", "time")},
+            "time": round(time.time(), 3),
+        }
         if rollouts is not None:
             self.rollouts.write(step, rollouts)
         self.metrics.write(record)
         if self.tensorboard is not None:
-            self.tensorboard.add_scalars(step, {k: v for k, v in record.items() if k not in ("step", "time")})
+            self.tensorboard.add_scalars(
+                step, {k: v for k, v in record.items() if k not in ("step", "time")}
+            )
 
     def close(self) -> None:
         if self._closed:

@@ -14,8 +14,11 @@ from typing import Any
 
 def numeric_scalars(values: dict[str, Any]) -> dict[str, float]:
     """The entries TensorBoard can plot: real numbers (Python or numpy), bools excluded."""
-    return {k: float(v) for k, v in values.items()
-            if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    return {
+        k: float(v)
+        for k, v in values.items()
+        if isinstance(v, numbers.Real) and not isinstance(v, bool)
+    }
 
 
 class TensorBoardLog:
@@ -32,7 +35,9 @@ class TensorBoardLog:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
             self._writer.add_event(Event(step=purge_from, file_version="brain.Event:2"))
-            self._writer.add_event(Event(step=purge_from, session_log=SessionLog(status=SessionLog.START)))
+            self._writer.add_event(
+                Event(step=purge_from, session_log=SessionLog(status=SessionLog.START))
+            )
             self._writer.flush()
 
     def add_scalars(self, step: int, values: dict[str, Any]) -> None:

@@ -58,7 +58,6 @@ CUT_TURNS_WARNING = 0.5
 EVAL_SEED_OFFSET = 7919
 
 
-
 class SeedStream:
     """Endless stream of training episodes: each prompt (group) is a seed drawn from the training range.
     Its position is part of a checkpoint, so a resumed run draws the seeds the uninterrupted one would."""
@@ -109,7 +108,9 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
     """The controller's agentic program (``Options``, the load-time checks and the warm start: its spec,
     agentic_spec)."""
 
-    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: AgenticPipelineSpec.Options):
+    def __init__(
+        self, workers: dict[str, WorkerGroup], run: RunContext, options: AgenticPipelineSpec.Options
+    ):
         super().__init__(workers, run, options)
         self.checkpointer: RunCheckpointer | None = None
         self._warned_cut_turns = False
@@ -121,14 +122,17 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.options.model_dir)
-        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.workers, self.options.checkpoint)
+        self.checkpointer = RunCheckpointer(
+            self.run_ctx.run_dir, self.workers, self.options.checkpoint
+        )
         self.checkpointer.find()
 
     def run(self) -> Outcome:
         o = self.options
         self.setup()
-        self.scheduler = RolloutScheduler(self._generator_ports(), None, o.rollout, seed=self.run_ctx.seed,
-                                          envs=self._env_ports())
+        self.scheduler = RolloutScheduler(
+            self._generator_ports(), None, o.rollout, seed=self.run_ctx.seed, envs=self._env_ports()
+        )
         self.seeds = SeedStream(self.run_ctx.seed, o.train_seeds)
         self.kl_control = KlController(o.kl_control)
         self.policy = PolicyCursor()
@@ -144,8 +148,12 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
 
     # ------------------------------------------------------------------ the run loop's hooks
     def state_objects(self) -> dict[str, Stateful]:
-        return {"policy": self.policy, "seeds": self.seeds, "scheduler": self.scheduler,
-                "kl_control": self.kl_control}
+        return {
+            "policy": self.policy,
+            "seeds": self.seeds,
+            "scheduler": self.scheduler,
+            "kl_control": self.kl_control,
+        }
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"episode_groups_drawn": self.seeds.drawn}
@@ -157,11 +165,16 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         groups, rstats = self.scheduler.collect(self.seeds, o.groups_per_step, self.policy.version)
         times = {"rollout_s": rstats.wall_s}
         if not groups and rstats.resets_failed and rstats.resets_failed == rstats.episodes_started:
-            raise RuntimeError(f"step {step}: all {rstats.episodes_started} episodes failed at their reset, e.g. "
-                               f"{rstats.first_failure}: the env role's environment or its options are broken")
+            raise RuntimeError(
+                f"step {step}: all {rstats.episodes_started} episodes failed at their reset, e.g. "
+                f"{rstats.first_failure}: the env role's environment or its options are broken"
+            )
         if not groups:
-            log.warning("step %d: no group with differing returns in %d started; no update this step", step,
-                        rstats.groups_started)
+            log.warning(
+                "step %d: no group with differing returns in %d started; no update this step",
+                step,
+                rstats.groups_started,
+            )
             return self.skipped_step(rstats)
         batch, critic_batch = self._training_batch(groups, times)
         self.stage("train")
@@ -171,26 +184,39 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         stats = self.training_result(training, critic, t, times)
         self.publish_policy(times)
         samples = [s for g in groups for s in g]
-        record = {**self._episode_metrics(samples), "policy_version": self.policy.version,
-                  "rollout_success_rate": rstats.episodes_succeeded / max(rstats.episodes_finished, 1),
-                  "tokens_per_s": rstats.tokens_generated / max(rstats.wall_s, 1e-9), "rows": len(batch),
-                  **step_measures(times), **rstats.as_metrics()}
+        record = {
+            **self._episode_metrics(samples),
+            "policy_version": self.policy.version,
+            "rollout_success_rate": rstats.episodes_succeeded / max(rstats.episodes_finished, 1),
+            "tokens_per_s": rstats.tokens_generated / max(rstats.wall_s, 1e-9),
+            "rows": len(batch),
+            **step_measures(times),
+            **rstats.as_metrics(),
+        }
         for key in stats[0]:
             record[f"train/{key}"] = float(np.mean([s[key] for s in stats]))
         if record["turns_cut_frac"] > CUT_TURNS_WARNING and not self._warned_cut_turns:
             self._warned_cut_turns = True
-            log.warning("step %d: %.0f%% of the turns ran into rollout.max_tokens=%d instead of ending: the policy "
-                        "may have stopped ending its turns, and whatever it writes after its action is trained on "
-                        "that action's advantage. Read actions strictly (an environment that refuses extra text, "
-                        "e.g. sokoban's strict_format) or give turns more tokens", step,
-                        100 * record["turns_cut_frac"], o.rollout.max_tokens)
-        return StepReport(record, self._record(samples),
-                          summary=f"success {record['success_rate']:.3f}, return {record['reward_mean']:.3f}, "
-                                  f"{record['turns_mean']:.1f} turns")
+            log.warning(
+                "step %d: %.0f%% of the turns ran into rollout.max_tokens=%d instead of ending: the policy "
+                "may have stopped ending its turns, and whatever it writes after its action is trained on "
+                "that action's advantage. Read actions strictly (an environment that refuses extra text, "
+                "e.g. sokoban's strict_format) or give turns more tokens",
+                step,
+                100 * record["turns_cut_frac"],
+                o.rollout.max_tokens,
+            )
+        return StepReport(
+            record,
+            self._record(samples),
+            summary=f"success {record['success_rate']:.3f}, return {record['reward_mean']:.3f}, "
+            f"{record['turns_mean']:.1f} turns",
+        )
 
     # ------------------------------------------------------------------ batch
-    def _training_batch(self, groups: list[list[Sample]], times: dict[str, float]
-                        ) -> tuple[TrainingBatch, ValueBatch | None]:
+    def _training_batch(
+        self, groups: list[list[Sample]], times: dict[str, float]
+    ) -> tuple[TrainingBatch, ValueBatch | None]:
         """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs; and the
         critic's batch (PPO; else None)."""
         from rollhpc.algo import advantages as adv_mod
@@ -204,30 +230,47 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
             rows = [rows_mod.trajectory_row(e) for g in episodes for e in g]
             data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
-                advantage = adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"])
+                advantage = adv_mod.reinforce_pp_advantages(
+                    data["token_rewards"], data["loss_mask"]
+                )
             elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
-                advantage, critic = self.ppo_advantages(data["tokens"], data["loss_mask"], data["token_rewards"],
-                                                        times)
+                advantage, critic = self.ppo_advantages(
+                    data["tokens"], data["loss_mask"], data["token_rewards"], times
+                )
             else:
-                returns = np.array([[e.episode_return for e in g] for g in episodes], dtype=np.float64)
-                advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale).reshape(-1)
+                returns = np.array(
+                    [[e.episode_return for e in g] for g in episodes], dtype=np.float64
+                )
+                advantage = agentic_adv.trajectory_advantages(
+                    returns, o.algorithm, scale=o.grpo_scale
+                ).reshape(-1)
         else:
             rows, turn_advantages = [], []
             sa = o.step_advantage
             for g in episodes:
                 per_episode = agentic_adv.gigpo_advantages(
-                    [[t.reward for t in e.turns] for e in g], [[t.state_key for t in e.turns] for e in g],
-                    gamma=sa.gamma, w_episode=sa.episode_weight, w_step=sa.step_weight, scale=sa.scale)
+                    [[t.reward for t in e.turns] for e in g],
+                    [[t.state_key for t in e.turns] for e in g],
+                    gamma=sa.gamma,
+                    w_episode=sa.episode_weight,
+                    w_step=sa.step_weight,
+                    scale=sa.scale,
+                )
                 for e, adv in zip(g, per_episode):
-                    episode_rows = [rows_mod.trajectory_row(e)] if o.formulation == "trajectory" else \
-                        rows_mod.step_rows(e)
+                    episode_rows = (
+                        [rows_mod.trajectory_row(e)]
+                        if o.formulation == "trajectory"
+                        else rows_mod.step_rows(e)
+                    )
                     rows += episode_rows
                     turn_advantages += [adv] * len(episode_rows)
             data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
             advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
             if o.formulation == "step":
                 # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
-                order = agentic_adv.minibatch_order(len(rows), 1, self.run_ctx.seed + self.policy.version)
+                order = agentic_adv.minibatch_order(
+                    len(rows), 1, self.run_ctx.seed + self.policy.version
+                )
                 data = {k: v[order] for k, v in data.items()}
                 advantage = advantage[order]
         tokens, mask = data["tokens"], data["loss_mask"]
@@ -248,38 +291,60 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         if not o.n_heldout:
             return {}
         self.stage("generate")
-        config = replace(o.rollout, group_size=1, redundancy=0, oversample=0.0, dynamic_sampling=False,
-                         max_staleness=0, partial_rollout=False, max_groups_per_batch=o.n_heldout,
-                         max_turns=o.eval_max_turns)
-        scheduler = RolloutScheduler(self._generator_ports(), None, config, seed=self.run_ctx.seed + EVAL_SEED_OFFSET,
-                                     envs=self._env_ports(), temperature=0.0 if o.eval_greedy else None)
+        config = replace(
+            o.rollout,
+            group_size=1,
+            redundancy=0,
+            oversample=0.0,
+            dynamic_sampling=False,
+            max_staleness=0,
+            partial_rollout=False,
+            max_groups_per_batch=o.n_heldout,
+            max_turns=o.eval_max_turns,
+        )
+        scheduler = RolloutScheduler(
+            self._generator_ports(),
+            None,
+            config,
+            seed=self.run_ctx.seed + EVAL_SEED_OFFSET,
+            envs=self._env_ports(),
+            temperature=0.0 if o.eval_greedy else None,
+        )
         seeds = (Prompt(i, (), EpisodeSeed(HELDOUT_SEED_BASE + i)) for i in range(o.n_heldout))
         groups, _ = scheduler.collect(seeds, o.n_heldout, self.policy.version)
         episodes = [episode_of(s) for g in groups for s in g]
-        return {"accuracy": sum(e.success for e in episodes) / o.n_heldout,
-                "eval/return_mean": sum(e.episode_return for e in episodes) / o.n_heldout,
-                "eval/turns_mean": sum(len(e.turns) for e in episodes) / o.n_heldout}
+        return {
+            "accuracy": sum(e.success for e in episodes) / o.n_heldout,
+            "eval/return_mean": sum(e.episode_return for e in episodes) / o.n_heldout,
+            "eval/turns_mean": sum(len(e.turns) for e in episodes) / o.n_heldout,
+        }
 
     # ------------------------------------------------------------------ logging
     @staticmethod
     def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
         eps = [s.episode for s in samples]
         n_turns = max(1, sum(len(e.turn_ends) for e in eps))
-        return {"reward_mean": float(np.mean([s.reward for s in samples])),
-                "success_rate": float(np.mean([e.success for e in eps])),
-                "turns_mean": float(np.mean([len(e.turn_ends) for e in eps])),
-                "row_len_mean": float(np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])),
-                "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / n_turns),
-                "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
-                # mean -log p of the generated tokens as sampled: the policy's per-token entropy (at temperature 1);
-                # RL that pushes down more sampled tokens than it pushes up makes it rise, the policy more random
-                "sampled_entropy": _sampled_entropy(samples),
-                "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
-                # share of turns cut at rollout.max_tokens: near 1 means the policy no longer ends its turns
-                "turns_cut_frac": float(sum(e.turns_cut for e in eps) / n_turns),
-                # what the environment counts (info["metrics"] summed over an episode), per episode
-                **{f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
-                   for k in sorted({k for e in eps for k in e.metrics})}}
+        return {
+            "reward_mean": float(np.mean([s.reward for s in samples])),
+            "success_rate": float(np.mean([e.success for e in eps])),
+            "turns_mean": float(np.mean([len(e.turn_ends) for e in eps])),
+            "row_len_mean": float(
+                np.mean([len(e.prompt_ids) + len(s.response) for s, e in zip(samples, eps)])
+            ),
+            "env_step_s_mean": float(np.sum([e.env_step_s for e in eps]) / n_turns),
+            "tool_calls_mean": float(np.mean([e.tool_calls for e in eps])),
+            # mean -log p of the generated tokens as sampled: the policy's per-token entropy (at temperature 1);
+            # RL that pushes down more sampled tokens than it pushes up makes it rise, the policy more random
+            "sampled_entropy": _sampled_entropy(samples),
+            "truncated_frac": float(np.mean([e.finish in ("truncated", "row_full") for e in eps])),
+            # share of turns cut at rollout.max_tokens: near 1 means the policy no longer ends its turns
+            "turns_cut_frac": float(sum(e.turns_cut for e in eps) / n_turns),
+            # what the environment counts (info["metrics"] summed over an episode), per episode
+            **{
+                f"env/{k}": float(np.mean([e.metrics.get(k, 0.0) for e in eps]))
+                for k in sorted({k for e in eps for k in e.metrics})
+            },
+        }
 
     def _record(self, samples: list[Sample]) -> RolloutRecord:
         eps = [s.episode for s in samples]
@@ -294,4 +359,6 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
             response_mask=[np.asarray(e.generated, dtype=np.int8) for e in eps],
             turn_ends=[np.asarray(e.turn_ends, dtype=np.int32) for e in eps],
             turn_rewards=[np.asarray(e.turn_rewards, dtype=np.float32) for e in eps],
-            finish=[e.finish for e in eps], success=np.array([e.success for e in eps]))
+            finish=[e.finish for e in eps],
+            success=np.array([e.success for e in eps]),
+        )

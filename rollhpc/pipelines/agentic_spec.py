@@ -8,7 +8,12 @@ from typing import Any, Literal
 
 from rollhpc.config import from_dict
 from rollhpc.envs.base import HELDOUT_SEED_BASE
-from rollhpc.pipelines.training_spec import TrainingOptions, TrainingPipelineSpec, check_critic_role, check_lora_serving
+from rollhpc.pipelines.training_spec import (
+    TrainingOptions,
+    TrainingPipelineSpec,
+    check_critic_role,
+    check_lora_serving,
+)
 from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
 from rollhpc.warm_start.sft import SftConfig
 from rollhpc.warm_start.tiny import TinyModelConfig
@@ -37,7 +42,9 @@ class AgenticWarmStart:
     seed: int = 0
     vocab_size: int = 512
     spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
-    sft: dict[str, Any] = field(default_factory=dict)  # SftConfig fields (target_accuracy: episode success)
+    sft: dict[str, Any] = field(
+        default_factory=dict
+    )  # SftConfig fields (target_accuracy: episode success)
     episodes: int = 2000  # expert episodes to learn from (training seeds)
     # characters the tokenizer keeps one token each (a grid's cells: rows of a fixed token length), e.g. "_#.B*P+\n"
     unmerged: str = ""
@@ -49,7 +56,9 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
     required_roles = ("train", "generate", "env")
 
     @dataclass(kw_only=True)
-    class Options(TrainingOptions):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
+    class Options(
+        TrainingOptions
+    ):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
         # here rollout.max_tokens is per turn, and PPO's GAE runs over the generated tokens of a row (the
         # environment's tokens between turns are skipped: a turn's last token looks ahead to the next turn's first)
         warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent
@@ -61,36 +70,61 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
         step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
         train_seeds: int = 100_000  # training episodes draw reset seeds from [0, train_seeds)
         n_heldout: int = 64  # held-out episodes (seeds from HELDOUT_SEED_BASE on)
-        eval_max_turns: int = 32  # a held-out episode is cut after this many turns (the env's own limit first)
+        eval_max_turns: int = (
+            32  # a held-out episode is cut after this many turns (the env's own limit first)
+        )
         # held-out episodes act as in training (sampled at the generators' temperature, seeded, so the same
         # weights give the same result) or greedily; a tiny greedy policy often walks in circles forever
         eval_greedy: bool = False
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            if self.steps < 1 or self.groups_per_step < 1 or self.eval_every < 0 or self.n_heldout < 0:
-                raise ValueError("steps and groups_per_step must be >= 1, eval_every and n_heldout >= 0")
+            if (
+                self.steps < 1
+                or self.groups_per_step < 1
+                or self.eval_every < 0
+                or self.n_heldout < 0
+            ):
+                raise ValueError(
+                    "steps and groups_per_step must be >= 1, eval_every and n_heldout >= 0"
+                )
             if not 0 < self.train_seeds <= HELDOUT_SEED_BASE:
-                raise ValueError(f"train_seeds must be in (0, {HELDOUT_SEED_BASE}]: held-out seeds start there")
+                raise ValueError(
+                    f"train_seeds must be in (0, {HELDOUT_SEED_BASE}]: held-out seeds start there"
+                )
             if self.rollout.group_size < 2 and self.algorithm in ("grpo", "rloo"):
-                raise ValueError(f"rollout.group_size={self.rollout.group_size} with algorithm={self.algorithm}: "
-                                 "a group-relative advantage needs >= 2 episodes per group")
+                raise ValueError(
+                    f"rollout.group_size={self.rollout.group_size} with algorithm={self.algorithm}: "
+                    "a group-relative advantage needs >= 2 episodes per group"
+                )
             if self.advantage is None:
                 self.advantage = "gigpo" if self.formulation == "step" else "episode"
             if self.formulation == "step" and self.advantage != "gigpo":
-                raise ValueError("formulation=step takes advantage=gigpo: step rows exist for per-turn advantages")
+                raise ValueError(
+                    "formulation=step takes advantage=gigpo: step rows exist for per-turn advantages"
+                )
             if self.algorithm == "ppo" and self.formulation != "trajectory":
-                raise ValueError("algorithm=ppo takes formulation=trajectory: GAE runs along an episode's row")
+                raise ValueError(
+                    "algorithm=ppo takes formulation=trajectory: GAE runs along an episode's row"
+                )
             if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
-                raise ValueError(f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}")
+                raise ValueError(
+                    f"gamma and lam must be in [0, 1], got gamma={self.gamma}, lam={self.lam}"
+                )
             if self.advantage == "gigpo" and self.algorithm != "grpo":
-                raise ValueError(f"advantage=gigpo with algorithm={self.algorithm}: GiGPO's episode and step "
-                                 "terms are group-normalised (grpo); use algorithm=grpo")
+                raise ValueError(
+                    f"advantage=gigpo with algorithm={self.algorithm}: GiGPO's episode and step "
+                    "terms are group-normalised (grpo); use algorithm=grpo"
+                )
             if self.rollout.partial_rollout:
-                raise ValueError("rollout.partial_rollout is for single-turn samples; episodes cut at a batch end "
-                                 "restart from their seed")
+                raise ValueError(
+                    "rollout.partial_rollout is for single-turn samples; episodes cut at a batch end "
+                    "restart from their seed"
+                )
             if self.loss.kl_coef > 0:
-                raise ValueError("loss.kl_coef > 0 needs a reference role; agentic runs do not take one yet")
+                raise ValueError(
+                    "loss.kl_coef > 0 needs a reference role; agentic runs do not take one yet"
+                )
 
     @classmethod
     def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
@@ -99,11 +133,18 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
         if w is None:
             return
         env_name, env_options = _env_of(roles or {})
-        prepare_agentic_policy(options.model_dir, env=env_name, env_options=env_options,
-                               spec=from_dict(TinyModelConfig, w.spec, "pipeline.options.warm_start.spec"),
-                               sft=from_dict(SftConfig, w.sft, "pipeline.options.warm_start.sft"),
-                               seed=w.seed, vocab_size=w.vocab_size, episodes=w.episodes,
-                               train_seeds=options.train_seeds, unmerged=w.unmerged)
+        prepare_agentic_policy(
+            options.model_dir,
+            env=env_name,
+            env_options=env_options,
+            spec=from_dict(TinyModelConfig, w.spec, "pipeline.options.warm_start.spec"),
+            sft=from_dict(SftConfig, w.sft, "pipeline.options.warm_start.sft"),
+            seed=w.seed,
+            vocab_size=w.vocab_size,
+            episodes=w.episodes,
+            train_seeds=options.train_seeds,
+            unmerged=w.unmerged,
+        )
 
     @classmethod
     def check_roles(cls, options: Options, roles: dict[str, Any]) -> None:
@@ -117,11 +158,17 @@ def _env_of(roles: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """(environment name, options) of the env role, from the configured roles."""
     env = roles.get("env")
     if env is None:
-        raise ValueError(f"the agentic pipeline needs an 'env' role (rollhpc.workers.env:EnvWorker); configured: "
-                         f"{sorted(roles)}")
+        raise ValueError(
+            f"the agentic pipeline needs an 'env' role (rollhpc.workers.env:EnvWorker); configured: "
+            f"{sorted(roles)}"
+        )
     options = getattr(env, "options", None) or {}
     name = options.get("env") if isinstance(options, dict) else getattr(options, "env", None)
     if not name:
         raise ValueError("roles.env.options.env must name the environment (e.g. frozenlake)")
-    env_options = options.get("env_options", {}) if isinstance(options, dict) else getattr(options, "env_options", {})
+    env_options = (
+        options.get("env_options", {})
+        if isinstance(options, dict)
+        else getattr(options, "env_options", {})
+    )
     return name, dict(env_options or {})

@@ -31,15 +31,21 @@ class DomainConfig:
     task: str  # a task module (rollhpc.tasks.NAME or an import path)
     options: dict[str, Any] = field(default_factory=dict)  # the task's make_splits keywords
     share: float  # of every batch's prompts (shares of all domains sum to 1)
-    rewards: list[str] = field(default_factory=lambda: ["reward"])  # reward roles that score it (all of them)
-    weights: dict[str, float] = field(default_factory=dict)  # reward component -> weight (absent: 1)
+    rewards: list[str] = field(
+        default_factory=lambda: ["reward"]
+    )  # reward roles that score it (all of them)
+    weights: dict[str, float] = field(
+        default_factory=dict
+    )  # reward component -> weight (absent: 1)
     dynamic_sampling: bool | None = None  # None: rollout.dynamic_sampling
     accuracy: str | None = None  # the component held-out accuracy reads (None: the combined reward)
 
     def __post_init__(self) -> None:
         from rollhpc.tasks import task_module
 
-        check = getattr(task_module(self.task), "check_options", None)  # tasks over files validate them at load
+        check = getattr(
+            task_module(self.task), "check_options", None
+        )  # tasks over files validate them at load
         if check is not None:
             self.options = check(dict(self.options))
         if not 0 < self.share <= 1:
@@ -54,26 +60,39 @@ def check_domains(domains: Mapping[str, DomainConfig], roles: Mapping[str, Any])
         return
     total = sum(d.share for d in domains.values())
     if abs(total - 1.0) > 1e-6:
-        raise ValueError(f"domains: the shares sum to {total:g}, not 1 "
-                         f"({', '.join(f'{n}={d.share:g}' for n, d in domains.items())})")
+        raise ValueError(
+            f"domains: the shares sum to {total:g}, not 1 "
+            f"({', '.join(f'{n}={d.share:g}' for n, d in domains.items())})"
+        )
     for name, d in domains.items():
         missing = [r for r in d.rewards if r not in roles]
         if missing:
-            raise ValueError(f"domains.{name}.rewards: no role named {', '.join(map(repr, missing))} "
-                             f"(roles: {', '.join(sorted(roles))}); add it under roles: or fix the name")
+            raise ValueError(
+                f"domains.{name}.rewards: no role named {', '.join(map(repr, missing))} "
+                f"(roles: {', '.join(sorted(roles))}); add it under roles: or fix the name"
+            )
         if d.accuracy is not None and d.accuracy in d.weights and d.weights[d.accuracy] == 0:
             raise ValueError(f"domains.{name}.accuracy: component {d.accuracy!r} has weight 0")
 
 
 def mixture_options(domains: Mapping[str, DomainConfig]) -> dict[str, Any]:
     """The ``mixture`` task's options for these domains (what the warm start is fine-tuned on)."""
-    return {"domains": {n: {"task": d.task, "options": dict(d.options), "share": d.share} for n, d in domains.items()}}
+    return {
+        "domains": {
+            n: {"task": d.task, "options": dict(d.options), "share": d.share}
+            for n, d in domains.items()
+        }
+    }
 
 
-def scoring(domains: Mapping[str, DomainConfig], ports: Mapping[str, list[Any]]) -> dict[str, DomainScoring]:
+def scoring(
+    domains: Mapping[str, DomainConfig], ports: Mapping[str, list[Any]]
+) -> dict[str, DomainScoring]:
     """The scheduler's view: per domain, its reward roles' rank ports and the component weights."""
-    return {n: DomainScoring({r: ports[r] for r in d.rewards}, dict(d.weights), d.dynamic_sampling)
-            for n, d in domains.items()}
+    return {
+        n: DomainScoring({r: ports[r] for r in d.rewards}, dict(d.weights), d.dynamic_sampling)
+        for n, d in domains.items()
+    }
 
 
 class MixedPromptStream:
@@ -83,7 +102,9 @@ class MixedPromptStream:
     def __init__(self, examples: list[Any], shares: Mapping[str, float], encode: Any, seed: int):
         self.encode = encode
         self.shares = dict(shares)
-        self.pools: dict[str, list[Any]] = {d: [e for e in examples if e.domain == d] for d in self.shares}
+        self.pools: dict[str, list[Any]] = {
+            d: [e for e in examples if e.domain == d] for d in self.shares
+        }
         empty = [d for d, pool in self.pools.items() if not pool]
         if empty:
             raise ValueError(f"no training examples for domain(s) {', '.join(empty)}")
@@ -112,13 +133,20 @@ class MixedPromptStream:
         return Prompt(self.drawn - 1, tuple(self.encode(ex)), ex.inner, domain=domain)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self._rng.getstate(), "order": {d: list(o) for d, o in self._order.items()},
-                "pos": dict(self._pos), "drawn": self.drawn, "n_examples": {d: len(p) for d, p in self.pools.items()}}
+        return {
+            "rng": self._rng.getstate(),
+            "order": {d: list(o) for d, o in self._order.items()},
+            "pos": dict(self._pos),
+            "drawn": self.drawn,
+            "n_examples": {d: len(p) for d, p in self.pools.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("n_examples") != {d: len(p) for d, p in self.pools.items()}:
-            raise ValueError(f"the checkpoint's prompt stream ran over {state.get('n_examples')} training examples "
-                             "per domain, this run has other counts: resume with the domains it was saved with")
+            raise ValueError(
+                f"the checkpoint's prompt stream ran over {state.get('n_examples')} training examples "
+                "per domain, this run has other counts: resume with the domains it was saved with"
+            )
         self._rng.setstate(state["rng"])
         self._order = {d: list(o) for d, o in state["order"].items()}
         self._pos, self.drawn = dict(state["pos"]), state["drawn"]

@@ -50,7 +50,13 @@ from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.rlvr_spec import RlvrPipelineSpec
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, step_measures, train_lora
+from rollhpc.pipelines.training import (
+    PolicyCursor,
+    RankPort,
+    TrainingPipeline,
+    step_measures,
+    train_lora,
+)
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
 from rollhpc.rollout.types import Prompt, Sample
@@ -85,13 +91,20 @@ class PromptStream:
         return Prompt(self.drawn - 1, tuple(self.encode(ex)), ex)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self._rng.getstate(), "order": list(self._order), "pos": self._pos, "drawn": self.drawn,
-                "n_examples": len(self.examples)}
+        return {
+            "rng": self._rng.getstate(),
+            "order": list(self._order),
+            "pos": self._pos,
+            "drawn": self.drawn,
+            "n_examples": len(self.examples),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["n_examples"] != len(self.examples):
-            raise ValueError(f"the checkpoint's prompt stream ran over {state['n_examples']} training examples, "
-                             f"this run has {len(self.examples)}: resume with the task settings it was saved with")
+            raise ValueError(
+                f"the checkpoint's prompt stream ran over {state['n_examples']} training examples, "
+                f"this run has {len(self.examples)}: resume with the task settings it was saved with"
+            )
         self._rng.setstate(state["rng"])
         self._order, self._pos, self.drawn = list(state["order"]), state["pos"], state["drawn"]
 
@@ -100,7 +113,9 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
     """The controller's RLVR program (``Options``, the load-time checks, the warm start and the preview: its spec,
     rlvr_spec)."""
 
-    def __init__(self, workers: dict[str, WorkerGroup], run: RunContext, options: RlvrPipelineSpec.Options):
+    def __init__(
+        self, workers: dict[str, WorkerGroup], run: RunContext, options: RlvrPipelineSpec.Options
+    ):
         super().__init__(workers, run, options)
         self.checkpointer: RunCheckpointer | None = None  # made by setup
 
@@ -111,7 +126,9 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         if self.checkpointer is not None:
             return
         self._load_data()
-        self.checkpointer = RunCheckpointer(self.run_ctx.run_dir, self.workers, self.options.checkpoint)
+        self.checkpointer = RunCheckpointer(
+            self.run_ctx.run_dir, self.workers, self.options.checkpoint
+        )
         self.checkpointer.find()
 
     def _load_data(self) -> None:
@@ -124,25 +141,37 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         self.pad_id = self.tokenizer.pad_token_id
         self.render = PromptRenderer(self.tokenizer, o.chat_template)
         task = task_module(o.task_name)
-        if (Path(o.model_dir) / "sft_report.json").is_file():  # the policy's own splits: held-out stays unseen
+        if (
+            Path(o.model_dir) / "sft_report.json"
+        ).is_file():  # the policy's own splits: held-out stays unseen
             from rollhpc.warm_start.policy_prep import policy_splits, read_report
 
             sft_task = read_report(o.model_dir)["settings"]["task"]
             if sft_task != o.task_name:
-                raise ValueError(f"{o.model_dir} was fine-tuned on task {sft_task!r}, the pipeline's task is "
-                                 f"{o.task_name!r}")
+                raise ValueError(
+                    f"{o.model_dir} was fine-tuned on task {sft_task!r}, the pipeline's task is "
+                    f"{o.task_name!r}"
+                )
             self.train_set, heldout = policy_splits(o.model_dir, n_train=o.task.n_train)
-            self.heldout = heldout[:o.task.n_heldout]
-            log.info("task %s: splits of the SFT warm start (%d train, %d held-out)", o.task_name,
-                     len(self.train_set), len(self.heldout))
+            self.heldout = heldout[: o.task.n_heldout]
+            log.info(
+                "task %s: splits of the SFT warm start (%d train, %d held-out)",
+                o.task_name,
+                len(self.train_set),
+                len(self.heldout),
+            )
         else:
             opts = {k: tuple(v) if isinstance(v, list) else v for k, v in o.task_options.items()}
-            self.train_set, self.heldout = task.make_splits(o.task.split_seed, o.task.n_train, o.task.n_heldout,
-                                                            **opts)
+            self.train_set, self.heldout = task.make_splits(
+                o.task.split_seed, o.task.n_train, o.task.n_heldout, **opts
+            )
         self.task = task
         # every prompt, before the first step: one that leaves no room for its response would fail hours in
-        budget = check_prompt_budget(self.render, self.prompt_splits(o, self.train_set, self.heldout),
-                                     generator_max_model_len(getattr(self.run_ctx.config, "roles", None)))
+        budget = check_prompt_budget(
+            self.render,
+            self.prompt_splits(o, self.train_set, self.heldout),
+            generator_max_model_len(getattr(self.run_ctx.config, "roles", None)),
+        )
         log.info("prompt lengths: %s", budget)
 
     # ------------------------------------------------------------------ loop
@@ -152,26 +181,45 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         o = self.options
         self.setup()
         gen = self.workers["generate"]
-        ports = {role: [RankPort(self.workers[role].at(i), "score") for i in range(len(self.workers[role]))]
-                 for role in self._reward_roles()}
-        self.scheduler = RolloutScheduler([RankPort(gen.at(i), "rollout") for i in range(len(gen))],
-                                          domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
-                                          o.rollout, seed=self.run_ctx.seed)
+        ports = {
+            role: [
+                RankPort(self.workers[role].at(i), "score") for i in range(len(self.workers[role]))
+            ]
+            for role in self._reward_roles()
+        }
+        self.scheduler = RolloutScheduler(
+            [RankPort(gen.at(i), "rollout") for i in range(len(gen))],
+            domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
+            o.rollout,
+            seed=self.run_ctx.seed,
+        )
         if o.domains:
             self.prompts: Any = domains_mod.MixedPromptStream(
-                self.train_set, {n: d.share for n, d in o.domains.items()}, self.render, self.run_ctx.seed)
+                self.train_set,
+                {n: d.share for n, d in o.domains.items()},
+                self.render,
+                self.run_ctx.seed,
+            )
         else:
             self.prompts = PromptStream(self.train_set, self.render, self.run_ctx.seed)
         self.kl_control = KlController(o.kl_control)
-        self.reward_norm: Any = (domains_mod.DomainNormalizers(o.reward_norm, list(o.domains)) if o.domains
-                                 else RewardNormalizer(o.reward_norm))
+        self.reward_norm: Any = (
+            domains_mod.DomainNormalizers(o.reward_norm, list(o.domains))
+            if o.domains
+            else RewardNormalizer(o.reward_norm)
+        )
         self.policy = PolicyCursor()
         return self.run_loop()
 
     # the run loop's hooks (rollhpc.controller.run_loop.TrainingSteps)
     def state_objects(self) -> dict[str, Stateful]:
-        return {"policy": self.policy, "prompts": self.prompts, "scheduler": self.scheduler,
-                "kl_control": self.kl_control, "reward_norm": self.reward_norm}
+        return {
+            "policy": self.policy,
+            "prompts": self.prompts,
+            "scheduler": self.scheduler,
+            "kl_control": self.kl_control,
+            "reward_norm": self.reward_norm,
+        }
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"prompts_drawn": self.prompts.drawn}
@@ -185,11 +233,18 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             (groups, rstats), self.policy.pending = self.policy.pending, None
         else:
             self.stage("generate")
-            groups, rstats = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version)
+            groups, rstats = self.scheduler.collect(
+                self.prompts, o.prompts_per_step, self.policy.version
+            )
         times = {"rollout_s": rstats.wall_s}
-        if not groups:  # every group was uniform (dynamic sampling): nothing to learn from this step
-            log.warning("step %d: no group with differing rewards in %d started; no update this step",
-                        step, rstats.groups_started)
+        if (
+            not groups
+        ):  # every group was uniform (dynamic sampling): nothing to learn from this step
+            log.warning(
+                "step %d: no group with differing rewards in %d started; no update this step",
+                step,
+                rstats.groups_started,
+            )
             return self.skipped_step(rstats)
         samples = [s for g in groups for s in g]
         batch, critic_batch, kl_ref = self._training_batch(groups, ref, times)
@@ -198,15 +253,24 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         training = train.train_step.submit(batch, self._loss_config())
         critic_pending = self.train_critic(critic_batch)
         if asynchronous and not last:  # generate the next batch with the current policy meanwhile
-            self.policy.pending = self.scheduler.collect(self.prompts, o.prompts_per_step, self.policy.version + 1,
-                                                         held=self._held_while_training(training, critic_pending))
+            self.policy.pending = self.scheduler.collect(
+                self.prompts,
+                o.prompts_per_step,
+                self.policy.version + 1,
+                held=self._held_while_training(training, critic_pending),
+            )
         stats = self.training_result(training, critic_pending, t, times)
-        if kl_ref is not None:  # the KL this batch was generated with steers the next batch's coefficient
+        if (
+            kl_ref is not None
+        ):  # the KL this batch was generated with steers the next batch's coefficient
             times["kl_scale"] = self.kl_control.update(kl_ref, len(samples))
         self.publish_policy(times)
         record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
-        return StepReport(record, self._record(samples), summary=f"reward {record['reward_mean']:.3f}, "
-                                                                 f"{record['tokens_per_s']:.0f} tok/s")
+        return StepReport(
+            record,
+            self._record(samples),
+            summary=f"reward {record['reward_mean']:.3f}, {record['tokens_per_s']:.0f} tok/s",
+        )
 
     def _reference(self) -> Any:
         """Where the reference log-probs come from: the reference role, or a LoRA train role's frozen base; None
@@ -253,7 +317,9 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
     def _reward_roles(self) -> list[str]:
         o = self.options
-        return sorted({r for d in o.domains.values() for r in d.rewards}) if o.domains else ["reward"]
+        return (
+            sorted({r for d in o.domains.values() for r in d.rewards}) if o.domains else ["reward"]
+        )
 
     def evaluate(self) -> dict[str, float]:
         """``{"accuracy": greedy accuracy on the held-out split}`` (generators split the prompts). With domains,
@@ -270,9 +336,13 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
         o = self.options
         prompts = [self.render(ex) for ex in self.heldout]
-        outs = self.workers["generate"].generate(prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0)
+        outs = self.workers["generate"].generate(
+            prompts, n=1, max_tokens=o.eval_max_tokens, temperature=0.0
+        )
         if not o.domains:
-            scores = self.workers["reward"].score([(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)])
+            scores = self.workers["reward"].score(
+                [(ex, c[0].token_ids) for ex, c in zip(self.heldout, outs)]
+            )
             return float(np.mean([combine(components_of("reward", v), {}) for v in scores])), {}
         per_domain: dict[str, float] = {}
         for name, d in o.domains.items():
@@ -284,7 +354,9 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
                 comps = item_components(replies, j)
                 values.append(comps[d.accuracy] if d.accuracy else combine(comps, d.weights))
             per_domain[f"{name}/accuracy"] = float(np.mean(values)) if values else float("nan")
-        return float(sum(d.share * per_domain[f"{n}/accuracy"] for n, d in o.domains.items())), per_domain
+        return float(
+            sum(d.share * per_domain[f"{n}/accuracy"] for n, d in o.domains.items())
+        ), per_domain
 
     # ------------------------------------------------------------------ batch
     def _on_policy(self) -> bool:
@@ -292,11 +364,18 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         is 1): the trainer's log-probs are wanted, the batch was generated by the weights that train on it
         (synchronous), the trainer takes one optimizer step on it, and no KL term reads them."""
         o = self.options
-        return (o.skip_on_policy_logprobs and o.old_logprob_source == "trainer" and o.rollout.max_staleness == 0
-                and self.trains_once_per_batch() and o.loss.kl_coef == 0 and o.kl_in_reward == 0)
+        return (
+            o.skip_on_policy_logprobs
+            and o.old_logprob_source == "trainer"
+            and o.rollout.max_staleness == 0
+            and self.trains_once_per_batch()
+            and o.loss.kl_coef == 0
+            and o.kl_in_reward == 0
+        )
 
-    def _training_batch(self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
-                        ) -> tuple[TrainingBatch, ValueBatch | None, float | None]:
+    def _training_batch(
+        self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
+    ) -> tuple[TrainingBatch, ValueBatch | None, float | None]:
         """The batch to train on (rows: the groups' samples in order), the critic's (PPO; else None), and the
         policy's KL from the reference per token (None without a reference forward)."""
         from rollhpc.algo import advantages as adv_mod
@@ -304,8 +383,10 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
         o = self.options
         samples = [s for g in groups for s in g]
-        padded = rows_mod.pad_rows([rows_mod.response_row(s.prompt.tokens, s.response, s.logprobs) for s in samples],
-                                   self.pad_id)
+        padded = rows_mod.pad_rows(
+            [rows_mod.response_row(s.prompt.tokens, s.response, s.logprobs) for s in samples],
+            self.pad_id,
+        )
         tokens, mask = padded["tokens"], padded["loss_mask"]
         old_logprob, gen_logprob = self._old_logprobs(tokens, mask, padded["gen_logprob"], times)
         ref_logprob = None
@@ -315,27 +396,43 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             t = time.perf_counter()
             ref_logprob = ref(Batch({"tokens": tokens}))["logprob"]
             times["reference_s"] = time.perf_counter() - t
-        rewards = (self.reward_norm(groups) if self.options.domains
-                   else self.reward_norm(np.array([[s.reward for s in g] for g in groups], dtype=np.float64)))
+        rewards = (
+            self.reward_norm(groups)
+            if self.options.domains
+            else self.reward_norm(
+                np.array([[s.reward for s in g] for g in groups], dtype=np.float64)
+            )
+        )
         kl, kl_ref = None, None
         if ref_logprob is not None:
             kl = (old_logprob - ref_logprob) * mask
-            kl_ref = times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))  # per token, k1 estimate
+            kl_ref = times["kl_ref"] = float(
+                kl.sum() / max(mask.sum(), 1)
+            )  # per token, k1 estimate
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
         if o.algorithm == "ppo":
-            token_rewards = adv_mod.token_level_rewards(rewards.reshape(-1), mask, kl if kl_in_reward else None,
-                                                        kl_in_reward)
+            token_rewards = adv_mod.token_level_rewards(
+                rewards.reshape(-1), mask, kl if kl_in_reward else None, kl_in_reward
+            )
             advantage, critic = self.ppo_advantages(tokens, mask, token_rewards, times)
         else:
-            advantage = adv_mod.outcome_advantages(o.algorithm, rewards, mask, kl, kl_in_reward, o.grpo_scale)
+            advantage = adv_mod.outcome_advantages(
+                o.algorithm, rewards, mask, kl, kl_in_reward, o.grpo_scale
+            )
             critic = None
-        batch = TrainingBatch(tokens, mask, advantage.astype(np.float32), old_logprob=old_logprob,
-                              ref_logprob=ref_logprob if o.loss.kl_coef != 0 else None,  # else in the reward only
-                              gen_logprob=gen_logprob)
+        batch = TrainingBatch(
+            tokens,
+            mask,
+            advantage.astype(np.float32),
+            old_logprob=old_logprob,
+            ref_logprob=ref_logprob if o.loss.kl_coef != 0 else None,  # else in the reward only
+            gen_logprob=gen_logprob,
+        )
         return batch, critic, kl_ref
 
-    def _old_logprobs(self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
-                      ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def _old_logprobs(
+        self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
+    ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The batch's ``old_logprob`` and ``gen_logprob``: on-policy none, and the generator's for the train step to
         measure ``logprob_abs_diff`` against; else the trainer's (``old_logprob_source: trainer``) or the
         generator's."""
@@ -355,12 +452,21 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         return replace(loss, kl_coef=loss.kl_coef * self.kl_control.scale) if loss.kl_coef else loss
 
     # ------------------------------------------------------------------ logging
-    def _metrics(self, step: int, version: int, samples: list[Sample], rstats: Any, train_stats: list[dict],
-                 times: dict[str, float]) -> dict[str, Any]:
+    def _metrics(
+        self,
+        step: int,
+        version: int,
+        samples: list[Sample],
+        rstats: Any,
+        train_stats: list[dict],
+        times: dict[str, float],
+    ) -> dict[str, Any]:
         tokens = rstats.tokens_generated
         rewards = np.array([s.reward for s in samples])
         record: dict[str, Any] = {
-            "rows": len(samples),  # the batch's rows, those the trainer skipped included (train/rows_skipped)
+            "rows": len(
+                samples
+            ),  # the batch's rows, those the trainer skipped included (train/rows_skipped)
             "reward_mean": float(rewards.mean()),
             "response_len_mean": float(np.mean([len(s.response) for s in samples])),
             "tokens_per_s": tokens / max(rstats.wall_s, 1e-9),
@@ -383,7 +489,13 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             reward=np.array([s.reward for s in samples], dtype=np.float32),
             version=np.array([s.version for s in samples], dtype=np.int64),
             prompt_text=[s.prompt.example.prompt for s in samples],
-            response_text=self.tokenizer.batch_decode([s.response for s in samples], skip_special_tokens=True),
+            response_text=self.tokenizer.batch_decode(
+                [s.response for s in samples], skip_special_tokens=True
+            ),
             domain=[s.prompt.domain for s in samples] if self.options.domains else None,
-            components={c: np.array([s.components.get(c, np.nan) for s in samples], dtype=np.float32)
-                        for c in sorted({c for s in samples for c in s.components})} or None)
+            components={
+                c: np.array([s.components.get(c, np.nan) for s in samples], dtype=np.float32)
+                for c in sorted({c for s in samples for c in s.components})
+            }
+            or None,
+        )

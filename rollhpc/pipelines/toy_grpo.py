@@ -38,7 +38,9 @@ class ToyGrpoPipeline(Pipeline):
 
         def __post_init__(self) -> None:
             if self.group_size < 2:
-                raise ValueError(f"group_size={self.group_size}: {GROUP_BASELINES['grpo']}; set group_size >= 2")
+                raise ValueError(
+                    f"group_size={self.group_size}: {GROUP_BASELINES['grpo']}; set group_size >= 2"
+                )
 
     def evaluate(self) -> float:
         prompts = modsum.all_prompts(self.options.modulus)
@@ -57,7 +59,9 @@ class ToyGrpoPipeline(Pipeline):
         for step in range(1, o.steps + 1):
             times = {}
             t = time.perf_counter()
-            rollouts = gen.generate(modsum.sample_prompts(rng, o.modulus, o.prompts_per_step), o.group_size)
+            rollouts = gen.generate(
+                modsum.sample_prompts(rng, o.modulus, o.prompts_per_step), o.group_size
+            )
             times["generate_s"] = time.perf_counter() - t
             t = time.perf_counter()
             scored = reward.score(rollouts)
@@ -73,15 +77,25 @@ class ToyGrpoPipeline(Pipeline):
             record = {
                 "step": step,
                 "reward_mean": float(rewards.mean()),
-                "loss": float(np.average([s["loss"] for s in stats], weights=[s["n"] for s in stats])),
+                "loss": float(
+                    np.average([s["loss"] for s in stats], weights=[s["n"] for s in stats])
+                ),
                 "entropy": float(np.mean([s["entropy"] for s in stats])),
                 "policy_version": step,
                 **{k: round(v, 4) for k, v in times.items()},
             }
             if step % o.eval_every == 0 or step == o.steps:
                 record["accuracy"] = accuracy = self.evaluate()
-            run_log.log_step(step, record, self._rollout_record(scored) if self._keep_rollouts(step) else None)
-            log.info("step %d/%d: reward %.3f, greedy accuracy %.3f", step, o.steps, record["reward_mean"], accuracy)
+            run_log.log_step(
+                step, record, self._rollout_record(scored) if self._keep_rollouts(step) else None
+            )
+            log.info(
+                "step %d/%d: reward %.3f, greedy accuracy %.3f",
+                step,
+                o.steps,
+                record["reward_mean"],
+                accuracy,
+            )
         run_log.close()
 
     def _keep_rollouts(self, step: int) -> bool:
@@ -91,5 +105,10 @@ class ToyGrpoPipeline(Pipeline):
     @staticmethod
     def _rollout_record(scored: Batch) -> RolloutRecord:
         """Prompts are (a, b) token pairs and responses one answer token, so every sequence has a fixed length."""
-        return RolloutRecord(prompt_tokens=scored["prompt"], response_tokens=scored["answer"][:, None],
-                             logprobs=scored["logprob"][:, None], reward=scored["reward"], version=scored["version"])
+        return RolloutRecord(
+            prompt_tokens=scored["prompt"],
+            response_tokens=scored["answer"][:, None],
+            logprobs=scored["logprob"][:, None],
+            reward=scored["reward"],
+            version=scored["version"],
+        )

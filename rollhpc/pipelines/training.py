@@ -20,15 +20,27 @@ import numpy as np
 
 from rollhpc.batch import Batch, ValueBatch
 from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, StepReport
-from rollhpc.pipelines.training_spec import (TrainingOptions, TrainingPipelineSpec, check_critic_role,
-                                             check_lora_serving, train_lora)
+from rollhpc.pipelines.training_spec import (
+    TrainingOptions,
+    TrainingPipelineSpec,
+    check_critic_role,
+    check_lora_serving,
+    train_lora,
+)
 from rollhpc.protocol.pipeline import Pipeline
 from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync
 from rollhpc.weight_sync.routing import route_weights
 
-__all__ = ["PolicyCursor", "RankPort", "TrainingOptions", "TrainingPipeline", "check_critic_role", "check_lora_serving",
-           "train_lora"]
+__all__ = [
+    "PolicyCursor",
+    "RankPort",
+    "TrainingOptions",
+    "TrainingPipeline",
+    "check_critic_role",
+    "check_lora_serving",
+    "train_lora",
+]
 
 log = logging.getLogger("rollhpc.run")
 
@@ -69,7 +81,9 @@ def generators_take_adapters(roles: dict[str, Any]) -> bool:
     """Whether a LoRA trainer's weight syncs move its adapters alone: the generate role's engine serves them
     (vLLM with ``max_lora_rank``) or merges them (engine=torch). Otherwise the base with the adapters merged in."""
     options = getattr(roles.get("generate"), "options", None)
-    return train_lora(roles) is not None and bool(getattr(options, "takes_adapters", lambda: False)())
+    return train_lora(roles) is not None and bool(
+        getattr(options, "takes_adapters", lambda: False)()
+    )
 
 
 class TrainingPipeline(TrainingPipelineSpec, Pipeline):
@@ -91,21 +105,41 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         if mode != "relay" and plan_path.exists():
             from rollhpc.placement.device_mapping import WorldPlan
 
-            routing = route_weights(WorldPlan.load(plan_path), mode)  # checked at load too (plan_world)
+            routing = route_weights(
+                WorldPlan.load(plan_path), mode
+            )  # checked at load too (plan_world)
         if mode == "auto":
             mode = routing.mode if routing is not None and routing.routes else "broadcast"
-        self.weight_sync = WeightSync(self.workers["train"], self.workers["generate"], mode, o.weight_sync_bucket_mb,
-                                      routing=routing, verify_every=o.weight_sync_verify_every,
-                                      adapters_only=self._syncs_adapters_only())
+        self.weight_sync = WeightSync(
+            self.workers["train"],
+            self.workers["generate"],
+            mode,
+            o.weight_sync_bucket_mb,
+            routing=routing,
+            verify_every=o.weight_sync_verify_every,
+            adapters_only=self._syncs_adapters_only(),
+        )
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
             from rollhpc.controller.colocation import Residency, colocation_of
 
-            self.residency = Residency(self.workers, self.memory_stages, colocation_of(self.run_ctx.config.roles),
-                                       self.run_ctx.offloaded_at_start)
+            self.residency = Residency(
+                self.workers,
+                self.memory_stages,
+                colocation_of(self.run_ctx.config.roles),
+                self.run_ctx.offloaded_at_start,
+            )
             self.checkpointer.before_save = lambda: self.stage("checkpoint")
-        loop = RunLoop(self.run_ctx.run_dir, self.checkpointer,
-                       LoopConfig(steps=o.steps, eval_every=o.eval_every, rollout_every=o.rollout_every,
-                                    max_wall_s=o.max_wall_s, max_train_s=o.max_train_s))
+        loop = RunLoop(
+            self.run_ctx.run_dir,
+            self.checkpointer,
+            LoopConfig(
+                steps=o.steps,
+                eval_every=o.eval_every,
+                rollout_every=o.rollout_every,
+                max_wall_s=o.max_wall_s,
+                max_train_s=o.max_train_s,
+            ),
+        )
         outcome = loop.run(self)
         if o.export_hf == "final" and outcome is not Outcome.STOPPED_FOR_REQUEUE:
             self.export_final()
@@ -126,10 +160,16 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         try:
             source, report = export_run(run_dir, out, step=step, overwrite=True, progress=False)
         except (ExportError, ConversionError) as e:
-            raise RuntimeError(f"the run ended with checkpoint step {step} saved, but export_hf=final could not "
-                               f"write {out}: {e}; `rollhpc export {run_dir} {out} --overwrite` retries it") from e
-        log.info("export_hf=final: wrote %s, a Hugging Face directory of the trainer's model of %s (%.1f s)", out,
-                 source.checkpoint.path.name, report.seconds)
+            raise RuntimeError(
+                f"the run ended with checkpoint step {step} saved, but export_hf=final could not "
+                f"write {out}: {e}; `rollhpc export {run_dir} {out} --overwrite` retries it"
+            ) from e
+        log.info(
+            "export_hf=final: wrote %s, a Hugging Face directory of the trainer's model of %s (%.1f s)",
+            out,
+            source.checkpoint.path.name,
+            report.seconds,
+        )
 
     residency: Any = None
 
@@ -141,8 +181,13 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     def residency_metrics(self) -> dict[str, Any]:
         return self.residency.step_metrics() if self.residency is not None else {}
 
-    def ppo_advantages(self, tokens: np.ndarray, mask: np.ndarray, token_rewards: np.ndarray,
-                       times: dict[str, float]) -> tuple[np.ndarray, ValueBatch]:
+    def ppo_advantages(
+        self,
+        tokens: np.ndarray,
+        mask: np.ndarray,
+        token_rewards: np.ndarray,
+        times: dict[str, float],
+    ) -> tuple[np.ndarray, ValueBatch]:
         """PPO's token advantages (whitened): the critic's values, GAE with the options' gamma and lam; and the
         critic's batch (its returns and the values it had) for ``train_critic``."""
         from rollhpc.algo import advantages as adv_mod
@@ -152,8 +197,12 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         values = self.workers["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
         times["critic_values_s"] = time.perf_counter() - t
         o = self.options
-        advantage, returns = adv_mod.gae_advantages(token_rewards, values, mask, gamma=o.gamma, lam=o.lam)
-        critic = ValueBatch(tokens, mask, returns=returns.astype(np.float32), old_values=values.astype(np.float32))
+        advantage, returns = adv_mod.gae_advantages(
+            token_rewards, values, mask, gamma=o.gamma, lam=o.lam
+        )
+        critic = ValueBatch(
+            tokens, mask, returns=returns.astype(np.float32), old_values=values.astype(np.float32)
+        )
         return adv_mod.whiten(advantage, mask), critic
 
     def train_critic(self, batch: ValueBatch | None) -> Any:
@@ -166,7 +215,10 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     @staticmethod
     def with_critic_stats(stats: list[dict[str, float]], critic: Any) -> list[dict[str, float]]:
         """The actor's per-rank train stats with the critic's (``critic_`` prefixed), once its step is done."""
-        return [{**a, **{f"critic_{k}": v for k, v in b.items()}} for a, b in zip(stats, critic.result())]
+        return [
+            {**a, **{f"critic_{k}": v for k, v in b.items()}}
+            for a, b in zip(stats, critic.result())
+        ]
 
     def sync_weights(self) -> float:
         self.stage("weight_sync")
@@ -175,11 +227,19 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     # ---- the pieces of a step both pipelines take
     def skipped_step(self, rstats: Any) -> StepReport:
         """The report of a step with nothing to learn from (every group uniform): no update, no new version."""
-        return StepReport({"reward_mean": float("nan"), "policy_version": self.policy.version, "skipped": 1,
-                           **rstats.as_metrics()}, trained=False)
+        return StepReport(
+            {
+                "reward_mean": float("nan"),
+                "policy_version": self.policy.version,
+                "skipped": 1,
+                **rstats.as_metrics(),
+            },
+            trained=False,
+        )
 
-    def old_logprobs_from_trainer(self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray,
-                                  times: dict[str, float]) -> np.ndarray:
+    def old_logprobs_from_trainer(
+        self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
+    ) -> np.ndarray:
         """The trainer's log-probs of ``tokens`` under the weights the batch was generated with, and how far the
         generator's were from them (``logprob_abs_diff``, per generated token: the weight sync and both engines'
         numerics)."""
@@ -187,11 +247,14 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         t = time.perf_counter()
         old = self.workers["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
         times["old_logprob_s"] = time.perf_counter() - t
-        times["logprob_abs_diff"] = float((np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1))
+        times["logprob_abs_diff"] = float(
+            (np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1)
+        )
         return old
 
-    def training_result(self, training: Any, critic: Any, started: float,
-                        times: dict[str, float]) -> list[dict[str, float]]:
+    def training_result(
+        self, training: Any, critic: Any, started: float, times: dict[str, float]
+    ) -> list[dict[str, float]]:
         """The train call's statistics (with the critic's, when it trained beside it), ``train_s`` since
         ``started``, and on-policy the train step's own distance from the generator's log-probs."""
         stats = training.result()

@@ -13,8 +13,14 @@ from rollhpc.checkpoint.run_checkpoint import CheckpointConfig
 from rollhpc.protocol.spec import PipelineSpec
 from rollhpc.rollout.scheduler import SchedulerConfig
 
-__all__ = ["TRAINER_PARTS", "TrainingOptions", "TrainingPipelineSpec", "check_critic_role", "check_lora_serving",
-           "train_lora"]
+__all__ = [
+    "TRAINER_PARTS",
+    "TrainingOptions",
+    "TrainingPipelineSpec",
+    "check_critic_role",
+    "check_lora_serving",
+    "train_lora",
+]
 
 TRAINER_PARTS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -30,7 +36,9 @@ class TrainingOptions:
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
     grpo_scale: bool = True  # divide by the group's std (False: Dr. GRPO)
     loss: LossConfig = field(default_factory=LossConfig)
-    kl_control: KlControlConfig = field(default_factory=KlControlConfig)  # fixed, or adaptive to a target KL
+    kl_control: KlControlConfig = field(
+        default_factory=KlControlConfig
+    )  # fixed, or adaptive to a target KL
     gamma: float = 1.0  # PPO/GAE discount and lambda
     lam: float = 0.95
     value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
@@ -45,12 +53,16 @@ class TrainingOptions:
     weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
     weight_sync_bucket_mb: float = 64.0
     rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
-    max_wall_s: float = 0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
+    max_wall_s: float = (
+        0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
+    )
     max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
     # colocated roles take turns on their devices: each stage offloads what it does not use
     # (rollhpc.controller.colocation); off: they stay resident together
     offload: bool = False
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # RUN_DIR/checkpoints, resume
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig
+    )  # RUN_DIR/checkpoints, resume
     # final: when the run ends (its last step, or max_wall_s / max_train_s; not a stop for a requeue), the
     # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
     # `rollhpc export RUN_DIR RUN_DIR/export/hf` would write it); none: `rollhpc export` it when wanted
@@ -61,17 +73,23 @@ class TrainingOptions:
 
     def __post_init__(self) -> None:
         if self.weight_sync_verify_every < 0:
-            raise ValueError(f"weight_sync_verify_every must be >= 0 (0: never), got {self.weight_sync_verify_every}")
+            raise ValueError(
+                f"weight_sync_verify_every must be >= 0 (0: never), got {self.weight_sync_verify_every}"
+            )
         if self.export_hf == "final" and not self.checkpoint.at_end:
-            raise ValueError("export_hf=final exports the run's final checkpoint, but checkpoint.at_end=false saves "
-                             "none: set checkpoint.at_end=true, or export_hf=none and `rollhpc export RUN_DIR --step "
-                             "N OUT_DIR` a checkpoint of your choice")
+            raise ValueError(
+                "export_hf=final exports the run's final checkpoint, but checkpoint.at_end=false saves "
+                "none: set checkpoint.at_end=true, or export_hf=none and `rollhpc export RUN_DIR --step "
+                "N OUT_DIR` a checkpoint of your choice"
+            )
 
 
 def check_critic_role(options: Any, roles: dict[str, Any]) -> None:
     """Config-time: PPO's values come from a critic role."""
     if options.algorithm == "ppo" and "critic" not in roles:
-        raise ValueError("algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)")
+        raise ValueError(
+            "algorithm 'ppo' needs a 'critic' role (rollhpc.workers.megatron_policy:MegatronCriticWorker)"
+        )
 
 
 def train_lora(roles: dict[str, Any]) -> Any:
@@ -86,11 +104,15 @@ def check_lora_serving(roles: dict[str, Any]) -> None:
         return
     lora = train_lora(roles)
     if lora is None:
-        raise ValueError(f"roles.generate.options.max_lora_rank={serving} serves a LoRA trainer's adapters, but "
-                         "roles.train.options has no lora: remove max_lora_rank")
+        raise ValueError(
+            f"roles.generate.options.max_lora_rank={serving} serves a LoRA trainer's adapters, but "
+            "roles.train.options has no lora: remove max_lora_rank"
+        )
     if lora.rank > serving:
-        raise ValueError(f"roles.generate.options.max_lora_rank={serving} is below the train role's "
-                         f"lora.rank={lora.rank}: vLLM would refuse the adapters")
+        raise ValueError(
+            f"roles.generate.options.max_lora_rank={serving} is below the train role's "
+            f"lora.rank={lora.rank}: vLLM would refuse the adapters"
+        )
 
 
 class TrainingPipelineSpec(PipelineSpec):
@@ -103,12 +125,17 @@ class TrainingPipelineSpec(PipelineSpec):
         "reference": {"reference": ("parameters", "activations")},
         "values": {"critic": ("parameters", "forward_activations")},
         "old_logprob": {"train": ("parameters", "forward_activations")},
-        "train": {"train": TRAINER_PARTS, "critic": TRAINER_PARTS},  # the critic trains beside the actor
+        "train": {
+            "train": TRAINER_PARTS,
+            "critic": TRAINER_PARTS,
+        },  # the critic trains beside the actor
         "weight_sync": {"train": ("parameters",), "generate": ("weights",)},
         # the trained state read whole: a checkpoint's save, and the final weights' digest (megatron's offload
         # frees the GPU storage of what it moves, so nothing may read it while offloaded)
-        "checkpoint": {"train": ("parameters", "gradients", "optimizer"),
-                       "critic": ("parameters", "gradients", "optimizer")},
+        "checkpoint": {
+            "train": ("parameters", "gradients", "optimizer"),
+            "critic": ("parameters", "gradients", "optimizer"),
+        },
     }
 
     @classmethod

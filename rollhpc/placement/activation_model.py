@@ -39,7 +39,9 @@ def _mlp_bytes(shape: Any, tokens: int, e: int, tp: int, ep: int, etp: int) -> d
         return {"mlp": float(per_f * e * tokens * shape.intermediate // tp)}
     out = moe_bytes(shape, tokens, e, ep, etp)
     if shape.shared_intermediate:
-        out["mlp"] = float(per_f * e * tokens * shape.shared_intermediate // tp + e * tokens)  # + its gate
+        out["mlp"] = float(
+            per_f * e * tokens * shape.shared_intermediate // tp + e * tokens
+        )  # + its gate
     return out
 
 
@@ -61,9 +63,11 @@ def moe_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) -> dict[str, f
     n = etp * ep
     routed = tokens * shape.topk * etp
     ffn = ((5 if shape.gated else 2) + 1) * e * shape.moe_intermediate // etp
-    return {"router": float(12 * tokens * shape.topk),
-            "dispatch": float(3 * tokens * n * (shape.experts // ep)),
-            "experts": float(routed * (8 + 2 + e * shape.hidden + ffn))}
+    return {
+        "router": float(12 * tokens * shape.topk),
+        "dispatch": float(3 * tokens * n * (shape.experts // ep)),
+        "experts": float(routed * (8 + 2 + e * shape.hidden + ffn)),
+    }
 
 
 def dispatch_buffer_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) -> float:
@@ -74,8 +78,17 @@ def dispatch_buffer_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) ->
     return float(2 * e * tokens * n * shape.hidden) if shape.experts and n > 1 else 0.0
 
 
-def layer_bytes(shape: Any, tp: int, rows: int, seq: int, e: int, recompute: str = "none", *, ep: int = 1,
-                etp: int = 1) -> dict[str, float]:
+def layer_bytes(
+    shape: Any,
+    tp: int,
+    rows: int,
+    seq: int,
+    e: int,
+    recompute: str = "none",
+    *,
+    ep: int = 1,
+    etp: int = 1,
+) -> dict[str, float]:
     """One transformer layer's kept activations on a TP rank, op by op (bytes), for a micro-batch of ``rows``
     rows of ``seq`` tokens with ``e``-byte activations. ``recompute``: "selective" keeps the core attention's
     inputs (rotated q and k, the fused qkv output v is a view of) instead of its tensors and scores; "full"
@@ -84,16 +97,24 @@ def layer_bytes(shape: Any, tp: int, rows: int, seq: int, e: int, recompute: str
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     t = rows * seq
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, _kv_local(shape, tp) * tp
-    if recompute == "full":  # the checkpoint keeps the layer's input and the float32 rotary frequencies
+    if (
+        recompute == "full"
+    ):  # the checkpoint keeps the layer's input and the float32 rotary frequencies
         return {"layer_input": float(e * t * h + 4 * seq * shape.head_dim)}
-    out = {"norms": float(2 * (NORM_FP32_COPIES * t * h + 4 * t)),
-           "linear_inputs": float(2 * e * t * h),  # qkv's input and fc1's (or the router's)
-           "rope": float(4 * e * seq * shape.head_dim)}  # cos and sin for q and k, one row's worth
+    out = {
+        "norms": float(2 * (NORM_FP32_COPIES * t * h + 4 * t)),
+        "linear_inputs": float(2 * e * t * h),  # qkv's input and fc1's (or the router's)
+        "rope": float(4 * e * seq * shape.head_dim),
+    }  # cos and sin for q and k, one row's worth
     if shape.qk_norm:  # Qwen3: per-head RMSNorm of q and k, the same float32 copies
         out["qk_norm"] = float(NORM_FP32_COPIES * t * (q + kv) // tp)
     qkv_out = e * t * (q + 2 * kv) // tp
-    if recompute == "selective":  # rotated q, rotated (unrepeated) k, the qkv output; the proj's input
-        out["attention"] = float(e * t * q // tp + e * t * _kv_local(shape, tp) + qkv_out + e * t * q // tp)
+    if (
+        recompute == "selective"
+    ):  # rotated q, rotated (unrepeated) k, the qkv output; the proj's input
+        out["attention"] = float(
+            e * t * q // tp + e * t * _kv_local(shape, tp) + qkv_out + e * t * q // tp
+        )
     else:
         out.update(core_attention_bytes(shape, tp, rows, seq, e))
     out.update(_mlp_bytes(shape, t, e, tp, ep, etp))
@@ -107,8 +128,10 @@ def core_attention_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> di
     t = rows * seq
     q, kv = shape.heads * shape.head_dim, _kv_local(shape, tp) * tp
     v = e * t * q // tp if shape.kv_heads < shape.heads else e * t * (q + 2 * kv) // tp
-    return {"attention": float(3 * e * t * q // tp + v),
-            "scores": float((4 + e) * (shape.heads // tp) * seq * seq * rows)}
+    return {
+        "attention": float(3 * e * t * q // tp + v),
+        "scores": float((4 + e) * (shape.heads // tp) * seq * seq * rows),
+    }
 
 
 def head_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> float:
@@ -116,12 +139,17 @@ def head_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> float:
     then the loss head's float32 copy, reused in place for the gradient: rollhpc.models.vocab_parallel), the
     vocabulary split over TP."""
     t = rows * seq
-    return float(NORM_FP32_COPIES * t * shape.hidden + 4 * t + e * t * shape.hidden
-                 + LOGITS_BYTES * t * -(-shape.vocab // tp))
+    return float(
+        NORM_FP32_COPIES * t * shape.hidden
+        + 4 * t
+        + e * t * shape.hidden
+        + LOGITS_BYTES * t * -(-shape.vocab // tp)
+    )
 
 
-def transient_bytes(shape: Any, tp: int, rows: int, seq: int, e: int, recompute: str, *, ep: int = 1,
-                    etp: int = 1) -> float:
+def transient_bytes(
+    shape: Any, tp: int, rows: int, seq: int, e: int, recompute: str, *, ep: int = 1, etp: int = 1
+) -> float:
     """What a backward re-materializes one layer at a time beyond what is kept: "full" recomputes a whole layer,
     "selective" its core attention; plus the MoE dispatcher's buffers."""
     extra = dispatch_buffer_bytes(shape, rows * seq, e, ep, etp)

@@ -61,11 +61,20 @@ class WorldPlan:
 
     def ranks_of(self, role: str) -> list[int]:
         """World ranks of a role, in group-rank order."""
-        return [p.rank for p in sorted((p for p in self.ranks if p.role == role), key=lambda p: p.group_rank)]
+        return [
+            p.rank
+            for p in sorted((p for p in self.ranks if p.role == role), key=lambda p: p.group_rank)
+        ]
 
     def to_json(self) -> str:
-        return json.dumps({"ranks": [asdict(r) for r in self.ranks], "components": [asdict(c) for c in self.components],
-                           "gpus_total": self.gpus_total, "notes": self.notes})
+        return json.dumps(
+            {
+                "ranks": [asdict(r) for r in self.ranks],
+                "components": [asdict(c) for c in self.components],
+                "gpus_total": self.gpus_total,
+                "notes": self.notes,
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "WorldPlan":
@@ -82,14 +91,18 @@ class WorldPlan:
 
 
 def _fmt_ids(ids: list[int]) -> str:
-    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
+    return (
+        f"{ids[0]}-{ids[-1]}"
+        if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1
+        else ",".join(map(str, ids))
+    )
 
 
 def rank_devices(role: Any, devices: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Each rank's GPUs, in group-rank order: consecutive slices of ``gpus_per_proc`` of the role's device list
     (``devices`` when the role has none of its own: the GPUs the mapping gave it)."""
     ids, per = role.devices if role.devices is not None else devices, role.gpus_per_proc
-    return [tuple(ids[g * per:(g + 1) * per]) for g in range(role.procs)]
+    return [tuple(ids[g * per : (g + 1) * per]) for g in range(role.procs)]
 
 
 def nested_groups(lists: dict[str, Sequence[int]]) -> dict[tuple[int, ...], list[str]]:
@@ -112,32 +125,44 @@ def _explicit_lists(cfg: ExperimentConfig, cluster: ClusterConfig) -> dict[str, 
             raise ConfigError(f"roles.{name}.gpus_per_proc: must be >= 0")
         if role.gpus_per_proc == 0:
             if role.devices:
-                raise ConfigError(f"roles.{name}.devices: a CPU role (gpus_per_proc: 0) cannot have GPUs")
+                raise ConfigError(
+                    f"roles.{name}.devices: a CPU role (gpus_per_proc: 0) cannot have GPUs"
+                )
             continue
         if cluster.gpus_per_node == 0:
-            raise ConfigError(f"roles.{name}: asks for {role.gpus_per_proc} GPU(s) per rank but cluster.gpus_per_node is 0")
+            raise ConfigError(
+                f"roles.{name}: asks for {role.gpus_per_proc} GPU(s) per rank but cluster.gpus_per_node is 0"
+            )
         if role.gpus_per_proc > cluster.gpus_per_node:
-            raise ConfigError(f"roles.{name}.gpus_per_proc: {role.gpus_per_proc} GPUs per rank do not fit on a node "
-                              f"of {cluster.gpus_per_node}")
+            raise ConfigError(
+                f"roles.{name}.gpus_per_proc: {role.gpus_per_proc} GPUs per rank do not fit on a node "
+                f"of {cluster.gpus_per_node}"
+            )
         if role.devices is None:
             continue
         ids = tuple(role.devices)
         need = role.procs * role.gpus_per_proc
         if len(ids) != need:
-            raise ConfigError(f"roles.{name}.devices: {len(ids)} GPUs listed but procs x gpus_per_proc = "
-                              f"{role.procs} x {role.gpus_per_proc} = {need}")
+            raise ConfigError(
+                f"roles.{name}.devices: {len(ids)} GPUs listed but procs x gpus_per_proc = "
+                f"{role.procs} x {role.gpus_per_proc} = {need}"
+            )
         if len(set(ids)) != len(ids):
             raise ConfigError(f"roles.{name}.devices: GPU ids repeat")
         bad = [i for i in ids if not 0 <= i < capacity]
         if bad:
-            raise ConfigError(f"roles.{name}.devices: GPU ids {bad[:5]} outside the cluster's {capacity} GPUs "
-                              f"({cluster.nodes} nodes x {cluster.gpus_per_node})")
+            raise ConfigError(
+                f"roles.{name}.devices: GPU ids {bad[:5]} outside the cluster's {capacity} GPUs "
+                f"({cluster.nodes} nodes x {cluster.gpus_per_node})"
+            )
         for other, theirs in lists.items():
             mine, their_set = set(ids), set(theirs)
             if mine & their_set and not (mine <= their_set or their_set <= mine):
-                raise ConfigError(f"roles.{name}.devices: shares GPU {min(mine & their_set)} with role {other!r} but "
-                                  "neither list holds the other: colocated roles use the same list, or one role's "
-                                  "list inside the other's (a partial overlap)")
+                raise ConfigError(
+                    f"roles.{name}.devices: shares GPU {min(mine & their_set)} with role {other!r} but "
+                    "neither list holds the other: colocated roles use the same list, or one role's "
+                    "list inside the other's (a partial overlap)"
+                )
         lists[name] = ids
     return lists
 
@@ -166,10 +191,14 @@ def _gpu_groups(cfg: ExperimentConfig, cluster: ClusterConfig) -> list[tuple[lis
                 ids.append(cursor)
             cursor += 1
         if len(ids) < need:
-            total = len(explicit) + sum(r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None)
-            raise ConfigError(f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
-                              f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
-                              f"for {total}, colocated ones counted once)")
+            total = len(explicit) + sum(
+                r.procs * r.gpus_per_proc for r in cfg.roles.values() if r.devices is None
+            )
+            raise ConfigError(
+                f"roles.{name}: needs {need} GPUs but the cluster has no {need} free GPUs left "
+                f"({capacity} in all: {cluster.nodes} nodes x {cluster.gpus_per_node}; the roles ask "
+                f"for {total}, colocated ones counted once)"
+            )
         used.update(ids)
         out.append(([name], ids))
     return out
@@ -195,12 +224,17 @@ def overlap_notes(cfg: ExperimentConfig, roles: list[str], ids: list[int]) -> li
             per_rank = rank_devices(cfg.roles[other], ids)
             shared = [g for g, mine in enumerate(per_rank) if devices.intersection(mine)]
             alone = [g for g in range(len(per_rank)) if g not in shared]
-            sharing.append(f"{other} ranks {_fmt_ids(shared)} take turns with "
-                           f"{'it' if len(names) == 1 else 'them'}, ranks {_fmt_ids(alone) if alone else 'none'} "
-                           "hold their GPUs alone")
-        notes.append(f"partial overlap: {', '.join(names)} on GPUs {_fmt_ids(sorted(devices))} only; "
-                     + "; ".join(sharing) + " (with offload on and async generation, those alone keep generating "
-                     "during training)")
+            sharing.append(
+                f"{other} ranks {_fmt_ids(shared)} take turns with "
+                f"{'it' if len(names) == 1 else 'them'}, ranks {_fmt_ids(alone) if alone else 'none'} "
+                "hold their GPUs alone"
+            )
+        notes.append(
+            f"partial overlap: {', '.join(names)} on GPUs {_fmt_ids(sorted(devices))} only; "
+            + "; ".join(sharing)
+            + " (with offload on and async generation, those alone keep generating "
+            "during training)"
+        )
     return notes
 
 
@@ -215,22 +249,38 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
 
     # component 0: the controller and every CPU role
     cpu_roles = [n for n, r in cfg.roles.items() if r.gpus_per_proc == 0]
-    members = [(CONTROLLER_ROLE, 0, 1)] + [(n, g, cfg.roles[n].cpus_per_proc) for n in cpu_roles
-                                             for g in range(cfg.roles[n].procs)]
+    members = [(CONTROLLER_ROLE, 0, 1)] + [
+        (n, g, cfg.roles[n].cpus_per_proc) for n in cpu_roles for g in range(cfg.roles[n].procs)
+    ]
     cpus_per_task = max(c for _, _, c in members)
     cpu_node_cpus = cluster.cpu_component.cpus_per_node or cluster.cpus_per_node
     cpu_nodes = cluster.cpu_component.nodes or cluster.nodes
     wide = [n for n in cpu_roles if cfg.roles[n].cpus_per_proc > cpu_node_cpus]
     if wide:
-        key = "cluster.cpu_component.cpus_per_node" if cluster.cpu_component.cpus_per_node else "cluster.cpus_per_node"
-        raise ConfigError(f"roles.{wide[0]}.cpus_per_proc: {cfg.roles[wide[0]].cpus_per_proc} CPUs per rank do not "
-                          f"fit on a node of the controller's het group ({key} = {cpu_node_cpus})")
+        key = (
+            "cluster.cpu_component.cpus_per_node"
+            if cluster.cpu_component.cpus_per_node
+            else "cluster.cpus_per_node"
+        )
+        raise ConfigError(
+            f"roles.{wide[0]}.cpus_per_proc: {cfg.roles[wide[0]].cpus_per_proc} CPUs per rank do not "
+            f"fit on a node of the controller's het group ({key} = {cpu_node_cpus})"
+        )
     per_node = max(1, cpu_node_cpus // cpus_per_task)
     nodes0 = math.ceil(len(members) / per_node)
     for i, (role, g, _) in enumerate(members):
         ranks.append(RankPlacement(len(ranks), role, g, 0, i // per_node, ()))
-    components.append(Component(0, [CONTROLLER_ROLE, *cpu_roles], nodes0, len(members),
-                                min(per_node, len(members)), 0, cpus_per_task))
+    components.append(
+        Component(
+            0,
+            [CONTROLLER_ROLE, *cpu_roles],
+            nodes0,
+            len(members),
+            min(per_node, len(members)),
+            0,
+            cpus_per_task,
+        )
+    )
 
     gpu_total = 0
     for roles, ids in _gpu_groups(cfg, cluster):
@@ -250,31 +300,47 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
             for g, mine in enumerate(rank_devices(role, ids)):
                 nodes = {local_of[i][0] for i in mine}
                 if len(nodes) > 1:
-                    raise ConfigError(f"roles.{name}: rank {g} would drive GPUs {list(mine)} on {len(nodes)} nodes; "
-                                      f"a rank's GPUs must be on one node")
+                    raise ConfigError(
+                        f"roles.{name}: rank {g} would drive GPUs {list(mine)} on {len(nodes)} nodes; "
+                        f"a rank's GPUs must be on one node"
+                    )
                 k = nodes.pop()
-                tasks_on[k].append(RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine)))
+                tasks_on[k].append(
+                    RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine))
+                )
         for node_tasks in tasks_on:
             for p in node_tasks:
-                ranks.append(RankPlacement(len(ranks), p.role, p.group_rank, p.component, p.node, p.gpus))
+                ranks.append(
+                    RankPlacement(len(ranks), p.role, p.group_rank, p.component, p.node, p.gpus)
+                )
         ntasks = sum(len(t) for t in tasks_on)
         per_node_tasks = max(len(t) for t in tasks_on)
         if any(len(t) != per_node_tasks for t in tasks_on[:-1]):
-            raise ConfigError(f"roles {roles}: uneven ranks per node {[len(t) for t in tasks_on]}; only the last "
-                              f"node of a placement group may hold fewer")
+            raise ConfigError(
+                f"roles {roles}: uneven ranks per node {[len(t) for t in tasks_on]}; only the last "
+                f"node of a placement group may hold fewer"
+            )
         cpt = max(cfg.roles[n].cpus_per_proc for n in roles)
         if per_node_tasks * cpt > cluster.cpus_per_node:
-            raise ConfigError(f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
-                              f"cluster.cpus_per_node = {cluster.cpus_per_node}")
+            raise ConfigError(
+                f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
+                f"cluster.cpus_per_node = {cluster.cpus_per_node}"
+            )
         notes += overlap_notes(cfg, roles, ids)
-        components.append(Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt))
+        components.append(
+            Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt)
+        )
         gpu_total += len(ids)
     if nodes0 > cpu_nodes:
         key = "cluster.cpu_component.nodes" if cluster.cpu_component.nodes else "cluster.nodes"
-        raise ConfigError(f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
-                          f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}")
+        raise ConfigError(
+            f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
+            f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}"
+        )
     plan = WorldPlan(ranks, components, gpu_total, notes)
-    weight_sync_routing(cfg, plan)  # a layout whose weight sync would fail at the first sync fails here
+    weight_sync_routing(
+        cfg, plan
+    )  # a layout whose weight sync would fail at the first sync fails here
     return plan
 
 
@@ -284,7 +350,11 @@ def weight_sync_routing(cfg: ExperimentConfig, plan: WorldPlan) -> Any:
     from rollhpc.weight_sync.routing import RoutingError, route_weights
 
     options = cfg.pipeline.options
-    mode = options.get("weight_sync", "auto") if isinstance(options, dict) else getattr(options, "weight_sync", None)
+    mode = (
+        options.get("weight_sync", "auto")
+        if isinstance(options, dict)
+        else getattr(options, "weight_sync", None)
+    )
     if mode is None or mode == "relay" or "train" not in cfg.roles or "generate" not in cfg.roles:
         return None
     try:

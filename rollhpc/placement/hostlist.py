@@ -52,7 +52,7 @@ def _expand_one(name: str, expr: str) -> list[str]:
     if open_at < 0:
         return [name]
     close_at = name.find("]", open_at)
-    head, spec, tail = name[:open_at], name[open_at + 1:close_at], name[close_at + 1:]
+    head, spec, tail = name[:open_at], name[open_at + 1 : close_at], name[close_at + 1 :]
     return [head + v + rest for v in _range_values(spec, expr) for rest in _expand_one(tail, expr)]
 
 

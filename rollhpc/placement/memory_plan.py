@@ -31,23 +31,49 @@ from rollhpc.config import ConfigError, ExperimentConfig, import_spec
 from rollhpc.placement import activation_model as am
 
 GIB = 1 << 30
-CUDA_CONTEXT_BYTES = 0.5 * GIB  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (never offloaded)
+CUDA_CONTEXT_BYTES = (
+    0.5 * GIB
+)  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (never offloaded)
 # parts a worker reports that stay on the GPU while its role is offloaded (vLLM's sleep frees only its weights and KV
 # cache pools): counted in every stage, and kept by an earlier role while a later one starts
 PINNED_PARTS = ("driver_buffers", "cuda_graphs")
 # config.json fields of the models the shipped configs name, for a plan made where the model is not (a login node
 # before the download, CI): matched by the model directory's name, lower case, "-instruct" dropped
 KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                   "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
-                   "tie_word_embeddings": False},
-    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
-                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
-                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-                      "vocab_size": 151936, "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -78,34 +104,69 @@ class ModelShape:
     def total(self) -> int:
         """Every parameter once (a tied output layer is the embedding), as Hugging Face counts them."""
         head = 0 if self.tied else self.head
-        return self.layers * (self.layer_dense + self.layer_experts) + self.embedding + head + self.hidden
+        return (
+            self.layers * (self.layer_dense + self.layer_experts)
+            + self.embedding
+            + head
+            + self.hidden
+        )
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelShape":
-        h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
+        h, layers, vocab = (
+            int(hf["hidden_size"]),
+            int(hf["num_hidden_layers"]),
+            int(hf["vocab_size"]),
+        )
         heads = int(hf["num_attention_heads"])
         kv = int(hf.get("num_key_value_heads") or heads)
         hd = int(hf.get("head_dim") or h // heads)
-        bias = hf.get("model_type", "").startswith("qwen2")  # Qwen2's q/k/v projections carry biases
-        attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h + (heads * hd + 2 * kv * hd if bias else 0)
+        bias = hf.get("model_type", "").startswith(
+            "qwen2"
+        )  # Qwen2's q/k/v projections carry biases
+        attention = (
+            h * heads * hd
+            + 2 * h * kv * hd
+            + heads * hd * h
+            + (heads * hd + 2 * kv * hd if bias else 0)
+        )
         experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         if experts:
             inter = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
             shared = int(hf.get("shared_expert_intermediate_size") or 0)
-            dense_mlp = h * experts + (3 * h * shared + h if shared else 0)  # router, shared expert and its gate
+            dense_mlp = h * experts + (
+                3 * h * shared + h if shared else 0
+            )  # router, shared expert and its gate
             routed = 3 * h * inter * experts
         else:
             dense_mlp, routed, inter = 3 * h * int(hf["intermediate_size"]), 0, 0
         intermediate = 0 if experts else int(hf["intermediate_size"])
         tied = bool(hf.get("tie_word_embeddings", False))
-        moe = dict(experts=experts, topk=int(hf.get("num_experts_per_tok") or 0),
-                   moe_intermediate=inter,
-                   shared_intermediate=int(hf.get("shared_expert_intermediate_size") or 0) if experts else 0)
-        return cls(hidden=h, layers=layers, vocab=vocab, heads=heads, kv_heads=kv, head_dim=hd,
-                   layer_dense=attention + dense_mlp + 2 * h, layer_experts=routed, embedding=vocab * h,
-                   head=vocab * h, tied=tied, intermediate=intermediate,
-                   gated=hf.get("hidden_act", "silu") == "silu",
-                   qk_norm=hf.get("model_type", "") in ("qwen3", "qwen3_moe"), **moe)
+        moe = dict(
+            experts=experts,
+            topk=int(hf.get("num_experts_per_tok") or 0),
+            moe_intermediate=inter,
+            shared_intermediate=int(hf.get("shared_expert_intermediate_size") or 0)
+            if experts
+            else 0,
+        )
+        return cls(
+            hidden=h,
+            layers=layers,
+            vocab=vocab,
+            heads=heads,
+            kv_heads=kv,
+            head_dim=hd,
+            layer_dense=attention + dense_mlp + 2 * h,
+            layer_experts=routed,
+            embedding=vocab * h,
+            head=vocab * h,
+            tied=tied,
+            intermediate=intermediate,
+            gated=hf.get("hidden_act", "silu") == "silu",
+            qk_norm=hf.get("model_type", "") in ("qwen3", "qwen3_moe"),
+            **moe,
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelShape | None":
@@ -141,8 +202,18 @@ def megatron_stage_split(shape: ModelShape, tp: int, pp: int, ep: int, etp: int)
     return body + (first + last if pp == 1 else max(first, last)), experts
 
 
-def activation_bytes(shape: ModelShape, tp: int, pp: int, micro_batch: int, seq_len: int, dtype: int,
-                     recompute: str = "none", *, ep: int = 1, etp: int = 1) -> int:
+def activation_bytes(
+    shape: ModelShape,
+    tp: int,
+    pp: int,
+    micro_batch: int,
+    seq_len: int,
+    dtype: int,
+    recompute: str = "none",
+    *,
+    ep: int = 1,
+    etp: int = 1,
+) -> int:
     """Activations of one forward-backward in flight (pp of them on the first stage under 1F1B), what a
     backward re-materializes one layer at a time, and the last stage's head (logits over the vocabulary).
 
@@ -150,19 +221,38 @@ def activation_bytes(shape: ModelShape, tp: int, pp: int, micro_batch: int, seq_
     tensors bench/activation_bytes.py counts): SwiGLU or GELU MLPs, GQA, MoE experts and their dispatcher, and
     ``recompute`` "none", "selective" (the core attention recomputed) or "full" (each layer from its input)."""
     layers = -(-shape.layers // pp)
-    per_layer = sum(am.layer_bytes(shape, tp, micro_batch, seq_len, dtype, recompute, ep=ep, etp=etp).values())
-    transient = am.transient_bytes(shape, tp, micro_batch, seq_len, dtype, recompute, ep=ep, etp=etp)
-    return int(layers * per_layer * pp + transient + am.head_bytes(shape, tp, micro_batch, seq_len, dtype))
+    per_layer = sum(
+        am.layer_bytes(shape, tp, micro_batch, seq_len, dtype, recompute, ep=ep, etp=etp).values()
+    )
+    transient = am.transient_bytes(
+        shape, tp, micro_batch, seq_len, dtype, recompute, ep=ep, etp=etp
+    )
+    return int(
+        layers * per_layer * pp + transient + am.head_bytes(shape, tp, micro_batch, seq_len, dtype)
+    )
 
 
-def forward_activation_bytes(shape: ModelShape, tp: int, micro_batch: int, seq_len: int, dtype: int, *,
-                             ep: int = 1, etp: int = 1) -> int:
+def forward_activation_bytes(
+    shape: ModelShape,
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    dtype: int,
+    *,
+    ep: int = 1,
+    etp: int = 1,
+) -> int:
     """A forward without autograd (reference, old log-probs): each layer's tensors live only while it runs, so one
     layer's worth (as a training forward would keep it, an upper bound) and the MoE dispatcher's buffers, and the
     whole head: its logits are not divided among the layers."""
-    layer = sum(am.layer_bytes(shape, tp, micro_batch, seq_len, dtype, "none", ep=ep, etp=etp).values())
-    return int(layer + am.dispatch_buffer_bytes(shape, micro_batch * seq_len, dtype, ep, etp)
-               + am.head_bytes(shape, tp, micro_batch, seq_len, dtype))
+    layer = sum(
+        am.layer_bytes(shape, tp, micro_batch, seq_len, dtype, "none", ep=ep, etp=etp).values()
+    )
+    return int(
+        layer
+        + am.dispatch_buffer_bytes(shape, micro_batch * seq_len, dtype, ep, etp)
+        + am.head_bytes(shape, tp, micro_batch, seq_len, dtype)
+    )
 
 
 @dataclass
@@ -172,10 +262,14 @@ class GpuGroup:
     gpus: list[tuple[int, int, int]]  # (het group, node in it, GPU position on the node)
     parts: dict[str, dict[str, float]]  # role -> part -> bytes on each of these GPUs
     processes: int  # processes per GPU (each charged a CUDA context)
-    roles: list[str] = field(default_factory=list)  # every role with a rank on these GPUs, estimated or not
+    roles: list[str] = field(
+        default_factory=list
+    )  # every role with a rank on these GPUs, estimated or not
     stages: dict[str, float] = field(default_factory=dict)  # stage -> bytes with offload on
     resident: float = 0.0  # bytes with offload off (every part of every role at once)
-    sync_buckets: float = 0.0  # a weight sync's buckets on each of these GPUs (in weight_sync and resident)
+    sync_buckets: float = (
+        0.0  # a weight sync's buckets on each of these GPUs (in weight_sync and resident)
+    )
 
     @property
     def peak_on(self) -> float:
@@ -190,8 +284,11 @@ class MemoryPlan:
     offload: bool = False  # pipeline.options.offload: colocated roles take turns
 
     def render(self) -> Iterator[str]:
-        cap = f"cluster.gpu_memory_gb={self.gpu_memory_gb:g}" if self.gpu_memory_gb else \
-            "cluster.gpu_memory_gb not set: nothing checked"
+        cap = (
+            f"cluster.gpu_memory_gb={self.gpu_memory_gb:g}"
+            if self.gpu_memory_gb
+            else "cluster.gpu_memory_gb not set: nothing checked"
+        )
         yield f"GPU memory per GPU (estimate, GiB; {cap}; pipeline.options.offload={str(self.offload).lower()}):"
         for why in self.unknown:
             yield f"  {why}"
@@ -202,11 +299,18 @@ class MemoryPlan:
             sync = f"; a weight sync's buckets {g.sync_buckets / GIB:.1f}" if g.sync_buckets else ""
             yield f"  {_where(g.gpus)}: {', '.join(g.parts)} ({g.processes} process(es) per GPU{sync})"
             for role, parts in g.parts.items():
-                yield "    " + f"{role}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
-            yield f"    {'stage':<14} {'offload off':>12} {'offload on':>11}" + ("" if g.stages else "  (no turns to take)")
+                yield (
+                    "    " + f"{role}: " + ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items())
+                )
+            yield f"    {'stage':<14} {'offload off':>12} {'offload on':>11}" + (
+                "" if g.stages else "  (no turns to take)"
+            )
             for stage, on in g.stages.items():
                 yield f"    {stage:<14} {g.resident / GIB:>12.1f} {on / GIB:>11.1f}"
-            yield f"    {'peak':<14} {g.resident / GIB:>12.1f} {g.peak_on / GIB:>11.1f}" + self._verdict(g)
+            yield (
+                f"    {'peak':<14} {g.resident / GIB:>12.1f} {g.peak_on / GIB:>11.1f}"
+                + self._verdict(g)
+            )
 
     def _verdict(self, g: GpuGroup) -> str:
         if not self.gpu_memory_gb:
@@ -226,20 +330,28 @@ class MemoryPlan:
         cap = self.gpu_memory_gb * 1e9
         for g in (g for g in self.groups if g.parts):  # what could not be estimated is not judged
             if not self.offload and g.resident > cap:
-                hint = ("set pipeline.options.offload=true (the colocated roles then take turns: about "
-                        f"{g.peak_on / GIB:.1f} GiB)" if g.peak_on <= cap else "give the roles more GPUs")
+                hint = (
+                    "set pipeline.options.offload=true (the colocated roles then take turns: about "
+                    f"{g.peak_on / GIB:.1f} GiB)"
+                    if g.peak_on <= cap
+                    else "give the roles more GPUs"
+                )
                 raise ConfigError(
                     f"{_where(g.gpus)}: the colocated roles need about {g.resident / GIB:.1f} GiB per GPU held at "
-                    f"once, more than cluster.gpu_memory_gb={self.gpu_memory_gb:g} GB ({cap / GIB:.1f} GiB); {hint}")
+                    f"once, more than cluster.gpu_memory_gb={self.gpu_memory_gb:g} GB ({cap / GIB:.1f} GiB); {hint}"
+                )
             if g.peak_on > cap:
                 stage = max(g.stages, key=g.stages.get) if g.stages else "every stage"
-                detail = "; ".join(f"{role}: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in parts.items())
-                                   for role, parts in g.parts.items())
+                detail = "; ".join(
+                    f"{role}: " + ", ".join(f"{k} {v / GIB:.1f} GiB" for k, v in parts.items())
+                    for role, parts in g.parts.items()
+                )
                 raise ConfigError(
                     f"{_where(g.gpus)}: the {stage} stage needs about {g.peak_on / GIB:.1f} GiB per GPU even with "
                     f"the colocated roles offloaded between stages, more than cluster.gpu_memory_gb={self.gpu_memory_gb:g} "
                     f"GB ({cap / GIB:.1f} GiB) ({detail}); give the roles more GPUs (tp, pp, ep), other devices, or "
-                    "lower the generators' gpu_memory_utilization or micro_batch_size")
+                    "lower the generators' gpu_memory_utilization or micro_batch_size"
+                )
 
 
 def _held(parts: dict[str, float]) -> float:
@@ -271,11 +383,17 @@ def shape_of(model_dir: Any) -> tuple[ModelShape | None, str]:
     if shape is not None:
         return shape, ""
     known = ModelShape.known(model_dir)
-    return known, (f"the shape of {Path(model_dir).name} from rollhpc's table of known models (no config.json at "
-                   f"{model_dir} here)" if known is not None else "")
+    return known, (
+        f"the shape of {Path(model_dir).name} from rollhpc's table of known models (no config.json at "
+        f"{model_dir} here)"
+        if known is not None
+        else ""
+    )
 
 
-def _role_parts(cfg: ExperimentConfig, seq_len: int) -> tuple[dict[str, dict[str, float] | None], list[str]]:
+def _role_parts(
+    cfg: ExperimentConfig, seq_len: int
+) -> tuple[dict[str, dict[str, float] | None], list[str]]:
     """Each GPU role's parts per GPU (a rank's parts spread over its GPUs), or None with the reason in the list."""
     gpu_bytes = cfg.cluster.gpu_memory_gb * 1e9
     per_rank: dict[str, dict[str, float] | None] = {}
@@ -288,16 +406,27 @@ def _role_parts(cfg: ExperimentConfig, seq_len: int) -> tuple[dict[str, dict[str
         shape, note = shape_of(model_dir)
         if note:
             unknown.append(f"{name}: {note}")
-        parts = (worker.gpu_memory(role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=gpu_bytes)
-                 if shape is not None else None)
+        parts = (
+            worker.gpu_memory(
+                role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=gpu_bytes
+            )
+            if shape is not None
+            else None
+        )
         if parts is None:
-            why = ("its options name no model_dir" if not isinstance(model_dir, str) else
-                   f"the model's config.json is not on this machine ({model_dir})" if shape is None else
-                   "its worker says nothing of its memory")
+            why = (
+                "its options name no model_dir"
+                if not isinstance(model_dir, str)
+                else f"the model's config.json is not on this machine ({model_dir})"
+                if shape is None
+                else "its worker says nothing of its memory"
+            )
             unknown.append(f"{name}: not estimated: {why}")
             per_rank[name] = None
             continue
-        per_rank[name] = {k: v / role.gpus_per_proc for k, v in parts.items()}  # spread over the rank's GPUs
+        per_rank[name] = {
+            k: v / role.gpus_per_proc for k, v in parts.items()
+        }  # spread over the rank's GPUs
     return per_rank, unknown
 
 
@@ -314,22 +443,33 @@ def sync_bucket_bytes(cfg: ExperimentConfig, plan: Any) -> dict[tuple[int, int, 
     from rollhpc.weight_sync.routing import BROADCAST, IN_FLIGHT_BUCKETS
 
     options = cfg.pipeline.options
-    mb = options.get("weight_sync_bucket_mb") if isinstance(options, dict) else \
-        getattr(options, "weight_sync_bucket_mb", None)
+    mb = (
+        options.get("weight_sync_bucket_mb")
+        if isinstance(options, dict)
+        else getattr(options, "weight_sync_bucket_mb", None)
+    )
     routing = weight_sync_routing(cfg, plan) if mb else None
     if routing is None or not any(r.place is not None for r in routing.routes):
         return {}
     train = cfg.roles["train"].options
     shape, _ = shape_of(getattr(train, "model_dir", None))
-    largest = 0.0 if shape is None else float(max(shape.vocab * shape.hidden, 2 * shape.intermediate * shape.hidden)
-                                              * dtype_bytes(getattr(train, "dtype", "bfloat16")))
+    largest = (
+        0.0
+        if shape is None
+        else float(
+            max(shape.vocab * shape.hidden, 2 * shape.intermediate * shape.hidden)
+            * dtype_bytes(getattr(train, "dtype", "bfloat16"))
+        )
+    )
     slot = max(float(mb * 2**20), largest)
     source = next(p for p in plan.ranks if p.role == "train" and p.group_rank == 0)
     home = (source.component, source.node, source.gpus[0])
     out = {home: IN_FLIGHT_BUCKETS * slot + largest}
     for r in routing.routes:
         if r.place is not None:
-            out[r.place] = out.get(r.place, 0.0) + (IN_FLIGHT_BUCKETS * slot if r.transport == BROADCAST else slot)
+            out[r.place] = out.get(r.place, 0.0) + (
+                IN_FLIGHT_BUCKETS * slot if r.transport == BROADCAST else slot
+            )
     return out
 
 
@@ -351,6 +491,7 @@ def startup_order(cfg: ExperimentConfig) -> list[str]:
     """The order colocated roles build in (rollhpc.controller.startup's turns): the roles whose workers measure the
     free memory as they start first (``measures_free_memory``: vLLM counts everything in use against its budget,
     so it profiles before the others load, then sleeps), then the others, each in the config's order."""
+
     def measures(name: str) -> bool:
         worker = import_spec(cfg.roles[name].worker, f"roles.{name}.worker")
         return bool(getattr(worker, "measures_free_memory", False))
@@ -358,19 +499,30 @@ def startup_order(cfg: ExperimentConfig) -> list[str]:
     return sorted(cfg.roles, key=lambda name: not measures(name))
 
 
-def _group(roles: tuple[str, ...], gids: list[tuple[int, int, int]], per_rank: dict[str, Any],
-           stages: dict[str, dict[str, tuple[str, ...]]] | None, buckets: float, order: list[str]) -> GpuGroup:
+def _group(
+    roles: tuple[str, ...],
+    gids: list[tuple[int, int, int]],
+    per_rank: dict[str, Any],
+    stages: dict[str, dict[str, tuple[str, ...]]] | None,
+    buckets: float,
+    order: list[str],
+) -> GpuGroup:
     """One GPU group's parts, resident total and per-stage totals (``startup`` first, ``buckets`` of a weight
     sync added to its stage on the GPUs that hold them)."""
     names = list(dict.fromkeys(roles))
-    parts = {r: {k: v * roles.count(r) for k, v in per_rank[r].items()}  # all ranks of a role on a GPU
-             for r in names if per_rank.get(r) is not None}
+    parts = {
+        r: {k: v * roles.count(r) for k, v in per_rank[r].items()}  # all ranks of a role on a GPU
+        for r in names
+        if per_rank.get(r) is not None
+    }
     context = CUDA_CONTEXT_BYTES * len(roles)
     g = GpuGroup(gids, parts, len(roles), names, sync_buckets=buckets)
     g.resident = context + sum(_held(p) for p in parts.values()) + buckets
     staged = {r for loaded in (stages or {}).values() for r in loaded}
     # roles take turns only with another role on the same GPU (a generator rank beside no trainer stays)
-    movable = {r for r in parts if r in staged} if len({r for r in names if r in staged}) > 1 else set()
+    movable = (
+        {r for r in parts if r in staged} if len({r for r in names if r in staged}) > 1 else set()
+    )
     always = context + sum(_held(parts[r]) for r in parts if r not in movable)  # never offloaded
     if movable:
         g.stages["startup"] = startup_bytes(parts, [r for r in order if r in movable], always)
@@ -378,9 +530,14 @@ def _group(roles: tuple[str, ...], gids: list[tuple[int, int, int]], per_rank: d
         active = {r: ps for r, ps in loaded.items() if r in movable}
         if not active:
             continue
-        held = {(r, k) for r, ps in active.items() for k in ps} | {(r, k) for r in movable for k in PINNED_PARTS}
-        g.stages[stage] = always + sum(parts[r].get(k, 0.0) for r, k in held) + (buckets if stage == "weight_sync"
-                                                                               else 0.0)
+        held = {(r, k) for r, ps in active.items() for k in ps} | {
+            (r, k) for r in movable for k in PINNED_PARTS
+        }
+        g.stages[stage] = (
+            always
+            + sum(parts[r].get(k, 0.0) for r, k in held)
+            + (buckets if stage == "weight_sync" else 0.0)
+        )
     return g
 
 
@@ -400,5 +557,13 @@ def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPl
     for gid, roles in sorted(holders.items()):
         grouped.setdefault((tuple(roles), sync.get(gid, 0.0)), []).append(gid)
     order = startup_order(cfg)
-    groups = [_group(roles, gids, per_rank, stages, buckets, order) for (roles, buckets), gids in grouped.items()]
-    return MemoryPlan(groups, cfg.cluster.gpu_memory_gb, unknown, bool(getattr(cfg.pipeline.options, "offload", False)))
+    groups = [
+        _group(roles, gids, per_rank, stages, buckets, order)
+        for (roles, buckets), gids in grouped.items()
+    ]
+    return MemoryPlan(
+        groups,
+        cfg.cluster.gpu_memory_gb,
+        unknown,
+        bool(getattr(cfg.pipeline.options, "offload", False)),
+    )

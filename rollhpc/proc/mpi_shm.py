@@ -25,7 +25,9 @@ from rollhpc.proc.attempt import restart_number
 
 log = logging.getLogger("rollhpc.proc.mpi_shm")
 
-ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
+ATTEMPT_STARTED = (
+    "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
+)
 SHM_DIR = Path("/dev/shm")
 # the controller's one-to-all payload files (rollhpc.transport.mpi_channel), + its pid and a counter; named here,
 # where the clean-ups look for them, because this module must not import MPI
@@ -54,10 +56,14 @@ def mapped_paths(uid: int) -> dict[str, list[int]]:
     return found
 
 
-MIN_AGE_S = 120.0  # a segment younger than this may be another world's that its ranks have not mapped yet
+MIN_AGE_S = (
+    120.0  # a segment younger than this may be another world's that its ranks have not mapped yet
+)
 
 
-def stale_segments(before: float, shm_dir: Path = SHM_DIR, min_age_s: float = MIN_AGE_S) -> list[Path]:
+def stale_segments(
+    before: float, shm_dir: Path = SHM_DIR, min_age_s: float = MIN_AGE_S
+) -> list[Path]:
     """This user's MPICH segments in ``shm_dir`` last changed before ``before`` and at least ``min_age_s`` ago
     that no live process maps. The age: another MPI job of the same user on the node (a node shared between
     jobs, simulated nodes sharing one machine) creates its segment in MPI_Init a moment before its ranks map
@@ -82,15 +88,26 @@ def stale_segments(before: float, shm_dir: Path = SHM_DIR, min_age_s: float = MI
         return []
     in_use = mapped_paths(uid)
     for p in candidates:
-        if str(p) in in_use:  # a live job's, or a process of an earlier attempt that outlived it: say which
+        if (
+            str(p) in in_use
+        ):  # a live job's, or a process of an earlier attempt that outlived it: say which
             who = ", ".join(f"{pid} ({_command(pid)})" for pid in in_use[str(p)][:3])
-            print(f"rollhpc: keeping {p}, older than this attempt but mapped by {who}", file=sys.stderr, flush=True)
+            print(
+                f"rollhpc: keeping {p}, older than this attempt but mapped by {who}",
+                file=sys.stderr,
+                flush=True,
+            )
     return [p for p in candidates if str(p) not in in_use]
 
 
 def _command(pid: int) -> str:
     try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        return (
+            (Path("/proc") / str(pid) / "cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")[:120]
+        )
     except OSError:
         return "?"
 

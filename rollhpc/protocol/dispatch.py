@@ -18,7 +18,9 @@ from rollhpc.parallel import RankCoords
 
 class Dispatch(enum.Enum):
     ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments
-    DP_SPLIT = "dp_split"  # Batch/RowArrays/list arguments cut into dp_size chunks; rank gets its dp chunk
+    DP_SPLIT = (
+        "dp_split"  # Batch/RowArrays/list arguments cut into dp_size chunks; rank gets its dp chunk
+    )
     RANK_ZERO = "rank_zero"  # only group rank 0 is called
 
 
@@ -67,7 +69,9 @@ def contract_of(worker_cls: type, method: str) -> Contract:
     fn = getattr(worker_cls, method, None)
     if fn is None or not hasattr(fn, _ATTR):
         known = ", ".join(sorted(remote_methods(worker_cls))) or "none"
-        raise AttributeError(f"{worker_cls.__name__} has no remote method {method!r}; remote methods: {known}")
+        raise AttributeError(
+            f"{worker_cls.__name__} has no remote method {method!r}; remote methods: {known}"
+        )
     return getattr(fn, _ATTR)
 
 
@@ -90,7 +94,8 @@ def split_arguments(args: tuple, kwargs: dict, dp_size: int) -> list[tuple[tuple
     cut_args = [_split_value(a, dp_size) for a in args]
     cut_kwargs = {k: _split_value(v, dp_size) for k, v in kwargs.items()}
     return [
-        (tuple(c[i] for c in cut_args), {k: c[i] for k, c in cut_kwargs.items()}) for i in range(dp_size)
+        (tuple(c[i] for c in cut_args), {k: c[i] for k, c in cut_kwargs.items()})
+        for i in range(dp_size)
     ]
 
 

@@ -18,8 +18,14 @@ from typing import Any
 from rollhpc.rundir.records import this_host
 
 # what a rank reports of its Slurm step, so a wrong placement can be read off the table's JSON
-_SLURM_KEYS = ("SLURM_PROCID", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_CPUS_PER_TASK", "SLURM_CPU_BIND",
-               "SLURM_HET_SIZE")
+_SLURM_KEYS = (
+    "SLURM_PROCID",
+    "SLURM_NODEID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_CPU_BIND",
+    "SLURM_HET_SIZE",
+)
 
 
 def _rss_bytes() -> float:
@@ -79,15 +85,18 @@ def placement(gpus: bool = True) -> dict[str, Any]:
     }
 
 
-def _group(address: tuple[str, int], tag: str, rank: int, world: int, timeout_s: float) -> tuple[Any, Any]:
+def _group(
+    address: tuple[str, int], tag: str, rank: int, world: int, timeout_s: float
+) -> tuple[Any, Any]:
     """A process group of ``world`` ranks for this one measurement (NCCL where CUDA is, else gloo), meeting at
     the controller's store under ``tag``; and the device its tensors live on."""
     import torch
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(f"rollhpc-probe-{tag}", dist.TCPStore(address[0], address[1], None, False,
-                                                                   timeout=timeout))
+    store = dist.PrefixStore(
+        f"rollhpc-probe-{tag}", dist.TCPStore(address[0], address[1], None, False, timeout=timeout)
+    )
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         opts = dist.ProcessGroupNCCL.Options()
@@ -107,8 +116,16 @@ def _run_op(group: Any, op: str, t: Any) -> None:
         group.broadcast([t], opts).wait()
 
 
-def collective_bandwidth(address: tuple[str, int], tag: str, rank: int, world: int, op: str,
-                         sizes: list[int], iters: int, timeout_s: float = 120.0) -> dict[str, Any]:
+def collective_bandwidth(
+    address: tuple[str, int],
+    tag: str,
+    rank: int,
+    world: int,
+    op: str,
+    sizes: list[int],
+    iters: int,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """Seconds per ``op`` (all_reduce, or broadcast from rank 0) of each size in bytes, averaged over ``iters``
     after one warm-up (NCCL builds its communicator at the first call). The caller takes the slowest rank's
     time, as a collective ends for everyone when the last rank is done."""
@@ -136,4 +153,8 @@ def collective_bandwidth(address: tuple[str, int], tag: str, rank: int, world: i
         if device.type == "cuda" and shutdown is not None:
             shutdown()  # NCCL's communicator and its buffers go now, not at the next garbage collection
         del group
-    return {"backend": "nccl" if device.type == "cuda" else "gloo", "device": str(device), "seconds": times}
+    return {
+        "backend": "nccl" if device.type == "cuda" else "gloo",
+        "device": str(device),
+        "seconds": times,
+    }

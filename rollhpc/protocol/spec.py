@@ -35,8 +35,9 @@ class WorkerSpec:
         the cluster is checked there, at start-up."""
 
     @classmethod
-    def gpu_memory(cls, options: Any, layout: ParallelLayout, shape: Any, *, seq_len: int,
-                   gpu_bytes: float) -> dict[str, float] | None:
+    def gpu_memory(
+        cls, options: Any, layout: ParallelLayout, shape: Any, *, seq_len: int, gpu_bytes: float
+    ) -> dict[str, float] | None:
         """Bytes a rank of this role holds on its GPUs, by part (``rollhpc plan``: placement.memory_plan), for
         the model ``shape`` (placement.memory_plan.ModelShape) and rows of ``seq_len`` tokens on GPUs of
         ``gpu_bytes``; None: this worker does not say."""
@@ -66,7 +67,9 @@ class PipelineSpec:
         return []
 
     @classmethod
-    def preview(cls, options: Any, n: int = 2, roles: dict[str, Any] | None = None) -> list[str] | None:
+    def preview(
+        cls, options: Any, n: int = 2, roles: dict[str, Any] | None = None
+    ) -> list[str] | None:
         """What ``rollhpc train --dry-run`` shows of the run's inputs (e.g. the first prompts as the policy sees
         them); None: nothing to show."""
         return None
@@ -83,7 +86,9 @@ def find_spec(module: str, name: str) -> type | None:
     spec_module, spec_name = spec_path(module, name)
     try:
         found = importlib.util.find_spec(spec_module)
-    except ModuleNotFoundError:  # the component's package itself is missing: the caller's import names it
+    except (
+        ModuleNotFoundError
+    ):  # the component's package itself is missing: the caller's import names it
         return None
     if found is None:
         return None

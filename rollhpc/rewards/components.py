@@ -24,13 +24,17 @@ def combine(components: Mapping[str, float], weights: Mapping[str, float]) -> fl
     """
     missing = sorted(set(weights) - set(components))
     if missing:
-        raise ValueError(f"reward weights name component(s) {', '.join(missing)} that no reward role returned: "
-                         f"the sample has {', '.join(sorted(components)) or 'none'}")
+        raise ValueError(
+            f"reward weights name component(s) {', '.join(missing)} that no reward role returned: "
+            f"the sample has {', '.join(sorted(components)) or 'none'}"
+        )
     total = 0.0
     for name, value in components.items():
         weight = float(weights.get(name, 1.0))
         value = float(value)
         if not (math.isfinite(value) and math.isfinite(weight)):
-            raise ValueError(f"reward component {name!r} = {value} with weight {weight}: both must be finite")
+            raise ValueError(
+                f"reward component {name!r} = {value} with weight {weight}: both must be finite"
+            )
         total += weight * value
     return total

@@ -14,13 +14,23 @@ from typing import Any, Protocol
 
 from rollhpc.rewards.judge_parse import JudgeMode, parse_verdict
 
-__all__ = ["DEFAULT_TEMPLATES", "JudgeBackend", "JudgeCounters", "judge_fields", "judge_outputs", "render_prompt",
-           "check_template"]
+__all__ = [
+    "DEFAULT_TEMPLATES",
+    "JudgeBackend",
+    "JudgeCounters",
+    "judge_fields",
+    "judge_outputs",
+    "render_prompt",
+    "check_template",
+]
 
 _GRADE = "You are grading an answer.\nQuestion: {question}\nAnswer: {response}\nReference answer: {reference}\n"
-DEFAULT_TEMPLATES: dict[str, str] = {  # by mode; each states the exact verdict format parse_verdict accepts
+DEFAULT_TEMPLATES: dict[
+    str, str
+] = {  # by mode; each states the exact verdict format parse_verdict accepts
     "yes_no": _GRADE + "Is the answer correct? Reply with exactly YES or NO, nothing else.",
-    "score": _GRADE + "Grade it from 0 to {max_score}. Reply with exactly `Score: N`, N an integer, nothing else.",
+    "score": _GRADE
+    + "Grade it from 0 to {max_score}. Reply with exactly `Score: N`, N an integer, nothing else.",
 }
 _PLACEHOLDER = re.compile(r"\{(question|response|reference|max_score)\}")
 
@@ -44,17 +54,26 @@ class JudgeCounters:
 def check_template(template: str) -> None:
     """A template must show the judge the response; the other fields are optional."""
     if "{response}" not in template:
-        raise ValueError("the judge template needs a {response} field (and may use {question}, {reference}, "
-                         "{max_score})")
+        raise ValueError(
+            "the judge template needs a {response} field (and may use {question}, {reference}, "
+            "{max_score})"
+        )
 
 
-def render_prompt(template: str, *, question: str, response: str, reference: str, max_score: int = 10) -> str:
+def render_prompt(
+    template: str, *, question: str, response: str, reference: str, max_score: int = 10
+) -> str:
     """Fill ``{question}``, ``{response}``, ``{reference}``, ``{max_score}`` in one pass.
 
     Not ``str.format``: other braces in the template (``\\boxed{}``) stay as written, and a response that
     itself contains ``{reference}`` is not expanded into the reference answer.
     """
-    values = {"question": question, "response": response, "reference": reference, "max_score": str(max_score)}
+    values = {
+        "question": question,
+        "response": response,
+        "reference": reference,
+        "max_score": str(max_score),
+    }
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
@@ -67,14 +86,17 @@ def judge_fields(example: Any, task: Any | None = None) -> tuple[str, str]:
     """
     if isinstance(example, dict):
         return str(example.get("question", "")), str(example.get("reference", ""))
-    question = task.format_prompt(example) if task is not None else str(getattr(example, "prompt", ""))
+    question = (
+        task.format_prompt(example) if task is not None else str(getattr(example, "prompt", ""))
+    )
     if task is not None and hasattr(task, "reference"):
         return question, str(task.reference(example))
     return question, str(getattr(example, "answer", ""))
 
 
-def judge_outputs(outputs: list[str | None], mode: JudgeMode, max_score: int,
-                  counters: JudgeCounters) -> list[float]:
+def judge_outputs(
+    outputs: list[str | None], mode: JudgeMode, max_score: int, counters: JudgeCounters
+) -> list[float]:
     """Verdicts of the backend's outputs (None: failed), strictly parsed; ``counters`` are updated."""
     scores = []
     for out in outputs:

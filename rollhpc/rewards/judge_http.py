@@ -36,14 +36,25 @@ _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 class HttpJudge:
     """``complete(prompts, max_tokens) -> list[str | None]`` over HTTP (None: no answer, see module doc)."""
 
-    def __init__(self, endpoint: str, model: str | None = None, *, api: Literal["completions", "chat"] = "completions",
-                 timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, concurrency: int = 8) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        model: str | None = None,
+        *,
+        api: Literal["completions", "chat"] = "completions",
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        concurrency: int = 8,
+    ) -> None:
         if not endpoint.startswith(("http://", "https://")):
             raise ValueError(f"judge endpoint must be an http(s):// URL, got {endpoint!r}")
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or concurrency < 1:
             raise ValueError("need timeout_s > 0, retries >= 0, backoff_s >= 0, concurrency >= 1")
         base = endpoint.rstrip("/")
-        self.base = base[:-3] if base.endswith("/v1") else base  # accept http://host:port and .../v1
+        self.base = (
+            base[:-3] if base.endswith("/v1") else base
+        )  # accept http://host:port and .../v1
         self.model = model
         self.api = api
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
@@ -82,7 +93,9 @@ class HttpJudge:
     def _request(self, path: str, body: dict[str, Any] | None) -> Any:
         """The JSON reply, or None once the attempts are spent (logged then; each attempt at debug level)."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.base + path, data=data, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.base + path, data=data, headers={"Content-Type": "application/json"}
+        )
         error = ""
         for attempt in range(self.retries + 1):
             if attempt:
@@ -94,10 +107,16 @@ class HttpJudge:
                 error = f"HTTP {e.code}: {_detail(e)}"
                 if e.code not in _RETRY_STATUS:
                     break
-            except (OSError, http.client.HTTPException, ValueError) as e:  # refused, timeout, cut off, not JSON
+            except (
+                OSError,
+                http.client.HTTPException,
+                ValueError,
+            ) as e:  # refused, timeout, cut off, not JSON
                 error = f"{type(e).__name__}: {e}"
             log.debug("judge %s%s, attempt %d: %s", self.base, path, attempt + 1, error)
-        log.warning("judge %s%s failed after %d attempt(s): %s", self.base, path, attempt + 1, error)
+        log.warning(
+            "judge %s%s failed after %d attempt(s): %s", self.base, path, attempt + 1, error
+        )
         return None
 
 

@@ -29,21 +29,32 @@ from collections.abc import Sequence
 
 __all__ = ["MAX_RESPONSE_CHARS", "score_answer", "score_answers", "shutdown_pool"]
 
-MAX_RESPONSE_CHARS = 4096  # longer responses are cut to their last 4096 characters (the answer is at the end)
+MAX_RESPONSE_CHARS = (
+    4096  # longer responses are cut to their last 4096 characters (the answer is at the end)
+)
 POOL_WORKERS = 2
 # A number as written: 7, -0.875, .5, 7/8, 7 / 8, \frac{7}{8}, -\dfrac{3}{4}, 1\frac{1}{4} (mixed number).
-_NUMBER = re.compile(r"-?\s*(?:(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|\d*\s*\\[dt]?frac\{-?\d+\}\{\d+\})")
+_NUMBER = re.compile(
+    r"-?\s*(?:(?:\d+(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?|\d*\s*\\[dt]?frac\{-?\d+\}\{\d+\})"
+)
 _pool: cf.ProcessPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
-def score_answer(response: str, reference: str, *, number_only: bool = False, timeout_s: int = 5) -> float:
+def score_answer(
+    response: str, reference: str, *, number_only: bool = False, timeout_s: int = 5
+) -> float:
     """1.0 when ``response``'s answer equals ``reference`` mathematically, else 0.0 (see ``score_answers``)."""
     return score_answers([(response, reference)], number_only=number_only, timeout_s=timeout_s)[0]
 
 
-def score_answers(pairs: Sequence[tuple[str, str]], *, number_only: bool = False, timeout_s: int = 5,
-                  pool_deadline_s: float = 60.0) -> list[float]:
+def score_answers(
+    pairs: Sequence[tuple[str, str]],
+    *,
+    number_only: bool = False,
+    timeout_s: int = 5,
+    pool_deadline_s: float = 60.0,
+) -> list[float]:
     """One score per ``(response, reference)``: inline in the main thread, else in the process pool.
 
     ``number_only``: the answer as math-verify extracted it must be written as one number (``7/8``,
@@ -72,23 +83,28 @@ def _score_inline(response: str, reference: str, number_only: bool, timeout_s: i
     return 1.0 if verify(gold, answer, timeout_seconds=timeout_s) else 0.0
 
 
-def _score_batch_inline(pairs: list[tuple[str, str]], number_only: bool, timeout_s: int) -> list[float]:
+def _score_batch_inline(
+    pairs: list[tuple[str, str]], number_only: bool, timeout_s: int
+) -> list[float]:
     return [_score_inline(r, ref, number_only, timeout_s) for r, ref in pairs]
 
 
-def _score_in_pool(pairs: Sequence[tuple[str, str]], number_only: bool, timeout_s: int,
-                   deadline_s: float) -> list[float]:
+def _score_in_pool(
+    pairs: Sequence[tuple[str, str]], number_only: bool, timeout_s: int, deadline_s: float
+) -> list[float]:
     if not pairs:
         return []
     pool = _get_pool()
     chunk = max(1, -(-len(pairs) // POOL_WORKERS))
-    futures = [pool.submit(_score_batch_inline, list(pairs[i:i + chunk]), number_only, timeout_s)
-               for i in range(0, len(pairs), chunk)]
+    futures = [
+        pool.submit(_score_batch_inline, list(pairs[i : i + chunk]), number_only, timeout_s)
+        for i in range(0, len(pairs), chunk)
+    ]
     deadline = time.monotonic() + deadline_s
     scores: list[float] = []
     late = False
     for i, future in zip(range(0, len(pairs), chunk), futures):
-        n = len(pairs[i:i + chunk])
+        n = len(pairs[i : i + chunk])
         try:
             scores += future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
@@ -103,7 +119,9 @@ def _get_pool() -> cf.ProcessPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = cf.ProcessPoolExecutor(POOL_WORKERS, mp_context=multiprocessing.get_context("spawn"))
+            _pool = cf.ProcessPoolExecutor(
+                POOL_WORKERS, mp_context=multiprocessing.get_context("spawn")
+            )
         return _pool
 
 
@@ -115,7 +133,9 @@ def shutdown_pool(kill: bool = False) -> None:
     if pool is None:
         return
     if kill:
-        for proc in list(getattr(pool, "_processes", {}).values()):  # no public API ends busy workers
+        for proc in list(
+            getattr(pool, "_processes", {}).values()
+        ):  # no public API ends busy workers
             proc.kill()
     pool.shutdown(wait=not kill, cancel_futures=True)
 

@@ -32,44 +32,66 @@ FINISHES = ("terminated", "truncated", "abandoned")
 class Turn:
     """One policy turn: what it generated (or chose, in text) and what the environment made of it."""
 
-    response: list[int] = field(default_factory=list)  # [R] generated ids, as generated (EOS included when it
+    response: list[int] = field(
+        default_factory=list
+    )  # [R] generated ids, as generated (EOS included when it
     #   stopped); empty when the policy acts in text
-    logprobs: list[float] = field(default_factory=list)  # [R] sampled-token log-probs from the generator; empty
+    logprobs: list[float] = field(
+        default_factory=list
+    )  # [R] sampled-token log-probs from the generator; empty
     #   when no generator sampled them
-    version: int = -1  # oldest policy version that produced any of its tokens (a resumed partial mixes versions)
-    observation: list[int] = field(default_factory=list)  # [O] ids appended after the response (the formatted
+    version: int = (
+        -1
+    )  # oldest policy version that produced any of its tokens (a resumed partial mixes versions)
+    observation: list[int] = field(
+        default_factory=list
+    )  # [O] ids appended after the response (the formatted
     #   next observation); empty for the last turn, unless that observation overflowed the row
     reward: float = 0.0  # the env reward of this turn's action
-    state_key: Hashable | None = None  # the state the policy acted from (the observation it answered); turns of
+    state_key: Hashable | None = (
+        None  # the state the policy acted from (the observation it answered); turns of
+    )
     #   one group with equal keys are GiGPO's anchor states. None: matches nothing
     finish_reason: str = ""  # the generator's: "stop" (EOS) or "length" (hit the turn budget)
-    action: str = ""  # the text the environment was given (formatter.action of the decoded response)
+    action: str = (
+        ""  # the text the environment was given (formatter.action of the decoded response)
+    )
     observation_text: str = ""  # the environment's answer to it
 
     def __post_init__(self) -> None:
         if self.logprobs and len(self.logprobs) != len(self.response):
-            raise ValueError(f"a turn has {len(self.response)} response ids but {len(self.logprobs)} logprobs")
+            raise ValueError(
+                f"a turn has {len(self.response)} response ids but {len(self.logprobs)} logprobs"
+            )
 
 
 @dataclass
 class Episode:
     """One episode from its reset to its end (or, while ``finish`` is "", so far)."""
 
-    prompt: list[int] = field(default_factory=list)  # [P] ids of the formatted first prompt (instruction and first
+    prompt: list[int] = field(
+        default_factory=list
+    )  # [P] ids of the formatted first prompt (instruction and first
     #   observation); empty when the policy reads text
     turns: list[Turn] = field(default_factory=list)
-    group: int = 0  # episodes of one group share the reset seed (the group baseline of GRPO and GiGPO)
+    group: int = (
+        0  # episodes of one group share the reset seed (the group baseline of GRPO and GiGPO)
+    )
     index: int = 0  # position in its group, 0 .. group_size-1
     seed: int = 0  # the environment's reset seed
     finish: str = ""  # FINISHES or "error: ..."; "" while the episode is running
     success: bool = False  # the env's info["success"] at the end
-    metrics: dict[str, float] = field(default_factory=dict)  # the env's info["metrics"], summed over its steps
+    metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # the env's info["metrics"], summed over its steps
     instruction: str = ""
     observation: str = ""  # the first observation's text
 
     def __post_init__(self) -> None:
         if self.finish and self.finish not in FINISHES and not self.finish.startswith("error: "):
-            raise ValueError(f"finish must be one of {', '.join(FINISHES)} or 'error: ...', got {self.finish!r}")
+            raise ValueError(
+                f"finish must be one of {', '.join(FINISHES)} or 'error: ...', got {self.finish!r}"
+            )
 
     @property
     def episode_return(self) -> float:
@@ -115,7 +137,9 @@ class Episode:
             lines += [f"> {turn.action}    (reward {turn.reward:g})", turn.observation_text]
         end = "success" if self.success else "truncated" if self.truncated else "failed"
         tokens = f", row {self.length} tokens" if self.prompt else ""
-        lines.append(f"--- {end} after {len(self.turns)} turns, return {self.episode_return:g}{tokens}")
+        lines.append(
+            f"--- {end} after {len(self.turns)} turns, return {self.episode_return:g}{tokens}"
+        )
         return "\n".join(lines)
 
 
@@ -134,16 +158,32 @@ def episode_of(sample: Sample) -> Episode:
         obs_end = end + 1
         while obs_end <= nxt and obs_end < len(ep.generated) and ep.generated[obs_end] == 0:
             obs_end += 1
-        turns.append(Turn(response=sample.response[start:end + 1], logprobs=sample.logprobs[start:end + 1],
-                          version=sample.version, observation=sample.response[end + 1:obs_end],
-                          reward=ep.turn_rewards[k] if k < len(ep.turn_rewards) else 0.0,
-                          state_key=ep.state_keys[k], finish_reason=ep.turn_finishes[k],
-                          action=ep.actions[k] if k < len(ep.actions) else "",
-                          observation_text=ep.observations[k] if k < len(ep.observations) else ""))
+        turns.append(
+            Turn(
+                response=sample.response[start : end + 1],
+                logprobs=sample.logprobs[start : end + 1],
+                version=sample.version,
+                observation=sample.response[end + 1 : obs_end],
+                reward=ep.turn_rewards[k] if k < len(ep.turn_rewards) else 0.0,
+                state_key=ep.state_keys[k],
+                finish_reason=ep.turn_finishes[k],
+                action=ep.actions[k] if k < len(ep.actions) else "",
+                observation_text=ep.observations[k] if k < len(ep.observations) else "",
+            )
+        )
         start = obs_end
     finish = {"row_full": "truncated"}.get(ep.finish, ep.finish)
     if finish and finish not in FINISHES and not finish.startswith("error: "):
         finish = f"error: {finish}"
-    return Episode(prompt=list(ep.prompt_ids), turns=turns, group=sample.prompt.uid, index=sample.index,
-                   seed=sample.prompt.example.seed, finish=finish, success=ep.success, metrics=dict(ep.metrics),
-                   instruction=ep.instruction, observation=ep.observation)
+    return Episode(
+        prompt=list(ep.prompt_ids),
+        turns=turns,
+        group=sample.prompt.uid,
+        index=sample.index,
+        seed=sample.prompt.example.seed,
+        finish=finish,
+        success=ep.success,
+        metrics=dict(ep.metrics),
+        instruction=ep.instruction,
+        observation=ep.observation,
+    )

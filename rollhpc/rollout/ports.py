@@ -15,8 +15,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Pending", "Done", "GenerationRequest", "GenerationReply", "GeneratorPort", "RewardPort",
-           "ResetRequest", "ResetReply", "StepRequest", "StepReply", "EnvPort"]
+__all__ = [
+    "Pending",
+    "Done",
+    "GenerationRequest",
+    "GenerationReply",
+    "GeneratorPort",
+    "RewardPort",
+    "ResetRequest",
+    "ResetReply",
+    "StepRequest",
+    "StepReply",
+    "EnvPort",
+]
 
 
 class Pending(Protocol):
@@ -79,7 +90,9 @@ class RewardPort(Protocol):
 # ---------------------------------------------------------------------------------------------------- episodes
 @dataclass(frozen=True)
 class ResetRequest:
-    episode: str  # the scheduler's episode id ("uid.index"); the env rank holds the episode under it
+    episode: (
+        str  # the scheduler's episode id ("uid.index"); the env rank holds the episode under it
+    )
     seed: int  # the environment's reset seed
 
 
@@ -89,7 +102,9 @@ class ResetReply:
 
     episode: str
     rank: int = -1  # the env rank that holds it
-    prompt_ids: list[int] = field(default_factory=list)  # [P] the formatted instruction and first observation
+    prompt_ids: list[int] = field(
+        default_factory=list
+    )  # [P] the formatted instruction and first observation
     instruction: str = ""
     observation: str = ""  # the first observation's text
     state_key: Any = None  # the state the first turn acts from (GiGPO's anchor)
@@ -102,7 +117,9 @@ class ResetReply:
 class StepRequest:
     episode: str
     response_ids: list[int]  # [R] the turn's generated ids, as generated
-    stopped: bool | None = None  # whether the response ended its turn (None: it ends with the stop token)
+    stopped: bool | None = (
+        None  # whether the response ended its turn (None: it ends with the stop token)
+    )
 
 
 @dataclass
@@ -112,15 +129,21 @@ class StepReply:
     (``timeout``, ``error: <Type: message>``, ``invalid: <what>``: reward 0, truncated True)."""
 
     episode: str
-    obs_ids: list[int] = field(default_factory=list)  # [O] the formatted next observation; empty once it is over
+    obs_ids: list[int] = field(
+        default_factory=list
+    )  # [O] the formatted next observation; empty once it is over
     observation: str = ""  # the next observation's text
-    action: str = ""  # the text the environment was given (the turn formatter's reading of the response)
+    action: str = (
+        ""  # the text the environment was given (the turn formatter's reading of the response)
+    )
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = True
     success: bool | None = None  # the environment's info["success"], when it says
     state_key: Any = None  # the state the next turn acts from
-    metrics: dict[str, float] = field(default_factory=dict)  # the environment's info["metrics"] of this step
+    metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # the environment's info["metrics"] of this step
     use_tool: bool = False
     ended: str | None = None
     step_s: float = 0.0

@@ -26,8 +26,10 @@ class PromptRenderer:
             raise ValueError(f"chat_template must be auto, on or off, got {mode!r}")
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if mode == "on" and not has_template:
-            raise ValueError(f"chat_template=on, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
-                             "no chat template (set chat_template=auto or off for plain-text prompts)")
+            raise ValueError(
+                f"chat_template=on, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has "
+                "no chat template (set chat_template=auto or off for plain-text prompts)"
+            )
         self.tokenizer = tokenizer
         self.uses_template = has_template and mode != "off"
 
@@ -39,8 +41,11 @@ class PromptRenderer:
     def text(self, example: Any) -> str:
         if not self.uses_template:
             return example.prompt
-        return str(self.tokenizer.apply_chat_template(self.conversation(example), tokenize=False,
-                                                      add_generation_prompt=True))
+        return str(
+            self.tokenizer.apply_chat_template(
+                self.conversation(example), tokenize=False, add_generation_prompt=True
+            )
+        )
 
     def __call__(self, example: Any) -> list[int]:
         if not self.uses_template:
@@ -58,8 +63,11 @@ class PromptRenderer:
         return [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
 
-def check_prompt_budget(render: PromptRenderer, splits: Sequence[tuple[str, Sequence[Any], str, int]],
-                        max_model_len: int | None) -> str:
+def check_prompt_budget(
+    render: PromptRenderer,
+    splits: Sequence[tuple[str, Sequence[Any], str, int]],
+    max_model_len: int | None,
+) -> str:
     """The generator's context holds a prompt and its response: every prompt plus its split's response budget
     must fit ``max_model_len``, or a request fails (or is cut) only once it is drawn, hours into a run.
 
@@ -78,7 +86,10 @@ def check_prompt_budget(render: PromptRenderer, splits: Sequence[tuple[str, Sequ
                 f"the longest {name} prompt ({name} example {i}, {getattr(examples[i], 'prompt', '')[:40]!r}...) is "
                 f"{counts[i]} tokens: with pipeline.options.{key}={max_tokens} it needs {counts[i] + max_tokens} > "
                 f"roles.generate.options.max_model_len={max_model_len} ({too_long} of {len(counts)} {name} prompts "
-                f"do not fit): raise max_model_len, lower {key} or drop the long prompts")
-        lines.append(f"{name}: {len(counts)} prompts, the longest {counts[i]} tokens + {key} {max_tokens}"
-                     + (f" of max_model_len {max_model_len}" if max_model_len else ""))
+                f"do not fit): raise max_model_len, lower {key} or drop the long prompts"
+            )
+        lines.append(
+            f"{name}: {len(counts)} prompts, the longest {counts[i]} tokens + {key} {max_tokens}"
+            + (f" of max_model_len {max_model_len}" if max_model_len else "")
+        )
     return "; ".join(lines)

@@ -49,8 +49,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollhpc.rollout.generator_loads import GeneratorLoads
-from rollhpc.rollout.ports import (EnvPort, GenerationReply, GenerationRequest, GeneratorPort, Pending, ResetReply,
-                                   ResetRequest, RewardPort, StepReply, StepRequest)
+from rollhpc.rollout.ports import (
+    EnvPort,
+    GenerationReply,
+    GenerationRequest,
+    GeneratorPort,
+    Pending,
+    ResetReply,
+    ResetRequest,
+    RewardPort,
+    StepReply,
+    StepRequest,
+)
 from rollhpc.rollout.scoring import DomainScoring, Scorer
 from rollhpc.rollout.types import EpisodeState, Prompt, RolloutStats, Sample
 
@@ -81,12 +91,22 @@ class SchedulerConfig:
     max_inflight_per_generator: int = 64  # requests a generator holds at once (its batch)
     oversample: float = 0.5  # start up to (1 + oversample) x the groups still needed
     dynamic_sampling: bool = True  # drop groups whose rewards are all equal and start new ones
-    max_groups_per_batch: int = 0  # stop starting groups after this many in one collect (0: 8 x n_groups)
-    partial_rollout: bool = False  # keep aborted partials and resume them in the next collect (single-turn)
-    max_staleness: int = 0  # policy versions a group may lag behind the current one (0: on-policy only)
+    max_groups_per_batch: int = (
+        0  # stop starting groups after this many in one collect (0: 8 x n_groups)
+    )
+    partial_rollout: bool = (
+        False  # keep aborted partials and resume them in the next collect (single-turn)
+    )
+    max_staleness: int = (
+        0  # policy versions a group may lag behind the current one (0: on-policy only)
+    )
     redundancy: int = 0  # extra samples started per group; the first group_size to finish are kept
-    max_model_len: int = 0  # an episode's row (prompt + every turn) may not exceed this (0: no limit)
-    max_turns: int = 0  # an episode is cut ("truncated") after this many turns (0: only the env's own limit)
+    max_model_len: int = (
+        0  # an episode's row (prompt + every turn) may not exceed this (0: no limit)
+    )
+    max_turns: int = (
+        0  # an episode is cut ("truncated") after this many turns (0: only the env's own limit)
+    )
     warn_after_s: float = 0.0  # log a sample still alive after this long (0: never)
     abandon_after_s: float = 0.0  # abandon a sample still alive after this long (0: never)
     poll_interval_s: float = 0.0005
@@ -94,14 +114,23 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.group_size < 1 or self.max_tokens < 1 or self.max_inflight_per_generator < 1:
             raise ValueError("group_size, max_tokens and max_inflight_per_generator must be >= 1")
-        if (self.oversample < 0 or self.max_staleness < 0 or self.redundancy < 0 or self.max_model_len < 0
-                or self.max_turns < 0):
-            raise ValueError("oversample, max_staleness, redundancy, max_model_len and max_turns must be >= 0")
+        if (
+            self.oversample < 0
+            or self.max_staleness < 0
+            or self.redundancy < 0
+            or self.max_model_len < 0
+            or self.max_turns < 0
+        ):
+            raise ValueError(
+                "oversample, max_staleness, redundancy, max_model_len and max_turns must be >= 0"
+            )
         if self.warn_after_s < 0 or self.abandon_after_s < 0:
             raise ValueError("warn_after_s and abandon_after_s must be >= 0 (0: off)")
         if self.partial_rollout and self.redundancy:
-            raise ValueError("partial_rollout keeps a group's aborted samples, redundancy aborts the surplus for "
-                             "good: use one of them")
+            raise ValueError(
+                "partial_rollout keeps a group's aborted samples, redundancy aborts the surplus for "
+                "good: use one of them"
+            )
 
     @property
     def samples_per_group(self) -> int:
@@ -119,17 +148,27 @@ class RolloutScheduler:
     """Collects batches of scored groups from generators (and env ranks) and reward workers; one instance
     per run (it carries partial samples and finished groups from one batch to the next)."""
 
-    def __init__(self, generators: list[GeneratorPort], rewards: list[RewardPort] | dict[str, DomainScoring] | None,
-                 config: SchedulerConfig, seed: int = 0, envs: list[EnvPort] | None = None,
-                 temperature: float | None = None):
+    def __init__(
+        self,
+        generators: list[GeneratorPort],
+        rewards: list[RewardPort] | dict[str, DomainScoring] | None,
+        config: SchedulerConfig,
+        seed: int = 0,
+        envs: list[EnvPort] | None = None,
+        temperature: float | None = None,
+    ):
         """``rewards``: the reward ports of a single domain, or {domain: DomainScoring} (roles and weights);
         None when ``envs`` score every sample by its episode's return. ``temperature``: None samples at each
         generator's own; 0 is greedy (evaluation)."""
         if not generators or not (rewards or envs):
-            raise ValueError("the scheduler needs at least one generator and one reward worker (or env rank)")
+            raise ValueError(
+                "the scheduler needs at least one generator and one reward worker (or env rank)"
+            )
         if envs and config.partial_rollout:
-            raise ValueError("partial_rollout is for single-turn samples; an episode aborted at a batch end is "
-                             "restarted from its seed instead")
+            raise ValueError(
+                "partial_rollout is for single-turn samples; an episode aborted at a batch end is "
+                "restarted from its seed instead"
+            )
         self.generators = generators
         self.envs = list(envs or [])
         self.scorer = Scorer.of(rewards) if rewards else None
@@ -137,31 +176,46 @@ class RolloutScheduler:
         self.seed = seed
         self.temperature = temperature
         self.buffer: list[list[Sample]] = []  # complete groups not used yet (async)
-        self.carry: dict[int, _Group] = {}  # open groups with their aborted partials (partial rollout)
+        self.carry: dict[
+            int, _Group
+        ] = {}  # open groups with their aborted partials (partial rollout)
         self.carry_partials: list[Sample] = []
 
     # ------------------------------------------------------------------ one batch
-    def collect(self, prompts: Iterator[Prompt], n_groups: int, version: int,
-                held: HeldGenerators | None = None) -> tuple[list[list[Sample]], RolloutStats]:
+    def collect(
+        self,
+        prompts: Iterator[Prompt],
+        n_groups: int,
+        version: int,
+        held: HeldGenerators | None = None,
+    ) -> tuple[list[list[Sample]], RolloutStats]:
         """``n_groups`` complete, scored groups (``group_size`` samples each) for policy ``version``; the
         generators in ``held`` start only once it releases them."""
         stats = RolloutStats(generator_busy_s=[0.0] * len(self.generators))
         t0 = time.perf_counter()
         out = self._take_from_buffer(n_groups, version, stats)
         if held is not None and not set(held.ports) <= set(range(len(self.generators))):
-            raise ValueError(f"held generators {sorted(held.ports)} outside 0..{len(self.generators) - 1}")
+            raise ValueError(
+                f"held generators {sorted(held.ports)} outside 0..{len(self.generators) - 1}"
+            )
         batch = _Batch(self, prompts, n_groups, version, stats, out, held)
         batch.run()
         stats.wall_s = time.perf_counter() - t0
-        out.sort(key=lambda g: g[0].prompt.uid)  # the batch's order must not depend on which group finished first
+        out.sort(
+            key=lambda g: g[0].prompt.uid
+        )  # the batch's order must not depend on which group finished first
         return out, stats
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """What carries over between batches (finished groups, open groups with their partials): part of a
         run checkpoint, so a resumed run continues them as the uninterrupted run would have."""
-        return {"buffer": self.buffer, "carry": self.carry, "carry_partials": self.carry_partials,
-                "next_reward": self.scorer.state_dict() if self.scorer else {}}
+        return {
+            "buffer": self.buffer,
+            "carry": self.carry,
+            "carry_partials": self.carry_partials,
+            "next_reward": self.scorer.state_dict() if self.scorer else {},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.buffer = list(state["buffer"])
@@ -171,7 +225,9 @@ class RolloutScheduler:
             self.scorer.load_state_dict(state["next_reward"])
 
     # ------------------------------------------------------------------ helpers
-    def _take_from_buffer(self, n_groups: int, version: int, stats: RolloutStats) -> list[list[Sample]]:
+    def _take_from_buffer(
+        self, n_groups: int, version: int, stats: RolloutStats
+    ) -> list[list[Sample]]:
         out = []
         keep = []
         for group in self.buffer:
@@ -187,8 +243,11 @@ class RolloutScheduler:
 
     def _uniform(self, samples: list[Sample]) -> bool:
         """Dynamic sampling (its domain's setting): a group whose rewards are all equal teaches nothing."""
-        enabled = (self.scorer.dynamic_sampling(samples[0].prompt.domain, self.config.dynamic_sampling)
-                   if self.scorer else self.config.dynamic_sampling)
+        enabled = (
+            self.scorer.dynamic_sampling(samples[0].prompt.domain, self.config.dynamic_sampling)
+            if self.scorer
+            else self.config.dynamic_sampling
+        )
         return enabled and len({s.reward for s in samples}) == 1
 
 
@@ -200,22 +259,42 @@ class _Batch:
     that has a reward into its group, and ``_judge`` decides a group once it has ``group_size`` samples.
     """
 
-    def __init__(self, sched: RolloutScheduler, prompts: Iterator[Prompt], n_groups: int, version: int,
-                 stats: RolloutStats, out: list[list[Sample]], held: HeldGenerators | None = None):
+    def __init__(
+        self,
+        sched: RolloutScheduler,
+        prompts: Iterator[Prompt],
+        n_groups: int,
+        version: int,
+        stats: RolloutStats,
+        out: list[list[Sample]],
+        held: HeldGenerators | None = None,
+    ):
         self.s, self.c = sched, sched.config
         self.held = held if held is not None and held.ports else None
         self.t0 = time.perf_counter()
-        self.prompts, self.n_groups, self.version, self.stats, self.out = prompts, n_groups, version, stats, out
+        self.prompts, self.n_groups, self.version, self.stats, self.out = (
+            prompts,
+            n_groups,
+            version,
+            stats,
+            out,
+        )
         self.groups: dict[int, _Group] = {}
-        self.load = GeneratorLoads(len(sched.generators))  # requests per generator; those that need a call
-        self.owner: dict[str, tuple[int, Sample]] = {}  # generator request id -> (generator, sample)
+        self.load = GeneratorLoads(
+            len(sched.generators)
+        )  # requests per generator; those that need a call
+        self.owner: dict[
+            str, tuple[int, Sample]
+        ] = {}  # generator request id -> (generator, sample)
         self.adds: list[list[GenerationRequest]] = [[] for _ in sched.generators]
         self.aborts: list[list[str]] = [[] for _ in sched.generators]
         self.calls: dict[int, Pending] = {}
         self.env_live = [0] * len(sched.envs)  # episodes hosted per env rank
         self.env_queue: list[dict[str, list[Any]]] = [{"reset": [], "step": []} for _ in sched.envs]
         self.env_calls: list[tuple[int, str, Pending]] = []
-        self.episodes: dict[str, Sample] = {}  # episode id -> its sample, while at an env rank or generating
+        self.episodes: dict[
+            str, Sample
+        ] = {}  # episode id -> its sample, while at an env rank or generating
         self.dead: set[str] = set()  # episodes aborted or abandoned: replies about them are ignored
         self.to_close: list[list[str]] = [[] for _ in sched.envs]
         self.limit = self.c.max_groups_per_batch or 8 * n_groups
@@ -225,7 +304,10 @@ class _Batch:
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
         sched, c = self.s, self.c
-        for uid, group in sched.carry.items():  # resume partials first: they hold work already paid for
+        for (
+            uid,
+            group,
+        ) in sched.carry.items():  # resume partials first: they hold work already paid for
             self.groups[uid] = group
         for smp in sched.carry_partials:
             smp.resumes += 1
@@ -238,11 +320,20 @@ class _Batch:
                 self.stats.generators_held_s = time.perf_counter() - self.t0
             self._fill()
             self._send()
-            if (not self.calls and not self.env_calls and not (sched.scorer and sched.scorer.busy())
-                    and self.held is None):  # held generators will still come
-                log.warning("rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
-                            "%d of %d groups", self.stats.groups_started, self.stats.groups_dropped_uniform,
-                            len(self.out), self.n_groups)
+            if (
+                not self.calls
+                and not self.env_calls
+                and not (sched.scorer and sched.scorer.busy())
+                and self.held is None
+            ):  # held generators will still come
+                log.warning(
+                    "rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
+                    "%d of %d groups",
+                    self.stats.groups_started,
+                    self.stats.groups_dropped_uniform,
+                    len(self.out),
+                    self.n_groups,
+                )
                 break
             progressed = self._poll_generators()
             progressed |= self._poll_envs()
@@ -250,13 +341,17 @@ class _Batch:
             self._watchdog()
             if not progressed:
                 time.sleep(c.poll_interval_s)
-        if self.held is not None:  # full before the held generators were released: they waited throughout
+        if (
+            self.held is not None
+        ):  # full before the held generators were released: they waited throughout
             self.stats.generators_held_s = time.perf_counter() - self.t0
         self._stop()
 
     def _send(self) -> None:
         wanting = self.load.wanting
-        for g in sorted(wanting):  # those with requests to send, aborts, or requests held and no call out
+        for g in sorted(
+            wanting
+        ):  # those with requests to send, aborts, or requests held and no call out
             if g in self.calls:
                 continue
             wanting.discard(g)
@@ -282,8 +377,12 @@ class _Batch:
         else:
             active = self._active()
             room = c.max_inflight_per_generator * len(active) - sum(self.load[g] for g in active)
-        while (not self.exhausted and len(self.groups) < math.ceil(needed * (1 + c.oversample))
-               and room >= c.samples_per_group and stats.groups_started < self.limit):
+        while (
+            not self.exhausted
+            and len(self.groups) < math.ceil(needed * (1 + c.oversample))
+            and room >= c.samples_per_group
+            and stats.groups_started < self.limit
+        ):
             prompt = next(self.prompts, None)
             if prompt is None:
                 self.exhausted = True
@@ -300,10 +399,14 @@ class _Batch:
 
     def _reset(self, smp: Sample, seed: int) -> None:
         if not self.s.envs:
-            raise ValueError("an episode prompt (EpisodeSeed) needs env ranks: the scheduler has none")
+            raise ValueError(
+                "an episode prompt (EpisodeSeed) needs env ranks: the scheduler has none"
+            )
         r = min(range(len(self.s.envs)), key=lambda i: self.env_live[i])
         self.env_live[r] += 1
-        smp.episode = EpisodeState(id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter())
+        smp.episode = EpisodeState(
+            id=f"{smp.prompt.uid}.{smp.index}", env_rank=r, started=time.perf_counter()
+        )
         self.episodes[smp.episode.id] = smp
         self.env_queue[r]["reset"].append(ResetRequest(smp.episode.id, seed))
         self.stats.episodes_started += 1
@@ -319,12 +422,23 @@ class _Batch:
         self.load.change(g, 1)
         self.load.wanting.add(g)
         self.owner[smp.request_id] = (g, smp)
-        self.adds[g].append(GenerationRequest(smp.request_id, smp.context, max_tokens, self._sampling_seed(smp),
-                                              self.s.temperature))
+        self.adds[g].append(
+            GenerationRequest(
+                smp.request_id,
+                smp.context,
+                max_tokens,
+                self._sampling_seed(smp),
+                self.s.temperature,
+            )
+        )
 
     def _active(self) -> list[int]:
         """The generators that may take work now (all but the held ones)."""
-        return [g for g in range(len(self.s.generators)) if self.held is None or g not in self.held.ports]
+        return [
+            g
+            for g in range(len(self.s.generators))
+            if self.held is None or g not in self.held.ports
+        ]
 
     def _sampling_seed(self, smp: Sample) -> int:
         key = (self.s.seed, smp.prompt.uid, smp.index, smp.resumes)
@@ -339,7 +453,9 @@ class _Batch:
                 continue
             progressed = True
             reply: GenerationReply = self.calls.pop(g).result()
-            self.load.wanting.add(g)  # _send calls it again if it still holds requests (or has new ones)
+            self.load.wanting.add(
+                g
+            )  # _send calls it again if it still holds requests (or has new ones)
             self.stats.generator_busy_s[g] += reply.busy_s
             finished = []
             for rid, comp in reply.finished:
@@ -451,9 +567,13 @@ class _Batch:
             self.stats.count_reason(finish)
             self.stats.first_failure = self.stats.first_failure or finish
         smp.finish_reason = finish
-        self.to_close[ep.env_rank].append(ep.id)  # the env role may have dropped it already: closing is idempotent
+        self.to_close[ep.env_rank].append(
+            ep.id
+        )  # the env role may have dropped it already: closing is idempotent
         if self.s.scorer is not None and smp.prompt.domain in self.s.scorer.domains:
-            self._score([smp])  # reward roles score the transcript; the env's return is one component
+            self._score(
+                [smp]
+            )  # reward roles score the transcript; the env's return is one component
         else:
             smp.reward = ep.episode_return
             smp.components = {"env": ep.episode_return}
@@ -478,7 +598,9 @@ class _Batch:
 
     def _finished(self, smp: Sample) -> None:
         group = self.groups.get(smp.prompt.uid)
-        if group is None or len(group.samples) >= self.c.group_size:  # given up, or already full (redundancy)
+        if (
+            group is None or len(group.samples) >= self.c.group_size
+        ):  # given up, or already full (redundancy)
             return
         group.samples.append(smp)
         group.live -= 1
@@ -531,17 +653,27 @@ class _Batch:
         if not (c.warn_after_s or c.abandon_after_s) or not self.episodes:
             return
         now = time.perf_counter()
-        if now < self.next_watch:  # the poll loop spins every poll_interval_s; ages need checking far less often
+        if (
+            now < self.next_watch
+        ):  # the poll loop spins every poll_interval_s; ages need checking far less often
             return
-        self.next_watch = now + min(1.0, (min(x for x in (c.warn_after_s, c.abandon_after_s) if x)) / 10)
+        self.next_watch = now + min(
+            1.0, (min(x for x in (c.warn_after_s, c.abandon_after_s) if x)) / 10
+        )
         for smp in list(self.episodes.values()):
             ep, age = smp.episode, now - smp.episode.started
             if c.warn_after_s and age > c.warn_after_s and not ep.warned:
                 ep.warned = True
-                log.warning("episode %s still running after %.0f s (%d turns, finish pending)", ep.id, age,
-                            len(ep.turn_ends))
+                log.warning(
+                    "episode %s still running after %.0f s (%d turns, finish pending)",
+                    ep.id,
+                    age,
+                    len(ep.turn_ends),
+                )
             if c.abandon_after_s and age > c.abandon_after_s:
-                log.warning("episode %s abandoned after %.0f s (%d turns)", ep.id, age, len(ep.turn_ends))
+                log.warning(
+                    "episode %s abandoned after %.0f s (%d turns)", ep.id, age, len(ep.turn_ends)
+                )
                 self._give_up(smp, "abandoned")
 
     def _give_up(self, smp: Sample, why: str) -> None:
@@ -580,7 +712,9 @@ class _Batch:
             by_gen.setdefault(g, []).append(rid)
         for g in range(len(sched.generators)):  # aborts queued by redundancy or the watchdog go too
             by_gen.setdefault(g, []).extend(self.aborts[g])
-        for g, call in [(g, sched.generators[g].submit([], ids)) for g, ids in by_gen.items() if ids]:
+        for g, call in [
+            (g, sched.generators[g].submit([], ids)) for g, ids in by_gen.items() if ids
+        ]:
             reply = call.result()
             stats.generator_busy_s[g] += reply.busy_s
             for rid, comp in reply.finished:
@@ -598,18 +732,25 @@ class _Batch:
                 else:
                     smp.finish_reason = "abort"
                     sched.carry_partials.append(_append(smp, comp))
-        for ep_id, smp in self.episodes.items():  # episodes cut by the batch end: restarted from their seed
+        for (
+            ep_id,
+            smp,
+        ) in self.episodes.items():  # episodes cut by the batch end: restarted from their seed
             self.to_close[smp.episode.env_rank].append(ep_id)
         self.episodes = {}
         for r, env in enumerate(sched.envs):
             if self.to_close[r]:
                 env.close(self.to_close[r]).result()
                 self.to_close[r] = []
-        late = [x for x in late if x.episode is None]  # a late episode turn has no env step: dropped
+        late = [
+            x for x in late if x.episode is None
+        ]  # a late episode turn has no env step: dropped
         if not c.partial_rollout:
             stats.tokens_discarded += sum(len(x.response) for x in late)
             if sched.scorer is not None:
-                sched.scorer.ready(wait=True)  # replies still out belong to groups given up with this batch
+                sched.scorer.ready(
+                    wait=True
+                )  # replies still out belong to groups given up with this batch
             return
         if late:
             sched.scorer.submit(late)

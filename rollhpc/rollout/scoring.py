@@ -68,7 +68,9 @@ class Scorer:
         if not domains:
             raise ValueError("the scheduler needs at least one reward worker")
         self.domains = dict(domains)
-        self.turn: dict[str, int] = {}  # "domain/role" -> calls so far (round-robin over the role's ranks)
+        self.turn: dict[
+            str, int
+        ] = {}  # "domain/role" -> calls so far (round-robin over the role's ranks)
         self.jobs: list[_Job] = []
 
     @classmethod
@@ -91,8 +93,10 @@ class Scorer:
         for domain, group in by_domain.items():
             scoring = self.domains.get(domain)
             if scoring is None:
-                raise ValueError(f"a prompt of domain {domain!r}, which has no reward roles "
-                                 f"(domains: {sorted(self.domains)})")
+                raise ValueError(
+                    f"a prompt of domain {domain!r}, which has no reward roles "
+                    f"(domains: {sorted(self.domains)})"
+                )
             items = [(s.prompt.example, s.response) for s in group]
             calls = {}
             for role, ports in scoring.roles.items():
@@ -124,6 +128,8 @@ class Scorer:
         return dict(self.turn)
 
     def load_state_dict(self, state: Any) -> None:
-        if isinstance(state, int):  # a checkpoint from before domains: one counter for the one reward role
+        if isinstance(
+            state, int
+        ):  # a checkpoint from before domains: one counter for the one reward role
             state = {f"{DEFAULT_DOMAIN}/reward": state}
         self.turn = {str(k): int(v) for k, v in state.items()}

@@ -11,22 +11,36 @@ class Prompt:
     uid: int  # unique over the run: identifies the group of samples drawn from this prompt
     tokens: tuple[int, ...]  # [P] prompt token ids
     example: Any  # the task example (ground truth for the reward)
-    max_tokens: int | None = None  # response budget of this prompt (None: the scheduler's max_tokens)
-    domain: str = "default"  # which reward roles score it, and its share of a batch (multi-domain RLVR)
+    max_tokens: int | None = (
+        None  # response budget of this prompt (None: the scheduler's max_tokens)
+    )
+    domain: str = (
+        "default"  # which reward roles score it, and its share of a batch (multi-domain RLVR)
+    )
 
 
 @dataclass
 class Sample:
     prompt: Prompt
     index: int  # position in its group, 0 .. group_size-1
-    response: list[int] = field(default_factory=list)  # [R] generated ids (EOS included when it stopped)
-    logprobs: list[float] = field(default_factory=list)  # [R] sampled-token log-probs from the generator
-    version: int = -1  # oldest policy version that produced any of its tokens (partial rollouts mix versions)
+    response: list[int] = field(
+        default_factory=list
+    )  # [R] generated ids (EOS included when it stopped)
+    logprobs: list[float] = field(
+        default_factory=list
+    )  # [R] sampled-token log-probs from the generator
+    version: int = (
+        -1
+    )  # oldest policy version that produced any of its tokens (partial rollouts mix versions)
     finish_reason: str = ""  # "stop", "length" or "abort" (a partial waiting to be resumed)
     reward: float | None = None
-    components: dict[str, float] = field(default_factory=dict)  # what the reward was made of (rule, judge, ...)
+    components: dict[str, float] = field(
+        default_factory=dict
+    )  # what the reward was made of (rule, judge, ...)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
-    episode: EpisodeState | None = None  # multi-turn: the environment's side (None: a single-turn sample)
+    episode: EpisodeState | None = (
+        None  # multi-turn: the environment's side (None: a single-turn sample)
+    )
 
     @property
     def request_id(self) -> str:
@@ -51,15 +65,33 @@ class EpisodeState:
 
     id: str  # the env role's key of this episode ("uid.index")
     env_rank: int  # the env rank that hosts it
-    generator: int = -1  # the generator that serves its turns (prefix cache); -1 until the first turn
-    prompt_ids: list[int] = field(default_factory=list)  # [P] instruction + first observation, encoded by the env role
-    generated: list[int] = field(default_factory=list)  # [R] 1 on generated tokens, 0 on observation tokens
-    turn_ends: list[int] = field(default_factory=list)  # [turns] index in response of each turn's last generated token
-    turn_rewards: list[float] = field(default_factory=list)  # [turns] the env's reward for each turn
-    state_keys: list[Any] = field(default_factory=list)  # [turns] state_key of the state each turn acted in
-    turn_finishes: list[str] = field(default_factory=list)  # [turns] the generator's finish_reason of each turn
-    actions: list[str] = field(default_factory=list)  # [turns] the text each turn gave the environment
-    observations: list[str] = field(default_factory=list)  # [turns] the environment's answer to each
+    generator: int = (
+        -1
+    )  # the generator that serves its turns (prefix cache); -1 until the first turn
+    prompt_ids: list[int] = field(
+        default_factory=list
+    )  # [P] instruction + first observation, encoded by the env role
+    generated: list[int] = field(
+        default_factory=list
+    )  # [R] 1 on generated tokens, 0 on observation tokens
+    turn_ends: list[int] = field(
+        default_factory=list
+    )  # [turns] index in response of each turn's last generated token
+    turn_rewards: list[float] = field(
+        default_factory=list
+    )  # [turns] the env's reward for each turn
+    state_keys: list[Any] = field(
+        default_factory=list
+    )  # [turns] state_key of the state each turn acted in
+    turn_finishes: list[str] = field(
+        default_factory=list
+    )  # [turns] the generator's finish_reason of each turn
+    actions: list[str] = field(
+        default_factory=list
+    )  # [turns] the text each turn gave the environment
+    observations: list[str] = field(
+        default_factory=list
+    )  # [turns] the environment's answer to each
     instruction: str = ""
     observation: str = ""  # the first observation's text
     state_key: Any = None  # the state the next turn acts in (from the last reset or step)
@@ -69,7 +101,9 @@ class EpisodeState:
     env_step_s: float = 0.0  # summed over the episode's steps
     started: float = 0.0  # perf_counter at reset (the watchdog's clock)
     warned: bool = False
-    metrics: dict[str, float] = field(default_factory=dict)  # the env's info["metrics"], summed over steps
+    metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # the env's info["metrics"], summed over steps
 
     @property
     def episode_return(self) -> float:
@@ -85,34 +119,54 @@ class EpisodeState:
 @dataclass
 class RolloutStats:
     wall_s: float = 0.0
-    generator_busy_s: list[float] = field(default_factory=list)  # per generator: seconds inside engine steps
+    generator_busy_s: list[float] = field(
+        default_factory=list
+    )  # per generator: seconds inside engine steps
     groups_started: int = 0
     groups_dropped_uniform: int = 0  # dynamic sampling: all rewards equal, no learning signal
     groups_dropped_stale: int = 0  # async: produced by a policy older than the staleness bound
     groups_from_buffer: int = 0
     samples_aborted: int = 0
     samples_resumed: int = 0
-    tokens_generated: int = 0  # tokens of finished samples (aborted partials not counted until they finish)
+    tokens_generated: int = (
+        0  # tokens of finished samples (aborted partials not counted until they finish)
+    )
     tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
-    samples_aborted_redundant: int = 0  # redundancy: samples stopped because their group was already full
+    samples_aborted_redundant: int = (
+        0  # redundancy: samples stopped because their group was already full
+    )
     episodes_started: int = 0
-    episodes_finished: int = 0  # ended by the env, the turn limit or a full row (not aborted or abandoned)
+    episodes_finished: int = (
+        0  # ended by the env, the turn limit or a full row (not aborted or abandoned)
+    )
     episodes_succeeded: int = 0  # of those, the ones the env called a success
-    episodes_failed: int = 0  # ended by the env role (error, timeout, invalid return) or a failed reset
+    episodes_failed: int = (
+        0  # ended by the env role (error, timeout, invalid return) or a failed reset
+    )
     episodes_abandoned: int = 0  # the watchdog gave up on them
     groups_dropped_abandoned: int = 0  # too few samples left to fill the group after abandons
-    resets_failed: int = 0  # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
-    failure_reasons: dict[str, int] = field(default_factory=dict)  # failed episodes by reason (its first word)
+    resets_failed: int = (
+        0  # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
+    )
+    failure_reasons: dict[str, int] = field(
+        default_factory=dict
+    )  # failed episodes by reason (its first word)
     first_failure: str = ""  # the first failure's whole reason, for messages
-    domains: dict[str, dict[str, int]] = field(default_factory=dict)  # per domain: groups started/dropped, tokens
-    generators_held_s: float = 0.0  # partial overlap: how long the generators sharing the trainer's GPUs waited
+    domains: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # per domain: groups started/dropped, tokens
+    generators_held_s: float = (
+        0.0  # partial overlap: how long the generators sharing the trainer's GPUs waited
+    )
 
     def count_reason(self, reason: str) -> None:
         key = reason.split(":")[0].split()[0] if reason.strip() else "unknown"
         self.failure_reasons[key] = self.failure_reasons.get(key, 0) + 1
 
     def count(self, domain: str, key: str, n: int = 1) -> None:
-        d = self.domains.setdefault(domain, {"groups_started": 0, "groups_dropped_uniform": 0, "tokens_generated": 0})
+        d = self.domains.setdefault(
+            domain, {"groups_started": 0, "groups_dropped_uniform": 0, "tokens_generated": 0}
+        )
         d[key] = d.get(key, 0) + n
 
     @property
@@ -122,18 +176,42 @@ class RolloutStats:
         return 1.0 - sum(self.generator_busy_s) / (len(self.generator_busy_s) * self.wall_s)
 
     def as_metrics(self) -> dict[str, float]:
-        return {"rollout_s": self.wall_s, "generator_idle_fraction": self.generator_idle_fraction,
-                "groups_started": self.groups_started, "groups_dropped_uniform": self.groups_dropped_uniform,
-                "groups_dropped_stale": self.groups_dropped_stale, "groups_from_buffer": self.groups_from_buffer,
-                "samples_aborted": self.samples_aborted, "samples_resumed": self.samples_resumed,
-                "tokens_generated": self.tokens_generated, "tokens_discarded": self.tokens_discarded,
-                **({"samples_aborted_redundant": self.samples_aborted_redundant} if self.samples_aborted_redundant
-                   else {}),
-                **({"generators_held_s": self.generators_held_s} if self.generators_held_s else {}),
-                **({"episodes_started": self.episodes_started, "episodes_failed": self.episodes_failed,
-                    "episodes_abandoned": self.episodes_abandoned, "resets_failed": self.resets_failed,
+        return {
+            "rollout_s": self.wall_s,
+            "generator_idle_fraction": self.generator_idle_fraction,
+            "groups_started": self.groups_started,
+            "groups_dropped_uniform": self.groups_dropped_uniform,
+            "groups_dropped_stale": self.groups_dropped_stale,
+            "groups_from_buffer": self.groups_from_buffer,
+            "samples_aborted": self.samples_aborted,
+            "samples_resumed": self.samples_resumed,
+            "tokens_generated": self.tokens_generated,
+            "tokens_discarded": self.tokens_discarded,
+            **(
+                {"samples_aborted_redundant": self.samples_aborted_redundant}
+                if self.samples_aborted_redundant
+                else {}
+            ),
+            **({"generators_held_s": self.generators_held_s} if self.generators_held_s else {}),
+            **(
+                {
+                    "episodes_started": self.episodes_started,
+                    "episodes_failed": self.episodes_failed,
+                    "episodes_abandoned": self.episodes_abandoned,
+                    "resets_failed": self.resets_failed,
                     "groups_dropped_abandoned": self.groups_dropped_abandoned,
-                    **{f"episodes_failed/{k}": v for k, v in sorted(self.failure_reasons.items())}}
-                   if self.episodes_started else {}),
-                **({f"{d}/{k}": v for d, counts in sorted(self.domains.items()) for k, v in counts.items()}
-                   if len(self.domains) > 1 or set(self.domains) - {"default"} else {})}
+                    **{f"episodes_failed/{k}": v for k, v in sorted(self.failure_reasons.items())},
+                }
+                if self.episodes_started
+                else {}
+            ),
+            **(
+                {
+                    f"{d}/{k}": v
+                    for d, counts in sorted(self.domains.items())
+                    for k, v in counts.items()
+                }
+                if len(self.domains) > 1 or set(self.domains) - {"default"}
+                else {}
+            ),
+        }

@@ -20,23 +20,35 @@ from enum import StrEnum
 class FailureKind(StrEnum):
     """What ended an attempt. Each member: (its JSON value, ``description``, ``requeue_says``)."""
 
-    LOST_WORKER = ("lost_worker", "a lost worker (node or process gone)",
-                   "a worker was lost")
-    LOST_PEER = ("lost_peer", "a lost peer (a communication error or timeout, no node found gone)",
-                 "a lost peer: {summary}")
-    WORLD_NOT_FORMED = ("world_not_formed", "the MPI world did not form",
-                        "the MPI world did not form: {summary}")
-    ERROR = ("error", "an error of the run's own",
-             "an error in the run's own code or data, not a lost node or peer: not restarted (a restart would meet "
-             "it again): {summary}")
-    INTERRUPTED = ("interrupted", "a signal (scancel, Ctrl-C)",
-                   "")
-    PLACEMENT = ("placement", "ranks not on the hosts, GPUs or cores the plan gave them",
-                 "ranks not where the plan put them: not restarted (the same srun line would place them the same "
-                 "way): {summary}")
+    LOST_WORKER = ("lost_worker", "a lost worker (node or process gone)", "a worker was lost")
+    LOST_PEER = (
+        "lost_peer",
+        "a lost peer (a communication error or timeout, no node found gone)",
+        "a lost peer: {summary}",
+    )
+    WORLD_NOT_FORMED = (
+        "world_not_formed",
+        "the MPI world did not form",
+        "the MPI world did not form: {summary}",
+    )
+    ERROR = (
+        "error",
+        "an error of the run's own",
+        "an error in the run's own code or data, not a lost node or peer: not restarted (a restart would meet "
+        "it again): {summary}",
+    )
+    INTERRUPTED = ("interrupted", "a signal (scancel, Ctrl-C)", "")
+    PLACEMENT = (
+        "placement",
+        "ranks not on the hosts, GPUs or cores the plan gave them",
+        "ranks not where the plan put them: not restarted (the same srun line would place them the same "
+        "way): {summary}",
+    )
 
     description: str  # for a person, as ``rollhpc status`` shows the last failure
-    _requeue_says: str  # a template with ``{summary}``; "" where the requeue says nothing of its own
+    _requeue_says: (
+        str  # a template with ``{summary}``; "" where the requeue says nothing of its own
+    )
 
     def __new__(cls, value: str, description: str, requeue_says: str) -> FailureKind:
         # the value alone is the member's string (its JSON form); the words ride along as attributes
@@ -65,4 +77,6 @@ class FailureKind(StrEnum):
             return None
 
 
-_RESTARTABLE = frozenset({FailureKind.LOST_WORKER, FailureKind.LOST_PEER, FailureKind.WORLD_NOT_FORMED})
+_RESTARTABLE = frozenset(
+    {FailureKind.LOST_WORKER, FailureKind.LOST_PEER, FailureKind.WORLD_NOT_FORMED}
+)

@@ -59,16 +59,24 @@ def record_failed_node(run_dir: Path, host: str, why: str) -> None:
 
 
 def _attempt() -> dict[str, Any]:
-    return {"job_id": os.environ.get("SLURM_JOB_ID"),
-            "restart_count": slurm_restart_count()}
+    return {"job_id": os.environ.get("SLURM_JOB_ID"), "restart_count": slurm_restart_count()}
 
 
-def record_controller_exit(run_dir: Path, status: int, failure: dict[str, Any] | None = None) -> None:
+def record_controller_exit(
+    run_dir: Path, status: int, failure: dict[str, Any] | None = None
+) -> None:
     """The controller's own exit status, for ``after``: srun reports the worst status of all tasks (a
     killed worker's 137 hides the controller's 76), so the decision travels through the run directory.
     ``failure``: the controller's verdict on a failure (``rollhpc.controller.failure.Failure.record``)."""
-    atomic_write_json(RunPaths(run_dir).controller_exit, {"status": status, **_attempt(), "restart": restart_number(),
-                                                          **({"failure": failure} if failure else {})})
+    atomic_write_json(
+        RunPaths(run_dir).controller_exit,
+        {
+            "status": status,
+            **_attempt(),
+            "restart": restart_number(),
+            **({"failure": failure} if failure else {}),
+        },
+    )
 
 
 def _this_attempts(path: Path) -> dict[str, Any] | None:
@@ -107,14 +115,26 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
         if not error.exists():
             _write_world_not_formed(error, earlier["why"])
         return
-    atomic_write_json(RunPaths(run_dir).startup_failed, {"host": host, "why": why, "culprit": culprit, **_attempt()})
-    if not error.exists() or (culprit and earlier is not None):  # the culprit's word over a waiting rank's
+    atomic_write_json(
+        RunPaths(run_dir).startup_failed,
+        {"host": host, "why": why, "culprit": culprit, **_attempt()},
+    )
+    if not error.exists() or (
+        culprit and earlier is not None
+    ):  # the culprit's word over a waiting rank's
         _write_world_not_formed(error, why)
 
 
 def _write_world_not_formed(error: Path, why: str) -> None:
-    atomic_write_json(error, {"summary": why, "type": "WorldNotFormed", "details": why,
-                              "time": time.strftime("%Y-%m-%dT%H:%M:%S")})
+    atomic_write_json(
+        error,
+        {
+            "summary": why,
+            "type": "WorldNotFormed",
+            "details": why,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
 
 
 def startup_failure(run_dir: Path) -> dict[str, Any] | None:

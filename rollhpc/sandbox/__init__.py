@@ -18,4 +18,12 @@ from rollhpc.sandbox.pool import SandboxPool
 from rollhpc.sandbox.result import STATUSES, SandboxResult, Status
 from rollhpc.sandbox.sandbox import Sandbox
 
-__all__ = ["STATUSES", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxResult", "SandboxUnavailable", "Status"]
+__all__ = [
+    "STATUSES",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxPool",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "Status",
+]

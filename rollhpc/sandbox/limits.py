@@ -21,13 +21,21 @@ MB = 1 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
-    wall_s: float = 10.0  # wall-clock deadline: everything in the sandbox is killed after it (outside)
+    wall_s: float = (
+        10.0  # wall-clock deadline: everything in the sandbox is killed after it (outside)
+    )
     cpu_s: float = 10.0  # CPU seconds per process (RLIMIT_CPU: SIGXCPU, SIGKILL a second later)
     memory_mb: int = 512  # address space per process (RLIMIT_AS): MemoryError in Python
-    nproc: int = 32  # processes + threads of the sandbox's uid in its own user namespace (RLIMIT_NPROC)
+    nproc: int = (
+        32  # processes + threads of the sandbox's uid in its own user namespace (RLIMIT_NPROC)
+    )
     nofile: int = 64  # open file descriptors per process (RLIMIT_NOFILE)
-    fsize_mb: int = 16  # largest file a process may write (RLIMIT_FSIZE: EFBIG in Python, else SIGXFSZ)
-    output_bytes: int = 64_000  # stdout and stderr each; more ends the program (status output_limit)
+    fsize_mb: int = (
+        16  # largest file a process may write (RLIMIT_FSIZE: EFBIG in Python, else SIGXFSZ)
+    )
+    output_bytes: int = (
+        64_000  # stdout and stderr each; more ends the program (status output_limit)
+    )
     tmpfs_mb: int = 64  # size of the private /tmp, the only writable place (memory, not disk)
 
     def __post_init__(self) -> None:
@@ -36,11 +44,17 @@ class SandboxLimits:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
         for name in ("memory_mb", "nproc", "nofile", "fsize_mb", "output_bytes", "tmpfs_mb"):
             if int(getattr(self, name)) != getattr(self, name):
-                raise ValueError(f"SandboxLimits.{name} must be a whole number, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"SandboxLimits.{name} must be a whole number, got {getattr(self, name)!r}"
+                )
         if self.nproc < 2:
-            raise ValueError("SandboxLimits.nproc must be at least 2 (the sandbox's init process counts)")
+            raise ValueError(
+                "SandboxLimits.nproc must be at least 2 (the sandbox's init process counts)"
+            )
         if self.nofile < 8:
-            raise ValueError("SandboxLimits.nofile must be at least 8 (the interpreter needs a few)")
+            raise ValueError(
+                "SandboxLimits.nofile must be at least 8 (the interpreter needs a few)"
+            )
 
     def rlimits(self) -> dict[int, tuple[int, int]]:
         """resource.RLIMIT_* -> (soft, hard), as the launcher sets them inside the sandbox."""

@@ -29,12 +29,19 @@ class SandboxPool:
         self.workers = workers or available_cpus()
         self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="sandbox")
 
-    def submit(self, source: str, stdin: str = "", timeout: float | None = None) -> Future[SandboxResult]:
+    def submit(
+        self, source: str, stdin: str = "", timeout: float | None = None
+    ) -> Future[SandboxResult]:
         return self._executor.submit(self.sandbox.run, source, stdin, timeout)
 
-    def map(self, jobs: Iterable[str | tuple[str, str]], timeout: float | None = None) -> list[SandboxResult]:
+    def map(
+        self, jobs: Iterable[str | tuple[str, str]], timeout: float | None = None
+    ) -> list[SandboxResult]:
         """Results in the order of ``jobs``: each a source, or (source, stdin)."""
-        futures = [self.submit(*((job, "") if isinstance(job, str) else job), timeout=timeout) for job in jobs]
+        futures = [
+            self.submit(*((job, "") if isinstance(job, str) else job), timeout=timeout)
+            for job in jobs
+        ]
         return [f.result() for f in futures]
 
     def close(self, cancel_pending: bool = False) -> None:

@@ -33,7 +33,9 @@ STATUSES: tuple[Status, ...] = ("ok", "timeout", "memory", "output_limit", "kill
 @dataclass(frozen=True)
 class SandboxResult:
     status: Status
-    exit_code: int  # the program's exit status; -N when a signal N ended it (-9 when the runner killed it)
+    exit_code: (
+        int  # the program's exit status; -N when a signal N ended it (-9 when the runner killed it)
+    )
     stdout: str  # at most limits.output_bytes bytes each (decoded as UTF-8, bad bytes replaced)
     stderr: str
     cpu_s: float  # user + system CPU of everything the sandbox reaped (os.wait4 on bwrap)
@@ -50,8 +52,10 @@ class SandboxResult:
 
     def render(self) -> list[str]:
         """Human-readable: a summary line, then stdout and stderr when not empty."""
-        lines = [f"status {self.status}: {self.detail}; exit code {self.exit_code}; wall {self.wall_s:.3f} s, "
-                 f"cpu {self.cpu_s:.3f} s" + ("; output truncated" if self.truncated else "")]
+        lines = [
+            f"status {self.status}: {self.detail}; exit code {self.exit_code}; wall {self.wall_s:.3f} s, "
+            f"cpu {self.cpu_s:.3f} s" + ("; output truncated" if self.truncated else "")
+        ]
         for name in ("stdout", "stderr"):
             text = getattr(self, name)
             if text:
@@ -64,8 +68,15 @@ def _last_line(stderr: bytes) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def classify(*, returncode: int, killed_for: str | None, stderr: bytes, cpu_s: float,
-             limits: SandboxLimits, wall_s: float) -> tuple[Status, str]:
+def classify(
+    *,
+    returncode: int,
+    killed_for: str | None,
+    stderr: bytes,
+    cpu_s: float,
+    limits: SandboxLimits,
+    wall_s: float,
+) -> tuple[Status, str]:
     """(status, detail) of a finished run. ``killed_for``: "timeout" or "output_limit" when the runner ended
     it, else None. ``returncode``: exit status, or -N for signal N. ``wall_s``: the deadline that applied."""
     if killed_for == "timeout":
@@ -75,7 +86,10 @@ def classify(*, returncode: int, killed_for: str | None, stderr: bytes, cpu_s: f
     if returncode < 0:
         sig = -returncode
         if sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s):
-            return "timeout", f"CPU-time limit of {limits.cpu_s:g} s reached ({signal.Signals(sig).name})"
+            return (
+                "timeout",
+                f"CPU-time limit of {limits.cpu_s:g} s reached ({signal.Signals(sig).name})",
+            )
         if sig == signal.SIGXFSZ:
             return "output_limit", f"file size limit of {limits.fsize_mb} MB reached (SIGXFSZ)"
         try:

@@ -107,9 +107,20 @@ class _Streams:
             os.close(fd)
 
 
-def run_process(argv: list[str], *, stdin_fd: int, pass_fds: tuple[int, ...], wall_s: float, output_bytes: int,
-                status_fd: int, info_fd: int | None = None, signal_exit_codes: bool = False, cwd: str = "/",
-                env: dict[str, str] | None = None, user: int | None = None) -> Finished:
+def run_process(
+    argv: list[str],
+    *,
+    stdin_fd: int,
+    pass_fds: tuple[int, ...],
+    wall_s: float,
+    output_bytes: int,
+    status_fd: int,
+    info_fd: int | None = None,
+    signal_exit_codes: bool = False,
+    cwd: str = "/",
+    env: dict[str, str] | None = None,
+    user: int | None = None,
+) -> Finished:
     """Run ``argv`` until it ends, ``wall_s`` passes or stdout/stderr exceed ``output_bytes``.
 
     ``pass_fds`` are closed here once the child has them; ``status_fd`` and ``info_fd`` are read ends of
@@ -147,11 +158,14 @@ def run_process(argv: list[str], *, stdin_fd: int, pass_fds: tuple[int, ...], wa
         _, status, rusage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         # the namespace is empty once its pid 1 has exited (the kernel kills and reaps the rest first)
-        leftovers = bool(streams.open_outputs) or (init is not None and not init.wait_gone(
-            end or time.monotonic() + DRAIN_AFTER_KILL_S))
+        leftovers = bool(streams.open_outputs) or (
+            init is not None and not init.wait_gone(end or time.monotonic() + DRAIN_AFTER_KILL_S)
+        )
         report = _parse_status(streams.read_side(status_fd))
     finally:
-        if proc.returncode is None:  # an exception here (KeyboardInterrupt...): leave nothing running
+        if (
+            proc.returncode is None
+        ):  # an exception here (KeyboardInterrupt...): leave nothing running
             _kill(proc.pid, init.pid if init is not None and init.alive() else None)
             os.waitpid(proc.pid, 0)
             proc.returncode = -signal.SIGKILL
@@ -161,18 +175,39 @@ def run_process(argv: list[str], *, stdin_fd: int, pass_fds: tuple[int, ...], wa
     if report is not None:
         code, cpu_s = report
     else:
-        code = -signal.SIGKILL if killed_for is not None else _exit_code(proc.returncode, signal_exit_codes)
+        code = (
+            -signal.SIGKILL
+            if killed_for is not None
+            else _exit_code(proc.returncode, signal_exit_codes)
+        )
         cpu_s = kill_cpu_s if kill_cpu_s is not None else rusage.ru_utime + rusage.ru_stime
     if leftovers:
-        log.warning("sandbox: processes of a sandbox still ran %.0f s after its end or kill (argv[0] %s)",
-                    DRAIN_AFTER_KILL_S, argv[0])
-    return Finished(returncode=code, stdout=bytes(streams.bufs[out_fd]), stderr=bytes(streams.bufs[err_fd]),
-                    truncated=streams.overflow, killed_for=killed_for, cpu_s=cpu_s, wall_s=time.monotonic() - t0,
-                    leftovers=leftovers)
+        log.warning(
+            "sandbox: processes of a sandbox still ran %.0f s after its end or kill (argv[0] %s)",
+            DRAIN_AFTER_KILL_S,
+            argv[0],
+        )
+    return Finished(
+        returncode=code,
+        stdout=bytes(streams.bufs[out_fd]),
+        stderr=bytes(streams.bufs[err_fd]),
+        truncated=streams.overflow,
+        killed_for=killed_for,
+        cpu_s=cpu_s,
+        wall_s=time.monotonic() - t0,
+        leftovers=leftovers,
+    )
 
 
-def _spawn(argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], read_ends: tuple[int | None, ...], cwd: str,
-           env: dict[str, str] | None, user: int | None) -> subprocess.Popen:
+def _spawn(
+    argv: list[str],
+    stdin_fd: int,
+    pass_fds: tuple[int, ...],
+    read_ends: tuple[int | None, ...],
+    cwd: str,
+    env: dict[str, str] | None,
+    user: int | None,
+) -> subprocess.Popen:
     """``argv`` started in a session of its own with stdout and stderr piped, as ``user`` when given; the
     ``pass_fds`` are closed here once the child has them, and the ``read_ends`` too if it cannot start."""
     ids: dict = {}
@@ -181,9 +216,17 @@ def _spawn(argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...], read_ends:
     elif user is not None:
         ids = {"user": user, "group": user, "extra_groups": []}
     try:
-        return subprocess.Popen(argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                pass_fds=pass_fds, cwd=cwd, env=env if env is not None else {},
-                                start_new_session=True, **ids)
+        return subprocess.Popen(
+            argv,
+            stdin=stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            pass_fds=pass_fds,
+            cwd=cwd,
+            env=env if env is not None else {},
+            start_new_session=True,
+            **ids,
+        )
     except BaseException:
         for fd in read_ends:
             if fd is not None:
@@ -241,7 +284,11 @@ class _SandboxInit:
             return None  # not all there yet
         fields = _stat(pid)
         try:
-            ours = fields is not None and int(fields[1]) == bwrap_pid and os.readlink(f"/proc/{pid}/ns/pid") == pid_ns
+            ours = (
+                fields is not None
+                and int(fields[1]) == bwrap_pid
+                and os.readlink(f"/proc/{pid}/ns/pid") == pid_ns
+            )
         except OSError:
             ours = False
         # not ours (any more): it already ended and was reaped; wait_gone and alive then answer for a dead one
@@ -249,7 +296,12 @@ class _SandboxInit:
 
     def alive(self) -> bool:
         fields = _stat(self.pid)
-        return bool(self.start) and fields is not None and fields[19] == self.start and fields[0] not in "ZX"
+        return (
+            bool(self.start)
+            and fields is not None
+            and fields[19] == self.start
+            and fields[0] not in "ZX"
+        )
 
     def wait_gone(self, until: float) -> bool:
         while self.alive():

@@ -41,8 +41,17 @@ import os
 import tempfile
 import threading
 
-from rollhpc.sandbox.bwrap import (PROGRAM_PATH, SANDBOX_UID, USERNS_HINT, Interpreter, SandboxUnavailable, bwrap_argv,
-                                   bwrap_version, default_interpreters, find_bwrap)
+from rollhpc.sandbox.bwrap import (
+    PROGRAM_PATH,
+    SANDBOX_UID,
+    USERNS_HINT,
+    Interpreter,
+    SandboxUnavailable,
+    bwrap_argv,
+    bwrap_version,
+    default_interpreters,
+    find_bwrap,
+)
 from rollhpc.sandbox.launcher import launcher_code
 from rollhpc.sandbox.limits import MB, SandboxLimits
 from rollhpc.sandbox.result import SandboxResult, classify
@@ -50,11 +59,15 @@ from rollhpc.sandbox.runner import Finished, run_process
 
 log = logging.getLogger("rollhpc.sandbox")
 
-UNSAFE_WARNING = ("UNSAFE SANDBOX: programs run WITHOUT isolation (unsafe=True): they can read and write this user's "
-                  "files, use the network and keep processes running; as root the process limit does not hold. "
-                  "Only resource limits apply. Never use this for untrusted code.")
-_PREFLIGHT_SOURCE = ("import os, socket\n"
-                     "print(os.getuid(), os.getgid(), ','.join(sorted(n for _, n in socket.if_nameindex())))\n")
+UNSAFE_WARNING = (
+    "UNSAFE SANDBOX: programs run WITHOUT isolation (unsafe=True): they can read and write this user's "
+    "files, use the network and keep processes running; as root the process limit does not hold. "
+    "Only resource limits apply. Never use this for untrusted code."
+)
+_PREFLIGHT_SOURCE = (
+    "import os, socket\n"
+    "print(os.getuid(), os.getgid(), ','.join(sorted(n for _, n in socket.if_nameindex())))\n"
+)
 _preflight_ok: set[tuple] = set()
 _preflight_lock = threading.Lock()
 
@@ -63,7 +76,7 @@ def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -84,8 +97,15 @@ class Sandbox:
     ``host_uid``: the uid and gid bwrap runs as when this process is root (default 65534; ignored for other
     users)."""
 
-    def __init__(self, limits: SandboxLimits | None = None, *, unsafe: bool = False, bwrap: str | None = None,
-                 interpreter: str | None = None, host_uid: int = 65534) -> None:
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        unsafe: bool = False,
+        bwrap: str | None = None,
+        interpreter: str | None = None,
+        host_uid: int = 65534,
+    ) -> None:
         self.limits = limits or SandboxLimits()
         self.unsafe = unsafe
         self.host_uid = host_uid if os.geteuid() == 0 else None
@@ -102,17 +122,27 @@ class Sandbox:
             return f"UNSAFE (no isolation), interpreter {self.interpreter.path} (Python {self.interpreter.version})"
         version = ".".join(map(str, bwrap_version(self.bwrap) or ()))
         as_uid = f", bwrap started as uid {self.host_uid}" if self.host_uid is not None else ""
-        return (f"bwrap {self.bwrap} (bubblewrap {version}), interpreter {self.interpreter.path} "
-                f"(Python {self.interpreter.version}), sandbox uid {SANDBOX_UID}{as_uid}")
+        return (
+            f"bwrap {self.bwrap} (bubblewrap {version}), interpreter {self.interpreter.path} "
+            f"(Python {self.interpreter.version}), sandbox uid {SANDBOX_UID}{as_uid}"
+        )
 
-    def run(self, source: str | bytes, stdin: str | bytes = "", timeout: float | None = None) -> SandboxResult:
+    def run(
+        self, source: str | bytes, stdin: str | bytes = "", timeout: float | None = None
+    ) -> SandboxResult:
         """Run ``source`` (Python) with ``stdin``; ``timeout`` replaces limits.wall_s for this call."""
-        return self._run(source, stdin, self.limits.wall_s if timeout is None else timeout, self.interpreter)
+        return self._run(
+            source, stdin, self.limits.wall_s if timeout is None else timeout, self.interpreter
+        )
 
-    def _run(self, source: str | bytes, stdin: str | bytes, wall_s: float, interp: Interpreter) -> SandboxResult:
+    def _run(
+        self, source: str | bytes, stdin: str | bytes, wall_s: float, interp: Interpreter
+    ) -> SandboxResult:
         src = source.encode() if isinstance(source, str) else source
         lim = self.limits
-        stdin_fd = _read_only(_memfd("sandbox-stdin", stdin.encode() if isinstance(stdin, str) else stdin))
+        stdin_fd = _read_only(
+            _memfd("sandbox-stdin", stdin.encode() if isinstance(stdin, str) else stdin)
+        )
         try:
             if self.bwrap is None:
                 finished = self._spawn_unsafe(src, stdin_fd, wall_s, interp)
@@ -120,16 +150,30 @@ class Sandbox:
                 finished = self._spawn_bwrap(src, stdin_fd, wall_s, interp)
         finally:
             os.close(stdin_fd)
-        status, detail = classify(returncode=finished.returncode, killed_for=finished.killed_for,
-                                  stderr=finished.stderr, cpu_s=finished.cpu_s, limits=lim, wall_s=wall_s)
+        status, detail = classify(
+            returncode=finished.returncode,
+            killed_for=finished.killed_for,
+            stderr=finished.stderr,
+            cpu_s=finished.cpu_s,
+            limits=lim,
+            wall_s=wall_s,
+        )
         if finished.leftovers:
             detail += "; WARNING: processes of this sandbox were still running after it ended"
-        return SandboxResult(status=status, exit_code=finished.returncode,
-                             stdout=finished.stdout.decode("utf-8", "replace"),
-                             stderr=finished.stderr.decode("utf-8", "replace"), cpu_s=round(finished.cpu_s, 4),
-                             wall_s=round(finished.wall_s, 4), detail=detail, truncated=finished.truncated)
+        return SandboxResult(
+            status=status,
+            exit_code=finished.returncode,
+            stdout=finished.stdout.decode("utf-8", "replace"),
+            stderr=finished.stderr.decode("utf-8", "replace"),
+            cpu_s=round(finished.cpu_s, 4),
+            wall_s=round(finished.wall_s, 4),
+            detail=detail,
+            truncated=finished.truncated,
+        )
 
-    def _spawn_bwrap(self, src: bytes, stdin_fd: int, wall_s: float, interp: Interpreter) -> Finished:
+    def _spawn_bwrap(
+        self, src: bytes, stdin_fd: int, wall_s: float, interp: Interpreter
+    ) -> Finished:
         assert self.bwrap is not None
         lim, fds = self.limits, []
         try:  # every descriptor made here is run_process's to close once it is called, ours until then
@@ -139,26 +183,51 @@ class Sandbox:
             fds += [info_r, info_w]
             status_r, status_w = os.pipe()
             fds += [status_r, status_w]
-            argv = bwrap_argv(self.bwrap, interp, tmpfs_bytes=lim.tmpfs_mb * MB, src_fd=src_fd, info_fd=info_w,
-                              launcher=launcher_code(lim, PROGRAM_PATH, status_w))
+            argv = bwrap_argv(
+                self.bwrap,
+                interp,
+                tmpfs_bytes=lim.tmpfs_mb * MB,
+                src_fd=src_fd,
+                info_fd=info_w,
+                launcher=launcher_code(lim, PROGRAM_PATH, status_w),
+            )
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
-        return run_process(argv, stdin_fd=stdin_fd, pass_fds=(src_fd, info_w, status_w), wall_s=wall_s,
-                           output_bytes=lim.output_bytes, status_fd=status_r, info_fd=info_r, signal_exit_codes=True,
-                           user=self.host_uid)
+        return run_process(
+            argv,
+            stdin_fd=stdin_fd,
+            pass_fds=(src_fd, info_w, status_w),
+            wall_s=wall_s,
+            output_bytes=lim.output_bytes,
+            status_fd=status_r,
+            info_fd=info_r,
+            signal_exit_codes=True,
+            user=self.host_uid,
+        )
 
-    def _spawn_unsafe(self, src: bytes, stdin_fd: int, wall_s: float, interp: Interpreter) -> Finished:
-        with tempfile.TemporaryDirectory(prefix="rollhpc-unsafe-", ignore_cleanup_errors=True) as tmp:
+    def _spawn_unsafe(
+        self, src: bytes, stdin_fd: int, wall_s: float, interp: Interpreter
+    ) -> Finished:
+        with tempfile.TemporaryDirectory(
+            prefix="rollhpc-unsafe-", ignore_cleanup_errors=True
+        ) as tmp:
             path = os.path.join(tmp, "main.py")
             with open(path, "wb") as f:
                 f.write(src)
             env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8"}
             status_r, status_w = os.pipe()
-            return run_process([interp.path, "-I", "-S", "-c", launcher_code(self.limits, path, status_w)],
-                               stdin_fd=stdin_fd, pass_fds=(status_w,), wall_s=wall_s,
-                               output_bytes=self.limits.output_bytes, status_fd=status_r, cwd=tmp, env=env)
+            return run_process(
+                [interp.path, "-I", "-S", "-c", launcher_code(self.limits, path, status_w)],
+                stdin_fd=stdin_fd,
+                pass_fds=(status_w,),
+                wall_s=wall_s,
+                output_bytes=self.limits.output_bytes,
+                status_fd=status_r,
+                cwd=tmp,
+                env=env,
+            )
 
     # ------------------------------------------------------------------ preflight
     def _choose_interpreter(self, explicit: str | None) -> Interpreter:
@@ -195,9 +264,15 @@ class Sandbox:
         said = text.splitlines()[-1][:300] if text else r.detail
         if "Can't find source path" in said or "execvp" in said or "No such file" in said:
             who = f"uid {self.host_uid}" if self.host_uid is not None else "this user"
-            raise SandboxUnavailable(f"interpreter {interp.path} cannot run in the sandbox (not reachable by {who}?): "
-                                     f"{said}")
+            raise SandboxUnavailable(
+                f"interpreter {interp.path} cannot run in the sandbox (not reachable by {who}?): "
+                f"{said}"
+            )
         if r.ok:
-            raise SandboxUnavailable(f"the sandbox is not isolated: a probe saw uid/gid/network {r.stdout.strip()!r}, "
-                                     f"expected {want!r}")
-        raise SandboxUnavailable(f"bubblewrap ({self.bwrap}) cannot create a sandbox here: {said}; {USERNS_HINT}")
+            raise SandboxUnavailable(
+                f"the sandbox is not isolated: a probe saw uid/gid/network {r.stdout.strip()!r}, "
+                f"expected {want!r}"
+            )
+        raise SandboxUnavailable(
+            f"bubblewrap ({self.bwrap}) cannot create a sandbox here: {said}; {USERNS_HINT}"
+        )

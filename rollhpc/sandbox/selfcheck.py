@@ -24,8 +24,16 @@ from rollhpc.sandbox.pool import SandboxPool
 from rollhpc.sandbox.result import SandboxResult
 from rollhpc.sandbox.sandbox import Sandbox
 
-CHECK_LIMITS = SandboxLimits(wall_s=5.0, cpu_s=1.0, memory_mb=128, nproc=16, nofile=32, fsize_mb=4,
-                             output_bytes=16_000, tmpfs_mb=16)
+CHECK_LIMITS = SandboxLimits(
+    wall_s=5.0,
+    cpu_s=1.0,
+    memory_mb=128,
+    nproc=16,
+    nofile=32,
+    fsize_mb=4,
+    output_bytes=16_000,
+    tmpfs_mb=16,
+)
 PROJECT_DIR = Path(__file__).resolve().parents[2]
 LISTENER_CHECK = "no connection to a listener on the host's 127.0.0.1"
 
@@ -64,18 +72,22 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-def _printed(expect: Callable[[str], bool], describe: str) -> Callable[[SandboxResult], tuple[bool, str]]:
+def _printed(
+    expect: Callable[[str], bool], describe: str
+) -> Callable[[SandboxResult], tuple[bool, str]]:
     def judge(r: SandboxResult) -> tuple[bool, str]:
         out = r.stdout.strip()
         if r.status != "ok":
             return False, f"probe did not run: {r.status}: {r.detail}"
         return expect(out), f"{describe}: {out[:200]}"
+
     return judge
 
 
 def _status(want: str, extra: Callable[[SandboxResult], bool] = lambda r: True) -> Callable:
     def judge(r: SandboxResult) -> tuple[bool, str]:
         return r.status == want and extra(r), f"{r.status}: {r.detail}"
+
     return judge
 
 
@@ -84,10 +96,14 @@ def _try(statement: str, imports: str = "") -> str:
     return f"{imports}\ntry:\n    {statement}\nexcept OSError as e:\n    print('failed', e)\n"
 
 
-def _checks(limits: SandboxLimits, port: int, home: str, marker: str, binds: tuple[str, ...]) -> list[_Check]:
+def _checks(
+    limits: SandboxLimits, port: int, home: str, marker: str, binds: tuple[str, ...]
+) -> list[_Check]:
     project = str(PROJECT_DIR)
     # the interpreter's own prefix may lie under home (a pyenv): its first path component is all that may show
-    allowed = sorted({b[len(home) + 1:].split("/")[0] for b in binds if b.startswith(home.rstrip("/") + "/")})
+    allowed = sorted(
+        {b[len(home) + 1 :].split("/")[0] for b in binds if b.startswith(home.rstrip("/") + "/")}
+    )
     mb = 1 << 20
     outside = ["/x", "/usr/x", "/dev/shm/x", "/etc/x", f"{home}/x", f"{project}/x"]
     failed = _printed(lambda out: out.startswith("failed"), "saw")
@@ -123,36 +139,78 @@ def _checks(limits: SandboxLimits, port: int, home: str, marker: str, binds: tup
             os._exit(0)
         os.execv("/bin/sleep", [{marker!r}, "60"])""")
     return [
-        _Check("runs as a non-root uid", "import os; print(os.getuid(), os.geteuid(), os.getgid())",
-               _printed(lambda out: "0" not in out.split(), "uid euid gid")),
-        _Check("network namespace has only lo", "import socket; print(*sorted(n for _, n in socket.if_nameindex()))",
-               _printed(lambda out: out == "lo", "interfaces")),
-        _Check("DNS lookups fail", _try("print('resolved', socket.getaddrinfo('example.com', 443))", "import socket"),
-               failed),
-        _Check(LISTENER_CHECK, _try(f"socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')",
-                                    "import socket"), failed),
-        _Check("/etc/shadow unreadable", _try("print('read', open('/etc/shadow').read(1))"), failed),
-        _Check(f"home directory {home} invisible", _try(f"print('listed', os.listdir({home!r}))", "import os"),
-               _printed(lambda out: out.startswith("failed") or out == f"listed {allowed!r}", "saw")),
-        _Check(f"project directory {project} invisible",
-               f"import os\nprint('exists' if os.path.exists({project!r}) else 'absent')",
-               _printed(lambda out: out == "absent", "project")),
-        _Check("writes outside the private /tmp fail", write_outside,
-               _printed(lambda out: out == "wrote []", "/tmp writable, others")),
-        _Check("host processes invisible (own pid namespace)",
-               "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))",
-               _printed(lambda out: int(out) < limits.nproc, "processes seen")),
-        _Check(f"process limit holds ({limits.nproc})", fork_200,
-               _printed(lambda out: int(out) < limits.nproc, "children started of 200 tried")),
-        _Check(f"memory limit holds ({limits.memory_mb} MB)", f"x = bytearray({2 * limits.memory_mb * mb})",
-               _status("memory")),
-        _Check(f"CPU-time limit holds ({limits.cpu_s:g} s)", "while True:\n    pass",
-               _status("timeout", lambda r: "CPU" in r.detail)),
-        _Check(f"file size limit holds ({limits.fsize_mb} MB)",
-               f"with open('/tmp/big', 'wb') as f:\n    f.write(b'x' * {(limits.fsize_mb + 1) * mb})",
-               _status("output_limit")),
-        _Check("deadline ends everything the program started (daemonised grandchild too)", daemon,
-               _status("timeout"), timeout=1.0),
+        _Check(
+            "runs as a non-root uid",
+            "import os; print(os.getuid(), os.geteuid(), os.getgid())",
+            _printed(lambda out: "0" not in out.split(), "uid euid gid"),
+        ),
+        _Check(
+            "network namespace has only lo",
+            "import socket; print(*sorted(n for _, n in socket.if_nameindex()))",
+            _printed(lambda out: out == "lo", "interfaces"),
+        ),
+        _Check(
+            "DNS lookups fail",
+            _try("print('resolved', socket.getaddrinfo('example.com', 443))", "import socket"),
+            failed,
+        ),
+        _Check(
+            LISTENER_CHECK,
+            _try(
+                f"socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')",
+                "import socket",
+            ),
+            failed,
+        ),
+        _Check(
+            "/etc/shadow unreadable", _try("print('read', open('/etc/shadow').read(1))"), failed
+        ),
+        _Check(
+            f"home directory {home} invisible",
+            _try(f"print('listed', os.listdir({home!r}))", "import os"),
+            _printed(lambda out: out.startswith("failed") or out == f"listed {allowed!r}", "saw"),
+        ),
+        _Check(
+            f"project directory {project} invisible",
+            f"import os\nprint('exists' if os.path.exists({project!r}) else 'absent')",
+            _printed(lambda out: out == "absent", "project"),
+        ),
+        _Check(
+            "writes outside the private /tmp fail",
+            write_outside,
+            _printed(lambda out: out == "wrote []", "/tmp writable, others"),
+        ),
+        _Check(
+            "host processes invisible (own pid namespace)",
+            "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))",
+            _printed(lambda out: int(out) < limits.nproc, "processes seen"),
+        ),
+        _Check(
+            f"process limit holds ({limits.nproc})",
+            fork_200,
+            _printed(lambda out: int(out) < limits.nproc, "children started of 200 tried"),
+        ),
+        _Check(
+            f"memory limit holds ({limits.memory_mb} MB)",
+            f"x = bytearray({2 * limits.memory_mb * mb})",
+            _status("memory"),
+        ),
+        _Check(
+            f"CPU-time limit holds ({limits.cpu_s:g} s)",
+            "while True:\n    pass",
+            _status("timeout", lambda r: "CPU" in r.detail),
+        ),
+        _Check(
+            f"file size limit holds ({limits.fsize_mb} MB)",
+            f"with open('/tmp/big', 'wb') as f:\n    f.write(b'x' * {(limits.fsize_mb + 1) * mb})",
+            _status("output_limit"),
+        ),
+        _Check(
+            "deadline ends everything the program started (daemonised grandchild too)",
+            daemon,
+            _status("timeout"),
+            timeout=1.0,
+        ),
     ]
 
 
@@ -166,8 +224,13 @@ def run_checks(sandbox: Sandbox | None = None, workers: int | None = None) -> li
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)
         listener.setblocking(False)
-        checks = _checks(sandbox.limits, listener.getsockname()[1], str(Path.home()), marker,
-                         sandbox.interpreter.binds)
+        checks = _checks(
+            sandbox.limits,
+            listener.getsockname()[1],
+            str(Path.home()),
+            marker,
+            sandbox.interpreter.binds,
+        )
         with SandboxPool(sandbox, workers) as pool:
             futures = [pool.submit(c.source, "", c.timeout) for c in checks]
             results = []
@@ -180,11 +243,20 @@ def run_checks(sandbox: Sandbox | None = None, workers: int | None = None) -> li
         except BlockingIOError:
             accepted = False
     if accepted:
-        results = [CheckResult(r.name, False, "the host listener accepted a connection") if r.name == LISTENER_CHECK
-                   else r for r in results]
+        results = [
+            CheckResult(r.name, False, "the host listener accepted a connection")
+            if r.name == LISTENER_CHECK
+            else r
+            for r in results
+        ]
     left = processes_with_marker(marker)
-    results.append(CheckResult("nothing keeps running after the calls", not left,
-                               f"processes left: {left} (now killed)" if left else "none left"))
+    results.append(
+        CheckResult(
+            "nothing keeps running after the calls",
+            not left,
+            f"processes left: {left} (now killed)" if left else "none left",
+        )
+    )
     for pid in left:  # a failed check must not leave its sleepers behind either
         try:
             os.kill(pid, signal.SIGKILL)

@@ -20,15 +20,21 @@ TASK_FUNCTIONS = ("make_splits", "format_prompt", "completion", "score", "corpus
 def task_module(name: str) -> ModuleType:
     """The task module named ``name``; an unknown name raises with the tasks found in rollhpc.tasks."""
     if not name or not all(part.isidentifier() for part in name.split(".")):
-        raise ValueError(f"task name {name!r} is neither a module of rollhpc.tasks nor an import path")
+        raise ValueError(
+            f"task name {name!r} is neither a module of rollhpc.tasks nor an import path"
+        )
     path = name if "." in name else f"{__name__}.{name}"
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as e:
-        if e.name is None or not (path == e.name or path.startswith(e.name + ".")):  # a task's own import failed
+        if e.name is None or not (
+            path == e.name or path.startswith(e.name + ".")
+        ):  # a task's own import failed
             raise
-        raise ValueError(f"unknown task {name!r}; tasks in rollhpc.tasks are {', '.join(available_tasks())} "
-                         "(or give a module's import path, package.module)") from None
+        raise ValueError(
+            f"unknown task {name!r}; tasks in rollhpc.tasks are {', '.join(available_tasks())} "
+            "(or give a module's import path, package.module)"
+        ) from None
     missing = [f for f in TASK_FUNCTIONS if not callable(getattr(module, f, None))]
     if missing:
         raise ValueError(f"{path} is not a task module: it lacks {', '.join(missing)}")

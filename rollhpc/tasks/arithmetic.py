@@ -28,7 +28,9 @@ class ArithmeticExample:
     op: str  # one of "+", "-", "*"
     b: int
     answer: str  # ground truth, the decimal result
-    work: bool = False  # the reference completion shows the column sums before the answer (``show_work``)
+    work: bool = (
+        False  # the reference completion shows the column sums before the answer (``show_work``)
+    )
 
     @property
     def prompt(self) -> str:
@@ -66,8 +68,13 @@ def randint(rng: random.Random, lo: int, hi: int) -> int:
     return lo + min(int(rng.random() * (hi - lo + 1)), hi - lo)
 
 
-def sample(rng: random.Random, digits: int = 3, ops: tuple[str, ...] = ("+", "-"),
-           allow_negative: bool = False, show_work: bool = False) -> ArithmeticExample:
+def sample(
+    rng: random.Random,
+    digits: int = 3,
+    ops: tuple[str, ...] = ("+", "-"),
+    allow_negative: bool = False,
+    show_work: bool = False,
+) -> ArithmeticExample:
     """One example with operands in [0, 10**digits); without ``allow_negative`` a - b has a >= b."""
     a, b = randint(rng, 0, 10**digits - 1), randint(rng, 0, 10**digits - 1)
     op = ops[randint(rng, 0, len(ops) - 1)]
@@ -76,8 +83,14 @@ def sample(rng: random.Random, digits: int = 3, ops: tuple[str, ...] = ("+", "-"
     return ArithmeticExample(a=a, op=op, b=b, answer=str(_OPS[op](a, b)), work=show_work)
 
 
-def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, max_draws: int,
-                  taken: Iterable[Hashable] = (), widen: str = "more digits / numbers") -> list[T]:
+def unique_stream(
+    draw: Callable[[], T],
+    key: Callable[[T], Hashable],
+    n: int,
+    max_draws: int,
+    taken: Iterable[Hashable] = (),
+    widen: str = "more digits / numbers",
+) -> list[T]:
     """The first ``n`` examples from ``draw()`` with distinct keys, none of them in ``taken``; raises when the
     space is too small (saying how to ``widen`` the task)."""
     seen: set[Hashable] = set(taken)
@@ -90,14 +103,22 @@ def unique_stream(draw: Callable[[], T], key: Callable[[T], Hashable], n: int, m
             seen.add(k)
             out.append(ex)
     if len(out) < n:
-        raise ValueError(f"found only {len(out)} distinct examples of the {n} asked for in {max_draws} draws: "
-                         f"ask for fewer or widen the task ({widen})")
+        raise ValueError(
+            f"found only {len(out)} distinct examples of the {n} asked for in {max_draws} draws: "
+            f"ask for fewer or widen the task ({widen})"
+        )
     return out
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, digits: int = 3, ops: tuple[str, ...] = ("+", "-"),
-                allow_negative: bool = False, show_work: bool = False
-                ) -> tuple[list[ArithmeticExample], list[ArithmeticExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    digits: int = 3,
+    ops: tuple[str, ...] = ("+", "-"),
+    allow_negative: bool = False,
+    show_work: bool = False,
+) -> tuple[list[ArithmeticExample], list[ArithmeticExample]]:
     """Deterministic, disjoint (train, heldout). Held-out examples are drawn first, so the held-out
     set for a seed does not change when ``n_train`` does. ``show_work`` (additions only): reference
     completions write the column sums before the answer (``column_sums``), so responses run to tens of
@@ -107,11 +128,17 @@ def make_splits(seed: int, n_train: int, n_heldout: int, digits: int = 3, ops: t
     if not ops or set(ops) - set(_OPS):
         raise ValueError(f"ops must be a non-empty subset of {sorted(_OPS)}, got {ops!r}")
     if show_work and set(ops) != {"+"}:
-        raise ValueError(f"show_work writes column sums of additions: set ops to ['+'], got {list(ops)}")
+        raise ValueError(
+            f"show_work writes column sums of additions: set ops to ['+'], got {list(ops)}"
+        )
     rng = random.Random(seed)
     n = n_train + n_heldout
-    examples = unique_stream(lambda: sample(rng, digits, ops, allow_negative, show_work), lambda e: (e.a, e.op, e.b),
-                             n, max_draws=20 * n + 1000)
+    examples = unique_stream(
+        lambda: sample(rng, digits, ops, allow_negative, show_work),
+        lambda e: (e.a, e.op, e.b),
+        n,
+        max_draws=20 * n + 1000,
+    )
     return examples[n_heldout:], examples[:n_heldout]
 
 

@@ -22,7 +22,12 @@ from rollhpc.tasks.arithmetic import randint, text_after_marker, unique_stream
 
 MAX_EXPRESSION_CHARS = 200  # longer responses are not a countdown answer; bounds parsing work
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/() ]+")  # no letters, "_", "." or "**"-free tricks like 0x10
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINOPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
 _SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
@@ -50,7 +55,10 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[Fraction
     """Combine ``numbers`` pairwise in random order with random operators; None on division by zero."""
     terms = [(Fraction(n), str(n)) for n in numbers]
     while len(terms) > 1:
-        (x, xs), (y, ys) = terms.pop(randint(rng, 0, len(terms) - 1)), terms.pop(randint(rng, 0, len(terms) - 1))
+        (x, xs), (y, ys) = (
+            terms.pop(randint(rng, 0, len(terms) - 1)),
+            terms.pop(randint(rng, 0, len(terms) - 1)),
+        )
         op = (ast.Add, ast.Sub, ast.Mult, ast.Div)[randint(rng, 0, 3)]
         if op is ast.Div and y == 0:
             return None
@@ -59,14 +67,19 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[Fraction
     return value, text[1:-1] if text.startswith("(") else text
 
 
-def sample(rng: random.Random, num_numbers: int = 4, max_number: int = 20,
-           max_target: int = 100) -> CountdownExample:
+def sample(
+    rng: random.Random, num_numbers: int = 4, max_number: int = 20, max_target: int = 100
+) -> CountdownExample:
     """Numbers in [1, max_number]; target a positive integer <= max_target reached by a random
     expression over 2..num_numbers of them, and not already one of the numbers."""
     while True:
         numbers = [randint(rng, 1, max_number) for _ in range(num_numbers)]
-        pool = numbers[:]  # a random subset, drawn with randint (not rng.shuffle) to stay version-stable
-        used = [pool.pop(randint(rng, 0, len(pool) - 1)) for _ in range(randint(rng, 2, num_numbers))]
+        pool = numbers[
+            :
+        ]  # a random subset, drawn with randint (not rng.shuffle) to stay version-stable
+        used = [
+            pool.pop(randint(rng, 0, len(pool) - 1)) for _ in range(randint(rng, 2, num_numbers))
+        ]
         made = _random_expression(rng, used)
         if made is None:
             continue
@@ -75,8 +88,14 @@ def sample(rng: random.Random, num_numbers: int = 4, max_number: int = 20,
             return CountdownExample(numbers=tuple(numbers), target=int(value), solution=text)
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, num_numbers: int = 4, max_number: int = 20,
-                max_target: int = 100) -> tuple[list[CountdownExample], list[CountdownExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    num_numbers: int = 4,
+    max_number: int = 20,
+    max_target: int = 100,
+) -> tuple[list[CountdownExample], list[CountdownExample]]:
     """Deterministic, disjoint (train, heldout); disjoint as problems (sorted numbers and target),
     so a reordering of a held-out problem never appears in training. Held-out examples are drawn
     first, so they do not depend on ``n_train``."""
@@ -86,8 +105,12 @@ def make_splits(seed: int, n_train: int, n_heldout: int, num_numbers: int = 4, m
         raise ValueError(f"max_number ({max_number}) and max_target ({max_target}) must be >= 1")
     rng = random.Random(seed)
     n = n_train + n_heldout
-    examples = unique_stream(lambda: sample(rng, num_numbers, max_number, max_target),
-                             lambda e: (tuple(sorted(e.numbers)), e.target), n, max_draws=20 * n + 1000)
+    examples = unique_stream(
+        lambda: sample(rng, num_numbers, max_number, max_target),
+        lambda e: (tuple(sorted(e.numbers)), e.target),
+        n,
+        max_draws=20 * n + 1000,
+    )
     return examples[n_heldout:], examples[:n_heldout]
 
 

@@ -60,7 +60,9 @@ class FileExample:
     def chat(self) -> list[dict[str, str]]:
         """The conversation to render with a chat template: the row's messages, or its prompt as the one
         user turn; the system prompt first unless the messages already have one."""
-        messages = [{"role": r, "content": c} for r, c in self.messages] or [{"role": "user", "content": self.prompt}]
+        messages = [{"role": r, "content": c} for r, c in self.messages] or [
+            {"role": "user", "content": self.prompt}
+        ]
         if self.system and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system})
         return messages
@@ -99,9 +101,13 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
                 try:
                     row = json.loads(line)
                 except ValueError as e:
-                    raise DataError(f"{path}: line {n} is not JSON ({e.msg} at column {e.colno})") from None
+                    raise DataError(
+                        f"{path}: line {n} is not JSON ({e.msg} at column {e.colno})"
+                    ) from None
                 if not isinstance(row, dict):
-                    raise DataError(f"{path}: line {n} is a JSON {type(row).__name__}, not an object with fields")
+                    raise DataError(
+                        f"{path}: line {n} is a JSON {type(row).__name__}, not an object with fields"
+                    )
                 yield f"line {n}", row
         return
     if suffix == ".parquet":
@@ -111,11 +117,15 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
         try:
             table = Dataset.from_parquet(str(path), keep_in_memory=True)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
-            raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+            raise DataError(
+                f"{path}: not a readable Parquet file ({type(e).__name__}: {e})"
+            ) from None
         for n, row in enumerate(table, 1):
             yield f"row {n}", row
         return
-    raise DataError(f"{path}: unknown file type {suffix!r}; use .jsonl (one JSON object per line) or .parquet")
+    raise DataError(
+        f"{path}: unknown file type {suffix!r}; use .jsonl (one JSON object per line) or .parquet"
+    )
 
 
 def _text(value: Any, where: str, field: str) -> str:
@@ -130,23 +140,41 @@ def _text(value: Any, where: str, field: str) -> str:
 
 def _messages(value: Any, where: str, field: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise DataError(f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages")
+        raise DataError(
+            f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages"
+        )
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: field {field!r}, message {i}: expected {{'role': str, 'content': str}}, "
-                            f"got {m!r:.80}")
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: field {field!r}, message {i}: expected {{'role': str, 'content': str}}, "
+                f"got {m!r:.80}"
+            )
         out.append((m["role"], m["content"]))
     if out[-1][0] != "user":
-        raise DataError(f"{where}: field {field!r}: the last message must be the user's (the model answers it), "
-                        f"got role {out[-1][0]!r}")
+        raise DataError(
+            f"{where}: field {field!r}: the last message must be the user's (the model answers it), "
+            f"got role {out[-1][0]!r}"
+        )
     return tuple(out)
 
 
-def load_examples(path: str | Path, *, prompt_field: str = "prompt", messages_field: str = "",
-                  answer_field: str = "answer", domain_field: str = "", system: str = "",
-                  verifier: str = "numeric", domain_verifiers: dict[str, str] | None = None,
-                  answer_regex: str = "") -> list[FileExample]:
+def load_examples(
+    path: str | Path,
+    *,
+    prompt_field: str = "prompt",
+    messages_field: str = "",
+    answer_field: str = "answer",
+    domain_field: str = "",
+    system: str = "",
+    verifier: str = "numeric",
+    domain_verifiers: dict[str, str] | None = None,
+    answer_regex: str = "",
+) -> list[FileExample]:
     """Every row of one file as a ``FileExample``; DataError for the first bad row, the file or a field."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -157,28 +185,52 @@ def load_examples(path: str | Path, *, prompt_field: str = "prompt", messages_fi
         where = f"{path}: {label}"
         for field in filter(None, (messages_field or prompt_field, answer_field, domain_field)):
             if field not in row:
-                raise DataError(f"{where}: no field {field!r} (fields: {', '.join(sorted(row)) or 'none'})")
+                raise DataError(
+                    f"{where}: no field {field!r} (fields: {', '.join(sorted(row)) or 'none'})"
+                )
         messages = _messages(row[messages_field], where, messages_field) if messages_field else ()
         prompt = messages[-1][1] if messages else _text(row[prompt_field], where, prompt_field)
         domain = _text(row[domain_field], where, domain_field) if domain_field else ""
-        out.append(FileExample(prompt=prompt, answer=_text(row[answer_field], where, answer_field),
-                               messages=messages, system=system, domain=domain,
-                               verifier=domain_verifiers.get(domain, verifier), answer_regex=answer_regex,
-                               source=f"{path.name}:{label.split()[-1]}"))
+        out.append(
+            FileExample(
+                prompt=prompt,
+                answer=_text(row[answer_field], where, answer_field),
+                messages=messages,
+                system=system,
+                domain=domain,
+                verifier=domain_verifiers.get(domain, verifier),
+                answer_regex=answer_regex,
+                source=f"{path.name}:{label.split()[-1]}",
+            )
+        )
     if not out:
         raise DataError(f"{path}: no rows (an empty dataset file)")
     return out
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, *, train: str = "", heldout: str = "",
-                heldout_fraction: float = 0.1, prompt_field: str = "prompt", messages_field: str = "",
-                answer_field: str = "answer", domain_field: str = "", system: str = "", verifier: str = "numeric",
-                domain_verifiers: dict[str, str] | None = None, answer_regex: str = ""
-                ) -> tuple[list[FileExample], list[FileExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    *,
+    train: str = "",
+    heldout: str = "",
+    heldout_fraction: float = 0.1,
+    prompt_field: str = "prompt",
+    messages_field: str = "",
+    answer_field: str = "answer",
+    domain_field: str = "",
+    system: str = "",
+    verifier: str = "numeric",
+    domain_verifiers: dict[str, str] | None = None,
+    answer_regex: str = "",
+) -> tuple[list[FileExample], list[FileExample]]:
     """(train, held-out) examples from the files: at most ``n_train`` / ``n_heldout`` of each (0: all),
     in a seed-fixed order. Without a held-out file, ``heldout_fraction`` of the shuffled rows (at least one)."""
     if not train:
-        raise DataError("task.options.train: the training file is required (a .jsonl or .parquet path)")
+        raise DataError(
+            "task.options.train: the training file is required (a .jsonl or .parquet path)"
+        )
     if prompt_field and messages_field and prompt_field != "prompt":
         raise DataError("task.options: give prompt_field or messages_field, not both")
     for v in [verifier, *(domain_verifiers or {}).values()]:
@@ -186,12 +238,23 @@ def make_splits(seed: int, n_train: int, n_heldout: int, *, train: str = "", hel
     if answer_regex:
         try:
             if re.compile(answer_regex).groups < 1:
-                raise DataError(f"task.options.answer_regex {answer_regex!r} needs a group: the answer is group 1")
+                raise DataError(
+                    f"task.options.answer_regex {answer_regex!r} needs a group: the answer is group 1"
+                )
         except re.error as e:
-            raise DataError(f"task.options.answer_regex {answer_regex!r} is not a regular expression: {e}") from None
-    read = dict(prompt_field=prompt_field, messages_field=messages_field, answer_field=answer_field,
-                domain_field=domain_field, system=system, verifier=verifier, domain_verifiers=domain_verifiers,
-                answer_regex=answer_regex)
+            raise DataError(
+                f"task.options.answer_regex {answer_regex!r} is not a regular expression: {e}"
+            ) from None
+    read = dict(
+        prompt_field=prompt_field,
+        messages_field=messages_field,
+        answer_field=answer_field,
+        domain_field=domain_field,
+        system=system,
+        verifier=verifier,
+        domain_verifiers=domain_verifiers,
+        answer_regex=answer_regex,
+    )
     rows = load_examples(train, **read)
     random.Random(seed).shuffle(rows)
     if heldout:
@@ -199,13 +262,17 @@ def make_splits(seed: int, n_train: int, n_heldout: int, *, train: str = "", hel
         random.Random(seed + 1).shuffle(held)
     else:
         if not 0 < heldout_fraction < 1:
-            raise DataError(f"task.options.heldout_fraction must be in (0, 1) without a heldout file, "
-                            f"got {heldout_fraction}")
+            raise DataError(
+                f"task.options.heldout_fraction must be in (0, 1) without a heldout file, "
+                f"got {heldout_fraction}"
+            )
         cut = max(1, round(len(rows) * heldout_fraction))
         if cut >= len(rows):
-            raise DataError(f"{train}: {len(rows)} row(s) leave nothing to train on after holding out {cut}")
+            raise DataError(
+                f"{train}: {len(rows)} row(s) leave nothing to train on after holding out {cut}"
+            )
         held, rows = rows[:cut], rows[cut:]
-    return rows[:n_train or None], held[:n_heldout or None]
+    return rows[: n_train or None], held[: n_heldout or None]
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +284,9 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     known = set(inspect.signature(make_splits).parameters) - {"seed", "n_train", "n_heldout"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise DataError(f"task.options: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}")
+        raise DataError(
+            f"task.options: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(sorted(known))}"
+        )
     for key in ("train", "heldout"):
         if options.get(key):
             options[key] = str(Path(options[key]).expanduser().absolute())
@@ -240,7 +309,9 @@ def check_verifier(name: str) -> Callable[[str, str], float] | None:
         return None
     module, _, attr = name.partition(":")
     if not attr:
-        raise DataError(f"verifier {name!r}: use one of {', '.join(VERIFIERS)} or package.module:function")
+        raise DataError(
+            f"verifier {name!r}: use one of {', '.join(VERIFIERS)} or package.module:function"
+        )
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
@@ -277,7 +348,11 @@ def score(example: FileExample, response_text: str) -> float:
         return float(answer.strip() == example.answer.strip())
     if example.verifier == "numeric":
         got, want = _number(answer), _number(example.answer)
-        return float(got is not None and want is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9))
+        return float(
+            got is not None
+            and want is not None
+            and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
+        )
     if example.verifier == "math":
         from rollhpc.rewards.math_verify import score_answer
 

@@ -22,7 +22,10 @@ from rollhpc.rewards.math_verify import score_answer
 from rollhpc.tasks.arithmetic import randint, unique_stream
 
 _OPS: dict[str, Callable[[Fraction, Fraction], Fraction]] = {
-    "+": Fraction.__add__, "-": Fraction.__sub__, "*": Fraction.__mul__}
+    "+": Fraction.__add__,
+    "-": Fraction.__sub__,
+    "*": Fraction.__mul__,
+}
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,16 @@ def _decimal(value: Fraction) -> str:
     return f"{sign}{whole}.{digits}"
 
 
-def sample(rng: random.Random, max_numerator: int = 9, max_denominator: int = 9, ops: tuple[str, ...] = ("+", "-", "*"),
-           decimal_share: float = 0.2, allow_negative: bool = False) -> FreeformMathExample:
+def sample(
+    rng: random.Random,
+    max_numerator: int = 9,
+    max_denominator: int = 9,
+    ops: tuple[str, ...] = ("+", "-", "*"),
+    decimal_share: float = 0.2,
+    allow_negative: bool = False,
+) -> FreeformMathExample:
     """One problem; without ``allow_negative`` a - b has a >= b."""
+
     def operand() -> Fraction:
         return Fraction(randint(rng, 1, max_numerator), randint(rng, 1, max_denominator))
 
@@ -89,24 +99,42 @@ def sample(rng: random.Random, max_numerator: int = 9, max_denominator: int = 9,
     op = ops[randint(rng, 0, len(ops) - 1)]
     if op == "-" and not allow_negative and a < b:
         a, b = b, a
-    a_text, b_text = written(a, rng.random() < decimal_share), written(b, rng.random() < decimal_share)
-    return FreeformMathExample(a=a_text, op=op, b=b_text, answer=written(_OPS[op](a, b), as_decimal=False))
+    a_text, b_text = (
+        written(a, rng.random() < decimal_share),
+        written(b, rng.random() < decimal_share),
+    )
+    return FreeformMathExample(
+        a=a_text, op=op, b=b_text, answer=written(_OPS[op](a, b), as_decimal=False)
+    )
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, max_numerator: int = 9, max_denominator: int = 9,
-                ops: tuple[str, ...] = ("+", "-", "*"), decimal_share: float = 0.2,
-                allow_negative: bool = False) -> tuple[list[FreeformMathExample], list[FreeformMathExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    max_numerator: int = 9,
+    max_denominator: int = 9,
+    ops: tuple[str, ...] = ("+", "-", "*"),
+    decimal_share: float = 0.2,
+    allow_negative: bool = False,
+) -> tuple[list[FreeformMathExample], list[FreeformMathExample]]:
     """Deterministic, disjoint (train, heldout); held-out examples are drawn first (stable as n_train changes)."""
     if max_numerator < 1 or max_denominator < 1:
-        raise ValueError(f"max_numerator and max_denominator must be >= 1, got {max_numerator}, {max_denominator}")
+        raise ValueError(
+            f"max_numerator and max_denominator must be >= 1, got {max_numerator}, {max_denominator}"
+        )
     if not ops or set(ops) - set(_OPS):
         raise ValueError(f"ops must be a non-empty subset of {sorted(_OPS)}, got {ops!r}")
     if not 0 <= decimal_share <= 1:
         raise ValueError(f"decimal_share must be in [0, 1], got {decimal_share}")
     rng = random.Random(seed)
     n = n_train + n_heldout
-    examples = unique_stream(lambda: sample(rng, max_numerator, max_denominator, ops, decimal_share, allow_negative),
-                             lambda e: (e.a, e.op, e.b), n, max_draws=20 * n + 1000)
+    examples = unique_stream(
+        lambda: sample(rng, max_numerator, max_denominator, ops, decimal_share, allow_negative),
+        lambda e: (e.a, e.op, e.b),
+        n,
+        max_draws=20 * n + 1000,
+    )
     return examples[n_heldout:], examples[:n_heldout]
 
 

@@ -37,16 +37,24 @@ def completion(example: LettersExample) -> str:
     return f" {example.answer}"
 
 
-def sample(rng: random.Random, min_len: int, max_len: int, alphabet: str, ops: tuple[str, ...]) -> LettersExample:
+def sample(
+    rng: random.Random, min_len: int, max_len: int, alphabet: str, ops: tuple[str, ...]
+) -> LettersExample:
     n = randint(rng, min_len, max_len)
     letters = tuple(alphabet[randint(rng, 0, len(alphabet) - 1)] for _ in range(n))
     op = ops[randint(rng, 0, len(ops) - 1)]
     return LettersExample(op, letters, " ".join(OPS[op](list(letters))))
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, min_len: int = 3, max_len: int = 5,
-                alphabet: str = "abcdefgh", ops: tuple[str, ...] = ("reverse", "sort")
-                ) -> tuple[list[LettersExample], list[LettersExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    min_len: int = 3,
+    max_len: int = 5,
+    alphabet: str = "abcdefgh",
+    ops: tuple[str, ...] = ("reverse", "sort"),
+) -> tuple[list[LettersExample], list[LettersExample]]:
     """Deterministic, disjoint (train, heldout); held-out examples are drawn first."""
     if not 1 <= min_len <= max_len:
         raise ValueError(f"need 1 <= min_len <= max_len, got {min_len}, {max_len}")
@@ -56,8 +64,12 @@ def make_splits(seed: int, n_train: int, n_heldout: int, min_len: int = 3, max_l
         raise ValueError(f"alphabet must be lower-case letters, got {alphabet!r}")
     rng = random.Random(seed)
     n = n_train + n_heldout
-    examples = unique_stream(lambda: sample(rng, min_len, max_len, alphabet, ops), lambda e: (e.op, e.letters), n,
-                             max_draws=20 * n + 1000)
+    examples = unique_stream(
+        lambda: sample(rng, min_len, max_len, alphabet, ops),
+        lambda e: (e.op, e.letters),
+        n,
+        max_draws=20 * n + 1000,
+    )
     return examples[n_heldout:], examples[:n_heldout]
 
 

@@ -53,11 +53,15 @@ def check_domains(domains: dict[str, Any]) -> None:
     for name, d in domains.items():
         unknown = set(d) - {"task", "options", "share"}
         if unknown or "task" not in d:
-            raise ValueError(f"domain {name!r}: needs 'task' (and may have 'options', 'share'); got {sorted(d)}")
+            raise ValueError(
+                f"domain {name!r}: needs 'task' (and may have 'options', 'share'); got {sorted(d)}"
+            )
         task_module(d["task"])
     total = sum(float(d.get("share", 1.0 / len(domains))) for d in domains.values())
     if abs(total - 1.0) > 1e-6:
-        raise ValueError(f"domain shares sum to {total:g}, not 1: {({n: d.get('share') for n, d in domains.items()})}")
+        raise ValueError(
+            f"domain shares sum to {total:g}, not 1: { ({n: d.get('share') for n, d in domains.items()}) }"
+        )
 
 
 def counts(n: int, domains: dict[str, Any]) -> dict[str, int]:
@@ -65,21 +69,25 @@ def counts(n: int, domains: dict[str, Any]) -> dict[str, int]:
     shares = {k: float(d.get("share", 1.0 / len(domains))) for k, d in domains.items()}
     raw = {k: n * s for k, s in shares.items()}
     out = {k: max(1, int(v)) for k, v in raw.items()}
-    for k in sorted(raw, key=lambda k: raw[k] - int(raw[k]), reverse=True)[:max(0, n - sum(out.values()))]:
+    for k in sorted(raw, key=lambda k: raw[k] - int(raw[k]), reverse=True)[
+        : max(0, n - sum(out.values()))
+    ]:
         out[k] += 1
     return out
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, domains: dict[str, Any] | None = None
-                ) -> tuple[list[DomainExample], list[DomainExample]]:
+def make_splits(
+    seed: int, n_train: int, n_heldout: int, domains: dict[str, Any] | None = None
+) -> tuple[list[DomainExample], list[DomainExample]]:
     domains = domains or {}
     check_domains(domains)
     n_tr, n_ho = counts(n_train, domains), counts(n_heldout, domains)
     train: list[DomainExample] = []
     heldout: list[DomainExample] = []
     for name, d in domains.items():
-        tr, ho = task_module(d["task"]).make_splits(_seed(seed, name), n_tr[name], n_ho[name],
-                                                    **_options(d.get("options", {})))
+        tr, ho = task_module(d["task"]).make_splits(
+            _seed(seed, name), n_tr[name], n_ho[name], **_options(d.get("options", {}))
+        )
         train += [DomainExample(name, d["task"], e) for e in tr]
         heldout += [DomainExample(name, d["task"], e) for e in ho]
     # interleaved, so that any prefix has every domain in its share (the SFT monitors a prefix, a run may

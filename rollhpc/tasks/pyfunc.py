@@ -47,17 +47,39 @@ from rollhpc.tasks.arithmetic import randint, unique_stream
 if TYPE_CHECKING:
     from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxResult
 
-__all__ = ["DEFAULT_OPTIONS", "FAMILIES", "FORMAT_PENALTY", "PyfuncExample", "Response", "completion", "corpus",
-           "format_prompt", "functions", "harness_source", "known_tests", "make_splits", "read_response",
-           "results_passed", "sandbox", "sandbox_limits", "score", "score_batch", "score_components",
-           "score_components_batch"]
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "FAMILIES",
+    "FORMAT_PENALTY",
+    "PyfuncExample",
+    "Response",
+    "completion",
+    "corpus",
+    "format_prompt",
+    "functions",
+    "harness_source",
+    "known_tests",
+    "make_splits",
+    "read_response",
+    "results_passed",
+    "sandbox",
+    "sandbox_limits",
+    "score",
+    "score_batch",
+    "score_components",
+    "score_components_batch",
+]
 
 MARKER = "| def f(x): return"
-MAX_EXPRESSION_CHARS = 200  # a longer first line is not an answer (bounds parsing and the program's size)
+MAX_EXPRESSION_CHARS = (
+    200  # a longer first line is not an answer (bounds parsing and the program's size)
+)
 RESULT_PREFIX = "RESULT "
 PER_INPUT_S = 0.5  # each hidden input's own timer inside the sandbox
 FORMAT_PENALTY = 0.1
-HELDOUT_FUNCTION_FRACTION = 0.25  # disjoint="functions": the share of functions kept for held-out only
+HELDOUT_FUNCTION_FRACTION = (
+    0.25  # disjoint="functions": the share of functions kept for held-out only
+)
 _INT_BOUND = 10**18  # results beyond it are not compared (no expected value is anywhere near)
 
 
@@ -66,21 +88,44 @@ class Family:
     """Expressions ``template.format(a=..., b=...)`` over the constants' ranges (given coef_max)."""
 
     template: str
-    fn: Callable[[int, int, int], int]  # (x, a, b) -> f(x): computed here, never by evaluating the template
+    fn: Callable[
+        [int, int, int], int
+    ]  # (x, a, b) -> f(x): computed here, never by evaluating the template
     a: Callable[[int], range]
     b: Callable[[int], range]
 
 
 FAMILIES: dict[str, Family] = {
-    "linear": Family("{a}*x+{b}", lambda x, a, b: a * x + b, lambda c: range(2, c + 1), lambda c: range(0, c + 1)),
-    "square": Family("x*x+{b}", lambda x, a, b: x * x + b, lambda c: range(1), lambda c: range(0, c + 1)),
-    "scaled": Family("(x+{a})*{b}", lambda x, a, b: (x + a) * b, lambda c: range(1, c + 1), lambda c: range(2, c + 1)),
+    "linear": Family(
+        "{a}*x+{b}", lambda x, a, b: a * x + b, lambda c: range(2, c + 1), lambda c: range(0, c + 1)
+    ),
+    "square": Family(
+        "x*x+{b}", lambda x, a, b: x * x + b, lambda c: range(1), lambda c: range(0, c + 1)
+    ),
+    "scaled": Family(
+        "(x+{a})*{b}",
+        lambda x, a, b: (x + a) * b,
+        lambda c: range(1, c + 1),
+        lambda c: range(2, c + 1),
+    ),
     "mod": Family("x%{b}", lambda x, a, b: x % b, lambda c: range(1), lambda c: range(2, c + 1)),
-    "max": Family("max(x,{b})", lambda x, a, b: max(x, b), lambda c: range(1), lambda c: range(1, c + 1)),
-    "min": Family("min(x,{b})", lambda x, a, b: min(x, b), lambda c: range(1), lambda c: range(1, c + 1)),
-    "reverse": Family("{b}-x", lambda x, a, b: b - x, lambda c: range(1), lambda c: range(0, c + 1)),
+    "max": Family(
+        "max(x,{b})", lambda x, a, b: max(x, b), lambda c: range(1), lambda c: range(1, c + 1)
+    ),
+    "min": Family(
+        "min(x,{b})", lambda x, a, b: min(x, b), lambda c: range(1), lambda c: range(1, c + 1)
+    ),
+    "reverse": Family(
+        "{b}-x", lambda x, a, b: b - x, lambda c: range(1), lambda c: range(0, c + 1)
+    ),
 }
-DEFAULT_FAMILIES = ("linear", "square", "mod", "max", "min")  # 116 distinct functions on 0..9 (80 linear)
+DEFAULT_FAMILIES = (
+    "linear",
+    "square",
+    "mod",
+    "max",
+    "min",
+)  # 116 distinct functions on 0..9 (80 linear)
 
 
 @dataclass(frozen=True)
@@ -89,7 +134,9 @@ class PyfuncExample:
     expression: str  # the reference answer, e.g. "2*x+1"
     shown: tuple[tuple[int, int], ...]  # (x, f(x)) pairs in the prompt, x ascending
     hidden_inputs: tuple[int, ...]  # the tests' inputs (disjoint from the shown ones)
-    hidden_outputs: tuple[int, ...]  # expected values: compared outside the sandbox, never sent into it
+    hidden_outputs: tuple[
+        int, ...
+    ]  # expected values: compared outside the sandbox, never sent into it
 
     @property
     def prompt(self) -> str:
@@ -113,7 +160,9 @@ def corpus(examples: Iterable[PyfuncExample]) -> Iterator[str]:
 
 
 # ------------------------------------------------------------------ splits
-def functions(families: Sequence[str], coef_max: int, x_max: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def functions(
+    families: Sequence[str], coef_max: int, x_max: int
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(family, expression, values on 0..x_max) of every distinct function, the first spelling in
     ``families`` order kept (so "(x+1)*2" is dropped when "linear" comes first and has "2*x+2")."""
     seen: set[tuple[int, ...]] = set()
@@ -134,26 +183,47 @@ def _pick(rng: random.Random, pool: list[int], k: int) -> list[int]:
     return [pool.pop(randint(rng, 0, len(pool) - 1)) for _ in range(k)]
 
 
-def _draw(rng: random.Random, funcs: list[tuple[str, str, tuple[int, ...]]], n_shown: int, n_hidden: int,
-          x_max: int) -> PyfuncExample:
+def _draw(
+    rng: random.Random,
+    funcs: list[tuple[str, str, tuple[int, ...]]],
+    n_shown: int,
+    n_hidden: int,
+    x_max: int,
+) -> PyfuncExample:
     family, expression, values = funcs[randint(rng, 0, len(funcs) - 1)]
     inputs = list(range(x_max + 1))
     shown, hidden = sorted(_pick(rng, inputs, n_shown)), tuple(_pick(rng, inputs, n_hidden))
-    return PyfuncExample(family=family, expression=expression, shown=tuple((x, values[x]) for x in shown),
-                         hidden_inputs=hidden, hidden_outputs=tuple(values[x] for x in hidden))
+    return PyfuncExample(
+        family=family,
+        expression=expression,
+        shown=tuple((x, values[x]) for x in shown),
+        hidden_inputs=hidden,
+        hidden_outputs=tuple(values[x] for x in hidden),
+    )
 
 
-def make_splits(seed: int, n_train: int, n_heldout: int, families: tuple[str, ...] = DEFAULT_FAMILIES,
-                n_shown: int = 3, n_hidden: int = 5, coef_max: int = 9, x_max: int = 9,
-                disjoint: Literal["examples", "functions"] = "examples",
-                ) -> tuple[list[PyfuncExample], list[PyfuncExample]]:
+def make_splits(
+    seed: int,
+    n_train: int,
+    n_heldout: int,
+    families: tuple[str, ...] = DEFAULT_FAMILIES,
+    n_shown: int = 3,
+    n_hidden: int = 5,
+    coef_max: int = 9,
+    x_max: int = 9,
+    disjoint: Literal["examples", "functions"] = "examples",
+) -> tuple[list[PyfuncExample], list[PyfuncExample]]:
     """Deterministic, disjoint (train, heldout); see the module docstring for what ``disjoint`` keeps apart."""
     unknown = sorted(set(families) - set(FAMILIES))
     if not families or unknown:
-        raise ValueError(f"families must be a non-empty subset of {', '.join(FAMILIES)}; unknown: {unknown}")
+        raise ValueError(
+            f"families must be a non-empty subset of {', '.join(FAMILIES)}; unknown: {unknown}"
+        )
     if n_shown < 1 or n_hidden < 1 or n_shown + n_hidden > x_max + 1:
-        raise ValueError(f"need n_shown >= 1, n_hidden >= 1 and n_shown + n_hidden <= x_max + 1 inputs, got "
-                         f"n_shown={n_shown}, n_hidden={n_hidden}, x_max={x_max}")
+        raise ValueError(
+            f"need n_shown >= 1, n_hidden >= 1 and n_shown + n_hidden <= x_max + 1 inputs, got "
+            f"n_shown={n_shown}, n_hidden={n_hidden}, x_max={x_max}"
+        )
     if coef_max < 2:
         raise ValueError(f"coef_max must be >= 2, got {coef_max}")
     if disjoint not in ("examples", "functions"):
@@ -163,15 +233,23 @@ def make_splits(seed: int, n_train: int, n_heldout: int, families: tuple[str, ..
     train_funcs = heldout_funcs = funcs
     if disjoint == "functions":
         if len(funcs) < 2:
-            raise ValueError(f"disjoint='functions' needs at least 2 distinct functions, the options give {len(funcs)}")
+            raise ValueError(
+                f"disjoint='functions' needs at least 2 distinct functions, the options give {len(funcs)}"
+            )
         pool = list(range(len(funcs)))
         held = set(_pick(rng, pool, max(1, round(HELDOUT_FUNCTION_FRACTION * len(funcs)))))
         heldout_funcs = [f for i, f in enumerate(funcs) if i in held]
         train_funcs = [f for i, f in enumerate(funcs) if i not in held]
 
-    heldout = _distinct(lambda: _draw(rng, heldout_funcs, n_shown, n_hidden, x_max), n_heldout, set(), "held-out")
-    train = _distinct(lambda: _draw(rng, train_funcs, n_shown, n_hidden, x_max), n_train,
-                      {_key(e) for e in heldout}, "training")
+    heldout = _distinct(
+        lambda: _draw(rng, heldout_funcs, n_shown, n_hidden, x_max), n_heldout, set(), "held-out"
+    )
+    train = _distinct(
+        lambda: _draw(rng, train_funcs, n_shown, n_hidden, x_max),
+        n_train,
+        {_key(e) for e in heldout},
+        "training",
+    )
     return train, heldout
 
 
@@ -179,8 +257,11 @@ def make_splits(seed: int, n_train: int, n_heldout: int, families: tuple[str, ..
 # monitored train examples): SFT stops after 260-270 steps (80-120 s of training, ~20 s of sandboxed evaluation
 # on 2 busy cores; SftConfig(eval_examples=200) takes ~70 s in all) at 0.25-0.31 held-out mean tests passed, 0.15-0.20 fully correct (seeds 0-2): linear functions are partly
 # read, squares hardly, mod/max/min about half. disjoint="functions" gives 0.17 (0.05 fully correct).
-DEFAULT_OPTIONS = {name: p.default for name, p in inspect.signature(make_splits).parameters.items()
-                   if p.default is not inspect.Parameter.empty}
+DEFAULT_OPTIONS = {
+    name: p.default
+    for name, p in inspect.signature(make_splits).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
 
 
 def _key(e: PyfuncExample) -> tuple:
@@ -188,10 +269,18 @@ def _key(e: PyfuncExample) -> tuple:
     return e.expression, tuple(x for x, _ in e.shown)
 
 
-def _distinct(draw: Callable[[], PyfuncExample], n: int, taken: set[tuple], which: str) -> list[PyfuncExample]:
+def _distinct(
+    draw: Callable[[], PyfuncExample], n: int, taken: set[tuple], which: str
+) -> list[PyfuncExample]:
     """The first ``n`` draws whose keys are new (and not in ``taken``); raises when the space is too small."""
-    return unique_stream(draw, _key, n, 20 * n + 1000, taken,
-                         widen=f"for the {which} split: more families, a larger coef_max, x_max or n_shown")
+    return unique_stream(
+        draw,
+        _key,
+        n,
+        20 * n + 1000,
+        taken,
+        widen=f"for the {which} split: more families, a larger coef_max, x_max or n_shown",
+    )
 
 
 # ------------------------------------------------------------------ reading a response
@@ -199,7 +288,9 @@ def _distinct(draw: Callable[[], PyfuncExample], n: int, taken: set[tuple], whic
 class Response:
     """What is known about a response without running it."""
 
-    expression: str | None  # its first line, stripped, when that is one Python expression (else None)
+    expression: (
+        str | None
+    )  # its first line, stripped, when that is one Python expression (else None)
     well_formed: bool  # the whole response is that one line
     tree: str | None  # ast.dump of the expression (compared with the reference's)
 
@@ -208,7 +299,9 @@ def _parse(expression: str) -> ast.Expression | None:
     if not expression or len(expression) > MAX_EXPRESSION_CHARS:
         return None
     try:
-        return ast.parse(expression, "<response>", mode="eval")  # parsing only: nothing is evaluated
+        return ast.parse(
+            expression, "<response>", mode="eval"
+        )  # parsing only: nothing is evaluated
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
@@ -312,8 +405,13 @@ def harness_source(expression: str, inputs: Sequence[int], per_input_s: float = 
     """The program that runs ``def f(x): return <expression>`` on every input inside the sandbox and prints
     ``RESULT [y, ...]`` (null where an input failed: exception, timeout, a result that is not an int).
     The expression enters as a string literal (repr) and is parsed there; the expected values never do."""
-    return _HARNESS.format(expression=expression, inputs=[int(x) for x in inputs], per_input_s=float(per_input_s),
-                           bound=_INT_BOUND, prefix=RESULT_PREFIX)
+    return _HARNESS.format(
+        expression=expression,
+        inputs=[int(x) for x in inputs],
+        per_input_s=float(per_input_s),
+        bound=_INT_BOUND,
+        prefix=RESULT_PREFIX,
+    )
 
 
 def results_passed(example: PyfuncExample, result: SandboxResult) -> float:
@@ -325,7 +423,7 @@ def results_passed(example: PyfuncExample, result: SandboxResult) -> float:
     if not lines:
         return 0.0
     try:
-        values = json.loads(lines[-1][len(RESULT_PREFIX):])
+        values = json.loads(lines[-1][len(RESULT_PREFIX) :])
     except (ValueError, RecursionError):
         return 0.0
     expected = example.hidden_outputs
@@ -343,7 +441,16 @@ def sandbox_limits(**overrides: float) -> SandboxLimits:
     """Limits of one scoring program: a few seconds, 256 MB, 8 processes, small output (``overrides`` win)."""
     from rollhpc.sandbox import SandboxLimits
 
-    base = dict(wall_s=5.0, cpu_s=5.0, memory_mb=256, nproc=8, nofile=32, fsize_mb=1, output_bytes=4096, tmpfs_mb=8)
+    base = dict(
+        wall_s=5.0,
+        cpu_s=5.0,
+        memory_mb=256,
+        nproc=8,
+        nofile=32,
+        fsize_mb=1,
+        output_bytes=4096,
+        tmpfs_mb=8,
+    )
     return SandboxLimits(**{**base, **overrides})
 
 
@@ -358,8 +465,10 @@ def sandbox() -> Sandbox:
             try:
                 _sandbox = Sandbox(sandbox_limits())
             except SandboxUnavailable as e:
-                raise SandboxUnavailable(f"the pyfunc task runs every answer in a bubblewrap sandbox, and none can "
-                                         f"be made here: {e}") from e
+                raise SandboxUnavailable(
+                    f"the pyfunc task runs every answer in a bubblewrap sandbox, and none can "
+                    f"be made here: {e}"
+                ) from e
         return _sandbox
 
 
@@ -368,9 +477,13 @@ def _per_input_s(limits: SandboxLimits, n_inputs: int) -> float:
     return min(PER_INPUT_S, max(0.05, (limits.wall_s - 1.0) / max(1, n_inputs)))
 
 
-def score_components_batch(examples: Sequence[PyfuncExample], texts: Sequence[str],
-                           runner: Sandbox | SandboxPool | None = None, *, format_penalty: float = FORMAT_PENALTY,
-                           ) -> tuple[list[dict[str, float]], list[SandboxResult]]:
+def score_components_batch(
+    examples: Sequence[PyfuncExample],
+    texts: Sequence[str],
+    runner: Sandbox | SandboxPool | None = None,
+    *,
+    format_penalty: float = FORMAT_PENALTY,
+) -> tuple[list[dict[str, float]], list[SandboxResult]]:
     """``{"tests": fraction passed, "format": 0 or -format_penalty}`` per (example, response text), and the
     results of the programs that ran (for counters). ``runner``: a SandboxPool runs the programs concurrently,
     a Sandbox one after another; None: the module's sandbox."""
@@ -383,18 +496,33 @@ def score_components_batch(examples: Sequence[PyfuncExample], texts: Sequence[st
     responses = [read_response(t) for t in texts]
     tests = [known_tests(e, r) for e, r in zip(examples, responses)]
     todo = [i for i, t in enumerate(tests) if t is None]
-    jobs = [harness_source(responses[i].expression, examples[i].hidden_inputs,  # type: ignore[arg-type]
-                           _per_input_s(limits, len(examples[i].hidden_inputs))) for i in todo]
-    results = runner.map(jobs) if isinstance(runner, SandboxPool) else [runner.run(job) for job in jobs]
+    jobs = [
+        harness_source(
+            responses[i].expression,
+            examples[i].hidden_inputs,  # type: ignore[arg-type]
+            _per_input_s(limits, len(examples[i].hidden_inputs)),
+        )
+        for i in todo
+    ]
+    results = (
+        runner.map(jobs) if isinstance(runner, SandboxPool) else [runner.run(job) for job in jobs]
+    )
     for i, result in zip(todo, results):
         tests[i] = results_passed(examples[i], result)
-    components = [{"tests": float(t), "format": 0.0 if r.well_formed else -float(format_penalty)}
-                  for t, r in zip(tests, responses)]
+    components = [
+        {"tests": float(t), "format": 0.0 if r.well_formed else -float(format_penalty)}
+        for t, r in zip(tests, responses)
+    ]
     return components, results
 
 
-def score_components(example: PyfuncExample, text: str, sandbox: Sandbox | SandboxPool | None = None, *,
-                     format_penalty: float = FORMAT_PENALTY) -> dict[str, float]:
+def score_components(
+    example: PyfuncExample,
+    text: str,
+    sandbox: Sandbox | SandboxPool | None = None,
+    *,
+    format_penalty: float = FORMAT_PENALTY,
+) -> dict[str, float]:
     """``{"tests": ..., "format": ...}`` of one response (see ``score_components_batch``)."""
     return score_components_batch([example], [text], sandbox, format_penalty=format_penalty)[0][0]
 

@@ -75,7 +75,13 @@ def checkpoint_commit(step: int, restarts: int, stop_file: Path, watch: Watch) -
 
 def checkpoint_committed(step: int, stop_file: Path, watch: Watch) -> None:
     """Called once checkpoint ``step`` is committed, before the run goes on (or ends)."""
-    _hold(HOLD_AFTER_CHECKPOINT, step, stop_file, watch, f"holding the controller after checkpoint {step}")
+    _hold(
+        HOLD_AFTER_CHECKPOINT,
+        step,
+        stop_file,
+        watch,
+        f"holding the controller after checkpoint {step}",
+    )
 
 
 def mpi_stall(where: str) -> None:
@@ -88,12 +94,19 @@ def mpi_stall(where: str) -> None:
     if phase == "deaf":
         if where != "mpi_init":
             return
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # process-wide: a mask is per thread
+        for signum in (
+            signal.SIGTERM,
+            signal.SIGINT,
+            signal.SIGHUP,
+        ):  # process-wide: a mask is per thread
             signal.signal(signum, signal.SIG_IGN)
     elif (phase or "mpi_init") != where:
         return
-    print(f"{STALL_MPI_INIT}: rank {rank} stalls before {where}{' (deaf to signals)' if phase == 'deaf' else ''}",
-          file=sys.stderr, flush=True)  # tests wait for this line (the job's output) before they act
+    print(
+        f"{STALL_MPI_INIT}: rank {rank} stalls before {where}{' (deaf to signals)' if phase == 'deaf' else ''}",
+        file=sys.stderr,
+        flush=True,
+    )  # tests wait for this line (the job's output) before they act
     time.sleep(3600)
 
 
@@ -101,7 +114,9 @@ def _hold_in_collective(variable: str, nth: int, what: str) -> None:
     at, _, seconds = os.environ.get(variable, "").partition(":")
     if not at or int(at) != nth or restart_number() != 0:
         return
-    print(f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True)  # tests wait for it
+    print(
+        f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True
+    )  # tests wait for it
     time.sleep(float(seconds))
 
 
@@ -119,7 +134,11 @@ def corrupt_weight_sync(nth: int, bucket: int, data: Any) -> None:
 
     raw = data.view(-1).view(torch.uint8)
     raw[0] ^= 1
-    print(f"rollhpc test hook: corrupted the first bucket of weight sync {nth}", file=sys.stderr, flush=True)
+    print(
+        f"rollhpc test hook: corrupted the first bucket of weight sync {nth}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def before_grad_sync(nth: int) -> None:

@@ -70,18 +70,31 @@ class MpiChannel:
     return at once or, for a receive whose header has arrived, as soon as its buffers have crossed; one that
     does not is stuck on a peer that is gone (rollhpc.controller.mpi_stall watches it on the controller)."""
 
-    def __init__(self, comm: MPI.Comm, fanout: dict[str, MPI.Comm] | None = None,
-                 my_fanout: MPI.Comm | None = None, shared: dict[str, list[int]] | None = None):
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        fanout: dict[str, MPI.Comm] | None = None,
+        my_fanout: MPI.Comm | None = None,
+        shared: dict[str, list[int]] | None = None,
+    ):
         self.comm = comm
-        self.fanout = fanout or {}  # the controller's: role -> (controller + the role's ranks), controller first
-        self.my_fanout = my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
-        self.fanout_ranks = {role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()}
+        self.fanout = (
+            fanout or {}
+        )  # the controller's: role -> (controller + the role's ranks), controller first
+        self.my_fanout = (
+            my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
+        )
+        self.fanout_ranks = {
+            role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()
+        }
         # the controller's: roles on its own machine, whose one-to-all payloads go through shared memory
         self.shared_ranks = {role: sorted(ranks) for role, ranks in (shared or {}).items()}
         self.fanouts_sent = 0
         self.shared_sent = 0
         self.segments = SharedSegments()  # the controller's files for those payloads
-        self.released: list[str] = []  # a worker's: files whose mapping it has dropped since its last reply
+        self.released: list[
+            str
+        ] = []  # a worker's: files whose mapping it has dropped since its last reply
         self._inflight: list[MPI.Request] = []
         self.busy_since: float | None = None
         self.buffers = ReceiveBuffers()
@@ -92,7 +105,9 @@ class MpiChannel:
     def send_encoded(self, dest: int, tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
         self.send_to_each([dest], tag, envelope, enc)
 
-    def send_to_each(self, dests: list[int], tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
+    def send_to_each(
+        self, dests: list[int], tag: int, envelope: dict[str, Any], enc: Encoded
+    ) -> None:
         """``enc`` to each of ``dests`` in turn (point to point): its header pickled once for all of them, and
         MPI's progress made once after the last send (per send, it would test every send still in flight:
         O(N^2) for a call to N ranks)."""
@@ -146,7 +161,9 @@ class MpiChannel:
         except OSError:
             return False
         sizes = [m.nbytes for m in enc.buffers]
-        head = pickle.dumps(({**envelope, "shared": (path, offsets)}, enc.header, sizes), protocol=5)
+        head = pickle.dumps(
+            ({**envelope, "shared": (path, offsets)}, enc.header, sizes), protocol=5
+        )
         self.busy_since = time.monotonic()
         try:
             for dest in ranks:
@@ -214,11 +231,15 @@ class MpiChannel:
         MPICH's blocking wait spins a core, which a sibling rank still busy with its last call (the broadcast
         completes only when every rank has joined) may need."""
         if self.my_fanout is None:
-            raise RuntimeError("a broadcast payload arrived on a rank without a fanout communicator")
+            raise RuntimeError(
+                "a broadcast payload arrived on a rank without a fanout communicator"
+            )
         requests = [self.my_fanout.Ibcast([buf, MPI.BYTE], root=0) for buf in buffers]
         backoff = Backoff(hot_s=0.05, max_sleep_s=0.001)
         while not MPI.Request.Testall(requests):
-            self.busy_since = time.monotonic()  # waiting on siblings, not stuck: each test returns at once
+            self.busy_since = (
+                time.monotonic()
+            )  # waiting on siblings, not stuck: each test returns at once
             backoff.wait()
 
 
@@ -240,7 +261,9 @@ class ReceiveBuffers:
         if n < self.min_bytes:
             return np.empty(n, dtype=np.uint8)
         for i in range(len(self._kept)):
-            if self._kept[i].nbytes == n and sys.getrefcount(self._kept[i]) == 2:  # the list's and the call's
+            if (
+                self._kept[i].nbytes == n and sys.getrefcount(self._kept[i]) == 2
+            ):  # the list's and the call's
                 buf = self._kept.pop(i)
                 self._kept.append(buf)
                 self.reused += 1
@@ -285,8 +308,10 @@ class SharedSegments:
         pieces = []
         for m, pos in zip(buffers, offsets):
             src = np.frombuffer(m, dtype=np.uint8)
-            pieces += [(target[pos + i:pos + min(i + _SLICE, src.size)], src[i:i + _SLICE])
-                       for i in range(0, src.size, _SLICE)]
+            pieces += [
+                (target[pos + i : pos + min(i + _SLICE, src.size)], src[i : i + _SLICE])
+                for i in range(0, src.size, _SLICE)
+            ]
         if len(pieces) > 1:
             list(_copiers().map(lambda p: np.copyto(*p), pieces))
         else:
@@ -348,11 +373,15 @@ def _copiers() -> Any:
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        _pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-copy")
+        _pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-copy"
+        )
     return _pool
 
 
-def _map_shared(path: str, offsets: list[int], sizes: list[int], released: list[str]) -> list[np.ndarray]:
+def _map_shared(
+    path: str, offsets: list[int], sizes: list[int], released: list[str]
+) -> list[np.ndarray]:
     """The buffers of a shared-memory payload as arrays over one private (copy-on-write) mapping of its file:
     nothing is copied until a page is written, and what a rank writes stays its own, as with a received copy.
     When the last array is gone the mapping is dropped and ``path`` goes into ``released``."""
@@ -363,7 +392,9 @@ def _map_shared(path: str, offsets: list[int], sizes: list[int], released: list[
         mem = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    arrays = [np.frombuffer(mem, dtype=np.uint8, count=n, offset=off) for off, n in zip(offsets, sizes)]
+    arrays = [
+        np.frombuffer(mem, dtype=np.uint8, count=n, offset=off) for off, n in zip(offsets, sizes)
+    ]
     weakref.finalize(mem, released.append, path)
     return arrays
 

@@ -40,7 +40,9 @@ def rendezvous_host(environ: Mapping[str, str] = os.environ, fallback: str | Non
     if named:
         address = interface_address(named)
         if address is None:
-            raise RuntimeError(f"network interface {named!r} (ROLLHPC_DIST_IFNAME / GLOO_SOCKET_IFNAME, "
-                               f"cluster.network_interface) has no IPv4 address on {socket.gethostname()}")
+            raise RuntimeError(
+                f"network interface {named!r} (ROLLHPC_DIST_IFNAME / GLOO_SOCKET_IFNAME, "
+                f"cluster.network_interface) has no IPv4 address on {socket.gethostname()}"
+            )
         return address
     return fallback or socket.gethostname()

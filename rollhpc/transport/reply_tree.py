@@ -40,6 +40,7 @@ class ReplyTree:
 
     def depth(self) -> int:
         """Hops from the deepest rank to the controller."""
+
         def hops(r: int) -> int:
             n = 1
             while (r := self.parent[r]) != CONTROLLER:
@@ -77,11 +78,13 @@ def build_reply_tree(ranks: Sequence[int], hosts: Mapping[int, str], fan_in: int
     return ReplyTree(parent, {r: tuple(c) for r, c in children.items() if c})
 
 
-def _group(members: list[int], fan_in: int, parent: dict[int, int], children: dict[int, list[int]]) -> list[int]:
+def _group(
+    members: list[int], fan_in: int, parent: dict[int, int], children: dict[int, list[int]]
+) -> list[int]:
     """``members`` in groups of ``fan_in``, each group's first collecting the others; returns the firsts."""
     heads = []
     for i in range(0, len(members), fan_in):
-        head, *rest = members[i:i + fan_in]
+        head, *rest = members[i : i + fan_in]
         for r in rest:
             parent[r] = head
             children[head].append(r)
@@ -109,7 +112,9 @@ class Bundle:
     def of_reply(cls, rank: int, reply: dict[str, Any], result: Any) -> "Bundle":
         """One rank's reply envelope (rollhpc.workers.serve) and its result."""
         released = {rank: reply["released"]} if reply.get("released") else {}
-        return cls([rank], [reply.get("call_s", 0.0)], [reply.get("cpu_s", 0.0)], released, [result])
+        return cls(
+            [rank], [reply.get("call_s", 0.0)], [reply.get("cpu_s", 0.0)], released, [result]
+        )
 
     @classmethod
     def merge(cls, bundles: Sequence["Bundle"]) -> "Bundle":
@@ -130,15 +135,28 @@ class Bundle:
         offsets, total = wire.layout(sizes, _ALIGN)
         data = np.empty(total, dtype=np.uint8)
         for m, off in zip(buffers, offsets):
-            data[off:off + m.nbytes] = np.frombuffer(m, dtype=np.uint8)
-        envelope = {"kind": Kind.BUNDLE, "call_id": call_id, "ranks": self.ranks, "call_s": self.call_s,
-                    "cpu_s": self.cpu_s, "released": self.released, "header": header, "sizes": sizes,
-                    "offsets": offsets}
+            data[off : off + m.nbytes] = np.frombuffer(m, dtype=np.uint8)
+        envelope = {
+            "kind": Kind.BUNDLE,
+            "call_id": call_id,
+            "ranks": self.ranks,
+            "call_s": self.call_s,
+            "cpu_s": self.cpu_s,
+            "released": self.released,
+            "header": header,
+            "sizes": sizes,
+            "offsets": offsets,
+        }
         return envelope, data
 
     @classmethod
     def decode(cls, envelope: dict[str, Any], data: np.ndarray) -> "Bundle":
         """The bundle of a received message; arrays in the results are views of ``data``."""
-        views = [data[o:o + n] for o, n in zip(envelope["offsets"], envelope["sizes"])]
-        return cls(envelope["ranks"], envelope["call_s"], envelope["cpu_s"], envelope["released"],
-                   wire.decode(envelope["header"], views))
+        views = [data[o : o + n] for o, n in zip(envelope["offsets"], envelope["sizes"])]
+        return cls(
+            envelope["ranks"],
+            envelope["call_s"],
+            envelope["cpu_s"],
+            envelope["released"],
+            wire.decode(envelope["header"], views),
+        )

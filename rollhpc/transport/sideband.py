@@ -77,10 +77,12 @@ def ensure_descriptors(needed: int) -> int:
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return soft
     if hard != resource.RLIM_INFINITY and hard < needed:
-        raise RuntimeError(f"the controller holds one connection per worker rank and needs about {needed} open "
-                           f"descriptors, but this process may open at most {hard} (ulimit -Hn): raise the hard "
-                           "limit for the job (limits.conf nofile, or Slurm's PropagateResourceLimits from a "
-                           "shell with a higher limit)")
+        raise RuntimeError(
+            f"the controller holds one connection per worker rank and needs about {needed} open "
+            f"descriptors, but this process may open at most {hard} (ulimit -Hn): raise the hard "
+            "limit for the job (limits.conf nofile, or Slurm's PropagateResourceLimits from a "
+            "shell with a higher limit)"
+        )
     resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
     return needed
 
@@ -92,10 +94,14 @@ class ControllerSideband:
         # a backlog of the kernel's maximum: thousands of workers connect at once at a world's start
         self._server = socket.create_server((bind_host, 0), backlog=socket.SOMAXCONN)
         self._server.settimeout(1.0)
-        self.address = Address(advertise or bind_host, self._server.getsockname()[1], secrets.token_hex(8))
+        self.address = Address(
+            advertise or bind_host, self._server.getsockname()[1], secrets.token_hex(8)
+        )
         self._socks: dict[int, socket.socket] = {}
         self._lost: set[int] = set()
-        self._closed: set[int] = set()  # seen closed outside dead_ranks (by collect_stacks), not reported yet
+        self._closed: set[int] = (
+            set()
+        )  # seen closed outside dead_ranks (by collect_stacks), not reported yet
         self._ready = selectors.DefaultSelector()  # every open connection; data: its rank
 
     def accept(self, ranks: set[int], timeout_s: float) -> None:
@@ -104,7 +110,9 @@ class ControllerSideband:
         while set(self._socks) != ranks:
             if time.monotonic() > deadline:
                 missing = sorted(ranks - set(self._socks))
-                raise TimeoutError(f"worker ranks {missing} did not connect to the controller within {timeout_s:.0f} s")
+                raise TimeoutError(
+                    f"worker ranks {missing} did not connect to the controller within {timeout_s:.0f} s"
+                )
             try:
                 conn, _ = self._server.accept()
             except socket.timeout:
@@ -122,7 +130,9 @@ class ControllerSideband:
 
     def _readable(self, timeout_s: float) -> list[int]:
         """Ranks whose connection has something to read (or has closed), waiting up to ``timeout_s``."""
-        return [key.data for key, _ in self._ready.select(timeout_s)] if self._ready.get_map() else []
+        return (
+            [key.data for key, _ in self._ready.select(timeout_s)] if self._ready.get_map() else []
+        )
 
     def _unwatch(self, rank: int) -> None:
         """A closed connection leaves the epoll set (it would read as ready at every check after)."""
@@ -179,7 +189,10 @@ class ControllerSideband:
                 if sep and len(rest) >= int(head.split()[1]):
                     done[rank] = rest.decode(errors="replace")
         for rank in replies:
-            done.setdefault(rank, f"(no answer within {timeout_s:.0f} s: the process may be stuck in native code)")
+            done.setdefault(
+                rank,
+                f"(no answer within {timeout_s:.0f} s: the process may be stuck in native code)",
+            )
         for rank in self._lost:
             done[rank] = "(process is gone)"
         return done
@@ -228,7 +241,11 @@ class WorkerSideband:
             if not chunk:
                 if self.closing:
                     return
-                print("rollhpc: the controller is gone; this worker exits", file=sys.stderr, flush=True)
+                print(
+                    "rollhpc: the controller is gone; this worker exits",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(self._exit_code)
             buf += chunk
             while b"\n" in buf:
@@ -238,6 +255,10 @@ class WorkerSideband:
                     self._sock.sendall(f"STACKS {len(text)}\n".encode() + text)
                 elif line + b"\n" == _EXIT:
                     if not self.closing:
-                        print("rollhpc: the controller ended the run; this worker exits", file=sys.stderr, flush=True)
+                        print(
+                            "rollhpc: the controller ended the run; this worker exits",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         sys.stderr.flush()
                         os._exit(self._exit_code)

@@ -59,13 +59,17 @@ class _Pickler(pickle.Pickler):
         torch = _torch()
         if torch is not None and isinstance(obj, torch.Tensor):
             if obj.device.type != "cpu":
-                raise TypeError(f"only CPU tensors can be sent to another rank, got one on {obj.device}")
+                raise TypeError(
+                    f"only CPU tensors can be sent to another rank, got one on {obj.device}"
+                )
             nbytes = obj.numel() * obj.element_size()
             if nbytes >= INLINE_LIMIT_BYTES:
                 t = obj.detach().contiguous()
                 raw = t.reshape(-1).view(torch.uint8).numpy()
                 self._buffers.append(memoryview(raw))
-                return _TensorRef(len(self._buffers) - 1, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                return _TensorRef(
+                    len(self._buffers) - 1, str(t.dtype).removeprefix("torch."), tuple(t.shape)
+                )
         return None
 
 
@@ -108,7 +112,9 @@ def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
 
 def decode(header: bytes, buffers: list[np.ndarray]) -> Any:
     """Inverse of encode; buffers are uint8 arrays received in the same order, used without copying."""
-    if not buffers:  # no buffer was taken out, so the header refers to none: the plain unpickler, 3x quicker
+    if (
+        not buffers
+    ):  # no buffer was taken out, so the header refers to none: the plain unpickler, 3x quicker
         return pickle.loads(header)
     import io
 

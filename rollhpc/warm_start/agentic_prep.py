@@ -61,13 +61,27 @@ from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tin
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["expert_episode", "episode_texts", "clean_success", "episode_examples", "play_episodes",
-           "agentic_settings", "prepare_agentic_policy", "ACTION_PREFIX", "MONITOR_EPISODES", "MAX_TURNS"]
+__all__ = [
+    "expert_episode",
+    "episode_texts",
+    "clean_success",
+    "episode_examples",
+    "play_episodes",
+    "agentic_settings",
+    "prepare_agentic_policy",
+    "ACTION_PREFIX",
+    "MONITOR_EPISODES",
+    "MAX_TURNS",
+]
 
 log = logging.getLogger("rollhpc.sft")
-FORMAT_VERSION = 1  # bump when a code change alters what the same settings produce (invalidates caches)
+FORMAT_VERSION = (
+    1  # bump when a code change alters what the same settings produce (invalidates caches)
+)
 ACTION_PREFIX = " "  # the policy answers "> right<EOS>": a space after the marker, then the action
-MONITOR_EPISODES = 64  # training seeds the early stop plays every check_every steps (at most eval_examples)
+MONITOR_EPISODES = (
+    64  # training seeds the early stop plays every check_every steps (at most eval_examples)
+)
 MAX_TURNS = 64  # a guard for environments without a turn limit of their own (theirs applies first)
 
 
@@ -76,8 +90,10 @@ def expert_episode(env: Any, seed: int, max_turns: int = MAX_TURNS) -> Episode:
     expert has no tokens). ``episode.observations`` has one entry more than ``episode.actions`` (the first
     one, then the answer to each action; the last answer ends the episode and never enters a row)."""
     if not callable(getattr(env, "expert_action", None)):
-        raise ValueError(f"{type(env).__name__} has no expert (no expert_action method): an agentic warm start "
-                         "learns from expert episodes")
+        raise ValueError(
+            f"{type(env).__name__} has no expert (no expert_action method): an agentic warm start "
+            "learns from expert episodes"
+        )
     return run_episode(env, ExpertPolicy(env), seed, max_turns=max_turns)
 
 
@@ -105,8 +121,9 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def episode_examples(episode: Episode, tokenizer: PreTrainedTokenizerBase,
-                     formatter: PlainTextTurns | None = None) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+def episode_examples(
+    episode: Episode, tokenizer: PreTrainedTokenizerBase, formatter: PlainTextTurns | None = None
+) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
     """(the episode's whole row, one (prompt ids, completion ids) example per turn).
 
     The row is concatenated from pieces encoded one by one (module docstring); an example's prompt is the
@@ -124,10 +141,21 @@ def episode_examples(episode: Episode, tokenizer: PreTrainedTokenizerBase,
     return row, examples
 
 
-def play_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, env: str, env_options: dict[str, Any],
-                  seeds: Sequence[int], *, max_new_tokens: int = 8, max_turns: int = MAX_TURNS, batch_size: int = 64,
-                  formatter: PlainTextTurns | None = None, temperature: float = 0.0, sample_seed: int = 0,
-                  end_unstopped: bool = False) -> list[Episode]:
+def play_episodes(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    env: str,
+    env_options: dict[str, Any],
+    seeds: Sequence[int],
+    *,
+    max_new_tokens: int = 8,
+    max_turns: int = MAX_TURNS,
+    batch_size: int = 64,
+    formatter: PlainTextTurns | None = None,
+    temperature: float = 0.0,
+    sample_seed: int = 0,
+    end_unstopped: bool = False,
+) -> list[Episode]:
     """Episodes of ``model`` on ``env`` (one per seed), greedy by default, rows built as in rollout.
 
     Up to ``batch_size`` episodes are open at once and share each forward pass; a KV cache kept across
@@ -147,19 +175,36 @@ def play_episodes(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, en
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(sample_seed)
         for lo in range(0, len(seeds), batch_size):
-            envs = [make_env(env, env_options) for _ in seeds[lo:lo + batch_size]]
+            envs = [make_env(env, env_options) for _ in seeds[lo : lo + batch_size]]
             try:
-                out += _play_batch(model, tokenizer, envs, list(seeds[lo:lo + batch_size]), max_new_tokens,
-                                   max_turns, formatter, temperature, end_unstopped)
+                out += _play_batch(
+                    model,
+                    tokenizer,
+                    envs,
+                    list(seeds[lo : lo + batch_size]),
+                    max_new_tokens,
+                    max_turns,
+                    formatter,
+                    temperature,
+                    end_unstopped,
+                )
             finally:
                 for e in envs:
                     e.close()
     return out
 
 
-def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, envs: list[Any], seeds: list[int],
-                max_new_tokens: int, max_turns: int, formatter: PlainTextTurns, temperature: float,
-                end_unstopped: bool) -> list[Episode]:
+def _play_batch(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    envs: list[Any],
+    seeds: list[int],
+    max_new_tokens: int,
+    max_turns: int,
+    formatter: PlainTextTurns,
+    temperature: float,
+    end_unstopped: bool,
+) -> list[Episode]:
     max_len = int(model.config.max_position_embeddings)
     episodes = []
     rows = []
@@ -167,7 +212,11 @@ def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, envs
         observation, info = e.reset(seed)
         instruction = str(info.get("instruction", ""))
         rows.append(_first_ids(tokenizer, formatter.first(instruction, observation)))
-        episodes.append(Episode(prompt=list(rows[-1]), seed=seed, instruction=instruction, observation=observation))
+        episodes.append(
+            Episode(
+                prompt=list(rows[-1]), seed=seed, instruction=instruction, observation=observation
+            )
+        )
     open_ids = [i for i in range(len(envs)) if len(rows[i]) < max_len]
     for i in set(range(len(envs))) - set(open_ids):
         episodes[i].finish = "truncated"
@@ -191,7 +240,10 @@ def _play_batch(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, envs
             for k, v in (info.get("metrics") or {}).items():
                 ep.metrics[k] = ep.metrics.get(k, 0.0) + float(v)
             if terminated or truncated:
-                ep.success, ep.finish = bool(info.get("success", False)), "truncated" if truncated else "terminated"
+                ep.success, ep.finish = (
+                    bool(info.get("success", False)),
+                    "truncated" if truncated else "terminated",
+                )
                 continue
             next_ids = _text_ids(tokenizer, formatter.next(observation))
             if len(ep.turns) >= max_turns or len(rows[i]) + len(next_ids) + 1 > max_len:
@@ -223,20 +275,34 @@ class _TurnDecoder:
         self.cache: Any = None
         self.mask: Any = None  # [B, cached positions]: 1 where a real token sits
 
-    def turn(self, open_ids: list[int], rows: list[list[int]], budget: int, eos: int,
-             temperature: float) -> list[list[int]]:
+    def turn(
+        self, open_ids: list[int], rows: list[list[int]], budget: int, eos: int, temperature: float
+    ) -> list[list[int]]:
         """Each open episode's continuation of its row: up to and including EOS, at most ``budget`` tokens."""
         import torch
 
-        if self.cache is None or 2 * len(open_ids) <= len(self.slots) or not set(open_ids) <= set(self.slots):
-            self.slots, self.fed, self.cache, self.mask = list(open_ids), [0] * len(open_ids), None, None
+        if (
+            self.cache is None
+            or 2 * len(open_ids) <= len(self.slots)
+            or not set(open_ids) <= set(self.slots)
+        ):
+            self.slots, self.fed, self.cache, self.mask = (
+                list(open_ids),
+                [0] * len(open_ids),
+                None,
+                None,
+            )
         wanted = set(open_ids)
-        logits = self._feed([rows[i][n:] if i in wanted else [] for i, n in zip(self.slots, self.fed)])
+        logits = self._feed(
+            [rows[i][n:] if i in wanted else [] for i, n in zip(self.slots, self.fed)]
+        )
         out: dict[int, list[int]] = {i: [] for i in open_ids}
         active = [i in wanted for i in self.slots]
         for step in range(budget):
             if temperature > 0:
-                picked = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)[:, 0].tolist()
+                picked = torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)[
+                    :, 0
+                ].tolist()
             else:
                 picked = logits.argmax(dim=-1).tolist()
             for b, i in enumerate(self.slots):
@@ -255,12 +321,21 @@ class _TurnDecoder:
         width = max(map(len, chunks))
         ids = torch.tensor([[self.pad] * (width - len(c)) + c for c in chunks])
         new_mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunks])
-        positions = torch.tensor([[n + max(k - (width - len(c)), 0) for k in range(width)]
-                                  for c, n in zip(chunks, self.fed)])
+        positions = torch.tensor(
+            [
+                [n + max(k - (width - len(c)), 0) for k in range(width)]
+                for c, n in zip(chunks, self.fed)
+            ]
+        )
         mask = new_mask if self.mask is None else torch.cat([self.mask, new_mask], dim=1)
         with torch.no_grad():
-            result = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                                past_key_values=self.cache, use_cache=True)
+            result = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         self.cache, self.mask = result.past_key_values, mask
         self.fed = [n + len(c) for n, c in zip(self.fed, chunks)]
         return result.logits[:, -1]
@@ -283,24 +358,58 @@ def _mean_turns(episodes: Sequence[Episode]) -> float:
     return sum(len(e.turns) for e in episodes) / max(len(episodes), 1)
 
 
-def agentic_settings(env: str, env_options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
-                     vocab_size: int, episodes: int, train_seeds: int,
-                     stop_on: Literal["sampled", "greedy"] = "sampled", unmerged: str = "") -> dict[str, Any]:
+def agentic_settings(
+    env: str,
+    env_options: dict[str, Any],
+    spec: TinyModelConfig,
+    sft: SftConfig,
+    seed: int,
+    vocab_size: int,
+    episodes: int,
+    train_seeds: int,
+    stop_on: Literal["sampled", "greedy"] = "sampled",
+    unmerged: str = "",
+) -> dict[str, Any]:
     """Everything that determines the prepared weights and report; its hash is the cache key."""
     if stop_on not in ("sampled", "greedy"):
         raise ValueError(f"stop_on must be 'sampled' or 'greedy', got {stop_on!r}")
-    extra = {"unmerged": unmerged} if unmerged else {}  # absent when empty: earlier policies keep their key
-    return {**extra, "format_version": FORMAT_VERSION, "kind": "agentic", "env": env, "stop_on": stop_on,
-            "env_options": json.loads(json.dumps(env_options, sort_keys=True)), "turns": "plain", "seed": seed,
-            "vocab_size": vocab_size, "episodes": episodes, "train_seeds": train_seeds,
-            "monitor_episodes": min(MONITOR_EPISODES, sft.eval_examples, episodes), "max_turns": MAX_TURNS,
-            "spec": asdict(spec), "sft": asdict(sft)}
+    extra = (
+        {"unmerged": unmerged} if unmerged else {}
+    )  # absent when empty: earlier policies keep their key
+    return {
+        **extra,
+        "format_version": FORMAT_VERSION,
+        "kind": "agentic",
+        "env": env,
+        "stop_on": stop_on,
+        "env_options": json.loads(json.dumps(env_options, sort_keys=True)),
+        "turns": "plain",
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "episodes": episodes,
+        "train_seeds": train_seeds,
+        "monitor_episodes": min(MONITOR_EPISODES, sft.eval_examples, episodes),
+        "max_turns": MAX_TURNS,
+        "spec": asdict(spec),
+        "sft": asdict(sft),
+    }
 
 
-def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[str, Any], spec: TinyModelConfig,
-                           sft: SftConfig, seed: int, vocab_size: int, episodes: int, train_seeds: int,
-                           stop_on: Literal["sampled", "greedy"] = "sampled", progress: bool = True,
-                           unmerged: str = "") -> Path:
+def prepare_agentic_policy(
+    out_dir: str | Path,
+    *,
+    env: str,
+    env_options: dict[str, Any],
+    spec: TinyModelConfig,
+    sft: SftConfig,
+    seed: int,
+    vocab_size: int,
+    episodes: int,
+    train_seeds: int,
+    stop_on: Literal["sampled", "greedy"] = "sampled",
+    progress: bool = True,
+    unmerged: str = "",
+) -> Path:
     """Build, fine-tune on expert episodes and write the agentic starting policy to ``out_dir``; returns it.
 
     ``episodes`` expert episodes are played on distinct seeds drawn (seeded by ``seed``) from
@@ -323,27 +432,43 @@ def prepare_agentic_policy(out_dir: str | Path, *, env: str, env_options: dict[s
     if not isinstance(episodes, int) or episodes < 1:
         raise ValueError(f"episodes must be a positive int, got {episodes!r}")
     if not 0 < train_seeds <= HELDOUT_SEED_BASE:
-        raise ValueError(f"train_seeds must be in (0, {HELDOUT_SEED_BASE}] (held-out seeds start there), "
-                         f"got {train_seeds}")
+        raise ValueError(
+            f"train_seeds must be in (0, {HELDOUT_SEED_BASE}] (held-out seeds start there), "
+            f"got {train_seeds}"
+        )
     if episodes > train_seeds:
-        raise ValueError(f"{episodes} expert episodes need as many distinct training seeds, but train_seeds is "
-                         f"{train_seeds}")
+        raise ValueError(
+            f"{episodes} expert episodes need as many distinct training seeds, but train_seeds is "
+            f"{train_seeds}"
+        )
     out_dir = Path(out_dir)
     env_options = dict(env_options or {})
-    make_env(env, env_options).close()  # a bad name or option fails here, before anything is hashed or built
-    settings = agentic_settings(env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on,
-                                unmerged)
-    report = build_once(out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress))
+    make_env(
+        env, env_options
+    ).close()  # a bad name or option fails here, before anything is hashed or built
+    settings = agentic_settings(
+        env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on, unmerged
+    )
+    report = build_once(
+        out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress)
+    )
     if report is None:
         return out_dir
-    log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy success %.3f (expert %.3f, train %.3f)",
-             out_dir, report["wall_s"], report["steps"], report["heldout_success_rate"],
-             report["expert_success_rate"], report["train_success_rate"])
+    log.info(
+        "sft: wrote %s in %.0f s (%d steps): held-out greedy success %.3f (expert %.3f, train %.3f)",
+        out_dir,
+        report["wall_s"],
+        report["steps"],
+        report["heldout_success_rate"],
+        report["expert_success_rate"],
+        report["train_success_rate"],
+    )
     return out_dir
 
 
-def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, sft: SftConfig,
-               progress: bool) -> tuple[Path, dict[str, Any]]:
+def _fine_tune(
+    work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, progress: bool
+) -> tuple[Path, dict[str, Any]]:
     """Expert episodes, tokenizer, initial model, SFT and evaluation inside ``work_dir``; (model dir, report)."""
     from transformers import AutoModelForCausalLM
 
@@ -359,8 +484,11 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, 
     finally:
         env.close()
     expert_s = time.perf_counter() - expert_start
-    tokenizer = build_tokenizer((text for ep in expert for text in episode_texts(ep, formatter)), settings["vocab_size"],
-                                settings.get("unmerged", ""))
+    tokenizer = build_tokenizer(
+        (text for ep in expert for text in episode_texts(ep, formatter)),
+        settings["vocab_size"],
+        settings.get("unmerged", ""),
+    )
     rows, examples = [], []
     for ep in expert:
         row, turns = episode_examples(ep, tokenizer, formatter)
@@ -368,49 +496,99 @@ def _fine_tune(work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, 
         examples += turns
     longest = max(range(len(rows)), key=lambda i: len(rows[i]))
     if len(rows[longest]) > spec.max_position_embeddings:
-        raise ValueError(f"the longest expert episode (seed {expert[longest].seed}, {len(expert[longest].turns)} "
-                         f"turns) is a row of {len(rows[longest])} tokens but spec.max_position_embeddings is "
-                         f"{spec.max_position_embeddings}: raise it or shorten the episodes (the environment's "
-                         "max_turns or size)")
-    model = AutoModelForCausalLM.from_pretrained(create_tiny_model(work_dir / "init", spec, tokenizer, seed))
-    monitor_seeds = train_seeds[:settings["monitor_episodes"]]
-    log.info("sft: %s %s, %d expert episodes (success %.3f, %.1f turns) -> %d turn examples, longest row %d tokens; "
-             "%d parameters, at most %d steps", env_name, env_options, len(expert), _success_rate(expert),
-             _mean_turns(expert), len(examples), len(rows[longest]), model.num_parameters(), sft.steps)
+        raise ValueError(
+            f"the longest expert episode (seed {expert[longest].seed}, {len(expert[longest].turns)} "
+            f"turns) is a row of {len(rows[longest])} tokens but spec.max_position_embeddings is "
+            f"{spec.max_position_embeddings}: raise it or shorten the episodes (the environment's "
+            "max_turns or size)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        create_tiny_model(work_dir / "init", spec, tokenizer, seed)
+    )
+    monitor_seeds = train_seeds[: settings["monitor_episodes"]]
+    log.info(
+        "sft: %s %s, %d expert episodes (success %.3f, %.1f turns) -> %d turn examples, longest row %d tokens; "
+        "%d parameters, at most %d steps",
+        env_name,
+        env_options,
+        len(expert),
+        _success_rate(expert),
+        _mean_turns(expert),
+        len(examples),
+        len(rows[longest]),
+        model.num_parameters(),
+        sft.steps,
+    )
 
-    def play(m: PreTrainedModel, seeds: Sequence[int], temperature: float = 0.0,
-             end_unstopped: bool = False) -> list[Episode]:
-        return play_episodes(m, tokenizer, env_name, env_options, seeds, max_new_tokens=sft.max_new_tokens,
-                             formatter=formatter, temperature=temperature, sample_seed=seed,
-                             end_unstopped=end_unstopped)
+    def play(
+        m: PreTrainedModel,
+        seeds: Sequence[int],
+        temperature: float = 0.0,
+        end_unstopped: bool = False,
+    ) -> list[Episode]:
+        return play_episodes(
+            m,
+            tokenizer,
+            env_name,
+            env_options,
+            seeds,
+            max_new_tokens=sft.max_new_tokens,
+            formatter=formatter,
+            temperature=temperature,
+            sample_seed=seed,
+            end_unstopped=end_unstopped,
+        )
 
     stop_temperature = 1.0 if settings["stop_on"] == "sampled" else 0.0
-    result = train_sft_ids(model, examples, sft, pad_id=tokenizer.pad_token_id, seed=seed,
-                           monitor=lambda m: _clean_success_rate(play(m, monitor_seeds, stop_temperature, True)),
-                           metric=f"{settings['stop_on']} success rate", progress=progress)
+    result = train_sft_ids(
+        model,
+        examples,
+        sft,
+        pad_id=tokenizer.pad_token_id,
+        seed=seed,
+        monitor=lambda m: _clean_success_rate(play(m, monitor_seeds, stop_temperature, True)),
+        metric=f"{settings['stop_on']} success rate",
+        progress=progress,
+    )
     if sft.target_accuracy is not None and not result.reached_target:
-        log.warning("sft: the target success rate %.3f was not reached in %d steps", sft.target_accuracy, sft.steps)
+        log.warning(
+            "sft: the target success rate %.3f was not reached in %d steps",
+            sft.target_accuracy,
+            sft.steps,
+        )
     eval_start = time.perf_counter()
     model.eval()
     heldout = play(model, heldout_seeds)
     sampled = play(model, heldout_seeds, temperature=1.0)
-    train = play(model, train_seeds[:sft.eval_examples])
+    train = play(model, train_seeds[: sft.eval_examples])
     report = {
-        "parameters": model.num_parameters(), "vocab": len(tokenizer), "steps": result.steps,
+        "parameters": model.num_parameters(),
+        "vocab": len(tokenizer),
+        "steps": result.steps,
         "reached_target": result.reached_target,
-        "heldout_success_rate": _success_rate(heldout), "heldout_clean_success_rate": _clean_success_rate(heldout),
-        "heldout_stopped_turns": _stopped_rate(heldout), "heldout_turns_mean": _mean_turns(heldout),
-        "heldout_sampled_success_rate": _success_rate(sampled), "heldout_sampled_stopped_turns": _stopped_rate(sampled),
+        "heldout_success_rate": _success_rate(heldout),
+        "heldout_clean_success_rate": _clean_success_rate(heldout),
+        "heldout_stopped_turns": _stopped_rate(heldout),
+        "heldout_turns_mean": _mean_turns(heldout),
+        "heldout_sampled_success_rate": _success_rate(sampled),
+        "heldout_sampled_stopped_turns": _stopped_rate(sampled),
         "heldout_return_mean": sum(e.episode_return for e in heldout) / len(heldout),
         "heldout_seeds": {"first": HELDOUT_SEED_BASE, "count": len(heldout_seeds)},
         "train_success_rate": _success_rate(train),
-        "expert_success_rate": _success_rate(expert_heldout), "expert_turns_mean": _mean_turns(expert_heldout),
+        "expert_success_rate": _success_rate(expert_heldout),
+        "expert_turns_mean": _mean_turns(expert_heldout),
         "expert_train_success_rate": _success_rate(expert),
-        "turn_examples": len(examples), "row_tokens_max": len(rows[longest]),
+        "turn_examples": len(examples),
+        "row_tokens_max": len(rows[longest]),
         "row_tokens_mean": round(sum(map(len, rows)) / len(rows), 2),
-        "loss_first": result.loss_first, "loss_final": result.loss_final, "loss_curve": result.loss_curve,
-        "success_curve": result.accuracy_curve, "expert_s": round(expert_s, 2), "train_s": round(result.wall_s, 2),
-        "eval_s": round(time.perf_counter() - eval_start, 2), "torch_threads": torch_threads(),
+        "loss_first": result.loss_first,
+        "loss_final": result.loss_final,
+        "loss_curve": result.loss_curve,
+        "success_curve": result.accuracy_curve,
+        "expert_s": round(expert_s, 2),
+        "train_s": round(result.wall_s, 2),
+        "eval_s": round(time.perf_counter() - eval_start, 2),
+        "torch_threads": torch_threads(),
     }
     model.save_pretrained(work_dir / "policy")
     tokenizer.save_pretrained(work_dir / "policy")

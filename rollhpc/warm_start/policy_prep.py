@@ -41,7 +41,9 @@ DEFAULT_TASK_OPTIONS: dict[str, dict[str, Any]] = {
     "arithmetic": {"digits": 2, "ops": ["+"]},
 }
 REPORT = "sft_report.json"
-FORMAT_VERSION = 1  # bump when a code change alters what the same settings produce (invalidates caches)
+FORMAT_VERSION = (
+    1  # bump when a code change alters what the same settings produce (invalidates caches)
+)
 
 
 def resolve_task_options(task: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -50,16 +52,23 @@ def resolve_task_options(task: str, options: dict[str, Any] | None = None) -> di
     Sequences become lists, so the result is JSON as it will be recorded (``task_splits`` turns
     them back into the tuples ``make_splits`` takes).
     """
-    allowed = [n for n in inspect.signature(task_module(task).make_splits).parameters
-               if n not in ("seed", "n_train", "n_heldout")]
+    allowed = [
+        n
+        for n in inspect.signature(task_module(task).make_splits).parameters
+        if n not in ("seed", "n_train", "n_heldout")
+    ]
     unknown = sorted(set(options or {}) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown option(s) {', '.join(unknown)} for task {task!r}; allowed: {', '.join(allowed)}")
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for task {task!r}; allowed: {', '.join(allowed)}"
+        )
     merged = {**DEFAULT_TASK_OPTIONS.get(task, {}), **(options or {})}
     return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in sorted(merged.items())}
 
 
-def task_splits(task: str, options: dict[str, Any], seed: int, n_train: int, n_heldout: int) -> tuple[list, list]:
+def task_splits(
+    task: str, options: dict[str, Any], seed: int, n_train: int, n_heldout: int
+) -> tuple[list, list]:
     """(train, heldout) examples of ``task`` with resolved ``options`` (see ``resolve_task_options``)."""
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     return task_module(task).make_splits(seed, n_train, n_heldout, **kwargs)
@@ -72,17 +81,28 @@ def policy_splits(model_dir: str | Path, n_train: int | None = None) -> tuple[li
     count with the same seed would take examples that were in SFT's train split.
     """
     s = read_report(model_dir)["settings"]
-    return task_splits(s["task"], s["task_options"], s["seed"], n_train or s["sft"]["train_examples"],
-                       s["sft"]["eval_examples"])
+    return task_splits(
+        s["task"],
+        s["task_options"],
+        s["seed"],
+        n_train or s["sft"]["train_examples"],
+        s["sft"]["eval_examples"],
+    )
 
 
 def read_report(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / REPORT).read_text())
 
 
-def evaluate_greedy(model: PreTrainedModel | str | Path, examples: Sequence[Any], task: Any, *,
-                    tokenizer: PreTrainedTokenizerBase | None = None, max_new_tokens: int = 24,
-                    batch_size: int = 64) -> float:
+def evaluate_greedy(
+    model: PreTrainedModel | str | Path,
+    examples: Sequence[Any],
+    task: Any,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    max_new_tokens: int = 24,
+    batch_size: int = 64,
+) -> float:
     """Fraction of ``examples`` whose greedy response the task's verifier scores 1.
 
     ``model`` is a model directory (its tokenizer is loaded from it) or a loaded model with
@@ -101,26 +121,52 @@ def evaluate_greedy(model: PreTrainedModel | str | Path, examples: Sequence[Any]
         raise ValueError("no examples to evaluate")
     was_training = model.training
     model.eval()
-    responses = greedy_responses(model, tokenizer, [task.format_prompt(e) for e in examples],
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size)
+    responses = greedy_responses(
+        model,
+        tokenizer,
+        [task.format_prompt(e) for e in examples],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+    )
     model.train(was_training)
     return sum(task.score(e, r) for e, r in zip(examples, responses)) / len(examples)
 
 
-def policy_settings(task: str, options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
-                    vocab_size: int) -> dict[str, Any]:
+def policy_settings(
+    task: str,
+    options: dict[str, Any],
+    spec: TinyModelConfig,
+    sft: SftConfig,
+    seed: int,
+    vocab_size: int,
+) -> dict[str, Any]:
     """Everything that determines the prepared weights; its hash is the cache key."""
-    return {"format_version": FORMAT_VERSION, "task": task, "task_options": options, "seed": seed,
-            "vocab_size": vocab_size, "spec": asdict(spec), "sft": asdict(sft)}
+    return {
+        "format_version": FORMAT_VERSION,
+        "task": task,
+        "task_options": options,
+        "seed": seed,
+        "vocab_size": vocab_size,
+        "spec": asdict(spec),
+        "sft": asdict(sft),
+    }
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_options: dict[str, Any] | None = None,
-                   spec: TinyModelConfig | None = None, sft: SftConfig | None = None, seed: int = 0,
-                   vocab_size: int = 512, progress: bool = True) -> Path:
+def prepare_policy(
+    out_dir: str | Path,
+    *,
+    task: str = "arithmetic",
+    task_options: dict[str, Any] | None = None,
+    spec: TinyModelConfig | None = None,
+    sft: SftConfig | None = None,
+    seed: int = 0,
+    vocab_size: int = 512,
+    progress: bool = True,
+) -> Path:
     """Build, fine-tune and write the starting policy to ``out_dir``; returns ``out_dir``.
 
     Reuses ``out_dir`` when it holds a policy prepared with the same settings; raises
@@ -131,18 +177,29 @@ def prepare_policy(out_dir: str | Path, *, task: str = "arithmetic", task_option
     spec, sft = spec or TinyModelConfig(), sft or SftConfig()
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
-    report = build_once(out_dir, settings,
-                        lambda work: _fine_tune(work, task, options, spec, sft, seed, vocab_size, progress))
+    report = build_once(
+        out_dir,
+        settings,
+        lambda work: _fine_tune(work, task, options, spec, sft, seed, vocab_size, progress),
+    )
     if report is None:
         return out_dir
-    log.info("sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
-             out_dir, report["wall_s"], report["steps"], report["heldout_accuracy"], report["train_accuracy"],
-             report["loss_first"], report["loss_final"])
+    log.info(
+        "sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
+        out_dir,
+        report["wall_s"],
+        report["steps"],
+        report["heldout_accuracy"],
+        report["train_accuracy"],
+        report["loss_first"],
+        report["loss_final"],
+    )
     return out_dir
 
 
-def build_once(out_dir: Path, settings: dict[str, Any],
-               build: Callable[[Path], tuple[Path, dict[str, Any]]]) -> dict[str, Any] | None:
+def build_once(
+    out_dir: Path, settings: dict[str, Any], build: Callable[[Path], tuple[Path, dict[str, Any]]]
+) -> dict[str, Any] | None:
     """Build a prepared policy into ``out_dir`` once. None when ``out_dir`` already holds one prepared with
     ``settings`` (FileExistsError when it holds anything else); otherwise ``build(work_dir)`` returns the staged
     model directory and its report, which gets the settings, their hash and the wall time, is written beside
@@ -157,8 +214,12 @@ def build_once(out_dir: Path, settings: dict[str, Any],
     try:
         with no_transformers_bars():
             staged, report = build(tmp)
-        report = {"settings_hash": key, "settings": settings, **report,
-                  "wall_s": round(time.perf_counter() - start, 2)}
+        report = {
+            "settings_hash": key,
+            "settings": settings,
+            **report,
+            "wall_s": round(time.perf_counter() - start, 2),
+        }
         (staged / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         try:
             staged.rename(out_dir)
@@ -172,34 +233,70 @@ def build_once(out_dir: Path, settings: dict[str, Any],
     return report
 
 
-def _fine_tune(work_dir: Path, task: str, options: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, seed: int,
-               vocab_size: int, progress: bool) -> tuple[Path, dict[str, Any]]:
+def _fine_tune(
+    work_dir: Path,
+    task: str,
+    options: dict[str, Any],
+    spec: TinyModelConfig,
+    sft: SftConfig,
+    seed: int,
+    vocab_size: int,
+    progress: bool,
+) -> tuple[Path, dict[str, Any]]:
     """Tokenizer, initial model, SFT and evaluation inside ``work_dir``; returns (model dir, report)."""
     from transformers import AutoModelForCausalLM
 
     module = task_module(task)
     train, heldout = task_splits(task, options, seed, sft.train_examples, sft.eval_examples)
     tokenizer = build_tokenizer(module.corpus(train), vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(create_tiny_model(work_dir / "init", spec, tokenizer, seed))
-    log.info("sft: %s %s, %d train examples, %d parameters, at most %d steps", task, options, len(train),
-             model.num_parameters(), sft.steps)
+    model = AutoModelForCausalLM.from_pretrained(
+        create_tiny_model(work_dir / "init", spec, tokenizer, seed)
+    )
+    log.info(
+        "sft: %s %s, %d train examples, %d parameters, at most %d steps",
+        task,
+        options,
+        len(train),
+        model.num_parameters(),
+        sft.steps,
+    )
     pairs = [(module.format_prompt(e), module.completion(e)) for e in train]
     # Early stopping watches training examples, so the held-out accuracy is not selected on.
-    result = train_sft(model, tokenizer, pairs, sft, seed=seed, progress=progress,
-                       monitor_pairs=pairs[:sft.eval_examples])
+    result = train_sft(
+        model,
+        tokenizer,
+        pairs,
+        sft,
+        seed=seed,
+        progress=progress,
+        monitor_pairs=pairs[: sft.eval_examples],
+    )
     if sft.target_accuracy is not None and not result.reached_target:
-        log.warning("sft: the target accuracy %.3f was not reached in %d steps", sft.target_accuracy, sft.steps)
+        log.warning(
+            "sft: the target accuracy %.3f was not reached in %d steps",
+            sft.target_accuracy,
+            sft.steps,
+        )
     eval_start = time.perf_counter()
 
     def evaluate(examples: list) -> float:
-        return evaluate_greedy(model, examples, module, tokenizer=tokenizer, max_new_tokens=sft.max_new_tokens)
+        return evaluate_greedy(
+            model, examples, module, tokenizer=tokenizer, max_new_tokens=sft.max_new_tokens
+        )
 
     report = {
-        "parameters": model.num_parameters(), "steps": result.steps, "reached_target": result.reached_target,
-        "heldout_accuracy": evaluate(heldout), "train_accuracy": evaluate(train[:sft.eval_examples]),
-        "loss_first": result.loss_first, "loss_final": result.loss_final, "loss_curve": result.loss_curve,
-        "accuracy_curve": result.accuracy_curve, "train_s": round(result.wall_s, 2),
-        "eval_s": round(time.perf_counter() - eval_start, 2), "torch_threads": torch_threads(),
+        "parameters": model.num_parameters(),
+        "steps": result.steps,
+        "reached_target": result.reached_target,
+        "heldout_accuracy": evaluate(heldout),
+        "train_accuracy": evaluate(train[: sft.eval_examples]),
+        "loss_first": result.loss_first,
+        "loss_final": result.loss_final,
+        "loss_curve": result.loss_curve,
+        "accuracy_curve": result.accuracy_curve,
+        "train_s": round(result.wall_s, 2),
+        "eval_s": round(time.perf_counter() - eval_start, 2),
+        "torch_threads": torch_threads(),
     }
     model.save_pretrained(work_dir / "policy")
     tokenizer.save_pretrained(work_dir / "policy")
@@ -226,16 +323,20 @@ def reuse_prepared(out_dir: Path, settings: dict[str, Any], key: str) -> bool:
         return False
     report_path = out_dir / REPORT
     if not report_path.exists():
-        raise FileExistsError(f"{out_dir} exists but is not a policy written by rollhpc (no {REPORT}); "
-                              "remove it or choose another directory")
+        raise FileExistsError(
+            f"{out_dir} exists but is not a policy written by rollhpc (no {REPORT}); "
+            "remove it or choose another directory"
+        )
     recorded = json.loads(report_path.read_text())
     if recorded.get("settings_hash") == key:
         log.info("sft: reusing %s (prepared with the same settings, hash %s)", out_dir, key)
         return True
     ours, theirs = _flat(settings), _flat(recorded.get("settings", {}))
     changed = [k for k in sorted(ours.keys() | theirs.keys()) if ours.get(k) != theirs.get(k)]
-    raise FileExistsError(f"{out_dir} holds a policy prepared with other settings (differing: {', '.join(changed)}); "
-                          "remove it or choose another directory")
+    raise FileExistsError(
+        f"{out_dir} holds a policy prepared with other settings (differing: {', '.join(changed)}); "
+        "remove it or choose another directory"
+    )
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -39,29 +39,51 @@ class SftConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    max_len: int = 64  # prompt + completion + EOS tokens; longer examples are an error, not truncated
+    max_len: int = (
+        64  # prompt + completion + EOS tokens; longer examples are an error, not truncated
+    )
     train_examples: int = 4000
-    eval_examples: int = 400  # held-out examples for the report's accuracy (and as many monitored train examples)
+    eval_examples: int = (
+        400  # held-out examples for the report's accuracy (and as many monitored train examples)
+    )
     max_new_tokens: int = 32  # generation budget of the greedy evaluation
     # Stop once the greedy accuracy on monitored training examples reaches this: the RL start should
     # sometimes succeed, not master the task. None trains all ``steps``.
     target_accuracy: float | None = 0.2
-    check_every: int = 5  # steps between accuracy checks (one forward pass over the monitored examples)
+    check_every: int = (
+        5  # steps between accuracy checks (one forward pass over the monitored examples)
+    )
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "max_len", "train_examples", "eval_examples", "max_new_tokens",
-                     "check_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "max_len",
+            "train_examples",
+            "eval_examples",
+            "max_new_tokens",
+            "check_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"SftConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"SftConfig.warmup must be an int >= 0, got {self.warmup!r}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0 or self.grad_clip <= 0:
-            raise ValueError(f"need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, grad_clip > 0; got lr={self.lr},"
-                             f" min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}, "
-                             f"grad_clip={self.grad_clip}")
+        if (
+            self.lr <= 0
+            or not 0 <= self.min_lr_ratio <= 1
+            or self.weight_decay < 0
+            or self.grad_clip <= 0
+        ):
+            raise ValueError(
+                f"need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, grad_clip > 0; got lr={self.lr},"
+                f" min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}, "
+                f"grad_clip={self.grad_clip}"
+            )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(f"SftConfig.target_accuracy must be in (0, 1] or None, got {self.target_accuracy}")
+            raise ValueError(
+                f"SftConfig.target_accuracy must be in (0, 1] or None, got {self.target_accuracy}"
+            )
 
 
 @dataclass
@@ -70,20 +92,27 @@ class SftResult:
     reached_target: bool
     loss_first: float  # mean completion-token loss of the first step
     loss_final: float  # mean over the last 10 steps (less noisy than the last one)
-    loss_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) every log_every steps
-    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, monitored accuracy)
+    loss_curve: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (step, loss) every log_every steps
+    accuracy_curve: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # (step, monitored accuracy)
     wall_s: float = 0.0
 
 
-def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str]],
-                 max_len: int) -> list[tuple[list[int], list[int]]]:
+def encode_pairs(
+    tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str]], max_len: int
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids + EOS) per (prompt, completion) text pair."""
     encoded = []
     for prompt, completion in pairs:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         if len(p) + len(c) > max_len:
-            raise ValueError(f"example of {len(p) + len(c)} tokens exceeds max_len={max_len}: {prompt + completion!r}")
+            raise ValueError(
+                f"example of {len(p) + len(c)} tokens exceeds max_len={max_len}: {prompt + completion!r}"
+            )
         encoded.append((p, c))
     return encoded
 
@@ -100,7 +129,7 @@ def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict
         n = len(p) + len(c)
         ids[row, :n] = torch.tensor(p + c)
         mask[row, :n] = 1
-        labels[row, len(p):n] = torch.tensor(c)
+        labels[row, len(p) : n] = torch.tensor(c)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
@@ -111,20 +140,31 @@ def lr_factor(step: int, options: SftConfig) -> float:
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, options.steps - warmup - 1)
-    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return options.min_lr_ratio + (1 - options.min_lr_ratio) * 0.5 * (
+        1 + math.cos(math.pi * min(progress, 1.0))
+    )
 
 
 def completion_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross-entropy over the completion tokens of the batch."""
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX)
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+    ).logits  # [B, T, V]
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        batch["labels"][:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+    )
 
 
-def exact_match(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], pad_id: int,
-                batch_size: int = 256) -> float:
+def exact_match(
+    model: PreTrainedModel,
+    encoded: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    batch_size: int = 256,
+) -> float:
     """Fraction of examples whose every completion token (EOS included) is the argmax given the
     reference prefix: exactly the examples that greedy decoding reproduces, at the cost of one
     forward pass instead of a generation loop."""
@@ -134,8 +174,10 @@ def exact_match(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[
     model.eval()
     with torch.no_grad():
         for lo in range(0, len(encoded), batch_size):
-            batch = collate(encoded[lo:lo + batch_size], pad_id)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            batch = collate(encoded[lo : lo + batch_size], pad_id)
+            logits = model(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            ).logits
             labels = batch["labels"][:, 1:]
             wrong = (logits[:, :-1].argmax(-1) != labels) & (labels != IGNORE_INDEX)  # [B, T-1]
             hits += int((~wrong.any(dim=1)).sum())
@@ -143,9 +185,17 @@ def exact_match(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[
     return hits / len(encoded)
 
 
-def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs: Sequence[tuple[str, str]],
-              options: SftConfig, *, seed: int = 0, monitor_pairs: Sequence[tuple[str, str]] = (),
-              progress: bool = True, log_every: int = 50) -> SftResult:
+def train_sft(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    pairs: Sequence[tuple[str, str]],
+    options: SftConfig,
+    *,
+    seed: int = 0,
+    monitor_pairs: Sequence[tuple[str, str]] = (),
+    progress: bool = True,
+    log_every: int = 50,
+) -> SftResult:
     """Fine-tune ``model`` in place on (prompt, completion) text ``pairs`` for up to ``options.steps`` AdamW steps.
 
     Every ``options.check_every`` steps the greedy exact-match accuracy on ``monitor_pairs`` is recorded;
@@ -155,7 +205,9 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
     encoded = encode_pairs(tokenizer, pairs, options.max_len)
     monitored = encode_pairs(tokenizer, monitor_pairs, options.max_len)
     if len(encoded) < options.batch_size:
-        raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
+        raise ValueError(
+            f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}"
+        )
     if options.target_accuracy is not None and not monitored:
         raise ValueError("SftConfig.target_accuracy needs monitor_pairs to measure the accuracy on")
     pad_id = tokenizer.pad_token_id
@@ -163,13 +215,30 @@ def train_sft(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pairs:
     def monitor(m: PreTrainedModel) -> float:
         return exact_match(m, monitored, pad_id)
 
-    return train_sft_ids(model, encoded, options, pad_id=pad_id, seed=seed, monitor=monitor if monitored else None,
-                         progress=progress, log_every=log_every)
+    return train_sft_ids(
+        model,
+        encoded,
+        options,
+        pad_id=pad_id,
+        seed=seed,
+        monitor=monitor if monitored else None,
+        progress=progress,
+        log_every=log_every,
+    )
 
 
-def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], list[int]]], options: SftConfig, *,
-                  pad_id: int, seed: int = 0, monitor: Callable[[PreTrainedModel], float] | None = None,
-                  metric: str = "accuracy", progress: bool = True, log_every: int = 50) -> SftResult:
+def train_sft_ids(
+    model: PreTrainedModel,
+    encoded: Sequence[tuple[list[int], list[int]]],
+    options: SftConfig,
+    *,
+    pad_id: int,
+    seed: int = 0,
+    monitor: Callable[[PreTrainedModel], float] | None = None,
+    metric: str = "accuracy",
+    progress: bool = True,
+    log_every: int = 50,
+) -> SftResult:
     """Fine-tune ``model`` in place on pre-encoded (prompt ids, completion ids) examples.
 
     Why ids and not text: a multi-turn episode's prompt is a row built by concatenating token ids turn by
@@ -186,17 +255,27 @@ def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], lis
     import torch
 
     if len(encoded) < options.batch_size:
-        raise ValueError(f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}")
+        raise ValueError(
+            f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}"
+        )
     if options.target_accuracy is not None and monitor is None:
         raise ValueError(f"SftConfig.target_accuracy needs a monitor to measure the {metric} with")
     generator = torch.Generator().manual_seed(seed)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": options.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=options.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": options.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=options.lr,
+        betas=(0.9, 0.95),
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, options))
     bar = _progress_bar(options.steps) if progress else None
-    result = SftResult(steps=0, reached_target=False, loss_first=float("nan"), loss_final=float("nan"))
+    result = SftResult(
+        steps=0, reached_target=False, loss_first=float("nan"), loss_final=float("nan")
+    )
     recent: list[float] = []
     order: list[int] = []
     accuracy = float("nan")
@@ -205,7 +284,7 @@ def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], lis
     for step in range(1, options.steps + 1):
         if len(order) < options.batch_size:
             order = torch.randperm(len(encoded), generator=generator).tolist()
-        batch_idx, order = order[:options.batch_size], order[options.batch_size:]
+        batch_idx, order = order[: options.batch_size], order[options.batch_size :]
         loss = completion_loss(model, collate([encoded[i] for i in batch_idx], pad_id))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -223,18 +302,32 @@ def train_sft_ids(model: PreTrainedModel, encoded: Sequence[tuple[list[int], lis
                 accuracy = float(monitor(model))
             model.train()
             result.accuracy_curve.append((step, accuracy))
-            result.reached_target = options.target_accuracy is not None and accuracy >= options.target_accuracy
+            result.reached_target = (
+                options.target_accuracy is not None and accuracy >= options.target_accuracy
+            )
         if step % log_every == 0 or step == options.steps or result.reached_target:
             result.loss_curve.append((step, round(value, 5)))
             if bar is None and progress:
-                log.info("sft step %d/%d: loss %.4f, monitored %s %.3f, lr %.2e", step, options.steps, value,
-                         metric, accuracy, scheduler.get_last_lr()[0])
+                log.info(
+                    "sft step %d/%d: loss %.4f, monitored %s %.3f, lr %.2e",
+                    step,
+                    options.steps,
+                    value,
+                    metric,
+                    accuracy,
+                    scheduler.get_last_lr()[0],
+                )
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{value:.4f}", acc=f"{accuracy:.3f}", refresh=False)
         if result.reached_target:
-            log.info("sft: monitored %s %.3f reached the target %.3f at step %d", metric, accuracy,
-                     options.target_accuracy, step)
+            log.info(
+                "sft: monitored %s %.3f reached the target %.3f at step %d",
+                metric,
+                accuracy,
+                options.target_accuracy,
+                step,
+            )
             break
     if bar is not None:
         bar.close()
@@ -253,8 +346,14 @@ def _progress_bar(total: int) -> Any:
     return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
 
-def greedy_responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *,
-                     max_new_tokens: int = 24, batch_size: int = 64) -> list[str]:
+def greedy_responses(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[str],
+    *,
+    max_new_tokens: int = 24,
+    batch_size: int = 64,
+) -> list[str]:
     """Greedy continuations of ``prompts`` (special tokens removed), batched with left padding."""
     import torch
 
@@ -262,11 +361,20 @@ def greedy_responses(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     out: list[str] = []
     with torch.no_grad():
         for lo in range(0, len(prompts), batch_size):
-            ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[lo:lo + batch_size]]
+            ids = [
+                tokenizer(p, add_special_tokens=False)["input_ids"]
+                for p in prompts[lo : lo + batch_size]
+            ]
             width = max(map(len, ids))
             input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            generated = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                       do_sample=False, eos_token_id=eos, pad_token_id=pad)
+            generated = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
             out += tokenizer.batch_decode(generated[:, width:], skip_special_tokens=True)
     return out

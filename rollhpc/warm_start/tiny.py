@@ -52,30 +52,50 @@ class TinyModelConfig:
     shared_expert_intermediate_size: int = 128
 
     def __post_init__(self) -> None:
-        positive = ["hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
-                    "intermediate_size", "max_position_embeddings"]
+        positive = [
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "num_hidden_layers",
+            "intermediate_size",
+            "max_position_embeddings",
+        ]
         if self.moe:
-            positive += ["num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                         "shared_expert_intermediate_size"]
+            positive += [
+                "num_experts",
+                "num_experts_per_tok",
+                "moe_intermediate_size",
+                "shared_expert_intermediate_size",
+            ]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"TinyModelConfig.{name} must be a positive int, got {value!r}")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                             f"{self.num_attention_heads}")
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}"
+            )
         if self.head_dim < MIN_HEAD_DIM:
-            raise ValueError(f"head_dim = hidden_size / num_attention_heads = {self.head_dim} but vLLM needs "
-                             f">= {MIN_HEAD_DIM}: use fewer heads or a larger hidden_size")
+            raise ValueError(
+                f"head_dim = hidden_size / num_attention_heads = {self.head_dim} but vLLM needs "
+                f">= {MIN_HEAD_DIM}: use fewer heads or a larger hidden_size"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                             f"num_key_value_heads {self.num_key_value_heads} (each KV head serves a whole group)")
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads {self.num_key_value_heads} (each KV head serves a whole group)"
+            )
         if self.moe and self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}"
+            )
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError(f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0")
+            raise ValueError(
+                f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must be > 0"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -86,35 +106,56 @@ class TinyModelConfig:
         from transformers import Qwen2Config, Qwen2MoeConfig
 
         common = dict(
-            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+            vocab_size=vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=self.max_position_embeddings,
             # transformers 5 replaced the top-level rope_theta with rope_parameters.
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=self.tie_word_embeddings,
-            initializer_range=self.initializer_range, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            bos_token_id=None, dtype="float32",
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            bos_token_id=None,
+            dtype="float32",
         )
         if not self.moe:
             return Qwen2Config(**common)
         return Qwen2MoeConfig(
-            **common, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            **common,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
             moe_intermediate_size=self.moe_intermediate_size,
             shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
         )
 
 
 # Qwen2.5-0.5B's published config.json shape (Qwen/Qwen2.5-0.5B and -Instruct: 494M parameters, the 151936 x 896
 # embedding tied to the output layer); with build_tokenizer(..., pad_to=QWEN2_5_0_5B_VOCAB) a random model of its size
-QWEN2_5_0_5B = TinyModelConfig(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, num_hidden_layers=24,
-                             intermediate_size=4864, max_position_embeddings=32768, rope_theta=1000000.0,
-                             rms_norm_eps=1e-6, tie_word_embeddings=True)
+QWEN2_5_0_5B = TinyModelConfig(
+    hidden_size=896,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    num_hidden_layers=24,
+    intermediate_size=4864,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 QWEN2_5_0_5B_VOCAB = 151936
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "",
-                    pad_to: int | None = None) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    texts: Iterable[str], vocab_size: int, unmerged: str = "", pad_to: int | None = None
+) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts``; returns a Qwen2 tokenizer (a ``PreTrainedTokenizerFast``).
 
     ``vocab_size`` is a ceiling: a small corpus runs out of merges first, so size models by ``len(tok)``.
@@ -141,13 +182,19 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "",
 
     base = len(pre_tokenizers.ByteLevel.alphabet()) + 2  # 256 byte symbols plus EOS and PAD
     if vocab_size < base:
-        raise ValueError(f"vocab_size {vocab_size} is below the {base} tokens a byte-level tokenizer needs")
+        raise ValueError(
+            f"vocab_size {vocab_size} is below the {base} tokens a byte-level tokenizer needs"
+        )
     reference = Qwen2Tokenizer().backend_tokenizer
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.normalizer = reference.normalizer
     tok.pre_tokenizer = reference.pre_tokenizer
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     trained = json.loads(tok.to_str())["model"]
     vocab, merges = trained["vocab"], [tuple(m) for m in trained["merges"]]
@@ -155,13 +202,19 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, unmerged: str = "",
         vocab, merges = _without_merges_of(vocab, merges, unmerged)
     if pad_to is not None:
         vocab = _padded(vocab, pad_to)
-    return Qwen2Tokenizer(vocab=vocab, merges=merges,
-                          eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=None,
-                          clean_up_tokenization_spaces=False)
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+    )
 
 
-def _without_merges_of(vocab: dict[str, int], merges: list[tuple[str, str]],
-                       chars: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _without_merges_of(
+    vocab: dict[str, int], merges: list[tuple[str, str]], chars: str
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """``vocab`` and ``merges`` without any merge whose parts hold one of ``chars`` (byte-level symbols), nor
     any built on a dropped one; ids renumbered in their old order, so specials and bytes keep theirs."""
     symbols = {_byte_symbol(c) for c in chars}
@@ -173,15 +226,20 @@ def _without_merges_of(vocab: dict[str, int], merges: list[tuple[str, str]],
         if parts_ok and not any(ch in symbols for ch in token):
             kept_merges.append((a, b))
             merged.add(token)
-    kept = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) == 1 or t in merged
-            or t.startswith("<|")]
+    kept = [
+        t
+        for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+        if len(t) == 1 or t in merged or t.startswith("<|")
+    ]
     return {t: i for i, t in enumerate(kept)}, kept_merges
 
 
 def _padded(vocab: dict[str, int], size: int) -> dict[str, int]:
     """``vocab`` with ``RESERVED_TOKEN`` entries appended up to ``size`` entries (ids ``len(vocab)`` .. ``size - 1``)."""
     if size < len(vocab):
-        raise ValueError(f"pad_to={size} is below the {len(vocab)} tokens the trained vocabulary already has")
+        raise ValueError(
+            f"pad_to={size} is below the {len(vocab)} tokens the trained vocabulary already has"
+        )
     out = dict(vocab)
     for i in range(size - len(vocab)):
         token = RESERVED_TOKEN.format(i)
@@ -200,8 +258,13 @@ def _byte_symbol(char: str) -> str:
     return bytes_to_unicode()[ord(char)]
 
 
-def create_tiny_model(out_dir: Path, spec: TinyModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int = 0,
-                      dtype: str = "float32") -> Path:
+def create_tiny_model(
+    out_dir: Path,
+    spec: TinyModelConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
     """Write a randomly initialised model and ``tokenizer`` to ``out_dir``; returns ``out_dir``.
 
     The directory is built beside the target and renamed into place, so a crash leaves either a
@@ -228,7 +291,10 @@ def create_tiny_model(out_dir: Path, spec: TinyModelConfig, tokenizer: PreTraine
             model = model.to(getattr(torch, dtype))
             model.config.dtype = dtype
         model.generation_config = GenerationConfig(
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False)
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            do_sample=False,
+        )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         tmp.rename(out_dir)

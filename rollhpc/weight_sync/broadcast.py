@@ -34,25 +34,41 @@ def open_store(timeout_s: float = 600.0) -> Any:
     """The rendezvous store on the sender (rank 0), on an ephemeral port; ``store.port`` is the port."""
     import torch.distributed as dist
 
-    return dist.TCPStore("0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        "0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
 
 
 class WeightBroadcast:
     """One end of the channel. Rank 0 sends (``send``), ranks 1..world-1 receive (``receive``)."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, *, store: Any = None,
-                 device: torch.device | None = None, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        host: str,
+        port: int,
+        *,
+        store: Any = None,
+        device: torch.device | None = None,
+        timeout_s: float = 600.0,
+    ):
         import torch.distributed as dist
 
         self.rank, self.world = rank, world
-        self.device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-                                 else torch.device("cpu"))
+        self.device = device or (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         timeout = timedelta(seconds=timeout_s)
         if store is None:
             store = dist.TCPStore(host, port, None, False, timeout=timeout)
         prefixed = dist.PrefixStore("rollhpc-weights", store)
         if self.device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(prefixed, rank, world, dist.ProcessGroupNCCL.Options())
+            self.group = dist.ProcessGroupNCCL(
+                prefixed, rank, world, dist.ProcessGroupNCCL.Options()
+            )
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         self.bytes_sent = 0
@@ -86,8 +102,12 @@ class WeightBroadcast:
         raw = self._broadcast(torch.empty(n, dtype=torch.uint8, device=self.device))
         return pickle.loads(raw.cpu().numpy().tobytes())
 
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20,
-             verify: bool = False) -> int:
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int = 64 << 20,
+        verify: bool = False,
+    ) -> int:
         """Broadcast every tensor, bucket by bucket, then the end marker; returns the bytes sent. ``verify``: each
         tensor's checksum goes with it, for the receivers to check.
 

@@ -18,8 +18,17 @@ import torch
 
 from rollhpc.weight_sync.routing import IN_FLIGHT_BUCKETS
 
-__all__ = ["IN_FLIGHT_BUCKETS", "Bucket", "WeightSyncMismatch", "check_tensor", "pack_buckets", "stamp",
-           "tensor_checksum", "unpack_bucket", "verified"]
+__all__ = [
+    "IN_FLIGHT_BUCKETS",
+    "Bucket",
+    "WeightSyncMismatch",
+    "check_tensor",
+    "pack_buckets",
+    "stamp",
+    "tensor_checksum",
+    "unpack_bucket",
+    "verified",
+]
 
 
 @dataclass
@@ -35,7 +44,9 @@ class Bucket:
         return self.data.numel() * self.data.element_size()
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20) -> Iterator[Bucket]:
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 64 << 20
+) -> Iterator[Bucket]:
     """Group tensors (in order) into buckets of at most ``bucket_bytes`` per dtype; a tensor larger
     than ``bucket_bytes`` gets a bucket of its own. Lazy: consumes ``named_tensors`` one at a time."""
     if bucket_bytes <= 0:
@@ -56,7 +67,9 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
 
 def _flatten(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
-    bucket = Bucket(torch.cat([t.reshape(-1) for _, t in parts]))  # on the tensors' device (GPU for NCCL)
+    bucket = Bucket(
+        torch.cat([t.reshape(-1) for _, t in parts])
+    )  # on the tensors' device (GPU for NCCL)
     offset = 0
     for name, t in parts:
         bucket.names.append(name)
@@ -72,7 +85,7 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
         n = 1
         for d in shape:
             n *= d
-        yield name, bucket.data[offset:offset + n].view(shape)
+        yield name, bucket.data[offset : offset + n].view(shape)
 
 
 # -- verify after sync ----------------------------------------------------------------------------------------
@@ -80,6 +93,7 @@ def unpack_bucket(bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
 # the sender's stream had written it, a tensor loaded under another name) and the run learned nothing. The
 # sender stamps each tensor with a checksum of its bytes; the receiver recomputes it on what arrived, before the
 # engine loads anything, and a difference stops the run with the parameter's name.
+
 
 class WeightSyncMismatch(RuntimeError):
     """A tensor arrived with other bytes than the trainer sent: the run stops instead of training against
@@ -102,13 +116,13 @@ def tensor_checksum(t: torch.Tensor) -> int:
     n = raw.numel()
     words = raw.view(torch.int32 if n % 4 == 0 else torch.int16 if n % 2 == 0 else torch.uint8)
     rows_n = words.numel() // _ROW
-    main, tail = words[:rows_n * _ROW].view(rows_n, _ROW), words[rows_n * _ROW:]
+    main, tail = words[: rows_n * _ROW].view(rows_n, _ROW), words[rows_n * _ROW :]
     i64 = dict(dtype=torch.int64, device=words.device)
     tail_pos = torch.arange(rows_n * _ROW, words.numel(), **i64) + 1
     total, by_row = tail.sum(dtype=torch.int64), (tail.to(torch.int64) * tail_pos).sum()
     cols = torch.zeros(_ROW, **i64)
     for r0 in range(0, rows_n, _CHUNK_ROWS):
-        chunk = main[r0:r0 + _CHUNK_ROWS]
+        chunk = main[r0 : r0 + _CHUNK_ROWS]
         rows = chunk.sum(1, dtype=torch.int64)
         total = total + rows.sum()
         by_row = by_row + (rows * (torch.arange(r0, r0 + chunk.shape[0], **i64) + 1)).sum()
@@ -141,4 +155,5 @@ def check_tensor(name: str, t: torch.Tensor, want: int, sync: int | str = "") ->
         raise WeightSyncMismatch(
             f"weight sync {sync}: parameter {name} {tuple(t.shape)} {t.dtype} arrived with other bytes than the "
             f"trainer sent (checksum {got:#x}, sent {want:#x}); the run stops rather than "
-            f"generate with weights the trainer does not hold")
+            f"generate with weights the trainer does not hold"
+        )

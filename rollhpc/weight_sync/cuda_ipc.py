@@ -37,7 +37,9 @@ class CudaSlots:
     keep_mapped = False
 
     def __init__(self, device: torch.device | None = None, receiver_device: int | None = None):
-        self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = (
+            device if device is not None else torch.device("cuda", torch.cuda.current_device())
+        )
         self.receiver_device = receiver_device
 
     # -- sender

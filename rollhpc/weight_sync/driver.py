@@ -29,19 +29,32 @@ __all__ = ["WeightSync"]
 
 
 class WeightSync:
-    def __init__(self, train: Any, generate: Any, mode: Literal["broadcast", "relay", "ipc", "mixed"] = "broadcast",
-                 bucket_mb: float = 64.0, routing: Routing | None = None, verify_every: int = 0,
-                 adapters_only: bool = False):
+    def __init__(
+        self,
+        train: Any,
+        generate: Any,
+        mode: Literal["broadcast", "relay", "ipc", "mixed"] = "broadcast",
+        bucket_mb: float = 64.0,
+        routing: Routing | None = None,
+        verify_every: int = 0,
+        adapters_only: bool = False,
+    ):
         """``adapters_only``: a LoRA trainer sends its adapters alone, to generators that serve or merge them."""
         if mode == "mixed" and routing is None:
-            raise ValueError("a mixed weight sync needs the routing that says which generator gets what")
+            raise ValueError(
+                "a mixed weight sync needs the routing that says which generator gets what"
+            )
         self.train, self.generate, self.mode, self.bucket_mb = train, generate, mode, bucket_mb
         self.adapters_only = adapters_only
         self.last_bytes: int | None = None  # what the last sync sent (None: not measured)
-        self.last_stats: dict[str, Any] | None = None  # the last IPC sync's SyncStats (slots, peak extra memory)
+        self.last_stats: dict[str, Any] | None = (
+            None  # the last IPC sync's SyncStats (slots, peak extra memory)
+        )
         self._address: tuple[str, int] | None = None  # the trainer's store (open_weight_channel)
         self.routing = routing
-        self.verify_every = verify_every  # 0: never; else the first sync and every verify_every-th after it
+        self.verify_every = (
+            verify_every  # 0: never; else the first sync and every verify_every-th after it
+        )
         self.syncs = 0
         self._channel_open = False
 
@@ -77,11 +90,16 @@ class WeightSync:
         address = self._store_address()
         if members is None:
             world = 1 + len(gen)
-            joined = [train.join_weight_channel.submit(world), gen.join_weight_channel.submit(address, world)]
+            joined = [
+                train.join_weight_channel.submit(world),
+                gen.join_weight_channel.submit(address, world),
+            ]
         else:
             world = 1 + len(members)
             joined = [train.join_weight_channel.submit(world)] + [
-                gen.at(g).join_weight_channel.submit(address, world, 1 + i) for i, g in enumerate(members)]
+                gen.at(g).join_weight_channel.submit(address, world, 1 + i)
+                for i, g in enumerate(members)
+            ]
         for f in joined:
             f.result()
         self._channel_open = True
@@ -97,9 +115,13 @@ class WeightSync:
         """Stream the weights through the trainer's slots to the generators ``members`` (group ranks): both ends
         run at once, the trainer refilling a slot only when every member has copied it; returns the load times."""
         address, tag = self._store_address(), f"sync-{self.syncs}"
-        sending = self.train.share_weights.submit(len(members), tag, self.bucket_mb, verify, self.adapters_only)
-        receiving = [self.generate.at(g).receive_shared_weights.submit(address, tag, version, i)
-                     for i, g in enumerate(members)]
+        sending = self.train.share_weights.submit(
+            len(members), tag, self.bucket_mb, verify, self.adapters_only
+        )
+        receiving = [
+            self.generate.at(g).receive_shared_weights.submit(address, tag, version, i)
+            for i, g in enumerate(members)
+        ]
         self.last_stats, loads = _settle(sending, receiving)
         self.last_bytes = self.last_stats["bytes"]
         return loads
@@ -111,7 +133,9 @@ class WeightSync:
         loads = self._shared(version, verify, local) if local else []
         if remote:
             self._open_channel(remote)
-            sending = self.train.broadcast_weights.submit(self.bucket_mb, verify, self.adapters_only)
+            sending = self.train.broadcast_weights.submit(
+                self.bucket_mb, verify, self.adapters_only
+            )
             receiving = [self.generate.at(g).receive_weights.submit(version) for g in remote]
             self.last_bytes = sending.result()
             loads += [f.result() for f in receiving]

@@ -22,7 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BROADCAST", "IN_FLIGHT_BUCKETS", "IPC", "Route", "Routing", "RoutingError", "route_weights"]
+__all__ = [
+    "BROADCAST",
+    "IN_FLIGHT_BUCKETS",
+    "IPC",
+    "Route",
+    "Routing",
+    "RoutingError",
+    "route_weights",
+]
 
 # How many buckets a sender holds at once on its device: one being read by the receivers while the next is
 # packed. The memory plan counts a weight sync's extra memory as this many buckets of ``weight_sync_bucket_mb``;
@@ -62,15 +70,29 @@ class Routing:
 
     def describe(self, bytes_per_sync: int | None) -> list[str]:
         """One line per generator rank: source, transport, where, bytes per sync (when the model is known)."""
-        size = f"{bytes_per_sync / 2**30:.2f} GiB" if bytes_per_sync else "size unknown (no config.json here)"
+        size = (
+            f"{bytes_per_sync / 2**30:.2f} GiB"
+            if bytes_per_sync
+            else "size unknown (no config.json here)"
+        )
         group = 1 + len(self.ranks(BROADCAST))
         lines = []
         for r in self.routes:
-            where = "CPU" if r.place is None else f"het group {r.place[0]} node {r.place[1]} GPU {r.place[2]}"
-            how = ("CUDA IPC (same GPU, device to device)" if r.transport == IPC and r.place is not None else
-                   "shared memory (same host, CPU)" if r.transport == IPC else
-                   f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {group})")
-            lines.append(f"  generate {r.generator:>3} <- train rank {r.source}: {how}; receives on {where}; {size}")
+            where = (
+                "CPU"
+                if r.place is None
+                else f"het group {r.place[0]} node {r.place[1]} GPU {r.place[2]}"
+            )
+            how = (
+                "CUDA IPC (same GPU, device to device)"
+                if r.transport == IPC and r.place is not None
+                else "shared memory (same host, CPU)"
+                if r.transport == IPC
+                else f"broadcast ({'NCCL' if r.place is not None else 'gloo'}, group of {group})"
+            )
+            lines.append(
+                f"  generate {r.generator:>3} <- train rank {r.source}: {how}; receives on {where}; {size}"
+            )
         return lines
 
 
@@ -83,8 +105,9 @@ def _same_host_on_cpu(a: Any, b: Any) -> bool:
     return not a.gpus and not b.gpus and (a.component, a.node) == (b.component, b.node)
 
 
-def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
-                  generate_role: str = "generate") -> Routing:
+def route_weights(
+    plan: Any, mode: str = "auto", train_role: str = "train", generate_role: str = "generate"
+) -> Routing:
     """The routing of ``plan`` (a WorldPlan) under the pipeline's ``weight_sync`` mode (``auto`` chooses per
     generator as above; ``broadcast`` and ``ipc`` force one transport; ``relay`` sends through the controller
     and forms no group). Raises RoutingError for a layout no sync can serve."""
@@ -95,19 +118,23 @@ def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
     home = _place(source)
     routes = []
     for g in gens:
-        colocated = (home is not None and _place(g) == home) or (mode == IPC and _same_host_on_cpu(source, g))
+        colocated = (home is not None and _place(g) == home) or (
+            mode == IPC and _same_host_on_cpu(source, g)
+        )
         if mode == IPC and not colocated:
             raise RoutingError(
                 f"pipeline.options.weight_sync=ipc needs every generator on the GPU of the trainer's rank 0 "
                 f"({_where(home)}), or on CPU on its host; generate rank {g.group_rank} receives on "
-                f"{_where(_place(g))}: use auto")
+                f"{_where(_place(g))}: use auto"
+            )
         transport = IPC if (colocated and mode in ("auto", IPC)) else BROADCAST
         routes.append(Route(g.group_rank, source.group_rank, transport, _place(g)))
     routing = Routing(routes, mode)
     if mode == "relay":
         return routing
-    members = [("the trainer's rank 0", home)] + [(f"generate rank {r.generator}", r.place)
-                                                  for r in routes if r.transport == BROADCAST]
+    members = [("the trainer's rank 0", home)] + [
+        (f"generate rank {r.generator}", r.place) for r in routes if r.transport == BROADCAST
+    ]
     seen: dict[tuple[int, int, int], str] = {}
     for who, place in members:
         if place is None:
@@ -116,8 +143,12 @@ def route_weights(plan: Any, mode: str = "auto", train_role: str = "train",
             raise RoutingError(
                 f"weight sync: {seen[place]} and {who} would both be in the broadcast group on {_where(place)}, "
                 f"and NCCL refuses two ranks of one GPU in a group: give each generator a first GPU of its own"
-                + (", or put it on the trainer's rank 0's GPU (then it receives by CUDA IPC)" if mode == "auto" else
-                   ", or set pipeline.options.weight_sync=auto"))
+                + (
+                    ", or put it on the trainer's rank 0's GPU (then it receives by CUDA IPC)"
+                    if mode == "auto"
+                    else ", or set pipeline.options.weight_sync=auto"
+                )
+            )
         seen[place] = who
     return routing
 

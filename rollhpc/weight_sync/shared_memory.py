@@ -49,7 +49,11 @@ class ShmSlots:
         finally:
             os.close(fd)
         self._paths.add(path)
-        return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), path, (path, nbytes)
+        return (
+            torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8),
+            path,
+            (path, nbytes),
+        )
 
     def ready(self) -> None:
         """Nothing to wait for: the copies into the mapping are done when they return."""
@@ -79,9 +83,13 @@ class ShmSlots:
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:
-            raise FileNotFoundError(f"weight sync: the sender's slot {path} is gone (the sender stopped?)") from None
+            raise FileNotFoundError(
+                f"weight sync: the sender's slot {path} is gone (the sender stopped?)"
+            ) from None
         try:
-            return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8)
+            return torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8
+            )
         finally:
             os.close(fd)
 

@@ -41,10 +41,24 @@ import torch
 from rollhpc.testing import fault_injection
 from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS, check_tensor, tensor_checksum
 
-__all__ = ["Entry", "Filled", "PeakMeter", "SlotHeader", "SlotReceiver", "SlotSender", "StoreControl",
-           "SyncStats", "WeightSyncAborted", "fill_slots", "slot_memory", "unpack_entries"]
+__all__ = [
+    "Entry",
+    "Filled",
+    "PeakMeter",
+    "SlotHeader",
+    "SlotReceiver",
+    "SlotSender",
+    "StoreControl",
+    "SyncStats",
+    "WeightSyncAborted",
+    "fill_slots",
+    "slot_memory",
+    "unpack_entries",
+]
 
-ALIGN = 64  # bytes: every tensor starts at a multiple, so a byte slot can be viewed as any dtype there
+ALIGN = (
+    64  # bytes: every tensor starts at a multiple, so a byte slot can be viewed as any dtype there
+)
 
 
 class WeightSyncAborted(RuntimeError):
@@ -80,7 +94,7 @@ class Filled:
 
 
 def _view(data: torch.Tensor, e: Entry) -> torch.Tensor:
-    return data[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+    return data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
 
 
 def unpack_entries(data: torch.Tensor, entries: list[Entry]) -> list[tuple[str, torch.Tensor]]:
@@ -88,8 +102,11 @@ def unpack_entries(data: torch.Tensor, entries: list[Entry]) -> list[tuple[str, 
     return [(e.name, _view(data, e)) for e in entries]
 
 
-def fill_slots(named: Iterable[tuple[str, torch.Tensor]], slot_bytes: int,
-               open_slot: Callable[[int, int], torch.Tensor]) -> Iterator[Filled]:
+def fill_slots(
+    named: Iterable[tuple[str, torch.Tensor]],
+    slot_bytes: int,
+    open_slot: Callable[[int, int], torch.Tensor],
+) -> Iterator[Filled]:
     """Pack tensors (in order) into buckets of at most ``slot_bytes`` (``max(slot_bytes, its size)`` for a bucket
     whose first tensor is larger), copying each into the slot ``open_slot(index, capacity)`` gives (a uint8
     buffer of at least ``capacity`` bytes; the caller waits there until that slot may be refilled). Yields each
@@ -126,7 +143,9 @@ class SlotHeader:
     nbytes: int
     entries: list[Entry]
     checksums: list[int] | None = None
-    kind: str = ""  # the slots' memory: "cuda_ipc" or "shared_memory" (a receiver maps them accordingly)
+    kind: str = (
+        ""  # the slots' memory: "cuda_ipc" or "shared_memory" (a receiver maps them accordingly)
+    )
 
 
 class StoreControl:
@@ -140,7 +159,9 @@ class StoreControl:
         self.store = dist.PrefixStore(f"rollhpc-slots/{tag}", store)
 
     def post(self, index: int, kind: str, body: Any = None) -> None:
-        if kind == "abort":  # also where a receiver looks when a slot it was told of is gone (``aborted``)
+        if (
+            kind == "abort"
+        ):  # also where a receiver looks when a slot it was told of is gone (``aborted``)
             self.store.set("abort", str(body).encode())
         self.store.set(f"h{index}", pickle.dumps((kind, body)))
 
@@ -178,7 +199,9 @@ def slot_memory(device: torch.device | str) -> Any:
     if str(device).startswith("cuda"):
         from rollhpc.weight_sync.cuda_ipc import CudaSlots
 
-        return CudaSlots(device if isinstance(device, torch.device) and device.index is not None else None)
+        return CudaSlots(
+            device if isinstance(device, torch.device) and device.index is not None else None
+        )
     from rollhpc.weight_sync.shared_memory import ShmSlots
 
     return ShmSlots()
@@ -234,8 +257,12 @@ class SyncStats:
     buckets: int = 0
     receivers: int = 0
     slot_bytes: int = 0  # the configured slot size (bucket_mb)
-    peak_slot_bytes: int = 0  # the most bytes of slots alive at once: at most IN_FLIGHT_BUCKETS slots
-    peak_extra_bytes: int | None = None  # measured (PeakMeter): what the sync cost the sender at its peak
+    peak_slot_bytes: int = (
+        0  # the most bytes of slots alive at once: at most IN_FLIGHT_BUCKETS slots
+    )
+    peak_extra_bytes: int | None = (
+        None  # measured (PeakMeter): what the sync cost the sender at its peak
+    )
     transport: str = ""
 
     def as_dict(self) -> dict[str, Any]:
@@ -269,7 +296,9 @@ class SlotSender:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
         """Stream every tensor through the slots, then the end marker; returns what it cost."""
-        self.stats = SyncStats(receivers=self.receivers, slot_bytes=self.slot_bytes, transport=self.memory.kind)
+        self.stats = SyncStats(
+            receivers=self.receivers, slot_bytes=self.slot_bytes, transport=self.memory.kind
+        )
         try:
             with PeakMeter(self.memory.device) as meter:
                 for bucket in fill_slots(named, self.slot_bytes, self._open_slot):
@@ -277,7 +306,9 @@ class SlotSender:
                 self._wait_acks(self._posted)
                 end = self._posted
                 self._post("end")
-                self._wait_acks(end + 1)  # every receiver has let go of its mappings: the slots can go
+                self._wait_acks(
+                    end + 1
+                )  # every receiver has let go of its mappings: the slots can go
                 self.stats.peak_extra_bytes = meter.peak_extra()
         except BaseException as e:
             why = str(e) if isinstance(e, WeightSyncAborted) else f"{type(e).__name__}: {e}"
@@ -302,23 +333,38 @@ class SlotSender:
         s = index % IN_FLIGHT_BUCKETS
         held = self._slots.get(s)
         if held is None or held.buf.numel() != capacity:
-            self._slots.pop(s, None)  # freed before the next is made: the bound holds across a resize
+            self._slots.pop(
+                s, None
+            )  # freed before the next is made: the bound holds across a resize
             buf, slot_id, handle = self.memory.allocate(capacity)
             self._slots[s] = _Slot(buf, slot_id, handle, first=index)
-            self.stats.peak_slot_bytes = max(self.stats.peak_slot_bytes,
-                                             sum(x.buf.numel() for x in self._slots.values()))
+            self.stats.peak_slot_bytes = max(
+                self.stats.peak_slot_bytes, sum(x.buf.numel() for x in self._slots.values())
+            )
         return self._slots[s].buf
 
     def _publish(self, bucket: Filled) -> None:
         """The bucket is in its slot: stamp it, make the writes visible, post its header."""
         if self.verify:
-            bucket.checksums = [tensor_checksum(t) for _, t in unpack_entries(bucket.data, bucket.entries)]
+            bucket.checksums = [
+                tensor_checksum(t) for _, t in unpack_entries(bucket.data, bucket.entries)
+            ]
         fault_injection.corrupt_weight_sync(self.sync, bucket.index, bucket.data)
         self.memory.ready()  # the slot's writes are done before any receiver reads it
         slot = self._slots[bucket.slot]
         assert self._posted == bucket.index, (self._posted, bucket.index)
-        self._post("bucket", SlotHeader(bucket.slot, slot.slot_id, slot.handle, bucket.data.numel(), bucket.entries,
-                                        bucket.checksums, self.memory.kind))
+        self._post(
+            "bucket",
+            SlotHeader(
+                bucket.slot,
+                slot.slot_id,
+                slot.handle,
+                bucket.data.numel(),
+                bucket.entries,
+                bucket.checksums,
+                self.memory.kind,
+            ),
+        )
         if bucket.index == 0:
             fault_injection.in_weight_sync(self.sync)
         self.stats.bytes += bucket.data.numel()
@@ -331,8 +377,10 @@ class SlotSender:
             failed = self.control.acks(self._acked, self.receivers)
             if failed:
                 member, error = failed[0]
-                raise WeightSyncAborted(f"weight sync {self.sync}: receiver {member} stopped at bucket "
-                                        f"{self._acked}: {error}")
+                raise WeightSyncAborted(
+                    f"weight sync {self.sync}: receiver {member} stopped at bucket "
+                    f"{self._acked}: {error}"
+                )
             for slot in self._slots.values():
                 if not slot.seen and slot.first <= self._acked:
                     slot.seen = True
@@ -385,14 +433,16 @@ class SlotReceiver:
             if held is None or held[0] != h.slot_id:
                 self._mapped.pop(h.slot, None)
                 self._mapped[h.slot] = (h.slot_id, self.memory.open(h.handle))
-            data = self.memory.copy_out(self._mapped[h.slot][1][:h.nbytes])
+            data = self.memory.copy_out(self._mapped[h.slot][1][: h.nbytes])
         except Exception as e:
             if (why := self.control.aborted()) is None:
                 raise
             self._done = True
             self._release()
             raise WeightSyncAborted(f"weight sync {self.sync}: the sender stopped it: {why}") from e
-        if not self.memory.keep_mapped:  # let go before the acknowledgement (``CudaSlots.keep_mapped``)
+        if (
+            not self.memory.keep_mapped
+        ):  # let go before the acknowledgement (``CudaSlots.keep_mapped``)
             del self._mapped[h.slot]
         return data
 
@@ -415,7 +465,9 @@ class SlotReceiver:
         """The consumer is done: a stream it left before the end marker would leave the sender waiting, so that
         is an error here (and the sender is told)."""
         if not self._done:
-            error = RuntimeError(f"weight sync {self.sync}: the engine stopped reading before the last bucket")
+            error = RuntimeError(
+                f"weight sync {self.sync}: the engine stopped reading before the last bucket"
+            )
             self.abort(error)
             raise error
 
@@ -425,5 +477,6 @@ class SlotReceiver:
             return
         self._done = True
         self._release()
-        self.control.ack(self._next, self.member, f"{type(error).__name__}: {error}"[:2000] or "failed")
-
+        self.control.ack(
+            self._next, self.member, f"{type(error).__name__}: {error}"[:2000] or "failed"
+        )

@@ -49,16 +49,22 @@ class CodeCounters:
         self.wall_s += sum(r.wall_s for r in results)
 
     def as_dict(self) -> dict[str, float]:
-        return {"code_items": self.items, "code_programs": self.programs, "code_timeouts": self.timeouts,
-                "code_errors": self.errors,
-                "code_wall_s_mean": round(self.wall_s / self.programs, 4) if self.programs else 0.0}
+        return {
+            "code_items": self.items,
+            "code_programs": self.programs,
+            "code_timeouts": self.timeouts,
+            "code_errors": self.errors,
+            "code_wall_s_mean": round(self.wall_s / self.programs, 4) if self.programs else 0.0,
+        }
 
 
 class CodeRewardWorker(Worker):
     @dataclass(kw_only=True)
     class Options:
         model_dir: str  # where the tokenizer is (the policy checkpoint)
-        task: str = "pyfunc"  # a code task: a task module with sandbox_limits and score_components_batch
+        task: str = (
+            "pyfunc"  # a code task: a task module with sandbox_limits and score_components_batch
+        )
         wall_s: float = 5.0  # per program (all of a response's tests): killed after it
         cpu_s: float = 5.0  # per process of a program
         memory_mb: int = 256  # address space per process
@@ -66,13 +72,17 @@ class CodeRewardWorker(Worker):
         output_bytes: int = 4096  # stdout/stderr per program
         workers: int | None = None  # programs at once; None: the CPUs this rank may use
         unsafe: bool = False  # run WITHOUT isolation (limits only): never for untrusted code
-        format_penalty: float = 0.1  # the "format" component is -format_penalty for a malformed response
+        format_penalty: float = (
+            0.1  # the "format" component is -format_penalty for a malformed response
+        )
 
         def __post_init__(self) -> None:
             module = task_module(self.task)
             missing = [f for f in CODE_TASK_FUNCTIONS if not callable(getattr(module, f, None))]
             if missing:
-                raise ValueError(f"task {self.task!r} is not a code task: it lacks {', '.join(missing)}")
+                raise ValueError(
+                    f"task {self.task!r} is not a code task: it lacks {', '.join(missing)}"
+                )
             self.limits()  # checks the limits (positive, whole numbers where needed)
             if self.workers is not None and self.workers < 1:
                 raise ValueError(f"workers must be >= 1 (or None: one per CPU), got {self.workers}")
@@ -80,9 +90,13 @@ class CodeRewardWorker(Worker):
                 raise ValueError(f"format_penalty must be >= 0, got {self.format_penalty}")
 
         def limits(self):
-            return task_module(self.task).sandbox_limits(wall_s=self.wall_s, cpu_s=self.cpu_s,
-                                                         memory_mb=self.memory_mb, nproc=self.nproc,
-                                                         output_bytes=self.output_bytes)
+            return task_module(self.task).sandbox_limits(
+                wall_s=self.wall_s,
+                cpu_s=self.cpu_s,
+                memory_mb=self.memory_mb,
+                nproc=self.nproc,
+                output_bytes=self.output_bytes,
+            )
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
@@ -91,22 +105,35 @@ class CodeRewardWorker(Worker):
         self.tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
         self.task = task_module(options.task)
         if options.unsafe:
-            log.warning("reward role %s: unsafe=true: the policy's code runs WITHOUT a sandbox", ctx.role)
+            log.warning(
+                "reward role %s: unsafe=true: the policy's code runs WITHOUT a sandbox", ctx.role
+            )
         try:
             self.sandbox = Sandbox(options.limits(), unsafe=options.unsafe)
         except SandboxUnavailable as e:
-            raise SandboxUnavailable(f"reward role {ctx.role!r} runs the policy's code only in a sandbox, and none can "
-                                     f"be made on this node: {e}") from None
+            raise SandboxUnavailable(
+                f"reward role {ctx.role!r} runs the policy's code only in a sandbox, and none can "
+                f"be made on this node: {e}"
+            ) from None
         self.pool = SandboxPool(self.sandbox, options.workers)
         self.counters = CodeCounters()
-        log.info("reward role %s: %s, %d programs at once", ctx.role, self.sandbox.describe(), self.pool.workers)
+        log.info(
+            "reward role %s: %s, %d programs at once",
+            ctx.role,
+            self.sandbox.describe(),
+            self.pool.workers,
+        )
 
     @register(Dispatch.DP_SPLIT)
     def score(self, items: list[tuple[Any, list[int]]]) -> list[Components]:
         """``(example, response token ids)`` -> ``{"tests": fraction passed, "format": 0 or -penalty}`` per item."""
         texts = self.tokenizer.batch_decode([ids for _, ids in items], skip_special_tokens=True)
         components, results = self.task.score_components_batch(
-            [example for example, _ in items], texts, self.pool, format_penalty=self.options.format_penalty)
+            [example for example, _ in items],
+            texts,
+            self.pool,
+            format_penalty=self.options.format_penalty,
+        )
         self.counters.add(len(items), results)
         return components
 

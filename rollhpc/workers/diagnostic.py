@@ -34,7 +34,10 @@ class DiagnosticWorker(Worker):
     def tag_rows(self, batch: Batch) -> Batch:
         """Returns the rows it got with the dp rank that handled them."""
         n = len(batch)
-        return Batch({**batch.data, "dp_rank": np.full(n, self.ctx.coords.dp_rank, dtype=np.int64)}, batch.meta)
+        return Batch(
+            {**batch.data, "dp_rank": np.full(n, self.ctx.coords.dp_rank, dtype=np.int64)},
+            batch.meta,
+        )
 
     @register(Dispatch.DP_SPLIT)
     def count_items(self, items: list, scale: int = 1) -> list[tuple[int, int]]:

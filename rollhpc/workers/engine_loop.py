@@ -35,7 +35,9 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._adds: list[GenerationRequest] = []
         self._aborts: list[str] = []
-        self._abort_ticket = 0  # abort batches handed over, and the last one the loop has carried out
+        self._abort_ticket = (
+            0  # abort batches handed over, and the last one the loop has carried out
+        )
         self._aborts_done = 0
         self._finished: list[tuple[str, Any]] = []
         self._aborted: list[tuple[str, Any]] = []
@@ -53,7 +55,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def call(self, adds: list[GenerationRequest], aborts: list[str], max_wait_s: float) -> GenerationReply:
+    def call(
+        self, adds: list[GenerationRequest], aborts: list[str], max_wait_s: float
+    ) -> GenerationReply:
         """Hand over ``adds`` and ``aborts``; return what finished and was aborted since the last call."""
         with self._cond:
             self._check()
@@ -67,7 +71,9 @@ class EngineLoop:
             deadline = time.monotonic() + max_wait_s
             while True:
                 self._check()
-                if self._aborts_done >= ticket:  # an abort is answered by the call that asked for it
+                if (
+                    self._aborts_done >= ticket
+                ):  # an abort is answered by the call that asked for it
                     idle = not (self._adds or self._aborts or self._running)
                     if self._finished or idle or time.monotonic() >= deadline:
                         break
@@ -108,8 +114,13 @@ class EngineLoop:
                 with self.lock:
                     aborted = self.engine.abort(aborts) if aborts else []
                     for r in adds:
-                        self.engine.add_request(r.id, r.prompt, max_tokens=r.max_tokens, seed=r.seed,
-                                                **sampling(r, **self.sampling))
+                        self.engine.add_request(
+                            r.id,
+                            r.prompt,
+                            max_tokens=r.max_tokens,
+                            seed=r.seed,
+                            **sampling(r, **self.sampling),
+                        )
                     t = time.perf_counter()
                     finished = self.engine.step() if self.engine.num_unfinished() else []
                     busy = time.perf_counter() - t
@@ -128,8 +139,9 @@ class EngineLoop:
                 self._cond.notify_all()
 
 
-def sampling(request: GenerationRequest, *, temperature: float, top_p: float, ignore_eos: bool = False
-             ) -> dict[str, Any]:
+def sampling(
+    request: GenerationRequest, *, temperature: float, top_p: float, ignore_eos: bool = False
+) -> dict[str, Any]:
     """A request's sampling settings: the role's, unless the request names a temperature (greedy evaluation
     runs through the same loop); a greedy request takes the whole distribution (top-p 1), as batch generation
     does, so its log-probs are the plain log-softmax."""

@@ -74,6 +74,7 @@ def _cpus() -> int:
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
 
+
 # ---------------------------------------------------------------------------------------------------------
 # The role.
 
@@ -92,7 +93,9 @@ class EnvCounters:
     """Since the role started: episodes started and how they ended, steps and their wall time."""
 
     started: int = 0
-    ended: Counter = field(default_factory=Counter)  # reason kind (terminated, timeout, ...) -> episodes
+    ended: Counter = field(
+        default_factory=Counter
+    )  # reason kind (terminated, timeout, ...) -> episodes
     steps: int = 0  # env steps that returned a valid result
     step_s: float = 0.0  # summed over those steps
     resets: int = 0  # resets that returned a valid result
@@ -104,12 +107,17 @@ class EnvCounters:
         return self.ended[kind]
 
     def as_dict(self, live: int) -> dict[str, float]:
-        out = {"env_episodes_started": self.started, "env_episodes_live": live,
-               "env_episodes_ended": sum(self.ended.values()), "env_steps": self.steps,
-               "env_step_s_mean": round(self.step_s / self.steps, 6) if self.steps else 0.0,
-               "env_reset_s_mean": round(self.reset_s / self.resets, 6) if self.resets else 0.0,
-               "env_timeouts": self.ended["timeout"], "env_errors": self.ended["error"],
-               "env_invalid": self.ended["invalid"]}
+        out = {
+            "env_episodes_started": self.started,
+            "env_episodes_live": live,
+            "env_episodes_ended": sum(self.ended.values()),
+            "env_steps": self.steps,
+            "env_step_s_mean": round(self.step_s / self.steps, 6) if self.steps else 0.0,
+            "env_reset_s_mean": round(self.reset_s / self.resets, 6) if self.resets else 0.0,
+            "env_timeouts": self.ended["timeout"],
+            "env_errors": self.ended["error"],
+            "env_invalid": self.ended["invalid"],
+        }
         for kind in ("terminated", "truncated", "closed"):
             out[f"env_ended_{kind}"] = self.ended[kind]
         return out
@@ -120,28 +128,42 @@ class EnvWorker(Worker):
     class Options:
         env: str  # a shipped environment's short name or package.module:Class (rollhpc.envs)
         model_dir: str  # where the tokenizer is (the policy checkpoint)
-        env_options: dict[str, Any] = field(default_factory=dict)  # the environment's constructor keywords
-        turns: str = "plain"  # turn formatter: "plain" (PlainTextTurns) or "chat" (ChatTemplateTurns)
+        env_options: dict[str, Any] = field(
+            default_factory=dict
+        )  # the environment's constructor keywords
+        turns: str = (
+            "plain"  # turn formatter: "plain" (PlainTextTurns) or "chat" (ChatTemplateTurns)
+        )
         system: str | None = None  # the system prompt of chat turns
-        eos_token: str | None = None  # chat turns: the token that ends an assistant turn (None: the tokenizer's)
-        step_timeout_s: float = 10.0  # per env step (and per env close): past it the episode ends "timeout"
+        eos_token: str | None = (
+            None  # chat turns: the token that ends an assistant turn (None: the tokenizer's)
+        )
+        step_timeout_s: float = (
+            10.0  # per env step (and per env close): past it the episode ends "timeout"
+        )
         reset_timeout_s: float = 30.0  # per reset, building the environment included
         workers: int | None = None  # env calls at once; None: the CPUs this rank may use
 
         def __post_init__(self) -> None:
-            cls = env_class(self.env)  # an unknown or broken environment stops the run at load, with the list
+            cls = env_class(
+                self.env
+            )  # an unknown or broken environment stops the run at load, with the list
             if not isinstance(self.env_options, dict):
                 raise ValueError(f"env_options must be a mapping, got {self.env_options!r}")
             try:  # options the constructor does not take stop the run at load too, not at every reset
                 inspect.signature(cls).bind(**self.env_options)
             except TypeError as e:
-                raise ValueError(f"environment {self.env!r} does not take env_options "
-                                 f"{sorted(self.env_options)}: {e}") from None
+                raise ValueError(
+                    f"environment {self.env!r} does not take env_options "
+                    f"{sorted(self.env_options)}: {e}"
+                ) from None
             if self.turns not in ("plain", "chat"):
                 raise ValueError(f"turns must be 'plain' or 'chat', got {self.turns!r}")
             for name in ("system", "eos_token"):
                 if getattr(self, name) is not None and self.turns != "chat":
-                    raise ValueError(f"{name} needs turns: chat (plain turns have no system message or end of turn)")
+                    raise ValueError(
+                        f"{name} needs turns: chat (plain turns have no system message or end of turn)"
+                    )
             for name in ("step_timeout_s", "reset_timeout_s"):
                 value = getattr(self, name)
                 if not is_finite(value) or value <= 0:
@@ -159,7 +181,9 @@ class EnvWorker(Worker):
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(options.model_dir)
-            self.formatter = _formatter(options.turns, self.tokenizer, options.system, options.eos_token)
+            self.formatter = _formatter(
+                options.turns, self.tokenizer, options.system, options.eos_token
+            )
         except BaseException:
             self.host.stop(0.0)
             raise
@@ -172,8 +196,13 @@ class EnvWorker(Worker):
         self.next_takes_stopped = "stopped" in inspect.signature(self.formatter.next).parameters
         self.episodes: dict[str, _EpisodeProcess] = {}
         self.counters = EnvCounters()
-        log.info("env role %s: %s, %d env calls at once, step limit %.1f s", ctx.role, options.env,
-                 self.workers, options.step_timeout_s)
+        log.info(
+            "env role %s: %s, %d env calls at once, step limit %.1f s",
+            ctx.role,
+            options.env,
+            self.workers,
+            options.step_timeout_s,
+        )
 
     @register(Dispatch.DP_SPLIT)
     def reset(self, items: list[ResetRequest]) -> list[ResetReply]:
@@ -181,7 +210,9 @@ class EnvWorker(Worker):
         ``formatter.first(instruction, observation)``; ``ended`` is None, or the reason the reset failed
         (``timeout``, ``error: ...``, ``invalid: ...``; the episode is then not held)."""
         ids = [str(it.episode) for it in items]
-        again = sorted({i for i in ids if i in self.episodes} | {i for i, c in Counter(ids).items() if c > 1})
+        again = sorted(
+            {i for i in ids if i in self.episodes} | {i for i, c in Counter(ids).items() if c > 1}
+        )
         if again:
             raise ValueError(f"reset: episode ids already held or repeated: {again[:10]}")
         self.counters.started += len(items)
@@ -191,10 +222,17 @@ class EnvWorker(Worker):
             if isinstance(made, str):
                 self._ended(replies[k], made)
             else:
-                jobs.append((k, _EpisodeProcess(ids[k], made[0], EpisodeConnection(made[1])),
-                             ("reset", int(items[k].seed))))
+                jobs.append(
+                    (
+                        k,
+                        _EpisodeProcess(ids[k], made[0], EpisodeConnection(made[1])),
+                        ("reset", int(items[k].seed)),
+                    )
+                )
         texts: dict[int, str] = {}
-        for (k, ep, _), (status, payload, secs) in zip(jobs, self._exchange(jobs, self.options.reset_timeout_s)):
+        for (k, ep, _), (status, payload, secs) in zip(
+            jobs, self._exchange(jobs, self.options.reset_timeout_s)
+        ):
             reply = replies[k]
             reply.reset_s = round(secs, 6)
             if status == "ok":
@@ -202,7 +240,10 @@ class EnvWorker(Worker):
                 self.counters.resets += 1
                 self.counters.reset_s += secs
                 texts[k] = self.formatter.first(payload["instruction"], payload["observation"])
-                reply.instruction, reply.observation = payload["instruction"], payload["observation"]
+                reply.instruction, reply.observation = (
+                    payload["instruction"],
+                    payload["observation"],
+                )
                 reply.state_key, reply.info = payload["state_key"], payload["info"]
             else:
                 self._drop(ep, status)
@@ -221,17 +262,23 @@ class EnvWorker(Worker):
         ids = [str(it.episode) for it in items]
         unknown = [i for i in ids if i not in self.episodes]
         if unknown or len(set(ids)) != len(ids):
-            raise ValueError(f"step: episodes not held by env rank {self.ctx.group_rank} (ended, closed or "
-                             f"never reset) or repeated: {(unknown or ids)[:10]}")
+            raise ValueError(
+                f"step: episodes not held by env rank {self.ctx.group_rank} (ended, closed or "
+                f"never reset) or repeated: {(unknown or ids)[:10]}"
+            )
         responses = [list(it.response_ids) for it in items]
-        stopped = [bool(r) and r[-1] == self.stop_id if it.stopped is None else it.stopped
-                   for it, r in zip(items, responses)]
+        stopped = [
+            bool(r) and r[-1] == self.stop_id if it.stopped is None else it.stopped
+            for it, r in zip(items, responses)
+        ]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         actions = [self.formatter.action(t) for t in texts]
         jobs = [(k, self.episodes[i], ("step", a)) for k, (i, a) in enumerate(zip(ids, actions))]
         replies: list[StepReply] = []
         going: dict[int, str] = {}
-        for (k, ep, _), (status, payload, secs) in zip(jobs, self._exchange(jobs, self.options.step_timeout_s)):
+        for (k, ep, _), (status, payload, secs) in zip(
+            jobs, self._exchange(jobs, self.options.step_timeout_s)
+        ):
             reply = StepReply(ep.id, action=actions[k], step_s=round(secs, 6))
             replies.append(reply)
             if status != "ok":
@@ -240,7 +287,15 @@ class EnvWorker(Worker):
                 continue
             self.counters.steps += 1
             self.counters.step_s += secs
-            for name in ("reward", "terminated", "truncated", "success", "state_key", "metrics", "use_tool"):
+            for name in (
+                "reward",
+                "terminated",
+                "truncated",
+                "success",
+                "state_key",
+                "metrics",
+                "use_tool",
+            ):
                 setattr(reply, name, payload[name])
             reply.observation = payload["observation"]
             if payload["terminated"] or payload["truncated"]:
@@ -248,8 +303,11 @@ class EnvWorker(Worker):
                 self._ended(reply, "terminated" if payload["terminated"] else "truncated")
             else:
                 obs = payload["observation"]
-                going[k] = (self.formatter.next(obs, stopped=stopped[k]) if self.next_takes_stopped
-                            else self.formatter.next(obs))
+                going[k] = (
+                    self.formatter.next(obs, stopped=stopped[k])
+                    if self.next_takes_stopped
+                    else self.formatter.next(obs)
+                )
         for k, ids_ in zip(going, self._encode(list(going.values()), False)):
             replies[k].obs_ids = ids_
         return replies
@@ -281,7 +339,9 @@ class EnvWorker(Worker):
 
     # -- internals ------------------------------------------------------------------------------------------
 
-    def _exchange(self, jobs: list[tuple[int, _EpisodeProcess, tuple]], timeout_s: float) -> list[tuple[str, Any, float]]:
+    def _exchange(
+        self, jobs: list[tuple[int, _EpisodeProcess, tuple]], timeout_s: float
+    ) -> list[tuple[str, Any, float]]:
         """Send each job's command to its episode process, at most ``workers`` in flight, and collect
         ``(status, payload, seconds)`` per job in order: status ok / error / invalid (the process's answer),
         timeout (no answer within ``timeout_s`` of sending: the process is killed at once) or died."""
@@ -341,13 +401,21 @@ class EnvWorker(Worker):
         reply.ended = reason
         count = self.counters.end(reason)
         if reason.split(":", 1)[0] in FAULTS and (count <= 5 or count % 100 == 0):
-            log.warning("env role %s: episode %s ended: %s (%d such so far)", self.ctx.role, reply.episode,
-                        reason, count)
+            log.warning(
+                "env role %s: episode %s ended: %s (%d such so far)",
+                self.ctx.role,
+                reply.episode,
+                reason,
+                count,
+            )
 
     def _encode(self, texts: list[str], special_tokens: bool) -> list[list[int]]:
         if not texts:
             return []
-        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]]
+        return [
+            list(ids)
+            for ids in self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+        ]
 
 
 def _reason(status: str, payload: Any) -> str:
@@ -363,10 +431,18 @@ def _formatter(turns: str, tokenizer: Any, system: str | None, eos_token: str | 
 
     if turns == "plain":
         return turn_formats.PlainTextTurns()
-    chat = getattr(turn_formats, "ChatTemplateTurns", None)  # looked up by name: it may land after this file
+    chat = getattr(
+        turn_formats, "ChatTemplateTurns", None
+    )  # looked up by name: it may land after this file
     if chat is None:
-        raise ValueError("turns: chat needs rollhpc.rollout.turns.ChatTemplateTurns, which this version lacks")
-    return chat(tokenizer, system=system) if eos_token is None else chat(tokenizer, system=system, eos_token=eos_token)
+        raise ValueError(
+            "turns: chat needs rollhpc.rollout.turns.ChatTemplateTurns, which this version lacks"
+        )
+    return (
+        chat(tokenizer, system=system)
+        if eos_token is None
+        else chat(tokenizer, system=system, eos_token=eos_token)
+    )
 
 
 def _raise_open_files_limit() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.tasks import task_module
 
+
 class MathRewardWorker(Worker):
     @dataclass(kw_only=True)
     class Options:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from datetime import timedelta
 from functools import partial
@@ -47,8 +46,12 @@ from rollhpc.parallel import pipeline_stage_layers
 from rollhpc.protocol.worker import Collect, Dispatch, Worker, WorkerContext, register
 from rollhpc.testing import fault_injection
 from rollhpc.transport.rendezvous import rendezvous_host
-from rollhpc.workers.megatron_policy_spec import (MegatronCriticWorkerSpec, MegatronPolicyWorkerSpec,
-                                                  MegatronReferenceWorkerSpec, MegatronTrainWorkerSpec)
+from rollhpc.workers.megatron_policy_spec import (
+    MegatronCriticWorkerSpec,
+    MegatronPolicyWorkerSpec,
+    MegatronReferenceWorkerSpec,
+    MegatronTrainWorkerSpec,
+)
 
 if TYPE_CHECKING:
     from rollhpc.algo.losses import MicroBatch, TokenCounts
@@ -74,13 +77,17 @@ def init_role_distributed(ctx: WorkerContext, timeout_s: float = 600.0) -> None:
     if comm.Get_rank() == 0:
         host = rendezvous_host()
         # wait_for_workers=False: the others learn the port from this rank's broadcast below
-        store = dist.TCPStore(host, 0, comm.Get_size(), is_master=True, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(
+            host, 0, comm.Get_size(), is_master=True, timeout=timeout, wait_for_workers=False
+        )
         address = (host, store.port)
     host, port = comm.bcast(address, root=0)
     if store is None:
         store = dist.TCPStore(host, port, comm.Get_size(), is_master=False, timeout=timeout)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=comm.Get_rank(), world_size=comm.Get_size(), timeout=timeout
+    )
 
 
 class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
@@ -95,12 +102,16 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
             torch.set_num_threads(options.threads)
         layout = ctx.layout
         if layout is None:
-            raise RuntimeError("the megatron roles need the role's parallel layout in their context")
+            raise RuntimeError(
+                "the megatron roles need the role's parallel layout in their context"
+            )
         self.check_layout(layout)
         model_dir = Path(options.model_dir)
         if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"role {ctx.role!r}: {model_dir} has no config.json (options.model_dir must be "
-                                    "a Hugging Face checkpoint directory)")
+            raise FileNotFoundError(
+                f"role {ctx.role!r}: {model_dir} has no config.json (options.model_dir must be "
+                "a Hugging Face checkpoint directory)"
+            )
         init_role_distributed(ctx)
         from rollhpc.models import megatron_cpu
 
@@ -108,16 +119,28 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-        from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights, recompute_overrides
+        from rollhpc.models.megatron_gpt import (
+            _hf_dict,
+            build_gpt_model,
+            load_hf_weights,
+            recompute_overrides,
+        )
 
         megatron_cpu.enable_cpu_megatron()
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp, order=layout.order)
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            order=layout.order,
+        )
         if parallel_state.get_data_parallel_rank() != ctx.coords.dp_rank:
-            raise RuntimeError(f"megatron puts rank {ctx.group_rank} at dp rank {parallel_state.get_data_parallel_rank()}"
-                               f" but the role layout says {ctx.coords.dp_rank}: rank orders disagree")
+            raise RuntimeError(
+                f"megatron puts rank {ctx.group_rank} at dp rank {parallel_state.get_data_parallel_rank()}"
+                f" but the role layout says {ctx.coords.dp_rank}: rank orders disagree"
+            )
         model_parallel_cuda_manual_seed(ctx.seed + 1000 * ctx.coords.pp_rank)
         self.hf_config = _hf_dict(model_dir)
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -128,11 +151,19 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
             raise ValueError(f"role {ctx.role!r}: {e}") from None
         state = _load_safetensors(model_dir)
         # one chunk per virtual pipeline stage (one chunk without vpp; at pp=1 the whole model)
-        self.chunks = [build_gpt_model(self.hf_config, params_dtype=dtype, vp_stage=v if layout.vpp else None,
-                                       **recompute_overrides(getattr(options, "recompute", "none")))
-                       for v in range(layout.vpp or 1)]
+        self.chunks = [
+            build_gpt_model(
+                self.hf_config,
+                params_dtype=dtype,
+                vp_stage=v if layout.vpp else None,
+                **recompute_overrides(getattr(options, "recompute", "none")),
+            )
+            for v in range(layout.vpp or 1)
+        ]
         for chunk in self.chunks:
-            load_hf_weights(chunk, state, parallel_state.get_tensor_model_parallel_rank(), layout.tp)
+            load_hf_weights(
+                chunk, state, parallel_state.get_tensor_model_parallel_rank(), layout.tp
+            )
             if torch.cuda.is_available():
                 chunk.cuda()
         del state
@@ -167,8 +198,12 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         if getattr(self, "_state_offloader", None) is None:
             from rollhpc.workers.offload import MegatronStateOffloader, StateOffloader
 
-            if self.trainable:  # parameters in DDP's buffers, main parameters and moments in megatron's optimizer
-                self._state_offloader = MegatronStateOffloader(self.model_chunks, self.optimizer, self.device)
+            if (
+                self.trainable
+            ):  # parameters in DDP's buffers, main parameters and moments in megatron's optimizer
+                self._state_offloader = MegatronStateOffloader(
+                    self.model_chunks, self.optimizer, self.device
+                )
             else:
                 self._state_offloader = StateOffloader(self.chunks, None, self.device)
         return self._state_offloader
@@ -187,22 +222,31 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         interleaved = self.ctx.layout.vpp is not None
         order = np.arange(len(batch))
         ends = None
-        if with_mask and self._shapes_are_local():  # tokens each row needs: through its last loss position's target
+        if (
+            with_mask and self._shapes_are_local()
+        ):  # tokens each row needs: through its last loss position's target
             mask = np.asarray(batch["loss_mask"]) > 0
             ends = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0) + 1
             order = np.argsort(-ends, kind="stable")
         full = batch["tokens"].shape[1]
-        width = int(ends.max(initial=2)) if ends is not None else None  # the interleaved schedule's one width
+        width = (
+            int(ends.max(initial=2)) if ends is not None else None
+        )  # the interleaved schedule's one width
         parts = []
         for idx in self._micro_batch_index(len(batch), None if ends is None else ends[order], full):
             keep = idx >= 0
             rows = order[np.where(keep, idx, 0)]
             if ends is not None and not interleaved:
                 width = max(int(ends[rows].max()), 2)
-            part = {k: torch.as_tensor(_cut(np.asarray(v)[rows], width, full), device=self.device)
-                    for k, v in batch.data.items() if with_mask or k == "tokens"}
+            part = {
+                k: torch.as_tensor(_cut(np.asarray(v)[rows], width, full), device=self.device)
+                for k, v in batch.data.items()
+                if with_mask or k == "tokens"
+            }
             if with_mask and not keep.all():
-                part["loss_mask"] = part["loss_mask"] * torch.as_tensor(keep[:, None], device=self.device)
+                part["loss_mask"] = part["loss_mask"] * torch.as_tensor(
+                    keep[:, None], device=self.device
+                )
             part["tokens"] = part["tokens"].long()
             part["keep"] = torch.as_tensor(keep, device=self.device)
             parts.append(part)
@@ -233,7 +277,9 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         if interleaved:
             count = max(pp, math.ceil(count / pp) * pp)
         rows = max(1, math.ceil(most / count))
-        return list(np.concatenate([np.arange(n), np.full(count * rows - n, -1)]).reshape(count, rows))
+        return list(
+            np.concatenate([np.arange(n), np.full(count * rows - n, -1)]).reshape(count, rows)
+        )
 
     def _role_max(self, values: list[float]) -> list[float]:
         """The largest of each value over every rank of the role (a collective)."""
@@ -271,14 +317,23 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         """(logprob, entropy) of every next token: ``[b, L-1]`` each, from the last stage's logits."""
         from rollhpc.models.vocab_parallel import token_logprobs
 
-        return token_logprobs(logits[:, :-1], tokens[:, 1:], self.vocab_size, tp_rank=self.tp_rank,
-                              tp_size=self.ctx.layout.tp, tp_group=self.tp_group, with_entropy=with_entropy)
+        return token_logprobs(
+            logits[:, :-1],
+            tokens[:, 1:],
+            self.vocab_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.ctx.layout.tp,
+            tp_group=self.tp_group,
+            with_entropy=with_entropy,
+        )
 
     def _autocast(self) -> Any:
         """The forward/backward precision context: bfloat16 matmuls under ``mixed_precision: bf16``."""
         import torch
 
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.options.mixed_precision == "bf16")
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.options.mixed_precision == "bf16"
+        )
 
     def _forward_only(self, batch: Batch, result: Any, key: str) -> Batch | None:
         """``result(part, output) -> [b, L-1] tensor`` for every row of the batch, through the schedule
@@ -291,9 +346,13 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         for chunk in self.chunks:
             chunk.eval()
         with torch.no_grad(), self._autocast():
-            kept = run_schedule(self.chunks, self._parts(batch, with_mask=False), self._call_chunk,
-                                lambda part, out: (out.new_zeros(()), {key: result(part, out)[part["keep"]]}),
-                                forward_only=True)
+            kept = run_schedule(
+                self.chunks,
+                self._parts(batch, with_mask=False),
+                self._call_chunk,
+                lambda part, out: (out.new_zeros(()), {key: result(part, out)[part["keep"]]}),
+                forward_only=True,
+            )
         for chunk, was in zip(self.chunks, training):
             chunk.train(was)
         if not self.last_stage:
@@ -306,7 +365,9 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
     def compute_logprobs(self, batch: Batch) -> Batch | None:
         """log p(token) of every next token under the current weights: ``{"logprob": [b, L-1] float32}``
         (from the last pipeline stage; None from the others, which are not DP leaders)."""
-        return self._forward_only(batch, lambda part, logits: self._logprobs(logits, part["tokens"])[0], "logprob")
+        return self._forward_only(
+            batch, lambda part, logits: self._logprobs(logits, part["tokens"])[0], "logprob"
+        )
 
 
 class _WeightChannelMixin:
@@ -320,10 +381,14 @@ class _WeightChannelMixin:
         from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights
 
         if adapters_only and getattr(self.options, "lora", None) is None:
-            raise RuntimeError(f"role {self.ctx.role!r}: adapters-only weight sync without LoRA adapters")
+            raise RuntimeError(
+                f"role {self.ctx.role!r}: adapters-only weight sync without LoRA adapters"
+            )
         if self.ctx.coords.edp_rank != 0:
             return None
-        named = export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group, adapters_only)
+        named = export_pipeline_hf_weights(
+            self.chunks, self.vocab_size, self.tp_group, adapters_only
+        )
         if self.ctx.group_rank == 0:
             return named
         for _ in named:  # the other TP ranks take part in the gathers only
@@ -347,16 +412,25 @@ class _WeightChannelMixin:
         self._channel = WeightBroadcast(0, world, "", 0, store=self._store, device=self.device)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def broadcast_weights(self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
-                          ) -> int | None:
+    def broadcast_weights(
+        self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+    ) -> int | None:
         """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent.
         ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``); ``adapters_only``: LoRA's adapters."""
         named = self._exported_on_rank_zero(adapters_only)
-        return None if named is None else self._channel.send(named, int(bucket_mb * (1 << 20)), verify)
+        return (
+            None if named is None else self._channel.send(named, int(bucket_mb * (1 << 20)), verify)
+        )
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def share_weights(self, receivers: int, tag: str, bucket_mb: float = 512.0, verify: bool = False,
-                      adapters_only: bool = False) -> dict[str, Any] | None:
+    def share_weights(
+        self,
+        receivers: int,
+        tag: str,
+        bucket_mb: float = 512.0,
+        verify: bool = False,
+        adapters_only: bool = False,
+    ) -> dict[str, Any] | None:
         """Stream the weights to ``receivers`` generators on rank 0's GPU (CUDA IPC) or host (shared memory, on CPU)
         through ``IN_FLIGHT_BUCKETS`` reused slots of ``bucket_mb`` (``weight_sync.slots``), the headers and
         acknowledgements through the store of ``open_weight_channel`` under ``tag``; returns rank 0's
@@ -368,8 +442,14 @@ class _WeightChannelMixin:
         if named is None:
             return None
         self._shared_syncs = getattr(self, "_shared_syncs", 0) + 1
-        sender = SlotSender(slot_memory(self.device), StoreControl(self._store, tag), receivers,
-                            int(bucket_mb * (1 << 20)), verify=verify, sync=self._shared_syncs)
+        sender = SlotSender(
+            slot_memory(self.device),
+            StoreControl(self._store, tag),
+            receivers,
+            int(bucket_mb * (1 << 20)),
+            verify=verify,
+            sync=self._shared_syncs,
+        )
         return sender.send(named).as_dict()
 
 
@@ -387,9 +467,17 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         if options.lora is not None:
             from rollhpc.models.lora import attach_lora
 
-            n = sum(attach_lora(c, options.lora, self.tp_rank, self.ctx.layout.tp, self.tp_group) for c in self.chunks)
-            log.info("role %s: LoRA rank %d on %s, %d adapter parameters on this rank (base frozen)", ctx.role,
-                     options.lora.rank, ",".join(options.lora.target), n)
+            n = sum(
+                attach_lora(c, options.lora, self.tp_rank, self.ctx.layout.tp, self.tp_group)
+                for c in self.chunks
+            )
+            log.info(
+                "role %s: LoRA rank %d on %s, %d adapter parameters on this rank (base frozen)",
+                ctx.role,
+                options.lora.rank,
+                ",".join(options.lora.target),
+                n,
+            )
         self._add_modules()
         self._build_optimizer()
         self.optimizer_steps = 0
@@ -412,7 +500,9 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from rollhpc.models.megatron_pipeline import configure_chunks
 
         o: MegatronTrainWorkerSpec.Options = self.options
-        configure_chunks(self.chunks)  # losses divided by global counts: DDP sums gradients instead of averaging
+        configure_chunks(
+            self.chunks
+        )  # losses divided by global counts: DDP sums gradients instead of averaging
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
         if dtype != torch.float32:
             # the whole model in one 16-bit dtype, as megatron's Float16Module makes it: the local layer spec builds
@@ -421,17 +511,29 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
             for chunk in self.chunks:
                 chunk.to(dtype)
         overlap = self.device.type == "cuda" and self.every_parameter_gets_a_gradient
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
-                                                   use_distributed_optimizer=o.distributed_optimizer)
-        self.model_chunks = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
-                             for i, c in enumerate(self.chunks)]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=overlap,
+            use_distributed_optimizer=o.distributed_optimizer,
+        )
+        self.model_chunks = [
+            DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0)
+            for i, c in enumerate(self.chunks)
+        ]
         no_sync = [c.no_sync for c in self.model_chunks]
         for chunk in self.chunks:  # the schedules read it from the (shared) model config
             chunk.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config = mcore_optimizer.OptimizerConfig(
-            optimizer="adam", lr=o.lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0], adam_beta2=o.betas[1],
-            clip_grad=o.grad_clip, bf16=dtype == torch.bfloat16, params_dtype=dtype,
-            use_distributed_optimizer=o.distributed_optimizer)
+            optimizer="adam",
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            clip_grad=o.grad_clip,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=o.distributed_optimizer,
+        )
         self.optimizer = mcore_optimizer.get_megatron_optimizer(config, self.model_chunks)
 
     @register(Dispatch.DP_SPLIT)
@@ -440,7 +542,9 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from rollhpc.models.lora import adapters_disabled
 
         if self.options.lora is None:
-            raise RuntimeError(f"role {self.ctx.role!r} has no LoRA adapters: its reference is a 'reference' role")
+            raise RuntimeError(
+                f"role {self.ctx.role!r} has no LoRA adapters: its reference is a 'reference' role"
+            )
         with adapters_disabled(*self.chunks):
             return self.compute_logprobs(batch)
 
@@ -481,8 +585,13 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         if self.ctx.coords.edp_rank != 0:
             return None
         h = hashlib.sha256()
-        named = sorted(((n, t.detach().cpu().contiguous()) for n, t in
-                        export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)), key=lambda x: x[0])
+        named = sorted(
+            (
+                (n, t.detach().cpu().contiguous())
+                for n, t in export_pipeline_hf_weights(self.chunks, self.vocab_size, self.tp_group)
+            ),
+            key=lambda x: x[0],
+        )
         for name, t in named:
             h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
             h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
@@ -502,26 +611,43 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
 
         o: MegatronTrainWorkerSpec.Options = self.options
         if batch.old_logprob is None and o.mini_batches > 1:
-            raise ValueError(f"a batch without old_logprob is trained on-policy, in one optimizer step; this role "
-                             f"takes mini_batches={o.mini_batches}")
+            raise ValueError(
+                f"a batch without old_logprob is trained on-policy, in one optimizer step; this role "
+                f"takes mini_batches={o.mini_batches}"
+            )
         t0 = time.perf_counter()
         policy_loss = PolicyLoss(loss_config)
 
-        def loss(micro: MicroBatch, logits: Any, counts: TokenCounts) -> tuple[Any, dict[str, float]]:
-            logprob, entropy = self._logprobs(logits, micro["tokens"], with_entropy=policy_loss.needs_entropy)
+        def loss(
+            micro: MicroBatch, logits: Any, counts: TokenCounts
+        ) -> tuple[Any, dict[str, float]]:
+            logprob, entropy = self._logprobs(
+                logits, micro["tokens"], with_entropy=policy_loss.needs_entropy
+            )
             return policy_loss(logprob, entropy, micro, counts)
 
         skip = o.skip_zero_advantage and self._shapes_are_local()
-        rows_with_gradient = partial(self._rows_with_gradient, batch, loss_config=loss_config) if skip else None
-        out, skipped, micro_batches = self._train_mini_batches(batch.as_batch(), loss, rows_with_gradient)
-        out.update(n_tokens=float(np.asarray(batch.loss_mask).sum()), train_time_s=time.perf_counter() - t0,
-                   lr=self.optimizer.param_groups[0]["lr"], rows_skipped=self._dp_sum([float(skipped)])[0],
-                   micro_batches=float(micro_batches))  # this rank's (its replica's), over the mini-batches
+        rows_with_gradient = (
+            partial(self._rows_with_gradient, batch, loss_config=loss_config) if skip else None
+        )
+        out, skipped, micro_batches = self._train_mini_batches(
+            batch.as_batch(), loss, rows_with_gradient
+        )
+        out.update(
+            n_tokens=float(np.asarray(batch.loss_mask).sum()),
+            train_time_s=time.perf_counter() - t0,
+            lr=self.optimizer.param_groups[0]["lr"],
+            rows_skipped=self._dp_sum([float(skipped)])[0],
+            micro_batches=float(micro_batches),
+        )  # this rank's (its replica's), over the mini-batches
         return [out]
 
-    def _train_mini_batches(self, batch: Batch, loss: MicroBatchLoss,
-                            rows_with_gradient: Callable[[np.ndarray], np.ndarray] | None = None
-                            ) -> tuple[dict[str, float], int, int]:
+    def _train_mini_batches(
+        self,
+        batch: Batch,
+        loss: MicroBatchLoss,
+        rows_with_gradient: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[dict[str, float], int, int]:
         """The mini-batch loop of every trainer (actor and critic): ``mini_batches`` optimizer steps, one per
         contiguous chunk of rows, each micro-batch's ``loss(micro, output, counts)`` back-propagated and the
         gradients reduced over DP before the step. ``rows_with_gradient(mini)``: the rows of a mini-batch that run
@@ -536,25 +662,41 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         for mini in np.array_split(np.arange(len(batch)), self.options.mini_batches):
             trained = rows_with_gradient(mini) if rows_with_gradient is not None else mini
             skipped += len(mini) - len(trained)
-            counts = TokenCounts(*self._dp_sum([float(mask[mini].sum()), float((mask[mini].sum(1) > 0).sum()),
-                                                float(mask[trained].sum())]))
+            counts = TokenCounts(
+                *self._dp_sum(
+                    [
+                        float(mask[mini].sum()),
+                        float((mask[mini].sum(1) > 0).sum()),
+                        float(mask[trained].sum()),
+                    ]
+                )
+            )
             self._zero_grad()
             parts = self._parts(_mini_batch(batch, mini, trained), with_mask=True)
             micro_batches += len(parts)
             sums: dict[str, float] = {}
             with self._autocast():
-                for stats in run_schedule(self.model_chunks, parts, self._call_chunk, partial(loss, counts=counts),
-                                          forward_only=False):
+                for stats in run_schedule(
+                    self.model_chunks,
+                    parts,
+                    self._call_chunk,
+                    partial(loss, counts=counts),
+                    forward_only=False,
+                ):
                     for k, v in stats.items():
                         sums[k] = sums.get(k, 0.0) + v
             self._finish_mini_batch(sums, metrics)
         return {k: float(np.mean(v)) for k, v in metrics.items()}, skipped, micro_batches
 
     @staticmethod
-    def _rows_with_gradient(batch: TrainingBatch, rows: np.ndarray, loss_config: LossConfig) -> np.ndarray:
+    def _rows_with_gradient(
+        batch: TrainingBatch, rows: np.ndarray, loss_config: LossConfig
+    ) -> np.ndarray:
         """The rows of ``rows`` whose loss can have a gradient: with no KL or entropy term, a row whose loss
         tokens all have advantage 0 contributes exactly zero (clipped or not, -A * ratio is 0)."""
-        if loss_config.entropy_coef > 0 or batch.ref_logprob is not None:  # (a KL with coefficient 0 is still reported)
+        if (
+            loss_config.entropy_coef > 0 or batch.ref_logprob is not None
+        ):  # (a KL with coefficient 0 is still reported)
             return rows
         adv = np.asarray(batch.advantage)[rows]
         mask = np.asarray(batch.loss_mask)[rows] > 0
@@ -569,9 +711,13 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from megatron.core.distributed import finalize_model_grads
 
         self._before_grad_sync()
-        finalize_model_grads(self.model_chunks)  # DP reduction of the buckets, tied embedding across stages
+        finalize_model_grads(
+            self.model_chunks
+        )  # DP reduction of the buckets, tied embedding across stages
         self._set_lr()
-        _, norm, _ = self.optimizer.step()  # clips to grad_clip, steps the main parameters, copies them back
+        _, norm, _ = (
+            self.optimizer.step()
+        )  # clips to grad_clip, steps the main parameters, copies them back
         metrics.setdefault("grad_norm", []).append(float(norm or 0.0))
         self.optimizer_steps += 1
 
@@ -579,8 +725,14 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from rollhpc.algo.lr_schedule import learning_rate
 
         o = self.options
-        lr = learning_rate(self.optimizer_steps, lr=o.lr, warmup_steps=o.warmup_steps, schedule=o.lr_schedule,
-                           decay_steps=o.lr_decay_steps, min_lr=o.min_lr)
+        lr = learning_rate(
+            self.optimizer_steps,
+            lr=o.lr,
+            warmup_steps=o.warmup_steps,
+            schedule=o.lr_schedule,
+            decay_steps=o.lr_decay_steps,
+            min_lr=o.min_lr,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -589,11 +741,14 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
 
         self._grad_syncs += 1
         if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
-            fault_injection.before_grad_sync(self._grad_syncs)  # a test hook: a node can die while its peers all-reduce
+            fault_injection.before_grad_sync(
+                self._grad_syncs
+            )  # a test hook: a node can die while its peers all-reduce
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
-    def export_weights(self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
-                       ) -> list[Any] | None:
+    def export_weights(
+        self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+    ) -> list[Any] | None:
         """The full weights in Hugging Face names (``adapters_only``: LoRA's adapters), packed into buckets, from
         group rank 0.
 
@@ -605,7 +760,9 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         named = self._exported_on_rank_zero(adapters_only)
         if named is None:
             return None
-        buckets = pack_buckets(((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20)))
+        buckets = pack_buckets(
+            ((n, t.detach().cpu()) for n, t in named), int(bucket_mb * (1 << 20))
+        )
         return [stamp(b) if verify else b for b in buckets]
 
 
@@ -628,21 +785,30 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
         last = next((c for c in self.chunks if c.post_process), None)
         if last is None:  # not the last pipeline stage: no values computed here
             return
-        head = torch.nn.Linear(last.config.hidden_size, 1, device=self.device,
-                               dtype=next(last.parameters()).dtype)
+        head = torch.nn.Linear(
+            last.config.hidden_size, 1, device=self.device, dtype=next(last.parameters()).dtype
+        )
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.ctx.seed)  # same head on every rank (it is replicated over TP and DP)
+            torch.manual_seed(
+                self.ctx.seed
+            )  # same head on every rank (it is replicated over TP and DP)
             torch.nn.init.normal_(head.weight, std=0.02)
         torch.nn.init.zeros_(head.bias)
         last.add_module(VALUE_HEAD, head)
         self.value_head = head
-        last.decoder.final_layernorm.register_forward_hook(lambda m, i, out: setattr(self, "_hidden", out))
+        last.decoder.final_layernorm.register_forward_hook(
+            lambda m, i, out: setattr(self, "_hidden", out)
+        )
 
     def _values(self) -> Any:
         """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions, from
         the hidden states the last stage's forward just left in ``_hidden``."""
         hidden = self._hidden.transpose(0, 1)  # [s, b, h] -> [b, s, h]
-        return self.value_head(hidden[:, :-1].float().to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return (
+            self.value_head(hidden[:, :-1].float().to(self.value_head.weight.dtype))
+            .squeeze(-1)
+            .float()
+        )
 
     @register(Dispatch.DP_SPLIT)
     def compute_values(self, batch: Batch) -> Batch | None:
@@ -650,7 +816,9 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
         return self._forward_only(batch, lambda part, logits: self._values(), "values")
 
     @register(Dispatch.DP_SPLIT)
-    def train_step(self, batch: ValueBatch, value_clip: float | None = 0.2) -> list[dict[str, float]]:
+    def train_step(
+        self, batch: ValueBatch, value_clip: float | None = 0.2
+    ) -> list[dict[str, float]]:
         """Clipped value regression (``ValueLoss``) on the batch's ``returns`` with its ``old_values``, token-mean
         over ``loss_mask``, in the actor's mini-batch loop."""
         from rollhpc.algo.losses import ValueLoss
@@ -658,8 +826,12 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
         t0 = time.perf_counter()
         value_loss = ValueLoss(value_clip)
 
-        def loss(micro: MicroBatch, output: Any, counts: TokenCounts) -> tuple[Any, dict[str, float]]:
-            return value_loss(self._values(), micro, counts)  # the values of the hidden states this forward left
+        def loss(
+            micro: MicroBatch, output: Any, counts: TokenCounts
+        ) -> tuple[Any, dict[str, float]]:
+            return value_loss(
+                self._values(), micro, counts
+            )  # the values of the hidden states this forward left
 
         out, _, _ = self._train_mini_batches(batch.as_batch(), loss)
         out["train_time_s"] = time.perf_counter() - t0
@@ -683,7 +855,7 @@ def _cut(rows: np.ndarray, width: int | None, full: int) -> np.ndarray:
         return rows
     if rows.shape[1] == full:
         return rows[:, :width]
-    return rows[:, :width - 1] if rows.shape[1] == full - 1 else rows
+    return rows[:, : width - 1] if rows.shape[1] == full - 1 else rows
 
 
 def _load_safetensors(model_dir: Path) -> dict[str, Any]:

@@ -14,12 +14,22 @@ from typing import Literal
 
 from rollhpc.models.lora_config import LoraConfig, adapter_parameter_count
 from rollhpc.parallel import ParallelLayout, pipeline_stage_layers
-from rollhpc.placement.memory_plan import (ModelShape, activation_bytes, dtype_bytes, forward_activation_bytes,
-                                           megatron_stage_params, megatron_stage_split)
+from rollhpc.placement.memory_plan import (
+    ModelShape,
+    activation_bytes,
+    dtype_bytes,
+    forward_activation_bytes,
+    megatron_stage_params,
+    megatron_stage_split,
+)
 from rollhpc.protocol.spec import WorkerSpec
 
-__all__ = ["MegatronCriticWorkerSpec", "MegatronPolicyWorkerSpec", "MegatronReferenceWorkerSpec",
-           "MegatronTrainWorkerSpec"]
+__all__ = [
+    "MegatronCriticWorkerSpec",
+    "MegatronPolicyWorkerSpec",
+    "MegatronReferenceWorkerSpec",
+    "MegatronTrainWorkerSpec",
+]
 
 
 class MegatronPolicyWorkerSpec(WorkerSpec):
@@ -36,7 +46,9 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         # forward's activations stay bounded. Losses and gradients are the fixed-size ones (the loss divides by
         # the batch's global token count, whatever the split)
         max_tokens_per_micro_batch: int = 0
-        dtype: Literal["float32", "bfloat16"] = "float32"  # of the parameters, gradients and optimizer state
+        dtype: Literal["float32", "bfloat16"] = (
+            "float32"  # of the parameters, gradients and optimizer state
+        )
         # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
         # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
         # keeps the weights themselves in bf16 (half the memory) beside the optimizer's fp32 main copy. On CPUs
@@ -46,25 +58,42 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
 
         def __post_init__(self) -> None:
             if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
-                raise ValueError(f"micro_batch_size must be >= 1 and max_tokens_per_micro_batch >= 0, got "
-                                 f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}")
+                raise ValueError(
+                    f"micro_batch_size must be >= 1 and max_tokens_per_micro_batch >= 0, got "
+                    f"{self.micro_batch_size} and {self.max_tokens_per_micro_batch}"
+                )
             if self.mixed_precision == "bf16" and self.dtype != "float32":
-                raise ValueError(f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
-                                 f"dtype={self.dtype} the parameters are already 16-bit: use one of the two")
+                raise ValueError(
+                    f"mixed_precision=bf16 computes in bfloat16 over float32 parameters; with "
+                    f"dtype={self.dtype} the parameters are already 16-bit: use one of the two"
+                )
 
     @classmethod
-    def gpu_memory(cls, options: Options, layout: ParallelLayout, shape: ModelShape, *, seq_len: int,
-                   gpu_bytes: float) -> dict[str, float]:
+    def gpu_memory(
+        cls,
+        options: Options,
+        layout: ParallelLayout,
+        shape: ModelShape,
+        *,
+        seq_len: int,
+        gpu_bytes: float,
+    ) -> dict[str, float]:
         """Bytes a rank holds on its GPU (rollhpc.placement.memory_plan): its stage's parameters, and the
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        rows = options.micro_batch_size  # per micro-batch; under a token budget its worst case: full-length rows
+        rows = (
+            options.micro_batch_size
+        )  # per micro-batch; under a token budget its worst case: full-length rows
         if options.max_tokens_per_micro_batch:
             rows = max(1, options.max_tokens_per_micro_batch // seq_len)
         out = {"parameters": float(params * size)}
         # a forward alone keeps one layer's activations at a time, and the whole head's logits
-        forward = float(forward_activation_bytes(shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp))
+        forward = float(
+            forward_activation_bytes(
+                shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp
+            )
+        )
         if not cls.trainable:
             return {**out, "activations": forward}
         # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
@@ -74,25 +103,54 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         state = 4 * 2 + (0 if size == 4 else 4)
         shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
         lora = getattr(options, "lora", None)
-        if lora is not None:  # only the adapters train: gradients and optimizer state for them alone
+        if (
+            lora is not None
+        ):  # only the adapters train: gradients and optimizer state for them alone
             stage_layers = -(-shape.layers // layout.pp)
-            adapters = adapter_parameter_count(lora, shape.hidden, shape.intermediate, shape.heads * shape.head_dim,
-                                               shape.kv_heads * shape.head_dim, stage_layers, layout.tp)
+            adapters = adapter_parameter_count(
+                lora,
+                shape.hidden,
+                shape.intermediate,
+                shape.heads * shape.head_dim,
+                shape.kv_heads * shape.head_dim,
+                stage_layers,
+                layout.tp,
+            )
             out["parameters"] += float(adapters * size)
             dense, experts, params = adapters, 0, adapters
-        grads, optimizer = float(params * 4), float(state * (dense / shards[0] + experts / shards[1]))
-        return {**out, "gradients": grads, "optimizer": optimizer,
-                "activations": float(activation_bytes(shape, layout.tp, layout.pp, rows, seq_len, size,
-                                                      options.recompute, ep=layout.ep, etp=layout.etp)),
-                "forward_activations": forward}
+        grads, optimizer = (
+            float(params * 4),
+            float(state * (dense / shards[0] + experts / shards[1])),
+        )
+        return {
+            **out,
+            "gradients": grads,
+            "optimizer": optimizer,
+            "activations": float(
+                activation_bytes(
+                    shape,
+                    layout.tp,
+                    layout.pp,
+                    rows,
+                    seq_len,
+                    size,
+                    options.recompute,
+                    ep=layout.ep,
+                    etp=layout.etp,
+                )
+            ),
+            "forward_activations": forward,
+        }
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
         """Refuse at config load what megatron-core's local layer spec cannot run."""
         if layout.cp > 1:
-            raise ValueError(f"cp={layout.cp}: context parallelism needs Transformer Engine's attention on CUDA "
-                             "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
-                             "tp/pp/dp (and ep for MoE)")
+            raise ValueError(
+                f"cp={layout.cp}: context parallelism needs Transformer Engine's attention on CUDA "
+                "(megatron-core's local attention, which these roles build, asserts cp == 1); use "
+                "tp/pp/dp (and ep for MoE)"
+            )
 
     @classmethod
     def check_model(cls, layout: ParallelLayout, options: Options) -> None:
@@ -116,10 +174,14 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         if kv and kv % tp and tp % kv:
             problems.append(f"tp={tp} and the model's {kv} KV heads: one must divide the other")
         if ffn and ffn % tp:
-            problems.append(f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})")
+            problems.append(
+                f"tp={tp} does not divide the model's FFN width (intermediate_size {ffn})"
+            )
         if layers:
             try:
-                pipeline_stage_layers(layers, layout.pp, layout.vpp)  # megatron's even split, as plan draws it
+                pipeline_stage_layers(
+                    layers, layout.pp, layout.vpp
+                )  # megatron's even split, as plan draws it
             except ValueError as e:
                 problems.append(str(e))
         if layout.ep > 1 and (not experts or experts % layout.ep):
@@ -143,7 +205,9 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         weight_decay: float = 0.0
         betas: tuple[float, float] = (0.9, 0.999)
         grad_clip: float = 1.0  # global gradient norm cap (0: off)
-        mini_batches: int = 1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
+        mini_batches: int = (
+            1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
+        )
         warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
         # after the warm-up: lr throughout, or a decay to min_lr over lr_decay_steps optimizer steps (rollhpc.algo.
         # lr_schedule; a run's optimizer steps are its steps x mini_batches)
@@ -159,7 +223,9 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
         # score matrices, "full" each layer from its input; the memory plan counts what each keeps
         recompute: Literal["none", "selective", "full"] = "none"
-        distributed_optimizer: bool = True  # main parameters and moments sharded over the DP group (ZeRO-1)
+        distributed_optimizer: bool = (
+            True  # main parameters and moments sharded over the DP group (ZeRO-1)
+        )
         # how checkpoints hold the distributed optimizer's state (rollhpc.checkpoint.trainer_state): "sharded", each
         # rank its own shard (no gather, no extra memory; resumes at another DP size, same TP/PP/EP), or
         # "reshardable", gathered per parameter on each DP group's rank 0 (which then holds the role's whole
@@ -178,15 +244,23 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         def __post_init__(self) -> None:
             super().__post_init__()
             if self.lr <= 0 or self.mini_batches < 1 or self.grad_clip < 0 or self.warmup_steps < 0:
-                raise ValueError("lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0")
-            if self.lr_schedule != "constant" and (self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr):
-                raise ValueError(f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
-                                 f"lr_decay_steps >= 1 and 0 <= min_lr <= lr "
-                                 f"(got {self.lr_decay_steps}, {self.min_lr})")
+                raise ValueError(
+                    "lr must be > 0, mini_batches >= 1, grad_clip >= 0, warmup_steps >= 0"
+                )
+            if self.lr_schedule != "constant" and (
+                self.lr_decay_steps < 1 or not 0 <= self.min_lr <= self.lr
+            ):
+                raise ValueError(
+                    f"lr_schedule={self.lr_schedule} decays lr to min_lr over lr_decay_steps: give "
+                    f"lr_decay_steps >= 1 and 0 <= min_lr <= lr "
+                    f"(got {self.lr_decay_steps}, {self.min_lr})"
+                )
             if self.optimizer != "megatron":
-                raise ValueError(f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
-                                 "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
-                                 "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away")
+                raise ValueError(
+                    f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
+                    "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
+                    "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away"
+                )
 
 
 class MegatronCriticWorkerSpec(MegatronTrainWorkerSpec):

@@ -25,8 +25,11 @@ def gpu_memory() -> dict[str, float]:
     if not torch.cuda.is_available():
         return {"allocated": 0.0, "reserved": 0.0, "free": 0.0}
     free, _ = torch.cuda.mem_get_info()
-    return {"allocated": float(torch.cuda.memory_allocated()), "reserved": float(torch.cuda.memory_reserved()),
-            "free": float(free)}
+    return {
+        "allocated": float(torch.cuda.memory_allocated()),
+        "reserved": float(torch.cuda.memory_reserved()),
+        "free": float(free),
+    }
 
 
 def release_gpu_memory() -> None:
@@ -73,7 +76,9 @@ class StateOffloader(_Offloader):
         self.optimizer = optimizer
         self.device = torch.device(device)
         self.offloaded: set[str] = set()
-        self._host: dict[tuple[int, str], Any] = {}  # (id of the tensor's owner, slot) -> pinned host buffer
+        self._host: dict[
+            tuple[int, str], Any
+        ] = {}  # (id of the tensor's owner, slot) -> pinned host buffer
 
     def _tensors(self, part: str) -> list[tuple[tuple[int, str], Any, str]]:
         """(key, owner, attribute or state key) of every tensor of ``part``: owner.attr or owner[key]."""
@@ -86,8 +91,12 @@ class StateOffloader(_Offloader):
         if part == "optimizer":
             if self.optimizer is None:
                 return []
-            return [((id(state), k), state, k) for state in self.optimizer.state.values()
-                    for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            return [
+                ((id(state), k), state, k)
+                for state in self.optimizer.state.values()
+                for k, v in state.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ]
         raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
 
     def _move(self, parts: list[str], to_host: bool) -> dict[str, float]:
@@ -107,13 +116,17 @@ class StateOffloader(_Offloader):
                 if to_host:
                     host = self._host.get(key)
                     if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                        host = self._host[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                        host = self._host[key] = torch.empty(
+                            t.shape, dtype=t.dtype, device="cpu", pin_memory=True
+                        )
                     new = host.copy_(t, non_blocking=True)
                 else:
                     new = t.to(self.device, non_blocking=True)
                 if isinstance(owner, dict):
                     owner[slot] = new
-                elif slot == "data":  # the parameter's own data (``p.data`` is a new alias each time: swapping an
+                elif (
+                    slot == "data"
+                ):  # the parameter's own data (``p.data`` is a new alias each time: swapping an
                     owner.data = new  # alias's data would leave the parameter where it was)
                 else:  # swap the storage under the same grad tensor (a grad assigned across devices is refused)
                     t.data = new
@@ -145,26 +158,37 @@ class MegatronStateOffloader(_Offloader):
         self.device = torch.device(device)
         self.offloaded: set[str] = set()
         if self.device.type == "cuda" and any(b.param_data is None for b in self.buffers):
-            raise ValueError("offload on the megatron stack moves the parameters inside DDP's buffers, where only the "
-                             "distributed optimizer keeps them: set distributed_optimizer: true")
+            raise ValueError(
+                "offload on the megatron stack moves the parameters inside DDP's buffers, where only the "
+                "distributed optimizer keeps them: set distributed_optimizer: true"
+            )
         if self.device.type == "cuda" and any(b.param_dtype == torch.float32 for b in self.buffers):
             # fp32 parameters are their own main parameters (the optimizer steps views of DDP's buffer), and
             # megatron's optimizer offload replaces those views with copies: the steps would no longer reach the model
-            raise ValueError("offload on the megatron stack needs 16-bit parameters (dtype: bfloat16): with float32 "
-                             "ones megatron's optimizer offload would cut its main parameters off from the model's")
+            raise ValueError(
+                "offload on the megatron stack needs 16-bit parameters (dtype: bfloat16): with float32 "
+                "ones megatron's optimizer offload would cut its main parameters off from the model's"
+            )
 
     def _bytes(self, part: str) -> int:
         import torch
 
         if part == "parameters":
-            return sum(p.numel() * p.element_size() for c in self.chunks for p in c.module.parameters())
+            return sum(
+                p.numel() * p.element_size() for c in self.chunks for p in c.module.parameters()
+            )
         if part == "gradients":
             return sum(b.grad_data.numel() * b.grad_data.element_size() for b in self.buffers)
         if part == "optimizer":
             from rollhpc.checkpoint.trainer_state import inner_optimizers
 
-            return sum(v.numel() * v.element_size() for inner in inner_optimizers(self.optimizer)
-                       for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+            return sum(
+                v.numel() * v.element_size()
+                for inner in inner_optimizers(self.optimizer)
+                for s in inner.state.values()
+                for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )
         raise ValueError(f"unknown part {part!r}; parts: {', '.join(PARTS)}")
 
     def _move(self, parts: list[str], to_host: bool) -> dict[str, float]:
@@ -172,7 +196,9 @@ class MegatronStateOffloader(_Offloader):
 
         start = time.perf_counter()
         todo = [p for p in parts if (p in self.offloaded) != to_host]
-        moved = sum(self._bytes(p) for p in todo)  # counted before the buffers give their storage back
+        moved = sum(
+            self._bytes(p) for p in todo
+        )  # counted before the buffers give their storage back
         if self.device.type == "cuda" and todo:
             params, grads = "parameters" in todo, "gradients" in todo
             for buffer in self.buffers:

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollhpc.transport.mpi_channel import TAG_RELAY, TAG_REPLY, Backoff, Encoded, Message, MpiChannel
+from rollhpc.transport.mpi_channel import (
+    TAG_RELAY,
+    TAG_REPLY,
+    Backoff,
+    Encoded,
+    Message,
+    MpiChannel,
+)
 from rollhpc.transport.reply_tree import CONTROLLER, Bundle
 
 
@@ -21,13 +28,17 @@ class ReplyRouter:
         self.channel = channel
         self.rank = rank
         self.trees: dict[int, tuple[int, tuple[int, ...]]] = {}  # tree id -> (parent, children)
-        self._held: dict[tuple[int, int], Message] = {}  # (child, call id) -> its bundle, taken before it was wanted
+        self._held: dict[
+            tuple[int, int], Message
+        ] = {}  # (child, call id) -> its bundle, taken before it was wanted
 
     def learn(self, envelope: dict[str, Any]) -> None:
         """A "tree" message: this rank's place in a tree the controller will name in its calls."""
         self.trees[envelope["tree"]] = (envelope["parent"], tuple(envelope["children"]))
 
-    def send(self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: Any) -> None:
+    def send(
+        self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: Any
+    ) -> None:
         """``reply`` to the call whose envelope is ``call``: straight to the controller unless the call came with
         a tree, then with the children's replies in one bundle up the tree (``result`` itself goes in: a bundle
         encodes its results together; ``encoded``, the same result encoded alone, is for the controller). An error
@@ -43,7 +54,11 @@ class ReplyRouter:
             own = Bundle.of_reply(self.rank, reply, result)
         parent, children = self.trees[tree]
         call_id = call["call_id"]
-        bundle = Bundle.merge([own, *(self._collect(child, call_id) for child in children)]) if children else own
+        bundle = (
+            Bundle.merge([own, *(self._collect(child, call_id) for child in children)])
+            if children
+            else own
+        )
         envelope, data = bundle.encode(call_id)
         self.channel.send(parent, TAG_REPLY if parent == CONTROLLER else TAG_RELAY, envelope, data)
 

@@ -58,18 +58,27 @@ def _await_build(channel: MpiChannel) -> bool:
     raise RuntimeError(f"a {kind!r} message before the worker was built")
 
 
-def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker], ctx: WorkerContext,
-          options: Any) -> None:
+def serve(
+    channel: MpiChannel,
+    sideband: WorkerSideband,
+    worker_cls: type[Worker],
+    ctx: WorkerContext,
+    options: Any,
+) -> None:
     if not _await_build(channel):
         return
     try:
         started = time.time()
         with startup_gc():  # construction is mostly imports: see rollhpc.proc.startup_gc
             worker = worker_cls(ctx, options)
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "built": [started, time.time()]})
+        channel.send(
+            CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "built": [started, time.time()]}
+        )
     except BaseException as e:  # noqa: BLE001 - reported to the controller, which ends the run
         log.exception("constructing %s failed", worker_cls.__name__)
-        channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "error": _error(e, ctx, "__init__")})
+        channel.send(
+            CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.READY, "error": _error(e, ctx, "__init__")}
+        )
         channel.flush(60)
         return
     replies = ReplyRouter(channel, ctx.world_rank)
@@ -83,7 +92,9 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
                 worker.close()
                 channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE})
             except BaseException as e:  # noqa: BLE001
-                channel.send(CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE, "error": _error(e, ctx, "close")})
+                channel.send(
+                    CONTROLLER_RANK, TAG_REPLY, {"kind": Kind.BYE, "error": _error(e, ctx, "close")}
+                )
             channel.flush(60)
             return
         if env["kind"] == Kind.TREE:  # where this rank's replies to the calls naming this tree go
@@ -101,11 +112,17 @@ def serve(channel: MpiChannel, sideband: WorkerSideband, worker_cls: type[Worker
         # what the controller's per-role load metrics read (Controller.load): seconds inside this call, and
         # this process's CPU seconds so far (every thread: the generator's engine loop too)
         reply["call_s"], reply["cpu_s"] = time.perf_counter() - started, time.process_time()
-        del msg, args, kwargs  # a shared-memory payload nothing else holds is unmapped now, and said so below
+        del (
+            msg,
+            args,
+            kwargs,
+        )  # a shared-memory payload nothing else holds is unmapped now, and said so below
         try:
             encoded = Encoded.of(result)
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            reply["error"] = _error(TypeError(f"the result of {env['method']} cannot be sent: {e}"), ctx, env["method"])
+            reply["error"] = _error(
+                TypeError(f"the result of {env['method']} cannot be sent: {e}"), ctx, env["method"]
+            )
             encoded = Encoded.of(None)
         if channel.released:
             reply["released"] = channel.take_released()

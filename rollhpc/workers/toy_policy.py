@@ -26,8 +26,13 @@ def _features(prompts: np.ndarray, modulus: int):
     import torch
 
     p = torch.as_tensor(prompts)
-    return torch.cat([torch.nn.functional.one_hot(p[:, 0], modulus), torch.nn.functional.one_hot(p[:, 1], modulus)],
-                     dim=1).float()
+    return torch.cat(
+        [
+            torch.nn.functional.one_hot(p[:, 0], modulus),
+            torch.nn.functional.one_hot(p[:, 1], modulus),
+        ],
+        dim=1,
+    ).float()
 
 
 @dataclass(kw_only=True)
@@ -47,7 +52,9 @@ class ToyTrainWorker(Worker):
         import torch
 
         torch.set_num_threads(1)
-        self.model = build_policy(options.modulus, options.hidden, ctx.seed)  # same seed: replicas start equal
+        self.model = build_policy(
+            options.modulus, options.hidden, ctx.seed
+        )  # same seed: replicas start equal
         self.optim = torch.optim.Adam(self.model.parameters(), lr=options.lr)
 
     @register(Dispatch.DP_SPLIT)
@@ -59,9 +66,18 @@ class ToyTrainWorker(Worker):
 
         o = self.options
         logits = self.model(_features(batch["prompt"], o.modulus))
-        logp = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(batch["answer"])[:, None]).squeeze(1)
-        per_sample = clipped_pg_loss(logp, torch.as_tensor(batch["logprob"]), torch.as_tensor(batch["advantage"]),
-                                     o.clip, o.clip)
+        logp = (
+            torch.log_softmax(logits, -1)
+            .gather(1, torch.as_tensor(batch["answer"])[:, None])
+            .squeeze(1)
+        )
+        per_sample = clipped_pg_loss(
+            logp,
+            torch.as_tensor(batch["logprob"]),
+            torch.as_tensor(batch["advantage"]),
+            o.clip,
+            o.clip,
+        )
         # sum here, divide by the global batch after the all-reduce: equal to one big batch's mean
         n_global = self.ctx.role_comm.allreduce(len(batch), op=MPI.SUM)
         loss = per_sample.sum() / n_global
@@ -71,11 +87,17 @@ class ToyTrainWorker(Worker):
         self.ctx.role_comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
         offset = 0
         for p in self.model.parameters():
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         self.optim.step()
         entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
-        return [{"loss": float(loss) * n_global / max(len(batch), 1), "entropy": float(entropy), "n": len(batch)}]
+        return [
+            {
+                "loss": float(loss) * n_global / max(len(batch), 1),
+                "entropy": float(entropy),
+                "n": len(batch),
+            }
+        ]
 
     @register(Dispatch.RANK_ZERO)
     def weights(self) -> dict[str, Any]:
@@ -104,19 +126,35 @@ class ToyGenerateWorker(Worker):
     def generate(self, prompts: np.ndarray | list, samples_per_prompt: int) -> Batch:
         import torch
 
-        p = np.repeat(np.asarray(prompts, dtype=np.int64).reshape(-1, 2), samples_per_prompt, axis=0)
+        p = np.repeat(
+            np.asarray(prompts, dtype=np.int64).reshape(-1, 2), samples_per_prompt, axis=0
+        )
         with torch.no_grad():
             logp = torch.log_softmax(self.model(_features(p, self.options.modulus)), -1)
             answer = torch.multinomial(logp.exp(), 1, generator=self.gen).squeeze(1)
-        return Batch({"prompt": p, "answer": answer.numpy(), "logprob": logp.gather(1, answer[:, None]).squeeze(1).numpy(),
-                      "version": np.full(len(p), self.version, dtype=np.int64)})
+        return Batch(
+            {
+                "prompt": p,
+                "answer": answer.numpy(),
+                "logprob": logp.gather(1, answer[:, None]).squeeze(1).numpy(),
+                "version": np.full(len(p), self.version, dtype=np.int64),
+            }
+        )
 
     @register(Dispatch.DP_SPLIT)
     def greedy(self, prompts: list) -> list[int]:
         import torch
 
         with torch.no_grad():
-            return self.model(_features(np.asarray(prompts, dtype=np.int64).reshape(-1, 2), self.options.modulus)).argmax(-1).tolist()
+            return (
+                self.model(
+                    _features(
+                        np.asarray(prompts, dtype=np.int64).reshape(-1, 2), self.options.modulus
+                    )
+                )
+                .argmax(-1)
+                .tolist()
+            )
 
 
 class ModSumRewardWorker(Worker):
@@ -128,4 +166,10 @@ class ModSumRewardWorker(Worker):
     def score(self, batch: Batch) -> Batch:
         from rollhpc.tasks.modsum import reward
 
-        return Batch({**batch.data, "reward": reward(batch["prompt"], batch["answer"], self.options.modulus)}, batch.meta)
+        return Batch(
+            {
+                **batch.data,
+                "reward": reward(batch["prompt"], batch["answer"], self.options.modulus),
+            },
+            batch.meta,
+        )

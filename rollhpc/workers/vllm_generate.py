@@ -58,12 +58,15 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
 
         t = time.perf_counter()
         with self.loop.lock:
-            self.engine.update_weights((item for b in buckets for item in verified(b, f"to version {version}")),
-                                       version)
+            self.engine.update_weights(
+                (item for b in buckets for item in verified(b, f"to version {version}")), version
+            )
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
-    def join_weight_channel(self, address: tuple[str, int], world: int, member: int | None = None) -> None:
+    def join_weight_channel(
+        self, address: tuple[str, int], world: int, member: int | None = None
+    ) -> None:
         """Join the trainer's broadcast group as rank ``member`` (default 1 + group rank: every generator is in
         it; a routed sync names the members, see ``weight_sync.routing``)."""
         from rollhpc.weight_sync.broadcast import WeightBroadcast
@@ -80,8 +83,9 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         return time.perf_counter() - t
 
     @register(Dispatch.ONE_TO_ALL)
-    def receive_shared_weights(self, address: tuple[str, int], tag: str, version: int, member: int | None = None
-                               ) -> float:
+    def receive_shared_weights(
+        self, address: tuple[str, int], tag: str, version: int, member: int | None = None
+    ) -> float:
         """Take the weights the colocated trainer streams through its slots (``weight_sync.slots``: CUDA IPC on a
         GPU, shared memory on the CPU, as its headers say) into the engine: each bucket is copied out of the
         trainer's slot into memory of this process's own and acknowledged (the trainer then refills that slot)
@@ -92,8 +96,12 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         t = time.perf_counter()
         if getattr(self, "_slot_store", None) is None or self._slot_store[0] != tuple(address):
             self._slot_store = (tuple(address), connect_store(address[0], address[1]))
-        receiver = SlotReceiver(None, StoreControl(self._slot_store[1], tag),
-                                self.ctx.group_rank if member is None else member, f"to version {version}")
+        receiver = SlotReceiver(
+            None,
+            StoreControl(self._slot_store[1], tag),
+            self.ctx.group_rank if member is None else member,
+            f"to version {version}",
+        )
         with self.loop.lock:
             try:
                 self.engine.update_weights(receiver.stream(), version)
@@ -109,28 +117,53 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         return self.loop.call(adds, aborts, self.options.max_wait_s)
 
     @register(Dispatch.DP_SPLIT)
-    def generate(self, prompts: list[list[int]], n: int = 1, max_tokens: int = 64, temperature: float | None = None,
-                 seed: int | None = None) -> list[list[Any]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[Any]]:
         """Batch generation (every request to the end): evaluation and batch-barrier baselines."""
         t = self.options.temperature if temperature is None else temperature
         with self.loop.lock:
-            return self.engine.generate(prompts, n=n, temperature=t, top_p=self.options.top_p if t > 0 else 1.0,
-                                        max_tokens=max_tokens, seed=seed)
+            return self.engine.generate(
+                prompts,
+                n=n,
+                temperature=t,
+                top_p=self.options.top_p if t > 0 else 1.0,
+                max_tokens=max_tokens,
+                seed=seed,
+            )
 
     def close(self) -> None:
         self.loop.close()
         self.engine = None
 
 
-def drive_engine(engine: Any, adds: list[GenerationRequest], aborts: list[str], *, temperature: float, top_p: float,
-                 max_wait_s: float, ignore_eos: bool = False) -> GenerationReply:
+def drive_engine(
+    engine: Any,
+    adds: list[GenerationRequest],
+    aborts: list[str],
+    *,
+    temperature: float,
+    top_p: float,
+    max_wait_s: float,
+    ignore_eos: bool = False,
+) -> GenerationReply:
     """One scheduler call on a ``VllmGenerator`` stepped by the caller (benchmarks, probes): abort, add, then
     step until a request finishes or ``max_wait_s`` passes. ``busy_s`` is the time spent inside engine steps
     (the rest is idle). The role itself steps its engine in a thread of its own (``EngineLoop``)."""
     aborted = engine.abort(aborts) if aborts else []
     for r in adds:
-        engine.add_request(r.id, r.prompt, max_tokens=r.max_tokens, seed=r.seed,
-                           **sampling(r, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos))
+        engine.add_request(
+            r.id,
+            r.prompt,
+            max_tokens=r.max_tokens,
+            seed=r.seed,
+            **sampling(r, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos),
+        )
     finished: list[tuple[str, Any]] = []
     busy = 0.0
     deadline = time.perf_counter() + max_wait_s

