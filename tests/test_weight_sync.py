@@ -476,14 +476,15 @@ def test_a_model_13x_the_slot_streams_through_two_shared_memory_slots_to_mpi_ran
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["vllm", "torch"])
 def test_rlvr_with_weight_sync_ipc_on_cpu_streams_through_shared_memory_and_stays_in_sync(
-    tmp_path, tiny_model, engine
+    tmp_path, tiny_model
 ):
     """``weight_sync: ipc`` on CPU (trainer and generator on one host): the controller starts the trainer's
     ``share_weights`` and the generator's ``receive_shared_weights``, which pass every bucket through the
-    trainer's shared-memory slots of 0.25 MiB (the tiny model is many of them) into either engine, verified at
-    every sync; after each the generator's log-probs equal the trainer's."""
+    trainer's shared-memory slots of 0.25 MiB (the tiny model is many of them) into vLLM, verified at every
+    sync; after each the generator's log-probs equal the trainer's. (The torch engine takes the same stream on
+    the GPU check's colocated RLVR runs, over CUDA IPC.)"""
+    engine = "vllm"
     import json
     from pathlib import Path
 
