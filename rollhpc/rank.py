@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import NoReturn
@@ -32,7 +31,7 @@ from rollhpc.proc.mpi_shm import remove_stale_segments
 from rollhpc.proc.parent_death import die_with_parent, forked_children_die_with_us
 from rollhpc.rundir import RunPaths, atomic_write_json
 from rollhpc.rundir.failure_kind import FailureKind
-from rollhpc.rundir.records import this_host
+from rollhpc.rundir.records import this_host, write_error
 from rollhpc.testing import fault_injection
 
 log = logging.getLogger("rollhpc")
@@ -68,16 +67,7 @@ def _setup_logging(run_dir: Path, rank: int, role: str) -> None:
 def _write_error(run_dir: Path, exc: BaseException) -> str:
     summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
     details = getattr(exc, "details", "") or "".join(traceback.format_exception(exc))
-    atomic_write_json(
-        RunPaths(run_dir).error,
-        {
-            "summary": summary,
-            "type": type(exc).__name__,
-            "details": details,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        },
-        indent=1,
-    )
+    write_error(RunPaths(run_dir).error, summary, type(exc).__name__, details)
     return summary
 
 
@@ -232,16 +222,7 @@ def _stop_misplaced(comm, run_dir: Path, rank: int, misplaced: list[str]) -> int
             else ""
         )
         summary = f"placement check: {misplaced[0]}{more}"
-        atomic_write_json(
-            RunPaths(run_dir).error,
-            {
-                "summary": summary,
-                "type": "PlacementError",
-                "details": "\n".join(misplaced),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            },
-            indent=1,
-        )
+        write_error(RunPaths(run_dir).error, summary, "PlacementError", "\n".join(misplaced))
         log.error("run failed: %s", summary)
         record_controller_exit(run_dir, 1, Failure(FailureKind.PLACEMENT, summary).record())
     MPI.Finalize()

@@ -126,14 +126,23 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
 
 
 def _write_world_not_formed(error: Path, why: str) -> None:
+    write_error(error, why, "WorldNotFormed", why, indent=None)
+
+
+def write_error(
+    path: Path, summary: str, type_name: str, details: str, indent: int | None = 1
+) -> None:
+    """RUN_DIR/error.json: the one-line ``summary`` the user sees, what kind of error, its ``details``
+    (a traceback, the list of misplaced ranks), and when."""
     atomic_write_json(
-        error,
+        path,
         {
-            "summary": why,
-            "type": "WorldNotFormed",
-            "details": why,
+            "summary": summary,
+            "type": type_name,
+            "details": details,
             "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         },
+        indent=indent,
     )
 
 
