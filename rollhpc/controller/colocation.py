@@ -226,14 +226,17 @@ def offload_after_startup(
     """After a start-up turn (controller.startup, offload on): its roles' ranks that share GPUs give up what
     they hold (vLLM sleeps, Megatron moves its states to the host) before the next turn loads; returns
     role -> parts offloaded, the state a ``Residency`` starts from."""
-    moved = {}
-    for role in roles:
+    moved, pending = {}, []
+    for (
+        role
+    ) in roles:  # every role's moves under way at once (roles of one turn sit on different GPUs)
         ranks, parts = sorted(colocation.ranks.get(role, ())), sorted(own_parts(stages, role))
         if not ranks or not parts or role not in workers:
             continue
-        for f in submit_moves(workers[role], ranks, "offload_states", parts):
-            f.result()
+        pending += submit_moves(workers[role], ranks, "offload_states", parts)
         moved[role] = parts
+    for f in pending:
+        f.result()
     return moved
 
 
