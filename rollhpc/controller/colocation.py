@@ -227,9 +227,8 @@ def offload_after_startup(
     they hold (vLLM sleeps, Megatron moves its states to the host) before the next turn loads; returns
     role -> parts offloaded, the state a ``Residency`` starts from."""
     moved, pending = {}, []
-    for (
-        role
-    ) in roles:  # every role's moves under way at once (roles of one turn sit on different GPUs)
+    # every role's moves under way at once (roles of one turn sit on different GPUs), then waited for
+    for role in roles:
         ranks, parts = sorted(colocation.ranks.get(role, ())), sorted(own_parts(stages, role))
         if not ranks or not parts or role not in workers:
             continue
