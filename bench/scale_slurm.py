@@ -81,9 +81,8 @@ class SlurmScaleBench(Pipeline):
         atomic_write_json(self.run_ctx.run_dir / f"bench-{attempt}.json", out)
         if attempt == 0:
             deadline = time.monotonic() + self.options.wait_for_crash_s
-            while (
-                time.monotonic() < deadline
-            ):  # a lost rank fails this call, and with it the attempt
+            # a lost rank fails this call, and with it the attempt
+            while time.monotonic() < deadline:
                 g.echo(SMALL)
                 time.sleep(0.05)
             raise RuntimeError(f"no rank was lost within {self.options.wait_for_crash_s} s")
@@ -275,9 +274,8 @@ def main() -> int:
         p.error("--nodes must be >= 2 each (one node is killed) and --ranks-per-node >= 1")
 
     cluster = recovery.Cluster(args.slurm_dir, nodes=sizes[-1] + 2)
-    os.environ.update(
-        cluster.env
-    )  # rollhpc's own Slurm calls in this process reach the bench's cluster
+    # rollhpc's own Slurm calls in this process reach the bench's cluster
+    os.environ.update(cluster.env)
     root = Path(tempfile.mkdtemp(prefix="rollhpc-bench-scale-slurm-"))
     rows = []
     try:

@@ -134,9 +134,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         weights = write_checkpoint(args.size, Path(tmp))
-        other = [
-            (n, t + 1e-2 if t.is_floating_point() else t) for n, t in weights
-        ]  # a second weight set
+        # a second weight set
+        other = [(n, t + 1e-2 if t.is_floating_point() else t) for n, t in weights]
         nbytes = sum(t.numel() * t.element_size() for _, t in weights)
         t0 = time.perf_counter()
         engine = VllmGenerator(

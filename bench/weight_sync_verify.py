@@ -67,11 +67,12 @@ def model_weights(size: str) -> tuple[list[tuple[str, torch.Tensor]], str]:
 
     config = transformers.Qwen2Config(**QWEN05)
     with torch.device("meta"):
+        # tied: the export sends the embedding once
         shapes = {
             n: (tuple(p.shape))
             for n, p in transformers.Qwen2ForCausalLM(config).state_dict().items()
             if n != "lm_head.weight"
-        }  # tied: the export sends the embedding once
+        }
     g = torch.Generator().manual_seed(0)
     return [
         (n, torch.randn(s, generator=g).to(torch.bfloat16)) for n, s in sorted(shapes.items())

@@ -134,6 +134,5 @@ class ValueBatch(RowArrays):
     tokens: np.ndarray  # [B, W] int64
     loss_mask: np.ndarray  # [B, W-1] float32
     returns: np.ndarray  # [B, W-1] float32, the value targets
-    old_values: (
-        np.ndarray
-    )  # [B, W-1] float32, the critic's values the advantages were computed with
+    # [B, W-1] float32, the critic's values the advantages were computed with
+    old_values: np.ndarray

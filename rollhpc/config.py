@@ -54,9 +54,8 @@ class RoleConfig:
     # Explicit global GPU ids (node * gpus_per_node + local id), procs * gpus_per_proc of them. Roles
     # given the same list share those GPUs (colocated); roles without a list get GPUs of their own.
     devices: list[int] | None = None
-    options: Any = field(
-        default_factory=dict
-    )  # a mapping; after load, the worker's Options instance
+    # a mapping; after load, the worker's Options instance
+    options: Any = field(default_factory=dict)
     # Environment variables of this role's ranks, set when a rank learns its role, before the role's modules
     # load (torch and its OpenMP runtime read theirs at load): e.g. OMP_WAIT_POLICY=PASSIVE where roles share
     # cores at the same time (async generation), VLLM_* for a generator, NCCL_* for a trainer
@@ -79,9 +78,8 @@ class RoleConfig:
 @dataclass(kw_only=True)
 class PipelineConfig:
     entry: str  # "package.module:Class", a subclass of rollhpc.protocol.pipeline.Pipeline
-    options: Any = field(
-        default_factory=dict
-    )  # a mapping; after load, the pipeline's Options instance
+    # a mapping; after load, the pipeline's Options instance
+    options: Any = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -344,12 +342,10 @@ class ClusterConfig:
     # sideband), e.g. "ib0" or "hsn0": exported as ROLLHPC_DIST_IFNAME and, unless already set, as
     # GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; each rank takes its own node's address of it. Empty: host names
     network_interface: str = ""
-    sbatch_extra: list[str] = field(
-        default_factory=list
-    )  # more "--key=value" options for every component
-    setup: list[str] = field(
-        default_factory=list
-    )  # shell lines run in the batch script before srun
+    # more "--key=value" options for every component
+    sbatch_extra: list[str] = field(default_factory=list)
+    # shell lines run in the batch script before srun
+    setup: list[str] = field(default_factory=list)
     # the image the ranks run in (apptainer or pyxis); kind none: on the host, with the submitting interpreter
     container: ContainerConfig = field(default_factory=ContainerConfig)
     # where the controller and the CPU roles run (het group 0): a CPU partition of their own, not a GPU node
@@ -386,9 +382,8 @@ class ClusterConfig:
                 "cluster.max_restarts, cluster.stop_before_limit_s, cluster.end_grace_s and "
                 "cluster.gpu_memory_gb must be >= 0"
             )
-        if isinstance(
-            self.time_limit, int
-        ):  # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
+        # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant
+        if isinstance(self.time_limit, int):
             raise ConfigError(
                 f"cluster.time_limit: got the number {self.time_limit}, which YAML also makes of an unquoted "
                 f"H:MM:SS ({self.time_limit // 3600}:{self.time_limit % 3600 // 60:02d}:{self.time_limit % 60:02d} "
@@ -818,9 +813,8 @@ def missing_inputs(cfg: ExperimentConfig) -> list[str]:
     for path, keys in keys_by_path.items():
         what = f"{path} has no config.json" if path.is_dir() else f"no model directory at {path}"
         problems.append(f"{', '.join(keys)}: {what} (a Hugging Face checkpoint directory: {hint})")
-    data_paths = getattr(
-        pipeline, "data_paths", None
-    )  # dataset files the pipeline reads (the files task)
+    # dataset files the pipeline reads (the files task)
+    data_paths = getattr(pipeline, "data_paths", None)
     for key, data in data_paths(cfg.pipeline.options) if data_paths is not None else []:
         if not Path(data).expanduser().is_file():
             problems.append(f"{key}: no dataset file at {data}")

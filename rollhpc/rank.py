@@ -86,9 +86,8 @@ class _Terminated(BaseException):
 
 
 _reporting_failure = False  # set first thing on the controller's failure path
-_failing = (
-    threading.Lock()
-)  # held by the thread reporting the failure (the main one, or the MPI stall watch)
+# held by the thread reporting the failure (the main one, or the MPI stall watch)
+_failing = threading.Lock()
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
@@ -120,11 +119,12 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     adopt_console()  # a local world: write to the launcher's console, not through mpiexec's pipes
     die_with_parent()  # if our parent (mpiexec's proxy, srun's stepd) dies, so do we
     forked_children_die_with_us()  # and whatever a library forks under us dies with us
+    # until the world forms, a step's end ends us
     for signum in (
         signal.SIGTERM,
         signal.SIGHUP,
         signal.SIGINT,
-    ):  # until the world forms, a step's end ends us
+    ):
         signal.signal(signum, signal.SIG_DFL)
     raw = yaml.safe_load(RunPaths(run_dir).config.read_text())
     # the guard comes first: loading the config imports the worker classes, and with them mpi4py (MPI_Init);
@@ -134,9 +134,8 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     )
     guard = MpiInitGuard(run_dir, controller.world_timeout_s, expected_role)
     fault_injection.mpi_stall("mpi_init")
-    stale = (
-        remove_stale_segments()
-    )  # MPI shared memory that killed ranks of an earlier attempt left
+    # MPI shared memory that killed ranks of an earlier attempt left
+    stale = remove_stale_segments()
     if stale:
         print(
             f"rollhpc: removed MPI shared memory left by an earlier attempt: {', '.join(stale)}",
@@ -160,9 +159,8 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     me = plan.ranks[rank] if rank < plan.world_size else None
     my_role = me.role if me else "unplanned"
     set_role_environment(raw, my_role)  # before the role's modules load
-    cfg = config_mod.load(
-        raw
-    )  # the roles' modules: imports under the guard's limit, until the world formed
+    # the roles' modules: imports under the guard's limit, until the world formed
+    cfg = config_mod.load(raw)
     fault_injection.mpi_stall("collectives")
     _setup_logging(run_dir, rank, my_role)
     if comm.Get_size() != plan.world_size or (expected_role and expected_role != my_role):
@@ -173,9 +171,8 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
             flush=True,
         )
         comm.Abort(2)
-    if (
-        started_as is None
-    ):  # no launcher said which rank this is: bound after MPI_Init, which CUDA-aware MPIs ignore
+    # no launcher said which rank this is: bound after MPI_Init, which CUDA-aware MPIs ignore
+    if started_as is None:
         log.warning(
             "rank %d: no %s before MPI started: GPUs bound after MPI_Init",
             rank,
@@ -318,11 +315,12 @@ def _open_controller(
         if p.role != CONTROLLER_ROLE
     }
     broadcast = _broadcast_roles(fanout, plan, everyone, cfg.controller.one_to_all)
+    # roles on this machine: one shared-memory copy
     shared = (
         {role: list(plan.ranks_of(role)) for role in fanout if role not in broadcast}
         if cfg.controller.one_to_all == "auto"
         else {}
-    )  # roles on this machine: one shared-memory copy
+    )
     return Controller(
         MpiChannel(comm, fanout=broadcast, shared=shared),
         sideband,
@@ -354,10 +352,11 @@ class _FailureReport:
         _failing.acquire()  # a second failure waits here for the first report's os._exit
         _reporting_failure = True
         if threading.current_thread() is threading.main_thread():
+            # a second signal must not cut the report short
             for sig in (
                 signal.SIGINT,
                 signal.SIGTERM,
-            ):  # a second signal must not cut the report short
+            ):
                 signal.signal(sig, signal.SIG_IGN)
         e, verdict = self._classify(e)
         summary = _write_error(self.run_dir, e)
@@ -408,16 +407,14 @@ class _FailureReport:
             verdict.kind,
             "" if verdict.restartable else ": not restartable (a restart would meet it again)",
         )
-        if (
-            verdict.kind == FailureKind.LOST_WORKER
-        ):  # restartable: a requeue on other nodes may well succeed
+        # restartable: a requeue on other nodes may well succeed
+        if verdict.kind == FailureKind.LOST_WORKER:
             for host in verdict.hosts:
                 record_failed_node(
                     self.run_dir, host, e.summary if hasattr(e, "summary") else str(e)
                 )
-        elif (
-            verdict.kind == FailureKind.WORLD_NOT_FORMED
-        ):  # restartable: which node is at fault is unknown
+        # restartable: which node is at fault is unknown
+        elif verdict.kind == FailureKind.WORLD_NOT_FORMED:
             record_startup_failure(self.run_dir, self.everyone[0][1], verdict.summary)
         record_controller_exit(self.run_dir, status, verdict.record())
         return status

@@ -178,11 +178,12 @@ def run_probe(script: str, spec: dict, work: Path, timeout: float = 300) -> dict
     return json.loads(result.read_text())
 
 
+# + training.png: a panel per logged quantity
 REPORT_AXES = {
     "learning.png": 4,
     "throughput.png": 2,
     "stages.png": 1,
-}  # + training.png: a panel per logged quantity
+}
 
 
 def assert_report(run_dir: Path, cwd: Path) -> str:

@@ -181,9 +181,8 @@ class MixedEnv:
         if self.kinds:
             kind = self.BEHAVIOURS[self.seed_for(self.kinds[seed % len(self.kinds)]) // 100]
         else:
-            kind = self.BEHAVIOURS.get(
-                seed // 100, CountingEnv
-            )  # held-out seeds (>= 900): well-behaved
+            # held-out seeds (>= 900): well-behaved
+            kind = self.BEHAVIOURS.get(seed // 100, CountingEnv)
         self.inner = kind(**self.options)
         return self.inner.reset(seed)
 

@@ -66,10 +66,11 @@ def main(spec_path: str, result_path: str) -> None:
     res["components"] = worker.score_components(items[:2])
     res["metrics"] = worker.metrics()
 
+    # > max_model_len
     too_long = (
         examples[0],
         tok(" 7" * 200, add_special_tokens=False)["input_ids"],
-    )  # > max_model_len
+    )
     res["with_too_long"] = worker.score([too_long, items[0]])
     res["metrics_after_too_long"] = worker.metrics()
 

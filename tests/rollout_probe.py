@@ -17,9 +17,8 @@ def main(model_dir: str) -> None:
     from rollhpc.workers.engine_loop import EngineLoop
 
     engine = VllmGenerator(model_dir, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
-    loop = EngineLoop(
-        engine, temperature=1.0, top_p=1.0, ignore_eos=True
-    )  # as the generate role steps it
+    # as the generate role steps it
+    loop = EngineLoop(engine, temperature=1.0, top_p=1.0, ignore_eos=True)
 
     class EnginePort:
         def submit(self, adds, aborts):
@@ -88,9 +87,8 @@ def main(model_dir: str) -> None:
         engine.update_weights(
             load_file(str(Path(model_dir) / "model.safetensors")).items(), version=1
         )
-    second, s2 = sched.collect(
-        iter(()), 1, version=1
-    )  # no new prompts: it must finish the carried group
+    # no new prompts: it must finish the carried group
+    second, s2 = sched.collect(iter(()), 1, version=1)
     resumed = [s for g in second for s in g if s.resumes > 0]
     out["C"] = {
         "partial_lens": partial_lens,

@@ -137,9 +137,8 @@ class ReplyTreeScenario(Pipeline):
         out["checksum_ok"] = all(
             g.checksum(a) == [int(a.sum(dtype=np.uint64))] * len(g) for a in big
         )
-        out["shared_reused"] = (
-            ctl.channel.segments.reused
-        )  # released files, reported inside bundles
+        # released files, reported inside bundles
+        out["shared_reused"] = ctl.channel.segments.reused
         # group rank 0 (the top relay) sleeps: the last rank has answered the group call to its relay, then
         # answers a call of its own straight to the controller, before the group call's replies are in
         group_call = g.sleep_on.submit(0, 1.5)
@@ -348,9 +347,8 @@ class SharedPayloadScenario(Pipeline):
         bumped = [f.result() for f in futs]
         segments = g.controller.channel.segments
         reused_before = segments.reused
-        again = g.bump_and_sum(
-            arrays[1]
-        )  # the file of the first arrays[1] call, released by both ranks
+        # the file of the first arrays[1] call, released by both ranks
+        again = g.bump_and_sum(arrays[1])
         out = {
             "bumped_ok": bumped == want and again == want[1],
             "controller_copies_intact": [int(a.sum(dtype=np.uint64)) for a in arrays] == sums,

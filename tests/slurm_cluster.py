@@ -56,9 +56,8 @@ _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SRUN_|SALLOC_|SQUEUE_|SINFO_|SCONTR
 @dataclass
 class SlurmCluster:
     dir: Path
-    env: dict[
-        str, str
-    ]  # os.environ (less foreign SLURM_*/SBATCH_*/SRUN_* variables) + SLURM_CONF + shim PATH
+    # os.environ (less foreign SLURM_*/SBATCH_*/SRUN_* variables) + SLURM_CONF + shim PATH
+    env: dict[str, str]
     up_seconds: float = (
         0.0  # how long `local-cluster.sh up` took (includes a first apt-get install)
     )

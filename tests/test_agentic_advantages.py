@@ -134,11 +134,12 @@ def test_spread_turn_advantages_onto_tokens():
 def test_minibatch_order_gives_a_fixed_number_of_full_minibatches():
     order = minibatch_order(7, 3, seed=0)
     assert sorted(order.tolist()) == list(range(7))
+    # the trainer's split: 3 steps, none empty
     assert [len(c) for c in np.array_split(order, 3)] == [
         3,
         2,
         2,
-    ]  # the trainer's split: 3 steps, none empty
+    ]
     np.testing.assert_array_equal(order, minibatch_order(7, 3, seed=0))
     with pytest.raises(ValueError, match="cannot fill 3 mini-batches"):
         minibatch_order(2, 3, seed=0)

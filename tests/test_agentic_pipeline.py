@@ -83,16 +83,13 @@ def test_faulty_episodes_end_alone_and_the_run_finishes(reference):
     }
     assert sum(m["episodes_failed"] for m in trained) == sum(failed.values()) > 0
     assert set(failed) <= {"error", "timeout", "invalid"} and len(failed) >= 2, failed
-    assert all(
-        0 < m["reward_mean"] < 2 for m in trained
-    )  # parity rewards of 2-turn episodes (failed ones 0)
+    # parity rewards of 2-turn episodes (failed ones 0)
+    assert all(0 < m["reward_mean"] < 2 for m in trained)
     assert len({m["train/loss"] for m in trained}) > 1 and metrics[-1]["accuracy"] >= 0
-    assert all(
-        0 < m["sampled_entropy"] < np.log(300) for m in trained
-    )  # nats per generated token, < log(vocab)
-    assert all(
-        0 <= m["turns_cut_frac"] <= 1 for m in trained
-    )  # counted turn by turn in test_agentic_scheduler
+    # nats per generated token, < log(vocab)
+    assert all(0 < m["sampled_entropy"] < np.log(300) for m in trained)
+    # counted turn by turn in test_agentic_scheduler
+    assert all(0 <= m["turns_cut_frac"] <= 1 for m in trained)
     assert all(
         m["train/critic_value_loss"] > 0
         and m["train/critic_grad_norm"] > 0
@@ -146,6 +143,5 @@ def test_a_killed_agentic_run_resumes_to_the_same_weights(tiny_model, reference,
     assert [m["step"] for m in got] == list(range(STEPS + 1)) and got[3]["restarts"] == 1
     assert [m.get("train/loss") for m in got] == [m.get("train/loss") for m in want]
     assert got[-1]["weights_sha256"] == want[-1]["weights_sha256"]
-    assert "restarts: 1 (resume @ step " in assert_report(
-        run_dir, tmp_path
-    )  # marked on the time axes
+    # marked on the time axes
+    assert "restarts: 1 (resume @ step " in assert_report(run_dir, tmp_path)

@@ -145,9 +145,8 @@ class ExpertModel:
             )
             self.fed[b] += real
             row = self.fed[b]
-            for cut in range(
-                len(row), -1, -1
-            ):  # the turn being written: the longest prompt that starts the row
+            # the turn being written: the longest prompt that starts the row
+            for cut in range(len(row), -1, -1):
                 answer = self.answers.get(tuple(row[:cut]))
                 if answer is not None and len(row) - cut < len(answer):
                     logits[b, -1, answer[len(row) - cut]] = 1.0
@@ -181,9 +180,8 @@ def test_batched_greedy_play_builds_the_expert_rows_and_counts_success():
 
 
 def test_short_sft_run_reports_heldout_success_and_is_reused(policy, monkeypatch):
-    assert sorted(p.name for p in policy.parent.iterdir()) == [
-        "policy"
-    ]  # no temp dir left beside it
+    # no temp dir left beside it
+    assert sorted(p.name for p in policy.parent.iterdir()) == ["policy"]
     model, tok = AutoModelForCausalLM.from_pretrained(policy), AutoTokenizer.from_pretrained(policy)
     assert model.config.max_position_embeddings == 256 and tok.eos_token_id == 0
     report = read_report(policy)
@@ -196,9 +194,8 @@ def test_short_sft_run_reports_heldout_success_and_is_reused(policy, monkeypatch
     assert report["heldout_seeds"] == {"first": HELDOUT_SEED_BASE, "count": 6}
     for key in ("heldout_success_rate", "train_success_rate", "expert_success_rate"):
         assert 0.0 <= report[key] <= 1.0
-    assert (
-        report["expert_success_rate"] == report["expert_train_success_rate"] == 1.0
-    )  # non-slippery: BFS solves
+    # non-slippery: BFS solves
+    assert report["expert_success_rate"] == report["expert_train_success_rate"] == 1.0
     assert report["expert_turns_mean"] > 1 and report["heldout_turns_mean"] >= 1
     assert report["row_tokens_max"] <= 256 and report["turn_examples"] > 40
     # the saved weights are the evaluated ones; sampled play is seeded and leaves the caller's RNG alone
@@ -260,9 +257,8 @@ def test_settings_hash_follows_every_setting():
         {"stop_on": "greedy"},
     ):
         assert settings_hash(agentic_settings(**{**base, **change})) != key, change
-    assert json.loads(json.dumps(agentic_settings(**base))) == agentic_settings(
-        **base
-    )  # JSON as recorded
+    # JSON as recorded
+    assert json.loads(json.dumps(agentic_settings(**base))) == agentic_settings(**base)
     with pytest.raises(ValueError, match="stop_on must be 'sampled' or 'greedy'"):
         agentic_settings(**base, stop_on="argmax")
 
@@ -314,9 +310,8 @@ def test_the_early_stop_plays_sampled_episodes_on_training_seeds(tmp_path, monke
         return real_play(model, tokenizer, env, env_options, seeds, **kw)
 
     monkeypatch.setattr(prep, "play_episodes", recording_play)
-    monkeypatch.setattr(
-        prep, "_clean_success_rate", lambda episodes: 1.0
-    )  # the first check meets any target
+    # the first check meets any target
+    monkeypatch.setattr(prep, "_clean_success_rate", lambda episodes: 1.0)
     out = prepare(tmp_path / "p", sft=replace(SFT, target_accuracy=0.5, check_every=5), episodes=20)
     report = read_report(out)
     assert (
@@ -324,11 +319,11 @@ def test_the_early_stop_plays_sampled_episodes_on_training_seeds(tmp_path, monke
         and report["steps"] == 5
         and report["settings"]["stop_on"] == "sampled"
     )
-    seeds, temperature = calls[
-        0
-    ]  # the monitor: 6 training seeds (monitor_episodes <= eval_examples), sampled
+    # the monitor: 6 training seeds (monitor_episodes <= eval_examples), sampled
+    seeds, temperature = calls[0]
     assert temperature == 1.0 and len(seeds) == 6 and all(0 <= s < 1000 for s in seeds)
+    # then the report's greedy held-out play
     assert calls[1] == (
         [HELDOUT_SEED_BASE + i for i in range(6)],
         0.0,
-    )  # then the report's greedy held-out play
+    )

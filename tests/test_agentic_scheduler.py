@@ -155,13 +155,11 @@ def test_episodes_alternate_turns_and_steps_stick_to_one_generator_and_become_ro
                     row.token_rewards[len(ep.prompt_ids) - 1 + e] for e in ep.turn_ends
                 ] == ep.turn_rewards
                 observed = tok.decode([t for t, m in zip(s.response, ep.generated) if m == 0])
-                assert all(
-                    ch in "P.HG\n>" for ch in observed
-                )  # observation tokens are the env's map text
+                # observation tokens are the env's map text
+                assert all(ch in "P.HG\n>" for ch in observed)
         assert cut > 0
-        assert (
-            worker.metrics()["env_episodes_live"] == 0
-        )  # finished, aborted and cut episodes all closed
+        # finished, aborted and cut episodes all closed
+        assert worker.metrics()["env_episodes_live"] == 0
     finally:
         worker.close()
 
@@ -211,13 +209,14 @@ def test_faulty_episodes_end_alone_and_a_stuck_request_is_abandoned(tokenizer_di
             and stats.groups_dropped_abandoned == 1
         )
         assert set(stats.failure_reasons) == {"error", "timeout", "invalid"}
+        # the faulty groups are there, failed; group 4 was dropped
         assert sorted(by_uid) == [
             0,
             1,
             2,
             3,
             5,
-        ]  # the faulty groups are there, failed; group 4 was dropped
+        ]
         for uid in (0, 1, 2):
             assert all(
                 s.episode.finish.split(":")[0] in ("error", "timeout", "invalid")

@@ -53,9 +53,8 @@ def test_rloo_leave_one_out_by_hand():
     np.testing.assert_allclose(
         rloo_advantages(r), [[2 / 3, -2 / 3, -2 / 3, 2 / 3], [8 / 3, 0.0, -4 / 3, -4 / 3]]
     )
-    np.testing.assert_allclose(
-        rloo_advantages(np.array([[3.0, 1.0]])), [[2.0, -2.0]]
-    )  # k=2: r_i - r_other
+    # k=2: r_i - r_other
+    np.testing.assert_allclose(rloo_advantages(np.array([[3.0, 1.0]])), [[2.0, -2.0]])
 
 
 def test_rloo_needs_two_samples():
@@ -76,9 +75,8 @@ def test_whiten_by_hand():
 
 
 def test_reinforce_pp_discounted_returns_whitened_over_batch():
-    rewards = np.array(
-        [[0.0, 0.0, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]]
-    )  # the 9 sits on padding: ignored
+    # the 9 sits on padding: ignored
+    rewards = np.array([[0.0, 0.0, 1.0, 9.0], [0.0, 2.0, 0.0, 0.0]])
     mask = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])
     # gamma 0.5 returns: row 0: G2 = 1, G1 = 0.5, G0 = 0.25; row 1: G1 = 2, G0 = 1
     # batch of 0.25, 0.5, 1, 2, 1: mean 4.75/5 = 0.95, deviations -0.7 -0.45 0.05 1.05 0.05,
@@ -366,25 +364,24 @@ def test_learning_rate_warms_up_then_decays_to_its_floor():
     from rollhpc.algo.lr_schedule import learning_rate
 
     kw = dict(lr=1.0, warmup_steps=4, decay_steps=10, min_lr=0.1)
+    # warm-up, whatever the schedule
     assert [learning_rate(s, **kw) for s in range(4)] == [
         0.25,
         0.5,
         0.75,
         1.0,
-    ]  # warm-up, whatever the schedule
+    ]
     assert all(learning_rate(s, **kw) == 1.0 for s in range(4, 40))  # constant by default
     for schedule in ("linear", "cosine"):
         rates = [learning_rate(s, schedule=schedule, **kw) for s in range(3, 20)]
         assert rates[0] == rates[1] == 1.0  # the last warm-up step and the first decay step
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # never rises
-        assert (
-            rates[-1] == learning_rate(100, schedule=schedule, **kw) == pytest.approx(0.1)
-        )  # the floor
+        # the floor
+        assert rates[-1] == learning_rate(100, schedule=schedule, **kw) == pytest.approx(0.1)
     assert learning_rate(9, schedule="linear", **kw) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way
     assert learning_rate(9, schedule="cosine", **kw) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert learning_rate(6, schedule="cosine", **kw) > learning_rate(
-        6, schedule="linear", **kw
-    )  # cosine: slow start
+    # cosine: slow start
+    assert learning_rate(6, schedule="cosine", **kw) > learning_rate(6, schedule="linear", **kw)
     with pytest.raises(ValueError, match="unknown learning-rate schedule"):
         learning_rate(5, schedule="step", **kw)
 

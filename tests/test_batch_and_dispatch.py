@@ -67,10 +67,11 @@ def test_collect_modes_against_a_tp2_pp2_layout():
     all_contract = contract_of(DiagnosticWorker, "echo")
     assert collect(all_contract, by_rank, coords) == [[r] for r in range(8)]
     dp_contract = contract_of(DiagnosticWorker, "count_items")
+    # group ranks of (dp0, pp1, tp0), (dp1, pp1, tp0)
     assert collect(dp_contract, by_rank, coords) == [
         4,
         6,
-    ]  # group ranks of (dp0, pp1, tp0), (dp1, pp1, tp0)
+    ]
     zero = contract_of(DiagnosticWorker, "whoami")
     assert targets(zero, coords) == [0]
     assert collect(zero, {0: "me"}, coords) == "me"

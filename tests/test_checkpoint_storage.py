@@ -166,9 +166,8 @@ def test_truncation_and_bit_flips_are_detected_and_latest_good_falls_back(tmp_pa
     )
     assert "using step_000001 although latest names step_000002" in caplog.text
 
-    shard.write_bytes(
-        data[:50] + bytes([data[50] ^ 0x01]) + data[51:]
-    )  # one bit flipped, same size
+    # one bit flipped, same size
+    shard.write_bytes(data[:50] + bytes([data[50] ^ 0x01]) + data[51:])
     assert store.verify(2, deep=False) == []
     assert store.verify(2, deep=True) == [
         "model/rank_1.bin: sha256 differs from the manifest (corrupt)"

@@ -308,9 +308,8 @@ def test_a_dry_run_of_a_gpu_config_on_a_machine_without_gpus_plans_on_its_cluste
     out, err = capsys.readouterr()
     assert "cannot run on this machine (0 GPUs)" in err and "planned on cluster.* instead" in err
     assert "rollhpc.rank" in out and "prompts: not shown" in out
-    with pytest.raises(
-        Exception, match="cannot run on this machine"
-    ):  # without --dry-run, nothing starts
+    # without --dry-run, nothing starts
+    with pytest.raises(Exception, match="cannot run on this machine"):
         from rollhpc.cli import load_experiment
         from rollhpc.launch.local import local_plan
 
@@ -335,9 +334,8 @@ def test_experiments_are_found_in_the_project_the_config_path_and_the_shipped_co
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(experiments.ENV_PATH, f"{tmp_path / 'absent'}:{group}")
     assert experiments.find("mine") == tmp_path / "configs" / "mine.yaml"
-    assert (
-        experiments.find("toy_grpo") == group / "toy_grpo.yaml"
-    )  # earlier in the path hides the shipped one
+    # earlier in the path hides the shipped one
+    assert experiments.find("toy_grpo") == group / "toy_grpo.yaml"
     assert experiments.find("quickstart") == REPO / "configs" / "quickstart.yaml"
     assert compose("shared", ["run.name=s"])["run"]["name"] == "s"
     assert main(["configs"]) == 0
@@ -347,9 +345,8 @@ def test_experiments_are_found_in_the_project_the_config_path_and_the_shipped_co
         out
     ) >= 14
 
-    installed = (
-        tmp_path / "prefix" / "share" / "rollhpc" / "configs"
-    )  # a `pip install .`, no source checkout
+    # a `pip install .`, no source checkout
+    installed = tmp_path / "prefix" / "share" / "rollhpc" / "configs"
     installed.mkdir(parents=True)
     (installed / "quickstart.yaml").write_text(shipped)
     monkeypatch.setattr(experiments, "_SOURCE_CONFIGS", tmp_path / "no-checkout")

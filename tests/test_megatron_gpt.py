@@ -31,9 +31,8 @@ LR = 1e-2
 def _batch() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (3, 12), generator=g)
-    ids[0, :4] = torch.tensor(
-        [VOCAB - 1, 0, VOCAB - 2, 1]
-    )  # the last real vocab rows, next to the padding
+    # the last real vocab rows, next to the padding
+    ids[0, :4] = torch.tensor([VOCAB - 1, 0, VOCAB - 2, 1])
     return ids
 
 

@@ -254,18 +254,18 @@ def test_dp2_distributed_optimizer_matches_dp1(worlds):
         torch.tensor(b["norms"]), torch.tensor(a["norms"]), rtol=1e-5, atol=0
     )
     assert a["norms"][0] > 1.0  # the clip (1.0) acts, on both
+    # every rank holds the whole model again after the distributed optimizer's all-gather
     for rank in (
         0,
         1,
-    ):  # every rank holds the whole model again after the distributed optimizer's all-gather
+    ):
         for name, w in a["weights"].items():
             torch.testing.assert_close(
                 two[rank]["dp"]["weights"][name], w, rtol=0, atol=2e-6, msg=name
             )
     halves = [two[r]["dp"]["state_bytes"] / a["state_bytes"] for r in (0, 1)]
-    assert all(0.45 <= h <= 0.55 for h in halves), (
-        halves
-    )  # fp32 main parameters + 2 moments, sharded
+    # fp32 main parameters + 2 moments, sharded
+    assert all(0.45 <= h <= 0.55 for h in halves), halves
 
 
 @pytest.mark.slow
@@ -278,9 +278,8 @@ def test_bf16_learns_at_small_lr_only_with_fp32_main_parameters(worlds):
         torch.tensor(mixed["losses"]), torch.tensor(fp32["losses"]), rtol=2e-2, atol=0
     )
     moved32 = {n: (w - runs["start"][n]).abs() for n, w in fp32["weights"].items()}
-    assert (
-        len(mixed["bf16_params"]) >= len(mixed["main"]) // 2
-    )  # the matrices (megatron keeps some norms in fp32)
+    # the matrices (megatron keeps some norms in fp32)
+    assert len(mixed["bf16_params"]) >= len(mixed["main"]) // 2
     for name in mixed["bf16_params"]:  # the bf16 weights are their fp32 main parameters, rounded
         assert torch.equal(
             mixed["weights"][name], mixed["main"][name].to(torch.bfloat16).float()
@@ -300,9 +299,8 @@ def test_bf16_learns_at_small_lr_only_with_fp32_main_parameters(worlds):
     ) / sum(m.numel() for m in moved32.values())
     assert fp32_moved > 0.9  # lr 1e-6 moves nearly every weight in fp32 ...
     print(f"weights moved: fp32 {fp32_moved:.3f}, bf16 AdamW {plain_moved:.4f}")
-    assert plain_moved < 0.05, (
-        plain_moved
-    )  # ... and nearly none when bf16 weights take the updates themselves
+    # ... and nearly none when bf16 weights take the updates themselves
+    assert plain_moved < 0.05, plain_moved
 
 
 @pytest.mark.slow

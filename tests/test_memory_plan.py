@@ -56,14 +56,12 @@ def test_moe_layers_count_routed_tokens_and_the_all_gather_dispatcher():
     assert layer["experts"] == t * 8 * (8 + 2 + e * 2048 + 6 * e * 768)
     assert layer["dispatch"] == 3 * t * 8 * (128 // 8) and layer["router"] == 12 * t * 8
     moe = sum(layer[k] for k in ("experts", "dispatch", "router")) * QWEN3_30B.layers
-    assert (
-        20 < moe / 1e9 < 22
-    )  # what selective recompute keeps of the MoE alone over the 48 layers, per row
+    # what selective recompute keeps of the MoE alone over the 48 layers, per row
+    assert 20 < moe / 1e9 < 22
     assert am.dispatch_buffer_bytes(QWEN3_30B, t, e, 8, 1) == 2 * e * t * 8 * 2048
     assert am.dispatch_buffer_bytes(QWEN3_30B, t, e, 1, 1) == 0
-    assert (
-        am.layer_bytes(QWEN3_30B, 1, 1, t, e, ep=1)["dispatch"] == 3 * t * 128
-    )  # one rank: its own map only
+    # one rank: its own map only
+    assert am.layer_bytes(QWEN3_30B, 1, 1, t, e, ep=1)["dispatch"] == 3 * t * 128
     assert "experts" not in am.layer_bytes(QWEN25_7B, 1, 1, t, e)
 
 
@@ -91,9 +89,8 @@ def test_vllm_keeps_its_tp_buffers_and_cuda_graphs_asleep():
 
     tp2, tp1, eager = parts(tensor_parallel_size=2), parts(), parts(enforce_eager=True)
     assert tp2["driver_buffers"] > 0 and "driver_buffers" not in tp1 and "cuda_graphs" not in eager
-    assert sum(tp2.values()) == pytest.approx(
-        0.5 * 80e9 * 2
-    )  # all of it inside gpu_memory_utilization
+    # all of it inside gpu_memory_utilization
+    assert sum(tp2.values()) == pytest.approx(0.5 * 80e9 * 2)
 
 
 def test_startup_builds_generators_first_beside_what_earlier_roles_keep():
@@ -116,9 +113,8 @@ def test_startup_builds_generators_first_beside_what_earlier_roles_keep():
         "generate": {"weights": 10.0, "kv_cache": 40.0, "driver_buffers": 1.0, "cuda_graphs": 0.5},
     }
     order = ["generate", "train", "reference"]
-    assert (
-        startup_bytes(parts, order, base=2.0) == 2.0 + 1.5 + 60.0
-    )  # the trainer's build beside the asleep engine
+    # the trainer's build beside the asleep engine
+    assert startup_bytes(parts, order, base=2.0) == 2.0 + 1.5 + 60.0
     assert startup_bytes(parts, ["generate"], base=2.0) == 2.0 + 51.5
 
 

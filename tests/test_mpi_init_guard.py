@@ -130,9 +130,8 @@ def test_a_restarted_attempt_removes_mpi_shared_memory_its_killed_predecessor_le
         segment("mpich_vci_77_0"),
         segment("other_file"),
     )
-    young = segment(
-        "mpich_shm_77aa_0"
-    )  # another world's, a moment old, not mapped yet: never removed
+    # another world's, a moment old, not mapped yet: never removed
+    young = segment("mpich_shm_77aa_0")
     long_ago = time.time() - 2 * mpi_shm.MIN_AGE_S
     for path in (stale, in_use, other):
         os.utime(path, (long_ago, long_ago))

@@ -50,10 +50,11 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     out = json.loads((run_dir / "scenario.json").read_text())
     assert [p["rank"] for p in out["ping"]] == [1, 2, 3, 4]
     assert len({p["pid"] for p in out["ping"]}) == 4  # separate processes
+    # a role's env_vars reach its ranks only
     assert out["env"] == {
         "probe": [None] * 4,
         "other": ["7"],
-    }  # a role's env_vars reach its ranks only
+    }
     assert out["echo"] == [{"a": 1}] * 4  # one-to-all, collect all
     assert out["whoami"] == 0  # rank-zero only
     assert out["whoami_at_2"] == 2 and out["echo_at_3"] == "x"  # a single chosen rank
@@ -62,16 +63,16 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
     assert out["tagged_y"] == [float(i) for i in range(11)]
     assert out["tagged_dp"] == [0] * 6 + [1] * 5
     assert out["tagged_meta"] == {"step": 3}
+    # lists split, scalars replicated, leaders gathered
     assert out["count_items"] == [
         [0, 10],
         [1, 10],
-    ]  # lists split, scalars replicated, leaders gathered
+    ]
     assert out["leaders"] == [[0, "hi"], [1, "hi"]]
     assert out["allreduce"] == [12] * 4  # the role communicator spans the role's ranks only
     assert out["checksum_ok"] and out["bf16_ok"]  # 64 MiB numpy and bf16 torch payloads intact
-    assert (
-        out["fanout_ok"] and out["fanouts_sent"] == 5
-    )  # payloads >= 1 MiB to all 4 ranks went as broadcasts
+    # payloads >= 1 MiB to all 4 ranks went as broadcasts
+    assert out["fanout_ok"] and out["fanouts_sent"] == 5
     assert out["sleep_results"] == [[1.5] * 4, [1.5]]
     # two groups' non-blocking calls ran concurrently: one after the other would take >= 3 s
     assert out["overlap_s"] < 2.9
@@ -83,20 +84,20 @@ def test_dispatch_modes_futures_and_payloads(experiment, tmp_path):
         ["reload", ["kv_cache", "weights"]],
         ["offload", ["kv_cache"]],
     ]
+    # the weight sync frees the KV cache for the trainer's parameters
     assert turns["probe"] == [
         [],
         [],
         both,
         both,
-    ]  # the weight sync frees the KV cache for the trainer's parameters
+    ]
     assert turns["other"] == [
         [["offload", ["optimizer", "parameters"]], ["reload", ["parameters"]]]
     ]
     assert turns["metrics"]["residency/stages"] == "train>generate>weight_sync"
     assert turns["metrics"]["residency/generate/offloaded_gb"] == 2  # the two parts of other
-    assert (
-        turns["metrics"]["residency/generate/reloaded_gb"] == 2 * 2
-    )  # two parts on each of two probe ranks
+    # two parts on each of two probe ranks
+    assert turns["metrics"]["residency/generate/reloaded_gb"] == 2 * 2
     assert_no_orphans(run_dir)
 
 
@@ -110,13 +111,11 @@ def test_one_to_all_payloads_on_one_machine_go_through_one_shared_file(experimen
     res = rollhpc("train", str(path), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     out = json.loads((run_dir / "scenario.json").read_text())
-    assert (
-        out["bumped_ok"] and out["controller_copies_intact"]
-    )  # each rank wrote into a copy of its own
+    # each rank wrote into a copy of its own
+    assert out["bumped_ok"] and out["controller_copies_intact"]
     assert out["small"] == ["between"] * 2 and out["echo_ok"]
-    assert (
-        out["shared_sent"] == 5 and out["reused"] == 1
-    )  # a released file written again; all gone at the end
+    # a released file written again; all gone at the end
+    assert out["shared_sent"] == 5 and out["reused"] == 1
     assert_no_orphans(run_dir)
 
 
@@ -163,9 +162,8 @@ def test_controller_stuck_in_an_mpi_call_ends_the_run_with_a_report(experiment, 
     assert res.returncode == 1, res.stderr[-4000:]
     last = res.stderr.strip().splitlines()[-1]
     assert re.search(r"an MPI call on the controller has not returned for [234] s", last), last
-    assert (
-        json.loads((run_dir / "error.json").read_text())["type"] == "StalledCall"
-    )  # a lost peer's verdict
+    # a lost peer's verdict
+    assert json.loads((run_dir / "error.json").read_text())["type"] == "StalledCall"
     assert (
         json.loads((run_dir / "controller-exit.json").read_text())["failure"]["kind"] == "lost_peer"
     )

@@ -124,9 +124,8 @@ def test_run_log_writes_metrics_tensorboard_and_rollouts(tmp_path):
             1, {"reward_mean": 0.25, "policy_version": 1, "tag": "x"}, _ragged_record()
         )
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert all(
-        abs(r.pop("time") - time.time()) < 60 for r in records
-    )  # wall time, for rollhpc report
+    # wall time, for rollhpc report
+    assert all(abs(r.pop("time") - time.time()) < 60 for r in records)
     assert records == [
         {"step": 0, "accuracy": 0.5},
         {"step": 1, "reward_mean": 0.25, "policy_version": 1, "tag": "x"},

@@ -35,9 +35,8 @@ def test_groups_with_context_and_expert_parallelism():
     # What megatron-core 0.16's initialize_model_parallel builds for these sizes.
     layout = ParallelLayout(world=16, tp=2, pp=2, cp=2, ep=2, vpp=2)  # dp = 2, etp = 2, edp = 2
     assert layout.groups("dp-cp") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
-    assert layout.groups("cp-dp") == layout.groups(
-        "dp-cp"
-    )  # token order inside a kind is irrelevant
+    # token order inside a kind is irrelevant
+    assert layout.groups("cp-dp") == layout.groups("dp-cp")
     assert layout.groups("tp-dp") == [[0, 1, 4, 5], [2, 3, 6, 7], [8, 9, 12, 13], [10, 11, 14, 15]]
     assert layout.groups("tp-cp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
     assert layout.groups("expert-ep")[:2] == [[0, 2], [1, 3]]

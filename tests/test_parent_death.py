@@ -34,9 +34,8 @@ time.sleep(60)
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return (
-                f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            )  # a zombie has died (nobody reaped it yet)
+            # a zombie has died (nobody reaped it yet)
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
 
@@ -49,9 +48,8 @@ def _forked_after_sigkill(mode: str) -> list[bool]:
     pids = [int(proc.stdout.readline()), int(proc.stdout.readline())]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    deadline = (
-        time.monotonic() + 3.0
-    )  # the parent-death signal's victims may take a moment on a busy machine
+    # the parent-death signal's victims may take a moment on a busy machine
+    deadline = time.monotonic() + 3.0
     while any(alive := [_alive(p) for p in pids]) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in pids:

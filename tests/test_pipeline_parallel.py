@@ -23,9 +23,8 @@ torch = pytest.importorskip("torch")
 
 TRAIN = "rollhpc.workers.megatron_policy:MegatronTrainWorker"
 LR = 1e-4
-RESHARDABLE = {
-    "optimizer_checkpoint": "reshardable"
-}  # the optimizer state per parameter: loads at any layout
+# the optimizer state per parameter: loads at any layout
+RESHARDABLE = {"optimizer_checkpoint": "reshardable"}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +121,7 @@ def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> N
 
 
 @pytest.mark.slow
+# pp2 alone: test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm
 @pytest.mark.parametrize(
     "procs, parallel",
     [
@@ -129,7 +129,7 @@ def assert_same_training(got: dict, want: dict, steps: slice = slice(None)) -> N
         (4, {"tp": 2, "pp": 2}),
     ],
     ids=["pp2-vpp2", "tp2-pp2"],
-)  # pp2 alone: test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm
+)
 def test_pipeline_stages_train_like_one_stage(
     models, one_stage, experiment, tmp_path, procs, parallel
 ):
@@ -481,10 +481,11 @@ def test_token_budget_packs_rows_of_unequal_length():
         (1, 3),
     ]
     worker.options.max_tokens_per_micro_batch = 24
+    # one shape: 24 // 10 = 2 rows, 4 micro-batches (pp groups)
     worker.ctx.layout.pp, worker.ctx.layout.vpp = (
         2,
         2,
-    )  # one shape: 24 // 10 = 2 rows, 4 micro-batches (pp groups)
+    )
     assert shapes(MegatronPolicyWorker._parts(worker, batch, with_mask=True)) == [
         (2, 10),
         (2, 10),
@@ -594,9 +595,8 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
     adapted = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for name, w in one["weights"].items():
         moved = not torch.equal(w, base[name])
-        assert moved == (name.endswith(".weight") and name.split(".")[-2] in adapted), (
-            name
-        )  # only adapted weights
+        # only adapted weights
+        assert moved == (name.endswith(".weight") and name.split(".")[-2] in adapted), name
     for procs, parallel in ((2, {"tp": 2}), (2, {"pp": 2})):
         got = _run(
             experiment,
@@ -680,8 +680,7 @@ def test_lora_trains_alike_at_tp2_and_pp2_and_resumes_exactly(models, experiment
         train_options=opts,
         resume_from=str(one["run_dir"] / "ckpt"),
     )
-    assert (
-        resumed["loss"] == one["loss"][1:]
-    )  # exactly: the adapters, their Adam state and the RNGs restored
+    # exactly: the adapters, their Adam state and the RNGs restored
+    assert resumed["loss"] == one["loss"][1:]
     for name, w in one["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name

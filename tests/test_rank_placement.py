@@ -78,16 +78,16 @@ def test_placement_problems_name_the_rank_host_gpus_and_cores():
     )
     cores = placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), True), 2, env)
     assert "bound to 1 core(s) [7] but the plan gives it 4" in cores
-    assert (
-        placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), False), 2, env) is None
-    )  # not bound: no claim
+    # not bound: no claim
+    assert placement_problem(me, plan, RankFacts("gpu4", "5", 1, (7,), False), 2, env) is None
     assert "announced as rank 1" in placement_problem(me, plan, good, 1, env)
     exclusive = RankFacts("gpu4", "5", 1, (0, 1, 2, 3), True, ("Exclusive_Process",))
     assert "compute mode is Exclusive_Process" in placement_problem(me, plan, exclusive, 2, env)
+    # no Slurm
     assert (
         placement_problem(me, plan, RankFacts("anywhere", None, None, (0,), False), None, {})
         is None
-    )  # no Slurm
+    )
 
 
 def test_only_ranks_whose_gpus_the_plan_shares_ask_for_the_compute_mode():
@@ -128,21 +128,23 @@ def test_gpus_are_bound_before_mpi_init_and_a_misplaced_world_stops_with_one_lin
     selfcheck_run, tmp_path
 ):
     plan = json.loads((selfcheck_run / "plan.json").read_text())
+    # the probes on the 1st and 2nd allocated GPU
     plan["ranks"][1]["gpus"], plan["ranks"][2]["gpus"] = (
         [0],
         [1],
-    )  # the probes on the 1st and 2nd allocated GPU
+    )
     (selfcheck_run / "plan.json").write_text(json.dumps(plan))
     (tmp_path / "sitecustomize.py").write_text(MPI_INIT_PROBE)
     (tmp_path / "out").mkdir()
     env = cli_env()
+    # as Slurm would say: this job's node is another host
     env.update(
         PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}",
         ROLLHPC_TEST_MPI_INIT_PROBE=str(tmp_path / "out"),
         CUDA_VISIBLE_DEVICES="6,7",
         ROLLHPC_MPI_FI_PROVIDER="tcp",
         SLURM_JOB_NODELIST="node-elsewhere",
-    )  # as Slurm would say: this job's node is another host
+    )
     env.pop("FI_PROVIDER", None)
     command = json.loads((selfcheck_run / "launch.json").read_text())["command"]
     res = subprocess.run(command, env=env, text=True, capture_output=True, timeout=120)

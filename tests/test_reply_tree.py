@@ -33,9 +33,8 @@ def test_every_rank_reaches_the_controller_once_and_node_leaders_gather_their_no
     tree = build_reply_tree(ranks, hosts, fan_in)
     assert sorted(tree.parent) == ranks
     counted = [c for kids in tree.children.values() for c in kids]
-    assert (
-        sorted(counted + [r for r in ranks if tree.parent[r] == CONTROLLER]) == ranks
-    )  # each collected once
+    # each collected once
+    assert sorted(counted + [r for r in ranks if tree.parent[r] == CONTROLLER]) == ranks
     tops = [r for r in ranks if tree.parent[r] == CONTROLLER]
     assert 1 <= len(tops) <= fan_in
     depth = tree.depth()  # finite: no cycles
@@ -80,9 +79,8 @@ def test_bundles_merge_and_travel_as_one_message_with_their_arrays_aligned():
     ]
     merged = Bundle.merge([Bundle.merge(singles[:2]), Bundle.merge([]), singles[2]])
     envelope, data = merged.encode(7)
-    assert (
-        envelope["call_id"] == 7 and data.nbytes >= f64.nbytes + bf16.numel() * 2
-    )  # both travel raw
+    # both travel raw
+    assert envelope["call_id"] == 7 and data.nbytes >= f64.nbytes + bf16.numel() * 2
     got = Bundle.decode(envelope, data)
     assert (
         got.ranks == [3, 4, 5] and got.call_s == [0.5, 0.25, 0.125] and got.cpu_s == [2.0, 1.0, 3.0]
@@ -111,9 +109,8 @@ def test_calls_on_a_group_larger_than_the_fan_in_come_back_along_the_tree(experi
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads((run_dir / "scenario.json").read_text())
     assert out["ping_ranks"] == list(range(1, 12))  # each reply filed under its own rank
-    assert (
-        out["ping_messages"] == out["echo_messages"] == 2
-    )  # two top relays (ranks 1 and 10), not 11 replies
+    # two top relays (ranks 1 and 10), not 11 replies
+    assert out["ping_messages"] == out["echo_messages"] == 2
     assert out["echo"] == [{"a": 1}] * 11 and out["arrays_ok"]
     assert out["tagged_dp"] == [0, 0, 0] + [d for d in range(1, 11) for _ in range(2)]
     assert out["count_items"] == [[d, 2] for d in range(11)]
@@ -161,9 +158,8 @@ def test_an_error_under_a_busy_relay_reaches_the_controller_at_once(experiment, 
 
 
 def test_a_relay_that_dies_mid_call_is_named_and_nothing_hangs(experiment, tmp_path):
-    _, last, run_dir = failing_tree_world(
-        experiment, tmp_path, "crash", rank=0
-    )  # world rank 1, the top relay
+    # world rank 1, the top relay
+    _, last, run_dir = failing_tree_world(experiment, tmp_path, "crash", rank=0)
     assert (
         "worker rank 1 (role 'probe', group rank 0" in last
         and "died while running 'crash_on'" in last
@@ -186,7 +182,6 @@ def test_a_call_hung_on_a_leaf_names_the_ranks_its_relays_hold_and_dumps_every_s
     (stacks,) = (run_dir / "logs").glob("stacks-*.txt")
     text = stacks.read_text()
     assert all(f"=== rank {r} (role 'probe'" in text for r in range(1, 12))
-    assert (
-        "in hang_on" in text and "in _collect" in text
-    )  # the hung leaf, and the relays waiting on it
+    # the hung leaf, and the relays waiting on it
+    assert "in hang_on" in text and "in _collect" in text
     assert_no_orphans(run_dir)

@@ -45,13 +45,14 @@ def test_training_panels_are_those_logged_and_runs_of_one_name_are_told_apart(tm
     )
     b = write_run(tmp_path / "b" / "x", 30, ("train/loss", "train/entropy"))
     runs = [load_run(a), load_run(b)]
+    # the clip fraction: nobody
     assert [p[0] for p in training_panels(runs)] == [
         "train/loss",
         "train/grad_norm",
         "response_len_mean",
         "train/entropy",
         "train/kl",
-    ]  # the clip fraction: nobody
+    ]
     assert _labels(runs) == [str(a), str(b)] and _labels(runs[:1]) == ["x"]
     written = write_report([a, b], tmp_path / "cmp")
     assert {p.name for p in written} == {

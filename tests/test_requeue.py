@@ -175,14 +175,12 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     assert records.controller_exit(tmp_path) == 76
     assert requeue.main(["after", str(tmp_path), "137", "--max-restarts", "2"]) == 76
-    monkeypatch.setenv(
-        "SLURM_RESTART_COUNT", "3"
-    )  # the next attempt: the file speaks of an earlier one
+    # the next attempt: the file speaks of an earlier one
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     assert records.controller_exit(tmp_path) is None
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
-    assert (
-        requeue.main(["after", str(tmp_path), "75", "--no-requeue"]) == 75
-    )  # cluster.requeue=false
+    # cluster.requeue=false
+    assert requeue.main(["after", str(tmp_path), "75", "--no-requeue"]) == 75
     ends = [e for e in read_events(tmp_path) if e["event"] == "end"]
     assert [e["status"] for e in ends] == [75, 0, 76, 76, 137, 75] and "giving up" in ends[2][
         "reason"
@@ -220,9 +218,8 @@ def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_ow
     (requeue_event,) = [e for e in read_events(tmp_path) if e["event"] == "requeue"]
     assert submitted == [set()] and requeue_event["failure"]["kind"] == "lost_peer"
     assert requeue_event["reason"].startswith("a lost peer: gloo: Connection closed by peer")
-    monkeypatch.setenv(
-        "ROLLHPC_RESTART_BASE", "1"
-    )  # the restarted attempt meets it again, at the same step
+    # the restarted attempt meets it again, at the same step
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "1")
     records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST, peer)
     assert (
         requeue.main(["after", str(tmp_path), "1"]) == requeue.EXIT_WORKER_LOST
@@ -234,9 +231,8 @@ def test_a_lost_peer_restarts_on_the_same_nodes_until_it_repeats_and_the_runs_ow
         and end["final"]
         and "the same failure twice in a row at step 5" in end["reason"]
     )
-    monkeypatch.setenv(
-        "ROLLHPC_RESTART_BASE", "2"
-    )  # the same error at a later step is another occurrence
+    # the same error at a later step is another occurrence
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "2")
     records.record_controller_exit(
         tmp_path, requeue.EXIT_WORKER_LOST, {**peer, "signature": sig[:-1] + "7"}
     )
@@ -293,9 +289,8 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
         and event["new_job_id"] == "43"
         and "ended NODE_FAIL" in event["reason"]
     )
-    (tmp_path / "slurm" / "job_id").write_text(
-        "43\n"
-    )  # resubmit wrote it; 43 lives: nothing more to do
+    # resubmit wrote it; 43 lives: nothing more to do
+    (tmp_path / "slurm" / "job_id").write_text("43\n")
     monkeypatch.setattr(rescue, "job_alive", lambda job: job == "43")
     assert decide() == rescue.NOTHING and len(submitted) == 1
     # 43 never started (its launch failed): its batch host is excluded too
@@ -318,9 +313,8 @@ def test_the_rescue_job_continues_only_a_run_nobody_else_continues(tmp_path, mon
     records["40"][1]["JobState"] = "RUNNING"
     assert rescue.live_jobs_of_run(tmp_path, "rollhpc-rq") == ["40"]
     monkeypatch.setattr(rescue, "live_jobs_of_run", lambda run_dir, name: [])
-    records["44"] = [
-        {"JobId": "44", "JobState": "RUNNING"}
-    ]  # requeued in place and running: not for us
+    # requeued in place and running: not for us
+    records["44"] = [{"JobId": "44", "JobState": "RUNNING"}]
     assert decide("44") == rescue.NOTHING
     records["45"] = [{"JobId": "45", "JobState": "CANCELLED"}]  # a person's scancel stays
     assert decide("45") == rescue.ENDED and read_events(tmp_path)[-1]["final"]
@@ -371,9 +365,8 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     assert "MPI world did not form" in end["reason"] and "giving up" in end["reason"]
     monkeypatch.setenv("SLURM_RESTART_COUNT", "6")  # the record belongs to the attempt before
     assert records.startup_failure(tmp_path) is None
-    (tmp_path / "world.json").write_text(
-        "[]"
-    )  # and this attempt's world formed: srun's status stands
+    # and this attempt's world formed: srun's status stands
+    (tmp_path / "world.json").write_text("[]")
     assert requeue.main(["after", str(tmp_path), "137"]) == 137
     records.record_controller_exit(tmp_path, 0)
     records.record_startup_failure(tmp_path, "node3", "late")  # the controller's word wins
@@ -384,9 +377,8 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     records.record_startup_failure(
         tmp_path, "node1", "worker ranks [3] did not connect to the controller"
     )
-    records.record_startup_failure(
-        tmp_path, "node2", "a later rank's timeout"
-    )  # the first cause is kept
+    # the first cause is kept
+    records.record_startup_failure(tmp_path, "node2", "a later rank's timeout")
     records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     assert (
         requeue.main(["after", str(tmp_path), "1", "--max-restarts", "7"])
@@ -478,9 +470,8 @@ def test_a_restart_is_a_new_job_with_the_lost_nodes_excluded(tmp_path, monkeypat
             "srun ...",
         ]
     )
-    monkeypatch.setenv(
-        "PATH", str(tmp_path / "no-slurm")
-    )  # hostlists are taken as written without scontrol
+    # hostlists are taken as written without scontrol
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
     out = resubmit.with_exclusions(text, {"n2", "n1"}).split("\n")
     assert out[2:9] == [
         "# het group 0: controller, reward",
@@ -500,9 +491,8 @@ def test_a_restart_is_a_new_job_with_the_lost_nodes_excluded(tmp_path, monkeypat
     assert env["ROLLHPC_RESTART_BASE"] == "3" and env["SLURM_CONF"] == "/etc/slurm.conf"
     assert not {"SLURM_JOB_ID", "SLURM_RESTART_COUNT", "ROLLHPC_ATTEMPT_STARTED"} & set(env)
     monkeypatch.setenv("ROLLHPC_RESTART_BASE", "3")
-    assert (
-        requeue.restart_number() == 4
-    )  # three restarts before this job, one requeue of it by Slurm
+    # three restarts before this job, one requeue of it by Slurm
+    assert requeue.restart_number() == 4
     # job 41 was requeued by Slurm after job 42 took the run over: it starts nothing while 42 lives
     (tmp_path / "slurm").mkdir()
     (tmp_path / "slurm" / "job_id").write_text("42\n")
@@ -511,9 +501,8 @@ def test_a_restart_is_a_new_job_with_the_lost_nodes_excluded(tmp_path, monkeypat
     assert (
         read_events(tmp_path)[-1]["reason"] == "job 42 continues the run already: nothing to start"
     )
-    monkeypatch.setattr(
-        requeue, "job_alive", lambda job: False
-    )  # 42 has ended: 41 takes the run (back) over
+    # 42 has ended: 41 takes the run (back) over
+    monkeypatch.setattr(requeue, "job_alive", lambda job: False)
     assert requeue.main(["start", str(tmp_path)]) == 0 and capsys.readouterr().out == ""
     assert (tmp_path / "slurm" / "job_id").read_text() == "41\n" and read_events(tmp_path)[-1][
         "restart"
@@ -565,9 +554,8 @@ def test_watcher_ends_a_step_whose_world_never_forms(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
-    monkeypatch.setenv(
-        "PATH", str(tmp_path / "no-slurm")
-    )  # no squeue/scancel here: srun itself is killed
+    # no squeue/scancel here: srun itself is killed
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm"))
     srun = start_standin_srun()
     requeue.cmd_watch(tmp_path, srun.pid, grace_s=1, world_timeout_s=0.5, poll_s=0.05)
     assert srun.wait(timeout=5) == -signal.SIGKILL
@@ -950,9 +938,8 @@ def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> 
     while True:
         current = (run_dir / "slurm" / "job_id").read_text().strip()
         records = slurm_cluster.job_records(current)
-        rescue = rescue_jobs(run_dir).get(
-            current
-        )  # a job that ended on its own: its rescue decides what follows
+        # a job that ended on its own: its rescue decides what follows
+        rescue = rescue_jobs(run_dir).get(current)
         rescuing = rescue and any(
             r.get("JobState") not in TERMINAL_STATES for r in slurm_cluster.job_records(rescue)
         )
@@ -1152,9 +1139,8 @@ def test_chaos_a_node_lost_in_a_weight_sync_the_batch_node_lost_meanwhile_then_a
     world_formed = (run_dir / "world.json").exists()
     try:
         node(slurm_cluster, "node-crash", forming)
-        time.sleep(
-            15
-        )  # past SlurmdTimeout (5 s): Slurm ends the job (NODE_FAIL), not the guards a minute later
+        # past SlurmdTimeout (5 s): Slurm ends the job (NODE_FAIL), not the guards a minute later
+        time.sleep(15)
     finally:
         node(slurm_cluster, "node-start", forming)
     assert not world_formed, "the third crash was meant to land while the world forms"
@@ -1215,9 +1201,8 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     )
     time.sleep(1)  # the other ranks reach MPI_Init
     tasks = task_processes(run_dir)  # every process of every task: ranks and their guards
-    assert len(tasks) >= 6, [
-        p.info["cmdline"] for p in tasks
-    ]  # 5 ranks, the deaf one's guard at least
+    # 5 ranks, the deaf one's guard at least
+    assert len(tasks) >= 6, [p.info["cmdline"] for p in tasks]
     for (
         p
     ) in tasks:  # SIGTERM to each, as Slurm signals a task (and as srun does when a task aborts)
@@ -1238,9 +1223,8 @@ def test_chaos_a_world_ended_by_sigterm_while_forming_then_a_node_lost_after_the
     node(slurm_cluster, "node-start", lost)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=300)
     assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
-    assert "rollhpc: the step was ended (SIGTERM) while pid" in job_output(
-        run_dir, None
-    )  # the guard's own word
+    # the guard's own word
+    assert "rollhpc: the step was ended (SIGTERM) while pid" in job_output(run_dir, None)
     events = read_events(run_dir)
     assert len(starts(run_dir)) == 2 and [e["event"] for e in events].count("resume") == 0, events
     assert events[-1]["event"] == "end" and events[-1]["status"] == 0, events

@@ -22,9 +22,8 @@ from rollhpc.rewards.math_verify import score_answer, score_answers, shutdown_po
 
 def test_combine_is_a_weighted_sum_that_refuses_missing_or_non_finite_parts():
     parts = {"math": 1.0, "judge": 0.5, "format": -1.0}
-    assert combine(parts, {"math": 0.8, "judge": 0.2, "format": 0}) == pytest.approx(
-        0.9
-    )  # "format" logged only
+    # "format" logged only
+    assert combine(parts, {"math": 0.8, "judge": 0.2, "format": 0}) == pytest.approx(0.9)
     assert combine(parts, {"judge": 2.0}) == 1.0  # unnamed parts weigh 1
     assert combine({"reward": 0.25}, {}) == 0.25  # one role's reward needs no weights
     with pytest.raises(
@@ -133,9 +132,8 @@ def test_math_verify_refuses_wrong_answers_and_garbage(response, reference):
 
 def test_math_verify_number_only_refuses_an_expression_with_the_right_value():
     assert score_answer("\\boxed{3/4 + 1/8}", "7/8") == 1.0  # math-verify compares values
-    assert (
-        score_answer("\\boxed{3/4 + 1/8}", "7/8", number_only=True) == 0.0
-    )  # a copied question is no answer
+    # a copied question is no answer
+    assert score_answer("\\boxed{3/4 + 1/8}", "7/8", number_only=True) == 0.0
     assert score_answer("\\boxed{7/8 + 0}", "7/8", number_only=True) == 0.0
     with pytest.raises(ValueError, match="cannot read the reference"):
         score_answer("\\boxed{1}", "not a number")
@@ -168,9 +166,8 @@ def test_math_verify_off_the_main_thread_goes_to_a_process_pool():
         thread.join(120)
     finally:
         shutdown_pool()
-    assert "doesn't support threaded environment" in str(
-        out["direct"]
-    )  # the library alone fails here
+    # the library alone fails here
+    assert "doesn't support threaded environment" in str(out["direct"])
     assert out["scores"] == [1.0, 0.0, 1.0, 0.0]
     print(f"pool start + score: {out['seconds']:.2f} s")
 
@@ -180,9 +177,8 @@ def test_math_verify_pool_deadline_scores_zero_instead_of_waiting():
 
     def run() -> None:
         t = time.perf_counter()
-        out["scores"] = score_answers(
-            [("\\boxed{1}", "1")] * 3, pool_deadline_s=0.01
-        )  # the pool cannot even start
+        # the pool cannot even start
+        out["scores"] = score_answers([("\\boxed{1}", "1")] * 3, pool_deadline_s=0.01)
         out["seconds"] = time.perf_counter() - t
         out["after"] = score_answers([("\\boxed{1}", "1")])  # a fresh pool takes over
 
@@ -270,9 +266,8 @@ def test_judge_prompt_uses_the_judge_chat_template_when_it_has_one(tiny_model):
     from rollhpc.workers.judge import encode_judge_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    assert (
-        tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "Is 1 + 1 = 2?"
-    )  # no template: plain text
+    # no template: plain text
+    assert tok.decode(encode_judge_prompt(tok, "Is 1 + 1 = 2?")) == "Is 1 + 1 = 2?"
     tok.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"

@@ -246,9 +246,8 @@ def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_mod
     for x in steps:
         assert 0 < x["weight_sync_mb"] < model_mb / 5, (x["weight_sync_mb"], model_mb)
         assert "reference_s" in x
-    assert steps[0]["train/kl"] == pytest.approx(
-        0.0, abs=1e-6
-    )  # B starts at zero: the policy is the base
+    # B starts at zero: the policy is the base
+    assert steps[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)
     assert steps[-1]["train/kl"] > 0  # the adapters have moved it off the base
     assert "LoRA rank 4 on qkv,proj,fc1,fc2" in (run_dir / "logs" / "rank1-train.log").read_text()
 
@@ -320,12 +319,10 @@ def test_colocated_roles_taking_turns_train_to_the_same_weights(tmp_path, tiny_m
     assert [x.get("train/loss") for x in turns] == [x.get("train/loss") for x in resident]
     assert not any(k.startswith("residency/") for x in resident for k in x)
     start, first, second = turns
-    assert (
-        start["residency/stages"] == "weight_sync>generate"
-    )  # the generators get the weights, step 0's evaluation
-    assert (
-        first["residency/stages"] == "old_logprob>reference>train>weight_sync"
-    )  # generating already
+    # the generators get the weights, step 0's evaluation
+    assert start["residency/stages"] == "weight_sync>generate"
+    # generating already
+    assert first["residency/stages"] == "old_logprob>reference>train>weight_sync"
     # + evaluation, then the final weights' digest, read with the trainer's state back (megatron's offload frees
     # the GPU storage of what it moves)
     assert (
@@ -337,9 +334,7 @@ def test_colocated_roles_taking_turns_train_to_the_same_weights(tmp_path, tiny_m
             second[f"residency/{stage}/offload_s"] >= 0
             and f"residency/{stage}/gpu_allocated_gb" in second
         )
-    assert (
-        second["residency/generate/offloaded_gb"] > 0
-    )  # the trainer's and the reference's states handed over
-    assert (
-        second["residency/train/reloaded_gb"] > second["residency/old_logprob/reloaded_gb"] > 0
-    )  # + grads, Adam
+    # the trainer's and the reference's states handed over
+    assert second["residency/generate/offloaded_gb"] > 0
+    # + grads, Adam
+    assert second["residency/train/reloaded_gb"] > second["residency/old_logprob/reloaded_gb"] > 0

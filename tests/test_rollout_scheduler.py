@@ -54,10 +54,11 @@ def test_partial_rollout_resumes_under_the_next_version(seen):
     assert c["partial_lens"] and all(0 < n < 40 for n in c["partial_lens"])
     assert c["second_uids"] == [0] and c["resumed"] == 2
     assert c["resumed_lens"] == [40, 40] and c["resumed_logprobs_ok"]
+    # a sample's version is the oldest policy that wrote into it
     assert c["resumed_versions"] == [
         0,
         0,
-    ]  # a sample's version is the oldest policy that wrote into it
+    ]
     assert c["carried_after"] == 0 and c["unfinished"] == 0
 
 

@@ -63,9 +63,8 @@ def test_row_follows_rlvr_shift_for_a_single_turn():
         turns=[Turn(response=[5, 6, 0], logprobs=[-1.0, -1.0, -1.0], version=0, reward=2.0)],
     )
     row = trajectory_row(traj)
-    np.testing.assert_array_equal(
-        row.tokens, [1, 2, 5, 6, 0]
-    )  # the EOS (id 0) stays: the policy generated it
+    # the EOS (id 0) stays: the policy generated it
+    np.testing.assert_array_equal(row.tokens, [1, 2, 5, 6, 0])
     np.testing.assert_array_equal(row.loss_mask, [0, 1, 1, 1])
     np.testing.assert_array_equal(row.token_rewards, [0, 0, 0, 2.0])
 
@@ -107,12 +106,10 @@ def test_pad_rows_right_pads_like_rlvr():
 def test_turn_budget_and_truncation():
     assert turn_budget(row_len=10, per_turn_cap=8, max_model_len=100) == 8  # the cap binds
     assert turn_budget(row_len=95, per_turn_cap=8, max_model_len=100) == 5  # the context binds
-    assert (
-        turn_budget(row_len=100, per_turn_cap=8, max_model_len=100) == 0
-    )  # full: the episode ends truncated
-    assert (
-        turn_budget(row_len=103, per_turn_cap=8, max_model_len=100) == -3
-    )  # an observation overflowed
+    # full: the episode ends truncated
+    assert turn_budget(row_len=100, per_turn_cap=8, max_model_len=100) == 0
+    # an observation overflowed
+    assert turn_budget(row_len=103, per_turn_cap=8, max_model_len=100) == -3
     with pytest.raises(ValueError, match="per_turn_cap"):
         turn_budget(10, 0, 100)
 
@@ -135,9 +132,8 @@ def test_trajectory_record_properties_and_validation():
     assert traj.episode_return == 1.5 and traj.version == 3 and traj.length == 3 + 2 + 3 + 3 + 2
     with pytest.raises(ValueError, match="logprobs"):
         Turn(response=[1, 2], logprobs=[0.0], version=0)
-    with pytest.raises(
-        ValueError, match="at least one generated token"
-    ):  # a record may lack ids, a row may not
+    # a record may lack ids, a row may not
+    with pytest.raises(ValueError, match="at least one generated token"):
         trajectory_row(
             Episode(prompt=[1], turns=[Turn(response=[], logprobs=[], version=0, action="left")])
         )
@@ -223,9 +219,8 @@ def with_template(tok, template: str):
 
 def test_chat_template_turns_incremental_equals_whole(tokenizer):
     tok = with_template(tokenizer, QWEN_STYLE)
-    turns = ChatTemplateTurns(
-        tok, eos_token="<|im_end|>"
-    )  # the constructor already ran verify on its probe
+    # the constructor already ran verify on its probe
+    turns = ChatTemplateTurns(tok, eos_token="<|im_end|>")
     assert turns.end_of_turn == "<|im_end|>\n"
     assert turns.first("Reach G.", "P.G") == (
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"

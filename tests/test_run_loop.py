@@ -60,9 +60,8 @@ def test_time_limits(tmp_path: Path, limit: dict, steps_taken: int) -> None:
     )
     assert loop.run(TimedSteps(clock)) is Outcome.WALL_LIMIT
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(
-        range(steps_taken + 1)
-    )  # step 0 is the first evaluation
+    # step 0 is the first evaluation
+    assert [r["step"] for r in records] == list(range(steps_taken + 1))
     assert all(r["eval_s"] == 10.0 and r["step_s"] == 11.0 for r in records[1:])
     # the training clock max_train_s reads: a second per step, the evaluations' ten left out
     assert [r["train_clock_s"] for r in records[1:]] == [

@@ -183,9 +183,8 @@ def test_memory_bomb(sandbox):
 
 def test_infinite_loop_hits_the_wall_clock(sandbox, marker):
     t = time.monotonic()
-    r = sandbox.run(
-        named(marker, "while True:\n    pass"), timeout=0.5
-    )  # CPU limit (1 s) not reached
+    # CPU limit (1 s) not reached
+    r = sandbox.run(named(marker, "while True:\n    pass"), timeout=0.5)
     assert r.status == "timeout" and "wall-clock" in r.detail and r.exit_code == -signal.SIGKILL
     assert time.monotonic() - t < 2.0
     assert r.cpu_s > 0.05  # read from the sandbox's processes before the kill
@@ -264,9 +263,8 @@ def test_missing_bwrap_fails_closed():
 
 def test_bwrap_that_cannot_make_namespaces_fails_closed():
     """A bwrap that exists but fails (as it does where user namespaces are off) -> one clear error, nothing runs."""
-    fake_dir = Path(
-        tempfile.mkdtemp(dir="/tmp")
-    )  # reachable by uid 65534 (bwrap is started as it under root)
+    # reachable by uid 65534 (bwrap is started as it under root)
+    fake_dir = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
         fake = fake_dir / "bwrap"
         fake.write_text(

@@ -174,9 +174,8 @@ def test_apptainer_wraps_every_rank_and_leaves_the_batch_side_on_the_host():
         line.startswith(("started=$(python -m", "python -m", "exec python -m")) for line in helpers
     )
     assert "srun --het-group=0 --nodes=1 --ntasks=1 true; done" in text
-    assert (
-        'export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"' in text
-    )  # pmi2: MPICH inside, as outside
+    # pmi2: MPICH inside, as outside
+    assert 'export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"' in text
     own = render(*CONTAINERS["apptainer"], "cluster.container.batch_python=/opt/host/bin/python3")
     assert rank_lines(own) == ranks
     assert own.count("/opt/host/bin/python3 -m rollhpc.launch.requeue") == 3
@@ -320,9 +319,8 @@ def test_container_mistakes_fail_at_load_naming_the_key(overrides, message):
 def test_submit_dry_run_shows_the_ranks_in_their_container(tmp_path, kind):
     res = rollhpc("submit", "toy_grpo", *OVERRIDES, *CONTAINERS[kind], "--dry-run", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    run = (
-        tmp_path.resolve() / "runs" / "golden"
-    )  # outside every configured mount: mounted by itself
+    # outside every configured mount: mounted by itself
+    run = tmp_path.resolve() / "runs" / "golden"
     wrapped = {
         "apptainer": f"apptainer exec --nv --bind /shared/models:/shared/models:ro,{run} --writable-tmpfs "
         f"/shared/images/rollhpc.sif python3 -m rollhpc.rank {run}",
@@ -443,9 +441,8 @@ def test_each_srun_segment_carries_its_own_nodes_tasks_cores_and_gpus():
         "export ROLLHPC_DIST_IFNAME=ib0" in text
         and 'export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-ib0}"' in text
     )
-    assert "FI_PROVIDER=" not in text.replace(
-        "ROLLHPC_MPI_FI_PROVIDER=", ""
-    )  # NCCL's OFI plugin keeps the site's
+    # NCCL's OFI plugin keeps the site's
+    assert "FI_PROVIDER=" not in text.replace("ROLLHPC_MPI_FI_PROVIDER=", "")
     with pytest.raises(ConfigError, match="cluster.cpu_bind"):
         render("cluster.cpu_bind=rank")
     with pytest.raises(ConfigError, match="cluster.network_interface"):

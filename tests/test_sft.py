@@ -62,25 +62,24 @@ def prepare(out_dir: Path, sft: SftConfig = SFT, **kw) -> Path:
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory) -> Iterator[Path]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # the machine is shared; and the determinism check compares like with like
+    # the machine is shared; and the determinism check compares like with like
+    torch.set_num_threads(1)
     yield prepare(tmp_path_factory.mktemp("sft") / "policy")
     torch.set_num_threads(threads)
 
 
 def test_policy_loads_in_transformers_and_reports_its_training(policy):
-    assert sorted(p.name for p in policy.parent.iterdir()) == [
-        "policy"
-    ]  # no temp dir left beside it
+    # no temp dir left beside it
+    assert sorted(p.name for p in policy.parent.iterdir()) == ["policy"]
     model = AutoModelForCausalLM.from_pretrained(policy)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 0
     report = read_report(policy)
+    # defaults merged, JSON types
     assert report["settings"]["task_options"] == {
         "digits": 1,
         "ops": ["+"],
-    }  # defaults merged, JSON types
+    }
     assert (
         report["settings"]["sft"]["steps"] == report["steps"] == 30
         and report["settings"]["seed"] == 3

@@ -72,10 +72,11 @@ def test_each_rank_runs_on_its_planned_node_and_cores_including_an_uneven_last_n
     cores_on = defaultdict(list)
     hosts = defaultdict(set)
     for p, w in zip(plan.ranks, world):
+        # bound to its own cores
         assert len(w["cpus"]) == plan.components[p.component].cpus_per_task, (
             p,
             w,
-        )  # bound to its own cores
+        )
         cores_on[w["host"]].append(set(w["cpus"]))
         hosts[(p.component, p.node)].add(w["host"])
     assert all(len(h) == 1 for h in hosts.values()), hosts

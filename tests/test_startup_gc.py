@@ -39,9 +39,8 @@ def test_off_inside_then_frozen_and_back_on(unfrozen):
         assert leftover() is not None
     assert gc.isenabled()
     assert leftover() is None  # collected on the way out, before the freeze
-    assert (
-        gc.get_freeze_count() > frozen_before
-    )  # the survivors are out of the collector's generations
+    # the survivors are out of the collector's generations
+    assert gc.get_freeze_count() > frozen_before
     assert kept
 
 

@@ -216,9 +216,8 @@ def test_hold_watch_speaks_and_releases_once_per_attempt(monkeypatch, capsys):
         watch.poll()
     assert released == [0, 1]
     assert capsys.readouterr().err.count(f"rollhpc: job {JOB} is held by Slurm (JobHeldUser)") == 2
-    patient = slurm.HoldWatch(
-        JOB, release=True, run_dir=None, grace_s=3600
-    )  # a requeuehold in passing
+    # a requeuehold in passing
+    patient = slurm.HoldWatch(JOB, release=True, run_dir=None, grace_s=3600)
     attempts = iter([2, 2])
     patient.poll(), patient.poll()
     assert released == [0, 1]

@@ -23,9 +23,8 @@ def test_splits_are_deterministic_disjoint_and_solved_by_their_references(task, 
     assert (len(train), len(heldout)) == (500, 100)
     keys = [key(e) for e in train + heldout]
     assert len(set(keys)) == len(keys)  # unique within and across splits
-    assert (
-        task.make_splits(7, n_train=50, n_heldout=100)[1] == heldout
-    )  # held-out set independent of n_train
+    # held-out set independent of n_train
+    assert task.make_splits(7, n_train=50, n_heldout=100)[1] == heldout
     assert task.make_splits(8, n_train=500, n_heldout=100)[1] != heldout
     texts = list(task.corpus(train[:50]))
     assert all(text.startswith(e.prompt) for text, e in zip(texts, train))
@@ -43,9 +42,8 @@ def test_arithmetic_options_and_exhausted_space():
         int(e.answer) < 0
         for e in arithmetic.make_splits(0, 300, 0, ops=("-",), allow_negative=True)[0]
     )
-    with pytest.raises(
-        ValueError, match="found only 155 distinct examples"
-    ):  # 100 sums + 55 differences a >= b
+    # 100 sums + 55 differences a >= b
+    with pytest.raises(ValueError, match="found only 155 distinct examples"):
         arithmetic.make_splits(0, 250, 0, digits=1)
     with pytest.raises(ValueError, match="ops must be"):
         arithmetic.make_splits(0, 10, 10, ops=("**",))
@@ -107,18 +105,16 @@ def test_arithmetic_show_work_writes_the_column_sums_before_the_answer():
     )
     train, heldout = arithmetic.make_splits(0, 50, 10, digits=4, ops=("+",), show_work=True)
     plain, _ = arithmetic.make_splits(0, 50, 10, digits=4, ops=("+",))
-    assert [(e.a, e.b) for e in train] == [
-        (e.a, e.b) for e in plain
-    ]  # the same problems, longer answers
+    # the same problems, longer answers
+    assert [(e.a, e.b) for e in train] == [(e.a, e.b) for e in plain]
     ex = train[0]
     text = arithmetic.completion(ex)
     assert (
         text == f" {arithmetic.column_sums(ex.a, ex.b)} Answer: {ex.answer}"
         and arithmetic.score(ex, text) == 1.0
     )
-    assert (
-        arithmetic.score(ex, text.replace(f"Answer: {ex.answer}", "Answer: 1")) == 0.0
-    )  # the answer counts,
+    # the answer counts,
+    assert arithmetic.score(ex, text.replace(f"Answer: {ex.answer}", "Answer: 1")) == 0.0
     assert arithmetic.score(ex, f" 1+1=2 Answer: {ex.answer}") == 1.0  # not the work
     with pytest.raises(
         ValueError, match=r"show_work writes column sums of additions: set ops to \['\+'\]"
@@ -191,9 +187,8 @@ def test_countdown_adds_up_fractions_exactly_and_allows_repeated_given_numbers()
     assert countdown.score(twice, " (5 + 5) * 2") == 1.0
     assert countdown.score(twice, " 5 * 5 - 5") == 0.0  # only two fives given
     thirds = CountdownExample(numbers=(1, 3, 9), target=27, solution="9 / (1 / 3)")
-    assert (
-        countdown.score(thirds, " 9 / (1 / 3)") == 1.0
-    )  # exact rational arithmetic, no float error
+    # exact rational arithmetic, no float error
+    assert countdown.score(thirds, " 9 / (1 / 3)") == 1.0
     assert countdown.evaluate("7 / 2") == (countdown.Fraction(7, 2), [7, 2])
 
 
@@ -308,9 +303,8 @@ def test_task_module_by_import_path_outside_the_package(tmp_path, monkeypatch):
     from rollhpc.tasks import task_module
 
     assert task_module("my_tasks.echo").score("a", "a") == 1.0
-    with pytest.raises(
-        ModuleNotFoundError, match="not_installed_dependency"
-    ):  # not reported as an unknown task
+    # not reported as an unknown task
+    with pytest.raises(ModuleNotFoundError, match="not_installed_dependency"):
         task_module("my_tasks.broken")
 
 

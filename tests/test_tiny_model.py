@@ -121,9 +121,8 @@ def test_unmerged_characters_stay_one_token_each(tmp_path):
     merged = build_tokenizer(texts, 400)
     assert len(merged.tokenize(board)) < 10  # whole rows become tokens
     apart = build_tokenizer(texts, 400, unmerged="_#.B*P+\n")
-    assert [apart.decode([i]) for i in apart(board)["input_ids"]] == list(
-        board
-    )  # one token per cell
+    # one token per cell
+    assert [apart.decode([i]) for i in apart(board)["input_ids"]] == list(board)
     assert apart.tokenize(" down") == merged.tokenize(" down")  # other merges stay
     apart.save_pretrained(tmp_path)  # ids of the kept tokens are contiguous, the specials first
     loaded = AutoTokenizer.from_pretrained(tmp_path)
@@ -160,9 +159,8 @@ def test_qwen2_5_0_5b_shape_has_its_published_parameter_count():
     config = QWEN2_5_0_5B.hf_config(QWEN2_5_0_5B_VOCAB, eos_token_id=0, pad_token_id=1)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    assert (
-        sum(p.numel() for p in model.parameters()) == 494_032_768
-    )  # Qwen2.5-0.5B's, embedding tied
+    # Qwen2.5-0.5B's, embedding tied
+    assert sum(p.numel() for p in model.parameters()) == 494_032_768
     assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2's q/k/v biases
 
 
@@ -197,9 +195,8 @@ def test_dense_model_loads_offline_and_generates(tokenizer, dense_dir):
     n = prompt["input_ids"].shape[1]
     out = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert out.shape[1] == n + 6 or out[0, -1] == tok.eos_token_id
-    with (
-        torch.no_grad()
-    ):  # zero final norm: all logits equal, greedy picks id 0 = EOS, generation must stop
+    # zero final norm: all logits equal, greedy picks id 0 = EOS, generation must stop
+    with torch.no_grad():
         model.model.norm.weight.zero_()
     out = model.generate(**prompt, max_new_tokens=6, do_sample=False)
     assert out[0, n:].tolist() == [tok.eos_token_id]

@@ -105,9 +105,8 @@ def test_greedy_equals_transformers_and_stops_at_eos(models, name):
         assert c.logprobs == pytest.approx(logprobs, abs=1e-4)
         assert c.finish_reason == ("stop" if tokens[-1] == eos else "length")
         assert c.version == 0
-    if (
-        name == "qwen_a"
-    ):  # the random model must really hit its EOS somewhere, or "stop" went untested
+    # the random model must really hit its EOS somewhere, or "stop" went untested
+    if name == "qwen_a":
         assert any(c.finish_reason == "stop" for (c,) in out)
 
 
@@ -168,9 +167,8 @@ def test_step_api_with_few_slots_abort_and_resume(models):
     engine.step(), engine.step(), engine.step()
     partials = dict(engine.abort(["long", "waits", "unknown"]))
     assert partials["long"].finish_reason == "abort" and partials["long"].token_ids == full[:3]
-    assert (
-        partials["waits"].token_ids == hf_greedy(model, PROMPTS[0], 3)[0]
-    )  # "also" waited for a slot
+    # "also" waited for a slot
+    assert partials["waits"].token_ids == hf_greedy(model, PROMPTS[0], 3)[0]
     assert engine.unfinished_ids() == ["also"]
     engine.add_request(
         "long2", PROMPTS[2] + partials["long"].token_ids, temperature=0.0, max_tokens=6

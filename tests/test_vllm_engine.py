@@ -75,9 +75,8 @@ def checkpoints(tmp_path_factory):
     for name, seed in (("a", 0), ("b", 1)):
         model = tiny_qwen2(seed)
         refs[name] = [hf_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
-        if (
-            name == "a"
-        ):  # EOS: a's 6th greedy token after prompt 0, so at least one greedy run stops on it
+        # EOS: a's 6th greedy token after prompt 0, so at least one greedy run stops on it
+        if name == "a":
             eos = refs["a"][0][0][5]
         model.generation_config.eos_token_id = eos
         model.save_pretrained(work / name, safe_serialization=True)
@@ -341,9 +340,8 @@ def test_set_values_load_and_the_judge_has_them_too():
         True,
         "separate",
     )
-    assert issubclass(
-        JudgeWorker.Options, EngineConfig
-    )  # its in-process judge engine is built by build_engine
+    # its in-process judge engine is built by build_engine
+    assert issubclass(JudgeWorker.Options, EngineConfig)
     with pytest.raises(ValueError, match="engine_process: 'auto', 'same' or 'separate'"):
         EngineConfig(engine_process="elsewhere")  # built in Python, not loaded: still checked
 
@@ -378,9 +376,8 @@ def test_a_separate_compiled_engine_generates_aborts_and_takes_new_weights(separ
     partial = res["partial"]
     assert partial["finish_reason"] == "abort" and 0 < len(partial["token_ids"]) < MAX_TOKENS
     assert partial["token_ids"] == refs["a"][0][0][: len(partial["token_ids"])]
-    assert_matches(
-        res["greedy_b"], refs["b"]
-    )  # the weight-transfer protocol into the other process
+    # the weight-transfer protocol into the other process
+    assert_matches(res["greedy_b"], refs["b"])
     assert_matches(res["greedy_b_after_wake"], refs["b"][:1])
 
 

@@ -56,12 +56,10 @@ def test_tp2_weights_exact_after_update(probe):
     res, _ = probe
     assert len(res["digests_a"]) == 2  # one entry per TP worker, each its own shards
     assert res["digests_a"][0] != res["digests_a"][1]
-    assert all(
-        a != b for a, b in zip(res["digests_a"], res["digests_b"])
-    )  # b's update changed every worker's shards
-    assert (
-        res["digests_a_again"] == res["digests_a"]
-    )  # and a's put back exactly what vLLM loaded from disk
+    # b's update changed every worker's shards
+    assert all(a != b for a, b in zip(res["digests_a"], res["digests_b"]))
+    # and a's put back exactly what vLLM loaded from disk
+    assert res["digests_a_again"] == res["digests_a"]
 
 
 @pytest.mark.slow
@@ -115,6 +113,5 @@ def test_without_the_plugin_the_pickled_fallback_warns(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=vllm_engine.__name__):
         assert vllm_engine._weight_transfer_backend(on_cpu=True) is None
     assert "pickled whole" in caplog.text
-    assert (
-        vllm_engine._weight_transfer_backend(on_cpu=False) == "ipc"
-    )  # vLLM's own, no plugin needed
+    # vLLM's own, no plugin needed
+    assert vllm_engine._weight_transfer_backend(on_cpu=False) == "ipc"

@@ -23,9 +23,8 @@ def _weights() -> dict[str, torch.Tensor]:
 
 def test_buckets_round_trip_bitwise_and_respect_the_size():
     w = _weights()
-    buckets = list(
-        pack_buckets(w.items(), bucket_bytes=64)
-    )  # smaller than most tensors: one bucket each
+    # smaller than most tensors: one bucket each
+    buckets = list(pack_buckets(w.items(), bucket_bytes=64))
     assert all(len({b.data.dtype}) == 1 for b in buckets)
     assert sum(len(b.names) for b in buckets) == len(w)
     back = {n: t for b in buckets for n, t in unpack_bucket(b)}
@@ -47,9 +46,8 @@ def _receiver(rank: int, port: int, out: dict) -> None:
             out[(rank, round_)] = {n: t.clone() for n, t in ch.receive()}
         except WeightSyncMismatch as e:
             out[(rank, round_)] = str(e)
-            for _ in (
-                ch.receive()
-            ):  # the rest of the stream, as a worker ends its call before the run stops
+            # the rest of the stream, as a worker ends its call before the run stops
+            for _ in ch.receive():
                 pass
 
 
@@ -75,9 +73,8 @@ def test_broadcast_reaches_every_generator_bitwise_and_a_corrupted_bucket_is_nam
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
-    assert sent >= sum(
-        t.numel() * t.element_size() for t in w.values()
-    )  # + the alignment of each tensor
+    # + the alignment of each tensor
+    assert sent >= sum(t.numel() * t.element_size() for t in w.values())
     for rank in (1, 2):
         for round_, ref in enumerate((w, w2)):
             got = out[(rank, round_)]
@@ -148,12 +145,13 @@ def test_each_generator_gets_cuda_ipc_on_the_trainers_gpu_and_the_broadcast_grou
     assert route_weights(one_gpu).mode == "ipc"
     with pytest.raises(RoutingError, match="set pipeline.options.weight_sync=auto"):
         route_weights(one_gpu, "broadcast")  # two ranks of GPU 0 in one NCCL group
+    # colocated, but generator 1 is on another GPU than trainer 0
     spread = _plan(
         ("train", 0, 1, 0, (0,)),
         ("train", 1, 1, 0, (1,)),
         ("generate", 0, 1, 0, (0,)),
         ("generate", 1, 1, 0, (1,)),
-    )  # colocated, but generator 1 is on another GPU than trainer 0
+    )
     routing = route_weights(spread)
     assert (
         routing.mode == "mixed"
@@ -166,23 +164,20 @@ def test_each_generator_gets_cuda_ipc_on_the_trainers_gpu_and_the_broadcast_grou
         match="trainer's rank 0 and generate rank 0 would both be in the broadcast "
         "group on GPU 0 of node 0 in het group 1, and NCCL refuses",
     ):
-        route_weights(
-            spread, "broadcast"
-        )  # the old choice for this layout: a failure at the first sync
+        # the old choice for this layout: a failure at the first sync
+        route_weights(spread, "broadcast")
     with pytest.raises(
         RoutingError,
         match="weight_sync=ipc needs every generator on the GPU of the trainer's rank 0",
     ):
         route_weights(spread, "ipc")
-    apart = _plan(
-        ("train", 0, 1, 0, (0,)), ("generate", 0, 2, 0, (0,))
-    )  # GPU 0 of another het group's node
+    # GPU 0 of another het group's node
+    apart = _plan(("train", 0, 1, 0, (0,)), ("generate", 0, 2, 0, (0,)))
     assert route_weights(apart).mode == "broadcast"
     cpu = _plan(("train", 0, 0, 0, ()), ("generate", 0, 0, 0, ()), ("generate", 1, 0, 0, ()))
     assert route_weights(cpu).mode == "broadcast"  # gloo: no GPU to share
-    assert (
-        route_weights(cpu, "ipc").mode == "ipc"
-    )  # forced: shared-memory slots on the trainer's host
+    # forced: shared-memory slots on the trainer's host
+    assert route_weights(cpu, "ipc").mode == "ipc"
     assert_valid_routing(cpu, route_weights(cpu, "ipc"))
     with pytest.raises(
         RoutingError, match="or on CPU on its host; generate rank 1 receives on CPU"
@@ -198,9 +193,8 @@ def test_each_generator_gets_cuda_ipc_on_the_trainers_gpu_and_the_broadcast_grou
         RoutingError, match="generate rank 0 and generate rank 1 would both be in the broadcast"
     ):
         route_weights(two_on_one)
-    assert (
-        route_weights(two_on_one, "relay").mode == "broadcast"
-    )  # relay forms no group: nothing to refuse
+    # relay forms no group: nothing to refuse
+    assert route_weights(two_on_one, "relay").mode == "broadcast"
 
 
 @pytest.mark.parametrize(
@@ -517,9 +511,8 @@ def test_rlvr_with_weight_sync_ipc_on_cpu_streams_through_shared_memory_and_stay
     assert "Traceback" not in log
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     model_mb = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors")) / (1 << 20)
-    for x in (
-        steps
-    ):  # the whole model, streamed through slots of a sixth of its size (the sender's SyncStats)
+    # the whole model, streamed through slots of a sixth of its size (the sender's SyncStats)
+    for x in steps:
         assert x["weight_sync_mb"] == pytest.approx(model_mb, rel=0.05), (
             x["weight_sync_mb"],
             model_mb,

@@ -7,9 +7,8 @@ from rollhpc.transport import wire
 
 def roundtrip(obj):
     header, buffers = wire.encode(obj)
-    received = [
-        np.frombuffer(bytes(m), dtype=np.uint8).copy() for m in buffers
-    ]  # as MPI would deliver
+    # as MPI would deliver
+    received = [np.frombuffer(bytes(m), dtype=np.uint8).copy() for m in buffers]
     return wire.decode(header, received), header, buffers
 
 
@@ -78,19 +77,15 @@ def test_large_receive_buffers_are_reused_only_once_nothing_refers_to_them():
     del payload
     assert id(pool.get(n)) != first_id  # so does x, alone
     del x
-    held = pool.get(
-        2 * n
-    )  # t (a torch tensor over the buffer) still holds its buffer: not this one
+    # t (a torch tensor over the buffer) still holds its buffer: not this one
+    held = pool.get(2 * n)
     assert not np.shares_memory(held, t.numpy())
     del held, t
     reused = pool.reused
-    assert (
-        id(pool.get(n)) == first_id and pool.reused == reused + 1
-    )  # nothing refers to it any more
+    # nothing refers to it any more
+    assert id(pool.get(n)) == first_id and pool.reused == reused + 1
     held = [pool.get(3 << 20) for _ in range(20)]  # 60 MiB handed out and held
-    assert (
-        len(held) == 20 and sum(b.nbytes for b in pool._kept) <= 32 << 20
-    )  # the oldest are let go past max_bytes
-    assert pool.get(100).nbytes == 100 and pool.get(100) is not pool.get(
-        100
-    )  # small ones are never kept
+    # the oldest are let go past max_bytes
+    assert len(held) == 20 and sum(b.nbytes for b in pool._kept) <= 32 << 20
+    # small ones are never kept
+    assert pool.get(100).nbytes == 100 and pool.get(100) is not pool.get(100)

@@ -72,9 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         child = subprocess.Popen(command)
-        signal.signal(
-            signal.SIGINT, signal.SIG_IGN
-        )  # the terminal's Ctrl-C reaches the command itself
+        # the terminal's Ctrl-C reaches the command itself
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, lambda signum, _: child.send_signal(signum))
         return child.wait()
     finally:

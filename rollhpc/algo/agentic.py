@@ -131,9 +131,8 @@ def step_level_advantages(
     """
     _check_ragged(turn_rewards, state_keys)
     returns = [discounted_returns(r, gamma) for r in turn_rewards]
-    anchors: dict[Hashable, list[tuple[int, int]]] = defaultdict(
-        list
-    )  # state key -> (episode, turn) visits
+    # state key -> (episode, turn) visits
+    anchors: dict[Hashable, list[tuple[int, int]]] = defaultdict(list)
     for e, keys in enumerate(state_keys):
         for k, key in enumerate(keys):
             if key is not None:

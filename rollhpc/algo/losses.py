@@ -86,9 +86,8 @@ def aggregate(
             f"unknown aggregation mode {mode!r}; expected one of {', '.join(AGG_MODES)}"
         )
     valid = mask.bool()
-    masked = torch.where(
-        valid, loss, torch.zeros_like(loss)
-    )  # not loss * mask: padding may hold inf/NaN
+    # not loss * mask: padding may hold inf/NaN
+    masked = torch.where(valid, loss, torch.zeros_like(loss))
     row_tokens = valid.sum(dim=-1)
     if mode == "token-mean":
         tokens = row_tokens.sum().clamp(min=1) if global_tokens is None else max(global_tokens, 1)
@@ -173,9 +172,8 @@ class TokenCounts:
     )
 
 
-MicroBatch = Mapping[
-    str, torch.Tensor
-]  # one micro-batch's named [b, ...] tensors on the device ("loss_mask", ...)
+# one micro-batch's named [b, ...] tensors on the device ("loss_mask", ...)
+MicroBatch = Mapping[str, torch.Tensor]
 
 
 class PolicyLoss:
@@ -232,9 +230,8 @@ class PolicyLoss:
             for k, v in stats.items()
         }
         metrics["loss"] = float(value.detach())
-        if (
-            "gen_logprob" in micro
-        ):  # the generator's log-probs of these tokens: how far apart the engines are
+        # the generator's log-probs of these tokens: how far apart the engines are
+        if "gen_logprob" in micro:
             diff = (
                 (logprob.detach().float() - micro["gen_logprob"].float()).abs() * micro["loss_mask"]
             ).sum()

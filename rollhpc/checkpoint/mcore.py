@@ -195,9 +195,8 @@ def save_mcore_checkpoint(
     out_dir = Path(out_dir).absolute()
     rank = dist.get_rank()
     tmp = out_dir.parent / f".{out_dir.name}.partial"
-    if (
-        out_dir.exists() and not overwrite
-    ):  # every rank sees the same (shared) filesystem: all raise
+    # every rank sees the same (shared) filesystem: all raise
+    if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} exists; pass overwrite=True (--overwrite) to replace it")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -227,9 +226,8 @@ def save_mcore_checkpoint(
         )
         if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
             meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
-        lora = getattr(
-            chunks[0], "lora_config", None
-        )  # rollhpc.models.lora: adapters saved beside the base
+        # rollhpc.models.lora: adapters saved beside the base
+        lora = getattr(chunks[0], "lora_config", None)
         if lora is not None:
             meta["lora"] = dataclasses.asdict(lora)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")

@@ -37,10 +37,11 @@ from rollhpc.checkpoint.storage import human_bytes
 # megatron's optimizer keys: [chained_N.]optimizer.state.<kind>.<parameter key>; chained_N when several
 # optimizers are chained (a MoE's dense and expert parameters)
 _STATE_KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.(\w+)\.")
+# distributed / non-distributed megatron
 _KIND_NAMES = {
     "param": "main params",
     "fp32_param": "main params",
-}  # distributed / non-distributed megatron
+}
 _KIND_ORDER = ("main params", "exp_avg", "exp_avg_sq")
 _RESHARDS = {
     "fully_reshardable": "gathered on DP rank 0 at save, loads at any TP/PP/DP layout",
@@ -137,9 +138,8 @@ def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: An
         for s in _found(common, "step") + _found(common, "common_step")
         if isinstance(s, (int, float))
     }
-    if adam and adam != {
-        step
-    }:  # megatron skipped an update (inf gradients under a loss scaler) the run counted
+    # megatron skipped an update (inf gradients under a loss scaler) the run counted
+    if adam and adam != {step}:
         saved += f" (Adam's own count: {', '.join(map(str, sorted(adam)))})"
     lines = [f"{role_dir.name}: {stack}, {saved}", "  " + _format(opt_dir, sharding)]
     try:

@@ -66,9 +66,8 @@ FORMAT = "rollhpc-checkpoint"
 FORMAT_VERSION = 1
 STEP_DIR_RE = re.compile(r"step_(\d+)")
 TMP_DIR_RE = re.compile(r"\.step_(\d+)\.tmp-\w+")
-_DEBRIS = re.compile(
-    r"\..+\.(tmp|trash)-\w+"
-)  # hidden temporaries: ours, from this or an earlier session
+# hidden temporaries: ours, from this or an earlier session
+_DEBRIS = re.compile(r"\..+\.(tmp|trash)-\w+")
 _CHUNK = 1 << 22
 _HASH_THREADS = min(8, os.cpu_count() or 1)  # hashlib releases the GIL on large buffers
 

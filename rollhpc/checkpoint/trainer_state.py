@@ -36,13 +36,14 @@ OPTIMIZER_DIR = "optimizer"
 RANKS_DIR = "ranks"
 # the role's optimizer_checkpoint -> megatron's distributed optimizer checkpoint format
 SHARDING_TYPES = {"sharded": "dp_reshardable", "reshardable": "fully_reshardable"}
+# what a dp_reshardable optimizer checkpoint is pinned to
 LAYOUT_KEYS = (
     "tp",
     "pp",
     "vpp",
     "ep",
     "etp",
-)  # what a dp_reshardable optimizer checkpoint is pinned to
+)
 
 
 def _rank_file(role_dir: Path, rank: int) -> Path:
@@ -75,9 +76,8 @@ def save_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
         worker.options.model_dir,
         {"optimizer_steps": worker.optimizer_steps},
     )
-    stepped = (
-        worker.optimizer_steps > 0
-    )  # before the first step megatron's optimizer has no state to save
+    # before the first step megatron's optimizer has no state to save
+    stepped = worker.optimizer_steps > 0
     if stepped:
         opt_dir = role_dir / OPTIMIZER_DIR
         if rank == 0:
@@ -135,9 +135,8 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
             f"({role_dir / MODEL_DIR}, e.g. converted with `rollhpc convert mcore-to-hf`)"
         )
     marker = saved_by["megatron_optimizer"]
-    sharding = marker.get(
-        "sharding_type", "fully_reshardable"
-    )  # (checkpoints of 2026-11-26 do not say)
+    # (checkpoints of 2026-11-26 do not say)
+    sharding = marker.get("sharding_type", "fully_reshardable")
     layout = _layout(worker)
     if (
         marker["stepped"]
@@ -168,9 +167,8 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
     load_mcore_checkpoint(worker.chunks, role_dir / MODEL_DIR)
     _load_without_per_parameter_step()
     worker.optimizer.reload_model_params()  # the fp32 main parameters from the model just loaded
-    if own["megatron_optimizer"][
-        "stepped"
-    ]:  # then the saved ones (the exact fp32 values), moments and step
+    # then the saved ones (the exact fp32 values), moments and step
+    if own["megatron_optimizer"]["stepped"]:
         _give_state_to_load_into(worker.optimizer)
         try:
             state = dist_checkpointing.load(
@@ -182,9 +180,8 @@ def load_trainer_state(worker: Any, role_dir: Path) -> dict[str, Any]:
                 f"cannot load the optimizer state in {role_dir / OPTIMIZER_DIR}: "
                 f"{type(e).__name__}: {e}"
             ) from e
-        with (
-            torch.no_grad()
-        ):  # fp32 parameters are their own main parameters: the load copies into the model's leaves
+        # fp32 parameters are their own main parameters: the load copies into the model's leaves
+        with torch.no_grad():
             worker.optimizer.load_state_dict(state)
         _restore_steps(worker.optimizer)
     worker.optimizer_steps = own["optimizer_steps"]

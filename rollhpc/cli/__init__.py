@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rollhpc {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> its parser, for main's errors
+    # the order `rollhpc --help` lists them in
     for add in (
         configs.add_parser,
         train.add_parser,
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         ckpt.add_parser,
         sandbox.add_parser,
         env.add_parser,
-    ):  # the order `rollhpc --help` lists them in
+    ):
         add(sub)
     return p
 

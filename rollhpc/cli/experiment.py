@@ -170,9 +170,8 @@ def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
             f"--resume: {run_dir} is not a run directory (no config.yaml); start it without --resume"
         )
     saved = yaml.safe_load(saved_path.read_text())
-    now = yaml.safe_load(
-        yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False)
-    )  # as config.yaml holds it
+    # as config.yaml holds it
+    now = yaml.safe_load(yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False))
     # where the run directory is was settled by finding it (a relative output_dir depends on the cwd), and
     # the machines (cluster.*: partition, time limit, nodes) do not change what a checkpoint holds
     # and export_hf only decides what is written after the last step (resuming a finished run with export_hf=final

@@ -162,9 +162,10 @@ class Residency:
         self.current = stage
         self.order.append(stage)
         drop, take = moves_for(needed, self.loaded, self.colocated, self.whole)
+        # a stage entered again adds to its numbers
         entry = self.record.setdefault(
             stage, {"offload_s": 0.0, "reload_s": 0.0, "offloaded_gb": 0.0, "reloaded_gb": 0.0}
-        )  # a stage entered again adds to its numbers
+        )
         for kind, moves, method in (
             ("offload", drop, "offload_states"),
             ("reload", take, "reload_states"),

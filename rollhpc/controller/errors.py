@@ -48,11 +48,12 @@ class WorkerDied(RunFailed):
         collective_timeout: bool = False,
     ):
         super().__init__(summary, details)
+        # method: the call it was running, "" if idle
         self.host, self.role, self.method = (
             host,
             role,
             method,
-        )  # method: the call it was running, "" if idle
+        )
         # it ended itself: NCCL's watchdog found a collective past its timeout (a peer's fault, as often as not)
         self.collective_timeout = collective_timeout
 

@@ -139,9 +139,8 @@ def classify(
     node's TCP connections may take keepalive's ~11 s to drop); a timeout, or an error on the controller
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
-    if (
-        isinstance(exc, WorkerDied) and exc.collective_timeout
-    ):  # a lost peer, whichever: no node is blamed
+    # a lost peer, whichever: no node is blamed
+    if isinstance(exc, WorkerDied) and exc.collective_timeout:
         return exc, _signed(
             FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog"
         )

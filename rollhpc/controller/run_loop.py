@@ -132,9 +132,8 @@ class RunLoop:
         restored = self.checkpointer.restore()
         if restored is None:
             start, restarts, metrics = 0, self._start_over(), {}
-            resume_step = (
-                -1 if restarts else None
-            )  # a start over drops every line of the sessions it replaces
+            # a start over drops every line of the sessions it replaces
+            resume_step = -1 if restarts else None
         else:
             checkpoint, state = restored
             start, restarts, metrics = state["step"], state["restarts"] + 1, state["eval"]
@@ -191,9 +190,8 @@ class RunLoop:
             if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
                 t_eval = self.clock()
                 metrics = steps.evaluate()
-                record.update(
-                    metrics, eval_s=self.clock() - t_eval
-                )  # part of step_s, not of training
+                # part of step_s, not of training
+                record.update(metrics, eval_s=self.clock() - t_eval)
                 eval_total += record["eval_s"]
             if report.trained:
                 record["step_s"] = self.clock() - t_step

@@ -116,12 +116,10 @@ class Controller:
         self.count_work = False
         self.send_cpu_s = 0.0
         self.reply_cpu_s = 0.0
-        self.call_s = {
-            rank: 0.0 for rank in ranks
-        }  # per rank: seconds inside calls, summed (from its replies)
-        self.cpu_s = {
-            rank: 0.0 for rank in ranks
-        }  # per rank: its process's CPU seconds at its last reply
+        # per rank: seconds inside calls, summed (from its replies)
+        self.call_s = {rank: 0.0 for rank in ranks}
+        # per rank: its process's CPU seconds at its last reply
+        self.cpu_s = {rank: 0.0 for rank in ranks}
 
     def log_path(self, rank: int) -> Path:
         return RunPaths(self.run_dir).logs / f"rank{rank}-{self.ranks[rank].role}.log"
@@ -161,9 +159,8 @@ class Controller:
         ranks = self.channel.shared_ranks.get(role) or self.channel.fanout_ranks[role]
         envelope = self._envelope(call_id, method, ranks)
         if role in self.channel.shared_ranks:
-            if not self.channel.send_shared(
-                role, TAG_CALL, envelope, enc
-            ):  # no room: one copy per rank
+            # no room: one copy per rank
+            if not self.channel.send_shared(role, TAG_CALL, envelope, enc):
                 log.warning(
                     "a %.0f MiB one-to-all payload for role %r did not fit in shared memory; sending "
                     "it to each rank",

@@ -108,9 +108,8 @@ class WorkerGroup:
         return RankProxy(self, group_rank)
 
     def submit_to(self, group_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
-        contract_of(
-            self.worker_cls, method
-        )  # the method must be remote; its dispatch mode does not apply
+        # the method must be remote; its dispatch mode does not apply
+        contract_of(self.worker_cls, method)
         keys = self.controller.submit(
             method, {self.world_ranks[group_rank]: Encoded.of((args, kwargs))}
         )

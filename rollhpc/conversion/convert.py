@@ -389,9 +389,8 @@ def hf_to_mcore(
     try:
         results = run_workers(job, world)
     except ConversionError:
-        shutil.rmtree(
-            dst.parent / f".{dst.name}.partial", ignore_errors=True
-        )  # save_mcore_checkpoint's
+        # save_mcore_checkpoint's
+        shutil.rmtree(dst.parent / f".{dst.name}.partial", ignore_errors=True)
         raise
     report.seconds = time.perf_counter() - t0
     report.tensors = len(tensors)
@@ -582,9 +581,8 @@ def _fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
 
 
 def _worker(rank: int, job: dict[str, Any], out: str) -> None:
-    warnings.simplefilter(
-        "ignore"
-    )  # megatron's "Transformer Engine / apex not installed" and the like
+    # megatron's "Transformer Engine / apex not installed" and the like
+    warnings.simplefilter("ignore")
     torch.set_num_threads(job["threads"])
     _fixed_mmap_threshold()
     try:
@@ -738,9 +736,8 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             bar = Progress(len(table), f"writing {dst.name}", enabled=job["progress"])
             for w in table:
                 full = reader.read([w.megatron])[w.megatron]
-                if (
-                    reader.lora is not None
-                ):  # a LoRA checkpoint: its adapters merged in (W + alpha/r B A)
+                # a LoRA checkpoint: its adapters merged in (W + alpha/r B A)
+                if reader.lora is not None:
                     full = _merged(reader, w.megatron, full)
                 for name, tensor in unshard_to_hf(w.layout, [full], w.hf, **kw).items():
                     writer.write(name, tensor)
@@ -753,9 +750,8 @@ def _mcore_to_hf_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
             if (src / HF_EXTRAS_DIR).is_dir():
                 copy_hf_extras(src / HF_EXTRAS_DIR, tmp)
-            write_generation_config_if_missing(
-                tmp, cfg
-            )  # as save_pretrained would have: vLLM reads its EOS
+            # as save_pretrained would have: vLLM reads its EOS
+            write_generation_config_if_missing(tmp, cfg)
             _replace(tmp, dst, job["overwrite"])
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

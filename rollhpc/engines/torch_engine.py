@@ -107,9 +107,8 @@ class _Model:
         n = 0
         pending: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in named:
-            if (
-                ".lora_A." in name or ".lora_B." in name
-            ):  # MODULE.lora_A.weight / MODULE.lora_B.weight
+            # MODULE.lora_A.weight / MODULE.lora_B.weight
+            if ".lora_A." in name or ".lora_B." in name:
                 module, _, rest = name.partition(".lora_")
                 pending.setdefault(module, {})[rest[0]] = tensor.detach().to(
                     device=self.device, dtype=torch.float32
@@ -217,22 +216,24 @@ class _Model:
             if prefill:
                 k_cache[li, slots, :, :t] = k.transpose(1, 2).to(k_cache.dtype)
                 v_cache[li, slots, :, :t] = v.transpose(1, 2).to(v_cache.dtype)
+                # [m, nh, t, hd]
                 out = F.scaled_dot_product_attention(
                     q.transpose(1, 2),
                     k.transpose(1, 2),
                     v.transpose(1, 2),
                     is_causal=True,
                     enable_gqa=nkv != nh,
-                )  # [m, nh, t, hd]
+                )
                 out = out.transpose(1, 2).reshape(m, t, nh * hd)
             else:  # running requests hold slots 0..m-1 in order (TorchGenerator keeps them packed)
                 rows = torch.arange(m, device=tokens.device)
                 k_cache[li, rows, :, positions] = k[:, 0].to(k_cache.dtype)
                 v_cache[li, rows, :, positions] = v[:, 0].to(v_cache.dtype)
+                # views [m, nkv, span, hd]
                 keys, values = (
                     k_cache[li, :m, :, :span],
                     v_cache[li, :m, :, :span],
-                )  # views [m, nkv, span, hd]
+                )
                 # the heads sharing a key/value head act as that head's queries: no copy of the cache per head.
                 # Plain matmuls: torch's CPU SDPA with a mask takes ~2x longer at these shapes
                 scores = torch.matmul(q.view(m, nkv, nh // nkv, hd).float(), keys.transpose(-1, -2))
@@ -531,9 +532,8 @@ class TorchGenerator(StepEngine):
         top_p = torch.tensor([r.top_p for r in reqs], device=logits.device)
         if bool((top_p < 1).any()):
             sorted_z, order = z.sort(dim=-1, descending=True)
-            before = sorted_z.softmax(-1).cumsum(-1) - sorted_z.softmax(
-                -1
-            )  # mass of the tokens ranked above
+            # mass of the tokens ranked above
+            before = sorted_z.softmax(-1).cumsum(-1) - sorted_z.softmax(-1)
             cut = (before >= top_p[:, None]) & ~greedy[:, None]
             z = z.masked_fill(torch.zeros_like(cut).scatter(-1, order, cut), -math.inf)
         logp = z.log_softmax(-1)

@@ -73,9 +73,8 @@ def repack_after_reload(worker: Any, gates: dict[int, torch.Tensor]) -> int:
         gate = gates[int(layer.group(1))]
         rows = gate.shape[0] // tp_size
         w13 = module.w13_weight
-        if (
-            w13.shape[1] != 2 * rows
-        ):  # vLLM padded the intermediate size: the layouts cannot be compared
+        # vLLM padded the intermediate size: the layouts cannot be compared
+        if w13.shape[1] != 2 * rows:
             log.warning(
                 "%s: MoE weights padded by vLLM (%d rows for %d); not checked after the reload",
                 name,

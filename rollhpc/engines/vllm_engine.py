@@ -420,9 +420,8 @@ class VllmGenerator(StepEngine):
                     self.weight_chunk_bytes,
                     self.tensor_parallel_size,
                 )
-        elif (
-            self.tensor_parallel_size > 1 or self.choices.separate_process
-        ):  # fallback: the model pickled whole
+        # fallback: the model pickled whole
+        elif self.tensor_parallel_size > 1 or self.choices.separate_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights)})
         else:  # the in-process executor calls the worker directly: a lazy iterator is fine
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -447,9 +446,8 @@ class VllmGenerator(StepEngine):
                 "max_lora_rank (the generate role's max_lora_rank option)"
             )
         request = self.lora.write({name: tensor for name, tensor in named_tensors})
-        self.llm.llm_engine.add_lora(
-            request
-        )  # load_inplace: the adapter's slot takes the new tensors
+        # load_inplace: the adapter's slot takes the new tensors
+        self.llm.llm_engine.add_lora(request)
         self.llm.reset_prefix_cache()  # cached prefixes were computed with the previous adapter
         self.version = version
 
@@ -496,9 +494,8 @@ class _AdapterSlot:
 
         shm = Path("/dev/shm")
         self.dir = Path(tempfile.mkdtemp(prefix="rollhpc-lora-", dir=shm if shm.is_dir() else None))
-        weakref.finalize(
-            self, shutil.rmtree, str(self.dir), True
-        )  # gone with the engine, or at exit
+        # gone with the engine, or at exit
+        weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.request: Any = None  # what requests name, once an adapter is loaded
 
     def write(self, tensors: dict[str, torch.Tensor]) -> Any:

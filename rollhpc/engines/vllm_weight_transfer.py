@@ -265,9 +265,8 @@ def send_cuda_ipc(
     handles: dict[str, tuple] = {}
     sent = 0
     collective_rpc("start_weight_update")
-    for chunk in chunks(
-        named_tensors, chunk_bytes, align=1
-    ):  # vLLM's consumer splits the chunk back to back
+    # vLLM's consumer splits the chunk back to back
+    for chunk in chunks(named_tensors, chunk_bytes, align=1):
         nbytes = chunk_nbytes(chunk)
         if not buffers or nbytes > buffers[0].numel():
             buffers = [

@@ -20,12 +20,13 @@ import re
 
 __all__ = ["DIRECTIONS", "OFFSETS", "parse_direction", "invalid_text"]
 
+# gymnasium FrozenLake's order: LEFT=0, DOWN=1, RIGHT=2, UP=3
 DIRECTIONS = (
     "left",
     "down",
     "right",
     "up",
-)  # gymnasium FrozenLake's order: LEFT=0, DOWN=1, RIGHT=2, UP=3
+)
 OFFSETS = {"left": (0, -1), "down": (1, 0), "right": (0, 1), "up": (-1, 0)}  # (row, column) steps
 _WORD = re.compile(r"\b(left|down|right|up)\b")
 _LETTER = {d[0]: d for d in DIRECTIONS}  # l, d, r, u

@@ -165,9 +165,8 @@ class EpisodeConnection:
         sock.setblocking(False)
 
     def send(self, obj: Any, timeout_s: float) -> None:
-        self.sock.settimeout(
-            timeout_s
-        )  # a command is small: this only waits if the child is gone strange
+        # a command is small: this only waits if the child is gone strange
+        self.sock.settimeout(timeout_s)
         try:
             self.sock.sendall(_frame(obj))
         finally:
@@ -235,9 +234,8 @@ def _episode_main(sock: socket.socket, spec: dict[str, Any]) -> None:
     finally:
         close = getattr(env, "close", None)
         if callable(close):
-            signal.signal(
-                signal.SIGALRM, signal.SIG_DFL
-            )  # the kernel ends us if close() hangs, GIL or not
+            # the kernel ends us if close() hangs, GIL or not
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
             signal.setitimer(signal.ITIMER_REAL, spec["close_timeout_s"])
             try:
                 close()
@@ -263,10 +261,11 @@ def _fork_episode(control: socket.socket, spec: dict[str, Any]) -> tuple[int, so
         except BaseException:  # noqa: BLE001
             code = 1
         finally:
+            # what the environment printed (os._exit skips flushing)
             for stream in (
                 sys.stdout,
                 sys.stderr,
-            ):  # what the environment printed (os._exit skips flushing)
+            ):
                 try:
                     stream.flush()
                 except Exception:  # noqa: BLE001
@@ -318,9 +317,8 @@ def _host_main(control_fd: int) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    sys.path[:] = spec[
-        "sys_path"
-    ]  # the rank's import path: environments named by its modules import here
+    # the rank's import path: environments named by its modules import here
+    sys.path[:] = spec["sys_path"]
     try:
         env_class(spec["env"])  # import once here, so every episode process shares the code
     except BaseException as e:  # noqa: BLE001
@@ -332,9 +330,8 @@ def _host_main(control_fd: int) -> None:
     try:
         _host_loop(control, spec, live)
     finally:
-        _end_children(
-            live, 0.0
-        )  # the rank is gone (or this loop broke): no episode process outlives us
+        # the rank is gone (or this loop broke): no episode process outlives us
+        _end_children(live, 0.0)
 
 
 def _host_loop(control: socket.socket, spec: dict[str, Any], live: set[int]) -> None:
@@ -389,9 +386,8 @@ class EnvHost:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         environ = {**os.environ, **SINGLE_THREADED}
-        root = str(
-            Path(__file__).resolve().parents[2]
-        )  # rollhpc's own location, before anything else
+        # rollhpc's own location, before anything else
+        root = str(Path(__file__).resolve().parents[2])
         environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, environ.get("PYTHONPATH")) if p)
         try:
             self.proc = subprocess.Popen(
@@ -441,9 +437,8 @@ class EnvHost:
                 kind, arg = pickle.loads(data)
                 if kind == "forked" and fds:
                     out.append((arg, socket.socket(fileno=fds[0])))
-                elif (
-                    kind == "forked"
-                ):  # the socket did not arrive (this process is out of file descriptors)
+                # the socket did not arrive (this process is out of file descriptors)
+                elif kind == "forked":
                     self.kill([arg])
                     out.append(
                         "error: cannot receive an environment process's socket (open files limit?)"
@@ -452,9 +447,8 @@ class EnvHost:
                     out.append(f"error: {arg}")
         except (OSError, EOFError) as e:
             out += [f"error: cannot start an environment process: {_describe(e)}"] * (n - len(out))
-            if isinstance(
-                e, TimeoutError
-            ):  # a host that stopped answering is replaced (its episodes end)
+            # a host that stopped answering is replaced (its episodes end)
+            if isinstance(e, TimeoutError):
                 log.error("env role: the environment host process stopped answering; replacing it")
                 self.stop(0.0)
         return out

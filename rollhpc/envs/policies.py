@@ -32,9 +32,8 @@ __all__ = ["Action", "Policy", "RandomPolicy", "ExpertPolicy", "ModelPolicy", "m
 @dataclass(frozen=True)
 class Action:
     text: str  # what the environment is given
-    ids: list[int] = field(
-        default_factory=list
-    )  # a model policy's generated ids, as generated (EOS included)
+    # a model policy's generated ids, as generated (EOS included)
+    ids: list[int] = field(default_factory=list)
     finish_reason: str = (
         ""  # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
     )

@@ -67,6 +67,7 @@ class PythonTool:
     e.g. ``{digits: 3, ops: [+, -, "*"]}``), ``max_turns`` (default 4), ``unsafe`` (run code without isolation,
     default False), ``wall_s`` (per tool call, default 5), ``max_output_chars`` (observation cap, default 200)."""
 
+    # what a random policy picks from (the last one is invalid)
     ACTIONS = (
         "python: print(2 + 3)",
         "python: 12 * 34",
@@ -75,7 +76,7 @@ class PythonTool:
         "answer: 408",
         "answer: (1 + 2) * 3",
         "hello",
-    )  # what a random policy picks from (the last one is invalid)
+    )
 
     def __init__(
         self,
@@ -111,9 +112,8 @@ class PythonTool:
             output_bytes=4096,
             tmpfs_mb=8,
         )
-        self.sandbox = Sandbox(
-            limits, unsafe=unsafe
-        )  # raises SandboxUnavailable where it cannot isolate
+        # raises SandboxUnavailable where it cannot isolate
+        self.sandbox = Sandbox(limits, unsafe=unsafe)
         self.example: Any = None
         self._turn, self._tool_calls, self._done = 0, 0, True
         self._last_output: str | None = None  # the last tool call's stdout when it succeeded
@@ -193,12 +193,13 @@ class PythonTool:
         return f"answer: {self.task.completion(ex).strip()}"
 
 
+# (function, symbol, commutative)
 _COMBINE = (
     (operator.add, "+", True),
     (operator.sub, "-", False),
     (operator.mul, "*", True),
     (operator.truediv, "/", False),
-)  # (function, symbol, commutative)
+)
 
 
 def solve_countdown(numbers: tuple[int, ...], target: int, budget: int = 100_000) -> str | None:

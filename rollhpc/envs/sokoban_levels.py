@@ -185,9 +185,8 @@ def generate(
         if not floor:
             continue
         boxes, player = set(room.targets), floor[randint(rng, 0, len(floor) - 1)]
-        for _ in range(
-            randint(rng, 2 * size, 6 * size) * n_boxes
-        ):  # the backward walk: moves and pulls
+        # the backward walk: moves and pulls
+        for _ in range(randint(rng, 2 * size, 6 * size) * n_boxes):
             d = randint(rng, 0, 3)
             nxt, behind = room.neighbours[player][d], room.neighbours[player][(d + 2) % 4]
             if nxt == BLOCKED or nxt in boxes:

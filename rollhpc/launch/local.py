@@ -100,10 +100,11 @@ def rank_environment(cfg: ExperimentConfig) -> dict[str, str]:
     return env
 
 
+# MPICH's segments, the controller's one-to-all payloads
 SHM_PREFIXES = (
     "mpich_shm_",
     FANOUT_PREFIX,
-)  # MPICH's segments, the controller's one-to-all payloads
+)
 
 
 def shm_segments() -> set[str]:
@@ -263,9 +264,8 @@ def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
             f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n",
         ),
     )
-    console_env, console_fds = (
-        console_for_ranks()
-    )  # the ranks write to our console, not through mpiexec
+    # the ranks write to our console, not through mpiexec
+    console_env, console_fds = console_for_ranks()
     launched = time.time() - 0.05  # (a file's time may lag the clock by a few ms)
     try:
         proc = subprocess.Popen(

@@ -86,9 +86,8 @@ def _watch(
     deadline = time.monotonic() + timeout_s
     initialized, ending = False, None
     while (left := deadline - time.monotonic()) > 0:
-        if (
-            _received and ending is None
-        ):  # the step is being ended: the rank gets a short grace to go
+        # the step is being ended: the rank gets a short grace to go
+        if _received and ending is None:
             ending = signal.Signals(_received[0]).name
             deadline = min(deadline, time.monotonic() + SIGNAL_GRACE_S)
             continue

@@ -50,9 +50,8 @@ def render(
         yield f"  {note}"
     layouts = {name: role.layout() for name, role in cfg.roles.items()}
     if ranks:
-        w = max(
-            [12, *(len(name) + 1 for name in cfg.roles)]
-        )  # the role column fits the longest name
+        # the role column fits the longest name
+        w = max([12, *(len(name) + 1 for name in cfg.roles)])
         yield f"{'rank':>6} {'role':<{w}} {'grank':>5} {'het':>3} {'node':>4} {'gpus':<7} {'tp':>3} {'cp':>3} {'dp':>4} {'pp':>3}"
         for p in plan.ranks:
             if p.role == CONTROLLER_ROLE:

@@ -187,9 +187,8 @@ def requeue(
 ) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
     ``per_group[i]`` from het group i only."""
-    signal.signal(
-        signal.SIGTERM, signal.SIG_IGN
-    )  # requeuehold kills the batch script; finish the release first
+    # requeuehold kills the batch script; finish the release first
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     per_group = per_group or {}
     log_event(
         run_dir,
@@ -208,9 +207,8 @@ def requeue(
             **({"failure": failure} if failure else {}),
         },
     )
-    for comp in _job_components(
-        job_id
-    ):  # the run's jobs are --no-requeue (a rescue job continues them):
+    # the run's jobs are --no-requeue (a rescue job continues them):
+    for comp in _job_components(job_id):
         scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
     if not exclude and not per_group:
         res = scontrol("requeue", job_id)
@@ -313,9 +311,8 @@ def cmd_start(run_dir: Path) -> int:
         )
         print(SUPERSEDED, flush=True)
         return 0
-    if (
-        job_id and successor != job_id
-    ):  # this job takes the run over (submitted by hand, or the record is older)
+    # this job takes the run over (submitted by hand, or the record is older)
+    if job_id and successor != job_id:
         RunPaths(run_dir).slurm.mkdir(parents=True, exist_ok=True)
         atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
     if job_id:
@@ -346,9 +343,8 @@ def cmd_start(run_dir: Path) -> int:
             if ended
             else "killed without a report (its batch node lost, or scancel)"
         )
-    RunPaths(run_dir).world.unlink(
-        missing_ok=True
-    )  # an earlier attempt's world; this one's proves it formed
+    # an earlier attempt's world; this one's proves it formed
+    RunPaths(run_dir).world.unlink(missing_ok=True)
     log_event(
         run_dir,
         {
@@ -387,9 +383,8 @@ def controller_ended(run_dir: Path) -> str | None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.waitpid(
-            pid, os.WNOHANG
-        )  # reaps it if it is our child (tests); the batch shell reaps srun
+        # reaps it if it is our child (tests); the batch shell reaps srun
+        os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
         pass
     try:
@@ -428,9 +423,8 @@ def cmd_watch(
     (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``.
     A world that has not formed ``world_timeout_s`` after srun started, with no rank's guard heard from (the
     ranks never started: srun itself is stuck), is recorded as a start-up failure and ended the same way."""
-    signal.signal(
-        signal.SIGUSR1, signal.SIG_IGN
-    )  # the time-limit warning is the batch shell's business
+    # the time-limit warning is the batch shell's business
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     how = None
     started = time.monotonic()
     while _alive(srun_pid) and not (how := controller_ended(run_dir)):
@@ -469,16 +463,14 @@ def cmd_watch(
             "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended",
         },
     )
-    for step in (
-        steps
-    ):  # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
+    # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
+    for step in steps:
         try:  # requeue that follows ends whatever of the step is left anyway
             scancel_detached("--signal=KILL", step)
         except OSError as e:
             print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
-    deadline = (
-        time.monotonic() + 1
-    )  # a srun waiting for a lost node's task may outlive its cancelled step
+    # a srun waiting for a lost node's task may outlive its cancelled step
+    deadline = time.monotonic() + 1
     while _alive(srun_pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     if _alive(srun_pid):
@@ -568,9 +560,8 @@ def _after(
             f"rollhpc requeue: srun exited {srun_status}, the controller {status}: deciding by the controller's",
             file=sys.stderr,
         )
-    if status != 0 and (
-        done := finished_run(run_dir)
-    ):  # e.g. a worker lost after the final checkpoint
+    # e.g. a worker lost after the final checkpoint
+    if status != 0 and (done := finished_run(run_dir)):
         return _end(
             run_dir,
             0,
@@ -630,9 +621,8 @@ def _after(
                 f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
                 "crash in native code or out of memory), not restarted again",
             )
-        if (
-            kind != FailureKind.LOST_WORKER
-        ):  # which node is at fault is unknown: the next attempt gets the same nodes
+        # which node is at fault is unknown: the next attempt gets the same nodes
+        if kind != FailureKind.LOST_WORKER:
             return restart(run_dir, job_id, what, set(), failure)
         failed = failed_nodes(run_dir)
         return restart(

@@ -71,12 +71,10 @@ def live_jobs_of_run(run_dir: Path, job_name: str) -> list[str]:
     mine = str(RunPaths(Path(run_dir).resolve()).slurm) + "/"
     live = []
     for jid in sorted(set(j.split("+")[0] for j in out.split())):
-        for r in (
-            job_records(jid) or []
-        ):  # every component: one still RUNNING makes the job live, and an
-            if (
-                r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ENDED_STATES
-            ):  # ended one not
+        # every component: one still RUNNING makes the job live, and an
+        for r in job_records(jid) or []:
+            # ended one not
+            if r.get("StdOut", "").startswith(mine) and r.get("JobState") not in ENDED_STATES:
                 live.append(jid)
                 break
     return live
@@ -125,12 +123,10 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
         records = job_records(job_id) or []
     states = sorted({r.get("JobState", "") for r in records})
     # COMPLETING counts as ended: a het job's components end one by one (one NODE_FAIL, another still COMPLETING)
-    if any(
-        st not in ENDED_STATES for st in states
-    ):  # requeued in place, running again: its next start makes
-        return say(
-            NOTHING, f"job {job_id} is {'/'.join(states)} again"
-        )  # sure it has a rescue (ensure_rescue)
+    # requeued in place, running again: its next start makes
+    if any(st not in ENDED_STATES for st in states):
+        # sure it has a rescue (ensure_rescue)
+        return say(NOTHING, f"job {job_id} is {'/'.join(states)} again")
     if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
         return say(NOTHING, f"job {live[0]} of the run is pending or running")
     how = "/".join(st for st in states if st != "COMPLETING") or "unknown to Slurm"

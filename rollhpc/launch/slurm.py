@@ -182,9 +182,8 @@ def _rank_command(container: ContainerConfig, comp: Component, run_dir: Path, py
     mounts = shlex.quote(",".join(container_mounts(container, run_dir)))
     extra = "".join(f" {shlex.quote(opt)}" for opt in container.extra)
     inner = shlex.quote(container.python)
-    if (
-        container.kind == "apptainer"
-    ):  # --nv: the host's driver libraries and GPU devices, where there are GPUs
+    # --nv: the host's driver libraries and GPU devices, where there are GPUs
+    if container.kind == "apptainer":
         return (
             f"apptainer exec{' --nv' if comp.gpus_per_node else ''} --bind {mounts}{extra} "
             f"{shlex.quote(container.image)} {inner} -m rollhpc.rank {run}"
@@ -259,9 +258,8 @@ def _srun_segment(cfg: ExperimentConfig, comp: Component, het: bool) -> str:
     else:
         opts += [f"--ntasks-per-node={comp.ntasks_per_node}", "--distribution=block"]
     opts += [f"--cpus-per-task={comp.cpus_per_task}", f"--cpu-bind={cfg.cluster.cpu_bind}"]
-    if (
-        comp.gpus_per_node
-    ):  # every GPU of the node visible to each rank; a site default of --gpu-bind undone
+    # every GPU of the node visible to each rank; a site default of --gpu-bind undone
+    if comp.gpus_per_node:
         opts += [f"--gres=gpu:{comp.gpus_per_node}", "--gpu-bind=none"]
     return " ".join(opts + [f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task}"])
 
@@ -329,9 +327,8 @@ def render_sbatch(
         '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
         'case "$started" in finished|superseded|requeued) exit 0;; esac',
     ]
-    het = (
-        len(plan.components) > 1
-    )  # a single component is a plain job: srun refuses --het-group there
+    # a single component is a plain job: srun refuses --het-group there
+    het = len(plan.components) > 1
     segments = [
         _srun_segment(cfg, comp, het) + " " + _rank_command(container, comp, run_dir, python)
         for comp in plan.components
@@ -388,9 +385,8 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
         "#SBATCH --time=10",
         "#SBATCH --no-requeue",
     ]
-    cpu = cpu_group_resources(
-        c
-    )  # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
+    # a CPU job: where the controller's group runs, unless rescue_partition says otherwise
+    cpu = cpu_group_resources(c)
     for key, value in (
         ("partition", c.rescue_partition or cpu.partition),
         ("account", cpu.account),
@@ -425,9 +421,8 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
     paths = RunPaths(run_dir)
     folder = paths.slurm
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(
-        paths.batch_script, render_sbatch(cfg, plan, run_dir)
-    )  # what a restart submits again
+    # what a restart submits again
+    atomic_write_text(paths.batch_script, render_sbatch(cfg, plan, run_dir))
     rescue_script = paths.rescue_script
     if cfg.cluster.requeue:
         atomic_write_text(rescue_script, render_rescue(cfg, run_dir))
@@ -480,9 +475,8 @@ def wait_for_job(
                 continue
             rescue = rescue_jobs(run_dir).get(job_id) if run_dir is not None else None
             if rescue and any(st not in TERMINAL for st in component_states(rescue).values()):
-                time.sleep(
-                    poll_s
-                )  # its rescue job decides whether the run goes on (rollhpc.launch.rescue)
+                # its rescue job decides whether the run goes on (rollhpc.launch.rescue)
+                time.sleep(poll_s)
                 continue
             bad = [st for st in states.values() if st != "COMPLETED"]
             return bad[0] if bad else "COMPLETED"

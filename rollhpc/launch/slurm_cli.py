@@ -28,9 +28,8 @@ TERMINAL = frozenset(
         "OUT_OF_MEMORY",
     }
 )
-ENDED = TERMINAL | {
-    "COMPLETING"
-}  # a job that only completes on a dead node will not run the run again
+# a job that only completes on a dead node will not run the run again
+ENDED = TERMINAL | {"COMPLETING"}
 HOLD_STATES = {"REQUEUE_HOLD", "SPECIAL_EXIT"}  # requeued and held, whatever the Reason says
 # `Key=value` pairs of `scontrol show job -o`; a value runs up to the next ` Key=` (Slurm writes a Reason's
 # spaces as underscores, but Comment=, Command= ... may hold spaces)

@@ -366,9 +366,8 @@ def render(report: Mapping[str, Any]) -> list[str]:
     if report["error"]:
         lines.append(f"error          {report['error']['summary']}")
     if failure := report.get("last_failure"):
-        kind = FailureKind.of(
-            failure.get("kind")
-        )  # a kind this rollhpc does not know shows as recorded
+        # a kind this rollhpc does not know shows as recorded
+        kind = FailureKind.of(failure.get("kind"))
         lines.append(
             f"last failure   {failure.get('kind') if kind is None else kind.description}, {failure['then']}"
             + (f" without {', '.join(failure['hosts'])}" if failure.get("hosts") else "")

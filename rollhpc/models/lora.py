@@ -89,20 +89,17 @@ class LoraAdapter(torch.nn.Module):
             tp_size,
         )
         self.dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()
-        full_a = _initial_a(
-            config.rank, in_features, config.seed, init_key
-        )  # [r, in], the same on every layout
+        # [r, in], the same on every layout
+        full_a = _initial_a(config.rank, in_features, config.seed, init_key)
         if mode == "row":
             full_a = full_a[:, tp_rank * shard_in : (tp_rank + 1) * shard_in]
-        self.lora_a = torch.nn.Parameter(
-            full_a.to(dtype=dtype, device=device).contiguous()
-        )  # [r, in or in/tp]
+        # [r, in or in/tp]
+        self.lora_a = torch.nn.Parameter(full_a.to(dtype=dtype, device=device).contiguous())
         self.lora_b = torch.nn.Parameter(
             torch.zeros(shard_out, config.rank, dtype=dtype, device=device)
         )
-        sharded = (
-            self.lora_b if mode == "column" else self.lora_a
-        )  # megatron's TP attributes: grad norm, checkpoints
+        # megatron's TP attributes: grad norm, checkpoints
+        sharded = self.lora_b if mode == "column" else self.lora_a
         sharded.tensor_model_parallel, sharded.partition_dim, sharded.partition_stride = (
             True,
             1 - (mode == "column"),
@@ -117,9 +114,8 @@ class LoraAdapter(torch.nn.Module):
             reduce_from_tensor_model_parallel_region,
         )
 
-        a = torch.nn.functional.linear(
-            self.dropout(x).to(self.lora_a.dtype), self.lora_a
-        )  # [s, b, r]
+        # [s, b, r]
+        a = torch.nn.functional.linear(self.dropout(x).to(self.lora_a.dtype), self.lora_a)
         if self.tp_size > 1:
             a = (
                 copy_to_tensor_model_parallel_region(a, group=self.tp_group)
@@ -172,9 +168,8 @@ def _initial_a(rank: int, in_features: int, seed: int, key: int) -> torch.Tensor
     """Kaiming-uniform (a = sqrt(5), as torch's Linear and PEFT draw A), from a generator of its own: the same
     numbers whatever the layout, and the caller's RNG untouched."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + key) & 0x7FFF_FFFF_FFFF_FFFF)
-    bound = 1.0 / math.sqrt(
-        in_features
-    )  # kaiming_uniform with a=sqrt(5): gain * sqrt(3 / fan_in) = 1/sqrt(fan_in)
+    # kaiming_uniform with a=sqrt(5): gain * sqrt(3 / fan_in) = 1/sqrt(fan_in)
+    bound = 1.0 / math.sqrt(in_features)
     return (torch.rand(rank, in_features, generator=g, dtype=torch.float32) * 2 - 1) * bound
 
 

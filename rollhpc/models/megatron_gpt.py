@@ -122,9 +122,8 @@ def hf_arch(hf_config: Any) -> Arch:
         )
     experts = 0
     if kind in MOE_MODEL_TYPES:
-        experts = int(
-            cfg.get("num_experts") or cfg.get("num_local_experts") or 0
-        )  # transformers 5 writes either
+        # transformers 5 writes either
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         if experts < 1:
             raise NotImplementedError(
                 f"{kind} with num_experts={experts}: a MoE config without experts"
@@ -260,9 +259,8 @@ def weight_map(
         )
         if not tie_word_embeddings:
             m.append(WeightMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
-        elif (
-            not embedding
-        ):  # tied, on a last pipeline stage without the embedding: megatron's copy of it
+        # tied, on a last pipeline stage without the embedding: megatron's copy of it
+        elif not embedding:
             m.append(WeightMapping("output_layer.weight", ("model.embed_tokens.weight",), "vocab"))
     return m
 
@@ -323,9 +321,8 @@ def shard_hf_weight(
     if ng < 1 or ng % tp_size:
         raise ValueError(f"num_query_groups={ng} must be a positive multiple of tp={tp_size}")
     rest = q.shape[1:]
-    groups = slice(
-        tp_rank * ng // tp_size, (tp_rank + 1) * ng // tp_size
-    )  # this rank's query groups only
+    # this rank's query groups only
+    groups = slice(tp_rank * ng // tp_size, (tp_rank + 1) * ng // tp_size)
     fused = torch.cat([t.reshape(ng, -1, *rest)[groups] for t in (q, k, v)], dim=1)
     return fused.reshape(-1, *rest)
 
@@ -542,9 +539,8 @@ def build_gpt_model(
         _patch_router_without_te()
     tp = parallel_state.get_tensor_model_parallel_world_size() if tp is None else tp
     sizes = _parallel_sizes()
-    if (
-        not arch.num_experts
-    ):  # a dense model ignores the expert grid (megatron refuses ep > 1 without experts)
+    # a dense model ignores the expert grid (megatron refuses ep > 1 without experts)
+    if not arch.num_experts:
         sizes = {k: v for k, v in sizes.items() if not k.startswith("expert_")}
     config = transformer_config_from_hf(
         cfg, tp, params_dtype=params_dtype, **{**sizes, **overrides}

@@ -62,9 +62,8 @@ class RunSeries:
     name: str
     run_dir: Path
     records: list[dict[str, Any]]
-    restarts: list[tuple[float, str]] = field(
-        default_factory=list
-    )  # (minutes since the run's start, label)
+    # (minutes since the run's start, label)
+    restarts: list[tuple[float, str]] = field(default_factory=list)
 
     def column(self, key: str) -> tuple[list[float], list[float]]:
         """(steps, values) where the key was logged."""
@@ -285,9 +284,8 @@ def summarize(run: RunSeries) -> list[str]:
             + f" of {total / max(len(trained), 1):.2f} s"
         )
     roles = sorted({k.split("/")[1] for r in trained for k in r if k.startswith("load/")})
-    if (
-        roles
-    ):  # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
+    # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
+    if roles:
         parts = []
         for role in roles:
             busy = [

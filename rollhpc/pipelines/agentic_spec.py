@@ -42,9 +42,8 @@ class AgenticWarmStart:
     seed: int = 0
     vocab_size: int = 512
     spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
-    sft: dict[str, Any] = field(
-        default_factory=dict
-    )  # SftConfig fields (target_accuracy: episode success)
+    # SftConfig fields (target_accuracy: episode success)
+    sft: dict[str, Any] = field(default_factory=dict)
     episodes: int = 2000  # expert episodes to learn from (training seeds)
     # characters the tokenizer keeps one token each (a grid's cells: rows of a fixed token length), e.g. "_#.B*P+\n"
     unmerged: str = ""
@@ -56,9 +55,8 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
     required_roles = ("train", "generate", "env")
 
     @dataclass(kw_only=True)
-    class Options(
-        TrainingOptions
-    ):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
+    # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
+    class Options(TrainingOptions):
         # here rollout.max_tokens is per turn, and PPO's GAE runs over the generated tokens of a row (the
         # environment's tokens between turns are skipped: a turn's last token looks ahead to the next turn's first)
         warm_start: AgenticWarmStart | None = None  # build it into model_dir when absent

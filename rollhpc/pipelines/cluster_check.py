@@ -372,9 +372,8 @@ class ClusterCheck(Pipeline):
     @dataclass(kw_only=True)
     class Options:
         experiment: str = ""  # the checked experiment (its name or path: the table's title)
-        pipeline: dict[str, Any] = field(
-            default_factory=dict
-        )  # its pipeline section: entry and options
+        # its pipeline section: entry and options
+        pipeline: dict[str, Any] = field(default_factory=dict)
         allreduce_mib: list[float] = field(default_factory=lambda: [1.0, 16.0, 64.0])
         iters: int = 5  # timed collectives per size (after one warm-up)
         expected_intra_node_gbps: float = (
@@ -561,10 +560,11 @@ class ClusterCheck(Pipeline):
 
         o = self.options
         store = open_store(timeout_s=300.0)  # the controller hosts every probe group's rendezvous
+        # the fabric's address where one is configured
         address = (
             rendezvous_host(),
             int(store.port),
-        )  # the fabric's address where one is configured
+        )
         sizes = [int(m * MIB) for m in o.allreduce_mib]
         rows = []
         for i, (check, what, ranks) in enumerate(bandwidth_groups(plan, probed)):
@@ -654,9 +654,8 @@ class ClusterCheck(Pipeline):
             config = dataclasses.replace(
                 config, pipeline=config_mod.PipelineConfig(entry=o.pipeline["entry"], options=opts)
             )
-        inner = cls(
-            self.workers, dataclasses.replace(self.run_ctx, config=config), opts
-        )  # what start-up offloaded too
+        # what start-up offloaded too
+        inner = cls(self.workers, dataclasses.replace(self.run_ctx, config=config), opts)
         if isinstance(inner, TrainingPipeline):
             inner.evaluate = lambda: {}  # the held-out evaluation is not what a cluster check times
         started = time.perf_counter()

@@ -31,21 +31,18 @@ class DomainConfig:
     task: str  # a task module (rollhpc.tasks.NAME or an import path)
     options: dict[str, Any] = field(default_factory=dict)  # the task's make_splits keywords
     share: float  # of every batch's prompts (shares of all domains sum to 1)
-    rewards: list[str] = field(
-        default_factory=lambda: ["reward"]
-    )  # reward roles that score it (all of them)
-    weights: dict[str, float] = field(
-        default_factory=dict
-    )  # reward component -> weight (absent: 1)
+    # reward roles that score it (all of them)
+    rewards: list[str] = field(default_factory=lambda: ["reward"])
+    # reward component -> weight (absent: 1)
+    weights: dict[str, float] = field(default_factory=dict)
     dynamic_sampling: bool | None = None  # None: rollout.dynamic_sampling
     accuracy: str | None = None  # the component held-out accuracy reads (None: the combined reward)
 
     def __post_init__(self) -> None:
         from rollhpc.tasks import task_module
 
-        check = getattr(
-            task_module(self.task), "check_options", None
-        )  # tasks over files validate them at load
+        # tasks over files validate them at load
+        check = getattr(task_module(self.task), "check_options", None)
         if check is not None:
             self.options = check(dict(self.options))
         if not 0 < self.share <= 1:

@@ -237,9 +237,8 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
                 self.prompts, o.prompts_per_step, self.policy.version
             )
         times = {"rollout_s": rstats.wall_s}
-        if (
-            not groups
-        ):  # every group was uniform (dynamic sampling): nothing to learn from this step
+        # every group was uniform (dynamic sampling): nothing to learn from this step
+        if not groups:
             log.warning(
                 "step %d: no group with differing rewards in %d started; no update this step",
                 step,
@@ -260,9 +259,8 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
                 held=self._held_while_training(training, critic_pending),
             )
         stats = self.training_result(training, critic_pending, t, times)
-        if (
-            kl_ref is not None
-        ):  # the KL this batch was generated with steers the next batch's coefficient
+        # the KL this batch was generated with steers the next batch's coefficient
+        if kl_ref is not None:
             times["kl_scale"] = self.kl_control.update(kl_ref, len(samples))
         self.publish_policy(times)
         record = self._metrics(step, self.policy.version, samples, rstats, stats, times)
@@ -406,9 +404,8 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         kl, kl_ref = None, None
         if ref_logprob is not None:
             kl = (old_logprob - ref_logprob) * mask
-            kl_ref = times["kl_ref"] = float(
-                kl.sum() / max(mask.sum(), 1)
-            )  # per token, k1 estimate
+            # per token, k1 estimate
+            kl_ref = times["kl_ref"] = float(kl.sum() / max(mask.sum(), 1))
         kl_in_reward = o.kl_in_reward * self.kl_control.scale
         if o.algorithm == "ppo":
             token_rewards = adv_mod.token_level_rewards(

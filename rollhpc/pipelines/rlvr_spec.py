@@ -37,18 +37,16 @@ log = logging.getLogger("rollhpc.rlvr")
 @dataclass(kw_only=True)
 class TaskConfig:
     name: str = "arithmetic"  # a module of rollhpc.tasks (arithmetic, countdown, freeform_math, pyfunc) or a path
-    options: dict[str, Any] = field(
-        default_factory=dict
-    )  # the task's make_splits keywords (digits, ops, ...)
+    # the task's make_splits keywords (digits, ops, ...)
+    options: dict[str, Any] = field(default_factory=dict)
     n_train: int = 20000
     n_heldout: int = 200
     split_seed: int = 1234  # ignored when model_dir has an sft_report.json (its splits are used)
 
     def __post_init__(self) -> None:
         task = task_module(self.name)
-        check = getattr(
-            task, "check_options", None
-        )  # tasks over files read and validate them here, at load
+        # tasks over files read and validate them here, at load
+        check = getattr(task, "check_options", None)
         if check is not None:
             self.options = check(dict(self.options))
 
@@ -71,12 +69,10 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
     required_roles = ("train", "generate")  # and "reward", or the reward roles each domain names
 
     @dataclass(kw_only=True)
-    class Options(
-        TrainingOptions
-    ):  # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
-        task: TaskConfig = field(
-            default_factory=TaskConfig
-        )  # with domains: its n_train/n_heldout are the totals
+    # model_dir, steps, algorithm, rollout, loss, ...: TrainingOptions
+    class Options(TrainingOptions):
+        # with domains: its n_train/n_heldout are the totals
+        task: TaskConfig = field(default_factory=TaskConfig)
         # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
         domains: dict[str, DomainConfig] = field(default_factory=dict)
         warm_start: WarmStart | None = (
@@ -86,9 +82,8 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
         kl_in_reward: float = (
             0.0  # coefficient of KL(policy || reference) subtracted from token rewards
         )
-        reward_norm: RewardNormConfig = field(
-            default_factory=RewardNormConfig
-        )  # running mean/std of rewards
+        # running mean/std of rewards
+        reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)
         # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.
         # Async (max_staleness >= 1) wants "generator": the trainer's are those of the weights being trained, so a
         # one-step update has ratio 1 and its clip never bounds the step away from the policy that sampled
@@ -186,9 +181,10 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
         """For ``rollhpc train --dry-run``: the first training prompts exactly as the policy will see them
         (chat template or plain text), with their token counts, and the longest prompt of each split against
         the generator's ``max_model_len`` (ValueError when one does not fit). Needs the model's tokenizer here."""
+        # the preview alone needs the tokenizer: not at the top
         from transformers import (
             AutoTokenizer,
-        )  # the preview alone needs the tokenizer: not at the top
+        )
 
         model_dir = Path(options.model_dir)
         if not (model_dir / "config.json").is_file():

@@ -105,9 +105,8 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         if mode != "relay" and plan_path.exists():
             from rollhpc.placement.device_mapping import WorldPlan
 
-            routing = route_weights(
-                WorldPlan.load(plan_path), mode
-            )  # checked at load too (plan_world)
+            # checked at load too (plan_world)
+            routing = route_weights(WorldPlan.load(plan_path), mode)
         if mode == "auto":
             mode = routing.mode if routing is not None and routing.routes else "broadcast"
         self.weight_sync = WeightSync(

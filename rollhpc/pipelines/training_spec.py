@@ -36,9 +36,8 @@ class TrainingOptions:
     algorithm: Literal["grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"  # ppo needs a critic role
     grpo_scale: bool = True  # divide by the group's std (False: Dr. GRPO)
     loss: LossConfig = field(default_factory=LossConfig)
-    kl_control: KlControlConfig = field(
-        default_factory=KlControlConfig
-    )  # fixed, or adaptive to a target KL
+    # fixed, or adaptive to a target KL
+    kl_control: KlControlConfig = field(default_factory=KlControlConfig)
     gamma: float = 1.0  # PPO/GAE discount and lambda
     lam: float = 0.95
     value_clip: float | None = 0.2  # PPO critic's value clipping (None: off)
@@ -60,9 +59,8 @@ class TrainingOptions:
     # colocated roles take turns on their devices: each stage offloads what it does not use
     # (rollhpc.controller.colocation); off: they stay resident together
     offload: bool = False
-    checkpoint: CheckpointConfig = field(
-        default_factory=CheckpointConfig
-    )  # RUN_DIR/checkpoints, resume
+    # RUN_DIR/checkpoints, resume
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # final: when the run ends (its last step, or max_wall_s / max_train_s; not a stop for a requeue), the
     # trainer's model of its final checkpoint becomes a Hugging Face directory, RUN_DIR/export/hf (as
     # `rollhpc export RUN_DIR RUN_DIR/export/hf` would write it); none: `rollhpc export` it when wanted

@@ -39,9 +39,8 @@ def _mlp_bytes(shape: Any, tokens: int, e: int, tp: int, ep: int, etp: int) -> d
         return {"mlp": float(per_f * e * tokens * shape.intermediate // tp)}
     out = moe_bytes(shape, tokens, e, ep, etp)
     if shape.shared_intermediate:
-        out["mlp"] = float(
-            per_f * e * tokens * shape.shared_intermediate // tp + e * tokens
-        )  # + its gate
+        # + its gate
+        out["mlp"] = float(per_f * e * tokens * shape.shared_intermediate // tp + e * tokens)
     return out
 
 
@@ -97,9 +96,8 @@ def layer_bytes(
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     t = rows * seq
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, _kv_local(shape, tp) * tp
-    if (
-        recompute == "full"
-    ):  # the checkpoint keeps the layer's input and the float32 rotary frequencies
+    # the checkpoint keeps the layer's input and the float32 rotary frequencies
+    if recompute == "full":
         return {"layer_input": float(e * t * h + 4 * seq * shape.head_dim)}
     out = {
         "norms": float(2 * (NORM_FP32_COPIES * t * h + 4 * t)),
@@ -109,9 +107,8 @@ def layer_bytes(
     if shape.qk_norm:  # Qwen3: per-head RMSNorm of q and k, the same float32 copies
         out["qk_norm"] = float(NORM_FP32_COPIES * t * (q + kv) // tp)
     qkv_out = e * t * (q + 2 * kv) // tp
-    if (
-        recompute == "selective"
-    ):  # rotated q, rotated (unrepeated) k, the qkv output; the proj's input
+    # rotated q, rotated (unrepeated) k, the qkv output; the proj's input
+    if recompute == "selective":
         out["attention"] = float(
             e * t * q // tp + e * t * _kv_local(shape, tp) + qkv_out + e * t * q // tp
         )

@@ -338,9 +338,8 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
             f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}"
         )
     plan = WorldPlan(ranks, components, gpu_total, notes)
-    weight_sync_routing(
-        cfg, plan
-    )  # a layout whose weight sync would fail at the first sync fails here
+    # a layout whose weight sync would fail at the first sync fails here
+    weight_sync_routing(cfg, plan)
     return plan
 
 

@@ -31,9 +31,8 @@ from rollhpc.config import ConfigError, ExperimentConfig, import_spec
 from rollhpc.placement import activation_model as am
 
 GIB = 1 << 30
-CUDA_CONTEXT_BYTES = (
-    0.5 * GIB
-)  # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (never offloaded)
+# per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (never offloaded)
+CUDA_CONTEXT_BYTES = 0.5 * GIB
 # parts a worker reports that stay on the GPU while its role is offloaded (vLLM's sleep frees only its weights and KV
 # cache pools): counted in every stage, and kept by an earlier role while a later one starts
 PINNED_PARTS = ("driver_buffers", "cuda_graphs")
@@ -121,9 +120,8 @@ class ModelShape:
         heads = int(hf["num_attention_heads"])
         kv = int(hf.get("num_key_value_heads") or heads)
         hd = int(hf.get("head_dim") or h // heads)
-        bias = hf.get("model_type", "").startswith(
-            "qwen2"
-        )  # Qwen2's q/k/v projections carry biases
+        # Qwen2's q/k/v projections carry biases
+        bias = hf.get("model_type", "").startswith("qwen2")
         attention = (
             h * heads * hd
             + 2 * h * kv * hd
@@ -134,9 +132,8 @@ class ModelShape:
         if experts:
             inter = int(hf.get("moe_intermediate_size") or hf["intermediate_size"])
             shared = int(hf.get("shared_expert_intermediate_size") or 0)
-            dense_mlp = h * experts + (
-                3 * h * shared + h if shared else 0
-            )  # router, shared expert and its gate
+            # router, shared expert and its gate
+            dense_mlp = h * experts + (3 * h * shared + h if shared else 0)
             routed = 3 * h * inter * experts
         else:
             dense_mlp, routed, inter = 3 * h * int(hf["intermediate_size"]), 0, 0
@@ -262,9 +259,8 @@ class GpuGroup:
     gpus: list[tuple[int, int, int]]  # (het group, node in it, GPU position on the node)
     parts: dict[str, dict[str, float]]  # role -> part -> bytes on each of these GPUs
     processes: int  # processes per GPU (each charged a CUDA context)
-    roles: list[str] = field(
-        default_factory=list
-    )  # every role with a rank on these GPUs, estimated or not
+    # every role with a rank on these GPUs, estimated or not
+    roles: list[str] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # stage -> bytes with offload on
     resident: float = 0.0  # bytes with offload off (every part of every role at once)
     sync_buckets: float = (
@@ -424,9 +420,8 @@ def _role_parts(
             unknown.append(f"{name}: not estimated: {why}")
             per_rank[name] = None
             continue
-        per_rank[name] = {
-            k: v / role.gpus_per_proc for k, v in parts.items()
-        }  # spread over the rank's GPUs
+        # spread over the rank's GPUs
+        per_rank[name] = {k: v / role.gpus_per_proc for k, v in parts.items()}
     return per_rank, unknown
 
 

@@ -88,9 +88,8 @@ def stale_segments(
         return []
     in_use = mapped_paths(uid)
     for p in candidates:
-        if (
-            str(p) in in_use
-        ):  # a live job's, or a process of an earlier attempt that outlived it: say which
+        # a live job's, or a process of an earlier attempt that outlived it: say which
+        if str(p) in in_use:
             who = ", ".join(f"{pid} ({_command(pid)})" for pid in in_use[str(p)][:3])
             print(
                 f"rollhpc: keeping {p}, older than this attempt but mapped by {who}",

@@ -86,9 +86,8 @@ def find_spec(module: str, name: str) -> type | None:
     spec_module, spec_name = spec_path(module, name)
     try:
         found = importlib.util.find_spec(spec_module)
-    except (
-        ModuleNotFoundError
-    ):  # the component's package itself is missing: the caller's import names it
+    # the component's package itself is missing: the caller's import names it
+    except ModuleNotFoundError:
         return None
     if found is None:
         return None

@@ -52,9 +52,8 @@ class HttpJudge:
         if timeout_s <= 0 or retries < 0 or backoff_s < 0 or concurrency < 1:
             raise ValueError("need timeout_s > 0, retries >= 0, backoff_s >= 0, concurrency >= 1")
         base = endpoint.rstrip("/")
-        self.base = (
-            base[:-3] if base.endswith("/v1") else base
-        )  # accept http://host:port and .../v1
+        # accept http://host:port and .../v1
+        self.base = base[:-3] if base.endswith("/v1") else base
         self.model = model
         self.api = api
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s

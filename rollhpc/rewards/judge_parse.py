@@ -20,9 +20,8 @@ from typing import Literal
 __all__ = ["JudgeMode", "parse_verdict"]
 
 JudgeMode = Literal["yes_no", "score"]
-_SCORE = re.compile(
-    r"Score: (0|[1-9][0-9]{0,8})"
-)  # ASCII digits only; at most 9 digits before range check
+# ASCII digits only; at most 9 digits before range check
+_SCORE = re.compile(r"Score: (0|[1-9][0-9]{0,8})")
 
 
 def parse_verdict(output: str, mode: JudgeMode, max_score: int = 10) -> tuple[float, bool]:

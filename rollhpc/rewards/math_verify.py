@@ -133,9 +133,8 @@ def shutdown_pool(kill: bool = False) -> None:
     if pool is None:
         return
     if kill:
-        for proc in list(
-            getattr(pool, "_processes", {}).values()
-        ):  # no public API ends busy workers
+        # no public API ends busy workers
+        for proc in list(getattr(pool, "_processes", {}).values()):
             proc.kill()
     pool.shutdown(wait=not kill, cancel_futures=True)
 

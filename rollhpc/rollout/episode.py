@@ -32,20 +32,16 @@ FINISHES = ("terminated", "truncated", "abandoned")
 class Turn:
     """One policy turn: what it generated (or chose, in text) and what the environment made of it."""
 
-    response: list[int] = field(
-        default_factory=list
-    )  # [R] generated ids, as generated (EOS included when it
+    # [R] generated ids, as generated (EOS included when it
+    response: list[int] = field(default_factory=list)
     #   stopped); empty when the policy acts in text
-    logprobs: list[float] = field(
-        default_factory=list
-    )  # [R] sampled-token log-probs from the generator; empty
+    # [R] sampled-token log-probs from the generator; empty
+    logprobs: list[float] = field(default_factory=list)
     #   when no generator sampled them
-    version: int = (
-        -1
-    )  # oldest policy version that produced any of its tokens (a resumed partial mixes versions)
-    observation: list[int] = field(
-        default_factory=list
-    )  # [O] ids appended after the response (the formatted
+    # oldest policy version that produced any of its tokens (a resumed partial mixes versions)
+    version: int = -1
+    # [O] ids appended after the response (the formatted
+    observation: list[int] = field(default_factory=list)
     #   next observation); empty for the last turn, unless that observation overflowed the row
     reward: float = 0.0  # the env reward of this turn's action
     state_key: Hashable | None = (
@@ -69,9 +65,8 @@ class Turn:
 class Episode:
     """One episode from its reset to its end (or, while ``finish`` is "", so far)."""
 
-    prompt: list[int] = field(
-        default_factory=list
-    )  # [P] ids of the formatted first prompt (instruction and first
+    # [P] ids of the formatted first prompt (instruction and first
+    prompt: list[int] = field(default_factory=list)
     #   observation); empty when the policy reads text
     turns: list[Turn] = field(default_factory=list)
     group: int = (
@@ -81,9 +76,8 @@ class Episode:
     seed: int = 0  # the environment's reset seed
     finish: str = ""  # FINISHES or "error: ..."; "" while the episode is running
     success: bool = False  # the env's info["success"] at the end
-    metrics: dict[str, float] = field(
-        default_factory=dict
-    )  # the env's info["metrics"], summed over its steps
+    # the env's info["metrics"], summed over its steps
+    metrics: dict[str, float] = field(default_factory=dict)
     instruction: str = ""
     observation: str = ""  # the first observation's text
 

@@ -27,9 +27,8 @@ class GeneratorLoads:
         self._n = [0] * n
         self.total = 0
         self._heap = [(0, g) for g in range(n)]  # sorted, hence a heap
-        self.wanting: set[int] = (
-            set()
-        )  # generators with requests to send, aborts, or requests held: need a call
+        # generators with requests to send, aborts, or requests held: need a call
+        self.wanting: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._n)

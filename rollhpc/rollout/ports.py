@@ -102,9 +102,8 @@ class ResetReply:
 
     episode: str
     rank: int = -1  # the env rank that holds it
-    prompt_ids: list[int] = field(
-        default_factory=list
-    )  # [P] the formatted instruction and first observation
+    # [P] the formatted instruction and first observation
+    prompt_ids: list[int] = field(default_factory=list)
     instruction: str = ""
     observation: str = ""  # the first observation's text
     state_key: Any = None  # the state the first turn acts from (GiGPO's anchor)
@@ -129,9 +128,8 @@ class StepReply:
     (``timeout``, ``error: <Type: message>``, ``invalid: <what>``: reward 0, truncated True)."""
 
     episode: str
-    obs_ids: list[int] = field(
-        default_factory=list
-    )  # [O] the formatted next observation; empty once it is over
+    # [O] the formatted next observation; empty once it is over
+    obs_ids: list[int] = field(default_factory=list)
     observation: str = ""  # the next observation's text
     action: str = (
         ""  # the text the environment was given (the turn formatter's reading of the response)
@@ -141,9 +139,8 @@ class StepReply:
     truncated: bool = True
     success: bool | None = None  # the environment's info["success"], when it says
     state_key: Any = None  # the state the next turn acts from
-    metrics: dict[str, float] = field(
-        default_factory=dict
-    )  # the environment's info["metrics"] of this step
+    # the environment's info["metrics"] of this step
+    metrics: dict[str, float] = field(default_factory=dict)
     use_tool: bool = False
     ended: str | None = None
     step_s: float = 0.0

@@ -201,9 +201,8 @@ class RolloutScheduler:
         batch = _Batch(self, prompts, n_groups, version, stats, out, held)
         batch.run()
         stats.wall_s = time.perf_counter() - t0
-        out.sort(
-            key=lambda g: g[0].prompt.uid
-        )  # the batch's order must not depend on which group finished first
+        # the batch's order must not depend on which group finished first
+        out.sort(key=lambda g: g[0].prompt.uid)
         return out, stats
 
     # ------------------------------------------------------------------ checkpoint
@@ -280,9 +279,8 @@ class _Batch:
             out,
         )
         self.groups: dict[int, _Group] = {}
-        self.load = GeneratorLoads(
-            len(sched.generators)
-        )  # requests per generator; those that need a call
+        # requests per generator; those that need a call
+        self.load = GeneratorLoads(len(sched.generators))
         self.owner: dict[
             str, tuple[int, Sample]
         ] = {}  # generator request id -> (generator, sample)
@@ -320,12 +318,13 @@ class _Batch:
                 self.stats.generators_held_s = time.perf_counter() - self.t0
             self._fill()
             self._send()
+            # held generators will still come
             if (
                 not self.calls
                 and not self.env_calls
                 and not (sched.scorer and sched.scorer.busy())
                 and self.held is None
-            ):  # held generators will still come
+            ):
                 log.warning(
                     "rollout ran out of prompts or of its group limit (%d started, %d dropped as uniform): "
                     "%d of %d groups",
@@ -341,17 +340,15 @@ class _Batch:
             self._watchdog()
             if not progressed:
                 time.sleep(c.poll_interval_s)
-        if (
-            self.held is not None
-        ):  # full before the held generators were released: they waited throughout
+        # full before the held generators were released: they waited throughout
+        if self.held is not None:
             self.stats.generators_held_s = time.perf_counter() - self.t0
         self._stop()
 
     def _send(self) -> None:
         wanting = self.load.wanting
-        for g in sorted(
-            wanting
-        ):  # those with requests to send, aborts, or requests held and no call out
+        # those with requests to send, aborts, or requests held and no call out
+        for g in sorted(wanting):
             if g in self.calls:
                 continue
             wanting.discard(g)
@@ -453,9 +450,8 @@ class _Batch:
                 continue
             progressed = True
             reply: GenerationReply = self.calls.pop(g).result()
-            self.load.wanting.add(
-                g
-            )  # _send calls it again if it still holds requests (or has new ones)
+            # _send calls it again if it still holds requests (or has new ones)
+            self.load.wanting.add(g)
             self.stats.generator_busy_s[g] += reply.busy_s
             finished = []
             for rid, comp in reply.finished:
@@ -567,13 +563,11 @@ class _Batch:
             self.stats.count_reason(finish)
             self.stats.first_failure = self.stats.first_failure or finish
         smp.finish_reason = finish
-        self.to_close[ep.env_rank].append(
-            ep.id
-        )  # the env role may have dropped it already: closing is idempotent
+        # the env role may have dropped it already: closing is idempotent
+        self.to_close[ep.env_rank].append(ep.id)
         if self.s.scorer is not None and smp.prompt.domain in self.s.scorer.domains:
-            self._score(
-                [smp]
-            )  # reward roles score the transcript; the env's return is one component
+            # reward roles score the transcript; the env's return is one component
+            self._score([smp])
         else:
             smp.reward = ep.episode_return
             smp.components = {"env": ep.episode_return}
@@ -598,9 +592,8 @@ class _Batch:
 
     def _finished(self, smp: Sample) -> None:
         group = self.groups.get(smp.prompt.uid)
-        if (
-            group is None or len(group.samples) >= self.c.group_size
-        ):  # given up, or already full (redundancy)
+        # given up, or already full (redundancy)
+        if group is None or len(group.samples) >= self.c.group_size:
             return
         group.samples.append(smp)
         group.live -= 1
@@ -653,9 +646,8 @@ class _Batch:
         if not (c.warn_after_s or c.abandon_after_s) or not self.episodes:
             return
         now = time.perf_counter()
-        if (
-            now < self.next_watch
-        ):  # the poll loop spins every poll_interval_s; ages need checking far less often
+        # the poll loop spins every poll_interval_s; ages need checking far less often
+        if now < self.next_watch:
             return
         self.next_watch = now + min(
             1.0, (min(x for x in (c.warn_after_s, c.abandon_after_s) if x)) / 10
@@ -742,15 +734,13 @@ class _Batch:
             if self.to_close[r]:
                 env.close(self.to_close[r]).result()
                 self.to_close[r] = []
-        late = [
-            x for x in late if x.episode is None
-        ]  # a late episode turn has no env step: dropped
+        # a late episode turn has no env step: dropped
+        late = [x for x in late if x.episode is None]
         if not c.partial_rollout:
             stats.tokens_discarded += sum(len(x.response) for x in late)
             if sched.scorer is not None:
-                sched.scorer.ready(
-                    wait=True
-                )  # replies still out belong to groups given up with this batch
+                # replies still out belong to groups given up with this batch
+                sched.scorer.ready(wait=True)
             return
         if late:
             sched.scorer.submit(late)

@@ -128,8 +128,7 @@ class Scorer:
         return dict(self.turn)
 
     def load_state_dict(self, state: Any) -> None:
-        if isinstance(
-            state, int
-        ):  # a checkpoint from before domains: one counter for the one reward role
+        # a checkpoint from before domains: one counter for the one reward role
+        if isinstance(state, int):
             state = {f"{DEFAULT_DOMAIN}/reward": state}
         self.turn = {str(k): int(v) for k, v in state.items()}

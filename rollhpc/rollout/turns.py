@@ -109,9 +109,8 @@ class ChatTemplateTurns:
                 f"encodes to {eos_ids}); pass eos_token= the token that ends an assistant turn"
             )
         self.eos_id: int = eos_ids[0]
-        self.end_of_turn = (
-            self._end_of_turn()
-        )  # what the template puts after an assistant message's content
+        # what the template puts after an assistant message's content
+        self.end_of_turn = self._end_of_turn()
         self.verify(self.PROBE_INSTRUCTION, self.PROBE_OBSERVATIONS, self.PROBE_RESPONSES)
 
     def first(self, instruction: str, observation: str) -> str:
@@ -155,9 +154,8 @@ class ChatTemplateTurns:
                 f"{len(responses)}"
             )
         msgs = self._messages(instruction, observations, responses)
-        for n in range(
-            1 if self.system is None else 2, len(msgs)
-        ):  # add the messages after the first user one
+        # add the messages after the first user one
+        for n in range(1 if self.system is None else 2, len(msgs)):
             if msgs[n]["role"] == "assistant":
                 end = self._assistant_end(msgs[: n + 1])
                 if end != self.end_of_turn:

@@ -23,20 +23,16 @@ class Prompt:
 class Sample:
     prompt: Prompt
     index: int  # position in its group, 0 .. group_size-1
-    response: list[int] = field(
-        default_factory=list
-    )  # [R] generated ids (EOS included when it stopped)
-    logprobs: list[float] = field(
-        default_factory=list
-    )  # [R] sampled-token log-probs from the generator
-    version: int = (
-        -1
-    )  # oldest policy version that produced any of its tokens (partial rollouts mix versions)
+    # [R] generated ids (EOS included when it stopped)
+    response: list[int] = field(default_factory=list)
+    # [R] sampled-token log-probs from the generator
+    logprobs: list[float] = field(default_factory=list)
+    # oldest policy version that produced any of its tokens (partial rollouts mix versions)
+    version: int = -1
     finish_reason: str = ""  # "stop", "length" or "abort" (a partial waiting to be resumed)
     reward: float | None = None
-    components: dict[str, float] = field(
-        default_factory=dict
-    )  # what the reward was made of (rule, judge, ...)
+    # what the reward was made of (rule, judge, ...)
+    components: dict[str, float] = field(default_factory=dict)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
     episode: EpisodeState | None = (
         None  # multi-turn: the environment's side (None: a single-turn sample)
@@ -65,33 +61,24 @@ class EpisodeState:
 
     id: str  # the env role's key of this episode ("uid.index")
     env_rank: int  # the env rank that hosts it
-    generator: int = (
-        -1
-    )  # the generator that serves its turns (prefix cache); -1 until the first turn
-    prompt_ids: list[int] = field(
-        default_factory=list
-    )  # [P] instruction + first observation, encoded by the env role
-    generated: list[int] = field(
-        default_factory=list
-    )  # [R] 1 on generated tokens, 0 on observation tokens
-    turn_ends: list[int] = field(
-        default_factory=list
-    )  # [turns] index in response of each turn's last generated token
-    turn_rewards: list[float] = field(
-        default_factory=list
-    )  # [turns] the env's reward for each turn
-    state_keys: list[Any] = field(
-        default_factory=list
-    )  # [turns] state_key of the state each turn acted in
-    turn_finishes: list[str] = field(
-        default_factory=list
-    )  # [turns] the generator's finish_reason of each turn
-    actions: list[str] = field(
-        default_factory=list
-    )  # [turns] the text each turn gave the environment
-    observations: list[str] = field(
-        default_factory=list
-    )  # [turns] the environment's answer to each
+    # the generator that serves its turns (prefix cache); -1 until the first turn
+    generator: int = -1
+    # [P] instruction + first observation, encoded by the env role
+    prompt_ids: list[int] = field(default_factory=list)
+    # [R] 1 on generated tokens, 0 on observation tokens
+    generated: list[int] = field(default_factory=list)
+    # [turns] index in response of each turn's last generated token
+    turn_ends: list[int] = field(default_factory=list)
+    # [turns] the env's reward for each turn
+    turn_rewards: list[float] = field(default_factory=list)
+    # [turns] state_key of the state each turn acted in
+    state_keys: list[Any] = field(default_factory=list)
+    # [turns] the generator's finish_reason of each turn
+    turn_finishes: list[str] = field(default_factory=list)
+    # [turns] the text each turn gave the environment
+    actions: list[str] = field(default_factory=list)
+    # [turns] the environment's answer to each
+    observations: list[str] = field(default_factory=list)
     instruction: str = ""
     observation: str = ""  # the first observation's text
     state_key: Any = None  # the state the next turn acts in (from the last reset or step)
@@ -101,9 +88,8 @@ class EpisodeState:
     env_step_s: float = 0.0  # summed over the episode's steps
     started: float = 0.0  # perf_counter at reset (the watchdog's clock)
     warned: bool = False
-    metrics: dict[str, float] = field(
-        default_factory=dict
-    )  # the env's info["metrics"], summed over steps
+    # the env's info["metrics"], summed over steps
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def episode_return(self) -> float:
@@ -119,9 +105,8 @@ class EpisodeState:
 @dataclass
 class RolloutStats:
     wall_s: float = 0.0
-    generator_busy_s: list[float] = field(
-        default_factory=list
-    )  # per generator: seconds inside engine steps
+    # per generator: seconds inside engine steps
+    generator_busy_s: list[float] = field(default_factory=list)
     groups_started: int = 0
     groups_dropped_uniform: int = 0  # dynamic sampling: all rewards equal, no learning signal
     groups_dropped_stale: int = 0  # async: produced by a policy older than the staleness bound
@@ -148,13 +133,11 @@ class RolloutStats:
     resets_failed: int = (
         0  # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
     )
-    failure_reasons: dict[str, int] = field(
-        default_factory=dict
-    )  # failed episodes by reason (its first word)
+    # failed episodes by reason (its first word)
+    failure_reasons: dict[str, int] = field(default_factory=dict)
     first_failure: str = ""  # the first failure's whole reason, for messages
-    domains: dict[str, dict[str, int]] = field(
-        default_factory=dict
-    )  # per domain: groups started/dropped, tokens
+    # per domain: groups started/dropped, tokens
+    domains: dict[str, dict[str, int]] = field(default_factory=dict)
     generators_held_s: float = (
         0.0  # partial overlap: how long the generators sharing the trainer's GPUs waited
     )

@@ -119,9 +119,8 @@ def record_startup_failure(run_dir: Path, host: str, why: str, culprit: bool = F
         RunPaths(run_dir).startup_failed,
         {"host": host, "why": why, "culprit": culprit, **_attempt()},
     )
-    if not error.exists() or (
-        culprit and earlier is not None
-    ):  # the culprit's word over a waiting rank's
+    # the culprit's word over a waiting rank's
+    if not error.exists() or (culprit and earlier is not None):
         _write_world_not_formed(error, why)
 
 

@@ -98,9 +98,8 @@ def find_bwrap(explicit: str | None = None) -> str:
 @dataclass(frozen=True)
 class Interpreter:
     path: str  # the real path of the python binary, the same inside the sandbox
-    binds: tuple[
-        str, ...
-    ]  # host directories bound read-only at the same path (outside SYSTEM_DIRS)
+    # host directories bound read-only at the same path (outside SYSTEM_DIRS)
+    binds: tuple[str, ...]
     version: str
 
     @classmethod
@@ -128,9 +127,8 @@ class Interpreter:
             if not _under(d, SYSTEM_DIRS) and not _under(d, binds):
                 binds.append(d)
         broad = [d for d in binds if _under(PROJECT_DIR, [d]) or d == os.path.expanduser("~")]
-        if (
-            broad
-        ):  # a prefix of "/" or the home directory would show the host's files to every program
+        # a prefix of "/" or the home directory would show the host's files to every program
+        if broad:
             raise SandboxUnavailable(
                 f"interpreter {path} would need {broad[0]} bound into the sandbox (its prefix), "
                 f"which holds the project or is the home directory; use another interpreter"

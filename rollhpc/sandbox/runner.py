@@ -163,9 +163,8 @@ def run_process(
         )
         report = _parse_status(streams.read_side(status_fd))
     finally:
-        if (
-            proc.returncode is None
-        ):  # an exception here (KeyboardInterrupt...): leave nothing running
+        # an exception here (KeyboardInterrupt...): leave nothing running
+        if proc.returncode is None:
             _kill(proc.pid, init.pid if init is not None and init.alive() else None)
             os.waitpid(proc.pid, 0)
             proc.returncode = -signal.SIGKILL

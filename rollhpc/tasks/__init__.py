@@ -27,9 +27,8 @@ def task_module(name: str) -> ModuleType:
     try:
         module = importlib.import_module(path)
     except ModuleNotFoundError as e:
-        if e.name is None or not (
-            path == e.name or path.startswith(e.name + ".")
-        ):  # a task's own import failed
+        # a task's own import failed
+        if e.name is None or not (path == e.name or path.startswith(e.name + ".")):
             raise
         raise ValueError(
             f"unknown task {name!r}; tasks in rollhpc.tasks are {', '.join(available_tasks())} "

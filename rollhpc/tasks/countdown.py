@@ -74,9 +74,8 @@ def sample(
     expression over 2..num_numbers of them, and not already one of the numbers."""
     while True:
         numbers = [randint(rng, 1, max_number) for _ in range(num_numbers)]
-        pool = numbers[
-            :
-        ]  # a random subset, drawn with randint (not rng.shuffle) to stay version-stable
+        # a random subset, drawn with randint (not rng.shuffle) to stay version-stable
+        pool = numbers[:]
         used = [
             pool.pop(randint(rng, 0, len(pool) - 1)) for _ in range(randint(rng, 2, num_numbers))
         ]

@@ -88,9 +88,8 @@ class Family:
     """Expressions ``template.format(a=..., b=...)`` over the constants' ranges (given coef_max)."""
 
     template: str
-    fn: Callable[
-        [int, int, int], int
-    ]  # (x, a, b) -> f(x): computed here, never by evaluating the template
+    # (x, a, b) -> f(x): computed here, never by evaluating the template
+    fn: Callable[[int, int, int], int]
     a: Callable[[int], range]
     b: Callable[[int], range]
 
@@ -119,13 +118,14 @@ FAMILIES: dict[str, Family] = {
         "{b}-x", lambda x, a, b: b - x, lambda c: range(1), lambda c: range(0, c + 1)
     ),
 }
+# 116 distinct functions on 0..9 (80 linear)
 DEFAULT_FAMILIES = (
     "linear",
     "square",
     "mod",
     "max",
     "min",
-)  # 116 distinct functions on 0..9 (80 linear)
+)
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,8 @@ class PyfuncExample:
     expression: str  # the reference answer, e.g. "2*x+1"
     shown: tuple[tuple[int, int], ...]  # (x, f(x)) pairs in the prompt, x ascending
     hidden_inputs: tuple[int, ...]  # the tests' inputs (disjoint from the shown ones)
-    hidden_outputs: tuple[
-        int, ...
-    ]  # expected values: compared outside the sandbox, never sent into it
+    # expected values: compared outside the sandbox, never sent into it
+    hidden_outputs: tuple[int, ...]
 
     @property
     def prompt(self) -> str:
@@ -288,9 +287,8 @@ def _distinct(
 class Response:
     """What is known about a response without running it."""
 
-    expression: (
-        str | None
-    )  # its first line, stripped, when that is one Python expression (else None)
+    # its first line, stripped, when that is one Python expression (else None)
+    expression: str | None
     well_formed: bool  # the whole response is that one line
     tree: str | None  # ast.dump of the expression (compared with the reference's)
 
@@ -299,9 +297,8 @@ def _parse(expression: str) -> ast.Expression | None:
     if not expression or len(expression) > MAX_EXPRESSION_CHARS:
         return None
     try:
-        return ast.parse(
-            expression, "<response>", mode="eval"
-        )  # parsing only: nothing is evaluated
+        # parsing only: nothing is evaluated
+        return ast.parse(expression, "<response>", mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 

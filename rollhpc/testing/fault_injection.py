@@ -94,19 +94,21 @@ def mpi_stall(where: str) -> None:
     if phase == "deaf":
         if where != "mpi_init":
             return
+        # process-wide: a mask is per thread
         for signum in (
             signal.SIGTERM,
             signal.SIGINT,
             signal.SIGHUP,
-        ):  # process-wide: a mask is per thread
+        ):
             signal.signal(signum, signal.SIG_IGN)
     elif (phase or "mpi_init") != where:
         return
+    # tests wait for this line (the job's output) before they act
     print(
         f"{STALL_MPI_INIT}: rank {rank} stalls before {where}{' (deaf to signals)' if phase == 'deaf' else ''}",
         file=sys.stderr,
         flush=True,
-    )  # tests wait for this line (the job's output) before they act
+    )
     time.sleep(3600)
 
 
@@ -114,9 +116,8 @@ def _hold_in_collective(variable: str, nth: int, what: str) -> None:
     at, _, seconds = os.environ.get(variable, "").partition(":")
     if not at or int(at) != nth or restart_number() != 0:
         return
-    print(
-        f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True
-    )  # tests wait for it
+    # tests wait for it
+    print(f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True)
     time.sleep(float(seconds))
 
 

@@ -78,9 +78,8 @@ class MpiChannel:
         shared: dict[str, list[int]] | None = None,
     ):
         self.comm = comm
-        self.fanout = (
-            fanout or {}
-        )  # the controller's: role -> (controller + the role's ranks), controller first
+        # the controller's: role -> (controller + the role's ranks), controller first
+        self.fanout = fanout or {}
         self.my_fanout = (
             my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
         )
@@ -237,9 +236,8 @@ class MpiChannel:
         requests = [self.my_fanout.Ibcast([buf, MPI.BYTE], root=0) for buf in buffers]
         backoff = Backoff(hot_s=0.05, max_sleep_s=0.001)
         while not MPI.Request.Testall(requests):
-            self.busy_since = (
-                time.monotonic()
-            )  # waiting on siblings, not stuck: each test returns at once
+            # waiting on siblings, not stuck: each test returns at once
+            self.busy_since = time.monotonic()
             backoff.wait()
 
 
@@ -261,9 +259,8 @@ class ReceiveBuffers:
         if n < self.min_bytes:
             return np.empty(n, dtype=np.uint8)
         for i in range(len(self._kept)):
-            if (
-                self._kept[i].nbytes == n and sys.getrefcount(self._kept[i]) == 2
-            ):  # the list's and the call's
+            # the list's and the call's
+            if self._kept[i].nbytes == n and sys.getrefcount(self._kept[i]) == 2:
                 buf = self._kept.pop(i)
                 self._kept.append(buf)
                 self.reused += 1

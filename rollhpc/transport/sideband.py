@@ -99,9 +99,8 @@ class ControllerSideband:
         )
         self._socks: dict[int, socket.socket] = {}
         self._lost: set[int] = set()
-        self._closed: set[int] = (
-            set()
-        )  # seen closed outside dead_ranks (by collect_stacks), not reported yet
+        # seen closed outside dead_ranks (by collect_stacks), not reported yet
+        self._closed: set[int] = set()
         self._ready = selectors.DefaultSelector()  # every open connection; data: its rank
 
     def accept(self, ranks: set[int], timeout_s: float) -> None:

@@ -112,9 +112,8 @@ def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
 
 def decode(header: bytes, buffers: list[np.ndarray]) -> Any:
     """Inverse of encode; buffers are uint8 arrays received in the same order, used without copying."""
-    if (
-        not buffers
-    ):  # no buffer was taken out, so the header refers to none: the plain unpickler, 3x quicker
+    # no buffer was taken out, so the header refers to none: the plain unpickler, 3x quicker
+    if not buffers:
         return pickle.loads(header)
     import io
 

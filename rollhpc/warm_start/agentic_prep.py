@@ -373,9 +373,8 @@ def agentic_settings(
     """Everything that determines the prepared weights and report; its hash is the cache key."""
     if stop_on not in ("sampled", "greedy"):
         raise ValueError(f"stop_on must be 'sampled' or 'greedy', got {stop_on!r}")
-    extra = (
-        {"unmerged": unmerged} if unmerged else {}
-    )  # absent when empty: earlier policies keep their key
+    # absent when empty: earlier policies keep their key
+    extra = {"unmerged": unmerged} if unmerged else {}
     return {
         **extra,
         "format_version": FORMAT_VERSION,

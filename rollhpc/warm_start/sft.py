@@ -92,12 +92,10 @@ class SftResult:
     reached_target: bool
     loss_first: float  # mean completion-token loss of the first step
     loss_final: float  # mean over the last 10 steps (less noisy than the last one)
-    loss_curve: list[tuple[int, float]] = field(
-        default_factory=list
-    )  # (step, loss) every log_every steps
-    accuracy_curve: list[tuple[int, float]] = field(
-        default_factory=list
-    )  # (step, monitored accuracy)
+    # (step, loss) every log_every steps
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    # (step, monitored accuracy)
+    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
     wall_s: float = 0.0
 
 

@@ -67,9 +67,8 @@ def pack_buckets(
 
 
 def _flatten(parts: list[tuple[str, torch.Tensor]]) -> Bucket:
-    bucket = Bucket(
-        torch.cat([t.reshape(-1) for _, t in parts])
-    )  # on the tensors' device (GPU for NCCL)
+    # on the tensors' device (GPU for NCCL)
+    bucket = Bucket(torch.cat([t.reshape(-1) for _, t in parts]))
     offset = 0
     for name, t in parts:
         bucket.names.append(name)

@@ -159,9 +159,8 @@ class StoreControl:
         self.store = dist.PrefixStore(f"rollhpc-slots/{tag}", store)
 
     def post(self, index: int, kind: str, body: Any = None) -> None:
-        if (
-            kind == "abort"
-        ):  # also where a receiver looks when a slot it was told of is gone (``aborted``)
+        # also where a receiver looks when a slot it was told of is gone (``aborted``)
+        if kind == "abort":
             self.store.set("abort", str(body).encode())
         self.store.set(f"h{index}", pickle.dumps((kind, body)))
 
@@ -306,9 +305,8 @@ class SlotSender:
                 self._wait_acks(self._posted)
                 end = self._posted
                 self._post("end")
-                self._wait_acks(
-                    end + 1
-                )  # every receiver has let go of its mappings: the slots can go
+                # every receiver has let go of its mappings: the slots can go
+                self._wait_acks(end + 1)
                 self.stats.peak_extra_bytes = meter.peak_extra()
         except BaseException as e:
             why = str(e) if isinstance(e, WeightSyncAborted) else f"{type(e).__name__}: {e}"
@@ -333,9 +331,8 @@ class SlotSender:
         s = index % IN_FLIGHT_BUCKETS
         held = self._slots.get(s)
         if held is None or held.buf.numel() != capacity:
-            self._slots.pop(
-                s, None
-            )  # freed before the next is made: the bound holds across a resize
+            # freed before the next is made: the bound holds across a resize
+            self._slots.pop(s, None)
             buf, slot_id, handle = self.memory.allocate(capacity)
             self._slots[s] = _Slot(buf, slot_id, handle, first=index)
             self.stats.peak_slot_bytes = max(
@@ -440,9 +437,8 @@ class SlotReceiver:
             self._done = True
             self._release()
             raise WeightSyncAborted(f"weight sync {self.sync}: the sender stopped it: {why}") from e
-        if (
-            not self.memory.keep_mapped
-        ):  # let go before the acknowledgement (``CudaSlots.keep_mapped``)
+        # let go before the acknowledgement (``CudaSlots.keep_mapped``)
+        if not self.memory.keep_mapped:
             del self._mapped[h.slot]
         return data
 

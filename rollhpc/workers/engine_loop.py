@@ -71,9 +71,8 @@ class EngineLoop:
             deadline = time.monotonic() + max_wait_s
             while True:
                 self._check()
-                if (
-                    self._aborts_done >= ticket
-                ):  # an abort is answered by the call that asked for it
+                # an abort is answered by the call that asked for it
+                if self._aborts_done >= ticket:
                     idle = not (self._adds or self._aborts or self._running)
                     if self._finished or idle or time.monotonic() >= deadline:
                         break

@@ -93,9 +93,8 @@ class EnvCounters:
     """Since the role started: episodes started and how they ended, steps and their wall time."""
 
     started: int = 0
-    ended: Counter = field(
-        default_factory=Counter
-    )  # reason kind (terminated, timeout, ...) -> episodes
+    # reason kind (terminated, timeout, ...) -> episodes
+    ended: Counter = field(default_factory=Counter)
     steps: int = 0  # env steps that returned a valid result
     step_s: float = 0.0  # summed over those steps
     resets: int = 0  # resets that returned a valid result
@@ -128,9 +127,8 @@ class EnvWorker(Worker):
     class Options:
         env: str  # a shipped environment's short name or package.module:Class (rollhpc.envs)
         model_dir: str  # where the tokenizer is (the policy checkpoint)
-        env_options: dict[str, Any] = field(
-            default_factory=dict
-        )  # the environment's constructor keywords
+        # the environment's constructor keywords
+        env_options: dict[str, Any] = field(default_factory=dict)
         turns: str = (
             "plain"  # turn formatter: "plain" (PlainTextTurns) or "chat" (ChatTemplateTurns)
         )
@@ -145,9 +143,8 @@ class EnvWorker(Worker):
         workers: int | None = None  # env calls at once; None: the CPUs this rank may use
 
         def __post_init__(self) -> None:
-            cls = env_class(
-                self.env
-            )  # an unknown or broken environment stops the run at load, with the list
+            # an unknown or broken environment stops the run at load, with the list
+            cls = env_class(self.env)
             if not isinstance(self.env_options, dict):
                 raise ValueError(f"env_options must be a mapping, got {self.env_options!r}")
             try:  # options the constructor does not take stop the run at load too, not at every reset
@@ -431,9 +428,8 @@ def _formatter(turns: str, tokenizer: Any, system: str | None, eos_token: str | 
 
     if turns == "plain":
         return turn_formats.PlainTextTurns()
-    chat = getattr(
-        turn_formats, "ChatTemplateTurns", None
-    )  # looked up by name: it may land after this file
+    # looked up by name: it may land after this file
+    chat = getattr(turn_formats, "ChatTemplateTurns", None)
     if chat is None:
         raise ValueError(
             "turns: chat needs rollhpc.rollout.turns.ChatTemplateTurns, which this version lacks"

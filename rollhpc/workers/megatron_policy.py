@@ -198,9 +198,8 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         if getattr(self, "_state_offloader", None) is None:
             from rollhpc.workers.offload import MegatronStateOffloader, StateOffloader
 
-            if (
-                self.trainable
-            ):  # parameters in DDP's buffers, main parameters and moments in megatron's optimizer
+            # parameters in DDP's buffers, main parameters and moments in megatron's optimizer
+            if self.trainable:
                 self._state_offloader = MegatronStateOffloader(
                     self.model_chunks, self.optimizer, self.device
                 )
@@ -222,16 +221,14 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         interleaved = self.ctx.layout.vpp is not None
         order = np.arange(len(batch))
         ends = None
-        if (
-            with_mask and self._shapes_are_local()
-        ):  # tokens each row needs: through its last loss position's target
+        # tokens each row needs: through its last loss position's target
+        if with_mask and self._shapes_are_local():
             mask = np.asarray(batch["loss_mask"]) > 0
             ends = np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0) + 1
             order = np.argsort(-ends, kind="stable")
         full = batch["tokens"].shape[1]
-        width = (
-            int(ends.max(initial=2)) if ends is not None else None
-        )  # the interleaved schedule's one width
+        # the interleaved schedule's one width
+        width = int(ends.max(initial=2)) if ends is not None else None
         parts = []
         for idx in self._micro_batch_index(len(batch), None if ends is None else ends[order], full):
             keep = idx >= 0
@@ -500,9 +497,8 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from rollhpc.models.megatron_pipeline import configure_chunks
 
         o: MegatronTrainWorkerSpec.Options = self.options
-        configure_chunks(
-            self.chunks
-        )  # losses divided by global counts: DDP sums gradients instead of averaging
+        # losses divided by global counts: DDP sums gradients instead of averaging
+        configure_chunks(self.chunks)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[o.dtype]
         if dtype != torch.float32:
             # the whole model in one 16-bit dtype, as megatron's Float16Module makes it: the local layer spec builds
@@ -633,13 +629,14 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         out, skipped, micro_batches = self._train_mini_batches(
             batch.as_batch(), loss, rows_with_gradient
         )
+        # this rank's (its replica's), over the mini-batches
         out.update(
             n_tokens=float(np.asarray(batch.loss_mask).sum()),
             train_time_s=time.perf_counter() - t0,
             lr=self.optimizer.param_groups[0]["lr"],
             rows_skipped=self._dp_sum([float(skipped)])[0],
             micro_batches=float(micro_batches),
-        )  # this rank's (its replica's), over the mini-batches
+        )
         return [out]
 
     def _train_mini_batches(
@@ -694,9 +691,8 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
     ) -> np.ndarray:
         """The rows of ``rows`` whose loss can have a gradient: with no KL or entropy term, a row whose loss
         tokens all have advantage 0 contributes exactly zero (clipped or not, -A * ratio is 0)."""
-        if (
-            loss_config.entropy_coef > 0 or batch.ref_logprob is not None
-        ):  # (a KL with coefficient 0 is still reported)
+        # (a KL with coefficient 0 is still reported)
+        if loss_config.entropy_coef > 0 or batch.ref_logprob is not None:
             return rows
         adv = np.asarray(batch.advantage)[rows]
         mask = np.asarray(batch.loss_mask)[rows] > 0
@@ -711,13 +707,11 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
         from megatron.core.distributed import finalize_model_grads
 
         self._before_grad_sync()
-        finalize_model_grads(
-            self.model_chunks
-        )  # DP reduction of the buckets, tied embedding across stages
+        # DP reduction of the buckets, tied embedding across stages
+        finalize_model_grads(self.model_chunks)
         self._set_lr()
-        _, norm, _ = (
-            self.optimizer.step()
-        )  # clips to grad_clip, steps the main parameters, copies them back
+        # clips to grad_clip, steps the main parameters, copies them back
+        _, norm, _ = self.optimizer.step()
         metrics.setdefault("grad_norm", []).append(float(norm or 0.0))
         self.optimizer_steps += 1
 
@@ -741,9 +735,8 @@ class MegatronTrainWorker(MegatronTrainWorkerSpec, _WeightChannelMixin, Megatron
 
         self._grad_syncs += 1
         if dist.get_rank(self.dp_group) == dist.get_world_size(self.dp_group) - 1 > 0:
-            fault_injection.before_grad_sync(
-                self._grad_syncs
-            )  # a test hook: a node can die while its peers all-reduce
+            # a test hook: a node can die while its peers all-reduce
+            fault_injection.before_grad_sync(self._grad_syncs)
 
     @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
     def export_weights(
@@ -789,9 +782,8 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
             last.config.hidden_size, 1, device=self.device, dtype=next(last.parameters()).dtype
         )
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(
-                self.ctx.seed
-            )  # same head on every rank (it is replicated over TP and DP)
+            # same head on every rank (it is replicated over TP and DP)
+            torch.manual_seed(self.ctx.seed)
             torch.nn.init.normal_(head.weight, std=0.02)
         torch.nn.init.zeros_(head.bias)
         last.add_module(VALUE_HEAD, head)
@@ -829,9 +821,8 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
         def loss(
             micro: MicroBatch, output: Any, counts: TokenCounts
         ) -> tuple[Any, dict[str, float]]:
-            return value_loss(
-                self._values(), micro, counts
-            )  # the values of the hidden states this forward left
+            # the values of the hidden states this forward left
+            return value_loss(self._values(), micro, counts)
 
         out, _, _ = self._train_mini_batches(batch.as_batch(), loss)
         out["train_time_s"] = time.perf_counter() - t0

@@ -82,9 +82,8 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        rows = (
-            options.micro_batch_size
-        )  # per micro-batch; under a token budget its worst case: full-length rows
+        # per micro-batch; under a token budget its worst case: full-length rows
+        rows = options.micro_batch_size
         if options.max_tokens_per_micro_batch:
             rows = max(1, options.max_tokens_per_micro_batch // seq_len)
         out = {"parameters": float(params * size)}
@@ -103,9 +102,8 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         state = 4 * 2 + (0 if size == 4 else 4)
         shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
         lora = getattr(options, "lora", None)
-        if (
-            lora is not None
-        ):  # only the adapters train: gradients and optimizer state for them alone
+        # only the adapters train: gradients and optimizer state for them alone
+        if lora is not None:
             stage_layers = -(-shape.layers // layout.pp)
             adapters = adapter_parameter_count(
                 lora,
@@ -179,9 +177,8 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
             )
         if layers:
             try:
-                pipeline_stage_layers(
-                    layers, layout.pp, layout.vpp
-                )  # megatron's even split, as plan draws it
+                # megatron's even split, as plan draws it
+                pipeline_stage_layers(layers, layout.pp, layout.vpp)
             except ValueError as e:
                 problems.append(str(e))
         if layout.ep > 1 and (not experts or experts % layout.ep):

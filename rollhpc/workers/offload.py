@@ -124,9 +124,8 @@ class StateOffloader(_Offloader):
                     new = t.to(self.device, non_blocking=True)
                 if isinstance(owner, dict):
                     owner[slot] = new
-                elif (
-                    slot == "data"
-                ):  # the parameter's own data (``p.data`` is a new alias each time: swapping an
+                # the parameter's own data (``p.data`` is a new alias each time: swapping an
+                elif slot == "data":
                     owner.data = new  # alias's data would leave the parameter where it was)
                 else:  # swap the storage under the same grad tensor (a grad assigned across devices is refused)
                     t.data = new
@@ -196,9 +195,8 @@ class MegatronStateOffloader(_Offloader):
 
         start = time.perf_counter()
         todo = [p for p in parts if (p in self.offloaded) != to_host]
-        moved = sum(
-            self._bytes(p) for p in todo
-        )  # counted before the buffers give their storage back
+        # counted before the buffers give their storage back
+        moved = sum(self._bytes(p) for p in todo)
         if self.device.type == "cuda" and todo:
             params, grads = "parameters" in todo, "gradients" in todo
             for buffer in self.buffers:

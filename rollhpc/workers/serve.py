@@ -112,11 +112,12 @@ def serve(
         # what the controller's per-role load metrics read (Controller.load): seconds inside this call, and
         # this process's CPU seconds so far (every thread: the generator's engine loop too)
         reply["call_s"], reply["cpu_s"] = time.perf_counter() - started, time.process_time()
+        # a shared-memory payload nothing else holds is unmapped now, and said so below
         del (
             msg,
             args,
             kwargs,
-        )  # a shared-memory payload nothing else holds is unmapped now, and said so below
+        )
         try:
             encoded = Encoded.of(result)
         except Exception as e:  # noqa: BLE001 - e.g. a result that cannot be pickled

@@ -52,9 +52,8 @@ class ToyTrainWorker(Worker):
         import torch
 
         torch.set_num_threads(1)
-        self.model = build_policy(
-            options.modulus, options.hidden, ctx.seed
-        )  # same seed: replicas start equal
+        # same seed: replicas start equal
+        self.model = build_policy(options.modulus, options.hidden, ctx.seed)
         self.optim = torch.optim.Adam(self.model.parameters(), lr=options.lr)
 
     @register(Dispatch.DP_SPLIT)

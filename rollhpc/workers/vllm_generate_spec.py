@@ -40,9 +40,8 @@ class VllmGenerateWorkerSpec(WorkerSpec):
     )
 
     @dataclass(kw_only=True)
-    class Options(
-        EngineConfig
-    ):  # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
+    # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads
+    class Options(EngineConfig):
         model_dir: (
             str  # Hugging Face checkpoint the engine starts from (then replaced by synced weights)
         )
