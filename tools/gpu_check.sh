@@ -5,7 +5,7 @@
 #   2. install  a venv over the machine's own Python and torch (--system-site-packages: its CUDA torch stays)
 #               and the wheels carried in WHEELS (megatron-core, mpich, mpi4py, hydra-core, pytest, ...; fetched
 #               by tools/fetch_gpu_wheels.sh), --no-deps, offline; rollhpc itself from this tree (PYTHONPATH)
-#   3. gpu      the -m gpu tests (tests/test_gpu.py): bf16 Megatron against the CPU loss, offload and reload,
+#   3. gpu      the -m gpu tests (tests/world/test_gpu.py): bf16 Megatron against the CPU loss, offload and reload,
 #               CUDA-IPC weight sync streamed through two slots (its peak extra GPU memory against the model's
 #               size: cuda_ipc's peak_extra_mib / model_mib), a checkpoint moved between GPU and CPU; their numbers in
 #               OUT/gpu_tests.jsonl (ROLLHPC_GPU_RESULTS)
@@ -124,7 +124,7 @@ do_install() {
 }
 
 do_gpu() {
-  run env ROLLHPC_GPU_RESULTS="$out/gpu_tests.jsonl" "$py" -m pytest -m gpu tests/test_gpu.py -p no:cacheprovider \
+  run env ROLLHPC_GPU_RESULTS="$out/gpu_tests.jsonl" "$py" -m pytest -m gpu tests/world/test_gpu.py -p no:cacheprovider \
     -q -o addopts="" --timeout 300 --junitxml "$out/gpu_tests.xml"
 }
 
