@@ -22,9 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from rollhpc.config import RoleConfig, import_spec
+from rollhpc.placement.device_mapping import nested_groups, rank_devices
 from rollhpc.protocol.dispatch import remote_methods
+
+if TYPE_CHECKING:
+    from rollhpc.controller.worker_group import GroupFuture, WorkerGroup
 
 log = logging.getLogger("rollhpc.colocation")
 
@@ -46,19 +51,11 @@ class Colocation:
         return [g for g in range(procs) if g not in self.ranks.get(role, ())]
 
 
-def colocation_of(roles: dict[str, Any]) -> Colocation:
+def colocation_of(roles: dict[str, RoleConfig]) -> Colocation:
     """The run's colocation from its roles (``cfg.roles``): GPU roles whose device lists meet, and the ranks whose
     GPUs meet another role's; without GPU roles, every role and rank (they share the host). Roles that cannot
     offload (no ``offload_states``) are left out, as are sets of one."""
-    from rollhpc.config import import_object
-    from rollhpc.placement.device_mapping import nested_groups, rank_devices
-
-    def offloads(name: str) -> bool:
-        return "offload_states" in remote_methods(
-            import_object(roles[name].worker, f"roles.{name}.worker")
-        )
-
-    movable = [n for n in roles if offloads(n)]
+    movable = [n for n in roles if _offloads(roles[n], n)]
     if not any(r.gpus_per_proc > 0 for r in roles.values()):
         if len(movable) < 2:
             return Colocation()
@@ -85,6 +82,11 @@ def colocation_of(roles: dict[str, Any]) -> Colocation:
         if len(names) > 1
     ]
     return Colocation(tuple(sets), ranks)
+
+
+def _offloads(role: RoleConfig, name: str) -> bool:
+    """Whether the role's worker can give up its devices' memory (its spec declares ``offload_states``)."""
+    return "offload_states" in remote_methods(import_spec(role.worker, f"roles.{name}.worker"))
 
 
 def moves_for(
@@ -118,7 +120,7 @@ class Residency:
 
     def __init__(
         self,
-        workers: dict[str, Any],
+        workers: dict[str, WorkerGroup],
         stages: dict[str, dict[str, tuple[str, ...]]],
         colocation: Colocation,
         offloaded_at_start: dict[str, list[str]] | None = None,
@@ -192,7 +194,7 @@ class Residency:
                     )
             log.debug("stage %s: %s %s", stage, kind, moves)
 
-    def _submit(self, role: str, method: str, parts: list[str]) -> list[Any]:
+    def _submit(self, role: str, method: str, parts: list[str]) -> list[GroupFuture]:
         return submit_moves(self.workers[role], self.ranks[role], method, parts)
 
     def step_metrics(self) -> dict[str, Any]:
@@ -211,7 +213,9 @@ def own_parts(stages: dict[str, dict[str, tuple[str, ...]]], role: str) -> set[s
     return {p for parts in stages.values() for p in parts.get(role, ()) if p in OFFLOADABLE}
 
 
-def submit_moves(group: Any, ranks: list[int], method: str, parts: list[str]) -> list[Any]:
+def submit_moves(
+    group: WorkerGroup, ranks: list[int], method: str, parts: list[str]
+) -> list[GroupFuture]:
     """``method(parts)`` on a role's moving ``ranks``: one group call when they are all its ranks, else one per rank."""
     if len(ranks) == len(group):
         return [getattr(group, method).submit(parts)]
@@ -219,7 +223,7 @@ def submit_moves(group: Any, ranks: list[int], method: str, parts: list[str]) ->
 
 
 def offload_after_startup(
-    workers: dict[str, Any],
+    workers: dict[str, WorkerGroup],
     stages: dict[str, dict[str, tuple[str, ...]]],
     colocation: Colocation,
     roles: list[str],
@@ -240,5 +244,5 @@ def offload_after_startup(
     return moved
 
 
-def _as_list(reply: Any) -> list[Any]:
+def _as_list(reply: object) -> list[Any]:
     return reply if isinstance(reply, list) else [reply]

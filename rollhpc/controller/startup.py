@@ -19,24 +19,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from rollhpc.config import import_object
+from rollhpc.config import RoleConfig, import_spec
 from rollhpc.placement.device_mapping import nested_groups
 from rollhpc.rundir import RunPaths, atomic_write_json
+
+if TYPE_CHECKING:
+    from rollhpc.controller.runtime import Controller
 
 log = logging.getLogger("rollhpc.startup")
 
 __all__ = ["build_in_turns", "startup_turns"]
 
 
-def _measures_free_memory(role: Any, name: str) -> bool:
-    return bool(
-        getattr(import_object(role.worker, f"roles.{name}.worker"), "measures_free_memory", False)
-    )
+def _measures_free_memory(role: RoleConfig, name: str) -> bool:
+    spec = import_spec(role.worker, f"roles.{name}.worker")
+    return bool(getattr(spec, "measures_free_memory", False))
 
 
-def startup_turns(roles: dict[str, Any]) -> list[list[str]]:
+def startup_turns(roles: dict[str, RoleConfig]) -> list[list[str]]:
     """The roles that build in each turn (``roles``: cfg.roles). Roles share GPUs when their explicit device
     lists meet (the device mapping nests such lists); within such a set, free-memory measurers first, then
     config order, one role a turn."""
@@ -58,10 +61,10 @@ def startup_turns(roles: dict[str, Any]) -> list[list[str]]:
 
 
 def build_in_turns(
-    ctl: Any,
+    ctl: Controller,
     ranks_of: Callable[[str], list[int]],
     turns: list[list[str]],
-    run_dir: Any,
+    run_dir: Path | str,
     timeout_s: float,
     between: Callable[[list[str]], dict[str, list[str]]] | None = None,
     overlap: Callable[[], None] | None = None,

@@ -2,8 +2,9 @@
 
 ``group.train_step(batch)`` blocks and returns the collected result;
 ``group.train_step.submit(batch)`` returns a ``GroupFuture`` at once, so calls on several groups
-overlap. Attribute access is checked against the worker class's registered methods, so a typo
-fails on the controller with the list of remote methods instead of on a worker.
+overlap. Attribute access is checked against the remote methods the role's spec declares (a group is built
+from ``config.import_spec``: the controller never imports a role's runtime), so a typo fails on the
+controller with the list of remote methods instead of on a worker.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rollhpc.protocol.dispatch import (
     split_arguments,
     targets,
 )
+from rollhpc.protocol.spec import WorkerSpec
 from rollhpc.transport.mpi_channel import Encoded
 
 
@@ -37,7 +39,7 @@ class GroupFuture:
         self._method = method
         self._keys = keys
         self._collect = collect_fn  # {group rank: reply} -> what the caller receives
-        self._value: Any = None
+        self._value: object = None
         self._done = False
 
     def done(self) -> bool:
@@ -63,12 +65,12 @@ class RemoteMethod:
         self.contract = contract
         self._only_rank = only_rank
 
-    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+    def submit(self, *args: object, **kwargs: object) -> GroupFuture:
         if self._only_rank is not None:
             return self._group.submit_to(self._only_rank, self._name, *args, **kwargs)
         return self._group.submit(self._name, *args, **kwargs)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:
         return self.submit(*args, **kwargs).result()
 
 
@@ -77,7 +79,7 @@ class WorkerGroup:
         self,
         controller: Controller,
         role: str,
-        worker_cls: type,
+        worker_cls: type[WorkerSpec],
         world_ranks: list[int],
         layout: ParallelLayout,
     ):
@@ -87,7 +89,7 @@ class WorkerGroup:
         self.world_ranks = world_ranks  # index = group rank
         self.group_rank_of = {r: i for i, r in enumerate(world_ranks)}
         self.layout = layout
-        # every rank's coordinates, once: computing them per call was O(ranks) of rank 0's time at every call
+        # every rank's coordinates, computed once: per call they would cost O(ranks) of rank 0's time
         self.coords = layout.all_coords()
 
     def __len__(self) -> int:
@@ -107,7 +109,9 @@ class WorkerGroup:
             )
         return RankProxy(self, group_rank)
 
-    def submit_to(self, group_rank: int, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def submit_to(
+        self, group_rank: int, method: str, *args: object, **kwargs: object
+    ) -> GroupFuture:
         # the method must be remote; its dispatch mode does not apply
         contract_of(self.worker_cls, method)
         keys = self.controller.submit(
@@ -115,7 +119,7 @@ class WorkerGroup:
         )
         return GroupFuture(self, method, keys, lambda by_rank: by_rank[group_rank])
 
-    def submit(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def submit(self, method: str, *args: object, **kwargs: object) -> GroupFuture:
         contract = contract_of(self.worker_cls, method)
         coords = self.coords
         called = targets(contract, coords)

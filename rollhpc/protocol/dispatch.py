@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from rollhpc.batch import Batch, RowArrays
 from rollhpc.parallel import RankCoords
@@ -57,25 +57,76 @@ def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect | None =
     return mark
 
 
-def remote_methods(worker_cls: type) -> dict[str, Contract]:
+def _own_contract(klass: type, name: str) -> Contract | None:
+    """The contract ``klass`` itself declares for ``name`` (not one inherited), if any."""
+    return getattr(vars(klass).get(name), _ATTR, None)
+
+
+def _remote_names(worker_cls: type) -> set[str]:
     return {
-        name: getattr(fn, _ATTR)
-        for name in dir(worker_cls)
-        if callable(fn := getattr(worker_cls, name, None)) and hasattr(fn, _ATTR)
+        name
+        for klass in worker_cls.__mro__
+        for name, fn in vars(klass).items()
+        if callable(fn) and hasattr(fn, _ATTR)
     }
 
 
+def _find_contract(worker_cls: type, method: str) -> Contract | None:
+    """The contract of ``method``: the first class in the MRO whose own namespace holds a function carrying one.
+    A runtime class implements its spec's remote methods without re-declaring them (rollhpc.protocol.spec), so
+    the contract sits on the spec further down the MRO."""
+    for klass in worker_cls.__mro__:
+        contract = _own_contract(klass, method)
+        if contract is not None:
+            return contract
+    return None
+
+
+def remote_methods(worker_cls: type) -> dict[str, Contract]:
+    """Every remote method of ``worker_cls`` (a runtime class or its spec) with its contract."""
+    return {name: contract_of(worker_cls, name) for name in sorted(_remote_names(worker_cls))}
+
+
 def contract_of(worker_cls: type, method: str) -> Contract:
-    fn = getattr(worker_cls, method, None)
-    if fn is None or not hasattr(fn, _ATTR):
+    contract = _find_contract(worker_cls, method)
+    if contract is None:
         known = ", ".join(sorted(remote_methods(worker_cls))) or "none"
         raise AttributeError(
             f"{worker_cls.__name__} has no remote method {method!r}; remote methods: {known}"
         )
-    return getattr(fn, _ATTR)
+    return contract
 
 
-def _split_value(value: Any, n: int) -> list[Any]:
+def check_contracts(worker_cls: type) -> None:
+    """Refuse (TypeError) a class that changes an inherited remote method's contract, or whose declaration
+    of one hides an implementation in another branch of its bases (the declaration would run instead): the
+    controller, which reads only the spec, and the rank, which runs the runtime class, must agree."""
+    for name in _remote_names(worker_cls):
+        owners = [k for k in worker_cls.__mro__ if callable(vars(k).get(name))]
+        declared = [(k, c) for k in owners if (c := _own_contract(k, name)) is not None]
+        first_owner, first = declared[0]
+        for owner, contract in declared[1:]:
+            if contract != first:
+                raise TypeError(
+                    f"{first_owner.__name__}.{name} declares {first}, but {owner.__name__}.{name} "
+                    f"declares {contract}: a remote method keeps its spec's contract"
+                )
+        if owners[0] is first_owner:
+            _refuse_hidden_implementation(name, first_owner, owners[1:])
+
+
+def _refuse_hidden_implementation(name: str, declarer: type, later: list[type]) -> None:
+    # an undecorated ``name`` in a class the declarer does not derive from: a sibling base listed too late
+    hidden = [k for k in later if _own_contract(k, name) is None and not issubclass(declarer, k)]
+    if hidden:
+        raise TypeError(
+            f"the declaration {declarer.__name__}.{name} hides the implementation "
+            f"{hidden[0].__name__}.{name}: list {hidden[0].__name__} before {declarer.__name__} "
+            "among the bases"
+        )
+
+
+def _split_value(value: object, n: int) -> list[object]:
     if isinstance(value, (Batch, RowArrays)):  # a TrainingBatch is cut by rows as a Batch is
         return value.split(n)
     if isinstance(value, list):
@@ -106,7 +157,7 @@ def targets(contract: Contract, coords: Sequence[RankCoords]) -> list[int]:
     return [c.group_rank for c in coords]
 
 
-def merge(results: list[Any]) -> Any:
+def merge(results: list[object]) -> object:
     """Concatenate dp shards of the same kind; otherwise keep the list."""
     if results and all(isinstance(r, Batch) for r in results):
         return Batch.concat(results)
@@ -115,7 +166,7 @@ def merge(results: list[Any]) -> Any:
     return results
 
 
-def collect(contract: Contract, by_rank: dict[int, Any], coords: Sequence[RankCoords]) -> Any:
+def collect(contract: Contract, by_rank: dict[int, object], coords: Sequence[RankCoords]) -> object:
     """Turn {group_rank: result} into what the controller's caller receives."""
     if contract.collect is Collect.RANK_ZERO:
         return by_rank[0]

@@ -13,9 +13,14 @@ import os
 import socket
 import time
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from rollhpc.rundir.records import this_host
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 # what a rank reports of its Slurm step, so a wrong placement can be read off the table's JSON
 _SLURM_KEYS = (
@@ -40,7 +45,7 @@ def _rss_bytes() -> float:
     return 0.0
 
 
-def _gpu_memory(torch: Any) -> list[dict[str, float]]:
+def _gpu_memory(torch: ModuleType) -> list[dict[str, float]]:
     """Device-wide use of each visible GPU (every process on it counted: colocated roles share it), read through
     NVML where torch has it, so the probe itself does not create a CUDA context on a GPU the rank never used."""
     out = []
@@ -59,8 +64,8 @@ def placement(gpus: bool = True) -> dict[str, Any]:
     """Where this process runs: host (Slurm's node name), the GPUs it sees (CUDA_VISIBLE_DEVICES and what CUDA
     counts), its CPU core set, and its memory right now (GPU per device, host RSS). ``gpus`` false (a CPU role):
     CUDA is not touched, so the probe does not put a CUDA context of its own on a GPU the rank does not use."""
-    torch: Any = None
-    if gpus:
+    torch: ModuleType | None = None
+    if gpus:  # torch on a login node's import path only when it runs (spec.WorkerSpec imports this module)
         import torch
     cuda = torch is not None and torch.cuda.is_available()
     gpu_id = None
@@ -87,7 +92,7 @@ def placement(gpus: bool = True) -> dict[str, Any]:
 
 def _group(
     address: tuple[str, int], tag: str, rank: int, world: int, timeout_s: float
-) -> tuple[Any, Any]:
+) -> tuple[dist.ProcessGroup, torch.device]:
     """A process group of ``world`` ranks for this one measurement (NCCL where CUDA is, else gloo), meeting at
     the controller's store under ``tag``; and the device its tensors live on."""
     import torch
@@ -104,7 +109,7 @@ def _group(
     return dist.ProcessGroupGloo(store, rank, world, timeout), torch.device("cpu")
 
 
-def _run_op(group: Any, op: str, t: Any) -> None:
+def _run_op(group: dist.ProcessGroup, op: str, t: torch.Tensor) -> None:
     """One collective on the probe's own group (its ops, not torch.distributed's functions on the default group)."""
     import torch.distributed as dist
 

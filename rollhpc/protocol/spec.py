@@ -13,15 +13,55 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rollhpc.protocol import probes
+from rollhpc.protocol.dispatch import Dispatch, check_contracts, register
+
 if TYPE_CHECKING:
     from rollhpc.parallel import ParallelLayout
 
-__all__ = ["PipelineSpec", "WorkerSpec", "find_spec", "spec_path"]
+__all__ = ["OffloadingWorkerSpec", "PipelineSpec", "WorkerSpec", "find_spec", "spec_path"]
 
 
 class WorkerSpec:
-    """A role's plan-time side. Subclasses may declare a nested ``Options`` dataclass; the role's ``options`` in the
-    config are validated against it at load and passed to the runtime class's ``__init__``."""
+    """A role's plan-time side and the controller's view of it. Subclasses may declare a nested ``Options``
+    dataclass; the role's ``options`` in the config are validated against it at load and passed to the runtime
+    class's ``__init__``.
+
+    A spec declares the role's remote methods (``@register`` on a method whose body raises
+    NotImplementedError), so the controller builds its worker groups from the spec alone; the runtime class
+    implements them without re-declaring (``dispatch.contract_of`` finds the contract through the MRO), and
+    ``dispatch.check_contracts`` refuses, at class creation, a subclass that changes one. The three below
+    every role answers."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        check_contracts(cls)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def ping(self) -> dict[str, Any]:
+        """Each rank's role, world and group rank, host and pid."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def placement_probe(self, gpus: bool = True) -> dict[str, Any]:
+        """Each rank's host, GPUs, CPU cores and memory now (``probes.placement``)."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def collective_bandwidth(
+        self,
+        address: tuple[str, int],
+        tag: str,
+        rank: int,
+        world: int,
+        op: str,
+        sizes: list[int],
+        iters: int,
+    ) -> dict[str, Any]:
+        """Time ``op`` (all_reduce or broadcast) among ranks the controller chose, in a process group of their
+        own that meets at ``address`` (the cluster check; protocol.probes): the role's own groups are left alone.
+        Implemented here: it needs nothing of the rank's state, and torch only when it runs."""
+        return probes.collective_bandwidth(address, tag, rank, world, op, sizes, iters)
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
@@ -29,19 +69,41 @@ class WorkerSpec:
         layout the worker would refuse at start-up is refused before any allocation."""
 
     @classmethod
-    def check_model(cls, layout: ParallelLayout, options: Any) -> None:
+    def check_model(cls, layout: ParallelLayout, options: object) -> None:
         """Raise ValueError for a model (``options.model_dir``'s config.json, when it is readable here) that
         this layout cannot split. Called at config load after ``check_layout``; a model that lives only on
         the cluster is checked there, at start-up."""
 
     @classmethod
     def gpu_memory(
-        cls, options: Any, layout: ParallelLayout, shape: Any, *, seq_len: int, gpu_bytes: float
+        cls,
+        options: object,
+        layout: ParallelLayout,
+        shape: object,
+        *,
+        seq_len: int,
+        gpu_bytes: float,
     ) -> dict[str, float] | None:
         """Bytes a rank of this role holds on its GPUs, by part (``rollhpc plan``: placement.memory_plan), for
         the model ``shape`` (placement.memory_plan.ModelShape) and rows of ``seq_len`` tokens on GPUs of
         ``gpu_bytes``; None: this worker does not say."""
         return None
+
+
+class OffloadingWorkerSpec(WorkerSpec):
+    """A role that gives its devices' memory up to colocated roles between stages (rollhpc.controller.colocation
+    calls these on the ranks that share devices; a role without them stays resident). ``parts``: what to move,
+    among ``colocation.OFFLOADABLE``."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def offload_states(self, parts: list[str]) -> dict[str, float]:
+        """Each rank's seconds (and bytes) moved off its devices, and its GPU memory after."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def reload_states(self, parts: list[str]) -> dict[str, float]:
+        """Each rank's seconds (and bytes) moved back onto its devices, and its GPU memory after."""
+        raise NotImplementedError
 
 
 class PipelineSpec:
@@ -54,21 +116,21 @@ class PipelineSpec:
     memory_stages: ClassVar[dict[str, dict[str, tuple[str, ...]]] | None] = None
 
     @classmethod
-    def check_roles(cls, options: Any, roles: dict[str, Any]) -> None:
+    def check_roles(cls, options: object, roles: dict[str, Any]) -> None:
         """Cross-checks of the options against the configured roles at config load (raise ValueError)."""
 
     @classmethod
-    def prepare(cls, options: Any, seed: int, roles: dict[str, Any] | None = None) -> None:
+    def prepare(cls, options: object, seed: int, roles: dict[str, Any] | None = None) -> None:
         """Inputs built before any rank starts (e.g. a warm-start policy); ``roles``: the configured roles."""
 
     @classmethod
-    def prepared_paths(cls, options: Any) -> list[str]:
+    def prepared_paths(cls, options: object) -> list[str]:
         """The paths ``prepare`` builds, which therefore need not exist beforehand (``config.missing_inputs``)."""
         return []
 
     @classmethod
     def preview(
-        cls, options: Any, n: int = 2, roles: dict[str, Any] | None = None
+        cls, options: object, n: int = 2, roles: dict[str, Any] | None = None
     ) -> list[str] | None:
         """What ``rollhpc train --dry-run`` shows of the run's inputs (e.g. the first prompts as the policy sees
         them); None: nothing to show."""

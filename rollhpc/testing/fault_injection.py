@@ -39,9 +39,12 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from rollhpc.proc.attempt import restart_number
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rollhpc.testing.fault_injection")
 
@@ -126,12 +129,12 @@ def in_weight_sync(nth: int) -> None:
     _hold_in_collective(HOLD_IN_WEIGHT_SYNC, nth, "the weight sync")
 
 
-def corrupt_weight_sync(nth: int, bucket: int, data: Any) -> None:
+def corrupt_weight_sync(nth: int, bucket: int, data: torch.Tensor) -> None:
     """Called by a weight-sync sender with each bucket's data once it is stamped: on the ``nth`` sync, the first
     bucket gets its lowest bit of its first byte flipped."""
     if bucket != 0 or os.environ.get(CORRUPT_WEIGHT_SYNC, "") != str(nth):
         return
-    import torch
+    import torch  # only when the hook acts: the product imports this module on the login node too
 
     raw = data.view(-1).view(torch.uint8)
     raw[0] ^= 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
 
 import numpy as np
 
@@ -19,11 +18,11 @@ from rollhpc.protocol.worker import Collect, Dispatch, Worker, register
 
 class DiagnosticWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
-    def echo(self, value: Any) -> Any:
+    def echo(self, value: object) -> object:
         return value
 
     @register(Dispatch.ONE_TO_ALL, Collect.DP_LEADERS)
-    def echo_from_leaders(self, value: Any) -> list[Any]:
+    def echo_from_leaders(self, value: object) -> list[object]:
         return [(self.ctx.coords.dp_rank, value)]
 
     @register(Dispatch.RANK_ZERO)

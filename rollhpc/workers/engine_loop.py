@@ -20,6 +20,9 @@ import threading
 import time
 from typing import Any
 
+import torch
+
+from rollhpc.engines.completion import Completion, StepEngine
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest
 
 log = logging.getLogger("rollhpc.engine_loop")
@@ -28,7 +31,9 @@ log = logging.getLogger("rollhpc.engine_loop")
 class EngineLoop:
     """Steps a ``VllmGenerator`` (step API) whenever it has requests; ``call`` is the scheduler's port."""
 
-    def __init__(self, engine: Any, *, temperature: float, top_p: float, ignore_eos: bool = False):
+    def __init__(
+        self, engine: StepEngine, *, temperature: float, top_p: float, ignore_eos: bool = False
+    ):
         self.engine = engine
         self.sampling = {"temperature": temperature, "top_p": top_p, "ignore_eos": ignore_eos}
         self.lock = threading.RLock()  # held whenever the engine is in use
@@ -39,14 +44,12 @@ class EngineLoop:
             0  # abort batches handed over, and the last one the loop has carried out
         )
         self._aborts_done = 0
-        self._finished: list[tuple[str, Any]] = []
-        self._aborted: list[tuple[str, Any]] = []
+        self._finished: list[tuple[str, Completion]] = []
+        self._aborted: list[tuple[str, Completion]] = []
         self._busy_s = 0.0
         self._running = 0  # requests in the engine after the loop's last step
         self._error: BaseException | None = None
         self._closed = False
-        import torch
-
         # OpenMP's thread count is per thread: a new thread may start from the process default (OMP_NUM_THREADS)
         # rather than the count the role set, and vLLM's CPU attention checks that its plan and its kernel see
         # the same count, so the loop takes the caller's (through torch's own binding: vLLM's CPU backend
@@ -94,8 +97,6 @@ class EngineLoop:
             raise RuntimeError("the engine loop has stopped (closed, or its thread died)")
 
     def _run(self) -> None:
-        import torch
-
         try:
             torch._C.set_num_threads(self._threads)
             while True:

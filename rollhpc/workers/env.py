@@ -54,12 +54,16 @@ import selectors
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollhpc.envs import env_class
 from rollhpc.envs.host import EnvHost, EpisodeConnection, is_finite
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
 from rollhpc.rollout.ports import ResetReply, ResetRequest, StepReply, StepRequest
+from rollhpc.rollout.turns import ChatTemplateTurns, PlainTextTurns, TurnFormatter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["EnvWorker", "EnvCounters"]
 
@@ -415,7 +419,7 @@ class EnvWorker(Worker):
         ]
 
 
-def _reason(status: str, payload: Any) -> str:
+def _reason(status: str, payload: object) -> str:
     if status == "timeout":
         return "timeout"
     if status == "died":
@@ -423,22 +427,14 @@ def _reason(status: str, payload: Any) -> str:
     return f"{status}: {payload}"
 
 
-def _formatter(turns: str, tokenizer: Any, system: str | None, eos_token: str | None) -> Any:
-    from rollhpc.rollout import turns as turn_formats
-
+def _formatter(
+    turns: str, tokenizer: PreTrainedTokenizerBase, system: str | None, eos_token: str | None
+) -> TurnFormatter:
     if turns == "plain":
-        return turn_formats.PlainTextTurns()
-    # looked up by name: it may land after this file
-    chat = getattr(turn_formats, "ChatTemplateTurns", None)
-    if chat is None:
-        raise ValueError(
-            "turns: chat needs rollhpc.rollout.turns.ChatTemplateTurns, which this version lacks"
-        )
-    return (
-        chat(tokenizer, system=system)
-        if eos_token is None
-        else chat(tokenizer, system=system, eos_token=eos_token)
-    )
+        return PlainTextTurns()
+    if eos_token is None:
+        return ChatTemplateTurns(tokenizer, system=system)
+    return ChatTemplateTurns(tokenizer, system=system, eos_token=eos_token)
 
 
 def _raise_open_files_limit() -> None:

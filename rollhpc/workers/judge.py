@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollhpc.engines.config import EngineConfig
 from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
@@ -35,7 +35,12 @@ from rollhpc.rewards.judge import (
     judge_outputs,
     render_prompt,
 )
+from rollhpc.rewards.judge_http import HttpJudge
 from rollhpc.rewards.judge_parse import JudgeMode
+from rollhpc.tasks import task_module
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["EngineJudge", "JudgeWorker", "encode_judge_prompt"]
 
@@ -98,15 +103,13 @@ class JudgeWorker(Worker):
             if self.timeout_s <= 0 or self.retries < 0 or self.concurrency < 1:
                 raise ValueError("need timeout_s > 0, retries >= 0, concurrency >= 1")
             if self.task is not None:
-                from rollhpc.tasks import task_module
-
                 task_module(self.task)
 
     def __init__(self, ctx: WorkerContext, options: Options):
         super().__init__(ctx, options)
-        from transformers import AutoTokenizer
-
-        from rollhpc.tasks import task_module
+        from transformers import (
+            AutoTokenizer,
+        )  # heavy: not at the top of a role read at config load
 
         self.tokenizer = AutoTokenizer.from_pretrained(options.policy_model_dir)
         self.task = task_module(options.task) if options.task else None
@@ -117,8 +120,6 @@ class JudgeWorker(Worker):
                 options.judge_model_dir, options, seed=ctx.seed + ctx.group_rank
             )
         else:
-            from rollhpc.rewards.judge_http import HttpJudge
-
             self.backend = HttpJudge(
                 options.endpoint,
                 options.endpoint_model,
@@ -208,7 +209,7 @@ class EngineJudge:
         self.engine = None
 
 
-def encode_judge_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def encode_judge_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """The judge's input ids: ``prompt`` as the user turn of the judge's chat template, or as plain text
     when its tokenizer has none (a base model continues the template's last line)."""
     if getattr(tokenizer, "chat_template", None):

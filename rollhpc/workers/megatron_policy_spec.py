@@ -1,5 +1,6 @@
 """The plan-time side of the megatron roles (rollhpc.workers.megatron_policy): their options, what megatron-core
-would refuse of a layout or a model (checked at config load), and a rank's GPU memory (``rollhpc plan``).
+would refuse of a layout or a model (checked at config load), a rank's GPU memory (``rollhpc plan``), and the
+remote methods the controller calls (their ``@register`` contracts; the runtime classes implement them).
 
 Light on purpose: config loading, ``plan`` and ``submit --dry-run`` read this on a login node without torch or
 megatron (rollhpc.protocol.spec); the runtime classes subclass these specs, so the two cannot disagree.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollhpc.models.lora_config import LoraConfig, adapter_parameter_count
 from rollhpc.parallel import ParallelLayout, pipeline_stage_layers
@@ -22,7 +23,13 @@ from rollhpc.placement.memory_plan import (
     megatron_stage_params,
     megatron_stage_split,
 )
-from rollhpc.protocol.spec import WorkerSpec
+from rollhpc.protocol.dispatch import Collect, Dispatch, register
+from rollhpc.protocol.spec import OffloadingWorkerSpec
+
+if TYPE_CHECKING:
+    from rollhpc.algo.objective import LossConfig
+    from rollhpc.batch import Batch, TrainingBatch, ValueBatch
+    from rollhpc.weight_sync.buckets import Bucket
 
 __all__ = [
     "MegatronCriticWorkerSpec",
@@ -32,7 +39,7 @@ __all__ = [
 ]
 
 
-class MegatronPolicyWorkerSpec(WorkerSpec):
+class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
     """Shared by the train and reference roles: the model, its dtype and micro-batches."""
 
     trainable = False
@@ -82,63 +89,15 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         activations of a forward (the trainer adds gradients, optimizer states and a backward's)."""
         size = dtype_bytes(options.dtype)
         params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        # per micro-batch; under a token budget its worst case: full-length rows
-        rows = options.micro_batch_size
-        if options.max_tokens_per_micro_batch:
-            rows = max(1, options.max_tokens_per_micro_batch // seq_len)
-        out = {"parameters": float(params * size)}
+        rows = _micro_batch_rows(options, seq_len)
         # a forward alone keeps one layer's activations at a time, and the whole head's logits
-        forward = float(
-            forward_activation_bytes(
-                shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp
-            )
+        forward = forward_activation_bytes(
+            shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp
         )
+        frozen = {"parameters": float(params * size), "activations": float(forward)}
         if not cls.trainable:
-            return {**out, "activations": forward}
-        # DDP's fp32 gradient buckets; fp32 main parameters (a copy, unless the parameters are fp32 themselves) and
-        # two fp32 Adam moments, sharded by the distributed optimizer: dense parameters over the data-parallel
-        # group, routed experts over the expert-data-parallel group
-        dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
-        state = 4 * 2 + (0 if size == 4 else 4)
-        shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
-        lora = getattr(options, "lora", None)
-        # only the adapters train: gradients and optimizer state for them alone
-        if lora is not None:
-            stage_layers = -(-shape.layers // layout.pp)
-            adapters = adapter_parameter_count(
-                lora,
-                shape.hidden,
-                shape.intermediate,
-                shape.heads * shape.head_dim,
-                shape.kv_heads * shape.head_dim,
-                stage_layers,
-                layout.tp,
-            )
-            out["parameters"] += float(adapters * size)
-            dense, experts, params = adapters, 0, adapters
-        grads, optimizer = (
-            float(params * 4),
-            float(state * (dense / shards[0] + experts / shards[1])),
-        )
-        return {
-            **out,
-            "gradients": grads,
-            "optimizer": optimizer,
-            "activations": float(
-                activation_bytes(
-                    shape,
-                    layout.tp,
-                    layout.pp,
-                    rows,
-                    seq_len,
-                    size,
-                    options.recompute,
-                    ep=layout.ep,
-                    etp=layout.etp,
-                )
-            ),
-            "forward_activations": forward,
-        }
+            return frozen
+        return _with_training_memory(frozen, options, layout, shape, seq_len)
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
@@ -186,13 +145,22 @@ class MegatronPolicyWorkerSpec(WorkerSpec):
         if problems:
             raise ValueError(f"{'; '.join(problems)} ({path})")
 
+    @register(Dispatch.DP_SPLIT)
+    def compute_logprobs(self, batch: Batch) -> Batch | None:
+        """``{"logprob": [b, L-1] float32}`` per row, from the DP leaders."""
+        raise NotImplementedError
+
 
 class MegatronReferenceWorkerSpec(MegatronPolicyWorkerSpec):
     """The frozen initial policy: a forward's memory only."""
 
 
 class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
-    """The trainer: the optimizer's settings, and gradients and optimizer state in its memory."""
+    """The trainer: the optimizer's settings, and gradients and optimizer state in its memory. The optimizer
+    stack is megatron-core's: the model chunks in its DistributedDataParallel (gradients in fp32 buckets,
+    reduce-scattered or all-reduced), its optimizer with fp32 main parameters and Adam moments (dtype=bfloat16
+    learns at small lr: the bf16 weights are the rounded main parameters), the global grad norm and clipping
+    through it, no weight decay on biases and norms."""
 
     trainable = True
 
@@ -211,12 +179,6 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
         lr_decay_steps: int = 0
         min_lr: float = 0.0
-        # the optimizer stack, megatron-core's own (the only one; "torch", a hand-written gradient all-reduce and
-        # torch's AdamW over the parameters in dtype, was removed): the model chunks in its DistributedDataParallel
-        # (gradients in fp32 buckets, reduce-scattered or all-reduced), its optimizer with fp32 main parameters and
-        # Adam moments (dtype=bfloat16 learns at small lr: the bf16 weights are the rounded main parameters), the
-        # global grad norm and clipping through it, no weight decay on biases and norms
-        optimizer: str = "megatron"
         # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
         # score matrices, "full" each layer from its input; the memory plan counts what each keeps
         recompute: Literal["none", "selective", "full"] = "none"
@@ -252,13 +214,143 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
                     f"lr_decay_steps >= 1 and 0 <= min_lr <= lr "
                     f"(got {self.lr_decay_steps}, {self.min_lr})"
                 )
-            if self.optimizer != "megatron":
-                raise ValueError(
-                    f"optimizer={self.optimizer!r}: the trainer runs on megatron-core's DDP and optimizer "
-                    "(optimizer: megatron, the default). optimizer=torch (AdamW on the weights in dtype) "
-                    "was removed: with dtype=bfloat16 it rounded updates of lr 1e-6 away"
-                )
+
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_channel(self) -> tuple[str, int]:
+        """The address of the store the weight sync meets at (opened on rank 0)."""
+        raise NotImplementedError
+
+    @register(Dispatch.RANK_ZERO)
+    def join_weight_channel(self, world: int) -> None:
+        """Rank 0 joins the broadcast group of ``world`` members as its rank 0."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def broadcast_weights(
+        self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+    ) -> int | None:
+        """Bytes rank 0 broadcast to the generators."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def share_weights(
+        self,
+        receivers: int,
+        tag: str,
+        bucket_mb: float = 512.0,
+        verify: bool = False,
+        adapters_only: bool = False,
+    ) -> dict[str, Any] | None:
+        """Rank 0's ``SyncStats`` of the weights streamed to colocated generators."""
+        raise NotImplementedError
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_ref_logprobs(self, batch: Batch) -> Batch | None:
+        """A LoRA policy's reference ``{"logprob": ...}``: the frozen base's, from the DP leaders."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def save_checkpoint(self, role_dir: str) -> dict[str, Any]:
+        """Rank 0's record of the trainer state saved into ``role_dir``."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def load_checkpoint(self, role_dir: str) -> dict[str, Any]:
+        """Rank 0's record of the trainer state loaded from ``role_dir``."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def weights_digest(self) -> str | None:
+        """sha256 of the full weights in Hugging Face names and bytes."""
+        raise NotImplementedError
+
+    @register(Dispatch.DP_SPLIT)
+    def train_step(self, batch: TrainingBatch, loss_config: LossConfig) -> list[dict[str, float]]:
+        """One dict of metrics per DP leader, averaged over the step's mini-batches."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL, Collect.RANK_ZERO)
+    def export_weights(
+        self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
+    ) -> list[Bucket] | None:
+        """The full weights (or LoRA's adapters) in Hugging Face names, packed into buckets."""
+        raise NotImplementedError
 
 
 class MegatronCriticWorkerSpec(MegatronTrainWorkerSpec):
     """PPO's critic: the trainer's options and memory (its value head is one row of the hidden size)."""
+
+    @register(Dispatch.DP_SPLIT)
+    def compute_values(self, batch: Batch) -> Batch | None:
+        """``{"values": [b, L-1] float32}`` per row, from the DP leaders."""
+        raise NotImplementedError
+
+    @register(Dispatch.DP_SPLIT)
+    def train_step(  # type: ignore[override]
+        self, batch: ValueBatch, value_clip: float | None = 0.2
+    ) -> list[dict[str, float]]:
+        """One dict of the value loss's metrics per DP leader."""
+        raise NotImplementedError
+
+
+def _micro_batch_rows(options: MegatronPolicyWorkerSpec.Options, seq_len: int) -> int:
+    """Rows of a micro-batch; under a token budget its worst case: full-length rows."""
+    if options.max_tokens_per_micro_batch:
+        return max(1, options.max_tokens_per_micro_batch // seq_len)
+    return options.micro_batch_size
+
+
+def _stage_adapter_parameters(lora: LoraConfig, layout: ParallelLayout, shape: ModelShape) -> int:
+    """LoRA's adapter parameters on one rank: its PP stage's layers, split over TP."""
+    return adapter_parameter_count(
+        lora,
+        shape.hidden,
+        shape.intermediate,
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+        -(-shape.layers // layout.pp),
+        layout.tp,
+    )
+
+
+def _with_training_memory(
+    frozen: dict[str, float],
+    options: MegatronTrainWorkerSpec.Options,
+    layout: ParallelLayout,
+    shape: ModelShape,
+    seq_len: int,
+) -> dict[str, float]:
+    """A forward's parts (its activations as ``forward_activations``), and DDP's fp32 gradient buckets; fp32
+    main parameters (a copy, unless the parameters are fp32 themselves) and two fp32 Adam moments, sharded
+    by the distributed optimizer: dense parameters over the data-parallel group, routed experts over the
+    expert-data-parallel group; and a backward's activations."""
+    size = dtype_bytes(options.dtype)
+    parameters = frozen["parameters"]
+    params = megatron_stage_params(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+    dense, experts = megatron_stage_split(shape, layout.tp, layout.pp, layout.ep, layout.etp)
+    if options.lora is not None:
+        # only the adapters train: gradients and optimizer state for them alone
+        adapters = _stage_adapter_parameters(options.lora, layout, shape)
+        parameters += float(adapters * size)
+        dense, experts, params = adapters, 0, adapters
+    state = 4 * 2 + (0 if size == 4 else 4)
+    shards = (layout.dp, layout.edp) if options.distributed_optimizer else (1, 1)
+    rows = _micro_batch_rows(options, seq_len)
+    activations = activation_bytes(
+        shape,
+        layout.tp,
+        layout.pp,
+        rows,
+        seq_len,
+        size,
+        options.recompute,
+        ep=layout.ep,
+        etp=layout.etp,
+    )
+    return {
+        "parameters": parameters,
+        "gradients": float(params * 4),
+        "optimizer": float(state * (dense / shards[0] + experts / shards[1])),
+        "activations": float(activations),
+        "forward_activations": frozen["activations"],
+    }

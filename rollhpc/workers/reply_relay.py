@@ -37,7 +37,7 @@ class ReplyRouter:
         self.trees[envelope["tree"]] = (envelope["parent"], tuple(envelope["children"]))
 
     def send(
-        self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: Any
+        self, call: dict[str, Any], reply: dict[str, Any], encoded: Encoded, result: object
     ) -> None:
         """``reply`` to the call whose envelope is ``call``: straight to the controller unless the call came with
         a tree, then with the children's replies in one bundle up the tree (``result`` itself goes in: a bundle

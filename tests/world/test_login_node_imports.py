@@ -1,6 +1,8 @@
 """What a login node runs imports no torch, megatron, vllm or transformers: loading every shipped config, ``rollhpc
 plan`` and ``rollhpc submit --dry-run`` read the workers' and pipelines' specs (rollhpc.protocol.spec), never their
-runtime modules. One fresh interpreter runs them all and reports what it imported."""
+runtime modules. Nor does the controller's view of the workers (its worker groups' contracts, the colocation and
+the start-up turns), which it builds from the same specs. One fresh interpreter runs them all and reports what
+it imported."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ HEAVY = ("torch", "megatron", "vllm", "transformers")
 RUNTIMES = (
     "rollhpc.workers.megatron_policy",
     "rollhpc.workers.vllm_generate",
+    "rollhpc.workers.toy_policy",
     "rollhpc.pipelines.rlvr",
     "rollhpc.pipelines.agentic",
 )
@@ -27,11 +30,19 @@ _SCRIPT = textwrap.dedent("""
     heavy, runtimes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     from rollhpc.cli import main
     from rollhpc.cli.experiment import load_experiment
+    from rollhpc.config import import_spec
+    from rollhpc.controller.colocation import colocation_of
+    from rollhpc.controller.startup import startup_turns
+    from rollhpc.controller.worker_group import WorkerGroup
 
     names = sorted(p.stem for p in Path("configs").glob("*.yaml"))
     failed = {}
     for name in names:
-        load_experiment(name, [])
+        cfg = load_experiment(name, [])
+        colocation_of(cfg.roles), startup_turns(cfg.roles)
+        for role, rc in cfg.roles.items():
+            group = WorkerGroup(None, role, import_spec(rc.worker, role), [], rc.layout())
+            group.ping.contract
         for argv in (["plan", name], ["submit", name, "--dry-run"]):
             with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
                 rc = main(argv)
