@@ -26,13 +26,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from rollhpc.models.hf_weight_map import LORA_ATTRIBUTE, unshard_to_hf
 from rollhpc.models.lora_config import TARGETS, LoraConfig
-from rollhpc.models.megatron_gpt import LORA_ATTRIBUTE, _gather, unshard_to_hf
+from rollhpc.models.megatron_cpu import import_megatron
+from rollhpc.models.megatron_hf import _gather, export_hf_weights
+
+import_megatron()  # megatron-core's first import: on CPU without torch.compile's imports (megatron_cpu)
+
+from megatron.core.tensor_parallel.mappings import (  # noqa: E402
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory  # noqa: E402
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint  # noqa: E402
 
 __all__ = [
     "TARGETS",
@@ -63,10 +75,10 @@ class LoraAdapter(torch.nn.Module):
         config: LoraConfig,
         tp_rank: int,
         tp_size: int,
-        tp_group: Any,
+        tp_group: dist.ProcessGroup | None,
         init_key: int,
         dtype: torch.dtype,
-        device: Any,
+        device: torch.device | str | None,
     ):
         """``in_features`` / ``out_features``: the full (unsharded) sizes of the linear's weight."""
         super().__init__()
@@ -109,11 +121,6 @@ class LoraAdapter(torch.nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, in or in/tp] -> [s, b, out/tp or out]: the adapter's share of the linear's output."""
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
         # [s, b, r]
         a = torch.nn.functional.linear(self.dropout(x).to(self.lora_a.dtype), self.lora_a)
         if self.tp_size > 1:
@@ -129,8 +136,6 @@ class LoraAdapter(torch.nn.Module):
     ) -> dict[str, Any]:
         """For megatron's dist checkpointing: the sharded one of A and B split over TP like its linear's weight,
         the other replicated."""
-        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
-
         axis = {"lora_b": 0} if self.mode == "column" else {"lora_a": 1}
         return make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
@@ -150,8 +155,6 @@ class LoraLayer(torch.nn.ModuleDict):
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict[str, Any]:
-        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
-
         out: dict[str, Any] = {}
         for name, adapter in self.items():
             sub = adapter.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata)
@@ -173,8 +176,16 @@ def _initial_a(rank: int, in_features: int, seed: int, key: int) -> torch.Tensor
     return (torch.rand(rank, in_features, generator=g, dtype=torch.float32) * 2 - 1) * bound
 
 
-def _hook(adapter: LoraAdapter) -> Any:
-    def forward_hook(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+# a megatron linear's output: (output, bias or None)
+_LinearOutput = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def _hook(
+    adapter: LoraAdapter,
+) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], _LinearOutput], _LinearOutput]:
+    def forward_hook(
+        module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: _LinearOutput
+    ) -> _LinearOutput:
         if not adapter.enabled:
             return output
         out, bias = output
@@ -184,7 +195,11 @@ def _hook(adapter: LoraAdapter) -> Any:
 
 
 def attach_lora(
-    model: torch.nn.Module, config: LoraConfig, tp_rank: int, tp_size: int, tp_group: Any
+    model: torch.nn.Module,
+    config: LoraConfig,
+    tp_rank: int,
+    tp_size: int,
+    tp_group: dist.ProcessGroup | None,
 ) -> int:
     """Freeze ``model`` (a chunk built by ``rollhpc.models.megatron_gpt.build_gpt_model``) and give each of its
     transformer layers adapters on ``config.target``; returns the adapter parameters' element count on this
@@ -257,13 +272,13 @@ _HF_MODULES = {
 PEFT_PREFIX = "base_model.model.model.layers."
 
 
-def export_lora_hf(model: torch.nn.Module, tp_group: Any = None) -> dict[str, torch.Tensor]:
+def export_lora_hf(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """This pipeline stage's adapters, gathered over TP, under PEFT's names for the Hugging Face model:
     ``base_model.model.model.layers.I.self_attn.q_proj.lora_A.weight`` [r, in] and ``...lora_B.weight`` [out, r].
     A fused linear's adapter becomes one adapter per HF module it fuses (q/k/v, gate/up): the same A for each,
     B's rows split as the fused weight's are. Every TP rank must call it (it all-gathers); each gets the result."""
-    import torch.distributed as dist
-
     tp = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     c = model.config
     out: dict[str, torch.Tensor] = {}
@@ -340,13 +355,11 @@ def peft_config(config: LoraConfig, base_model: str = "") -> dict[str, Any]:
 
 
 def merged_hf_weights(
-    model: torch.nn.Module, vocab_size: int, tp_group: Any = None
+    model: torch.nn.Module, vocab_size: int, tp_group: dist.ProcessGroup | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` of a chunk with its adapters merged in (``W + alpha/r B A``, in float32, back in W's
     dtype): the weights the adapted model computes with, for the generators and digests. Without adapters the
     plain export. Collective like it (every TP rank iterates to the end; the adapters are gathered first)."""
-    from rollhpc.models.megatron_gpt import export_hf_weights
-
     adapters = export_lora_hf(model, tp_group) if any(True for _ in _adapters(model)) else {}
     scaling = next((a.scaling for a in _adapters(model)), 0.0)
     for name, tensor in export_hf_weights(model, vocab_size, tp_group):
@@ -362,7 +375,7 @@ def merged_hf_weights(
 
 
 def adapter_sync_tensors(
-    model: torch.nn.Module, tp_group: Any, exporting: bool
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None, exporting: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """What a weight sync sends a generator that merges adapters itself (``engine: torch``): each adapted HF
     module's ``MODULE.lora_A.weight`` and ``MODULE.lora_B.weight`` (Hugging Face module names, no PEFT prefix),

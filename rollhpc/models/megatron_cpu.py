@@ -49,7 +49,7 @@ RNG tracker's streams are silently never seeded / never switched.
   in-place all-reduce: gloo's own reduce-scatter and all-gather copy the whole bucket first, and without
   overlap megatron makes the whole model one bucket (Qwen2.5-0.5B's shape at DP=2: +1.84 GiB per rank at
   every step). Checked end to end with megatron-core 0.16.1: DDP + distributed optimizer at DP=2 match
-  DP=1, bf16 parameters with fp32 main parameters (tests/test_megatron_optimizer.py). Its checkpoint gathers
+  DP=1, bf16 parameters with fp32 main parameters (tests/world/test_megatron_optimizer.py). Its checkpoint gathers
   each DP group's shards (``DistributedOptimizer.get_parameter_state_dp_zero``) after ``send_tensor.cuda()``:
   during that call ``Tensor.cuda`` returns the tensor itself, as for the embeddings above.
 
@@ -64,8 +64,10 @@ before ``model_parallel_cuda_manual_seed``; no other module needs to know about 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
+import torch.distributed as dist
 
 _ENABLED = False
 
@@ -193,8 +195,6 @@ _without_cuda_copies = _with_tensor_method("cuda", _tensor_stays)
 def _all_reduce_in_place(tensor: torch.Tensor, op: object, group: object, async_op: bool) -> object:
     """An all-reduce of ``tensor`` in place, issued on the process group itself: inside megatron's
     ``_coalescing_manager`` torch would defer ``dist.all_reduce`` to the block's end, after the copies here."""
-    import torch.distributed as dist
-
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
@@ -207,8 +207,6 @@ def _all_reduce_in_place(tensor: torch.Tensor, op: object, group: object, async_
 
 def _own_range(shard: int, group: object) -> tuple[int, int]:
     """Where this rank's shard of ``shard`` elements lies in a bucket the group shares out in rank order."""
-    import torch.distributed as dist
-
     rank = dist.get_rank(group)
     return rank * shard, (rank + 1) * shard
 
@@ -225,8 +223,6 @@ def _reduce_scatter_by_all_reduce(
     distributed optimizer does not read) gets them too. gloo's own reduce-scatter copies its whole input
     first and is slower than its all-reduce: a 1 GiB fp32 bucket over 2 ranks, +1.0 GiB and 1.7-2.9 s against
     nothing and 0.8-1.5 s (bench/cpu_collectives.py, torch 2.13)."""
-    import torch.distributed as dist
-
     work = _all_reduce_in_place(input, op if op is not None else dist.ReduceOp.SUM, group, async_op)
     lo, hi = _own_range(output.numel(), group)
     mine = input.view(-1)[lo:hi]
@@ -245,8 +241,6 @@ def _all_gather_by_all_reduce(
     ``output``) as an in-place sum of the bucket with every other rank's shard zeroed: x + 0 is exact in any
     float dtype, so every rank ends with each rank's shard bit for bit. gloo's all-gather copies the bucket's
     other shards first (a 512 MiB bf16 bucket over 2 ranks: +512 MiB, 0.7 s; the sum: nothing, 0.55-0.6 s)."""
-    import torch.distributed as dist
-
     flat = output.view(-1)
     lo, hi = _own_range(input.numel(), group)
     if flat[lo:hi].data_ptr() != input.data_ptr():
@@ -276,8 +270,6 @@ def import_megatron() -> None:
     ``megatron.core.jit.disable_jit_fuser()``, can only be called once the import has paid, so the import
     runs with ``torch.compile`` as the identity (what that switch makes of ``jit_fuser``), then the switch
     keeps it so for modules imported later. Nothing changes where CUDA is available or megatron is loaded."""
-    import sys
-
     if "megatron.core" in sys.modules or torch.cuda.is_available():
         import megatron.core  # noqa: F401
 
@@ -294,7 +286,8 @@ def import_megatron() -> None:
 
 def enable_cpu_megatron() -> bool:
     """Patch megatron-core's hard-coded CUDA calls onto the CPU; True where the patches are in place
-    (now or from an earlier call), False on a CUDA machine, where nothing is touched."""
+    (now or from an earlier call), False on a CUDA machine, where nothing is touched. Its megatron modules are
+    imported here, after ``import_megatron``: this module is what makes megatron's first import on CPU."""
     global _ENABLED
     if _ENABLED:
         return True

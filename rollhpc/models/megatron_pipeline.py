@@ -4,10 +4,8 @@ A rank of a role with ``pp`` stages (and ``vpp`` virtual stages per rank) holds 
 one ``GPTModel`` per virtual stage, each with its own layers (megatron numbers them globally, so the
 first stage of a pp=2, vpp=2 model of 4 layers holds layers 1 and 3). Without virtual stages the list
 has one chunk; at pp=1 that chunk is the whole model. Everything here works on that list, so the
-trainer has one code path for every layout:
+trainer has one code path for every layout (which rows make each micro-batch: ``workers.megatron_batches``):
 
-* ``micro_batches``: row indices of each micro-batch, as many as the interleaved schedule accepts;
-* ``token_budget_micro_batches``: micro-batches of rows of unequal length packed up to a token budget;
 * ``run_schedule``: forward (and backward) of every micro-batch through megatron's own schedule
   (``get_forward_backward_func``: no pipelining, 1F1B, or interleaved 1F1B); the loss function runs on
   the last stage only, and what it returns comes back there;
@@ -20,46 +18,20 @@ trainer has one code path for every layout:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
+from rollhpc.models.lora import adapter_sync_tensors, merged_hf_weights
+from rollhpc.models.megatron_cpu import import_megatron
+from rollhpc.models.megatron_hf import exporting_rank
 
-def micro_batches(
-    rows: int, micro_batch_size: int, pp: int = 1, interleaved: bool = False
-) -> list[np.ndarray]:
-    """Row indices of each micro-batch of ``rows`` rows, at most ``micro_batch_size`` each. megatron's
-    interleaved schedule needs at least ``pp`` micro-batches, a whole number of groups of ``pp``, and
-    micro-batches of one shape (it does not send shapes ahead): there the count is rounded up and every
-    micro-batch gets the same number of rows, ``-1`` marking a padding row (give it a zero loss mask and
-    drop its outputs)."""
-    if rows < 1:
-        return []
-    count = math.ceil(rows / micro_batch_size)
-    index = np.arange(rows)
-    if not interleaved:
-        return list(np.array_split(index, count))
-    count = max(pp, math.ceil(count / pp) * pp)
-    size = math.ceil(rows / count)
-    index = np.concatenate([index, np.full(count * size - rows, -1)])
-    return list(index.reshape(count, size))
+import_megatron()  # megatron-core's first import: on CPU without torch.compile's imports (megatron_cpu)
 
-
-def token_budget_micro_batches(ends: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Positions into ``ends`` (each row's token count, sorted longest first) of each micro-batch when one may hold
-    ``budget`` tokens, counted as its rows x its longest row (rows are right-padded to that, so padding costs like
-    tokens): rows taken greedily in order, a row longer than the budget alone. Longest first keeps the few long rows
-    together and packs the many short ones into large micro-batches, where a fixed row count would pad short rows
-    to a long one's width, or run long rows many at a time."""
-    out, start = [], 0
-    while start < len(ends):
-        size = max(1, budget // max(int(ends[start]), 1))
-        out.append(np.arange(start, min(start + size, len(ends))))
-        start += size
-    return out
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 
 def configure_chunks(chunks: Sequence[torch.nn.Module]) -> None:
@@ -87,8 +59,6 @@ def run_schedule(
     its output; ``loss(part, output)`` runs on the last stage and returns (the loss to back-propagate,
     a dict of what to keep). Returns the dicts, in micro-batch order, on the last stage; [] elsewhere.
     Collective over the pipeline group: every stage passes the same number of parts, in the same order."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     if not parts:
         return []
     configure_chunks(chunks)
@@ -124,9 +94,6 @@ def _stage_chunk(chunks: Sequence[torch.nn.Module], attr: str) -> torch.nn.Modul
 def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
     """Sum the gradients of the two copies of a tied embedding (first stage's input embedding, last
     stage's output layer), as megatron's ``finalize_model_grads`` does for its DDP-wrapped models."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     if (
         ps.get_pipeline_model_parallel_world_size() == 1
         or not chunks[0].share_embeddings_and_output_weights
@@ -144,7 +111,7 @@ def allreduce_tied_embedding_grads(chunks: Sequence[torch.nn.Module]) -> None:
 def export_pipeline_hf_weights(
     chunks: Sequence[torch.nn.Module],
     vocab_size: int,
-    tp_group: Any = None,
+    tp_group: dist.ProcessGroup | None = None,
     adapters_only: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``export_hf_weights`` over every pipeline stage: the first stage's exporting rank (TP rank 0,
@@ -153,59 +120,67 @@ def export_pipeline_hf_weights(
     ``export_hf_weights``, over the pipeline group too: every rank of the exporting replica iterates
     to the end; on the others it yields nothing. ``adapters_only``: a LoRA policy's adapters instead, as
     a generator that merges them takes them (``rollhpc.models.lora.adapter_sync_tensors``)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from rollhpc.models.lora import adapter_sync_tensors, merged_hf_weights
-    from rollhpc.models.megatron_gpt import exporting_rank
-
-    if adapters_only:
-        exporting_here = exporting_rank(chunks[0], tp_group)
-        local = (
-            item
-            for chunk in chunks
-            for item in adapter_sync_tensors(chunk, tp_group, exporting_here)
-        )
-    else:  # a LoRA policy's weights are its base with the adapters merged in (the model the generators serve)
-        local = (
-            item for chunk in chunks for item in merged_hf_weights(chunk, vocab_size, tp_group)
-        )
+    local = _stage_weights(chunks, vocab_size, tp_group, adapters_only)
     if (
         not (dist.is_available() and dist.is_initialized())
         or ps.get_pipeline_model_parallel_world_size() == 1
     ):
         yield from local
         return
-    stage, stages = (
-        ps.get_pipeline_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_world_size(),
-    )
+    stages = ps.get_pipeline_model_parallel_world_size()
     group_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
     exporting = exporting_rank(chunks[0], tp_group)
-    device = next(chunks[0].parameters()).device
-    if stage != 0:
-        for (
-            name,
-            tensor,
-        ) in local:  # items only on the exporting rank; the others take part in gathers
-            dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=group_ranks[0])
-            dist.send(tensor.contiguous(), dst=group_ranks[0])
-        if exporting:
-            dist.send_object_list([None], dst=group_ranks[0])
+    if ps.get_pipeline_model_parallel_rank() != 0:
+        _send_to_first_stage(local, group_ranks[0], exporting)
         return
     yield from local
-    if not exporting:
+    if exporting:
+        device = next(chunks[0].parameters()).device
+        for source in group_ranks[1:stages]:
+            yield from _receive_stage(source, device)
+
+
+def _stage_weights(
+    chunks: Sequence[torch.nn.Module],
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None,
+    adapters_only: bool,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's tensors in HF names: the adapters alone, or the base with the adapters merged in (a LoRA
+    policy's weights are the model the generators serve)."""
+    if adapters_only:
+        exporting_here = exporting_rank(chunks[0], tp_group)
+        for chunk in chunks:
+            yield from adapter_sync_tensors(chunk, tp_group, exporting_here)
         return
-    for source in group_ranks[1:stages]:
-        while True:
-            header: list[Any] = [None]
-            dist.recv_object_list(header, src=source)
-            if header[0] is None:
-                break
-            name, shape, dtype = header[0]
-            tensor = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(tensor, src=source)
-            yield name, tensor
+    for chunk in chunks:
+        yield from merged_hf_weights(chunk, vocab_size, tp_group)
+
+
+def _send_to_first_stage(
+    local: Iterator[tuple[str, torch.Tensor]], first: int, exporting: bool
+) -> None:
+    """A later stage's tensors to the first stage's exporting rank (global rank ``first``), each after a header
+    (name, shape, dtype); a None header ends them. Items come only on the exporting rank; the others take
+    part in the gathers."""
+    for name, tensor in local:
+        dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=first)
+        dist.send(tensor.contiguous(), dst=first)
+    if exporting:
+        dist.send_object_list([None], dst=first)
+
+
+def _receive_stage(source: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``_send_to_first_stage`` sends from global rank ``source``, one tensor at a time."""
+    while True:
+        header: list[tuple[str, tuple[int, ...], torch.dtype] | None] = [None]
+        dist.recv_object_list(header, src=source)
+        if header[0] is None:
+            return
+        name, shape, dtype = header[0]
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=source)
+        yield name, tensor
 
 
 def chunks_sharded_state_dict(chunks: Sequence[torch.nn.Module]) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.autograd.function import FunctionCtx
 
 _MASKED = -1e9  # finite, so exp() gives 0 and 0 * _MASKED stays 0 (−inf would make the entropy NaN)
 
@@ -29,17 +31,15 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: FunctionCtx,
         logits: torch.Tensor,
         targets: torch.Tensor,
         vocab_size: int,
         tp_rank: int,
-        tp_group: Any,
+        tp_group: dist.ProcessGroup | None,
         distributed: bool,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch.distributed as dist
-
         z = logits.to(torch.float32, copy=True)  # modified in place from here on
         v_local = z.shape[-1]
         start = tp_rank * v_local
@@ -73,7 +73,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+        ctx: FunctionCtx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[Any, ...]:
         e, sum_exp, index, in_slice, *entropy_parts = ctx.saved_tensors
         p = e.div_(sum_exp.unsqueeze(-1))  # the softmax, in the saved buffer
@@ -99,7 +99,7 @@ def token_logprobs(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
-    tp_group: Any = None,
+    tp_group: dist.ProcessGroup | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets) and optionally the entropy, per position (``_TokenLogprobs``).

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from rollhpc.models.megatron_gpt import (  # noqa: E402
+from rollhpc.models.hf_weight_map import (  # noqa: E402
     padded_vocab_size,
     shard_hf_weight,
     unshard_to_hf,

@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" and the like
     pytest.importorskip("megatron.core")
 
-from rollhpc.models.megatron_gpt import padded_vocab_size, shard_hf_weight, weight_map  # noqa: E402
+from rollhpc.models.hf_weight_map import padded_vocab_size, shard_hf_weight, weight_map  # noqa: E402
 
 VOCAB = 100
 WORLD = 2
@@ -52,7 +52,8 @@ def _worker(rank: int, rendezvous: str, model_dirs: list[str], out_dir: str) -> 
     from safetensors.torch import load_file
 
     from rollhpc.models import megatron_cpu
-    from rollhpc.models.megatron_gpt import build_gpt_model, export_hf_weights, load_hf_weights
+    from rollhpc.models.megatron_gpt import build_gpt_model
+    from rollhpc.models.megatron_hf import export_hf_weights, load_hf_weights
 
     # On a (pretend) CUDA machine enable_cpu_megatron touches nothing.
     real_available, current_device = torch.cuda.is_available, torch.cuda.current_device

@@ -176,7 +176,7 @@ def test_pipeline_stage_layers_follow_megatron():
 
 
 def test_micro_batches_pad_interleaved_schedules_to_whole_groups():
-    from rollhpc.models.megatron_pipeline import micro_batches
+    from rollhpc.workers.megatron_batches import micro_batches
 
     assert [m.tolist() for m in micro_batches(5, 2)] == [[0, 1], [2, 3], [4]]
     assert micro_batches(0, 2) == []
