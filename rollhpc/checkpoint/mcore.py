@@ -1,14 +1,8 @@
 """Megatron-core distributed checkpoints of a ``GPTModel`` built by ``rollhpc.models.megatron_gpt``.
 
 A checkpoint directory is megatron's ``torch_dist`` format (``metadata.json``, ``common.pt``,
-``.metadata``, ``__R_T.distcp`` data files) plus two things of ours:
-
-* ``rollhpc_checkpoint.json``: format name and version, the Hugging Face ``config.json`` the model was
-  built from, the parallel layout it was saved with (tp/pp/ep/etp, world), the padded vocab size, the
-  parameter dtype, and a manifest of every file (size, and sha256 when computed) so that a missing or
-  truncated file is reported as such before megatron reads anything;
-* ``hf/``: the source Hugging Face directory's other files (tokenizer, generation config), copied so
-  that a conversion back to HF gives a complete model directory.
+``.metadata``, ``__R_T.distcp`` data files) plus our metadata file and ``hf/`` folder
+(``checkpoint.mcore_files``, which reads them without torch).
 
 The tensors are global (megatron stores each as its full shape, cut into chunks as the saving ranks
 held them), so a checkpoint saved at one TP/PP/EP layout loads at any other: megatron reads the chunks
@@ -26,30 +20,57 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from rollhpc.checkpoint.mcore_files import (
+    FORMAT,
+    FORMAT_VERSION,
+    HF_EXTRAS_DIR,
+    META_FILE,
+    CheckpointError,
+    copy_hf_extras,
+    file_manifest,
+    read_metadata,
+)
+from rollhpc.models import megatron_cpu
+from rollhpc.models.hf_weight_map import HfConfigSource, _hf_dict
+from rollhpc.models.lora import attach_lora
+from rollhpc.models.lora_config import LoraConfig
+from rollhpc.models.megatron_gpt import build_gpt_model
+from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict, load_chunks_state
+from rollhpc.proc.parent_death import die_with_parent
 from rollhpc.rundir import replace_dir
 
-FORMAT = "rollhpc-mcore"
-FORMAT_VERSION = 1
-META_FILE = "rollhpc_checkpoint.json"
-HF_EXTRAS_DIR = "hf"
-# HF files never copied into hf/: weights (converted) and config.json (kept in the metadata json).
-_HF_SKIP = ("config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json")
-_HF_SKIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+megatron_cpu.import_megatron()  # megatron-core's first import: on CPU without torch.compile's imports
 
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: E402
+from megatron.core.dist_checkpointing.strategies.torch import (  # noqa: E402
+    TorchDistSaveShardedStrategy,
+)
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or written: missing, incomplete, corrupt or mismatched."""
+Model = (
+    torch.nn.Module | Sequence[torch.nn.Module]
+)  # a GPTModel, or a rank's virtual pipeline chunks
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -63,74 +84,15 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def sha256_file(path: Path, block: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def file_manifest(ckpt_dir: Path, checksums: bool) -> dict[str, dict[str, Any]]:
-    """{relative path: {"size": bytes[, "sha256": hex]}} for megatron's files in ``ckpt_dir``."""
-    out = {}
-    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file()):
-        rel = path.relative_to(ckpt_dir).as_posix()
-        if rel == META_FILE or rel.startswith(HF_EXTRAS_DIR + "/"):
-            continue
-        out[rel] = {"size": path.stat().st_size} | (
-            {"sha256": sha256_file(path)} if checksums else {}
-        )
-    return out
-
-
 def parallel_layout() -> dict[str, int]:
     """tp/pp/ep/etp/world of the initialised megatron parallel state."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     return dict(
-        tp=ps.get_tensor_model_parallel_world_size(),
-        pp=ps.get_pipeline_model_parallel_world_size(),
-        ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
+        tp=parallel_state.get_tensor_model_parallel_world_size(),
+        pp=parallel_state.get_pipeline_model_parallel_world_size(),
+        ep=parallel_state.get_expert_model_parallel_world_size(),
+        etp=parallel_state.get_expert_tensor_parallel_world_size(),
         world=dist.get_world_size(),
     )
-
-
-def copy_hf_extras(src_dir: Path, dst_dir: Path) -> list[str]:
-    """Copy a Hugging Face directory's non-weight files (tokenizer, generation config, ...) from
-    ``src_dir`` into ``dst_dir``; returns their names. config.json and weights are left out."""
-    copied = []
-    for path in sorted(Path(src_dir).iterdir()):
-        if not path.is_file() or path.name in _HF_SKIP or path.suffix in _HF_SKIP_SUFFIXES:
-            continue
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(path, dst_dir / path.name)
-        copied.append(path.name)
-    return copied
-
-
-GENERATION_CONFIG = "generation_config.json"
-_GENERATION_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
-
-
-def generation_config_from(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The generation_config.json transformers' ``GenerationConfig.from_model_config`` derives from a
-    config.json (its special token ids that are set; ``_from_model_config`` marks it as derived): what
-    ``save_pretrained`` would have written beside the weights. vLLM stops at its ``eos_token_id``."""
-    ids = {k: hf_config[k] for k in _GENERATION_TOKEN_IDS if hf_config.get(k) is not None}
-    return {"_from_model_config": True, **ids}
-
-
-def write_generation_config_if_missing(model_dir: Path, hf_config: Mapping[str, Any]) -> bool:
-    """Give an HF directory whose source had no generation_config.json one derived from its config
-    (``generation_config_from``), so that an exported model is complete; True if one was written."""
-    path = Path(model_dir) / GENERATION_CONFIG
-    if path.exists():
-        return False
-    path.write_text(json.dumps(generation_config_from(hf_config), indent=2, sort_keys=True) + "\n")
-    return True
 
 
 _write_results_manager = None
@@ -143,55 +105,41 @@ def _write_results_queue_that_dies_with_us() -> None:
     megatron its queue before it makes its own. Call from the thread that lives as long as the rank (the
     signal follows the creating thread)."""
     global _write_results_manager
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     if (
         _write_results_manager is not None
         or getattr(filesystem_async, "_results_queue", None) is not None
     ):
         return
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
-
-    from rollhpc.proc.parent_death import die_with_parent
-
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _write_results_manager = manager
 
 
-def save_strategy():
+def save_strategy() -> TorchDistSaveShardedStrategy:
     """megatron's torch_dist save strategy, one data file per rank (thread_count=1: a rank's shard is
     one file, so "largest shard" is the largest file)."""
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
 def save_mcore_checkpoint(
-    model: torch.nn.Module | Sequence[torch.nn.Module],
+    model: Model,
     out_dir: str | Path,
-    hf_config: Any,
+    hf_config: HfConfigSource,
     layout_info: Mapping[str, Any] | None = None,
     *,
     overwrite: bool = False,
     checksums: bool = False,
-    sharded_state_dict: dict[str, Any] | None = None,
+    sharded_state_dict: ShardedStateDict | None = None,
 ) -> Path:
     """Save ``model`` (a megatron ``GPTModel`` from ``build_gpt_model``, or a rank's list of virtual
-    pipeline chunks) as a dist checkpoint in ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF config the model was built from
-    (dict, transformers config, config.json path, or the HF model directory: then its tokenizer and
-    other files go to ``hf/`` too). ``layout_info``: recorded in the metadata over the parallel state's
-    tp/pp/ep/etp/world (e.g. ``{"step": 100}``). An existing ``out_dir`` is an error unless
+    pipeline chunks) as a dist checkpoint in ``out_dir``. Collective: every rank calls it. ``hf_config``: the HF
+    config the model was built from (dict, transformers config, config.json path, or the HF model directory:
+    then its tokenizer and other files go to ``hf/`` too). ``layout_info``: recorded in the metadata over the
+    parallel state's tp/pp/ep/etp/world (e.g. ``{"step": 100}``). An existing ``out_dir`` is an error unless
     ``overwrite`` (replaced only once the new checkpoint is complete). ``checksums``: sha256 of every
     file in the manifest (rank 0 reads the whole checkpoint back once). ``sharded_state_dict``: what to
     write, when not ``model.sharded_state_dict()`` (the converter passes one that needs no copies)."""
-    import torch.distributed as dist
-    from megatron.core import dist_checkpointing
-
-    from rollhpc.models.megatron_gpt import _hf_dict
-
     out_dir = Path(out_dir).absolute()
     rank = dist.get_rank()
     tmp = out_dir.parent / f".{out_dir.name}.partial"
@@ -202,8 +150,6 @@ def save_mcore_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict
-
     chunks = _as_chunks(model)
     if sharded_state_dict is None:
         sharded_state_dict = chunks_sharded_state_dict(chunks)
@@ -211,98 +157,50 @@ def save_mcore_checkpoint(
     dist_checkpointing.save(sharded_state_dict, str(tmp), sharded_strategy=save_strategy())
     dist.barrier()  # every rank's files are written (dist_checkpointing.save ends with one too)
     if rank == 0:
-        cfg = _hf_dict(hf_config)
-        layout = {**parallel_layout(), **dict(layout_info or {})}
-        first = next(chunks[0].parameters())
-        meta = dict(
-            format=FORMAT,
-            format_version=FORMAT_VERSION,
-            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            hf_config=cfg,
-            layout=layout,
-            padded_vocab_size=int(chunks[0].vocab_size),
-            params_dtype=_dtype_name(first.dtype),
-            files=file_manifest(tmp, checksums),
-        )
-        if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
-            meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
-        # rollhpc.models.lora: adapters saved beside the base
-        lora = getattr(chunks[0], "lora_config", None)
-        if lora is not None:
-            meta["lora"] = dataclasses.asdict(lora)
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+        _write_metadata(tmp, chunks[0], hf_config, layout_info, checksums)
         replace_dir(tmp, out_dir)
     dist.barrier()
     return out_dir
 
 
-def read_metadata(ckpt_dir: str | Path, *, checksums: bool = True) -> dict[str, Any]:
-    """The checkpoint's metadata, after checking that it is ours, of a known version, and that every file
-    in its manifest is there with its size (and sha256, when recorded and ``checksums``)."""
-    ckpt_dir = Path(ckpt_dir)
-    if not ckpt_dir.is_dir():
-        raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
-    path = ckpt_dir / META_FILE
-    if not path.is_file():
-        hint = (
-            " (it looks like a Hugging Face directory: convert it with hf-to-mcore)"
-            if (ckpt_dir / "config.json").is_file()
-            else ""
-        )
-        raise CheckpointError(
-            f"{ckpt_dir} is not a rollhpc megatron checkpoint: {META_FILE} is missing{hint}"
-        )
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} is unreadable or corrupt: {e}") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: format {meta.get('format') if isinstance(meta, dict) else None!r}, "
-            f"expected {FORMAT!r}"
-        )
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path}: format version {meta.get('format_version')!r}; this rollhpc reads "
-            f"version {FORMAT_VERSION}"
-        )
-    for key in ("hf_config", "layout", "padded_vocab_size", "params_dtype", "files"):
-        if key not in meta:
-            raise CheckpointError(f"{path} lacks {key!r}")
-    problems = []
-    for rel, info in meta["files"].items():
-        f = ckpt_dir / rel
-        if not f.is_file():
-            problems.append(f"{rel} is missing")
-        elif f.stat().st_size != info["size"]:
-            problems.append(f"{rel} has {f.stat().st_size} bytes, the manifest says {info['size']}")
-        elif checksums and "sha256" in info and sha256_file(f) != info["sha256"]:
-            problems.append(f"{rel} does not match its sha256 (corrupt)")
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {ckpt_dir} is incomplete or corrupt: {'; '.join(problems)}"
-        )
-    return meta
+def _write_metadata(
+    tmp: Path,
+    first_chunk: torch.nn.Module,
+    hf_config: HfConfigSource,
+    layout_info: Mapping[str, Any] | None,
+    checksums: bool,
+) -> None:
+    """Rank 0's part of a save: ``META_FILE`` over the files written, and the HF directory's other files."""
+    meta: dict[str, Any] = dict(
+        format=FORMAT,
+        format_version=FORMAT_VERSION,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        hf_config=_hf_dict(hf_config),
+        layout={**parallel_layout(), **dict(layout_info or {})},
+        padded_vocab_size=int(first_chunk.vocab_size),
+        params_dtype=_dtype_name(next(first_chunk.parameters()).dtype),
+        files=file_manifest(tmp, checksums),
+    )
+    if isinstance(hf_config, (str, Path)) and Path(hf_config).is_dir():
+        meta["hf_files"] = copy_hf_extras(Path(hf_config), tmp / HF_EXTRAS_DIR)
+    # rollhpc.models.lora: adapters saved beside the base
+    lora = getattr(first_chunk, "lora_config", None)
+    if lora is not None:
+        meta["lora"] = dataclasses.asdict(lora)
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def _as_chunks(model: torch.nn.Module | Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+def _as_chunks(model: Model) -> list[torch.nn.Module]:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def load_mcore_checkpoint(
-    model: torch.nn.Module | Sequence[torch.nn.Module],
-    ckpt_dir: str | Path,
-    *,
-    checksums: bool = False,
+    model: Model, ckpt_dir: str | Path, *, checksums: bool = False
 ) -> dict[str, Any]:
     """Load a checkpoint saved by ``save_mcore_checkpoint`` (or the converter) into ``model`` (or a
-    rank's list of virtual pipeline chunks), whatever TP/PP/VPP/EP layout it was saved with. Collective: every rank calls it. Returns the checkpoint's
-    metadata. Raises ``CheckpointError`` for a missing/corrupt checkpoint or one of another model."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    from rollhpc.models.megatron_pipeline import chunks_sharded_state_dict, load_chunks_state
-
+    rank's list of virtual pipeline chunks), whatever TP/PP/VPP/EP layout it was saved with. Collective: every
+    rank calls it. Returns the checkpoint's metadata. Raises ``CheckpointError`` for a missing/corrupt
+    checkpoint or one of another model."""
     chunks = _as_chunks(model)
     meta = read_metadata(ckpt_dir, checksums=checksums)
     _check_model_matches(chunks[0], meta)
@@ -316,7 +214,7 @@ def load_mcore_checkpoint(
     return meta
 
 
-def _check_model_matches(model: torch.nn.Module, meta: dict[str, Any]) -> None:
+def _check_model_matches(model: torch.nn.Module, meta: Mapping[str, Any]) -> None:
     cfg, c = meta["hf_config"], model.config
     pairs = [
         ("num_hidden_layers", cfg.get("num_hidden_layers"), c.num_layers),
@@ -338,12 +236,6 @@ def single_process_world(backend: str = "gloo") -> Iterator[None]:
     """torch.distributed (gloo, an in-process store) and megatron's parallel state for a world of one
     process: what megatron's dist_checkpointing needs to read a checkpoint offline (``backend="nccl"``: where
     megatron's DDP runs collectives on GPU tensors)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from rollhpc.models import megatron_cpu
-
     if dist.is_initialized():
         raise RuntimeError(
             "single_process_world: torch.distributed is already initialised in this process"
@@ -359,12 +251,10 @@ def single_process_world(backend: str = "gloo") -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _plain(piece: Any) -> Any:
+def _plain(piece: ShardedTensor) -> ShardedTensor:
     """A ShardedTensor requesting the same chunk as ``piece`` with its prepended axes (layer, expert)
     spelled out as size-1 dimensions and no fixed grid: megatron then loads it through DCP's plain chunk
     reading, so one layer of a layer-stacked tensor can be read alone."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     shape = (1,) * piece.prepend_axis_num + tuple(piece.local_shape)
     return ShardedTensor(
         key=piece.key,
@@ -386,22 +276,11 @@ class McoreReader:
     the checkpoint holds every tensor the config implies, with the right global shape."""
 
     def __init__(self, ckpt_dir: str | Path, *, checksums: bool = True):
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-        from rollhpc.models.megatron_gpt import build_gpt_model
-
         self.ckpt_dir = Path(ckpt_dir)
         self.meta = read_metadata(self.ckpt_dir, checksums=checksums)
         self.hf_config = self.meta["hf_config"]
         self.dtype = dtype_from_name(self.meta["params_dtype"])
-        try:
-            stored = dist_checkpointing.load_tensors_metadata(str(self.ckpt_dir))
-        except Exception as e:  # noqa: BLE001 - megatron/torch raise many kinds for a damaged .metadata
-            raise CheckpointError(
-                f"checkpoint {self.ckpt_dir} is incomplete or corrupt: cannot read its tensor "
-                f"index ({type(e).__name__}: {e})"
-            ) from e
+        stored = self._tensor_index()
         emb = stored.get("embedding.word_embeddings.weight")
         padded = tuple(emb.global_shape)[0] if emb is not None else self.meta["padded_vocab_size"]
         with torch.device("meta"):
@@ -412,13 +291,9 @@ class McoreReader:
                 padded_vocab=padded,
                 perform_initialization=False,
             )
-        self.lora = (
-            None  # a LoRA checkpoint's adapters (rollhpc.models.lora): read like any parameter
-        )
+        # a LoRA checkpoint's adapters (rollhpc.models.lora): read like any parameter
+        self.lora: LoraConfig | None = None
         if self.meta.get("lora"):
-            from rollhpc.models.lora import attach_lora
-            from rollhpc.models.lora_config import LoraConfig
-
             self.lora = LoraConfig(**self.meta["lora"])
             attach_lora(self.skeleton, self.lora, 0, 1, None)
         self.sharded = {
@@ -426,8 +301,22 @@ class McoreReader:
             for k, v in self.skeleton.sharded_state_dict().items()
             if not isinstance(v, ShardedObject)
         }
+        self._check_stored(stored)
+
+    def _tensor_index(self) -> dict[str, ShardedTensor | ShardedObject]:
+        """The checkpoint's tensors by key (global shapes), from its ``.metadata``."""
+        try:
+            return dist_checkpointing.load_tensors_metadata(str(self.ckpt_dir))
+        except Exception as e:  # noqa: BLE001 - megatron/torch raise many kinds for a damaged .metadata
+            raise CheckpointError(
+                f"checkpoint {self.ckpt_dir} is incomplete or corrupt: cannot read its tensor "
+                f"index ({type(e).__name__}: {e})"
+            ) from e
+
+    def _check_stored(self, stored: Mapping[str, ShardedTensor | ShardedObject]) -> None:
+        """Every tensor the skeleton has is in ``stored`` with the same global shape."""
         missing, wrong = [], []
-        for name, sh in self.sharded.items():
+        for sh in self.sharded.values():
             for piece in _pieces(sh):
                 if piece.key not in stored:
                     missing.append(piece.key)
@@ -454,8 +343,6 @@ class McoreReader:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The full (TP=1) tensors of megatron parameters ``names``."""
-        from megatron.core import dist_checkpointing
-
         unknown = [n for n in names if n not in self.sharded]
         if unknown:
             raise KeyError(f"not parameters of this model: {unknown}")
@@ -477,19 +364,16 @@ class McoreReader:
             loaded = [state[f"{n}#{i}"].reshape(p.local_shape) for i, p in enumerate(_pieces(sh))]
             out[n] = (
                 sh.merge_fn(_like(sh.build(), loaded))
-                if isinstance(sh, _factory_type())
+                if isinstance(sh, ShardedTensorFactory)
                 else loaded[0]
             )
         return out
 
 
-def _factory_type() -> type:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-    return ShardedTensorFactory
-
-
-def _like(built: Any, tensors: list[torch.Tensor]) -> Any:
+def _like(
+    built: ShardedTensor | list[ShardedTensor] | dict[str, ShardedTensor],
+    tensors: list[torch.Tensor],
+) -> torch.Tensor | list[torch.Tensor] | dict[str, torch.Tensor]:
     """``tensors`` (in ``_pieces`` order) in the container shape a factory's ``build()`` returned."""
     if isinstance(built, dict):
         return dict(zip(built, tensors))
@@ -498,10 +382,8 @@ def _like(built: Any, tensors: list[torch.Tensor]) -> Any:
     return tensors[0]
 
 
-def _pieces(sharded: Any) -> list[Any]:
+def _pieces(sharded: ShardedTensor | ShardedTensorFactory) -> list[ShardedTensor]:
     """The ShardedTensors a (meta) ShardedTensor or ShardedTensorFactory stands for."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
     if isinstance(sharded, ShardedTensorFactory):
         built = sharded.build()
         return (

@@ -28,11 +28,19 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rollhpc.checkpoint.mcore_files import META_FILE
+from rollhpc.checkpoint.role_files import MODEL_DIR, OPTIMIZER_DIR, RANKS_DIR
 from rollhpc.checkpoint.storage import human_bytes
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+# Read on the login node (``rollhpc ckpt inspect``, ``rollhpc status``): torch loads only when a file is read.
 
 # megatron's optimizer keys: [chained_N.]optimizer.state.<kind>.<parameter key>; chained_N when several
 # optimizers are chained (a MoE's dense and expert parameters)
@@ -62,8 +70,6 @@ class _Kind:
 
 def optimizer_lines(ckpt: Path) -> list[str]:
     """The section for every trainer role of a run checkpoint (a directory holding ``ranks/``); [] if none."""
-    from rollhpc.checkpoint.trainer_state import RANKS_DIR
-
     roles = [d for d in sorted(Path(ckpt).iterdir()) if (d / RANKS_DIR).is_dir()]
     if not roles:
         return []
@@ -75,8 +81,6 @@ def optimizer_lines(ckpt: Path) -> list[str]:
 
 def role_lines(role_dir: Path) -> list[str]:
     """A few lines on one role's optimizer state; problems in reading are said, never raised."""
-    from rollhpc.checkpoint.trainer_state import MODEL_DIR, RANKS_DIR
-
     rank_files = sorted((role_dir / RANKS_DIR).glob("rank_*.pt"))
     if not rank_files:
         return [f"{role_dir.name}: no rank files in {RANKS_DIR}/"]
@@ -119,10 +123,10 @@ def _stack(distributed: bool | None) -> str:
     }.get(distributed, "megatron optimizer")
 
 
-def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: Any) -> list[str]:
+def _megatron_lines(
+    role_dir: Path, marker: Mapping[str, object], saved: str, step: object
+) -> list[str]:
     """Stack, format, the state by kind and its shard files, for a megatron optimizer that has taken a step."""
-    from rollhpc.checkpoint.trainer_state import OPTIMIZER_DIR
-
     opt_dir = role_dir / OPTIMIZER_DIR
     if not opt_dir.is_dir():
         return [
@@ -130,8 +134,8 @@ def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: An
         ]
     common = _common(opt_dir)
     sharding = sorted(set(_found(common, "param_state_sharding_type")))
-    # rank files record it since the trainer has had one checkpoint format; in older checkpoints only the
-    # distributed optimizer's common.pt names a sharding type
+    # where the rank files do not say whether it is distributed, only the distributed optimizer's common.pt
+    # names a sharding type
     stack = _stack(marker.get("distributed", bool(sharding)))
     adam = {
         int(s)
@@ -158,7 +162,7 @@ def _megatron_lines(role_dir: Path, marker: dict[str, Any], saved: str, step: An
     return lines
 
 
-def _load_data(path: Path) -> Any:
+def _load_data(path: Path) -> object:
     """torch.load with ``weights_only``: tensors and plain data, plus what numpy's RNG state pickles into (the rank
     files keep ``np.random.get_state()``), so that inspecting a checkpoint runs no code from it."""
     import numpy as np
@@ -171,9 +175,6 @@ def _load_data(path: Path) -> Any:
 
 def _ranks(role_dir: Path, world: int) -> str:
     """'2 ranks (tp 1, pp 2, dp 1)': the DP size from the model's recorded layout, when it has one."""
-    from rollhpc.checkpoint.mcore import META_FILE
-    from rollhpc.checkpoint.trainer_state import MODEL_DIR
-
     ranks = f"{world} rank{'' if world == 1 else 's'}"
     try:
         layout = json.loads((role_dir / MODEL_DIR / META_FILE).read_text())["layout"]
@@ -184,7 +185,7 @@ def _ranks(role_dir: Path, world: int) -> str:
     return f"{ranks} (tp {tp}, pp {pp}{expert}, dp {world // (tp * pp)})"
 
 
-def _common(opt_dir: Path) -> Any:
+def _common(opt_dir: Path) -> object:
     """megatron's ``common.pt`` (what is not sharded: param groups, sharding type, a step), or {} if unreadable."""
     try:
         return _load_data(opt_dir / "common.pt")
@@ -192,9 +193,9 @@ def _common(opt_dir: Path) -> Any:
         return {}
 
 
-def _found(obj: Any, key: str) -> list[Any]:
+def _found(obj: object, key: str) -> list[object]:
     """Every value under ``key`` in nested dicts and lists (a chained optimizer nests one dict per optimizer)."""
-    out: list[Any] = []
+    out: list[object] = []
     if isinstance(obj, dict):
         for k, v in obj.items():
             out += [v] if k == key and not isinstance(v, (dict, list, tuple)) else _found(v, key)
@@ -222,14 +223,9 @@ def _format(opt_dir: Path, sharding: list[str]) -> str:
 def _state(opt_dir: Path) -> tuple[dict[str, _Kind], list[Path]]:
     """Per kind of state, its tensors summed from the dist checkpoint's metadata (global shapes: what every rank
     saved together); and the shard files it names."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = FileSystemReader(str(opt_dir)).read_metadata()
+    tensors, shard_names = _tensor_metadata(opt_dir)
     kinds: dict[str, _Kind] = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
+    for key, meta in tensors.items():
         found = _STATE_KEY.match(key)
         name = _KIND_NAMES.get(found.group(1), found.group(1)) if found else "other"
         kind = kinds.setdefault(name, _Kind())
@@ -239,8 +235,23 @@ def _state(opt_dir: Path) -> tuple[dict[str, _Kind], list[Path]]:
         kind.elements += elements
         kind.nbytes += elements * dtype.itemsize
         kind.dtypes = tuple(sorted({*kind.dtypes, str(dtype).removeprefix("torch.")}))
-    files = sorted({opt_dir / s.relative_path for s in metadata.storage_data.values()})
+    files = [opt_dir / name for name in shard_names]
     return kinds, [f for f in files if f.is_file()]
+
+
+def _tensor_metadata(ckpt_dir: Path) -> tuple[dict[str, TensorStorageMetadata], list[str]]:
+    """The tensors of a torch.distributed.checkpoint directory by key (global shape, dtype), read from its
+    ``.metadata``, and the names of the shard files it names."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    tensors = {
+        key: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    return tensors, sorted({s.relative_path for s in metadata.storage_data.values()})
 
 
 def _kind_table(kinds: dict[str, _Kind]) -> list[str]:
@@ -271,17 +282,9 @@ def _kind_table(kinds: dict[str, _Kind]) -> list[str]:
 def _model_parameters(role_dir: Path) -> tuple[int, str] | None:
     """(elements, dtypes) of the model dist checkpoint's tensors (padded vocabulary included, a tied embedding
     once): what each kind of optimizer state should cover, and what the fp32 main parameters stand beside."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from rollhpc.checkpoint.trainer_state import MODEL_DIR
-
     try:
-        metadata = FileSystemReader(str(role_dir / MODEL_DIR)).read_metadata()
+        tensors = list(_tensor_metadata(role_dir / MODEL_DIR)[0].values())
     except Exception:  # noqa: BLE001 -- the model's own problems are the files section's to show
         return None
-    tensors = [
-        m for m in metadata.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)
-    ]
     dtypes = sorted({str(m.properties.dtype).removeprefix("torch.") for m in tensors})
     return sum(math.prod(m.size) for m in tensors), "/".join(dtypes)

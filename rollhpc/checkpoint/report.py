@@ -1,4 +1,7 @@
-"""What ``rollhpc ckpt list|inspect|verify`` print: lines of text built from ``storage``, read-only."""
+"""What ``rollhpc ckpt list|inspect|verify`` print: lines of text built from ``storage``, read-only.
+
+``rollhpc status`` imports it on the login node: torch loads only when ``inspect`` reads a tensor file.
+"""
 
 from __future__ import annotations
 
@@ -210,7 +213,7 @@ def _tensors(path: Path) -> tuple[str, list[str]]:
     return f"{len(found)} tensor(s)", body
 
 
-def _walk(obj: Any, prefix: str, out: list[tuple[str, Any, tuple[int, ...]]]) -> None:
+def _walk(obj: object, prefix: str, out: list[tuple[str, Any, tuple[int, ...]]]) -> None:
     import torch
 
     if isinstance(obj, torch.Tensor):

@@ -14,26 +14,31 @@ import json
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rollhpc.rundir import atomic_write_bytes
 
-Generator = Any  # numpy.random.Generator | torch.Generator
+if TYPE_CHECKING:
+    import torch
 
 
-def save_json(path: str | Path, obj: Any) -> None:
+def save_json(path: str | Path, obj: object) -> None:
     """Write ``obj`` as JSON atomically (temp file, fsync, rename, fsync of the directory)."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=1) + "\n").encode())
 
 
-def load_json(path: str | Path) -> Any:
+def load_json(path: str | Path) -> object:
     return json.loads(Path(path).read_bytes())
 
 
-def save_rng_states(generators: Mapping[str, Generator] | None = None) -> dict[str, Any]:
+def save_rng_states(
+    generators: Mapping[str, np.random.Generator | torch.Generator] | None = None,
+) -> dict[str, Any]:
     """The state of every generator a rank draws from, as a picklable dict."""
+    # torch loads here, not at the top: the controller (rank 0) imports this module at start and needs torch
+    # only at its first checkpoint, while its workers are still building
     import torch
 
     state: dict[str, Any] = {
@@ -58,7 +63,8 @@ def save_rng_states(generators: Mapping[str, Generator] | None = None) -> dict[s
 
 
 def restore_rng_states(
-    state: Mapping[str, Any], generators: Mapping[str, Generator] | None = None
+    state: Mapping[str, Any],
+    generators: Mapping[str, np.random.Generator | torch.Generator] | None = None,
 ) -> None:
     """Put back what ``save_rng_states`` returned; ``generators`` must have the names saved then."""
     import torch

@@ -1,12 +1,19 @@
-"""Arguments and entry of ``rollhpc convert`` (also tools/convert_checkpoint.py). Imports no torch until run."""
+"""Arguments and entry of ``rollhpc convert`` (also tools/convert_checkpoint.py). Imports no torch until a
+conversion runs: ``rollhpc --help`` imports it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from rollhpc.checkpoint.mcore_files import META_FILE
+from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.rundir import RunPaths
+
+if TYPE_CHECKING:
+    from rollhpc.conversion.convert import Report
 
 EPILOG = (
     "Examples: rollhpc convert hf-to-mcore models/qwen ckpt/qwen-mcore --tp 2 --ep 2 --verify; "
@@ -18,15 +25,50 @@ EPILOG = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The two directions as sub-commands of ``parser``."""
     directions = parser.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
-    h2m = directions.add_parser(
+    h2m = _add_direction(
+        directions,
         "hf-to-mcore",
         help="Hugging Face safetensors directory -> megatron-core dist checkpoint",
         description="Write a megatron-core dist checkpoint from a Hugging Face model directory, as a world of "
         "pp x lcm(tp, etp x ep) local processes (one per rank of that layout), each holding only its shard.",
-        epilog=EPILOG,
+        src="Hugging Face model directory (config.json + *.safetensors)",
+        dst="checkpoint directory to create",
     )
-    h2m.add_argument("src", help="Hugging Face model directory (config.json + *.safetensors)")
-    h2m.add_argument("dst", help="checkpoint directory to create")
+    _add_layout_arguments(h2m)
+    m2h = _add_direction(
+        directions,
+        "mcore-to-hf",
+        help="megatron-core dist checkpoint (any layout) -> Hugging Face safetensors directory",
+        description="Write a Hugging Face model directory (config.json, safetensors, tokenizer files) from a "
+        "checkpoint written by `rollhpc convert hf-to-mcore` or by a training run, streaming one tensor at a time.",
+        src="megatron checkpoint directory (with rollhpc_checkpoint.json), or a run "
+        "directory, its checkpoints/ or a step_N/ directory: the trainer's model of that step, or of "
+        "the newest good checkpoint",
+        dst="Hugging Face model directory to create",
+    )
+    _add_hf_output_arguments(m2h)
+    for sp in (h2m, m2h):
+        _add_common_arguments(sp)
+
+
+def _add_direction(
+    directions: argparse._SubParsersAction,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    src: str,
+    dst: str,
+) -> argparse.ArgumentParser:
+    """The sub-command of one direction, with its SRC and DST."""
+    sp = directions.add_parser(name, help=help, description=description, epilog=EPILOG)
+    sp.add_argument("src", help=src)
+    sp.add_argument("dst", help=dst)
+    return sp
+
+
+def _add_layout_arguments(h2m: argparse.ArgumentParser) -> None:
+    """The layout hf-to-mcore writes the checkpoint at."""
     for name, text in (
         ("tp", "tensor-parallel size"),
         ("pp", "pipeline-parallel size"),
@@ -44,20 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="expert tensor-parallel size (default: tp, as megatron)",
     )
-    m2h = directions.add_parser(
-        "mcore-to-hf",
-        help="megatron-core dist checkpoint (any layout) -> Hugging Face safetensors directory",
-        description="Write a Hugging Face model directory (config.json, safetensors, tokenizer files) from a "
-        "checkpoint written by `rollhpc convert hf-to-mcore` or by a training run, streaming one tensor at a time.",
-        epilog=EPILOG,
-    )
-    m2h.add_argument(
-        "src",
-        help="megatron checkpoint directory (with rollhpc_checkpoint.json), or a run "
-        "directory, its checkpoints/ or a step_N/ directory: the trainer's model of that step, or of "
-        "the newest good checkpoint",
-    )
-    m2h.add_argument("dst", help="Hugging Face model directory to create")
+
+
+def _add_hf_output_arguments(m2h: argparse.ArgumentParser) -> None:
+    """How mcore-to-hf writes and checks."""
     m2h.add_argument(
         "--max-shard-size",
         default="2GB",
@@ -68,38 +100,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the sha256 check of the checkpoint files (sizes are still checked)",
     )
-    for sp in (h2m, m2h):
-        sp.add_argument(
-            "--overwrite",
-            action="store_true",
-            help="replace DST if it exists (once the new one is complete)",
-        )
-        sp.add_argument(
-            "--verify",
-            action="store_true",
-            help="afterwards, compare the logits of the HF and the megatron model on a few prompts",
-        )
-        sp.add_argument(
-            "--json", action="store_true", help="print the conversion report as JSON on stdout"
-        )
-        sp.add_argument(
-            "--no-progress", action="store_true", help="no progress bar / progress lines"
-        )
-        sp.add_argument(
-            "--check",
-            action="store_true",
-            help="only check the inputs (config, tensor names and shapes, layout, files) and exit",
-        )
-        sp.set_defaults(overrides=[])  # rollhpc.cli appends stray words here; run() refuses them
+
+
+# the on/off switches of both directions
+_COMMON_FLAGS = (
+    ("--overwrite", "replace DST if it exists (once the new one is complete)"),
+    (
+        "--verify",
+        "afterwards, compare the logits of the HF and the megatron model on a few prompts",
+    ),
+    ("--json", "print the conversion report as JSON on stdout"),
+    ("--no-progress", "no progress bar / progress lines"),
+    ("--check", "only check the inputs (config, tensor names and shapes, layout, files) and exit"),
+)
+
+
+def _add_common_arguments(sp: argparse.ArgumentParser) -> None:
+    for flag, text in _COMMON_FLAGS:
+        sp.add_argument(flag, action="store_true", help=text)
+    sp.set_defaults(overrides=[])  # rollhpc.cli appends stray words here; run() refuses them
 
 
 def find_trainer_checkpoint(src: str | Path, role: str = "train") -> tuple[Path, str]:
     """``src`` as the megatron checkpoint to read, and what it was taken for. A run directory, its
     checkpoints/ folder or one step_N/ directory all hold the trainer's model at ``step_N/ROLE/model``:
     the step's, or the newest good checkpoint's (the one a resume would use)."""
-    from rollhpc.checkpoint.mcore import META_FILE
-    from rollhpc.checkpoint.storage import CheckpointStore
-
     src = Path(src)
     if (src / META_FILE).is_file() or not src.is_dir():
         return src, ""
@@ -126,59 +151,24 @@ def run(args: argparse.Namespace) -> int:
             f"rollhpc convert: unrecognized arguments: {' '.join(args.overrides)}", file=sys.stderr
         )
         return 2
-    from rollhpc.conversion.convert import (
-        ConversionError,
-        check_hf_to_mcore,
-        check_mcore_to_hf,
-        hf_to_mcore,
-        mcore_to_hf,
-        report_json,
-    )
+    # torch loads with the conversion only: `rollhpc --help` imports this module
+    from rollhpc.conversion.checks import ConversionError
 
-    common = dict(overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
     try:
         if args.direction == "mcore-to-hf":
             args.src, what = find_trainer_checkpoint(args.src)
             if what:
                 print(f"rollhpc convert: reading {args.src} ({what})", file=sys.stderr)
-        if args.check:
-            if args.direction == "hf-to-mcore":
-                world = check_hf_to_mcore(
-                    args.src,
-                    args.dst,
-                    tp=args.tp,
-                    pp=args.pp,
-                    ep=args.ep,
-                    etp=args.etp,
-                    overwrite=args.overwrite,
-                )
-                print(
-                    f"rollhpc convert: {args.src} can be converted ({world} worker process(es))",
-                    file=sys.stderr,
-                )
-            else:
-                check_mcore_to_hf(args.src, args.dst, overwrite=args.overwrite)
-                print(f"rollhpc convert: {args.src} can be converted", file=sys.stderr)
-            return 0
-        if args.direction == "hf-to-mcore":
-            report = hf_to_mcore(
-                args.src, args.dst, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, **common
-            )
-        else:
-            report = mcore_to_hf(
-                args.src,
-                args.dst,
-                max_shard_size=args.max_shard_size,
-                checksums=not args.no_checksums,
-                **common,
-            )
+        report = _check_or_convert(args)
     except (ConversionError, ValueError) as e:
         print(f"rollhpc convert: error: {e}", file=sys.stderr)
         return 1
+    if report is None:  # --check
+        return 0
     print(f"rollhpc convert: {report.summary()}", file=sys.stderr)
     print(f"rollhpc convert: wrote {report.dst}", file=sys.stderr)
     if args.json:
-        print(report_json(report))
+        print(report.json())
     if report.verify is not None and not report.verify["ok"]:
         print(
             f"rollhpc convert: verify FAILED: logits differ by {report.verify['max_abs_diff']:.3g} "
@@ -187,3 +177,34 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _check_or_convert(args: argparse.Namespace) -> Report | None:
+    """The conversion's report; None with ``--check``, after saying that the inputs can be converted."""
+    from rollhpc.conversion.convert import (
+        check_hf_to_mcore,
+        check_mcore_to_hf,
+        hf_to_mcore,
+        mcore_to_hf,
+    )
+
+    common = dict(overwrite=args.overwrite, verify=args.verify, progress=not args.no_progress)
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp) if "tp" in args else {}
+    if args.check:
+        if args.direction == "hf-to-mcore":
+            world = check_hf_to_mcore(args.src, args.dst, overwrite=args.overwrite, **layout)
+            workers = f" ({world} worker process(es))"
+        else:
+            check_mcore_to_hf(args.src, args.dst, overwrite=args.overwrite)
+            workers = ""
+        print(f"rollhpc convert: {args.src} can be converted{workers}", file=sys.stderr)
+        return None
+    if args.direction == "hf-to-mcore":
+        return hf_to_mcore(args.src, args.dst, **layout, **common)
+    return mcore_to_hf(
+        args.src,
+        args.dst,
+        max_shard_size=args.max_shard_size,
+        checksums=not args.no_checksums,
+        **common,
+    )

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollhpc.checkpoint.mcore_files import META_FILE
+from rollhpc.checkpoint.role_files import MODEL_DIR
 from rollhpc.checkpoint.storage import (
     MANIFEST,
     STEP_DIR_RE,
@@ -74,9 +76,6 @@ def find_source(
 ) -> ExportSource:
     """The ``role`` model of the run's newest good checkpoint (files match the manifest's sizes, as a resume
     checks them), or of checkpoint ``step``. ``ExportError`` names what is there when that is not possible."""
-    from rollhpc.checkpoint.mcore import META_FILE
-    from rollhpc.checkpoint.trainer_state import MODEL_DIR
-
     run_dir = Path(run_dir)
     root = RunPaths(run_dir).checkpoints
     if not run_dir.is_dir():
@@ -166,9 +165,10 @@ def export_run(
 ) -> tuple[ExportSource, Report]:
     """Write the trainer's model of a run's checkpoint (``find_source``) to ``out_dir`` as a Hugging Face
     directory; returns the source and ``convert.Report`` (``verify``: with the logit comparison). Raises
-    ``ExportError`` for the input, ``convert.ConversionError`` when the conversion itself fails."""
+    ``ExportError`` for the input, ``checks.ConversionError`` when the conversion itself fails."""
     source = find_source(run_dir, step)
     out = check_out_dir(out_dir, source, overwrite)
+    # torch loads with the conversion only: `rollhpc --help` imports this module
     from rollhpc.conversion.convert import mcore_to_hf
 
     report = mcore_to_hf(
@@ -250,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = find_source(args.run_dir, args.step)
         out = check_out_dir(args.out_dir, source, args.overwrite)
-        from rollhpc.conversion.convert import ConversionError, mcore_to_hf, parse_size
+        from rollhpc.conversion.checks import ConversionError
+        from rollhpc.conversion.convert import mcore_to_hf, parse_size
 
         parse_size(args.max_shard_size)
     except (ExportError, ValueError) as e:  # parse_size's ValueError: a bad --max-shard-size
@@ -272,15 +273,9 @@ def run(args: argparse.Namespace) -> int:
     except (ConversionError, ValueError) as e:
         print(f"rollhpc export: error: {e}", file=sys.stderr)
         return 1
-    verified = ""
-    if report.verify is not None:
-        v = report.verify
-        verified = (
-            f"; verify: max |logit diff| {v['max_abs_diff']:.2e} over {v['prompts']} prompts "
-            f"({'ok' if v['ok'] else 'FAILED'}, atol {v['atol']:g})"
-        )
     print(
-        f"rollhpc export: wrote {out}: {describe_output(out)} ({report.seconds:.1f} s{verified})",
+        f"rollhpc export: wrote {out}: {describe_output(out)} "
+        f"({report.seconds:.1f} s{report.verify_summary()})",
         file=sys.stderr,
     )
     return 0 if report.verify is None or report.verify["ok"] else 1

@@ -28,17 +28,16 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("megatron.core")
 
-from rollhpc.checkpoint.mcore import META_FILE, read_metadata  # noqa: E402
+from rollhpc.checkpoint.mcore_files import META_FILE, read_metadata  # noqa: E402
 from rollhpc.checkpoint.safetensors_io import SafetensorsDir  # noqa: E402
+from rollhpc.conversion.checks import ConversionError, expected_hf_shapes  # noqa: E402
 from rollhpc.conversion.convert import (  # noqa: E402
-    ConversionError,
     check_hf_to_mcore,
-    expected_hf_shapes,
     hf_to_mcore,
     mcore_to_hf,
     parse_size,
 )
-from rollhpc.models.megatron_gpt import hf_arch, weight_map  # noqa: E402
+from rollhpc.models.hf_weight_map import hf_arch, weight_map  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
@@ -224,7 +223,8 @@ def _trainer_rank(rank: int, rendezvous: str, moe_dir: str, ckpt: str, out: str)
 
     from rollhpc.checkpoint.mcore import load_mcore_checkpoint, save_mcore_checkpoint
     from rollhpc.models import megatron_cpu
-    from rollhpc.models.megatron_gpt import build_gpt_model, export_hf_weights, load_hf_weights
+    from rollhpc.models.megatron_gpt import build_gpt_model
+    from rollhpc.models.megatron_hf import export_hf_weights, load_hf_weights
 
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
