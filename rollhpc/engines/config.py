@@ -6,7 +6,7 @@ Kept apart from the engines so that config validation imports neither vLLM nor t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from rollhpc.engines.vllm_choices import AutoBool, EngineProcess, resolve_vllm_choices
 
@@ -106,39 +106,35 @@ class EngineConfig:
             )
 
     def build_engine(
-        self, model_dir: str, seed: int, **kwargs: Any
+        self, model_dir: str, seed: int, **kwargs: object
     ) -> VllmGenerator | TorchGenerator:
         """The engine on ``model_dir`` with these options (``kwargs``: its other arguments)."""
-        import torch
+        import torch  # the engines' imports are heavy: config validation imports none of them
 
         if self.threads:
             torch.set_num_threads(self.threads)
+        common = dict(
+            seed=seed,
+            max_model_len=self.max_model_len,
+            cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
+            dtype=self.dtype,
+            **kwargs,
+        )
         if self.engine == "torch":
             from rollhpc.engines.torch_engine import TorchGenerator
 
-            return TorchGenerator(
-                model_dir,
-                seed=seed,
-                max_model_len=self.max_model_len,
-                cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
-                dtype=self.dtype,
-                **kwargs,
-            )
+            return TorchGenerator(model_dir, **common)
         from rollhpc.engines.vllm_engine import VllmGenerator
 
         return VllmGenerator(
             model_dir,
-            seed=seed,
-            max_model_len=self.max_model_len,
-            cpu_kv_cache_bytes=self.cpu_kv_cache_mb << 20,
             gpu_memory_utilization=self.gpu_memory_utilization,
             tensor_parallel_size=self.tensor_parallel_size,
-            dtype=self.dtype,
             max_lora_rank=self.max_lora_rank,
             enforce_eager=self.enforce_eager,
             seeded_sampling=self.seeded_sampling,
             engine_process=self.engine_process,
-            **kwargs,
+            **common,
         )
 
     def takes_adapters(self) -> bool:

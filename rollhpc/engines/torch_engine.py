@@ -26,15 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
-from rollhpc.engines.completion import Completion, StepEngine
+from rollhpc.engines.completion import Completion, Sampling, StepEngine
 
 __all__ = ["TorchGenerator"]
 
@@ -47,10 +47,7 @@ SUPPORTED = ("qwen2", "llama")
 class _Request:
     rid: str
     prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    ignore_eos: bool
+    sampling: Sampling
     version: int
     generator: torch.Generator | None  # its own sampling stream when seeded
     slot: int = -1  # KV cache slot while running, -1 while waiting
@@ -101,7 +98,8 @@ class _Model:
         # LoRA (a trainer's rollhpc.models.lora, synced adapters only): HF module name -> (A [r, in], B [out, r] with
         # alpha/r in it); the served weights are raw + B A, merged when they arrive, raw left as the base
         self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.w: dict[str, Any] = {}
+        self.w: dict[str, torch.Tensor] = {}  # embed, norm, head
+        self.layer_w: list[_LayerWeights] = []
 
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         n = 0
@@ -128,43 +126,23 @@ class _Model:
         return n
 
     def _fuse(self) -> None:
-        r = self.raw
-
-        def get(name: str) -> torch.Tensor:
-            if name not in r:
-                raise ValueError(f"engine=torch: the checkpoint has no {name}")
-            adapter = (
-                self.adapters.get(name[: -len(".weight")]) if name.endswith(".weight") else None
-            )
-            if adapter is None:
-                return r[name]
-            a, b = adapter
-            return (r[name].float() + b @ a).to(self.dtype)
-
-        layers = []
-        for i in range(self.layers):
-            p = f"model.layers.{i}."
-            qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
-            layers.append(
-                {
-                    "ln1": get(f"{p}input_layernorm.weight"),
-                    "ln2": get(f"{p}post_attention_layernorm.weight"),
-                    "qkv": torch.cat([get(f"{x}.weight") for x in qkv]),
-                    "qkv_b": torch.cat([get(f"{x}.bias") for x in qkv]) if self.bias else None,
-                    "o": get(f"{p}self_attn.o_proj.weight"),
-                    "gate_up": torch.cat(
-                        [get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]
-                    ),
-                    "down": get(f"{p}mlp.down_proj.weight"),
-                }
-            )
+        get = self._served
+        self.layer_w = [
+            _LayerWeights.fused(get, f"model.layers.{i}.", self.bias) for i in range(self.layers)
+        ]
         embed = get("model.embed_tokens.weight")
-        self.w = {
-            "embed": embed,
-            "norm": get("model.norm.weight"),
-            "layers": layers,
-            "head": r.get("lm_head.weight", embed) if self.tied else get("lm_head.weight"),
-        }
+        head = self.raw.get("lm_head.weight", embed) if self.tied else get("lm_head.weight")
+        self.w = {"embed": embed, "norm": get("model.norm.weight"), "head": head}
+
+    def _served(self, name: str) -> torch.Tensor:
+        """The tensor the model runs with: as loaded, plus B A where a LoRA adapter covers it."""
+        if name not in self.raw:
+            raise ValueError(f"engine=torch: the checkpoint has no {name}")
+        adapter = self.adapters.get(name[: -len(".weight")]) if name.endswith(".weight") else None
+        if adapter is None:
+            return self.raw[name]
+        a, b = adapter
+        return (self.raw[name].float() + b @ a).to(self.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -193,60 +171,110 @@ class _Model:
         """
         m, t = tokens.shape
         nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        prefill = lengths is not None
-        cos, sin = (self.cos[positions], self.sin[positions])
-        cos, sin = (
-            (cos[None, :, None], sin[None, :, None])
-            if prefill
-            else (cos[:, None, None], sin[:, None, None])
-        )
-        if not prefill:
-            span = int(positions.max()) + 1
-            visible = (torch.arange(span, device=tokens.device)[None, :] <= positions[:, None])[
-                :, None, None
-            ]
+        cos, sin = self.cos[positions], self.sin[positions]
+        if lengths is not None:  # prefill: one position per column
+            cos, sin = cos[None, :, None], sin[None, :, None]
+        else:  # decode: one position per row, which sees its slot's positions 0..position
+            cos, sin = cos[:, None, None], sin[:, None, None]
+            span = torch.arange(int(positions.max()) + 1, device=tokens.device)
+            visible = (span[None, :] <= positions[:, None])[:, None, None]
         x = F.embedding(tokens, self.w["embed"])  # [m, t, H]
-        for li, lw in enumerate(self.w["layers"]):
-            h = self._norm(x, lw["ln1"])
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+        for li, lw in enumerate(self.layer_w):
+            qkv = F.linear(self._norm(x, lw.ln1), lw.qkv, lw.qkv_b)
             q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
             q = self._rope(q.view(m, t, nh, hd), cos, sin)
             k = self._rope(k.view(m, t, nkv, hd), cos, sin)
             v = v.view(m, t, nkv, hd)
-            if prefill:
-                k_cache[li, slots, :, :t] = k.transpose(1, 2).to(k_cache.dtype)
-                v_cache[li, slots, :, :t] = v.transpose(1, 2).to(v_cache.dtype)
-                # [m, nh, t, hd]
-                out = F.scaled_dot_product_attention(
-                    q.transpose(1, 2),
-                    k.transpose(1, 2),
-                    v.transpose(1, 2),
-                    is_causal=True,
-                    enable_gqa=nkv != nh,
-                )
-                out = out.transpose(1, 2).reshape(m, t, nh * hd)
-            else:  # running requests hold slots 0..m-1 in order (TorchGenerator keeps them packed)
-                rows = torch.arange(m, device=tokens.device)
-                k_cache[li, rows, :, positions] = k[:, 0].to(k_cache.dtype)
-                v_cache[li, rows, :, positions] = v[:, 0].to(v_cache.dtype)
-                # views [m, nkv, span, hd]
-                keys, values = (
-                    k_cache[li, :m, :, :span],
-                    v_cache[li, :m, :, :span],
-                )
-                # the heads sharing a key/value head act as that head's queries: no copy of the cache per head.
-                # Plain matmuls: torch's CPU SDPA with a mask takes ~2x longer at these shapes
-                scores = torch.matmul(q.view(m, nkv, nh // nkv, hd).float(), keys.transpose(-1, -2))
-                probs = (scores * hd**-0.5).masked_fill_(~visible, -math.inf).softmax(-1)
-                out = torch.matmul(probs, values).to(x.dtype).reshape(m, 1, nh * hd)
-            x = x + F.linear(out, lw["o"])
-            gate, up = F.linear(self._norm(x, lw["ln2"]), lw["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"])
-        last = x[torch.arange(m, device=x.device), lengths - 1] if prefill else x[:, 0]
+            if lengths is not None:
+                out = _attend_prefill(q, k, v, k_cache[li], v_cache[li], slots)
+            else:
+                out = _attend_decode(q, k, v, k_cache[li], v_cache[li], positions, visible)
+            x = x + F.linear(out.to(x.dtype).reshape(m, t, nh * hd), lw.o)
+            gate, up = F.linear(self._norm(x, lw.ln2), lw.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+        last = x[torch.arange(m, device=x.device), lengths - 1] if lengths is not None else x[:, 0]
         return F.linear(self._norm(last, self.w["norm"]), self.w["head"]).float()
 
 
-class TorchGenerator(StepEngine):
+@dataclass
+class _LayerWeights:
+    """One decoder layer's weights as the forward uses them: q/k/v and gate/up fused."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @classmethod
+    def fused(cls, get: Callable[[str], torch.Tensor], prefix: str, bias: bool) -> _LayerWeights:
+        """The layer under ``prefix`` ("model.layers.3."), each tensor read with ``get``."""
+        qkv = [f"{prefix}self_attn.{x}_proj" for x in "qkv"]
+        mlp = f"{prefix}mlp."
+        return cls(
+            ln1=get(f"{prefix}input_layernorm.weight"),
+            ln2=get(f"{prefix}post_attention_layernorm.weight"),
+            qkv=torch.cat([get(f"{x}.weight") for x in qkv]),
+            qkv_b=torch.cat([get(f"{x}.bias") for x in qkv]) if bias else None,
+            o=get(f"{prefix}self_attn.o_proj.weight"),
+            gate_up=torch.cat([get(f"{mlp}gate_proj.weight"), get(f"{mlp}up_proj.weight")]),
+            down=get(f"{mlp}down_proj.weight"),
+        )
+
+
+def _attend_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """Causal attention over the prompts ``q``, ``k``, ``v`` [m, t, heads, hd]; their keys and values are
+    written to positions 0..t-1 of each row's slot (``slots`` [m]) of one layer's cache. Returns [m, t, nh, hd]."""
+    t = q.shape[1]
+    k_cache[slots, :, :t] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[slots, :, :t] = v.transpose(1, 2).to(v_cache.dtype)
+    out = F.scaled_dot_product_attention(  # [m, nh, t, hd]
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _attend_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """One new token per row (``q``, ``k``, ``v`` [m, 1, heads, hd]) at ``positions`` [m]: its key and value
+    go to the row's slot of one layer's cache, and it attends to the slot's positions where ``visible``
+    [m, 1, 1, span]. The running requests hold slots 0..m-1 in order (TorchGenerator keeps them packed).
+    Returns [m, nkv, nh // nkv, hd]: the query heads in order."""
+    m, _, nh, hd = q.shape
+    nkv = k.shape[2]
+    span = visible.shape[-1]
+    rows = torch.arange(m, device=q.device)
+    k_cache[rows, :, positions] = k[:, 0].to(k_cache.dtype)
+    v_cache[rows, :, positions] = v[:, 0].to(v_cache.dtype)
+    keys, values = k_cache[:m, :, :span], v_cache[:m, :, :span]  # views [m, nkv, span, hd]
+    # the heads sharing a key/value head act as that head's queries: no copy of the cache per head.
+    # Plain matmuls: torch's CPU SDPA with a mask takes ~2x longer at these shapes
+    scores = torch.matmul(q.view(m, nkv, nh // nkv, hd).float(), keys.transpose(-1, -2))
+    probs = (scores * hd**-0.5).masked_fill_(~visible, -math.inf).softmax(-1)
+    return torch.matmul(probs, values)
+
+
+class TorchGenerator(StepEngine[_Request]):
     """``VllmGenerator``'s interface on ``_Model``: continuous batching over fixed KV cache slots.
 
     Args:
@@ -257,11 +285,9 @@ class TorchGenerator(StepEngine):
             ``max_num_seqs``); the others wait for a slot.
         dtype: "float32", "bfloat16", "float16" or "auto" (the checkpoint's).
         stop_token_ids: extra ids that end every completion.
-    """
 
-    sleep_supported = (
-        False  # nothing is freed by sleep(): it only marks the engine asleep, as vLLM on CPU
-    )
+    ``sleep()`` frees nothing (``sleep_supported`` is false): it only marks the engine asleep, as vLLM on CPU.
+    """
 
     def __init__(
         self,
@@ -274,10 +300,8 @@ class TorchGenerator(StepEngine):
         stop_token_ids: Sequence[int] = (),
         max_num_seqs: int = 256,
         tensor_parallel_size: int = 1,
-        **_unused: Any,
+        **_unused: object,
     ) -> None:
-        from safetensors.torch import load_file
-
         if tensor_parallel_size != 1:
             raise ValueError(
                 f"engine=torch runs on one device, not tensor_parallel_size={tensor_parallel_size}"
@@ -290,30 +314,11 @@ class TorchGenerator(StepEngine):
         self.on_cpu = self.device.type == "cpu"
         self.max_model_len = max_model_len
         self.model = _Model(config, getattr(torch, dtype), self.device, max_model_len)
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir} has no *.safetensors")
-        self.model.load((name, t) for f in files for name, t in load_file(str(f)).items())
-        m = self.model
-        # keys and values in float32 whatever the weights: attention reads them as they are, with no conversion
-        slot_bytes = 2 * m.layers * m.kv_heads * max_model_len * m.head_dim * 4
-        self.slots = max(1, min(max_num_seqs, int(cpu_kv_cache_bytes) // slot_bytes))
-        shape = (m.layers, self.slots, m.kv_heads, max_model_len, m.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
-        gen = (
-            json.loads(p.read_text())
-            if (p := model_dir / "generation_config.json").is_file()
-            else {}
-        )
-        eos = gen.get("eos_token_id", config.get("eos_token_id"))
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.model.load(_checkpoint_tensors(model_dir))
+        self._allocate_kv_cache(int(cpu_kv_cache_bytes), max_num_seqs)
         self.stop_token_ids = list(stop_token_ids)
-        self.stop_ids = set(eos) | set(self.stop_token_ids)
+        self.stop_ids = set(_eos_ids(model_dir, config)) | set(self.stop_token_ids)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.version = 0
-        self.asleep = False
-        self.weights_asleep = False
         self.tensor_parallel_size = 1
         self._live: dict[str, _Request] = {}  # waiting and running, by caller id, in add order
         self._running: list[_Request] = []  # by slot: the running requests hold slots 0..len-1
@@ -325,72 +330,42 @@ class TorchGenerator(StepEngine):
             max_model_len,
         )
 
-    # batch generation
+    def _allocate_kv_cache(self, nbytes: int, max_num_seqs: int) -> None:
+        """As many slots of ``max_model_len`` tokens as ``nbytes`` hold (1 to ``max_num_seqs``); keys and
+        values in float32 whatever the weights: attention reads them as they are, with no conversion."""
+        m = self.model
+        slot_bytes = 2 * m.layers * m.kv_heads * self.max_model_len * m.head_dim * 4
+        self.slots = max(1, min(max_num_seqs, nbytes // slot_bytes))
+        shape = (m.layers, self.slots, m.kv_heads, self.max_model_len, m.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=torch.float32, device=self.device)
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        n: int = 1,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_tokens: int = 256,
-        seed: int | None = None,
-        ignore_eos: bool = False,
+    # batch generation and the step API
+
+    def _generate(
+        self, prompt_token_ids: list[list[int]], n: int, sampling: Sampling
     ) -> list[list[Completion]]:
-        """``n`` completions per prompt, in prompt order (``seed``: prompt ``i``'s ``j``-th sample has
-        stream ``seed + i * n + j``). Refused while step-API requests are in flight."""
-        self._check_idle("generate()")
+        """Through the step API: with a seed, prompt ``i``'s ``j``-th sample has stream ``seed + i * n + j``."""
         ids = [[f"generate-{i}-{j}" for j in range(n)] for i in range(len(prompt_token_ids))]
         for i, prompt in enumerate(prompt_token_ids):
             for j in range(n):
-                self.add_request(
-                    ids[i][j],
-                    prompt,
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_tokens=max_tokens,
-                    seed=None if seed is None else seed + i * n + j,
-                    ignore_eos=ignore_eos,
-                )
+                seed = None if sampling.seed is None else sampling.seed + i * n + j
+                self._enqueue(ids[i][j], list(prompt), replace(sampling, seed=seed))
         done = dict(self.run_until(min_finished=len(prompt_token_ids) * n))
         return [[done[rid] for rid in row] for row in ids]
 
-    # step API
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        *,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_tokens: int = 256,
-        seed: int | None = None,
-        ignore_eos: bool = False,
-    ) -> None:
-        """Queue one completion; it starts at the next ``step`` that has a free slot."""
-        self._check_awake()
-        if request_id in self._live:
-            raise ValueError(f"request {request_id!r} is already in flight")
+    def _start(self, request_id: str, prompt_token_ids: list[int], sampling: Sampling) -> _Request:
+        """A waiting request; it runs from the next ``step`` that has a free slot."""
         if not 0 < len(prompt_token_ids) < self.max_model_len:
             raise ValueError(
                 f"a prompt of {len(prompt_token_ids)} tokens: it needs 1 to max_model_len - 1 "
                 f"= {self.max_model_len - 1} tokens"
             )
-        if max_tokens < 1 or temperature < 0 or not 0 < top_p <= 1:
+        if sampling.max_tokens < 1 or sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
             raise ValueError("need max_tokens >= 1, temperature >= 0 and top_p in (0, 1]")
+        seed = sampling.seed
         gen = None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
-        self._live[request_id] = _Request(
-            request_id,
-            list(prompt_token_ids),
-            max_tokens,
-            float(temperature),
-            float(top_p),
-            ignore_eos,
-            self.version,
-            gen,
-        )
+        return _Request(request_id, prompt_token_ids, sampling, self.version, gen)
 
     def step(self) -> list[tuple[str, Completion]]:
         """Start waiting requests that fit in free slots (prefill: each samples its first token), give every
@@ -408,66 +383,27 @@ class TorchGenerator(StepEngine):
             if starting:
                 self._sample(starting, self._prefill(starting))
             if running:
-                tokens = torch.tensor([[r.token_ids[-1]] for r in running], device=self.device)
-                positions = torch.tensor([r.cached for r in running], device=self.device)
-                logits = self.model.forward(
-                    tokens, positions, self.k_cache, self.v_cache, None, None
-                )
-                for r in running:
-                    r.cached += 1
-                self._sample(running, logits)
+                self._sample(running, self._decode(running))
         finished = []
         for r in starting + running:
             reason = self._finish_reason(r)
             if reason:
-                self._release(r)
-                finished.append((r.rid, Completion(r.token_ids, r.logprobs, reason, r.version)))
+                del self._live[r.rid]
+                self._free_slot(r)
+                finished.append((r.rid, Completion.of(r, reason)))
         return finished
 
-    def abort(self, request_ids: Iterable[str]) -> list[tuple[str, Completion]]:
-        """Stop the named requests in flight; return each one's partial (``finish_reason="abort"``)."""
-        if isinstance(request_ids, str):
-            raise TypeError("abort() takes a collection of ids, not one id string")
-        out = []
-        for rid in dict.fromkeys(request_ids):
-            r = self._live.get(rid)
-            if r is not None:
-                self._release(r)
-                out.append((rid, Completion(r.token_ids, r.logprobs, "abort", r.version)))
-        return out
+    def _stop(self, requests: list[_Request]) -> None:
+        for r in requests:
+            self._free_slot(r)
 
-    def num_unfinished(self) -> int:
-        return len(self._live)
+    # weights
 
-    def unfinished_ids(self) -> list[str]:
-        return list(self._live)
-
-    # weights and memory
-
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
-    ) -> None:
-        """Copy Hugging Face-named tensors into the model (all or some of them) and record ``version``.
-        Refused while requests are in flight (abort them first, as with vLLM)."""
-        if self.weights_asleep:
-            raise RuntimeError(
-                "update_weights() while the engine's weights are asleep: wake_up(['weights']) first"
-            )
-        self._check_idle("update_weights()", generating=False)
+    def _load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model (all or some of them)."""
         if isinstance(named_tensors, (list, tuple)) and not named_tensors:
             raise ValueError("update_weights() needs the model's tensors, got none")
         self.model.load(named_tensors)
-        self.version = version
-
-    def sleep(self, level: int = 1) -> None:  # noqa: ARG002 - vLLM's signature
-        self._check_idle("sleep()", generating=False)
-        self.asleep = self.weights_asleep = True
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        if tags is None or "weights" in tags:
-            self.weights_asleep = False
-        if tags is None or "kv_cache" in tags:
-            self.asleep = False
 
     # internals
 
@@ -478,9 +414,8 @@ class TorchGenerator(StepEngine):
         index = [row.setdefault(tuple(r.prompt), len(row)) for r in reqs]
         if len(row) == len(reqs):
             return self._prefill_unique(reqs)
-        leaders: dict[
-            int, _Request
-        ] = {}  # row -> the first request with that prompt (rows come in order)
+        # row -> the first request with that prompt (rows come in order)
+        leaders: dict[int, _Request] = {}
         for r, n in zip(reqs, index):
             leaders.setdefault(n, r)
         logits = self._prefill_unique(list(leaders.values()))
@@ -523,13 +458,22 @@ class TorchGenerator(StepEngine):
             i = j
         return torch.cat(out)
 
+    def _decode(self, running: list[_Request]) -> torch.Tensor:
+        """Logits after each running request's last token, which goes into its slot's cache."""
+        tokens = torch.tensor([[r.token_ids[-1]] for r in running], device=self.device)
+        positions = torch.tensor([r.cached for r in running], device=self.device)
+        logits = self.model.forward(tokens, positions, self.k_cache, self.v_cache, None, None)
+        for r in running:
+            r.cached += 1
+        return logits
+
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
         """One token per request from its row of ``logits`` [m, V] (float32), with its log-probability under
         the distribution it was drawn from: temperature, then top-p (renormalized); greedy at temperature 0."""
-        temps = torch.tensor([r.temperature for r in reqs], device=logits.device)
+        temps = torch.tensor([r.sampling.temperature for r in reqs], device=logits.device)
         greedy = temps == 0
         z = logits / torch.where(greedy, 1.0, temps)[:, None]
-        top_p = torch.tensor([r.top_p for r in reqs], device=logits.device)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], device=logits.device)
         if bool((top_p < 1).any()):
             sorted_z, order = z.sort(dim=-1, descending=True)
             # mass of the tokens ranked above
@@ -554,19 +498,19 @@ class TorchGenerator(StepEngine):
             r.logprobs.append(lp)
 
     def _finish_reason(self, r: _Request) -> str | None:
-        if not r.ignore_eos and r.token_ids[-1] in self.stop_ids:
+        if not r.sampling.ignore_eos and r.token_ids[-1] in self.stop_ids:
             return "stop"
         if (
-            len(r.token_ids) >= r.max_tokens
+            len(r.token_ids) >= r.sampling.max_tokens
             or len(r.prompt) + len(r.token_ids) >= self.max_model_len
         ):
             return "length"
         return None
 
-    def _release(self, r: _Request) -> None:
-        """Forget a request; the last running one moves into its slot (keys and values too), so the running
-        requests stay packed in slots 0..n-1 and a decode step reads the cache as views, not a gather."""
-        del self._live[r.rid]
+    def _free_slot(self, r: _Request) -> None:
+        """Free a finished or aborted request's slot; the last running one moves into it (keys and values too),
+        so the running requests stay packed in slots 0..n-1 and a decode step reads the cache as views, not a
+        gather."""
         if r.slot < 0:
             return
         last = self._running.pop()
@@ -576,3 +520,19 @@ class TorchGenerator(StepEngine):
             last.slot = r.slot
             self._running[r.slot] = last
         r.slot = -1
+
+
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint's safetensors files, by Hugging Face name."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors")
+    return ((name, t) for f in files for name, t in load_file(str(f)).items())
+
+
+def _eos_ids(model_dir: Path, config: dict) -> list[int]:
+    """The checkpoint's EOS ids: generation_config.json's, else config.json's."""
+    path = model_dir / "generation_config.json"
+    gen = json.loads(path.read_text()) if path.is_file() else {}
+    eos = gen.get("eos_token_id", config.get("eos_token_id"))
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)

@@ -21,8 +21,11 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
 if TYPE_CHECKING:
-    import torch
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +49,10 @@ def capture_expert0_gates(
         yield name, tensor
 
 
-def repack_after_reload(worker: Any, gates: dict[int, torch.Tensor]) -> int:
+def repack_after_reload(worker: CPUWorker, gates: dict[int, torch.Tensor]) -> int:
     """In a vLLM worker (``collective_rpc``): pack again the experts of every MoE layer whose w13 is in
     checkpoint layout; returns how many layers were packed."""
-    import torch
-    from vllm.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
+    # vLLM's CPU kernels, imported where they run (as vLLM itself does): on a CPU worker, never in a GPU build
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     tp_rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()

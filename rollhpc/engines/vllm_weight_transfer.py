@@ -15,8 +15,8 @@ travels through the RPC queue; the bytes take the backend's own way. This module
   file in /dev/shm; every worker maps the file and loads views of it, so its weight loader copies only
   its own shard out of the shared pages.
 - **GPU** (vLLM's ``ipc`` backend, packed): chunks are packed into a buffer on each TP worker's GPU, which the
-  worker maps through a CUDA IPC handle and copies from device to device. Not yet run: the GPU machines we
-  are lent carry no CUDA build of vLLM.
+  worker maps through a CUDA IPC handle and copies from device to device. Untested on a GPU: the GPU machines
+  the tests run on carry no CUDA build of vLLM.
 
 Measured on CPU (bench/vllm_tp_weight_update.py, TP=2, the Qwen2.5-0.5B shape in bfloat16): see
 bench/results/vllm_tp_weight_update.json, shm beside the pickled path.
@@ -30,16 +30,15 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
+from torch.multiprocessing.reductions import reduce_tensor
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.plugins import load_general_plugins
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ ALIGN = (
 )
 
 
-# -- worker side ----------------------------------------------------------------------------------------------
+# -- both sides: a chunk as the workers get it (their engine: vllm_shm_receiver) ------------------
 
 
 @dataclass
@@ -74,40 +73,6 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"a chunk of {n} names needs as many dtypes, shapes and offsets")
 
 
-class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
-    """Worker side of ``rollhpc_shm``: a checkpoint-format engine (layerwise reload around the chunks) whose
-    chunks arrive as files in shared memory."""
-
-    init_info_cls = ShmInitInfo
-    update_info_cls = ShmUpdateInfo
-    supports_draft_weight_update = False
-
-    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        pass
-
-    def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        # A private mapping: the sender's pages are read in place and never written. The views may outlive this
-        # call (layerwise reload keeps a layer's arguments until the layer is complete); the mapping stays valid
-        # after the sender unlinks the file, and every chunk has a file of its own, so nothing is overwritten.
-        data = torch.from_file(
-            update_info.path, shared=False, size=update_info.nbytes, dtype=torch.uint8
-        )
-        self.model.load_weights(list(_views(data, update_info)))
-
-    def shutdown(self) -> None:
-        pass
-
-
 def _views(data: torch.Tensor, info: ShmUpdateInfo) -> Iterator[tuple[str, torch.Tensor]]:
     for name, dtype_name, shape, offset in zip(
         info.names, info.dtype_names, info.shapes, info.offsets
@@ -121,12 +86,11 @@ def _views(data: torch.Tensor, info: ShmUpdateInfo) -> Iterator[tuple[str, torch
 
 def register() -> None:
     """vLLM plugin hook (``vllm.general_plugins``): make ``rollhpc_shm`` a weight-transfer backend in this
-    process. vLLM may call it more than once per process."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
+    process, its engine (``vllm_shm_receiver``) imported where vLLM builds one, on a worker. vLLM may call it
+    more than once per process."""
     if SHM_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            SHM_BACKEND, __name__, ShmWeightTransferEngine.__name__
+            SHM_BACKEND, "rollhpc.engines.vllm_shm_receiver", "ShmWeightTransferEngine"
         )
 
 
@@ -134,9 +98,6 @@ def shm_backend_registered() -> bool:
     """Whether the worker processes will know ``rollhpc_shm``: vLLM loads the same plugins in them as here
     (the entry point is missing where rollhpc is on PYTHONPATH without being installed, or when
     ``VLLM_PLUGINS`` leaves it out)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-    from vllm.plugins import load_general_plugins
-
     load_general_plugins()
     return SHM_BACKEND in WeightTransferEngineFactory._registry
 
@@ -222,7 +183,9 @@ def _shm_chunk(chunk: list[tuple[str, torch.Tensor, int]]) -> ShmUpdateInfo:
 
 
 def send_shm(
-    collective_rpc: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], chunk_bytes: int
+    collective_rpc: Callable[..., object],
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    chunk_bytes: int,
 ) -> int:
     """One ``rollhpc_shm`` update through ``collective_rpc`` (the engine's): returns the bytes sent.
 
@@ -230,8 +193,8 @@ def send_shm(
     so no file is ever written while a worker may still read it, and a process killed mid-update leaves at most
     one chunk behind in /dev/shm. (Reusing files across updates would spare the page faults of new pages, most of
     the copy's time here, but any weight vLLM kept as a view of its input would then change under it.)
-    Writing chunk k+1 while the workers load chunk k was measured too: no gain with the workers and this process
-    on two cores."""
+    Writing chunk k+1 while the workers load chunk k gains nothing (measured with the workers and this process on
+    two cores)."""
     sent = 0
     collective_rpc("start_weight_update")
     for chunk in chunks(named_tensors, chunk_bytes):
@@ -246,20 +209,18 @@ def send_shm(
 
 
 def send_cuda_ipc(
-    collective_rpc: Any,
+    collective_rpc: Callable[..., object],
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     chunk_bytes: int,
     tensor_parallel_size: int,
 ) -> int:
-    """One update through vLLM's packed ``ipc`` backend; returns the bytes sent. Not yet run on a GPU.
+    """One update through vLLM's packed ``ipc`` backend; returns the bytes sent. Untested on a GPU.
 
     vLLM's IPC consumer maps the handle of its own GPU (handles are keyed by GPU UUID), so each TP worker's GPU
     gets a buffer of its own: TP worker i runs on this process's ``cuda:i`` (vLLM starts its workers over the
     devices this process sees). Each chunk is packed on ``cuda:0`` and copied device to device to the others;
     the buffers are exported once and refilled chunk after chunk, which is safe because each ``update_weights``
     returns after the workers have cloned the chunk and synchronized (a larger tensor gets larger buffers)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
     devices = list(range(tensor_parallel_size))
     buffers: list[torch.Tensor] = []
     handles: dict[str, tuple] = {}

@@ -11,9 +11,9 @@ whose ranks all share the controller's machine, such a payload is written once i
 (``send_shared``) and every rank maps it copy-on-write: one copy in all, as Ray's object store makes, instead
 of one per rank through MPI's shared-memory transport. The files are reused once every rank has dropped its
 mapping (a rank says so in its replies): a fresh file's pages must be allocated and zeroed by the kernel,
-which costs more than the copy itself. Sends
-are non-blocking and tracked so a caller never blocks on a busy receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking
-receive busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
+which costs more than the copy itself. Sends are non-blocking and tracked so a caller never blocks on a busy
+receiver; receives are polled so an idle rank sleeps instead of spinning a core (MPICH's blocking receive
+busy-waits, which halves the speed of a trainer sharing a CPU with an idle generator).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import os
 import pickle
 import sys
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,7 @@ _ALIGN = 4096  # each buffer starts on a page of the file: its arrays are aligne
 class Message:
     source: int
     envelope: dict[str, Any]
-    payload: Any
+    payload: object  # whatever the sender sent (wire.decode)
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Encoded:
     buffers: list[memoryview]
 
     @classmethod
-    def of(cls, payload: Any) -> "Encoded":
+    def of(cls, payload: object) -> Encoded:
         header, buffers = wire.encode(payload)
         return cls(header, buffers)
 
@@ -98,7 +100,7 @@ class MpiChannel:
         self.busy_since: float | None = None
         self.buffers = ReceiveBuffers()
 
-    def send(self, dest: int, tag: int, envelope: dict[str, Any], payload: Any = None) -> None:
+    def send(self, dest: int, tag: int, envelope: dict[str, Any], payload: object = None) -> None:
         self.send_encoded(dest, tag, envelope, Encoded.of(payload))
 
     def send_encoded(self, dest: int, tag: int, envelope: dict[str, Any], enc: Encoded) -> None:
@@ -362,14 +364,12 @@ def _create_shared(path: str, size: int) -> mmap.mmap:
 
 
 _SLICE = 8 << 20
-_pool: Any = None
+_pool: ThreadPoolExecutor | None = None
 
 
-def _copiers() -> Any:
+def _copiers() -> ThreadPoolExecutor:
     global _pool
     if _pool is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         _pool = ThreadPoolExecutor(
             max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="shm-copy"
         )
@@ -382,8 +382,6 @@ def _map_shared(
     """The buffers of a shared-memory payload as arrays over one private (copy-on-write) mapping of its file:
     nothing is copied until a page is written, and what a rank writes stays its own, as with a received copy.
     When the last array is gone the mapping is dropped and ``path`` goes into ``released``."""
-    import weakref
-
     fd = os.open(path, os.O_RDONLY)
     try:
         mem = mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_COPY)

@@ -15,13 +15,13 @@ import os
 import socket
 from collections.abc import Mapping
 
+import psutil
+
 __all__ = ["interface_address", "rendezvous_host"]
 
 
 def interface_address(name: str) -> str | None:
     """The first IPv4 address of network interface ``name`` on this node; None if it has none or is unknown."""
-    import psutil
-
     for addr in psutil.net_if_addrs().get(name, ()):
         if addr.family == socket.AF_INET:
             return addr.address

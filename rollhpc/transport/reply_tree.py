@@ -109,7 +109,7 @@ class Bundle:
     results: list[Any]
 
     @classmethod
-    def of_reply(cls, rank: int, reply: dict[str, Any], result: Any) -> "Bundle":
+    def of_reply(cls, rank: int, reply: dict[str, Any], result: object) -> Bundle:
         """One rank's reply envelope (rollhpc.workers.serve) and its result."""
         released = {rank: reply["released"]} if reply.get("released") else {}
         return cls(

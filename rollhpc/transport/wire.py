@@ -8,10 +8,11 @@ Everything else is pickled as usual, so any picklable Python value is still a va
 
 from __future__ import annotations
 
+import io
 import pickle
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import BinaryIO
 
 import numpy as np
 
@@ -43,11 +44,11 @@ _PLAIN = frozenset({int, float, str, bytes, bool, list, tuple, dict, set, type(N
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file, buffers: list[memoryview]):
+    def __init__(self, file: BinaryIO, buffers: list[memoryview]):
         super().__init__(file, protocol=5)
         self._buffers = buffers
 
-    def persistent_id(self, obj: Any):
+    def persistent_id(self, obj: object) -> _ArrayRef | _TensorRef | None:
         # called for every object in the payload (each int of a token list): the plain types leave at once (a
         # rollout request's pickling was half this method's own time at scale: bench/scale_routing.py)
         if type(obj) in _PLAIN:
@@ -74,14 +75,15 @@ class _Pickler(pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, buffers: list[np.ndarray]):
+    def __init__(self, file: BinaryIO, buffers: list[np.ndarray]):
         super().__init__(file)
         self._buffers = buffers
 
-    def persistent_load(self, pid: Any):
+    def persistent_load(self, pid: object) -> object:
         if isinstance(pid, _ArrayRef):
             return self._buffers[pid.index].view(np.dtype(pid.dtype)).reshape(pid.shape)
         if isinstance(pid, _TensorRef):
+            # only a rank that was sent a tensor imports torch (the controller of a numpy-only job never does)
             import torch
 
             raw = torch.from_numpy(self._buffers[pid.index])
@@ -100,21 +102,17 @@ def layout(sizes: list[int], align: int) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def encode(obj: Any) -> tuple[bytes, list[memoryview]]:
+def encode(obj: object) -> tuple[bytes, list[memoryview]]:
     """Return (header, buffers): the header is a pickle that refers to the buffers by index."""
-    import io
-
     buffers: list[memoryview] = []
     f = io.BytesIO()
     _Pickler(f, buffers).dump(obj)
     return f.getvalue(), buffers
 
 
-def decode(header: bytes, buffers: list[np.ndarray]) -> Any:
+def decode(header: bytes, buffers: list[np.ndarray]) -> object:
     """Inverse of encode; buffers are uint8 arrays received in the same order, used without copying."""
     # no buffer was taken out, so the header refers to none: the plain unpickler, 3x quicker
     if not buffers:
         return pickle.loads(header)
-    import io
-
     return _Unpickler(io.BytesIO(header), buffers).load()

@@ -19,21 +19,23 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rollhpc.testing import fault_injection
 from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS, check_tensor, tensor_checksum
-from rollhpc.weight_sync.slots import fill_slots, unpack_entries
+from rollhpc.weight_sync.slots import Entry, fill_slots, unpack_entries
 
 __all__ = ["WeightBroadcast", "open_store"]
 
 
-def open_store(timeout_s: float = 600.0) -> Any:
-    """The rendezvous store on the sender (rank 0), on an ephemeral port; ``store.port`` is the port."""
-    import torch.distributed as dist
+# A bucket's header: its tensors' places, its size, their checksums on a verified sync
+_Header = tuple[list[Entry], int, list[int] | None]
 
+
+def open_store(timeout_s: float = 600.0) -> dist.TCPStore:
+    """The rendezvous store on the sender (rank 0), on an ephemeral port; ``store.port`` is the port."""
     return dist.TCPStore(
         "0.0.0.0", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
@@ -49,12 +51,10 @@ class WeightBroadcast:
         host: str,
         port: int,
         *,
-        store: Any = None,
+        store: dist.Store | None = None,
         device: torch.device | None = None,
         timeout_s: float = 600.0,
     ):
-        import torch.distributed as dist
-
         self.rank, self.world = rank, world
         self.device = device or (
             torch.device("cuda", torch.cuda.current_device())
@@ -75,21 +75,15 @@ class WeightBroadcast:
         self.syncs = 0  # sends (rank 0) or receives so far
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = 0, 0
-        self.group.broadcast([t], opts).wait()
+        self._broadcast_async(t).wait()
         return t
 
-    def _broadcast_async(self, t: torch.Tensor) -> Any:
-        import torch.distributed as dist
-
+    def _broadcast_async(self, t: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
         return self.group.broadcast([t], opts)
 
-    def _header(self, meta: Any | None) -> Any:
+    def _header(self, meta: _Header | None) -> _Header | None:
         if self.rank == 0:
             raw = pickle.dumps(meta) if meta is not None else b""
             n = self._broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=self.device))
@@ -119,7 +113,7 @@ class WeightBroadcast:
             raise RuntimeError("only rank 0 sends weights")
         self.syncs += 1
         slots: dict[int, torch.Tensor] = {}
-        works: dict[int, Any] = {}
+        works: dict[int, dist.Work] = {}
 
         def open_slot(index: int, capacity: int) -> torch.Tensor:
             s = index % IN_FLIGHT_BUCKETS

@@ -17,9 +17,11 @@ under another index (its own CUDA_VISIBLE_DEVICES) passes it as ``receiver_devic
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from rollhpc.weight_sync.slot_memory import SlotHandle
 
 __all__ = ["CudaSlots"]
 
@@ -43,10 +45,8 @@ class CudaSlots:
         self.receiver_device = receiver_device
 
     # -- sender
-    def allocate(self, nbytes: int) -> tuple[torch.Tensor, str, Any]:
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, str, SlotHandle]:
         """A new slot: the buffer, its id, and the IPC handle a receiver maps it by."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf, f"cuda-{next(_ids)}", reduce_tensor(buf)
 
@@ -54,7 +54,7 @@ class CudaSlots:
         """The slot's copies (queued on this stream) are done before its header leaves."""
         torch.cuda.current_stream(self.device).synchronize()
 
-    def mapped_by_all(self, handle: Any) -> None:  # noqa: ARG002 - the shared-memory slots' hook
+    def mapped_by_all(self, handle: SlotHandle) -> None:  # noqa: ARG002 - the shared-memory slots' hook
         """Nothing to do: torch's IPC reference counting keeps a mapped allocation alive on its own."""
 
     def close(self) -> None:
@@ -62,7 +62,7 @@ class CudaSlots:
         torch.cuda.ipc_collect()
 
     # -- receiver
-    def open(self, handle: Any) -> torch.Tensor:
+    def open(self, handle: SlotHandle) -> torch.Tensor:
         """The sender's slot mapped into this process (no copy)."""
         rebuild, args = handle
         if self.receiver_device is not None:  # the same GPU under this process's index for it

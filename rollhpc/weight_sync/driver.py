@@ -21,18 +21,41 @@ error raised here is the failing end's own.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
+from rollhpc.rollout.ports import Pending
 from rollhpc.weight_sync.routing import BROADCAST, IPC, Routing
 
 __all__ = ["WeightSync"]
 
 
+class RemoteMethod(Protocol):
+    """A worker's remote method as the controller calls it (``controller.worker_group.RemoteMethod``)."""
+
+    def submit(self, *args: object, **kwargs: object) -> Pending[Any]: ...
+
+    def __call__(self, *args: object, **kwargs: object) -> object: ...
+
+
+class Remote(Protocol):
+    """A group's ranks, or one of them, reached by method name (``controller.worker_group.RankProxy``)."""
+
+    def __getattr__(self, method: str) -> RemoteMethod: ...
+
+
+class Group(Remote, Protocol):
+    """A worker group (``controller.worker_group.WorkerGroup``): the train or the generate role."""
+
+    def __len__(self) -> int: ...
+
+    def at(self, group_rank: int) -> Remote: ...
+
+
 class WeightSync:
     def __init__(
         self,
-        train: Any,
-        generate: Any,
+        train: Group,
+        generate: Group,
         mode: Literal["broadcast", "relay", "ipc", "mixed"] = "broadcast",
         bucket_mb: float = 64.0,
         routing: Routing | None = None,
@@ -142,7 +165,9 @@ class WeightSync:
         return max(loads)
 
 
-def _settle(sending: Any, receiving: list[Any]) -> tuple[Any, list[Any]]:
+def _settle(
+    sending: Pending[dict[str, Any]], receiving: list[Pending[float]]
+) -> tuple[dict[str, Any], list[float]]:
     """The sender's reply and the receivers'. When an end raised, the others have stopped too (their error is a
     ``WeightSyncAborted`` that points at it): every reply is awaited and the first error that is not such an
     echo is raised, so the run reports the cause (a checksum mismatch, the engine's error, the export's). A

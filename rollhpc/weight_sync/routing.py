@@ -19,8 +19,9 @@ GPU as its device, and its tensor-parallel workers receive their shards from it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 __all__ = [
     "BROADCAST",
@@ -39,6 +40,23 @@ IN_FLIGHT_BUCKETS = 2
 
 IPC = "ipc"
 BROADCAST = "broadcast"
+
+
+class PlacedRank(Protocol):
+    """Where a rank runs, as the placement plan says (``placement.device_mapping.RankPlacement``)."""
+
+    role: str
+    group_rank: int
+    component: int  # het group
+    node: int
+    gpus: tuple[int, ...]
+
+
+class Plan(Protocol):
+    """The placement plan (``placement.device_mapping.WorldPlan``): every rank's place."""
+
+    @property
+    def ranks(self) -> Sequence[PlacedRank]: ...
 
 
 class RoutingError(ValueError):
@@ -96,17 +114,17 @@ class Routing:
         return lines
 
 
-def _place(rank: Any) -> tuple[int, int, int] | None:
+def _place(rank: PlacedRank) -> tuple[int, int, int] | None:
     return (rank.component, rank.node, rank.gpus[0]) if rank.gpus else None
 
 
-def _same_host_on_cpu(a: Any, b: Any) -> bool:
+def _same_host_on_cpu(a: PlacedRank, b: PlacedRank) -> bool:
     """Both ranks on one host without GPUs: shared memory reaches from one to the other."""
     return not a.gpus and not b.gpus and (a.component, a.node) == (b.component, b.node)
 
 
 def route_weights(
-    plan: Any, mode: str = "auto", train_role: str = "train", generate_role: str = "generate"
+    plan: Plan, mode: str = "auto", train_role: str = "train", generate_role: str = "generate"
 ) -> Routing:
     """The routing of ``plan`` (a WorldPlan) under the pipeline's ``weight_sync`` mode (``auto`` chooses per
     generator as above; ``broadcast`` and ``ipc`` force one transport; ``relay`` sends through the controller

@@ -15,9 +15,10 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
+
+from rollhpc.weight_sync.slot_memory import SlotHandle
 
 __all__ = ["SLOT_PREFIX", "ShmSlots"]
 
@@ -40,7 +41,7 @@ class ShmSlots:
         self._paths: set[str] = set()  # slot files this sender made and has not unlinked yet
 
     # -- sender
-    def allocate(self, nbytes: int) -> tuple[torch.Tensor, str, Any]:
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, str, SlotHandle]:
         """A new slot file of ``nbytes``, mapped: the buffer, its id, and the (path, size) a receiver opens."""
         path = str(_shm_dir() / f"{SLOT_PREFIX}{os.getpid()}_{next(_ids)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -58,7 +59,7 @@ class ShmSlots:
     def ready(self) -> None:
         """Nothing to wait for: the copies into the mapping are done when they return."""
 
-    def mapped_by_all(self, handle: Any) -> None:
+    def mapped_by_all(self, handle: SlotHandle) -> None:
         """Every receiver holds the slot mapped: its name can go (the pages stay while mapped)."""
         self._unlink(handle[0])
 
@@ -75,7 +76,7 @@ class ShmSlots:
             pass
 
     # -- receiver
-    def open(self, handle: Any) -> torch.Tensor:
+    def open(self, handle: SlotHandle) -> torch.Tensor:
         """The sender's slot mapped into this process (no copy). Opened without O_CREAT first and mapped through
         that descriptor: ``torch.from_file`` creates a missing file, which would leave a slot behind if the
         sender unlinked it meanwhile (a sender that stopped)."""

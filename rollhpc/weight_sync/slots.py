@@ -37,9 +37,13 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rollhpc.testing import fault_injection
 from rollhpc.weight_sync.buckets import IN_FLIGHT_BUCKETS, check_tensor, tensor_checksum
+from rollhpc.weight_sync.cuda_ipc import CudaSlots
+from rollhpc.weight_sync.shared_memory import ShmSlots
+from rollhpc.weight_sync.slot_memory import SlotHandle, SlotMemory
 
 __all__ = [
     "Entry",
@@ -139,7 +143,7 @@ class SlotHeader:
 
     slot: int
     slot_id: str
-    handle: Any
+    handle: SlotHandle
     nbytes: int
     entries: list[Entry]
     checksums: list[int] | None = None
@@ -153,12 +157,10 @@ class StoreControl:
     so a stopped sync's leftovers never meet the next one): ``h<i>`` the i-th header (or end / abort marker),
     ``a<i>/<member>`` a receiver's acknowledgement of it (empty, or its error)."""
 
-    def __init__(self, store: Any, tag: str):
-        import torch.distributed as dist
-
+    def __init__(self, store: dist.Store, tag: str):
         self.store = dist.PrefixStore(f"rollhpc-slots/{tag}", store)
 
-    def post(self, index: int, kind: str, body: Any = None) -> None:
+    def post(self, index: int, kind: str, body: SlotHeader | str | None = None) -> None:
         # also where a receiver looks when a slot it was told of is gone (``aborted``)
         if kind == "abort":
             self.store.set("abort", str(body).encode())
@@ -168,7 +170,7 @@ class StoreControl:
         """The sender's reason when it stopped this sync, else None (without waiting)."""
         return self.store.get("abort").decode() if self.store.check(["abort"]) else None
 
-    def take(self, index: int) -> tuple[str, Any]:
+    def take(self, index: int) -> tuple[str, SlotHeader | str | None]:
         """The ``index``-th message, waiting for it (up to the store's timeout)."""
         return pickle.loads(self.store.get(f"h{index}"))
 
@@ -186,23 +188,17 @@ class StoreControl:
         return [(m, e) for m, e in errors if e]
 
 
-def connect_store(host: str, port: int, timeout_s: float = 600.0) -> Any:
+def connect_store(host: str, port: int, timeout_s: float = 600.0) -> dist.TCPStore:
     """A client of the sender's TCPStore (a receiver's end of ``StoreControl``)."""
-    import torch.distributed as dist
-
     return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout_s))
 
 
-def slot_memory(device: torch.device | str) -> Any:
+def slot_memory(device: torch.device | str) -> SlotMemory:
     """Slots on ``device`` (or of a header's ``kind``): CUDA IPC on a GPU, shared-memory files on the CPU."""
     if str(device).startswith("cuda"):
-        from rollhpc.weight_sync.cuda_ipc import CudaSlots
-
         return CudaSlots(
             device if isinstance(device, torch.device) and device.index is not None else None
         )
-    from rollhpc.weight_sync.shared_memory import ShmSlots
-
     return ShmSlots()
 
 
@@ -229,7 +225,7 @@ class PeakMeter:
                 self.base = None
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
     def peak_extra(self) -> int | None:
@@ -272,7 +268,7 @@ class SyncStats:
 class _Slot:
     buf: torch.Tensor
     slot_id: str
-    handle: Any
+    handle: SlotHandle
     first: int = 0  # the first bucket packed into it
     seen: bool = False  # every receiver has mapped it (acknowledged that bucket)
 
@@ -282,7 +278,7 @@ class SlotSender:
     """The sending end: ``memory`` makes the slots (``CudaSlots`` / ``ShmSlots``), ``control`` carries headers
     and acknowledgements to ``receivers`` receivers (members 0..receivers-1)."""
 
-    memory: Any
+    memory: SlotMemory
     control: StoreControl
     receivers: int
     slot_bytes: int
@@ -320,7 +316,7 @@ class SlotSender:
             self.memory.close()
         return self.stats
 
-    def _post(self, kind: str, body: Any = None) -> None:
+    def _post(self, kind: str, body: SlotHeader | str | None = None) -> None:
         self.control.post(self._posted, kind, body)
         self._posted += 1
 
@@ -391,7 +387,7 @@ class SlotReceiver:
     memory of this process's own; on a failure anywhere after it started, call ``abort`` so the sender stops.
     ``memory``: None to map the slots as the first header says (``slot_memory(kind)``)."""
 
-    memory: Any
+    memory: SlotMemory | None
     control: StoreControl
     member: int
     sync: int | str = ""  # how errors name this sync

@@ -392,7 +392,8 @@ def test_a_separate_engine_core_unpickles_only_where_its_messages_need(monkeypat
     """The CUDA-IPC handles (GPU default) and a CPU MoE's repack function reach a separate engine core only through
     pickle; the engine then sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 itself, or refuses at start where the user
     set it to 0. The shared-memory transfer and an engine core in this process need nothing."""
-    from rollhpc.engines.vllm_engine import _engine_core_takes_pickles, _let_engine_core_unpickle
+    from rollhpc.engines.vllm_startup import engine_core_takes_pickles as _engine_core_takes_pickles
+    from rollhpc.engines.vllm_startup import let_engine_core_unpickle as _let_engine_core_unpickle
 
     assert "CUDA-IPC" in _engine_core_takes_pickles(True, "ipc", cpu_moe=False)
     assert "MoE" in _engine_core_takes_pickles(True, "rollhpc_shm", cpu_moe=True)
