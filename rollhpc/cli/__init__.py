@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from rollhpc.cli import (
     ckpt,
@@ -28,8 +29,6 @@ __all__ = ["build_parser", "compose", "load_experiment", "main"]
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollhpc")
     except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed

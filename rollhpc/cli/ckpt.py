@@ -6,11 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from rollhpc.checkpoint import report
+from rollhpc.checkpoint.storage import CheckpointStorageError
+
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from rollhpc.checkpoint import report
-    from rollhpc.checkpoint.storage import CheckpointStorageError
-
     good = True
     try:
         if args.ckpt_command == "list":

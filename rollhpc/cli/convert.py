@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from rollhpc.conversion import convert_cli
+from rollhpc.conversion import convert_cli, export
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -13,8 +13,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rollhpc.conversion import export
-
     return export.run(args)
 
 
@@ -32,9 +30,6 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_export_parser(sub: argparse._SubParsersAction) -> None:
-
-    from rollhpc.conversion import export
-
     ex = sub.add_parser(
         "export",
         help="a run's trained model as a Hugging Face directory (safetensors, config, "

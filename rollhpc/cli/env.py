@@ -9,6 +9,8 @@ from typing import Any
 import yaml
 
 from rollhpc.config import ConfigError
+from rollhpc.envs.episodes import run_episodes
+from rollhpc.sandbox import SandboxUnavailable
 
 
 def _env_options(pairs: list[str]) -> dict[str, Any]:
@@ -23,9 +25,6 @@ def _env_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from rollhpc.envs.episodes import run_episodes
-    from rollhpc.sandbox import SandboxUnavailable
-
     options = _env_options(args.option or [])
     try:
         stats = run_episodes(

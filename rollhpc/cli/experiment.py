@@ -11,11 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rollhpc import config as config_mod
 from rollhpc import experiments
 from rollhpc.config import ConfigError, ExperimentConfig
-from rollhpc.rundir import RunPaths, atomic_write_text
+from rollhpc.pipelines.cluster_check_spec import split_overrides, wrap_experiment
+from rollhpc.placement.device_mapping import WorldPlan
+from rollhpc.rundir import RunPaths, atomic_write_bytes, atomic_write_text
 
 
 def experiment_args(sp: argparse.ArgumentParser) -> None:
@@ -43,8 +51,6 @@ def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:
     check_yaml_syntax(path)
     check_override_syntax(overrides)
     if "check" in (yaml.safe_load(path.read_text()) or {}):
-        from rollhpc.pipelines.cluster_check import split_overrides, wrap_experiment
-
         own, rest = split_overrides(overrides)
         check = _hydra_compose(path, own)
         target = (check.get("check") or {}).get("experiment") or "quickstart"
@@ -73,12 +79,6 @@ def experiment_path(experiment: str) -> Path:
 
 def _hydra_compose(path: Path, overrides: list[str]) -> dict[str, Any]:
     """One YAML file (its defaults list included) with hydra overrides applied and interpolations resolved."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     config_dir, name = path.resolve().parent, path.stem
     # `key=value` may set a key the YAML leaves to its dataclass default (roles.train.parallel.tp=2):
     # hydra would refuse it as new, so every plain override becomes "add or override" (++) and
@@ -118,9 +118,6 @@ def check_yaml_syntax(path: Path) -> None:
 
 def check_override_syntax(overrides: list[str]) -> None:
     """Each ``key=value`` through hydra's own override parser, so a bad one is named alone, in one line."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     parser = OverridesParser.create()
     for override in overrides:
         try:
@@ -142,7 +139,9 @@ def print_config(cfg: ExperimentConfig) -> int:
     return 0
 
 
-def prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool = False) -> Path:
+def prepare_run_dir(
+    cfg: ExperimentConfig, plan: WorldPlan, overwrite: bool, resume: bool = False
+) -> Path:
     run_dir = cfg.run.run_dir.resolve()
     if resume:
         return resume_run_dir(cfg, plan, run_dir)
@@ -161,7 +160,7 @@ def prepare_run_dir(cfg: ExperimentConfig, plan, overwrite: bool, resume: bool =
     return run_dir
 
 
-def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
+def resume_run_dir(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> Path:
     """An existing run continues only with the configuration it was started with (its checkpoint's layout
     and data cursor depend on it); the world's processes find its newest good checkpoint themselves."""
     saved_path = RunPaths(run_dir).config
@@ -189,8 +188,6 @@ def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
         )
     RunPaths(run_dir).error.unlink(missing_ok=True)  # the last attempt's failure is history now
     if now != saved:
-        from rollhpc.rundir import atomic_write_bytes
-
         atomic_write_bytes(
             saved_path, yaml.safe_dump(config_mod.to_dict(cfg), sort_keys=False).encode()
         )
@@ -198,7 +195,8 @@ def resume_run_dir(cfg: ExperimentConfig, plan, run_dir: Path) -> Path:
     return run_dir
 
 
-def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
+def _differing_keys(a: object, b: object, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two YAML trees (a key missing on one side differs)."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for key in sorted(set(a) | set(b)):
@@ -229,9 +227,3 @@ def check_inputs(cfg: ExperimentConfig, refuse: bool) -> None:
             f"rollhpc: warning: {problem}; train and submit refuse to start without it",
             file=sys.stderr,
         )
-
-
-def estimate_memory(cfg: Any, plan: Any) -> Any:
-    from rollhpc.placement.memory_plan import estimate
-
-    return estimate(cfg, plan)

@@ -6,23 +6,22 @@ import argparse
 
 from rollhpc.cli.experiment import (
     check_inputs,
-    estimate_memory,
     experiment_args,
     load_experiment,
     print_config,
 )
+from rollhpc.launch.plan_report import render
+from rollhpc.placement.device_mapping import plan_world
+from rollhpc.placement.memory_plan import estimate
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from rollhpc.placement.device_mapping import plan_world
-    from rollhpc.launch.plan_report import render
-
     cfg = load_experiment(args.experiment, args.overrides)
     if args.print_config:
         return print_config(cfg)
     plan = plan_world(cfg)
     check_inputs(cfg, refuse=False)
-    memory = estimate_memory(cfg, plan) if plan.gpus_total else None
+    memory = estimate(cfg, plan) if plan.gpus_total else None
     if args.json:
         print(plan.to_json())
     else:

@@ -8,7 +8,8 @@ from pathlib import Path
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from rollhpc.observability.report import summarize, load_run, write_report
+    # the figures are drawn with matplotlib: imported once the command runs, not for --help
+    from rollhpc.observability.report import load_run, summarize, write_report
 
     try:
         runs = [load_run(d) for d in args.run_dirs]

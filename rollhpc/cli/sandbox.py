@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+
+from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, selfcheck
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
-    import json
-    from dataclasses import replace
-
-    from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxUnavailable
-    from rollhpc.sandbox import selfcheck
-
     try:
         if args.sandbox_command == "check":
             sandbox = Sandbox(selfcheck.CHECK_LIMITS)

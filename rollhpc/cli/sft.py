@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from rollhpc.config import ConfigError
+from rollhpc.tasks import available_tasks, task_module
+from rollhpc.warm_start.sft_config import SftConfig
+from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 
 def _sft_settings(pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """KEY=VALUE (YAML values) -> (task options, spec.KEY fields, sft.KEY fields)."""
-    from dataclasses import fields
-
-    from rollhpc.warm_start.sft import SftConfig
-    from rollhpc.warm_start.tiny import TinyModelConfig
-
     task: dict[str, Any] = {}
     nested: dict[str, dict[str, Any]] = {"spec": {}, "sft": {}}
     allowed = {
@@ -55,15 +55,10 @@ def _accuracy_or_none(text: str) -> float | str:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    import logging
-
-    from rollhpc.warm_start.policy_prep import prepare_policy, read_report
-    from rollhpc.warm_start.sft import SftConfig
-    from rollhpc.warm_start.tiny import TinyModelConfig
+    # the implementation trains a model (torch, transformers): imported once the command runs, not for --help
+    from rollhpc.warm_start import policy_prep
 
     logging.basicConfig(level=logging.INFO, format="rollhpc: %(message)s")
-    from rollhpc.tasks import task_module
-
     try:
         task_module(args.task)
     except ValueError as e:
@@ -72,7 +67,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     flags = {"steps": args.steps, "lr": args.lr, "batch_size": args.batch_size}
     sft_kw |= {k: v for k, v in flags.items() if v is not None}
     if args.threads:
-        import torch
+        import torch  # heavy, and loaded by policy_prep's trainer anyway
 
         torch.set_num_threads(args.threads)
     try:
@@ -81,7 +76,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
                 None if args.target_accuracy == "none" else args.target_accuracy
             )
         spec, sft = TinyModelConfig(**spec_kw), SftConfig(**sft_kw)
-        out = prepare_policy(
+        out = policy_prep.prepare_policy(
             args.out_dir,
             task=args.task,
             task_options=task_opts,
@@ -93,7 +88,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
         )
     except (ValueError, TypeError, FileExistsError) as e:
         raise ConfigError(str(e)) from e
-    report = read_report(out)
+    report = policy_prep.read_report(out)
     print(
         f"rollhpc: policy {out}: held-out greedy accuracy {report['heldout_accuracy']:.3f} after "
         f"{report['steps']} SFT steps ({report['wall_s']:.0f} s to prepare)",
@@ -104,10 +99,6 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-
-    from rollhpc.warm_start.sft import SftConfig
-    from rollhpc.tasks import available_tasks
-
     sft = SftConfig()
     sf = sub.add_parser(
         "sft",

@@ -3,23 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+from rollhpc.launch import status
+from rollhpc.launch.resubmit import rescue_jobs
+
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    from rollhpc.launch import status
-
     try:
         run_dir = status.check_run_dir(args.run_dir)
     except status.NotARunDirectory as e:
         print(f"rollhpc status: {e}", file=sys.stderr)
         return 2
     job_id = status.job_id_of(run_dir)
-    from rollhpc.launch.resubmit import rescue_jobs
-
     rescue_id = rescue_jobs(run_dir).get(job_id) if job_id else None
     report = status.build_report(
         run_dir,

@@ -9,7 +9,6 @@ from pathlib import Path
 
 from rollhpc.cli.experiment import (
     check_inputs,
-    estimate_memory,
     experiment_args,
     load_experiment,
     prepare_inputs,
@@ -17,20 +16,21 @@ from rollhpc.cli.experiment import (
     print_config,
 )
 from rollhpc.config import ConfigError
+from rollhpc.launch.local import failure_summary
+from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
+from rollhpc.launch.slurm_cli import TERMINAL, component_states
+from rollhpc.placement.device_mapping import plan_world
+from rollhpc.placement.memory_plan import estimate
 from rollhpc.rundir import RunPaths
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from rollhpc.placement.device_mapping import plan_world
-    from rollhpc.launch.local import failure_summary
-    from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
-
     cfg = load_experiment(args.experiment, args.overrides)
     if args.print_config:
         return print_config(cfg)
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
     if plan.gpus_total:
-        estimate_memory(cfg, plan).check()  # so does one that cannot fit in cluster.gpu_memory_gb
+        estimate(cfg, plan).check()  # so does one that cannot fit in cluster.gpu_memory_gb
     check_inputs(cfg, refuse=not args.dry_run)
     if args.dry_run:
         print(render_sbatch(cfg, plan, cfg.run.run_dir.resolve()))
@@ -73,8 +73,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def _refuse_if_job_active(run_dir: Path) -> None:
     """Two jobs must never write one run directory: a resubmission waits until the last job has ended."""
-    from rollhpc.launch.slurm_cli import TERMINAL, component_states
-
     id_file = RunPaths(run_dir).job_id
     if not id_file.is_file():
         return

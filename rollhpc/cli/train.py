@@ -15,13 +15,13 @@ from rollhpc.cli.experiment import (
     print_config,
 )
 from rollhpc.config import ConfigError
+from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
+from rollhpc.launch.requeue import EXIT_REQUEUE
+from rollhpc.placement.device_mapping import plan_world
 from rollhpc.rundir import RunPaths
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
-    from rollhpc.launch.requeue import EXIT_REQUEUE
-
     cfg = load_experiment(args.experiment, args.overrides)
     if args.print_config:
         return print_config(cfg)
@@ -31,8 +31,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not args.dry_run:
             raise
         # a login node has no GPUs: the dry run still shows the command and the prompts, planned on cluster.*
-        from rollhpc.placement.device_mapping import plan_world
-
         plan = plan_world(cfg)
         print(
             f"rollhpc: warning: {e}; planned on cluster.* instead (`rollhpc submit` runs it there)",

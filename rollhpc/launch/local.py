@@ -17,14 +17,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from rollhpc.config import ClusterConfig, ConfigError, ExperimentConfig
+from rollhpc.config import ConfigError, ExperimentConfig
+from rollhpc.config.cluster import ClusterConfig
 from rollhpc.launch.console import console_for_ranks
 from rollhpc.placement.device_mapping import WorldPlan, plan_world
 from rollhpc.proc.mpi_shm import FANOUT_PREFIX, SHM_DIR
 from rollhpc.proc.parent_death import die_with_parent
 from rollhpc.rundir import RunPaths, atomic_write_json, atomic_write_text
+from rollhpc.rundir.records import controller_exit
 
 
 def find_mpiexec(setting: str) -> str:
@@ -243,67 +246,78 @@ def _formed_since(world_file: Path, launched: float) -> bool:
         return False
 
 
-def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
-    """Run the world to completion; returns the controller's exit status (0 = success). mpiexec's own
-    status cannot tell: gforker's is 0 whatever its ranks did, so a controller that ended without saying
-    how (killed, or a second signal cut its report short) counts as a failure, never as success."""
-    from rollhpc.rundir.records import controller_exit
-
-    cmd = build_command(cfg, plan, run_dir)
-    RunPaths(run_dir).controller_exit.unlink(missing_ok=True)  # an earlier world's
-    # leftovers of earlier worlds that could not clean up (their launcher was SIGKILLed); the age keeps
-    # the segments of an MPI job that is starting right now, not yet mapped, out of the sweep
-    remove_leaked_segments(set(), min_age_s=120)
-    segments_before = shm_segments()
-    atomic_write_json(RunPaths(run_dir).launch, {"command": cmd}, indent=1)
-    # SIGUSR1 to the launcher: the controller checkpoints after its current step and stops (rollhpc.controller.stop)
-    previous = signal.signal(
+def _relay_stop_requests(run_dir: Path) -> signal.Handlers | Callable[..., object] | int | None:
+    """SIGUSR1 to the launcher: the controller checkpoints after its current step and stops
+    (rollhpc.controller.stop). Returns the handler it replaces."""
+    return signal.signal(
         signal.SIGUSR1,
         lambda *_: atomic_write_text(
             RunPaths(run_dir).stop_request,
             f"SIGUSR1 to the launcher at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n",
         ),
     )
-    # the ranks write to our console, not through mpiexec
+
+
+def _start_world(cfg: ExperimentConfig, cmd: list[str]) -> subprocess.Popen[bytes]:
+    """mpiexec in a session of its own, dying with us; the ranks write to our console, not through it."""
     console_env, console_fds = console_for_ranks()
-    launched = time.time() - 0.05  # (a file's time may lag the clock by a few ms)
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd,
             env={**rank_environment(cfg), **console_env},
             start_new_session=True,
             preexec_fn=die_with_parent,
             pass_fds=console_fds,
         )
-    except BaseException:
-        signal.signal(signal.SIGUSR1, previous)
-        raise
     finally:
         for fd in console_fds:
             os.close(fd)
+
+
+def _interrupt(proc: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C: SIGINT reaches the controller (workers ignore it), which ends the run in order and
+    reports it; the launcher's status, 130 if it had none."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        rc = -signal.SIGKILL
+    return rc or 130
+
+
+def run_local(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> int:
+    """Run the world to completion; returns the controller's exit status (0 = success). mpiexec's own
+    status cannot tell: gforker's is 0 whatever its ranks did, so a controller that ended without saying
+    how (killed, or a second signal cut its report short) counts as a failure, never as success."""
+    paths = RunPaths(run_dir)
+    cmd = build_command(cfg, plan, run_dir)
+    paths.controller_exit.unlink(missing_ok=True)  # an earlier world's
+    # leftovers of earlier worlds that could not clean up (their launcher was SIGKILLed); the age keeps
+    # the segments of an MPI job that is starting right now, not yet mapped, out of the sweep
+    remove_leaked_segments(set(), min_age_s=120)
+    segments_before = shm_segments()
+    atomic_write_json(paths.launch, {"command": cmd}, indent=1)
+    previous = _relay_stop_requests(run_dir)
+    launched = time.time() - 0.05  # (a file's time may lag the clock by a few ms)
+    try:
+        proc = _start_world(cfg, cmd)
+    except BaseException:
+        signal.signal(signal.SIGUSR1, previous)
+        raise
     ours = world_segments(cmd[0], proc.pid)
     try:
-        # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown) and the
-        # launcher's own
-        atomic_write_json(
-            RunPaths(run_dir).launch,
-            {
-                "command": cmd,
-                "mpiexec_pid": proc.pid,
-                "world_shm": sorted(ours),
-                "launcher_shm": sorted(singleton_segment()),
-            },
-            indent=1,
-        )
-        rc = _wait_for_world(proc, RunPaths(run_dir), launched)
+        # which shared memory in /dev/shm is this run's: the world's segment (empty: its name is unknown)
+        # and the launcher's own
+        launch = {
+            "command": cmd,
+            "mpiexec_pid": proc.pid,
+            "world_shm": sorted(ours),
+            "launcher_shm": sorted(singleton_segment()),
+        }
+        atomic_write_json(paths.launch, launch, indent=1)
+        rc = _wait_for_world(proc, paths, launched)
     except KeyboardInterrupt:
-        # SIGINT reaches the controller (workers ignore it), which ends the run in order and reports it
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            rc = proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            rc = -signal.SIGKILL
-        rc = rc or 130
+        rc = _interrupt(proc)
     finally:
         signal.signal(signal.SIGUSR1, previous)
         _kill_group(proc.pid, leader=proc)

@@ -15,14 +15,8 @@ from rollhpc.parallel import (
     pipeline_stage_layers,
 )
 from rollhpc.placement.device_mapping import WorldPlan, weight_sync_routing
+from rollhpc.placement.hostlist import id_ranges
 from rollhpc.placement.memory_plan import ModelShape, dtype_bytes
-
-
-def _ids(ids) -> str:
-    ids = list(ids)
-    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}-{ids[-1]}"
-    return ",".join(map(str, ids)) or "-"
 
 
 def render(
@@ -59,7 +53,7 @@ def render(
                 continue
             k = layouts[p.role].coords(p.group_rank)
             yield (
-                f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {_ids(p.gpus):<7} "
+                f"{p.rank:>6} {p.role:<{w}} {p.group_rank:>5} {p.component:>3} {p.node:>4} {id_ranges(p.gpus) or '-':<7} "
                 f"{k.tp_rank:>3} {k.cp_rank:>3} {k.dp_rank:>4} {k.pp_rank:>3}"
             )
     for name, role in cfg.roles.items():
@@ -82,7 +76,7 @@ def render(
                 more = f" ... ({len(gs)} groups)" if len(shown) < len(gs) else ""
                 yield (
                     f"  {kind:<16} "
-                    + " ".join("[" + _ids(world_of[r] for r in g) + "]" for g in shown)
+                    + " ".join("[" + id_ranges(world_of[r] for r in g) + "]" for g in shown)
                     + more
                 )
 

@@ -10,10 +10,10 @@ checkpoint is its last step) is never started again, whatever Slurm did to the j
 the last step makes Slurm requeue a job with nothing left to do): ``start`` says so and prints
 ``finished``, and the batch script ends with 0.
 
-``watch`` ends the step once the controller has ended (its exit record written, or its process gone) and
-srun has not followed within the grace: srun waits for every task, and a task on a lost node whose slurmd
-came back before Slurm marked it DOWN is known to nobody any more, so srun would wait until the time limit.
-The decision never depends on srun: ``after`` reads the controller's record.
+``watch`` (``rollhpc.launch.watch``) ends the step once the controller has ended (its exit record
+written, or its process gone) and srun has not followed within the grace: srun waits for every task, and a
+task on a lost node whose slurmd came back before Slurm marked it DOWN is known to nobody any more, so srun
+would wait until the time limit. The decision never depends on srun: ``after`` reads the controller's record.
 
 ``after`` decides from srun's status, and continues the run in a new job (``rollhpc.launch.resubmit``:
 no wait for Slurm to declare a lost node DOWN nor for its credential expiry; RUN_DIR/slurm/job_id then
@@ -55,17 +55,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
 from rollhpc.launch.slurm_cli import (
     down_nodes,
     excluded_nodes,
     job_alive,
-    scancel_detached,
     scontrol,
     slurmd_started_since,
-    step_ids,
 )
+from rollhpc.launch.slurm_job import (
+    allocated_nodes,
+    group_nodes,
+    job_components,
+    job_steps,
+    shared_nodes,
+)
+from rollhpc.launch.watch import cmd_watch
 from rollhpc.proc.attempt import restart_number, slurm_restart_count
+from rollhpc.proc.mpi_shm import ATTEMPT_STARTED
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import (
@@ -74,9 +84,7 @@ from rollhpc.rundir.records import (
     failed_nodes,
     log_event,
     read_events,
-    record_startup_failure,
     startup_failure,
-    this_host,
 )
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: checkpoint saved, run me again
@@ -94,12 +102,6 @@ def unresponsive_nodes(hosts: list[str]) -> list[str]:
     return down_nodes(hosts)
 
 
-def _job_components(job_id: str) -> list[str]:
-    """ "123" for a plain job, ["123+0", "123+1", ...] for a heterogeneous one."""
-    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    return [f"{job_id}+{i}" for i in range(n)] if n > 1 else [job_id]
-
-
 def wait_for_steps_to_end(
     run_dir: Path, job_id: str, lost: set[str], timeout_s: float = 180.0, poll_s: float = 0.5
 ) -> None:
@@ -107,18 +109,16 @@ def wait_for_steps_to_end(
 
     A step on a crashed node ends only once Slurm declares the node DOWN (then Slurm requeues the job itself,
     and the next start avoids the node). Requeued and released onto other nodes before that, Slurm 22.05
-    broke the job's GPU bookkeeping ("_step_get_gres_cnt ... node offset invalid": the next srun was refused)
-    and, requeued again, once left it pending forever. Settled also: the node's slurmd came back (restarted
+    breaks the job's GPU bookkeeping ("_step_get_gres_cnt ... node offset invalid": the next srun is refused)
+    and, requeued again, may leave it pending forever. Settled also: the node's slurmd came back (restarted
     since this attempt began): it answers the requeue, though Slurm would never end the step it forgot. A
     worker lost on a live node: its step ends within a second. Waiting after ``requeuehold`` is no option: it
     ends this script (SIGKILL after KillWait)."""
     deadline = time.monotonic() + timeout_s
-    from rollhpc.proc.mpi_shm import ATTEMPT_STARTED
-
     began = float(os.environ.get(ATTEMPT_STARTED, "0") or 0) or time.time()
 
     def settled() -> bool:
-        return not _job_steps(job_id) or (
+        return not job_steps(job_id) or (
             bool(lost) and all(slurmd_started_since(n, began) for n in lost)
         )
 
@@ -138,6 +138,30 @@ def wait_for_steps_to_end(
         time.sleep(poll_s)
 
 
+def _log_requeue(
+    run_dir: Path,
+    job_id: str,
+    reason: str,
+    exclude: set[str],
+    failure: dict[str, Any] | None,
+    **fields: object,
+) -> None:
+    """The run's requeue event: why, which nodes it leaves out from now on, and the verdict behind it."""
+    log_event(
+        run_dir,
+        {
+            "event": "requeue",
+            "job_id": job_id,
+            **fields,
+            "reason": reason,
+            "exclude": sorted(exclude),
+            "restart": restart_number() + 1,
+            "slurm_restart_count": slurm_restart_count(),
+            **({"failure": failure} if failure else {}),
+        },
+    )
+
+
 def restart(
     run_dir: Path,
     job_id: str,
@@ -147,26 +171,14 @@ def restart(
 ) -> int:
     """Continue the run in a new job (``rollhpc.launch.resubmit``: no wait for a lost node to be declared
     DOWN, nor for Slurm's credential expiry), excluding ``exclude`` and whatever this job excluded; where
-    sbatch cannot be used from the batch host, requeue this job as before."""
+    sbatch cannot be used from the batch host, requeue this job instead."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a kill now would lose the run's continuation
     excluded = set(exclude)
-    for comp in _job_components(job_id):
+    for comp in job_components(job_id):
         excluded |= excluded_nodes(comp)
     new_job, why = resubmit(run_dir, excluded, restart_number() + 1)
     if new_job is not None:
-        log_event(
-            run_dir,
-            {
-                "event": "requeue",
-                "job_id": job_id,
-                "new_job_id": new_job,
-                "reason": reason,
-                "exclude": sorted(exclude),
-                "restart": restart_number() + 1,
-                "slurm_restart_count": slurm_restart_count(),
-                **({"failure": failure} if failure else {}),
-            },
-        )
+        _log_requeue(run_dir, job_id, reason, exclude, failure, new_job_id=new_job)
         return 0
     print(
         f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}",
@@ -190,25 +202,17 @@ def requeue(
     # requeuehold kills the batch script; finish the release first
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     per_group = per_group or {}
-    log_event(
+    by_group = {str(i): sorted(n) for i, n in per_group.items()}
+    _log_requeue(
         run_dir,
-        {
-            "event": "requeue",
-            "job_id": job_id,
-            "reason": reason,
-            "exclude": sorted(exclude),
-            **(
-                {"exclude_per_group": {str(i): sorted(n) for i, n in per_group.items()}}
-                if per_group
-                else {}
-            ),
-            "restart": restart_number() + 1,
-            "slurm_restart_count": slurm_restart_count(),
-            **({"failure": failure} if failure else {}),
-        },
+        job_id,
+        reason,
+        exclude,
+        failure,
+        **({"exclude_per_group": by_group} if by_group else {}),
     )
     # the run's jobs are --no-requeue (a rescue job continues them):
-    for comp in _job_components(job_id):
+    for comp in job_components(job_id):
         scontrol("update", f"JobId={comp}", "Requeue=1")  # scontrol requeue needs the flag back on
     if not exclude and not per_group:
         res = scontrol("requeue", job_id)
@@ -216,7 +220,14 @@ def requeue(
     res = scontrol("requeuehold", job_id)
     if res.returncode != 0:
         return _failed(res, "requeuehold")
-    for i, comp in enumerate(_job_components(job_id)):
+    _exclude_while_held(job_id, exclude, per_group)
+    res = scontrol("release", job_id)
+    return 0 if res.returncode == 0 else _failed(res, "release")
+
+
+def _exclude_while_held(job_id: str, exclude: set[str], per_group: dict[int, set[str]]) -> None:
+    """Add ``exclude`` (and group i's ``per_group[i]``) to each held component's ExcNodeList."""
+    for i, comp in enumerate(job_components(job_id)):
         if not (exclude | per_group.get(i, set())):
             continue
         nodes = ",".join(sorted(excluded_nodes(comp) | exclude | per_group.get(i, set())))
@@ -226,11 +237,9 @@ def requeue(
                 f"rollhpc requeue: could not exclude {nodes} for {comp}: {upd.stderr.strip()}",
                 file=sys.stderr,
             )
-    res = scontrol("release", job_id)
-    return 0 if res.returncode == 0 else _failed(res, "release")
 
 
-def _failed(res: subprocess.CompletedProcess, what: str) -> int:
+def _failed(res: subprocess.CompletedProcess[str], what: str) -> int:
     print(
         f"rollhpc requeue: scontrol {what} failed ({res.returncode}): {res.stderr.strip()}",
         file=sys.stderr,
@@ -254,8 +263,6 @@ def finished_run(run_dir: Path) -> str | None:
     steps = configured_steps(run_dir)
     if steps is None:
         return None
-    from rollhpc.checkpoint.storage import CheckpointStore
-
     newest = CheckpointStore(RunPaths(run_dir).checkpoints).latest_good(deep=False)
     if newest is not None and newest.step >= steps:
         return f"its newest checkpoint, {newest.path.name}, is its last step (steps={steps})"
@@ -264,8 +271,6 @@ def finished_run(run_dir: Path) -> str | None:
 
 def configured_steps(run_dir: Path) -> int | None:
     """The run's ``pipeline.options.steps`` from RUN_DIR/config.yaml, or None (no such option, no file)."""
-    import yaml
-
     try:
         steps = (yaml.safe_load(RunPaths(run_dir).config.read_text()) or {})["pipeline"]["options"][
             "steps"
@@ -275,30 +280,56 @@ def configured_steps(run_dir: Path) -> int | None:
     return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
+def _take_over(run_dir: Path, job_id: str, successor: str | None) -> None:
+    """This job continues the run (submitted by hand, or the record is older): record it, and make sure it
+    has its rescue job."""
+    if successor != job_id:
+        RunPaths(run_dir).slurm.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
+    ensure_rescue(run_dir, job_id)
+
+
+def _requeue_shared(run_dir: Path, job_id: str, shared: dict[int, set[str]]) -> int:
+    """Het groups given a node an earlier group has: srun cannot start the step, so requeue without it."""
+    where = "; ".join(
+        f"het group {i} shares {', '.join(sorted(n))} with an earlier group"
+        for i, n in shared.items()
+    )
+    print(
+        f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
+        f"(it waits forever); requeued with those nodes excluded for those groups",
+        file=sys.stderr,
+    )
+    requeue(run_dir, job_id, f"{where} (srun cannot start such a step)", set(), shared)
+    print(REQUEUED, flush=True)
+    return 0
+
+
+def _previous_attempt(events: list[dict[str, Any]]) -> str | None:
+    """How the run's last attempt ended ("requeue", "end", or killed without a report); None: no attempt."""
+    starts = [e for e in events if e.get("event") == "start"]
+    if not starts:
+        return None
+    later = events[events.index(starts[-1]) + 1 :]
+    ended = [e for e in later if e.get("event") in ("requeue", "end")]
+    return (
+        ended[-1]["event"] if ended else "killed without a report (its batch node lost, or scancel)"
+    )
+
+
 def cmd_start(run_dir: Path) -> int:
-    done = finished_run(run_dir)
-    if done:
-        log_event(
-            run_dir,
-            {
-                "event": "end",
-                "status": 0,
-                "job_id": os.environ.get("SLURM_JOB_ID"),
-                "restart": restart_number(),
-                "slurm_restart_count": slurm_restart_count(),
-                "final": True,
-                "reason": f"the run has already finished ({done}): nothing to start",
-            },
-        )
-        print(
-            f"rollhpc requeue: the run has already finished ({done}): nothing to start",
-            file=sys.stderr,
-        )
+    """Before srun: record this attempt, unless the run has finished, another job continues it, or its het
+    groups share a node (then this job is requeued); each of those prints its word for the batch script."""
+    if done := finished_run(run_dir):
+        reason = f"the run has already finished ({done}): nothing to start"
+        _end(run_dir, 0, slurm_restart_count=slurm_restart_count(), reason=reason)
+        print(f"rollhpc requeue: {reason}", file=sys.stderr)
         print(FINISHED, flush=True)
         return 0
     job_id = os.environ.get("SLURM_JOB_ID", "")
     successor = current_job(run_dir)
     if job_id and successor and successor != job_id and job_alive(successor):
+        reason = f"job {successor} continues the run already: nothing to start"
         log_event(
             run_dir,
             {
@@ -306,43 +337,17 @@ def cmd_start(run_dir: Path) -> int:
                 "status": 0,
                 "job_id": job_id,
                 "restart": restart_number(),
-                "reason": f"job {successor} continues the run already: nothing to start",
+                "reason": reason,
             },
         )
         print(SUPERSEDED, flush=True)
         return 0
-    # this job takes the run over (submitted by hand, or the record is older)
-    if job_id and successor != job_id:
-        RunPaths(run_dir).slurm.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(RunPaths(run_dir).job_id, job_id + "\n")
     if job_id:
-        ensure_rescue(run_dir, job_id)
+        _take_over(run_dir, job_id, successor)
     shared = shared_nodes(group_nodes())
     if shared and job_id:
-        where = "; ".join(
-            f"het group {i} shares {', '.join(sorted(n))} with an earlier group"
-            for i, n in shared.items()
-        )
-        print(
-            f"rollhpc requeue: {where}: srun cannot start one MPI step over het groups that share a node "
-            f"(it waits forever); requeued with those nodes excluded for those groups",
-            file=sys.stderr,
-        )
-        requeue(run_dir, job_id, f"{where} (srun cannot start such a step)", set(), shared)
-        print(REQUEUED, flush=True)
-        return 0
-    events = read_events(run_dir)
-    starts = [e for e in events if e.get("event") == "start"]
-    previous = None
-    if starts:
-        last = starts[-1]
-        later = events[events.index(last) + 1 :]
-        ended = [e for e in later if e.get("event") in ("requeue", "end")]
-        previous = (
-            ended[-1]["event"]
-            if ended
-            else "killed without a report (its batch node lost, or scancel)"
-        )
+        return _requeue_shared(run_dir, job_id, shared)
+    previous = _previous_attempt(read_events(run_dir))
     # an earlier attempt's world; this one's proves it formed
     RunPaths(run_dir).world.unlink(missing_ok=True)
     log_event(
@@ -360,158 +365,6 @@ def cmd_start(run_dir: Path) -> int:
     return 0
 
 
-def controller_ended(run_dir: Path) -> str | None:
-    """How this attempt's controller ended, or None while it runs: its exit record, or its process gone
-    (looked up in world.json when the controller runs on this host, as rank 0 does on the batch host)."""
-    status = controller_exit(run_dir)
-    if status is not None:
-        return f"the controller ended with status {status}"
-    try:
-        controller = json.loads(RunPaths(run_dir).world.read_text())[0]
-    except (FileNotFoundError, ValueError, IndexError, KeyError):
-        return None
-    if controller.get("host") != this_host():
-        return None
-    try:
-        os.kill(int(controller["pid"]), 0)
-    except ProcessLookupError:
-        return f"the controller (pid {controller['pid']}) is gone without a word"
-    except (PermissionError, KeyError, TypeError, ValueError):
-        pass
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        # reaps it if it is our child (tests); the batch shell reaps srun
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _job_steps(job_id: str) -> list[str]:
-    """This job's running steps of srun ("123.0", and "124.0" for het group 1's component), batch and
-    extern steps left out: each het component's step is ended under the component's own job id."""
-    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    components = (
-        [os.environ.get(f"SLURM_JOB_ID_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
-    )
-    steps = []
-    for comp in [c for c in components if c] or [job_id]:
-        try:
-            out = step_ids(comp)
-        except (OSError, subprocess.TimeoutExpired) as e:  # srun itself is still killed below
-            print(f"rollhpc requeue: cannot list the steps of {comp}: {e}", file=sys.stderr)
-            continue
-        steps += [s for s in out if s.startswith(f"{comp}.") and s.split(".")[1].isdigit()]
-    return steps
-
-
-def cmd_watch(
-    run_dir: Path,
-    srun_pid: int,
-    grace_s: float,
-    world_timeout_s: float | None = None,
-    poll_s: float = 0.5,
-) -> int:
-    """Beside srun: once the controller has ended, give srun ``grace_s`` to end by itself, then end the step
-    (every het component's) and, if srun still waits, srun itself; the batch script goes on to ``after``.
-    A world that has not formed ``world_timeout_s`` after srun started, with no rank's guard heard from (the
-    ranks never started: srun itself is stuck), is recorded as a start-up failure and ended the same way."""
-    # the time-limit warning is the batch shell's business
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    how = None
-    started = time.monotonic()
-    while _alive(srun_pid) and not (how := controller_ended(run_dir)):
-        if (
-            world_timeout_s is not None
-            and time.monotonic() - started > world_timeout_s
-            and not RunPaths(run_dir).world.exists()
-        ):
-            failed = startup_failure(run_dir)
-            if failed is None:
-                how = (
-                    f"no MPI world formed within {world_timeout_s:g} s of srun's start and no rank said why "
-                    f"(srun or the process manager is stuck before the ranks run)"
-                )
-                record_startup_failure(run_dir, this_host(), how)
-                grace_s = 0
-            else:  # the ranks' guards gave up, and srun waits on: for a task on a node lost while the world formed
-                how = f"the MPI world did not form ({failed['why']})"  # whose slurmd came back knowing nothing
-            break
-        time.sleep(poll_s)
-    if how is None:
-        return 0
-    deadline = time.monotonic() + grace_s
-    while _alive(srun_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not _alive(srun_pid):
-        return 0
-    job_id = os.environ.get("SLURM_JOB_ID", "")
-    steps = _job_steps(job_id) if job_id else []
-    log_event(
-        run_dir,
-        {
-            "event": "step-ended",
-            "job_id": job_id,
-            "steps": steps,
-            "reason": f"{how}, and srun had not ended {grace_s:g} s later: its step is ended",
-        },
-    )
-    # not waited for: slurmctld may take MessageTimeout per node it cannot reach, and the
-    for step in steps:
-        try:  # requeue that follows ends whatever of the step is left anyway
-            scancel_detached("--signal=KILL", step)
-        except OSError as e:
-            print(f"rollhpc requeue: cannot end step {step}: {e}", file=sys.stderr)
-    # a srun waiting for a lost node's task may outlive its cancelled step
-    deadline = time.monotonic() + 1
-    while _alive(srun_pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _alive(srun_pid):
-        os.kill(srun_pid, signal.SIGKILL)
-    return 0
-
-
-def group_nodes() -> list[list[str]]:
-    """The nodes of each het group of this attempt (one list for a plain job; none outside Slurm)."""
-    n = int(os.environ.get("SLURM_HET_SIZE", "0") or 0)
-    lists = (
-        [os.environ.get(f"SLURM_JOB_NODELIST_HET_GROUP_{i}", "") for i in range(n)] if n > 1 else []
-    )
-    lists = [x for x in lists if x] or [os.environ.get("SLURM_JOB_NODELIST", "")]
-    out = []
-    for nodelist in filter(None, lists):
-        res = scontrol("show", "hostnames", nodelist)
-        out.append(res.stdout.split() if res.returncode == 0 else [nodelist])
-    return out
-
-
-def shared_nodes(groups: list[list[str]]) -> dict[int, set[str]]:
-    """{group index: its nodes that an earlier group also has}: Slurm may pack het groups onto one node,
-    and srun (22.05) then fails to start the step ("_reorder_het_job_recs: Invalid hostlist") and waits."""
-    seen: set[str] = set()
-    shared = {}
-    for i, hosts in enumerate(groups):
-        if both := seen & set(hosts):
-            shared[i] = both
-        seen |= set(hosts)
-    return shared
-
-
-def allocated_nodes() -> list[str]:
-    """This attempt's nodes, every het group's (a het job's SLURM_JOB_NODELIST names only group 0's)."""
-    hosts: list[str] = []
-    for group in group_nodes():
-        hosts += [h for h in group if h not in hosts]
-    return hosts
-
-
 def previous_failure(run_dir: Path) -> dict[str, Any]:
     """The failure verdict that made the run's last restart (its newest requeue event), {} if none."""
     requeues = [e for e in read_events(run_dir) if e.get("event") == "requeue"]
@@ -521,6 +374,8 @@ def previous_failure(run_dir: Path) -> dict[str, Any]:
 def cmd_after(
     run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True
 ) -> int:
+    """After srun: restart the run, or end it, from the controller's exit status (srun's, when the
+    controller said nothing); the batch script exits with what this returns."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
         return _after(run_dir, srun_status, max_restarts, allow_requeue, job_id)
@@ -532,7 +387,7 @@ def cmd_after(
             cancel_rescue(run_dir, job_id)
 
 
-def _end(run_dir: Path, status: int, **fields: Any) -> int:
+def _end(run_dir: Path, status: int, **fields: object) -> int:
     """The run ends here for good (a rescue job finds this and leaves it ended)."""
     log_event(
         run_dir,
@@ -548,10 +403,91 @@ def _end(run_dir: Path, status: int, **fields: Any) -> int:
     return status
 
 
+def _stalled_world(run_dir: Path, said: int | None, srun_status: int) -> str | None:
+    """Why the MPI world never formed, or None: no controller to say anything (a rank's MPI_Init guard or
+    its deadline on the first collectives recorded it), the controller gave up waiting for a worker to
+    connect, or srun failed before this attempt's world.json was written."""
+    stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
+    if (
+        stalled is None
+        and said is None
+        and srun_status != 0
+        and not RunPaths(run_dir).world.exists()
+    ):
+        return (
+            f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
+            f"are in the output above"
+        )
+    return stalled["why"] if stalled else None
+
+
+def _same_failure_again(run_dir: Path, kind: FailureKind | None, failure: dict[str, Any]) -> bool:
+    """A lost worker or peer with the signature of the failure that made the last restart: the run's own."""
+    sig = failure.get("signature")
+    return (
+        kind in (FailureKind.LOST_PEER, FailureKind.LOST_WORKER)
+        and bool(sig)
+        and previous_failure(run_dir).get("signature") == sig
+    )
+
+
+def _after_lost_worker(
+    run_dir: Path, job_id: str, status: int, failure: dict[str, Any], max_restarts: int
+) -> int:
+    """A lost worker, unless the verdict names another kind worth a restart (or none was recorded):
+    restart without the lost nodes, unless out of restarts or the same failure came twice in a row."""
+    kind = FailureKind.of(failure.get("kind", FailureKind.LOST_WORKER))
+    said_kind = kind if kind is not None and kind.restartable else FailureKind.LOST_WORKER
+    what = said_kind.requeue_says(failure.get("summary", ""))
+    restarts = restart_number()
+    if restarts >= max_restarts:
+        return _end(
+            run_dir,
+            status,
+            failure=failure or None,
+            reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
+            "giving up",
+        )
+    if _same_failure_again(run_dir, kind, failure):
+        return _end(
+            run_dir,
+            status,
+            failure=failure,
+            reason=f"the same failure twice in a row at step {failure.get('step')} "
+            f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
+            "crash in native code or out of memory), not restarted again",
+        )
+    # which node is at fault is unknown: the next attempt gets the same nodes
+    if kind != FailureKind.LOST_WORKER:
+        return restart(run_dir, job_id, what, set(), failure)
+    failed = failed_nodes(run_dir)
+    return restart(
+        run_dir,
+        job_id,
+        f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
+        set(failed),
+        failure,
+    )
+
+
+def _final_fields(said: int | None, srun_status: int, failure: dict[str, Any]) -> dict[str, object]:
+    """What the final end records beside its status: srun's own status where it differs from the
+    controller's, the failure verdict, and why a failure of the run's own ends it without a restart."""
+    extra: dict[str, object] = (
+        {"srun_status": srun_status} if said is not None and said != srun_status else {}
+    )
+    if failure:
+        extra["failure"] = failure
+        ended_by = FailureKind.of(failure.get("kind"))
+        if ended_by is not None and not ended_by.restartable:
+            if why := ended_by.requeue_says(failure.get("summary", "")):
+                extra["reason"] = why
+    return extra
+
+
 def _after(
     run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool, job_id: str
 ) -> int:
-    restarts = restart_number()
     said = controller_exit(run_dir)
     status = srun_status if said is None else said
     failure = controller_failure(run_dir) if said is not None else {}
@@ -568,23 +504,10 @@ def _after(
             srun_status=srun_status,
             reason=f"the run has finished ({done}); status {status} ends nothing",
         )
-    # the MPI world never formed: no controller to say anything (a rank's MPI_Init guard or its deadline on
-    # the first collectives recorded it), or the controller gave up waiting for a worker to connect
-    stalled = startup_failure(run_dir) if said in (None, EXIT_WORKER_LOST) else None
-    if (
-        stalled is None
-        and said is None
-        and srun_status != 0
-        and not RunPaths(run_dir).world.exists()
-    ):
-        stalled = {
-            "why": f"srun exited {srun_status} before every rank had joined; the ranks' own errors "
-            f"are in the output above"
-        }
-    if stalled:
+    if (stalled := _stalled_world(run_dir, said, srun_status)) is not None:
         status = EXIT_WORKER_LOST
-        failure = {"kind": FailureKind.WORLD_NOT_FORMED, "summary": stalled["why"]}
-        print(f"rollhpc requeue: {stalled['why']}", file=sys.stderr)
+        failure = {"kind": FailureKind.WORLD_NOT_FORMED, "summary": stalled}
+        print(f"rollhpc requeue: {stalled}", file=sys.stderr)
     if status in (EXIT_REQUEUE, EXIT_WORKER_LOST) and not allow_requeue:
         return _end(
             run_dir,
@@ -595,57 +518,8 @@ def _after(
     if status == EXIT_REQUEUE and job_id:
         return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
     if status == EXIT_WORKER_LOST and job_id:
-        # a lost worker, unless the verdict names another kind worth a restart (or none was recorded)
-        kind = FailureKind.of(failure.get("kind", FailureKind.LOST_WORKER))
-        said_kind = kind if kind is not None and kind.restartable else FailureKind.LOST_WORKER
-        what = said_kind.requeue_says(failure.get("summary", ""))
-        if restarts >= max_restarts:
-            return _end(
-                run_dir,
-                status,
-                failure=failure or None,
-                reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
-                "giving up",
-            )
-        sig = failure.get("signature")
-        if (
-            kind in (FailureKind.LOST_PEER, FailureKind.LOST_WORKER)
-            and sig
-            and previous_failure(run_dir).get("signature") == sig
-        ):
-            return _end(
-                run_dir,
-                status,
-                failure=failure,
-                reason=f"the same failure twice in a row at step {failure.get('step')} "
-                f"({failure.get('summary', '')}): taken as deterministic (the run's own, e.g. a "
-                "crash in native code or out of memory), not restarted again",
-            )
-        # which node is at fault is unknown: the next attempt gets the same nodes
-        if kind != FailureKind.LOST_WORKER:
-            return restart(run_dir, job_id, what, set(), failure)
-        failed = failed_nodes(run_dir)
-        return restart(
-            run_dir,
-            job_id,
-            f"worker lost on {', '.join(sorted(failed)) or 'an unknown node'}",
-            set(failed),
-            failure,
-        )
-    extra: dict[str, Any] = (
-        {"srun_status": srun_status} if said is not None and said != srun_status else {}
-    )
-    if failure:
-        extra["failure"] = failure
-        ended_by = FailureKind.of(failure.get("kind"))
-        why = (
-            ""
-            if ended_by is None or ended_by.restartable
-            else ended_by.requeue_says(failure.get("summary", ""))
-        )
-        if why:  # the run's own fault (or its placement's): why no restart
-            extra["reason"] = why
-    return _end(run_dir, status, **extra)
+        return _after_lost_worker(run_dir, job_id, status, failure, max_restarts)
+    return _end(run_dir, status, **_final_fields(said, srun_status, failure))
 
 
 def main(argv: list[str] | None = None) -> int:

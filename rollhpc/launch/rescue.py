@@ -95,25 +95,45 @@ def restarts_so_far(events: list[dict[str, Any]]) -> int:
     )
 
 
-def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
-    run_dir = Path(run_dir)
-    events = read_events(run_dir)
+def _say(job_id: str, word: str, why: str) -> int:
+    """Tell the person why (stderr) and the rescue's batch script what was done (stdout)."""
+    print(f"rollhpc rescue: job {job_id}: {why}", file=sys.stderr, flush=True)
+    print(word, flush=True)
+    return 0
 
-    def say(word: str, why: str) -> int:
-        print(f"rollhpc rescue: job {job_id}: {why}", file=sys.stderr, flush=True)
-        print(word, flush=True)
-        return 0
 
+def _end_run(run_dir: Path, job_id: str, reason: str) -> None:
+    """The rescue ends the run for good (its event says so: a later rescue leaves it ended)."""
+    log_event(
+        run_dir,
+        {
+            "event": "end",
+            "status": 1,
+            "job_id": job_id,
+            "final": True,
+            "by": "rescue",
+            "reason": reason,
+        },
+    )
+
+
+def _continued_elsewhere(run_dir: Path, job_id: str, events: list[dict[str, Any]]) -> str | None:
+    """Why the run needs nothing from this rescue before Slurm is asked: it finished, ended for good, or
+    the job of RUN_DIR/slurm/job_id continues it; None when it may."""
     if done := finished_run(run_dir):
-        return say(NOTHING, f"the run has finished ({done})")
+        return f"the run has finished ({done})"
     if final := final_end(events):
-        return say(
-            NOTHING,
-            f"the run ended for good: {final.get('reason') or 'status ' + str(final.get('status'))}",
+        return (
+            f"the run ended for good: {final.get('reason') or 'status ' + str(final.get('status'))}"
         )
     current = current_job(run_dir)
     if current and current != job_id and job_alive(current):
-        return say(NOTHING, f"job {current} continues the run")
+        return f"job {current} continues the run"
+    return None
+
+
+def _records_asking_twice(job_id: str) -> list[dict[str, str]]:
+    """Slurm's records of ``job_id``, asked a second time when it did not answer the first ([] then)."""
     records = job_records(job_id)
     if records is None:
         print(
@@ -121,68 +141,41 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
             file=sys.stderr,
         )
         records = job_records(job_id) or []
-    states = sorted({r.get("JobState", "") for r in records})
-    # COMPLETING counts as ended: a het job's components end one by one (one NODE_FAIL, another still COMPLETING)
-    # requeued in place, running again: its next start makes
-    if any(st not in ENDED_STATES for st in states):
-        # sure it has a rescue (ensure_rescue)
-        return say(NOTHING, f"job {job_id} is {'/'.join(states)} again")
-    if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
-        return say(NOTHING, f"job {live[0]} of the run is pending or running")
-    how = "/".join(st for st in states if st != "COMPLETING") or "unknown to Slurm"
-    if set(states) <= {"CANCELLED", "COMPLETING"} and "CANCELLED" in states:
-        log_event(
-            run_dir,
-            {
-                "event": "end",
-                "status": 1,
-                "job_id": job_id,
-                "final": True,
-                "by": "rescue",
-                "reason": f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
-                f"slurm/resume.sh {run_dir}",
-            },
-        )
-        return say(ENDED, "cancelled by a person: left cancelled")
-    restarts = restarts_so_far(events)
-    if restarts >= max_restarts:
-        log_event(
-            run_dir,
-            {
-                "event": "end",
-                "status": 1,
-                "job_id": job_id,
-                "final": True,
-                "by": "rescue",
-                "reason": f"job {job_id} ended {how} without continuing the run, and the run already "
-                f"restarted {restarts} times (max_restarts={max_restarts}): giving up",
-            },
-        )
-        return say(ENDED, "out of restarts")
-    never = not any(e.get("event") == "start" and e.get("job_id") == job_id for e in events)
+    return records
+
+
+def _nodes_to_exclude(run_dir: Path, records: list[dict[str, str]], never: bool) -> set[str]:
+    """The job's excluded nodes, the nodes the run lost workers on, and, for a job that never started the
+    run (a failed launch), its batch host: Slurm may pick that node again before it marks it DOWN."""
     exclude = set()
     for r in records:
         if r.get("ExcNodeList") and r["ExcNodeList"] != "(null)":
             exclude |= hostnames(r["ExcNodeList"])
-        # a launch that failed: Slurm may pick that node again before it marks it DOWN (a restart each time)
         if never and r.get("BatchHost") and r["BatchHost"] != "(null)":
             exclude.add(r["BatchHost"])
-    exclude |= set(failed_nodes(run_dir))
+    return exclude | set(failed_nodes(run_dir))
+
+
+def _continue(
+    run_dir: Path,
+    job_id: str,
+    events: list[dict[str, Any]],
+    records: list[dict[str, str]],
+    how: str,
+) -> int:
+    """Submit the run's next job, without the nodes it should avoid, and record why."""
+    restarts = restarts_so_far(events)
+    never = not any(e.get("event") == "start" and e.get("job_id") == job_id for e in events)
+    exclude = _nodes_to_exclude(run_dir, records, never)
     new_job, why = resubmit(run_dir, exclude, restarts + 1)
     if new_job is None:
-        log_event(
+        _end_run(
             run_dir,
-            {
-                "event": "end",
-                "status": 1,
-                "job_id": job_id,
-                "final": True,
-                "by": "rescue",
-                "reason": f"job {job_id} ended {how} without continuing the run, and its rescue could "
-                f"not submit a new job: {why}",
-            },
+            job_id,
+            f"job {job_id} ended {how} without continuing the run, and its rescue could "
+            f"not submit a new job: {why}",
         )
-        return say(ENDED, f"cannot submit: {why}")
+        return _say(job_id, ENDED, f"cannot submit: {why}")
     reason = (
         f"job {job_id} ended {how} before it started the run (a failed launch)"
         if never
@@ -201,7 +194,44 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
             "restart": restarts + 1,
         },
     )
-    return say(RESCUED, f"{reason}: continued in job {new_job}")
+    return _say(job_id, RESCUED, f"{reason}: continued in job {new_job}")
+
+
+def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
+    """Once ``job_id`` has ended: continue its run in a new job, unless the run needs nothing from its rescue
+    or must stay ended (cancelled by a person, out of restarts); prints the decision's word."""
+    run_dir = Path(run_dir)
+    events = read_events(run_dir)
+    if why := _continued_elsewhere(run_dir, job_id, events):
+        return _say(job_id, NOTHING, why)
+    records = _records_asking_twice(job_id)
+    states = sorted({r.get("JobState", "") for r in records})
+    # COMPLETING counts as ended: a het job's components end one by one (one NODE_FAIL, another still
+    # COMPLETING). A job requeued in place runs again: its next start makes sure it has a rescue
+    # (ensure_rescue).
+    if any(st not in ENDED_STATES for st in states):
+        return _say(job_id, NOTHING, f"job {job_id} is {'/'.join(states)} again")
+    if live := [j for j in live_jobs_of_run(run_dir, _job_name(run_dir)) if j != job_id]:
+        return _say(job_id, NOTHING, f"job {live[0]} of the run is pending or running")
+    how = "/".join(st for st in states if st != "COMPLETING") or "unknown to Slurm"
+    if set(states) <= {"CANCELLED", "COMPLETING"} and "CANCELLED" in states:
+        _end_run(
+            run_dir,
+            job_id,
+            f"job {job_id} was cancelled (scancel): the run stops here; continue it with "
+            f"slurm/resume.sh {run_dir}",
+        )
+        return _say(job_id, ENDED, "cancelled by a person: left cancelled")
+    restarts = restarts_so_far(events)
+    if restarts >= max_restarts:
+        _end_run(
+            run_dir,
+            job_id,
+            f"job {job_id} ended {how} without continuing the run, and the run already "
+            f"restarted {restarts} times (max_restarts={max_restarts}): giving up",
+        )
+        return _say(job_id, ENDED, "out of restarts")
+    return _continue(run_dir, job_id, events, records, how)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from rollhpc.config import ClusterConfig, ContainerConfig, ExperimentConfig
+import submitit
+
+from rollhpc.config import ExperimentConfig
+from rollhpc.config.cluster import ClusterConfig
+from rollhpc.config.container import ContainerConfig
 from rollhpc.launch.resubmit import current_job, rescue_jobs, submit_rescue
 from rollhpc.launch.slurm_cli import (
     TERMINAL,
@@ -28,6 +32,7 @@ from rollhpc.launch.slurm_cli import (
 )
 from rollhpc.placement.device_mapping import Component, WorldPlan
 from rollhpc.rundir import RunPaths, atomic_write_text
+from rollhpc.rundir.records import log_event
 
 
 @dataclass(frozen=True)
@@ -264,27 +269,17 @@ def _srun_segment(cfg: ExperimentConfig, comp: Component, het: bool) -> str:
     return " ".join(opts + [f"--export=ALL,OMP_NUM_THREADS={comp.cpus_per_task}"])
 
 
-def render_sbatch(
-    cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None
-) -> str:
-    """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun.
-
-    ``python``: the host interpreter of the batch-side helpers (default: this one, which is how the job finds
-    rollhpc without a container); with ``cluster.container`` the ranks use the image's, the helpers
-    ``cluster.container.batch_python`` when it is set."""
-    python = python or shlex.quote(sys.executable)
-    run = shlex.quote(str(run_dir))
-    container = cfg.cluster.container
-    helper = shlex.quote(container.batch_python) if container.batch_python else python
+def _directive_lines(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> list[str]:
+    """The script's head: what it runs, then the ``#SBATCH`` block of every component, ``hetjob`` between."""
+    c = cfg.cluster
     lines = [
         "#!/bin/bash",
         f"# rollhpc: experiment {cfg.run.name}, {plan.world_size} MPI ranks in {len(plan.components)} het group(s);",
         f"# which rank runs which role on which node/GPU: {run_dir / 'plan.json'} (`rollhpc plan` prints it)",
         f"#SBATCH --job-name=rollhpc-{cfg.run.name}",
         f"#SBATCH --output={run_dir / 'slurm' / 'job-%j.out'}",
-        f"#SBATCH --time={cfg.cluster.time_limit}",
+        f"#SBATCH --time={c.time_limit}",
     ]
-    c = cfg.cluster
     # never requeued by Slurm (the cluster's JobRequeue default could): a job whose node died ends NODE_FAIL and
     # sets off its rescue job (rollhpc.launch.rescue), where a requeue whose relaunch failed would be held forever
     lines += ["#SBATCH --no-requeue", "#SBATCH --open-mode=append"]
@@ -297,18 +292,24 @@ def render_sbatch(
         lines += [
             f"#SBATCH {opt}" for opt in _component_options(cfg, comp, len(plan.components) > 1)
         ]
-    lines += [
+    return lines
+
+
+def _setup_lines(cfg: ExperimentConfig, run_dir: Path, helper: str) -> list[str]:
+    """Before srun: the time-limit trap, the site's setup, the network, and ``requeue start``."""
+    c = cfg.cluster
+    lines = [
         "",
         "set -euo pipefail",
         "export PYTHONUNBUFFERED=1",
         "# checkpoint-and-requeue (rollhpc.launch.requeue): at the time-limit warning ask the controller to",
         "# checkpoint and stop (trapped first thing: Slurm may send it up to a minute early); record this",
         "# attempt; after srun, continue the run in a new job if it asked for it or lost a worker",
-        f"run_dir={run}",
+        f"run_dir={shlex.quote(str(run_dir))}",
         'rm -f "$run_dir/stop-request"  # an earlier attempt\'s request was for that attempt',
         """trap 'echo "time-limit warning (SIGUSR1) at $(date +%FT%T)" > "$run_dir/stop-request"' USR1""",
     ]
-    lines += list(cfg.cluster.setup)
+    lines += list(c.setup)
     if c.network_interface:
         nic = shlex.quote(c.network_interface)
         lines += [
@@ -319,23 +320,30 @@ def render_sbatch(
                 for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
             ),
         ]
-    if cfg.cluster.srun_mpi == "pmi2":
+    if c.srun_mpi == "pmi2":
         lines += PMI1_SAFE_NETMOD
-    lines += [
+    return lines + [
         f'started=$({helper} -m rollhpc.launch.requeue start "$run_dir")',
         '# a finished run stays finished whatever Slurm did; "superseded": a newer job of the run is queued or',
         '# running (this one was requeued by Slurm as well); "requeued": het groups packed onto one node',
         'case "$started" in finished|superseded|requeued) exit 0;; esac',
     ]
+
+
+def _srun_lines(
+    cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str, helper: str
+) -> list[str]:
+    """The one MPMD srun of every het group, its watcher beside it, and ``requeue after`` with its status."""
+    c = cfg.cluster
     # a single component is a plain job: srun refuses --het-group there
     het = len(plan.components) > 1
     segments = [
-        _srun_segment(cfg, comp, het) + " " + _rank_command(container, comp, run_dir, python)
+        _srun_segment(cfg, comp, het) + " " + _rank_command(c.container, comp, run_dir, python)
         for comp in plan.components
     ]
     # --kill-on-bad-exit=0: a dead worker must not take the controller down before it reports the cause
     first = "--het-group=0 " if het else ""
-    lines += [
+    return [
         "",
         "set +e",
         "# MPICH names its shared memory after the step (PMI job id), and a requeued job starts again at step",
@@ -343,7 +351,7 @@ def render_sbatch(
         "# opens segments a killed attempt left (MPI_Init: Out of memory); rollhpc.proc.mpi_shm removes those",
         f'for _ in $(seq 1 "${{SLURM_RESTART_COUNT:-0}}"); do '
         f"timeout 60 srun {first}--nodes=1 --ntasks=1 true; done",
-        *_container_notes(container, c.srun_mpi),
+        *_container_notes(c.container, c.srun_mpi),
         *[line for comp in plan.components for line in _uneven_hosts_lines(comp, het)],
         "export ROLLHPC_ATTEMPT_STARTED=$(date +%s.%N)",
         "srun --kill-on-bad-exit=0 --unbuffered \\",
@@ -361,6 +369,22 @@ def render_sbatch(
         + ("" if c.requeue else " --no-requeue"),
         "",
     ]
+
+
+def render_sbatch(
+    cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path, python: str | None = None
+) -> str:
+    """The batch script: one ``#SBATCH`` block per component, ``hetjob`` between them, then the srun.
+
+    ``python``: the host interpreter of the batch-side helpers (default: this one, which is how the job finds
+    rollhpc without a container); with ``cluster.container`` the ranks use the image's, the helpers
+    ``cluster.container.batch_python`` when it is set."""
+    python = python or shlex.quote(sys.executable)
+    container = cfg.cluster.container
+    helper = shlex.quote(container.batch_python) if container.batch_python else python
+    lines = _directive_lines(cfg, plan, run_dir)
+    lines += _setup_lines(cfg, run_dir, helper)
+    lines += _srun_lines(cfg, plan, run_dir, python, helper)
     return "\n".join(lines)
 
 
@@ -404,31 +428,35 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
     return "\n".join(lines)
 
 
-def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path):
+class HetJobExecutor(submitit.SlurmExecutor):
+    """submitit's Slurm executor with the batch text of a heterogeneous MPMD job."""
+
+    def __init__(self, folder: Path, batch_text: str, world_size: int) -> None:
+        super().__init__(folder=folder)
+        self._batch_text, self._world_size = batch_text, world_size
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:  # noqa: ARG002
+        return self._batch_text
+
+    def _num_tasks(self) -> int:
+        return self._world_size
+
+
+def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> submitit.Job[object]:
     """Submit through submitit, then the job's rescue job (``cluster.requeue``); returns submitit's SlurmJob
     (job_id, state, done())."""
-    import submitit
-
-    class HetJobExecutor(submitit.SlurmExecutor):
-        """submitit's Slurm executor with the batch text of a heterogeneous MPMD job."""
-
-        def _make_submission_file_text(self, command: str, uid: str) -> str:  # noqa: ARG002
-            return render_sbatch(cfg, plan, run_dir)
-
-        def _num_tasks(self) -> int:
-            return plan.world_size
-
     paths = RunPaths(run_dir)
     folder = paths.slurm
     folder.mkdir(parents=True, exist_ok=True)
     # what a restart submits again
-    atomic_write_text(paths.batch_script, render_sbatch(cfg, plan, run_dir))
+    batch_text = render_sbatch(cfg, plan, run_dir)
+    atomic_write_text(paths.batch_script, batch_text)
     rescue_script = paths.rescue_script
     if cfg.cluster.requeue:
         atomic_write_text(rescue_script, render_rescue(cfg, run_dir))
     else:
         rescue_script.unlink(missing_ok=True)
-    executor = HetJobExecutor(folder=folder)
+    executor = HetJobExecutor(folder, batch_text, plan.world_size)
     job = executor._submit_command("rollhpc.rank")  # the command is in the batch text
     atomic_write_text(paths.job_id, job.job_id + "\n")
     rescue, why = submit_rescue(run_dir, job.job_id)
@@ -514,8 +542,6 @@ class HoldWatch:
             self._release(attempt, held[0])
 
     def _release(self, attempt: int, reason: str) -> None:
-        from rollhpc.rundir.records import log_event
-
         res = scontrol("release", self.job_id)
         outcome = (
             "released it" if res.returncode == 0 else f"could not release it: {res.stderr.strip()}"

@@ -22,7 +22,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from rollhpc.checkpoint.report import resume_choice
 from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.launch.requeue import configured_steps, finished_run
@@ -241,13 +240,11 @@ def build_report(
     return report
 
 
-def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[str, list[str]]:
-    """(state, advice): held, pending, running, recovering (the job ended; its rescue job continues the run),
-    finished, gave_up, failed (an error of its own, or the same failure twice), ended (badly, or short of its
-    steps), local or unknown. Slurm's word comes first (a live job is what Slurm says), then the run directory's."""
-    job_id, run_dir = report["job_id"], Path(report["run_dir"])
-    slurm = report["slurm"] or {}
-    comps = slurm.get("components", [])
+Verdict = tuple[str, list[str]]  # (state, advice)
+
+
+def _live_job(job_id: str | None, comps: list[dict[str, str]]) -> Verdict | None:
+    """Slurm's word on a job it still holds, runs or has waiting: held, pending or running."""
     held = [why for c in comps if (why := held_reason(c))]
     if held:
         return "held", [
@@ -267,38 +264,62 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
             "nothing to do: after a time limit or a lost node it continues by itself (in a new "
             "job, which RUN_DIR/slurm/job_id and this command follow)"
         ]
+    return None
+
+
+def _recovering(report: Mapping[str, Any], comps: list[dict[str, str]]) -> Verdict | None:
+    """The job ended and its rescue job, still alive, continues the run."""
     rescue = report.get("rescue") or {}
-    if comps and any(
+    if not comps or not any(
         st not in TERMINAL and st != "unknown to Slurm" for st in rescue.get("states", [])
     ):
-        states = "/".join(sorted({c.get("JobState", "") for c in comps}))
-        good = report["checkpoint"]["newest_good"]
-        return "recovering", [
-            f"job {job_id} ended {states} before its batch script could continue the run: its "
-            f"rescue job {rescue['job_id']} ({'/'.join(rescue['states'])}) continues it "
-            f"{'from ' + good['name'] if good else 'from the start'} in a new job as soon as "
-            "Slurm starts it; nothing to do"
-        ]
-    if report["finished"] or (
-        report["step"] is not None and report["step"] == report["steps"] and report["error"] is None
+        return None
+    states = "/".join(sorted({c.get("JobState", "") for c in comps}))
+    good = report["checkpoint"]["newest_good"]
+    return "recovering", [
+        f"job {report['job_id']} ended {states} before its batch script could continue the run: its "
+        f"rescue job {rescue['job_id']} ({'/'.join(rescue['states'])}) continues it "
+        f"{'from ' + good['name'] if good else 'from the start'} in a new job as soon as "
+        "Slurm starts it; nothing to do"
+    ]
+
+
+def _finished(report: Mapping[str, Any]) -> Verdict | None:
+    if not report["finished"] and (
+        report["step"] is None or report["step"] != report["steps"] or report["error"] is not None
     ):
-        why = f" ({report['finished']})" if report["finished"] else ""
-        return "finished", [
-            f"all {report['steps']} steps done{why}; metrics in {run_dir / 'metrics.jsonl'}"
-        ]
-    last = events[-1] if events else {}
-    if last.get("event") == "end" and "giving up" in str(last.get("reason", "")):
+        return None
+    why = f" ({report['finished']})" if report["finished"] else ""
+    metrics = Path(report["run_dir"]) / "metrics.jsonl"
+    return "finished", [f"all {report['steps']} steps done{why}; metrics in {metrics}"]
+
+
+def _decided_end(report: Mapping[str, Any], last: Mapping[str, Any]) -> Verdict | None:
+    """The run's final end, as the requeue or the rescue decided it: out of restarts, the same failure
+    twice, or an error of the run's own."""
+    if last.get("event") != "end":
+        return None
+    reason = str(last.get("reason", ""))
+    if "giving up" in reason:
         return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
-    if last.get("event") == "end" and "the same failure twice in a row" in str(
-        last.get("reason", "")
-    ):
+    if "the same failure twice in a row" in reason:
         return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
-    if last.get("event") == "end" and (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
+    if (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
         return "failed", [
             "an error of the run's own code or data ended it (a restart would meet it again): fix "
             "it, then continue",
             *_resume_advice(report),
         ]
+    return None
+
+
+def _ended_or_unknown(
+    report: Mapping[str, Any], last: Mapping[str, Any], slurm: Mapping[str, Any]
+) -> Verdict:
+    """What is left once no live job, rescue, finish or decision explains the run: how its job ended, a
+    local run, or a job Slurm cannot tell about."""
+    job_id, run_dir = report["job_id"], Path(report["run_dir"])
+    comps = slurm.get("components", [])
     bad = sorted({c.get("JobState", "") for c in comps} & ENDED_BADLY)
     if bad:
         return "ended", [f"the job ended {', '.join(bad)}", *_resume_advice(report)]
@@ -322,6 +343,22 @@ def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> tuple[st
         "continue it:",
         *_resume_advice(report),
     ]
+
+
+def verdict(report: Mapping[str, Any], events: list[dict[str, Any]]) -> Verdict:
+    """(state, advice): held, pending, running, recovering (the job ended; its rescue job continues the run),
+    finished, gave_up, failed (an error of its own, or the same failure twice), ended (badly, or short of its
+    steps), local or unknown. Slurm's word comes first (a live job is what Slurm says), then the run directory's."""
+    slurm = report["slurm"] or {}
+    comps = slurm.get("components", [])
+    last = events[-1] if events else {}
+    return (
+        _live_job(report["job_id"], comps)
+        or _recovering(report, comps)
+        or _finished(report)
+        or _decided_end(report, last)
+        or _ended_or_unknown(report, last, slurm)
+    )
 
 
 def _resume_advice(report: Mapping[str, Any]) -> list[str]:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rollhpc.rundir import atomic_write_bytes
+
 
 class MetricsLog:
     def __init__(self, path: Path):
@@ -27,8 +29,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def truncate_metrics(path: Path, last_step: int) -> int:
     """Keep the records up to ``last_step`` (a resume from that step's checkpoint), atomically; returns
     how many were dropped. A torn last line (the process died while writing it) is dropped too."""
-    from rollhpc.rundir import atomic_write_bytes
-
     path = Path(path)
     if not path.exists():
         return 0

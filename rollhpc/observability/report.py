@@ -12,7 +12,7 @@ into the output folder:
   not written when none was logged;
 * ``summary.txt``: steps, wall time, accuracy (first, best, last), throughput, time shares, restarts.
 
-Wall time comes from each metrics record's ``time`` (written by ``RunLog``); for runs that predate it,
+Wall time comes from each metrics record's ``time`` (written by ``RunLog``); for records without it,
 from the summed step times. Restarts and requeues (RUN_DIR/restarts.jsonl) are drawn as vertical lines
 on the wall-time axes. A run in progress is read as far as it has got (a torn last line is skipped).
 Each PNG records its axes count in its ``Description`` text chunk (``axes=N``), for tests and tools.
@@ -25,6 +25,10 @@ import io
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from rollhpc.rundir import RunPaths, atomic_write_bytes, read_jsonl
 from rollhpc.rundir.records import read_events
@@ -51,6 +55,17 @@ TRAINING_PANELS = (
     ("train/entropy", "policy entropy", "nats per token"),
     ("sampled_entropy", "entropy of the sampled tokens (generator)", "nats per token"),
     ("train/kl", "KL to the reference policy", "nats per token"),
+)
+# learning.png's panels, row by row, and throughput.png's: (key, against wall time, title, y-axis label, smoothed)
+LEARNING_PANELS = (
+    ("reward_mean", False, "reward (mean over samples)", "reward", True),
+    ("accuracy", False, "held-out accuracy", "accuracy", False),
+    ("reward_mean", True, "reward against wall time", "reward", True),
+    ("accuracy", True, "held-out accuracy against wall time", "accuracy", False),
+)
+THROUGHPUT_PANELS = (
+    ("tokens_per_s", False, "generated tokens/s", "tokens/s", True),
+    ("generator_idle_fraction", False, "generator idle fraction", "fraction of the step", True),
 )
 RESTART_EVENTS = ("resume", "requeue", "requeued", "start")
 
@@ -81,9 +96,8 @@ class RunSeries:
             t0 = stamped[0][1]
             return {s: (t - t0) / 60 for s, t in stamped}
         total, out = 0.0, {}
-        for (
-            r
-        ) in self.records:  # older runs: the summed step times (start-up and restarts not counted)
+        # records without wall-clock stamps: the summed step times (start-up and restarts not counted)
+        for r in self.records:
             total += float(r.get("step_s", 0.0) or 0.0)
             out[r["step"]] = total / 60
         return out
@@ -117,18 +131,23 @@ def load_run(run_dir: Path) -> RunSeries:
     return series
 
 
-def _save(fig: Any, path: Path) -> Path:
-    """Write the figure atomically, its axes count in the PNG's Description chunk; close it."""
-    import matplotlib.pyplot as plt
+def _figure(rows: int, cols: int, figsize: tuple[float, float]) -> tuple[Figure, list[Axes]]:
+    """A figure of rows x cols panels laid out by matplotlib's constrained layout; its axes row by row.
+    Drawn off-screen: a Figure of its own, never pyplot's global state."""
+    fig = Figure(figsize=figsize, constrained_layout=True)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return fig, list(axes.flat)
 
+
+def _save(fig: Figure, path: Path) -> Path:
+    """Write the figure atomically, its axes count in the PNG's Description chunk."""
     png = io.BytesIO()
     fig.savefig(png, format="png", dpi=110, metadata={"Description": f"axes={len(fig.axes)}"})
-    plt.close(fig)
     atomic_write_bytes(path, png.getvalue())
     return path
 
 
-def _mark_restarts(ax: Any, run: RunSeries, color: str) -> None:
+def _mark_restarts(ax: Axes, run: RunSeries, color: str) -> None:
     for minutes, label in run.restarts:
         ax.axvline(minutes, color=color, linestyle="--", linewidth=1, alpha=0.8)
         ax.annotate(
@@ -143,10 +162,13 @@ def _mark_restarts(ax: Any, run: RunSeries, color: str) -> None:
         )
 
 
-def _integer_steps(ax: Any) -> None:
-    from matplotlib.ticker import MaxNLocator
-
+def _integer_steps(ax: Axes) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 on a short run's axis
+
+
+def _note(ax: Axes, text: str) -> None:
+    """Grey words in the middle of an empty panel."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def _labels(runs: list[RunSeries]) -> list[str]:
@@ -166,7 +188,7 @@ def _smoothed(values: list[float]) -> list[float]:
 
 
 def _plot_xy(
-    ax: Any,
+    ax: Axes,
     runs: list[RunSeries],
     key: str,
     *,
@@ -199,20 +221,12 @@ def _plot_xy(
         ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            f"{key}: not logged",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            color="gray",
-        )
+        _note(ax, f"{key}: not logged")
     elif len(runs) > 1:
         ax.legend(fontsize=8)
 
 
-def _stage_panel(ax: Any, run: RunSeries) -> None:
+def _stage_panel(ax: Axes, run: RunSeries) -> None:
     steps = [r["step"] for r in run.records if "step_s" in r]
     bottom = [0.0] * len(steps)
     by_step = {r["step"]: r for r in run.records}
@@ -230,32 +244,24 @@ def _stage_panel(ax: Any, run: RunSeries) -> None:
     ax.set_ylabel("seconds")
     ax.legend(fontsize=7, loc="upper right")
     if not steps:
-        ax.text(
-            0.5,
-            0.5,
-            "no step timings logged",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            color="gray",
-        )
+        _note(ax, "no step timings logged")
 
 
-def summarize(run: RunSeries) -> list[str]:
-    """A few lines a person reads first."""
-    lines = [f"run {run.name} ({run.run_dir})"]
+def _steps_line(run: RunSeries) -> str:
     trained = [r for r in run.records if "step_s" in r]
     last = run.records[-1]["step"] if run.records else 0
-    minutes = run.minutes()
+    minutes = run.minutes().get(last, 0.0)
     stamped = all(isinstance(r.get("time"), (int, float)) for r in run.records)
-    lines.append(
-        f"  steps: {last} logged, {len(trained)} trained; "
-        + (
-            f"wall time {minutes.get(last, 0.0):.1f} min"
-            if stamped
-            else f"{minutes.get(last, 0.0):.1f} min of step time (no wall-clock stamps in this run's metrics)"
-        )
+    return f"  steps: {last} logged, {len(trained)} trained; " + (
+        f"wall time {minutes:.1f} min"
+        if stamped
+        else f"{minutes:.1f} min of step time (no wall-clock stamps in this run's metrics)"
     )
+
+
+def _learning_lines(run: RunSeries) -> list[str]:
+    """Held-out accuracy (first, last, best), reward and generation speed, each where it was logged."""
+    lines = []
     steps, acc = run.column("accuracy")
     if acc:
         best = max(range(len(acc)), key=lambda i: acc[i])
@@ -272,42 +278,64 @@ def summarize(run: RunSeries) -> list[str]:
     _, tps = run.column("tokens_per_s")
     if tps:
         lines.append(f"  generation: {sum(tps) / len(tps):.0f} tokens/s on average")
-    total = sum(float(r["step_s"]) for r in trained)
-    if total > 0:
-        shares = [
-            (label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total)
-            for key, label in STAGES
-        ]
-        lines.append(
-            "  time per step: "
-            + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
-            + f" of {total / max(len(trained), 1):.2f} s"
-        )
-    roles = sorted({k.split("/")[1] for r in trained for k in r if k.startswith("load/")})
-    # rollhpc.controller.run_loop: each role's share of a step inside calls, CPU cores used
-    if roles:
-        parts = []
-        for role in roles:
-            busy = [
-                float(r[f"load/{role}/busy_fraction"])
-                for r in trained
-                if f"load/{role}/busy_fraction" in r
-            ]
-            cores = [
-                float(r[f"load/{role}/cpu_cores"]) for r in trained if f"load/{role}/cpu_cores" in r
-            ]
-            part = role + (f" busy {sum(busy) / len(busy):.0%}" if busy else "")
-            parts.append(part + (f" {sum(cores) / len(cores):.2f} cores" if cores else ""))
-        lines.append("  load per step (mean): " + ", ".join(parts))
-    if run.restarts:
-        lines.append(
-            f"  restarts: {len(run.restarts)} ("
-            + "; ".join(f"{label} at {m:.1f} min" for m, label in run.restarts)
-            + ")"
-        )
-    else:
-        lines.append("  restarts: none")
     return lines
+
+
+def _stage_shares_line(trained: list[dict[str, Any]]) -> list[str]:
+    total = sum(float(r["step_s"]) for r in trained)
+    if total <= 0:
+        return []
+    shares = [
+        (label, sum(float(r.get(key, 0.0) or 0.0) for r in trained) / total)
+        for key, label in STAGES
+    ]
+    return [
+        "  time per step: "
+        + ", ".join(f"{label} {share:.0%}" for label, share in shares if share > 0)
+        + f" of {total / max(len(trained), 1):.2f} s"
+    ]
+
+
+def _mean_of(trained: list[dict[str, Any]], key: str) -> float | None:
+    values = [float(r[key]) for r in trained if key in r]
+    return sum(values) / len(values) if values else None
+
+
+def _load_line(trained: list[dict[str, Any]]) -> list[str]:
+    """Each role's share of a step inside calls and the CPU cores it used (rollhpc.controller.run_loop)."""
+    roles = sorted({k.split("/")[1] for r in trained for k in r if k.startswith("load/")})
+    if not roles:
+        return []
+    parts = []
+    for role in roles:
+        busy = _mean_of(trained, f"load/{role}/busy_fraction")
+        cores = _mean_of(trained, f"load/{role}/cpu_cores")
+        part = role + (f" busy {busy:.0%}" if busy is not None else "")
+        parts.append(part + (f" {cores:.2f} cores" if cores is not None else ""))
+    return ["  load per step (mean): " + ", ".join(parts)]
+
+
+def _restarts_line(run: RunSeries) -> str:
+    if not run.restarts:
+        return "  restarts: none"
+    return (
+        f"  restarts: {len(run.restarts)} ("
+        + "; ".join(f"{label} at {m:.1f} min" for m, label in run.restarts)
+        + ")"
+    )
+
+
+def summarize(run: RunSeries) -> list[str]:
+    """A few lines a person reads first."""
+    trained = [r for r in run.records if "step_s" in r]
+    return [
+        f"run {run.name} ({run.run_dir})",
+        _steps_line(run),
+        *_learning_lines(run),
+        *_stage_shares_line(trained),
+        *_load_line(trained),
+        _restarts_line(run),
+    ]
 
 
 def training_panels(runs: list[RunSeries]) -> list[tuple[str, str, str]]:
@@ -315,97 +343,75 @@ def training_panels(runs: list[RunSeries]) -> list[tuple[str, str, str]]:
     return [panel for panel in TRAINING_PANELS if any(run.column(panel[0])[0] for run in runs)]
 
 
+PanelSpec = tuple[
+    str, bool, str, str, bool
+]  # (key, against wall time, title, y-axis label, smoothed)
+
+
+def _panels_png(
+    runs: list[RunSeries],
+    panels: tuple[PanelSpec, ...],
+    shape: tuple[int, int],
+    figsize: tuple[float, float],
+    path: Path,
+    suptitle: str,
+) -> Path:
+    """One figure of ``panels``, laid out ``shape`` (rows, columns) row by row, written to ``path``."""
+    fig, axes = _figure(*shape, figsize)
+    for ax, (key, wall, title, ylabel, smooth) in zip(axes, panels):
+        _plot_xy(ax, runs, key, wall=wall, title=title, ylabel=ylabel, smooth=smooth)
+    fig.suptitle(suptitle)
+    return _save(fig, path)
+
+
+def _training_png(runs: list[RunSeries], path: Path, suptitle: str) -> Path | None:
+    """training.png, a panel per quantity some run logged; none (and an earlier report's removed) when
+    no run logged any."""
+    logged = training_panels(runs)
+    if not logged:
+        path.unlink(missing_ok=True)  # an earlier report's, of other runs
+        return None
+    cols = min(3, len(logged))
+    rows = -(-len(logged) // cols)
+    fig, axes = _figure(rows, cols, (11, 3.6 * rows))
+    for ax, (key, panel_title, ylabel) in zip(axes, logged):
+        _plot_xy(ax, runs, key, wall=False, title=panel_title, ylabel=ylabel, smooth=True)
+    for ax in axes[len(logged) :]:
+        fig.delaxes(ax)  # no empty panels
+    fig.suptitle(suptitle)
+    return _save(fig, path)
+
+
+def _stages_png(runs: list[RunSeries], path: Path) -> Path:
+    fig, axes = _figure(len(runs), 1, (11, 3.8 * len(runs)))
+    for ax, run in zip(axes, runs):
+        _stage_panel(ax, run)
+    return _save(fig, path)
+
+
 def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
     """Write the figures and summary.txt for ``run_dirs`` (compared on shared axes) into ``out_dir``;
     returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = [load_run(Path(d)) for d in run_dirs]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
     title = " vs ".join(r.name for r in runs)
-
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), constrained_layout=True)
-    _plot_xy(
-        axes[0][0],
-        runs,
-        "reward_mean",
-        wall=False,
-        title="reward (mean over samples)",
-        ylabel="reward",
-        smooth=True,
-    )
-    _plot_xy(axes[0][1], runs, "accuracy", wall=False, title="held-out accuracy", ylabel="accuracy")
-    _plot_xy(
-        axes[1][0],
-        runs,
-        "reward_mean",
-        wall=True,
-        title="reward against wall time",
-        ylabel="reward",
-        smooth=True,
-    )
-    _plot_xy(
-        axes[1][1],
-        runs,
-        "accuracy",
-        wall=True,
-        title="held-out accuracy against wall time",
-        ylabel="accuracy",
-    )
-    fig.suptitle(f"{title}: learning")
-    written.append(_save(fig, out_dir / "learning.png"))
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), constrained_layout=True)
-    _plot_xy(
-        axes[0],
-        runs,
-        "tokens_per_s",
-        wall=False,
-        title="generated tokens/s",
-        ylabel="tokens/s",
-        smooth=True,
-    )
-    _plot_xy(
-        axes[1],
-        runs,
-        "generator_idle_fraction",
-        wall=False,
-        title="generator idle fraction",
-        ylabel="fraction of the step",
-        smooth=True,
-    )
-    fig.suptitle(f"{title}: throughput")
-    written.append(_save(fig, out_dir / "throughput.png"))
-
-    logged = training_panels(runs)
-    stale = out_dir / "training.png"
-    if logged:
-        cols = min(3, len(logged))
-        rows = -(-len(logged) // cols)
-        fig, axes = plt.subplots(
-            rows, cols, figsize=(11, 3.6 * rows), constrained_layout=True, squeeze=False
-        )
-        for ax, (key, panel_title, ylabel) in zip(axes.flat, logged):
-            _plot_xy(ax, runs, key, wall=False, title=panel_title, ylabel=ylabel, smooth=True)
-        for ax in list(axes.flat)[len(logged) :]:
-            fig.delaxes(ax)  # no empty panels
-        fig.suptitle(f"{title}: training")
-        written.append(_save(fig, stale))
-    else:
-        stale.unlink(missing_ok=True)  # an earlier report's, of other runs
-
-    fig, axes = plt.subplots(
-        len(runs), 1, figsize=(11, 3.8 * len(runs)), constrained_layout=True, squeeze=False
-    )
-    for ax, run in zip(axes[:, 0], runs):
-        _stage_panel(ax, run)
-    written.append(_save(fig, out_dir / "stages.png"))
-
+    written = [
+        _panels_png(
+            runs, LEARNING_PANELS, (2, 2), (11, 7), out_dir / "learning.png", f"{title}: learning"
+        ),
+        _panels_png(
+            runs,
+            THROUGHPUT_PANELS,
+            (1, 2),
+            (11, 3.8),
+            out_dir / "throughput.png",
+            f"{title}: throughput",
+        ),
+    ]
+    if training := _training_png(runs, out_dir / "training.png", f"{title}: training"):
+        written.append(training)
+    written.append(_stages_png(runs, out_dir / "stages.png"))
     text = "\n".join(line for run in runs for line in summarize(run)) + "\n"
     atomic_write_bytes(out_dir / "summary.txt", text.encode())
     written.append(out_dir / "summary.txt")

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import h5py
 import numpy as np
+import numpy.typing as npt
 
 from rollhpc.rundir import atomic_file
 
@@ -65,7 +67,9 @@ class RolloutRecord:
     success: np.ndarray | None = None  # [n]
 
 
-def _flatten(seqs: Sequence[np.ndarray] | np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(
+    seqs: Sequence[np.ndarray] | np.ndarray, dtype: npt.DTypeLike
+) -> tuple[np.ndarray, np.ndarray]:
     """(flat values, offsets [n + 1]) for a list of 1-D arrays or a 2-D array."""
     if isinstance(seqs, np.ndarray) and seqs.ndim == 2:
         n, width = seqs.shape
@@ -81,11 +85,8 @@ def _split(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     return [flat[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
-def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
-    """Write ``record`` to ``path`` atomically (rollhpc.rundir.atomic_file)."""
-    import h5py
-
-    path = Path(path)
+def _per_sample_arrays(step: int, record: RolloutRecord) -> dict[str, np.ndarray]:
+    """The fields every sample has, flattened with their offsets, checked to agree on the sample count."""
     prompt, prompt_off = _flatten(record.prompt_tokens, np.int32)
     response, response_off = _flatten(record.response_tokens, np.int32)
     logprobs, logprob_off = _flatten(record.logprobs, np.float32)
@@ -102,6 +103,21 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
         raise ValueError(
             f"rollout record for step {step}: logprobs must have one value per response token"
         )
+    return {
+        "prompt_tokens": prompt,
+        "prompt_offsets": prompt_off,
+        "response_tokens": response,
+        "response_offsets": response_off,
+        "logprobs": logprobs,
+        "reward": reward,
+        "version": version,
+    }
+
+
+def _optional_fields(
+    step: int, record: RolloutRecord, n: int
+) -> tuple[dict[str, Sequence[str]], dict[str, np.ndarray]]:
+    """(the texts given, the reward components given), each checked to hold one entry per sample."""
     texts = {
         k: v
         for k, v in (
@@ -112,7 +128,6 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
         )
         if v is not None
     }
-    episode = _episode_arrays(step, record, response_off, n)
     components = {
         k: np.asarray(v, dtype=np.float32).reshape(-1) for k, v in (record.components or {}).items()
     }
@@ -126,19 +141,20 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
             raise ValueError(
                 f"rollout record for step {step}: {k} has {len(v)} entries, expected {n}"
             )
+    return texts, components
 
+
+def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
+    """Write ``record`` to ``path`` atomically (rollhpc.rundir.atomic_file)."""
+    path = Path(path)
+    arrays = _per_sample_arrays(step, record)
+    n = len(arrays["prompt_offsets"]) - 1
+    texts, components = _optional_fields(step, record, n)
+    episode = _episode_arrays(step, record, arrays["response_offsets"], n)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp, h5py.File(tmp, "w") as f:
         f.attrs.update(step=int(step), time=time.time(), n=n, format=FORMAT)
-        for name, data in (
-            ("prompt_tokens", prompt),
-            ("prompt_offsets", prompt_off),
-            ("response_tokens", response),
-            ("response_offsets", response_off),
-            ("logprobs", logprobs),
-            ("reward", reward),
-            ("version", version),
-        ):
+        for name, data in arrays.items():
             f.create_dataset(name, data=data)
         for k, v in texts.items():
             # HDF5 strings end at NUL; a policy may well write NUL bytes, kept visible as U+2400
@@ -186,8 +202,6 @@ def _episode_arrays(
 
 def read_rollouts(path: Path) -> dict[str, Any]:
     """The file as plain Python: ragged fields as lists of numpy arrays, texts as lists of str."""
-    import h5py
-
     with h5py.File(path, "r") as f:
         prompt_off, response_off = f["prompt_offsets"][()], f["response_offsets"][()]
         out: dict[str, Any] = {

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollhpc.observability.metrics import MetricsLog, truncate_metrics
 from rollhpc.observability.rollouts import RolloutRecord, RolloutWriter
-from rollhpc.observability.tensorboard import TensorBoardLog
 from rollhpc.rundir import RunPaths
+
+if TYPE_CHECKING:
+    from rollhpc.observability.tensorboard import TensorBoardLog
 
 
 class RunLog:
@@ -34,14 +36,15 @@ class RunLog:
                 ):
                     path.unlink()
         self.metrics = MetricsLog(RunPaths(self.run_dir).metrics)
-        self.tensorboard = (
-            TensorBoardLog(
+        self.tensorboard: TensorBoardLog | None = None
+        if tensorboard:
+            # tensorboard is heavy, and this module is on the login-node path (pipelines import it)
+            from rollhpc.observability.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(
                 RunPaths(self.run_dir).tensorboard,
                 purge_from=None if resume_step is None else resume_step + 1,
             )
-            if tensorboard
-            else None
-        )
         self.rollouts = RolloutWriter(RunPaths(self.run_dir).rollouts)
         self._closed = False
 

@@ -1,7 +1,9 @@
 """RUN_DIR/tb/: scalars for TensorBoard, flushed every step so a live `tensorboard --logdir` sees them.
 
-Uses tensorboard's own event-file writer (imported on first use) rather than torch's SummaryWriter,
-so the controller does not need torch to log. Values that are not real numbers are skipped.
+Uses tensorboard's own event-file writer rather than torch's SummaryWriter, so the controller does not
+need torch to log. Values that are not real numbers are skipped. ``RunLog`` imports this module only when
+a run logs to TensorBoard: loading a config (which may import a pipeline, and so RunLog) does not load
+tensorboard.
 """
 
 from __future__ import annotations
@@ -10,6 +12,10 @@ import numbers
 import time
 from pathlib import Path
 from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 
 def numeric_scalars(values: dict[str, Any]) -> dict[str, float]:
@@ -26,14 +32,10 @@ class TensorBoardLog:
     steps the interrupted session logged after its last checkpoint), as torch's ``purge_step`` does."""
 
     def __init__(self, log_dir: Path, purge_from: int | None = None):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._writer = EventFileWriter(str(self.log_dir))
         if purge_from is not None:
-            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
             self._writer.add_event(Event(step=purge_from, file_version="brain.Event:2"))
             self._writer.add_event(
                 Event(step=purge_from, session_log=SessionLog(status=SessionLog.START))
@@ -41,9 +43,6 @@ class TensorBoardLog:
             self._writer.flush()
 
     def add_scalars(self, step: int, values: dict[str, Any]) -> None:
-        from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-
         scalars = numeric_scalars(values)
         if not scalars:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 
 PR_SET_PDEATHSIG = 1
 
@@ -37,8 +38,6 @@ _forking_pid = (
 
 
 def _note_forking_process() -> None:
-    import threading
-
     global _forking_pid
     # the signal follows the forking thread, not the process: a helper forked from a thread that ends first
     # would be killed with that thread, so only forks from the main thread (which lives as long as we do) get it
@@ -56,8 +55,8 @@ _forks_covered = False
 def forked_children_die_with_us() -> None:
     """Every process this one forks from now on (and those they fork) gets a parent-death signal: libraries
     fork helpers we do not start ourselves. megatron's checkpoint writer forks one process per write bucket;
-    a rank SIGKILLed while one was writing left it behind, blocked flushing its results into a pipe nobody
-    read. (Fork-then-exec through ``subprocess`` runs no Python at-fork hooks; those children are untouched.)"""
+    a rank SIGKILLed while one is writing leaves it behind, blocked flushing its results into a pipe nobody
+    reads. (Fork-then-exec through ``subprocess`` runs no Python at-fork hooks; those children are untouched.)"""
     global _forks_covered
     if not _forks_covered:  # (die_with_parent itself honours ROLLHPC_NO_PDEATHSIG)
         os.register_at_fork(before=_note_forking_process, after_in_child=_die_with_forking_process)

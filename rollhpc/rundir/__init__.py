@@ -129,7 +129,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def atomic_write_json(path: Path, obj: Any, indent: int | None = None) -> None:
+def atomic_write_json(path: Path, obj: object, indent: int | None = None) -> None:
     atomic_write_bytes(path, json.dumps(obj, indent=indent).encode())
 
 
