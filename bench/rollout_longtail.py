@@ -92,7 +92,8 @@ def run_barrier(engine: MeteredEngine, prompts, args) -> dict:
 
 def run_scheduler(engine: MeteredEngine, prompts, args, partial: bool, weights: dict) -> dict:
     from rollhpc.rollout.ports import Done
-    from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+    from rollhpc.rollout.scheduler import RolloutScheduler
+    from rollhpc.rollout.scheduler_config import SchedulerConfig
     from rollhpc.workers.vllm_generate import drive_engine
 
     class Port:

@@ -120,17 +120,15 @@ class RoutingBench(Pipeline):
         steps: int = 5
 
     def run(self) -> None:
-        from rollhpc.pipelines.training import RankPort
-        from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+        from rollhpc.rollout.scheduler import RolloutScheduler
+        from rollhpc.rollout.scheduler_config import SchedulerConfig
         from rollhpc.rollout.types import Prompt
 
         pin(controller=True)
         gen, rew = self.workers["generate"], self.workers["reward"]
         calls = {"generate": 0, "reward": 0}
-        generators = [
-            _Counted(RankPort(gen.at(i), "rollout"), calls, "generate") for i in range(len(gen))
-        ]
-        rewards = [_Counted(RankPort(rew.at(i), "score"), calls, "reward") for i in range(len(rew))]
+        generators = [_Counted(gen.at(i).rollout, calls, "generate") for i in range(len(gen))]
+        rewards = [_Counted(rew.at(i).score, calls, "reward") for i in range(len(rew))]
         config = SchedulerConfig(
             group_size=GROUP_SIZE,
             max_tokens=RESPONSE_TOKENS,

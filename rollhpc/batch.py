@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Self
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    # a batch field: rows along the first dimension
+    Array = np.ndarray | torch.Tensor
 
 
 def _chunk_bounds(rows: int, n: int) -> list[int]:
@@ -25,7 +31,7 @@ def _chunk_bounds(rows: int, n: int) -> list[int]:
     return bounds
 
 
-def _concat(values: list[Any]) -> Any:
+def _concat(values: list[Array]) -> Array:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(values[0], torch.Tensor):
         return torch.cat(values, dim=0)
@@ -34,7 +40,7 @@ def _concat(values: list[Any]) -> Any:
 
 @dataclass
 class Batch:
-    data: dict[str, Any]
+    data: dict[str, Array]
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -45,7 +51,7 @@ class Batch:
     def __len__(self) -> int:
         return len(next(iter(self.data.values()))) if self.data else 0
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> Array:
         return self.data[key]
 
     def __contains__(self, key: str) -> bool:
@@ -93,7 +99,7 @@ class RowArrays:
     def __len__(self) -> int:
         return len(next(iter(self.arrays().values())))
 
-    def split(self, n: int) -> list[Any]:
+    def split(self, n: int) -> list[Self]:
         """n contiguous chunks whose sizes differ by at most one (the first ones are larger), as ``Batch.split``."""
         bounds = _chunk_bounds(len(self), n)
         return [
@@ -120,9 +126,8 @@ class TrainingBatch(RowArrays):
     # [B, W-1] float32, the ratio's denominator; None: the update is on-policy, the train step's own forward gives
     # them (one optimizer step only)
     old_logprob: np.ndarray | None = None
-    ref_logprob: np.ndarray | None = (
-        None  # [B, W-1] float32, for the loss's KL term; None: no KL in the loss
-    )
+    # [B, W-1] float32, for the loss's KL term; None: no KL in the loss
+    ref_logprob: np.ndarray | None = None
     # [B, W-1] float32, 0 where the mask is 0; given on-policy, where the train step measures logprob_abs_diff
     gen_logprob: np.ndarray | None = None
 

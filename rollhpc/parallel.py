@@ -78,6 +78,20 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         if self.etp is None:
             object.__setattr__(self, "etp", self.tp)
+        self._check_sizes()
+        given = self._parse_order()
+        dense = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
+        exp = {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+        self._check_order_names(given, dense, exp)
+        object.__setattr__(self, "order", "-".join(given))
+        tokens = tuple(given) + tuple(t for t in TOKENS if t not in given)
+        object.__setattr__(self, "_tokens", tokens)
+        object.__setattr__(self, "_dense", _strides(tokens, dense))
+        object.__setattr__(self, "_expert", _strides(tokens, exp))
+        self._check_grids_agree()
+
+    def _check_sizes(self) -> None:
+        """Every size at least 1, and the ranks divisible into the dense and the expert model-parallel groups."""
         for name in ("world", "tp", "pp", "cp", "ep", "etp") + (
             ("vpp",) if self.vpp is not None else ()
         ):
@@ -102,6 +116,8 @@ class ParallelLayout:
                 f"vpp={self.vpp} (interleaved pipeline schedule) needs pp > 1, got pp=1"
             )
 
+    def _parse_order(self) -> list[str]:
+        """``order``'s tokens, lower-cased, each known and named once."""
         order = self.order.lower() if isinstance(self.order, str) else self.order
         if not isinstance(order, str) or not order:
             raise ValueError(f"order must be a string like {DEFAULT_ORDER!r}, got {self.order!r}")
@@ -114,8 +130,12 @@ class ParallelLayout:
             )
         if len(set(given)) != len(given):
             raise ValueError(f"order {self.order!r} names a token twice")
-        dense = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.dp, "pp": self.pp}
-        exp = {"tp": self.etp, "cp": 1, "ep": self.ep, "dp": self.edp, "pp": self.pp}
+        return given
+
+    def _check_order_names(
+        self, given: list[str], dense: dict[str, int], exp: dict[str, int]
+    ) -> None:
+        """``order`` may leave out only the tokens whose size is 1 in both grids."""
         for grid, sizes, names in (
             ("dense", dense, {}),
             ("expert", exp, {"tp": "etp", "dp": "edp"}),
@@ -127,14 +147,10 @@ class ParallelLayout:
                         f"order {self.order!r} leaves out {t!r}, but the {grid} grid has "
                         f"{name}={sizes[t]}: name every token whose size is not 1"
                     )
-        object.__setattr__(self, "order", order)
-        tokens = tuple(given) + tuple(t for t in TOKENS if t not in given)
-        object.__setattr__(self, "_tokens", tokens)
-        object.__setattr__(self, "_dense", _strides(tokens, dense))
-        object.__setattr__(self, "_expert", _strides(tokens, exp))
 
-        # megatron-core's initialize_model_parallel asserts these two.
-        if self.pp > 1 and not order.endswith("pp") and self.edp != self.dp:
+    def _check_grids_agree(self) -> None:
+        """What megatron-core's initialize_model_parallel asserts of the two grids under pp > 1."""
+        if self.pp > 1 and not self.order.endswith("pp") and self.edp != self.dp:
             raise ValueError(
                 f"order {self.order!r} does not put pp last, so the dense and expert grids need the same "
                 f"data-parallel size, but dp={self.dp} (world / (tp x cp x pp)) and edp={self.edp} "

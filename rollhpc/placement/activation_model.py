@@ -17,19 +17,38 @@ between a column- and a row-parallel linear is split by tp.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 NORM_FP32_COPIES = 8  # bytes per element: RMSNorm's float32 input and its float32 normalized input
 LOGITS_BYTES = 6  # per token and vocabulary column: the 16-bit logits and the loss head's float32 copy (in place)
 
 
-def _kv_local(shape: Any, tp: int) -> int:
+class LayerShape(Protocol):
+    """The model dimensions the activations depend on (``memory_plan.ModelShape`` has them)."""
+
+    hidden: int
+    vocab: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # a dense MLP's width
+    gated: bool  # a SwiGLU MLP; False: a plain GELU MLP
+    qk_norm: bool
+    experts: int  # routed experts per MoE layer (0: dense)
+    topk: int
+    moe_intermediate: int
+    shared_intermediate: int
+
+
+def _kv_local(shape: LayerShape, tp: int) -> int:
     """KV width on one TP rank: megatron replicates KV heads when tp exceeds them."""
     return max(shape.kv_heads, tp) * shape.head_dim // tp
 
 
-def _mlp_bytes(shape: Any, tokens: int, e: int, tp: int, ep: int, etp: int) -> dict[str, float]:
+def _mlp_bytes(
+    shape: LayerShape, tokens: int, e: int, tp: int, ep: int, etp: int
+) -> dict[str, float]:
     """The MLP's saved tensors: a dense gated MLP keeps fc1's output (2f), silu's output and the product (fc2's
     input) = 5·e·T·f; a GELU MLP keeps fc1's output and GELU's = 2·e·T·f. A MoE layer: the router's top-k, the
     dispatcher's routing map, each routed token's expert tensors (``moe_bytes``), the shared expert as a dense
@@ -44,7 +63,7 @@ def _mlp_bytes(shape: Any, tokens: int, e: int, tp: int, ep: int, etp: int) -> d
     return out
 
 
-def moe_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) -> dict[str, float]:
+def moe_bytes(shape: LayerShape, tokens: int, e: int, ep: int, etp: int) -> dict[str, float]:
     """A MoE layer with megatron's all-gather token dispatcher (``moe_token_dispatcher_type="allgather"``, the one
     rollhpc.models.megatron_gpt builds: the all-to-all one needs CUDA streams). The dispatcher all-gathers the
     tokens, routing map and probabilities of the expert-TP x EP group (n = etp·ep ranks) and keeps the tokens
@@ -69,7 +88,7 @@ def moe_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) -> dict[str, f
     }
 
 
-def dispatch_buffer_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) -> float:
+def dispatch_buffer_bytes(shape: LayerShape, tokens: int, e: int, ep: int, etp: int) -> float:
     """The all-gather dispatcher's transients, once per stage (one layer runs at a time): the gathered hidden
     states (megatron's global buffer, reused by every layer) and the unpermuted output of the same size that is
     reduce-scattered back, 2·e·T·n·h. Nothing without experts or with n = 1."""
@@ -78,7 +97,7 @@ def dispatch_buffer_bytes(shape: Any, tokens: int, e: int, ep: int, etp: int) ->
 
 
 def layer_bytes(
-    shape: Any,
+    shape: LayerShape,
     tp: int,
     rows: int,
     seq: int,
@@ -118,7 +137,9 @@ def layer_bytes(
     return out
 
 
-def core_attention_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> dict[str, float]:
+def core_attention_bytes(
+    shape: LayerShape, tp: int, rows: int, seq: int, e: int
+) -> dict[str, float]:
     """The unfused core attention and the output projection's input: q, k and v at every query head (GQA's KV
     heads repeated; without GQA v stays a view of the fused qkv output, which is then kept whole), the proj's
     input, and the scores: softmax's float32 output and its 16-bit copy the value matmul keeps, (4 + e)·a·s²·b."""
@@ -131,7 +152,7 @@ def core_attention_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> di
     }
 
 
-def head_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> float:
+def head_bytes(shape: LayerShape, tp: int, rows: int, seq: int, e: int) -> float:
     """The last stage's head: the final norm's float32 copies, the output layer's input, and the logits (16-bit,
     then the loss head's float32 copy, reused in place for the gradient: rollhpc.models.vocab_parallel), the
     vocabulary split over TP."""
@@ -145,7 +166,15 @@ def head_bytes(shape: Any, tp: int, rows: int, seq: int, e: int) -> float:
 
 
 def transient_bytes(
-    shape: Any, tp: int, rows: int, seq: int, e: int, recompute: str, *, ep: int = 1, etp: int = 1
+    shape: LayerShape,
+    tp: int,
+    rows: int,
+    seq: int,
+    e: int,
+    recompute: str,
+    *,
+    ep: int = 1,
+    etp: int = 1,
 ) -> float:
     """What a backward re-materializes one layer at a time beyond what is kept: "full" recomputes a whole layer,
     "selective" its core attention; plus the MoE dispatcher's buffers."""

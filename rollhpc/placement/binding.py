@@ -75,9 +75,8 @@ class RankFacts:
     gpu_count: int | None  # GPUs CUDA shows this process; None where the node has no NVIDIA driver
     cpus: tuple[int, ...]  # the cores this process may run on (its affinity)
     cpu_bound: bool  # srun bound it to a CPU mask
-    compute_modes: tuple[
-        str, ...
-    ] = ()  # of its GPUs, asked only where the plan shares them with other ranks
+    # of its GPUs, asked only where the plan shares them with other ranks
+    compute_modes: tuple[str, ...] = ()
 
 
 def _gpu_count(local_gpus: tuple[int, ...]) -> int | None:

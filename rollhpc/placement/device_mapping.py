@@ -21,10 +21,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-from rollhpc.config import CONTROLLER_ROLE, ClusterConfig, ConfigError, ExperimentConfig
+from rollhpc.config import CONTROLLER_ROLE, ConfigError, ExperimentConfig, RoleConfig
+from rollhpc.config.cluster import ClusterConfig
+from rollhpc.placement.hostlist import id_ranges
 from rollhpc.rundir import atomic_write_text
+from rollhpc.weight_sync.routing import Routing, RoutingError, route_weights
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,7 @@ class WorldPlan:
         return cls.from_json(Path(path).read_text())
 
 
-def _fmt_ids(ids: list[int]) -> str:
-    return (
-        f"{ids[0]}-{ids[-1]}"
-        if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1
-        else ",".join(map(str, ids))
-    )
-
-
-def rank_devices(role: Any, devices: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+def rank_devices(role: RoleConfig, devices: Sequence[int] | None = None) -> list[tuple[int, ...]]:
     """Each rank's GPUs, in group-rank order: consecutive slices of ``gpus_per_proc`` of the role's device list
     (``devices`` when the role has none of its own: the GPUs the mapping gave it)."""
     ids, per = role.devices if role.devices is not None else devices, role.gpus_per_proc
@@ -210,7 +203,7 @@ def overlap_notes(cfg: ExperimentConfig, roles: list[str], ids: list[int]) -> li
     alone (with offload on and async generation, generators there keep generating during training)."""
     if len(roles) < 2:
         return []
-    notes = [f"colocated on GPUs {_fmt_ids(ids)}: {', '.join(roles)}"]
+    notes = [f"colocated on GPUs {id_ranges(ids)}: {', '.join(roles)}"]
     inner: dict[frozenset[int], list[str]] = {}  # a nested device set -> the roles on it
     for name in roles:
         devices = cfg.roles[name].devices
@@ -225,12 +218,12 @@ def overlap_notes(cfg: ExperimentConfig, roles: list[str], ids: list[int]) -> li
             shared = [g for g, mine in enumerate(per_rank) if devices.intersection(mine)]
             alone = [g for g in range(len(per_rank)) if g not in shared]
             sharing.append(
-                f"{other} ranks {_fmt_ids(shared)} take turns with "
-                f"{'it' if len(names) == 1 else 'them'}, ranks {_fmt_ids(alone) if alone else 'none'} "
+                f"{other} ranks {id_ranges(shared)} take turns with "
+                f"{'it' if len(names) == 1 else 'them'}, ranks {id_ranges(alone) if alone else 'none'} "
                 "hold their GPUs alone"
             )
         notes.append(
-            f"partial overlap: {', '.join(names)} on GPUs {_fmt_ids(sorted(devices))} only; "
+            f"partial overlap: {', '.join(names)} on GPUs {id_ranges(sorted(devices))} only; "
             + "; ".join(sharing)
             + " (with offload on and async generation, those alone keep generating "
             "during training)"
@@ -244,17 +237,36 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
     if cluster.nodes < 1:
         raise ConfigError("cluster.nodes: must be >= 1")
     ranks: list[RankPlacement] = []
-    components: list[Component] = []
+    cpu_component, cpus_per_node = _place_cpu_component(cfg, cluster, ranks)
+    components = [cpu_component]
     notes: list[str] = []
+    gpu_total = 0
+    for roles, ids in _gpu_groups(cfg, cluster):
+        components.append(_place_gpu_group(cfg, cluster, roles, ids, len(components), ranks))
+        notes += overlap_notes(cfg, roles, ids)
+        gpu_total += len(ids)
+    _check_cpu_nodes(cluster, cpu_component, cpus_per_node)
+    plan = WorldPlan(ranks, components, gpu_total, notes)
+    # a layout whose weight sync would fail at the first sync fails here
+    weight_sync_routing(cfg, plan)
+    return plan
 
-    # component 0: the controller and every CPU role
+
+def _cpu_node_cpus(cluster: ClusterConfig) -> int:
+    return cluster.cpu_component.cpus_per_node or cluster.cpus_per_node
+
+
+def _place_cpu_component(
+    cfg: ExperimentConfig, cluster: ClusterConfig, ranks: list[RankPlacement]
+) -> tuple[Component, int]:
+    """Component 0: the controller and every CPU role, its ranks appended to ``ranks``; and how many of its
+    ranks share a node."""
     cpu_roles = [n for n, r in cfg.roles.items() if r.gpus_per_proc == 0]
     members = [(CONTROLLER_ROLE, 0, 1)] + [
         (n, g, cfg.roles[n].cpus_per_proc) for n in cpu_roles for g in range(cfg.roles[n].procs)
     ]
     cpus_per_task = max(c for _, _, c in members)
-    cpu_node_cpus = cluster.cpu_component.cpus_per_node or cluster.cpus_per_node
-    cpu_nodes = cluster.cpu_component.nodes or cluster.nodes
+    cpu_node_cpus = _cpu_node_cpus(cluster)
     wide = [n for n in cpu_roles if cfg.roles[n].cpus_per_proc > cpu_node_cpus]
     if wide:
         key = (
@@ -267,87 +279,95 @@ def plan_world(cfg: ExperimentConfig, cluster: ClusterConfig | None = None) -> W
             f"fit on a node of the controller's het group ({key} = {cpu_node_cpus})"
         )
     per_node = max(1, cpu_node_cpus // cpus_per_task)
-    nodes0 = math.ceil(len(members) / per_node)
     for i, (role, g, _) in enumerate(members):
         ranks.append(RankPlacement(len(ranks), role, g, 0, i // per_node, ()))
-    components.append(
-        Component(
-            0,
-            [CONTROLLER_ROLE, *cpu_roles],
-            nodes0,
-            len(members),
-            min(per_node, len(members)),
-            0,
-            cpus_per_task,
-        )
+    component = Component(
+        0,
+        [CONTROLLER_ROLE, *cpu_roles],
+        math.ceil(len(members) / per_node),
+        len(members),
+        min(per_node, len(members)),
+        0,
+        cpus_per_task,
     )
+    return component, per_node
 
-    gpu_total = 0
-    for roles, ids in _gpu_groups(cfg, cluster):
-        gpn = cluster.gpus_per_node
-        node_ids = sorted({i // gpn for i in ids})
-        local_of = {}  # global id -> (node index in component, position among the node's used GPUs)
-        per_node_gpus = 0
-        for k, node in enumerate(node_ids):
-            on_node = sorted(i for i in ids if i // gpn == node)
-            per_node_gpus = max(per_node_gpus, len(on_node))
-            for pos, i in enumerate(on_node):
-                local_of[i] = (k, pos)
-        comp = len(components)
-        tasks_on: list[list[RankPlacement]] = [[] for _ in node_ids]
-        for name in roles:
-            role = cfg.roles[name]
-            for g, mine in enumerate(rank_devices(role, ids)):
-                nodes = {local_of[i][0] for i in mine}
-                if len(nodes) > 1:
-                    raise ConfigError(
-                        f"roles.{name}: rank {g} would drive GPUs {list(mine)} on {len(nodes)} nodes; "
-                        f"a rank's GPUs must be on one node"
-                    )
-                k = nodes.pop()
-                tasks_on[k].append(
-                    RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine))
-                )
-        for node_tasks in tasks_on:
-            for p in node_tasks:
-                ranks.append(
-                    RankPlacement(len(ranks), p.role, p.group_rank, p.component, p.node, p.gpus)
-                )
-        ntasks = sum(len(t) for t in tasks_on)
-        per_node_tasks = max(len(t) for t in tasks_on)
-        if any(len(t) != per_node_tasks for t in tasks_on[:-1]):
-            raise ConfigError(
-                f"roles {roles}: uneven ranks per node {[len(t) for t in tasks_on]}; only the last "
-                f"node of a placement group may hold fewer"
-            )
-        cpt = max(cfg.roles[n].cpus_per_proc for n in roles)
-        if per_node_tasks * cpt > cluster.cpus_per_node:
-            raise ConfigError(
-                f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
-                f"cluster.cpus_per_node = {cluster.cpus_per_node}"
-            )
-        notes += overlap_notes(cfg, roles, ids)
-        components.append(
-            Component(comp, roles, len(node_ids), ntasks, per_node_tasks, per_node_gpus, cpt)
-        )
-        gpu_total += len(ids)
-    if nodes0 > cpu_nodes:
+
+def _check_cpu_nodes(cluster: ClusterConfig, component: Component, per_node: int) -> None:
+    """Component 0 fits the nodes its het group may have."""
+    cpu_nodes = cluster.cpu_component.nodes or cluster.nodes
+    if component.nodes > cpu_nodes:
         key = "cluster.cpu_component.nodes" if cluster.cpu_component.nodes else "cluster.nodes"
         raise ConfigError(
-            f"the controller and CPU roles need {nodes0} nodes ({len(members)} ranks, {per_node} per "
-            f"node of {cpu_node_cpus} CPUs) but {key} is {cpu_nodes}"
+            f"the controller and CPU roles need {component.nodes} nodes ({component.ntasks} ranks, "
+            f"{per_node} per node of {_cpu_node_cpus(cluster)} CPUs) but {key} is {cpu_nodes}"
         )
-    plan = WorldPlan(ranks, components, gpu_total, notes)
-    # a layout whose weight sync would fail at the first sync fails here
-    weight_sync_routing(cfg, plan)
-    return plan
 
 
-def weight_sync_routing(cfg: ExperimentConfig, plan: WorldPlan) -> Any:
+def _node_positions(
+    ids: list[int], gpus_per_node: int
+) -> tuple[int, dict[int, tuple[int, int]], int]:
+    """A placement group's GPUs on its nodes: how many nodes, each global id's (node index in the component,
+    position among the node's used GPUs), and the most GPUs used on one node."""
+    node_ids = sorted({i // gpus_per_node for i in ids})
+    local_of = {}
+    per_node_gpus = 0
+    for k, node in enumerate(node_ids):
+        on_node = sorted(i for i in ids if i // gpus_per_node == node)
+        per_node_gpus = max(per_node_gpus, len(on_node))
+        for pos, i in enumerate(on_node):
+            local_of[i] = (k, pos)
+    return len(node_ids), local_of, per_node_gpus
+
+
+def _place_gpu_group(
+    cfg: ExperimentConfig,
+    cluster: ClusterConfig,
+    roles: list[str],
+    ids: list[int],
+    comp: int,
+    ranks: list[RankPlacement],
+) -> Component:
+    """Component ``comp``: one placement group's roles on GPUs ``ids``, their ranks appended to ``ranks`` node
+    by node."""
+    n_nodes, local_of, per_node_gpus = _node_positions(ids, cluster.gpus_per_node)
+    tasks_on: list[list[RankPlacement]] = [[] for _ in range(n_nodes)]
+    for name in roles:
+        for g, mine in enumerate(rank_devices(cfg.roles[name], ids)):
+            nodes = {local_of[i][0] for i in mine}
+            if len(nodes) > 1:
+                raise ConfigError(
+                    f"roles.{name}: rank {g} would drive GPUs {list(mine)} on {len(nodes)} nodes; "
+                    f"a rank's GPUs must be on one node"
+                )
+            k = nodes.pop()
+            tasks_on[k].append(
+                RankPlacement(-1, name, g, comp, k, tuple(local_of[i][1] for i in mine))
+            )
+    for node_tasks in tasks_on:
+        for p in node_tasks:
+            ranks.append(
+                RankPlacement(len(ranks), p.role, p.group_rank, p.component, p.node, p.gpus)
+            )
+    ntasks = sum(len(t) for t in tasks_on)
+    per_node_tasks = max(len(t) for t in tasks_on)
+    if any(len(t) != per_node_tasks for t in tasks_on[:-1]):
+        raise ConfigError(
+            f"roles {roles}: uneven ranks per node {[len(t) for t in tasks_on]}; only the last "
+            f"node of a placement group may hold fewer"
+        )
+    cpt = max(cfg.roles[n].cpus_per_proc for n in roles)
+    if per_node_tasks * cpt > cluster.cpus_per_node:
+        raise ConfigError(
+            f"roles {roles}: {per_node_tasks} ranks x {cpt} CPUs on a node exceed "
+            f"cluster.cpus_per_node = {cluster.cpus_per_node}"
+        )
+    return Component(comp, roles, n_nodes, ntasks, per_node_tasks, per_node_gpus, cpt)
+
+
+def weight_sync_routing(cfg: ExperimentConfig, plan: WorldPlan) -> Routing | None:
     """The weight sync's routing for a pipeline with a ``weight_sync`` option (a ``weight_sync.routing.Routing``),
     or None (no such option, or ``relay``, which forms no group). Raises ConfigError for a layout no sync serves."""
-    from rollhpc.weight_sync.routing import RoutingError, route_weights
-
     options = cfg.pipeline.options
     mode = (
         options.get("weight_sync", "auto")

@@ -1,4 +1,5 @@
-"""Slurm host lists (``node[01-04,7],gpu-a[1-2]x``) expanded in Python, in Slurm's order.
+"""Slurm's ranges: host lists (``node[01-04,7],gpu-a[1-2]x``) expanded in Python, in Slurm's order, and id
+lists written as ranges (``0-3,8``) for plans and reports.
 
 A rank checks its host against the plan's node of its het group: the k-th host of that group's node list
 (``SLURM_JOB_NODELIST_HET_GROUP_<c>``), which is how Slurm numbers a job's nodes. Every rank of a large job
@@ -8,7 +9,9 @@ set semantics lose the order; the grammar is small enough to parse here.
 
 from __future__ import annotations
 
-__all__ = ["expand_hostlist"]
+from collections.abc import Iterable
+
+__all__ = ["expand_hostlist", "id_ranges"]
 
 
 def _split_top(expr: str) -> list[str]:
@@ -60,3 +63,15 @@ def expand_hostlist(expr: str) -> list[str]:
     """Every host of a Slurm host list, in order (repeats kept); ValueError for a malformed one."""
     expr = expr.strip()
     return [h for part in _split_top(expr) for h in _expand_one(part, expr)]
+
+
+def id_ranges(ids: Iterable[int]) -> str:
+    """Ids in their order, each run of consecutive ones written ``first-last``: [0, 1, 2, 3, 8] -> "0-3,8"; ""
+    for none."""
+    spans: list[list[int]] = []
+    for i in ids:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)

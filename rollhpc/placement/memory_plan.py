@@ -29,6 +29,8 @@ from typing import Any, Iterator
 
 from rollhpc.config import ConfigError, ExperimentConfig, import_spec
 from rollhpc.placement import activation_model as am
+from rollhpc.placement.device_mapping import WorldPlan, weight_sync_routing
+from rollhpc.weight_sync.routing import BROADCAST, IN_FLIGHT_BUCKETS
 
 GIB = 1 << 30
 # per process on a GPU: CUDA context, cuBLAS/NCCL workspaces (never offloaded)
@@ -370,7 +372,7 @@ def seq_len_of(cfg: ExperimentConfig) -> int:
     return max([n for n in lengths if isinstance(n, int)] + [0]) or 2048
 
 
-def shape_of(model_dir: Any) -> tuple[ModelShape | None, str]:
+def shape_of(model_dir: object) -> tuple[ModelShape | None, str]:
     """A role's model shape: from its config.json, else from ``KNOWN_MODELS`` by the directory's name (and a note
     saying so: a plan made before the download), else None."""
     if not isinstance(model_dir, str):
@@ -425,7 +427,7 @@ def _role_parts(
     return per_rank, unknown
 
 
-def sync_bucket_bytes(cfg: ExperimentConfig, plan: Any) -> dict[tuple[int, int, int], float]:
+def sync_bucket_bytes(cfg: ExperimentConfig, plan: WorldPlan) -> dict[tuple[int, int, int], float]:
     """GPU -> the bytes a weight sync's buckets take on it (``weight_sync.slots``, ``weight_sync.broadcast``):
 
     * trainer rank 0's GPU: ``IN_FLIGHT_BUCKETS`` reused slots, each of ``weight_sync_bucket_mb`` or of the
@@ -434,9 +436,6 @@ def sync_bucket_bytes(cfg: ExperimentConfig, plan: Any) -> dict[tuple[int, int, 
     * each CUDA IPC receiver (on that same GPU): its own copy of the bucket it loads, one slot's size;
     * each broadcast receiver's first GPU: ``IN_FLIGHT_BUCKETS`` buckets (the one it hands on, the one arriving).
     Empty without a weight sync to GPUs or a bucket size."""
-    from rollhpc.placement.device_mapping import weight_sync_routing
-    from rollhpc.weight_sync.routing import BROADCAST, IN_FLIGHT_BUCKETS
-
     options = cfg.pipeline.options
     mb = (
         options.get("weight_sync_bucket_mb")
@@ -536,7 +535,7 @@ def _group(
     return g
 
 
-def estimate(cfg: ExperimentConfig, plan: Any) -> MemoryPlan:  # plan: a WorldPlan
+def estimate(cfg: ExperimentConfig, plan: WorldPlan) -> MemoryPlan:
     """Per GPU group: each role's parts, each stage's total with offload on (a start-up in turns first), and the
     total with it off."""
     per_rank, unknown = _role_parts(cfg, seq_len_of(cfg))

@@ -5,15 +5,19 @@ two layers (the scheduler in ``rollout/``, the roles in ``workers/``); as dicts 
 docstrings of both sides and checked by neither, so a renamed key failed far from where it was written.
 Here each field is declared once, with its meaning and default, and a misspelt one fails where it is made.
 
-The ports themselves are protocols: in a run they are worker ranks called through the controller
-(``pipelines.training.RankPort``, ``pipelines.agentic``'s env port), in a test or benchmark an engine or an
-``EnvWorker`` called in the caller's thread (wrap the reply in ``Done``).
+The ports themselves are protocols: in a run they are a worker rank's remote methods, called through the
+controller (``RankProxy``: a generator's ``rollout``, a reward rank's ``score``; ``pipelines.agentic``'s
+``_EnvRank``), in a test or benchmark an engine or an ``EnvWorker`` called in the caller's thread (wrap the
+reply in ``Done``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
+
+from rollhpc.engines.completion import Completion
 
 __all__ = [
     "Pending",
@@ -30,21 +34,28 @@ __all__ = [
 ]
 
 
-class Pending(Protocol):
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+# a reward role's score of one item: a float, or named components
+Reward = float | Mapping[str, float]
+
+
+class Pending(Protocol[T_co]):
     def done(self) -> bool: ...
-    def result(self) -> Any: ...
+    def result(self) -> T_co: ...
 
 
-class Done:
+class Done(Generic[T]):
     """An already finished call (for ports that run in the caller's thread)."""
 
-    def __init__(self, value: Any):
+    def __init__(self, value: T):
         self.value = value
 
     def done(self) -> bool:
         return True
 
-    def result(self) -> Any:
+    def result(self) -> T:
         return self.value
 
 
@@ -68,20 +79,21 @@ class GenerationReply:
     generated them); an aborted request's completion holds the tokens it had when it was stopped.
     """
 
-    finished: list[tuple[str, Any]] = field(default_factory=list)  # (request id, completion)
-    aborted: list[tuple[str, Any]] = field(default_factory=list)  # (request id, partial completion)
+    finished: list[tuple[str, Completion]] = field(default_factory=list)  # (request id, completion)
+    # (request id, partial completion)
+    aborted: list[tuple[str, Completion]] = field(default_factory=list)
     busy_s: float = 0.0  # seconds inside engine steps since the last call (the rest was idle)
 
 
 class GeneratorPort(Protocol):
-    def submit(self, adds: list[GenerationRequest], aborts: list[str]) -> Pending:
+    def submit(self, adds: list[GenerationRequest], aborts: list[str]) -> Pending[GenerationReply]:
         """Add requests, abort ids, and step the engine until a request finishes; the result is a
         ``GenerationReply``."""
         ...
 
 
 class RewardPort(Protocol):
-    def submit(self, items: list[tuple[Any, list[int]]]) -> Pending:
+    def submit(self, items: list[tuple[object, list[int]]]) -> Pending[list[Reward]]:
         """Score ``(example, response token ids)`` pairs; the result has one float, or one dict of named
         reward components, per pair."""
         ...
@@ -106,8 +118,8 @@ class ResetReply:
     prompt_ids: list[int] = field(default_factory=list)
     instruction: str = ""
     observation: str = ""  # the first observation's text
-    state_key: Any = None  # the state the first turn acts from (GiGPO's anchor)
-    info: dict[str, Any] = field(default_factory=dict)  # the environment's reset info
+    state_key: Hashable = None  # the state the first turn acts from (GiGPO's anchor)
+    info: dict[str, object] = field(default_factory=dict)  # the environment's reset info
     ended: str | None = None  # None, or "timeout", "error: ...", "invalid: ..."
     reset_s: float = 0.0
 
@@ -138,7 +150,7 @@ class StepReply:
     terminated: bool = False
     truncated: bool = True
     success: bool | None = None  # the environment's info["success"], when it says
-    state_key: Any = None  # the state the next turn acts from
+    state_key: Hashable = None  # the state the next turn acts from
     # the environment's info["metrics"] of this step
     metrics: dict[str, float] = field(default_factory=dict)
     use_tool: bool = False
@@ -149,14 +161,14 @@ class StepReply:
 class EnvPort(Protocol):
     """One env rank (``rollhpc.workers.env.EnvWorker``): episodes keyed by id live there between calls."""
 
-    def reset(self, items: list[ResetRequest]) -> Pending:
+    def reset(self, items: list[ResetRequest]) -> Pending[list[ResetReply]]:
         """One ``ResetReply`` per request, in order."""
         ...
 
-    def step(self, items: list[StepRequest]) -> Pending:
+    def step(self, items: list[StepRequest]) -> Pending[list[StepReply]]:
         """One ``StepReply`` per request, in order."""
         ...
 
-    def close(self, ids: list[str]) -> Pending:
+    def close(self, ids: list[str]) -> Pending[object]:
         """Forget these episodes (aborted or abandoned)."""
         ...

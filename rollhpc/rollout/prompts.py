@@ -13,15 +13,25 @@ list of role/content dicts) to give more than one user turn; otherwise ``prompt`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ChatTemplateMode = Literal["auto", "on", "off"]
+
+
+class PromptExample(Protocol):
+    """A task example as a prompt: its text (the one user turn); it may also offer ``chat()``, a list of
+    role/content dicts, for more than one turn."""
+
+    prompt: str
 
 
 class PromptRenderer:
     """``renderer(example) -> token ids``; ``renderer.text(example)``: the same prompt as text."""
 
-    def __init__(self, tokenizer: Any, mode: ChatTemplateMode = "auto"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, mode: ChatTemplateMode = "auto"):
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"chat_template must be auto, on or off, got {mode!r}")
         has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -34,11 +44,11 @@ class PromptRenderer:
         self.uses_template = has_template and mode != "off"
 
     @staticmethod
-    def conversation(example: Any) -> list[dict[str, str]]:
+    def conversation(example: PromptExample) -> list[dict[str, str]]:
         chat = getattr(example, "chat", None)
         return chat() if callable(chat) else [{"role": "user", "content": example.prompt}]
 
-    def text(self, example: Any) -> str:
+    def text(self, example: PromptExample) -> str:
         if not self.uses_template:
             return example.prompt
         return str(
@@ -47,13 +57,13 @@ class PromptRenderer:
             )
         )
 
-    def __call__(self, example: Any) -> list[int]:
+    def __call__(self, example: PromptExample) -> list[int]:
         if not self.uses_template:
             return list(self.tokenizer.encode(example.prompt))
         # the template writes the special tokens itself: none added around it
         return list(self.tokenizer.encode(self.text(example), add_special_tokens=False))
 
-    def lengths(self, examples: Sequence[Any]) -> list[int]:
+    def lengths(self, examples: Sequence[PromptExample]) -> list[int]:
         """Token counts of many prompts, encoded in one batch call (the same ids ``__call__`` gives)."""
         if not examples:
             return []
@@ -65,7 +75,7 @@ class PromptRenderer:
 
 def check_prompt_budget(
     render: PromptRenderer,
-    splits: Sequence[tuple[str, Sequence[Any], str, int]],
+    splits: Sequence[tuple[str, Sequence[PromptExample], str, int]],
     max_model_len: int | None,
 ) -> str:
     """The generator's context holds a prompt and its response: every prompt plus its split's response budget

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
 from rollhpc.rewards.components import combine
+from rollhpc.rollout.ports import Pending, Reward, RewardPort
 from rollhpc.rollout.types import Sample
 
 DEFAULT_DOMAIN = "default"
@@ -27,7 +26,7 @@ class DomainScoring:
     """How one domain's samples are scored: its reward roles (each a list of rank ports, used round-robin)
     and the weights of the components they return."""
 
-    roles: dict[str, list[Any]]  # role name -> ports of its ranks
+    roles: dict[str, list[RewardPort]]  # role name -> ports of its ranks
     weights: dict[str, float] = field(default_factory=dict)  # component -> weight (absent: 1.0)
     dynamic_sampling: bool | None = None  # None: the scheduler's setting
 
@@ -36,14 +35,14 @@ class DomainScoring:
             raise ValueError("a domain needs at least one reward role with at least one rank")
 
 
-def components_of(role: str, value: Any) -> dict[str, float]:
+def components_of(role: str, value: Reward) -> dict[str, float]:
     """A role's reply for one item as named components."""
     if isinstance(value, Mapping):
         return {str(k): float(v) for k, v in value.items()}
     return {role: float(value)}
 
 
-def item_components(replies: Mapping[str, list[Any]], i: int) -> dict[str, float]:
+def item_components(replies: Mapping[str, list[Reward]], i: int) -> dict[str, float]:
     """Item ``i``'s components from every role's reply ({role: one value per item})."""
     components: dict[str, float] = {}
     for role, values in replies.items():
@@ -54,7 +53,7 @@ def item_components(replies: Mapping[str, list[Any]], i: int) -> dict[str, float
 class _Job:
     """One batch of one domain's samples, out to each of the domain's reward roles."""
 
-    def __init__(self, domain: str, samples: list[Sample], calls: dict[str, Any]):
+    def __init__(self, domain: str, samples: list[Sample], calls: dict[str, Pending[list[Reward]]]):
         self.domain, self.samples, self.calls = domain, samples, calls
 
     def done(self) -> bool:
@@ -68,13 +67,12 @@ class Scorer:
         if not domains:
             raise ValueError("the scheduler needs at least one reward worker")
         self.domains = dict(domains)
-        self.turn: dict[
-            str, int
-        ] = {}  # "domain/role" -> calls so far (round-robin over the role's ranks)
+        # "domain/role" -> calls so far (round-robin over the role's ranks)
+        self.turn: dict[str, int] = {}
         self.jobs: list[_Job] = []
 
     @classmethod
-    def of(cls, rewards: Any) -> Scorer:
+    def of(cls, rewards: list[RewardPort] | Mapping[str, DomainScoring]) -> Scorer:
         """From the scheduler's ``rewards``: a list of ports (one domain, one role) or {domain: DomainScoring}."""
         if isinstance(rewards, Mapping):
             return cls(rewards)
@@ -127,8 +125,8 @@ class Scorer:
     def state_dict(self) -> dict[str, int]:
         return dict(self.turn)
 
-    def load_state_dict(self, state: Any) -> None:
-        # a checkpoint from before domains: one counter for the one reward role
+    def load_state_dict(self, state: Mapping[str, int] | int) -> None:
+        # an int: a checkpoint's one counter, of a run with one domain and one reward role
         if isinstance(state, int):
             state = {f"{DEFAULT_DOMAIN}/reward": state}
         self.turn = {str(k): int(v) for k, v in state.items()}

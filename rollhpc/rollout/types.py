@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+
+from rollhpc.engines.completion import Completion
+
+
+@dataclass(frozen=True)
+class EpisodeSeed:
+    """What a multi-turn prompt stands for: the env reset seed its group's episodes share."""
+
+    seed: int
 
 
 @dataclass(frozen=True)
 class Prompt:
     uid: int  # unique over the run: identifies the group of samples drawn from this prompt
     tokens: tuple[int, ...]  # [P] prompt token ids
-    example: Any  # the task example (ground truth for the reward)
+    example: object  # the task example (ground truth for the reward), passed on to the reward roles
     max_tokens: int | None = (
         None  # response budget of this prompt (None: the scheduler's max_tokens)
     )
@@ -43,11 +52,29 @@ class Sample:
         base = f"{self.prompt.uid}.{self.index}.{self.resumes}"
         return base if self.episode is None else f"{base}.t{len(self.episode.turn_ends)}"
 
+    def add_segment(self, comp: Completion) -> Sample:
+        """Add a generator segment; the sample's version is the oldest policy that wrote any of its tokens."""
+        if comp.token_ids:
+            self.version = comp.version if not self.response else min(self.version, comp.version)
+        self.response += list(comp.token_ids)
+        self.logprobs += list(comp.logprobs)
+        self.finish_reason = comp.finish_reason
+        return self
+
     @property
     def context(self) -> list[int]:
         """What the generator continues: the prompt (an episode's first observation) and the response so far."""
         prompt = self.prompt.tokens if self.episode is None else self.episode.prompt_ids
         return list(prompt) + self.response
+
+
+@dataclass
+class OpenGroup:
+    """A prompt's group while its samples are still out; carried to the next collect with partial rollout."""
+
+    prompt: Prompt
+    samples: list[Sample] = field(default_factory=list)  # finished (scored) samples
+    live: int = 0  # samples still being reset, generated, stepped or scored
 
 
 @dataclass
@@ -72,7 +99,7 @@ class EpisodeState:
     # [turns] the env's reward for each turn
     turn_rewards: list[float] = field(default_factory=list)
     # [turns] state_key of the state each turn acted in
-    state_keys: list[Any] = field(default_factory=list)
+    state_keys: list[Hashable] = field(default_factory=list)
     # [turns] the generator's finish_reason of each turn
     turn_finishes: list[str] = field(default_factory=list)
     # [turns] the text each turn gave the environment
@@ -81,7 +108,7 @@ class EpisodeState:
     observations: list[str] = field(default_factory=list)
     instruction: str = ""
     observation: str = ""  # the first observation's text
-    state_key: Any = None  # the state the next turn acts in (from the last reset or step)
+    state_key: Hashable = None  # the state the next turn acts in (from the last reset or step)
     success: bool = False
     finish: str = ""  # "terminated", "truncated" (env or turn limit), "row_full", "abandoned", or the env role's reason
     tool_calls: int = 0

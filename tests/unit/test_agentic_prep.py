@@ -24,20 +24,19 @@ from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.envs.episodes import run_episodes
 from rollhpc.rollout.episode import Episode
 from rollhpc.rollout.turns import PlainTextTurns
-from rollhpc.warm_start.agentic_prep import (
+from rollhpc.warm_start.agentic_episodes import (
     ACTION_PREFIX,
-    agentic_settings,
     clean_success,
     episode_examples,
     episode_texts,
     expert_episode,
-    play_episodes,
-    prepare_agentic_policy,
 )
+from rollhpc.warm_start.agentic_play import play_episodes
+from rollhpc.warm_start.agentic_prep import agentic_settings, prepare_agentic_policy
 from rollhpc.warm_start.policy_prep import read_report, settings_hash
 from rollhpc.warm_start.sft import SftConfig, train_sft_ids
 from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer
-import rollhpc.warm_start.agentic_prep as prep
+import rollhpc.warm_start.agentic_build as prep
 
 ENV, ENV_OPTIONS = "frozenlake", {"size": 4, "is_slippery": False}
 SPEC = TinyModelConfig(

@@ -15,7 +15,8 @@ import pytest
 
 from rollhpc.pipelines.agentic import SeedStream
 from rollhpc.rollout.ports import Done, GenerationReply
-from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.scheduler import RolloutScheduler
+from rollhpc.rollout.scheduler_config import SchedulerConfig
 from rollhpc.rollout.episode import episode_of
 from rollhpc.rollout.rows import trajectory_row
 from rollhpc.workers.env import EnvWorker
@@ -179,7 +180,7 @@ def test_faulty_episodes_end_alone_and_a_stuck_request_is_abandoned(tokenizer_di
                 return self
 
             def __next__(self):
-                from rollhpc.rollout.scheduler import EpisodeSeed
+                from rollhpc.rollout.types import EpisodeSeed
                 from rollhpc.rollout.types import Prompt
 
                 if self.uid >= len(self.seeds):

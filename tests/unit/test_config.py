@@ -3,6 +3,7 @@ import pytest
 from rollhpc import config
 from rollhpc.cli import compose, load_experiment
 from rollhpc.config import ConfigError
+from rollhpc.config.cluster import parse_slurm_time
 
 PROBE = "rollhpc.workers.diagnostic:DiagnosticWorker"
 
@@ -160,7 +161,7 @@ def test_every_shipped_experiment_loads_and_plans(name, tmp_path, monkeypatch, c
     ],
 )
 def test_slurm_time_limits_parse_to_seconds(text, seconds):
-    assert config.parse_slurm_time(text) == seconds
+    assert parse_slurm_time(text) == seconds
 
 
 @pytest.mark.parametrize(
@@ -172,7 +173,7 @@ def test_malformed_or_zero_slurm_time_limits_are_refused(text):
         ValueError,
         match="accepted forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours",
     ):
-        config.parse_slurm_time(text)
+        parse_slurm_time(text)
 
 
 def test_role_env_vars_are_names_and_strings_or_numbers():

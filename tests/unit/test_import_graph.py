@@ -3,7 +3,7 @@ and no folder does either.
 
 Every ``import rollhpc...`` / ``from rollhpc... import`` counts, at module level or inside a function (a lazy
 import that points back up a layer is a cycle that merely waits). Folders are rollhpc's subpackages; a top-level
-module (``rollhpc/config.py``) is a folder of its own. With no cycle between folders they fall into layers by
+module (``rollhpc/rank.py``) is a folder of its own. With no cycle between folders they fall into layers by
 themselves (README.md, "How a run is built"): an import that points up closes a cycle and fails here.
 """
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollhpc.cli import load_experiment
-from rollhpc.config import ConfigError, ContainerConfig
+from rollhpc.config import ConfigError
+from rollhpc.config.container import ContainerConfig
 from rollhpc.launch.slurm import container_mounts, render_rescue, render_sbatch
 from rollhpc.placement.device_mapping import plan_world
 from rollhpc.placement.binding import bind_gpus
