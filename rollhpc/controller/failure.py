@@ -116,8 +116,8 @@ def signature(
 def lost_signature(dead: WorkerDied, step: int | None) -> str:
     """A lost worker's signature for the same-failure-twice rule, or "" where a repeat says nothing about the
     run's own code: the worker was idle (no call of the run's was running in it) or is known only from Slurm's
-    node state. Chaos on 16 nodes ended a run that way: a reward rank's node lost at step 6, and after the
-    restart another reward rank's node at step 6 again, taken as deterministic."""
+    node state: two reward ranks' nodes lost at the same step, one after the other, are two losses, not a
+    deterministic failure."""
     return (
         signature(FailureKind.LOST_WORKER, dead.role, dead.method, "", "", step)
         if dead.method
@@ -139,13 +139,35 @@ def classify(
     node's TCP connections may take keepalive's ~11 s to drop); a timeout, or an error on the controller
     itself, a look of a second; a worker's error that is no communication error none: a death that follows it
     is its consequence (its peers in a collective, a constructor that failed), not its cause."""
-    # a lost peer, whichever: no node is blamed
-    if isinstance(exc, WorkerDied) and exc.collective_timeout:
-        return exc, _signed(
-            FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog"
+    verdict = _verdict_of_its_own(exc, step)
+    if verdict is not None:
+        return exc, verdict
+    err = _Surfaced.of(exc)
+    if isinstance(exc, WorkerError) and not err.comm:
+        return exc, err.verdict(FailureKind.ERROR, exc.summary, step)
+    look = settle_s if err.comm else min(settle_s, 1.0)
+    summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
+    if (found := _death_within(look, dead_worker, down_hosts, host_ranks)) is not None:
+        return _echo_of_death(exc, *found, summary, step)
+    if err.comm or err.timeout:
+        return exc, err.verdict(
+            FailureKind.LOST_PEER,
+            f"{summary} (a communication error or timeout, and no worker was "
+            f"found gone within {look:g} s: a lost peer, restarted on the same "
+            "nodes)",
+            step,
         )
+    return exc, err.verdict(FailureKind.ERROR, summary, step)
+
+
+def _verdict_of_its_own(exc: BaseException, step: int | None) -> Failure | None:
+    """The verdict an error carries by its type alone (a worker's death, a world that never formed), without a
+    look at the workers; None for every other error."""
+    if isinstance(exc, WorkerDied) and exc.collective_timeout:
+        # a lost peer, whichever: no node is blamed
+        return _signed(FailureKind.LOST_PEER, exc.summary, step, exc.role, exc.method, "watchdog")
     if isinstance(exc, WorkerDied):
-        return exc, Failure(
+        return Failure(
             FailureKind.LOST_WORKER,
             exc.summary,
             [exc.host] if exc.host else [],
@@ -153,57 +175,63 @@ def classify(
             step=step,
         )
     if isinstance(exc, WorldNotFormed):
-        return exc, Failure(FailureKind.WORLD_NOT_FORMED, exc.summary, step=step)
-    comm = timeout = False
-    role = method = err_type = ""
-    message = str(exc)
-    if isinstance(exc, WorkerError):
-        role, method, err_type, message = exc.role, exc.method, exc.err_type, exc.message
-        comm = is_communication_error(err_type, message)
-        if not comm:
-            return exc, _signed(
-                FailureKind.ERROR, exc.summary, step, role, method, err_type, message
-            )
-    elif isinstance(exc, (CallTimeout, StalledCall)):
-        timeout = (
-            True  # the wait itself watched the workers all along: a short look finds a late death
-        )
+        return Failure(FailureKind.WORLD_NOT_FORMED, exc.summary, step=step)
+    return None
+
+
+@dataclass(frozen=True)
+class _Surfaced:
+    """What the classification reads off the error that surfaced first: where it was raised (a worker's role and
+    call), its type and message, and whether it is what a lost peer causes."""
+
+    role: str = ""
+    method: str = ""
+    err_type: str = ""
+    message: str = ""
+    comm: bool = (
+        False  # a communication error (gloo / NCCL / MPI / torch.distributed network errors)
+    )
+    # the controller's own wait ran past its limit; it watched the workers all along: a short look finds a
+    # late death
+    timeout: bool = False
+
+    @classmethod
+    def of(cls, exc: BaseException) -> _Surfaced:
+        if isinstance(exc, WorkerError):
+            comm = is_communication_error(exc.err_type, exc.message)
+            return cls(exc.role, exc.method, exc.err_type, exc.message, comm=comm)
+        if isinstance(exc, (CallTimeout, StalledCall)):
+            return cls(err_type=type(exc).__name__, message=str(exc), timeout=True)
+        if isinstance(exc, RunFailed):
+            return cls(message=str(exc))
         err_type = type(exc).__name__
-    elif not isinstance(exc, RunFailed):
-        err_type = type(exc).__name__
-        comm = is_communication_error(err_type, message)
-    look = settle_s if comm else min(settle_s, 1.0)
-    summary = getattr(exc, "summary", "") or f"{type(exc).__name__}: {exc}"
-    if (found := _death_within(look, dead_worker, down_hosts, host_ranks)) is not None:
-        dead, hosts = found
-        died = WorkerDied(
-            f"{dead.summary}; the error that surfaced first was its echo: {summary}",
-            getattr(exc, "details", "") or dead.details,
-            host=dead.host,
-            role=dead.role,
-            method=dead.method,
+        return cls(
+            err_type=err_type, message=str(exc), comm=is_communication_error(err_type, str(exc))
         )
-        return died, Failure(
-            FailureKind.LOST_WORKER,
-            died.summary,
-            hosts,
-            lost_signature(dead, step),
-            cause=summary,
-            step=step,
-        )
-    if comm or timeout:
-        return exc, _signed(
-            FailureKind.LOST_PEER,
-            f"{summary} (a communication error or timeout, and no worker was "
-            f"found gone within {look:g} s: a lost peer, restarted on the same "
-            "nodes)",
-            step,
-            role,
-            method,
-            err_type,
-            message,
-        )
-    return exc, _signed(FailureKind.ERROR, summary, step, role, method, err_type, message)
+
+    def verdict(self, kind: FailureKind, summary: str, step: int | None) -> Failure:
+        return _signed(kind, summary, step, self.role, self.method, self.err_type, self.message)
+
+
+def _echo_of_death(
+    exc: BaseException, dead: WorkerDied, hosts: list[str], summary: str, step: int | None
+) -> tuple[WorkerDied, Failure]:
+    """A worker found gone after an error: the run lost it, and the error that surfaced first was its echo."""
+    died = WorkerDied(
+        f"{dead.summary}; the error that surfaced first was its echo: {summary}",
+        getattr(exc, "details", "") or dead.details,
+        host=dead.host,
+        role=dead.role,
+        method=dead.method,
+    )
+    return died, Failure(
+        FailureKind.LOST_WORKER,
+        died.summary,
+        hosts,
+        lost_signature(dead, step),
+        cause=summary,
+        step=step,
+    )
 
 
 def _signed(

@@ -18,6 +18,7 @@ import enum
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +28,8 @@ from rollhpc.checkpoint.run_state import restore_rng_states, save_rng_states
 from rollhpc.controller.stop import StopRequest
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.observability.run_log import RunLog
+from rollhpc.rundir import RunPaths, read_jsonl
+from rollhpc.rundir.records import log_event
 
 __all__ = ["Outcome", "StepReport", "Stateful", "TrainingSteps", "LoopConfig", "RunLoop"]
 
@@ -112,13 +115,25 @@ def progress(done: int, left: int, elapsed: float, step_s: float) -> str:
     )
 
 
+@dataclass
+class _Session:
+    """This start of the run, as the loop keeps it between steps: where it resumed (``start``, ``restarts``), the
+    latest held-out metrics, its clock's start and the seconds its evaluations took."""
+
+    start: int
+    restarts: int
+    metrics: dict[str, float]
+    t_start: float
+    eval_s: float = 0.0
+
+
 class RunLoop:
     def __init__(
         self,
         run_dir: Path,
         checkpointer: RunCheckpointer,
         settings: LoopConfig,
-        clock: Any = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.run_dir = Path(run_dir)
         self.checkpointer = checkpointer
@@ -174,7 +189,7 @@ class RunLoop:
         metrics: dict[str, float],
     ) -> Outcome:
         s = self.settings
-        t_start, eval_total = self.clock(), 0.0
+        session = _Session(start, restarts, metrics, t_start=self.clock())
         for step in range(start + 1, s.steps + 1):
             t_step = self.clock()
             load_before = _load(steps)
@@ -182,53 +197,23 @@ class RunLoop:
             report = steps.step(step, last)
             record = report.record
             record.update(_load_metrics(load_before, _load(steps), self.clock() - t_step))
-            elapsed = self.clock() - t_start
+            elapsed = self.clock() - session.t_start
             wall_limit = (bool(s.max_wall_s) and elapsed > s.max_wall_s) or (
-                bool(s.max_train_s) and elapsed - eval_total > s.max_train_s
+                bool(s.max_train_s) and elapsed - session.eval_s > s.max_train_s
             )
             why_stop = stop_request.reason() if not last else None
             if (s.eval_every and step % s.eval_every == 0) or last or wall_limit:
-                t_eval = self.clock()
-                metrics = steps.evaluate()
-                # part of step_s, not of training
-                record.update(metrics, eval_s=self.clock() - t_eval)
-                eval_total += record["eval_s"]
-            if report.trained:
-                record["step_s"] = self.clock() - t_step
-            # what max_train_s counts: seconds since this start's first step, evaluations left out; the logging and
-            # checkpoints of earlier steps are in it (a step's step_s ends before its own records are written)
-            record["train_clock_s"] = self.clock() - t_start - eval_total
-            if restarts and step == start + 1:
-                record["restarts"] = restarts
-            keep = (
-                report.rollouts is not None
-                and s.rollout_every > 0
-                and (step % s.rollout_every == 0 or last)
-            )
-            if last or wall_limit:
-                record["weights_sha256"] = steps.weights_digest()
-            record.update(_residency(steps))
-            run_log.log_step(step, record, report.rollouts if keep else None)
+                self._evaluate(steps, record, session)
+            self._complete(steps, step, report, session, t_step, final=last or wall_limit)
+            run_log.log_step(step, record, report.rollouts if self._keeps(report, step) else None)
             if report.summary:
-                log.info(
-                    "step %d/%d: %s%s; %s",
-                    step,
-                    s.steps,
-                    report.summary,
-                    f", held-out accuracy {record['accuracy']:.3f}" if "accuracy" in record else "",
-                    progress(
-                        step - start,
-                        s.steps - step,
-                        self.clock() - t_start,
-                        record.get("step_s", self.clock() - t_step),
-                    ),
-                )
+                self._log_summary(step, report, session, t_step)
             if (
                 self.checkpointer.due(step, s.steps)
                 or why_stop is not None
                 or (wall_limit and self.checkpointer.options.at_end)
             ):
-                self._save(steps, step, objects, restarts, metrics, record)
+                self._save(steps, step, objects, restarts, session.metrics, record)
             if why_stop is not None:
                 log.warning(
                     "stopping after step %d for a requeue (%s); the next start resumes from its checkpoint",
@@ -238,15 +223,74 @@ class RunLoop:
                 stop_request.clear()
                 return Outcome.STOPPED_FOR_REQUEUE
             if wall_limit:
-                log.info(
-                    "stopping after step %d: %s reached",
-                    step,
-                    f"max_wall_s={s.max_wall_s:.0f}"
-                    if s.max_wall_s and elapsed > s.max_wall_s
-                    else f"max_train_s={s.max_train_s:.0f} (evaluations not counted)",
-                )
+                self._log_wall_limit(step, elapsed)
                 return Outcome.WALL_LIMIT
         return Outcome.FINISHED
+
+    def _evaluate(self, steps: TrainingSteps, record: dict[str, Any], session: _Session) -> None:
+        """Held-out metrics into the step's record; their seconds are part of step_s, not of training."""
+        t_eval = self.clock()
+        session.metrics = steps.evaluate()
+        record.update(session.metrics, eval_s=self.clock() - t_eval)
+        session.eval_s += record["eval_s"]
+
+    def _complete(
+        self,
+        steps: TrainingSteps,
+        step: int,
+        report: StepReport,
+        session: _Session,
+        t_step: float,
+        final: bool,
+    ) -> None:
+        """What the loop adds to a step's record: step_s (a step that trained), the training clock, the restart
+        count on a session's first step, the weights digest on the final one, the colocated roles' stages."""
+        record = report.record
+        if report.trained:
+            record["step_s"] = self.clock() - t_step
+        # what max_train_s counts: seconds since this start's first step, evaluations left out; the logging and
+        # checkpoints of earlier steps are in it (a step's step_s ends before its own records are written)
+        record["train_clock_s"] = self.clock() - session.t_start - session.eval_s
+        if session.restarts and step == session.start + 1:
+            record["restarts"] = session.restarts
+        if final:
+            record["weights_sha256"] = steps.weights_digest()
+        record.update(_residency(steps))
+
+    def _keeps(self, report: StepReport, step: int) -> bool:
+        """Whether the step's samples go to rollouts/step_N.h5 (``rollout_every``, and the last step)."""
+        s = self.settings
+        return (
+            report.rollouts is not None
+            and s.rollout_every > 0
+            and (step % s.rollout_every == 0 or step == s.steps)
+        )
+
+    def _log_summary(self, step: int, report: StepReport, session: _Session, t_step: float) -> None:
+        s, record = self.settings, report.record
+        log.info(
+            "step %d/%d: %s%s; %s",
+            step,
+            s.steps,
+            report.summary,
+            f", held-out accuracy {record['accuracy']:.3f}" if "accuracy" in record else "",
+            progress(
+                step - session.start,
+                s.steps - step,
+                self.clock() - session.t_start,
+                record.get("step_s", self.clock() - t_step),
+            ),
+        )
+
+    def _log_wall_limit(self, step: int, elapsed: float) -> None:
+        s = self.settings
+        log.info(
+            "stopping after step %d: %s reached",
+            step,
+            f"max_wall_s={s.max_wall_s:.0f}"
+            if s.max_wall_s and elapsed > s.max_wall_s
+            else f"max_train_s={s.max_train_s:.0f} (evaluations not counted)",
+        )
 
     def _save(
         self,
@@ -279,9 +323,6 @@ class RunLoop:
         that starts the run again from step 0 because the sessions before it were lost before their first
         checkpoint but logged steps (a node lost at step 2 of a run checkpointing every 5). Their lines are
         dropped (so every step is logged once), and restarts.jsonl says why the run started over."""
-        from rollhpc.rundir import RunPaths, read_jsonl
-        from rollhpc.rundir.records import log_event
-
         records = [r for r in read_jsonl(RunPaths(self.run_dir).metrics) if isinstance(r, dict)]
         if not records:
             return 0
@@ -292,28 +333,20 @@ class RunLoop:
             restarts,
             len(records),
         )
-        log_event(
-            self.run_dir,
-            {
-                "event": "resume",
-                "checkpoint": None,
-                "step": 0,
-                "restarts": restarts,
-                "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-            },
-        )
+        self._log_resume(None, 0, restarts)
         return restarts
 
     def _log_restart(self, path: Path, step: int, restarts: int) -> None:
-        """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
-        from rollhpc.rundir.records import log_event
-
         log.warning("restart %d: resuming after step %d from %s", restarts, step, path)
+        self._log_resume(str(path), step, restarts)
+
+    def _log_resume(self, checkpoint: str | None, step: int, restarts: int) -> None:
+        """One line per resume in RUN_DIR/restarts.jsonl (the batch script's starts and requeues go there too)."""
         log_event(
             self.run_dir,
             {
                 "event": "resume",
-                "checkpoint": str(path),
+                "checkpoint": checkpoint,
                 "step": step,
                 "restarts": restarts,
                 "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
@@ -321,7 +354,7 @@ class RunLoop:
         )
 
 
-def _load(steps: Any) -> dict[str, tuple[float, float, int]] | None:
+def _load(steps: TrainingSteps) -> dict[str, tuple[float, float, int]] | None:
     """The roles' load counters now (``Controller.load``), or None for a pipeline without worker groups."""
     workers = getattr(steps, "workers", None)
     controller = (
@@ -346,7 +379,7 @@ def _load_metrics(before: dict | None, after: dict | None, wall_s: float) -> dic
     return out
 
 
-def _residency(steps: Any) -> dict[str, Any]:
+def _residency(steps: TrainingSteps) -> dict[str, Any]:
     """The stages the colocated roles took turns in since the last record (offload on), in order."""
     hook = getattr(steps, "residency_metrics", None)
     return hook() if hook is not None else {}

@@ -65,9 +65,8 @@ def _tail(path: Path, nbytes: int = 16384) -> str:
 def first_missing(keys: list[tuple[int, int]], inbox: dict, start: int = 0) -> int:
     """The index of the first key from ``start`` on without its reply, or len(keys). ``Controller.wait`` carries
     it from one look to the next, so a call's keys are looked at once each in all: asking ``all(k in inbox ...)``
-    from the start after every message was O(N) per reply, O(N^2) per call when replies come back in the order
-    the call went out, the usual one (bench/reply_scan.py: 38 million lookups, 1.1 s of rank 0 per call to 8,769
-    ranks)."""
+    from the start after every message would be O(N) per reply, O(N^2) per call when replies come back in the
+    order the call went out, the usual one (bench/reply_scan.py measures it)."""
     n = len(keys)
     while start < n and keys[start] in inbox:
         start += 1
@@ -99,7 +98,7 @@ class Controller:
         self.call_timeout_s = call_timeout_s
         self.stack_dump_timeout_s = stack_dump_timeout_s
         self._ids = itertools.count(1)
-        self._inbox: dict[tuple[int, int], Any] = {}
+        self._inbox: dict[tuple[int, int], object] = {}  # (rank, call id) -> the reply's value
         self._outstanding: dict[tuple[int, int], _Outstanding] = {}
         self._next_liveness = 0.0
         self._closing = False  # shutdown sent: a worker leaves right after its bye
@@ -350,7 +349,7 @@ class Controller:
         for rank, paths in bundle.released.items():  # shared-memory files these ranks no longer map
             self.channel.segments.release(rank, paths)
 
-    def _take(self, source: int, env: dict[str, Any], payload: Any) -> None:
+    def _take(self, source: int, env: dict[str, Any], payload: object) -> None:
         """One rank's reply into the inbox. Replies may come in any order (one relayed, the next direct): what
         they carry beside the result adds up or only grows."""
         if "error" in env:  # the run ends: release() removes the shared-memory files still out
@@ -365,7 +364,9 @@ class Controller:
             env.get("cpu_s", 0.0),
         )
 
-    def _file(self, rank: int, call_id: int, value: Any, in_call: float | None, cpu: float) -> None:
+    def _file(
+        self, rank: int, call_id: int, value: object, in_call: float | None, cpu: float
+    ) -> None:
         """A reply's value into the inbox, its call no longer outstanding, and the rank's load (``in_call``:
         seconds inside the call, None for the start-up and shutdown replies, which carry none)."""
         key = (rank, call_id)
@@ -385,7 +386,7 @@ class Controller:
 
     def wait(
         self, keys: list[tuple[int, int]], what: str, timeout_s: float | None = None
-    ) -> dict[int, Any]:
+    ) -> dict[int, object]:
         """Block until every key has its reply; returns {rank: payload}."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit

@@ -31,25 +31,29 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from rollhpc.algo import advantages as adv_mod
+from rollhpc.algo import agentic as agentic_adv
 from rollhpc.algo.kl_control import KlController
 from rollhpc.batch import TrainingBatch, ValueBatch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.protocol.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
-from rollhpc.controller.worker_group import WorkerGroup
+from rollhpc.controller.worker_group import GroupFuture, RankProxy, RemoteMethod, WorkerGroup
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines.agentic_spec import AgenticPipelineSpec
-from rollhpc.pipelines.training import PolicyCursor, RankPort, TrainingPipeline, step_measures
+from rollhpc.pipelines.training import PolicyCursor, TrainingPipeline, step_measures
+from rollhpc.rollout import rows as rows_mod
 from rollhpc.rollout.ports import ResetRequest, StepRequest
-from rollhpc.rollout.scheduler import EpisodeSeed, RolloutScheduler
-from rollhpc.rollout.episode import episode_of
-from rollhpc.rollout.types import Prompt, Sample
+from rollhpc.rollout.scheduler import RolloutScheduler
+from rollhpc.rollout.episode import Episode, episode_of
+from rollhpc.rollout.types import EpisodeSeed, Prompt, Sample
 
 log = logging.getLogger("rollhpc.agentic")
 # a step whose turns were cut at their token budget more often than this warns once (turns_cut_frac)
@@ -88,20 +92,18 @@ def _sampled_entropy(samples: list[Sample]) -> float:
     return float(np.mean(nll)) if nll else float("nan")
 
 
-class _EnvPort:
-    """An env rank as the scheduler's ``EnvPort``."""
+@dataclass(frozen=True)
+class _EnvRank:
+    """An env rank as the scheduler's ``EnvPort``: its remote methods' ``submit``, which the scheduler calls
+    directly (``close`` is the env worker's ``close_episodes``)."""
 
-    def __init__(self, rank_proxy: Any):
-        self._rank = rank_proxy
+    reset: Callable[[list[ResetRequest]], GroupFuture]
+    step: Callable[[list[StepRequest]], GroupFuture]
+    close: Callable[[list[str]], GroupFuture]
 
-    def reset(self, items: list[ResetRequest]) -> Any:
-        return self._rank.reset.submit(items)
-
-    def step(self, items: list[StepRequest]) -> Any:
-        return self._rank.step.submit(items)
-
-    def close(self, ids: list[str]) -> Any:
-        return self._rank.close_episodes.submit(ids)
+    @classmethod
+    def of(cls, rank: RankProxy) -> _EnvRank:
+        return cls(rank.reset.submit, rank.step.submit, rank.close_episodes.submit)
 
 
 class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
@@ -119,6 +121,7 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
     def setup(self) -> None:
         if self.checkpointer is not None:
             return
+        # transformers imports torch: loaded here, in the controller's start-up that overlaps the workers'
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.options.model_dir)
@@ -138,13 +141,13 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         self.policy = PolicyCursor()
         return self.run_loop()
 
-    def _generator_ports(self) -> list[RankPort]:
+    def _generator_ports(self) -> list[RemoteMethod]:
         gen = self.workers["generate"]
-        return [RankPort(gen.at(i), "rollout") for i in range(len(gen))]
+        return [gen.at(i).rollout for i in range(len(gen))]
 
-    def _env_ports(self) -> list[_EnvPort]:
+    def _env_ports(self) -> list[_EnvRank]:
         env = self.workers["env"]
-        return [_EnvPort(env.at(i)) for i in range(len(env))]
+        return [_EnvRank.of(env.at(i)) for i in range(len(env))]
 
     # ------------------------------------------------------------------ the run loop's hooks
     def state_objects(self) -> dict[str, Stateful]:
@@ -219,60 +222,12 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
     ) -> tuple[TrainingBatch, ValueBatch | None]:
         """Rows (one per episode, or one per turn), their advantages, and the trainer's old log-probs; and the
         critic's batch (PPO; else None)."""
-        from rollhpc.algo import advantages as adv_mod
-        from rollhpc.algo import agentic as agentic_adv
-        from rollhpc.rollout import rows as rows_mod
-
-        o = self.options
         episodes = [[episode_of(s) for s in g] for g in groups]
         critic = None
-        if o.advantage == "episode":
-            rows = [rows_mod.trajectory_row(e) for g in episodes for e in g]
-            data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
-            if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
-                advantage = adv_mod.reinforce_pp_advantages(
-                    data["token_rewards"], data["loss_mask"]
-                )
-            elif o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
-                advantage, critic = self.ppo_advantages(
-                    data["tokens"], data["loss_mask"], data["token_rewards"], times
-                )
-            else:
-                returns = np.array(
-                    [[e.episode_return for e in g] for g in episodes], dtype=np.float64
-                )
-                advantage = agentic_adv.trajectory_advantages(
-                    returns, o.algorithm, scale=o.grpo_scale
-                ).reshape(-1)
+        if self.options.advantage == "episode":
+            data, advantage, critic = self._episode_advantages(episodes, times)
         else:
-            rows, turn_advantages = [], []
-            sa = o.step_advantage
-            for g in episodes:
-                per_episode = agentic_adv.gigpo_advantages(
-                    [[t.reward for t in e.turns] for e in g],
-                    [[t.state_key for t in e.turns] for e in g],
-                    gamma=sa.gamma,
-                    w_episode=sa.episode_weight,
-                    w_step=sa.step_weight,
-                    scale=sa.scale,
-                )
-                for e, adv in zip(g, per_episode):
-                    episode_rows = (
-                        [rows_mod.trajectory_row(e)]
-                        if o.formulation == "trajectory"
-                        else rows_mod.step_rows(e)
-                    )
-                    rows += episode_rows
-                    turn_advantages += [adv] * len(episode_rows)
-            data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
-            advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
-            if o.formulation == "step":
-                # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
-                order = agentic_adv.minibatch_order(
-                    len(rows), 1, self.run_ctx.seed + self.policy.version
-                )
-                data = {k: v[order] for k, v in data.items()}
-                advantage = advantage[order]
+            data, advantage = self._turn_advantages(episodes)
         tokens, mask = data["tokens"], data["loss_mask"]
         advantage = np.asarray(advantage, dtype=np.float32)
         if self.options.skip_on_policy_logprobs and self.trains_once_per_batch():
@@ -280,6 +235,64 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
             return TrainingBatch(tokens, mask, advantage, gen_logprob=data["gen_logprob"]), critic
         old = self.old_logprobs_from_trainer(tokens, mask, data["gen_logprob"], times)
         return TrainingBatch(tokens, mask, advantage, old_logprob=old), critic
+
+    def _episode_advantages(
+        self, episodes: list[list[Episode]], times: dict[str, float]
+    ) -> tuple[dict[str, np.ndarray], np.ndarray, ValueBatch | None]:
+        """``advantage: episode``: one row per episode (its padded arrays), the rows' advantages, and the
+        critic's batch (PPO; else None)."""
+        o = self.options
+        rows = [rows_mod.trajectory_row(e) for g in episodes for e in g]
+        data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+        if o.algorithm == "reinforce_pp":  # token rewards, a running baseline: no group needed
+            return (
+                data,
+                adv_mod.reinforce_pp_advantages(data["token_rewards"], data["loss_mask"]),
+                None,
+            )
+        if o.algorithm == "ppo":  # the critic's values, GAE along each row's generated tokens
+            advantage, critic = self.ppo_advantages(
+                data["tokens"], data["loss_mask"], data["token_rewards"], times
+            )
+            return data, advantage, critic
+        returns = np.array([[e.episode_return for e in g] for g in episodes], dtype=np.float64)
+        advantage = agentic_adv.trajectory_advantages(returns, o.algorithm, scale=o.grpo_scale)
+        return data, advantage.reshape(-1), None
+
+    def _turn_advantages(
+        self, episodes: list[list[Episode]]
+    ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """GiGPO: rows (one per episode or per turn, ``formulation``) with each turn's episode- plus step-level
+        advantage on that turn's tokens; step rows shuffled (seeded by the policy version)."""
+        o, sa = self.options, self.options.step_advantage
+        rows, turn_advantages = [], []
+        for g in episodes:
+            per_episode = agentic_adv.gigpo_advantages(
+                [[t.reward for t in e.turns] for e in g],
+                [[t.state_key for t in e.turns] for e in g],
+                gamma=sa.gamma,
+                w_episode=sa.episode_weight,
+                w_step=sa.step_weight,
+                scale=sa.scale,
+            )
+            for e, adv in zip(g, per_episode):
+                episode_rows = (
+                    [rows_mod.trajectory_row(e)]
+                    if o.formulation == "trajectory"
+                    else rows_mod.step_rows(e)
+                )
+                rows += episode_rows
+                turn_advantages += [adv] * len(episode_rows)
+        data = rows_mod.pad_rows(rows, self.tokenizer.pad_token_id)
+        advantage = agentic_adv.spread_turn_advantages(turn_advantages, data["turn_ids"])
+        if o.formulation == "step":
+            # the trainer's mini-batches are contiguous chunks: shuffled rows mix episodes in each one
+            order = agentic_adv.minibatch_order(
+                len(rows), 1, self.run_ctx.seed + self.policy.version
+            )
+            data = {k: v[order] for k, v in data.items()}
+            advantage = advantage[order]
+        return data, advantage
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:

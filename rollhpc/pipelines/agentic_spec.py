@@ -15,8 +15,8 @@ from rollhpc.pipelines.training_spec import (
     check_lora_serving,
 )
 from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
-from rollhpc.warm_start.sft import SftConfig
-from rollhpc.warm_start.tiny import TinyModelConfig
+from rollhpc.warm_start.sft_config import SftConfig
+from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 __all__ = ["AgenticPipelineSpec", "AgenticWarmStart", "StepAdvantage"]
 

@@ -15,15 +15,18 @@ built from the same domains, and each example keeps its domain.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rollhpc.algo.reward_norm import RewardNormalizer, RewardNormConfig
+from rollhpc.rollout.ports import RewardPort
 from rollhpc.rollout.scoring import DomainScoring
 from rollhpc.rollout.types import Prompt, Sample
+from rollhpc.tasks import task_module
+from rollhpc.tasks.mixture import DomainExample
 
 
 @dataclass(kw_only=True)
@@ -39,8 +42,6 @@ class DomainConfig:
     accuracy: str | None = None  # the component held-out accuracy reads (None: the combined reward)
 
     def __post_init__(self) -> None:
-        from rollhpc.tasks import task_module
-
         # tasks over files validate them at load
         check = getattr(task_module(self.task), "check_options", None)
         if check is not None:
@@ -51,7 +52,7 @@ class DomainConfig:
             raise ValueError("rewards: a domain needs at least one reward role")
 
 
-def check_domains(domains: Mapping[str, DomainConfig], roles: Mapping[str, Any]) -> None:
+def check_domains(domains: Mapping[str, DomainConfig], roles: Mapping[str, object]) -> None:
     """At config load: shares sum to 1, every reward role exists. One message each, before anything starts."""
     if not domains:
         return
@@ -83,7 +84,7 @@ def mixture_options(domains: Mapping[str, DomainConfig]) -> dict[str, Any]:
 
 
 def scoring(
-    domains: Mapping[str, DomainConfig], ports: Mapping[str, list[Any]]
+    domains: Mapping[str, DomainConfig], ports: Mapping[str, list[RewardPort]]
 ) -> dict[str, DomainScoring]:
     """The scheduler's view: per domain, its reward roles' rank ports and the component weights."""
     return {
@@ -96,10 +97,16 @@ class MixedPromptStream:
     """Prompts drawn from the domains by share (seeded); within a domain an endless reshuffled pass over its
     training examples. Its position is part of a run checkpoint (exact resume)."""
 
-    def __init__(self, examples: list[Any], shares: Mapping[str, float], encode: Any, seed: int):
+    def __init__(
+        self,
+        examples: list[DomainExample],
+        shares: Mapping[str, float],
+        encode: Callable[[DomainExample], list[int]],
+        seed: int,
+    ):
         self.encode = encode
         self.shares = dict(shares)
-        self.pools: dict[str, list[Any]] = {
+        self.pools: dict[str, list[DomainExample]] = {
             d: [e for e in examples if e.domain == d] for d in self.shares
         }
         empty = [d for d, pool in self.pools.items() if not pool]

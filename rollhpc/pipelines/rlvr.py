@@ -33,11 +33,14 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rollhpc.algo import advantages as adv_mod
 from rollhpc.algo.kl_control import KlController
 from rollhpc.algo.objective import LossConfig
 from rollhpc.algo.reward_norm import RewardNormalizer
@@ -46,20 +49,26 @@ from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.config import generator_max_model_len
 from rollhpc.protocol.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
-from rollhpc.controller.worker_group import WorkerGroup
+from rollhpc.controller.worker_group import GroupFuture, RemoteMethod, WorkerGroup
 from rollhpc.observability.rollouts import RolloutRecord
 from rollhpc.pipelines import domains as domains_mod
 from rollhpc.pipelines.rlvr_spec import RlvrPipelineSpec
 from rollhpc.pipelines.training import (
     PolicyCursor,
-    RankPort,
     TrainingPipeline,
     step_measures,
     train_lora,
 )
+from rollhpc.protocol.dispatch import remote_methods
+from rollhpc.rewards.components import combine
+from rollhpc.rollout import rows as rows_mod
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
-from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
-from rollhpc.rollout.types import Prompt, Sample
+from rollhpc.rollout.collect import HeldGenerators
+from rollhpc.rollout.scheduler import RolloutScheduler
+from rollhpc.rollout.scoring import components_of, item_components
+from rollhpc.rollout.types import Prompt, RolloutStats, Sample
+from rollhpc.tasks import task_module
+from rollhpc.warm_start.policy_prep import policy_splits, read_report
 
 log = logging.getLogger("rollhpc.rlvr")
 ALGORITHMS = ("grpo", "rloo", "reinforce_pp", "ppo")
@@ -69,7 +78,7 @@ class PromptStream:
     """Endless pass over the training split, reshuffled every epoch (seeded). Its position is part of a
     run checkpoint, so a resumed run draws the prompts the uninterrupted run would have drawn."""
 
-    def __init__(self, examples: list[Any], encode: Any, seed: int):
+    def __init__(self, examples: list[object], encode: Callable[[Any], list[int]], seed: int):
         self.examples = examples
         self.encode = encode
         self._rng = random.Random(seed)
@@ -132,9 +141,8 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         self.checkpointer.find()
 
     def _load_data(self) -> None:
+        # transformers imports torch: loaded here, in the controller's start-up that overlaps the workers'
         from transformers import AutoTokenizer
-
-        from rollhpc.tasks import task_module
 
         o = self.options
         self.tokenizer = AutoTokenizer.from_pretrained(o.model_dir)
@@ -144,8 +152,6 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         if (
             Path(o.model_dir) / "sft_report.json"
         ).is_file():  # the policy's own splits: held-out stays unseen
-            from rollhpc.warm_start.policy_prep import policy_splits, read_report
-
             sft_task = read_report(o.model_dir)["settings"]["task"]
             if sft_task != o.task_name:
                 raise ValueError(
@@ -182,28 +188,28 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         self.setup()
         gen = self.workers["generate"]
         ports = {
-            role: [
-                RankPort(self.workers[role].at(i), "score") for i in range(len(self.workers[role]))
-            ]
+            role: [self.workers[role].at(i).score for i in range(len(self.workers[role]))]
             for role in self._reward_roles()
         }
         self.scheduler = RolloutScheduler(
-            [RankPort(gen.at(i), "rollout") for i in range(len(gen))],
+            [gen.at(i).rollout for i in range(len(gen))],
             domains_mod.scoring(o.domains, ports) if o.domains else ports["reward"],
             o.rollout,
             seed=self.run_ctx.seed,
         )
         if o.domains:
-            self.prompts: Any = domains_mod.MixedPromptStream(
-                self.train_set,
-                {n: d.share for n, d in o.domains.items()},
-                self.render,
-                self.run_ctx.seed,
+            self.prompts: PromptStream | domains_mod.MixedPromptStream = (
+                domains_mod.MixedPromptStream(
+                    self.train_set,
+                    {n: d.share for n, d in o.domains.items()},
+                    self.render,
+                    self.run_ctx.seed,
+                )
             )
         else:
             self.prompts = PromptStream(self.train_set, self.render, self.run_ctx.seed)
         self.kl_control = KlController(o.kl_control)
-        self.reward_norm: Any = (
+        self.reward_norm: domains_mod.DomainNormalizers | RewardNormalizer = (
             domains_mod.DomainNormalizers(o.reward_norm, list(o.domains))
             if o.domains
             else RewardNormalizer(o.reward_norm)
@@ -270,7 +276,7 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             summary=f"reward {record['reward_mean']:.3f}, {record['tokens_per_s']:.0f} tok/s",
         )
 
-    def _reference(self) -> Any:
+    def _reference(self) -> RemoteMethod | None:
         """Where the reference log-probs come from: the reference role, or a LoRA train role's frozen base; None
         without either."""
         if "reference" in self.workers:
@@ -280,7 +286,7 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             return self.workers["train"].compute_ref_logprobs
         return None
 
-    def _held_while_training(self, *calls: Any) -> HeldGenerators | None:
+    def _held_while_training(self, *calls: GroupFuture | None) -> HeldGenerators | None:
         """Partial overlap (offload on, async): the generator ranks on the trainer's GPUs sleep through the train
         stage and join the batch once the train calls are done and the generate stage has made room for them;
         the other ranks generate throughout. None when no generator gives way."""
@@ -300,8 +306,6 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
     def _reward_counters(self) -> dict[str, float]:
         """The reward roles' own counters (a judge's unparsed verdicts and failures, a sandbox's timeouts),
         summed over each role's ranks, as ``ROLE/NAME``: roles that offer a remote ``metrics`` method."""
-        from rollhpc.protocol.dispatch import remote_methods
-
         out: dict[str, float] = {}
         for role in self._reward_roles():
             workers = self.workers[role]
@@ -329,9 +333,6 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
     def _accuracy(self) -> tuple[float, dict[str, float]]:
         """The held-out accuracy, and each domain's as ``DOMAIN/accuracy`` (empty without domains)."""
-        from rollhpc.rewards.components import combine
-        from rollhpc.rollout.scoring import components_of, item_components
-
         o = self.options
         prompts = [self.render(ex) for ex in self.heldout]
         outs = self.workers["generate"].generate(
@@ -372,13 +373,10 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         )
 
     def _training_batch(
-        self, groups: list[list[Sample]], ref: Any, times: dict[str, float]
+        self, groups: list[list[Sample]], ref: RemoteMethod | None, times: dict[str, float]
     ) -> tuple[TrainingBatch, ValueBatch | None, float | None]:
         """The batch to train on (rows: the groups' samples in order), the critic's (PPO; else None), and the
         policy's KL from the reference per token (None without a reference forward)."""
-        from rollhpc.algo import advantages as adv_mod
-        from rollhpc.rollout import rows as rows_mod
-
         o = self.options
         samples = [s for g in groups for s in g]
         padded = rows_mod.pad_rows(
@@ -443,8 +441,6 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
     def _loss_config(self) -> LossConfig:
         """The loss settings of this step: the configured ones with the KL controller's coefficient."""
-        from dataclasses import replace
-
         loss = self.options.loss
         return replace(loss, kl_coef=loss.kl_coef * self.kl_control.scale) if loss.kl_coef else loss
 
@@ -454,7 +450,7 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
         step: int,
         version: int,
         samples: list[Sample],
-        rstats: Any,
+        rstats: RolloutStats,
         train_stats: list[dict],
         times: dict[str, float],
     ) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from rollhpc.pipelines.training_spec import (
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
 from rollhpc.tasks import task_module
 from rollhpc.warm_start.policy_prep import prepare_policy
-from rollhpc.warm_start.sft import SftConfig
-from rollhpc.warm_start.tiny import TinyModelConfig
+from rollhpc.warm_start.sft_config import SftConfig
+from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 __all__ = ["RlvrPipelineSpec", "TaskConfig", "WarmStart"]
 

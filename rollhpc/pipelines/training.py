@@ -1,6 +1,6 @@
 """What the training pipelines (RLVR, agentic) share around the run loop: the policy cursor saved in every
-checkpoint, worker ranks as the rollout scheduler's ports, and the hooks that are the same for both (weights
-to the generators before the first step, the weights digest at the end).
+checkpoint, and the hooks that are the same for both (weights to the generators before the first step, the
+weights digest at the end).
 
 A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
 implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
@@ -14,12 +14,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rollhpc.algo import advantages as adv_mod
 from rollhpc.batch import Batch, ValueBatch
+from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
+from rollhpc.controller.colocation import Residency, colocation_of
 from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, StepReport
+from rollhpc.conversion.export import ExportError, export_run, final_export_dir
 from rollhpc.pipelines.training_spec import (
     TrainingOptions,
     TrainingPipelineSpec,
@@ -27,14 +31,20 @@ from rollhpc.pipelines.training_spec import (
     check_lora_serving,
     train_lora,
 )
+from rollhpc.placement.device_mapping import WorldPlan
 from rollhpc.protocol.pipeline import Pipeline
+from rollhpc.rollout.types import RolloutStats, Sample
 from rollhpc.rundir import RunPaths
 from rollhpc.weight_sync.driver import WeightSync
 from rollhpc.weight_sync.routing import route_weights
 
+if (
+    TYPE_CHECKING
+):  # the worker groups' module imports mpi4py; this one is on the cluster check's login path
+    from rollhpc.controller.worker_group import GroupFuture
+
 __all__ = [
     "PolicyCursor",
-    "RankPort",
     "TrainingOptions",
     "TrainingPipeline",
     "check_critic_role",
@@ -51,23 +61,13 @@ class PolicyCursor:
     step: part of every checkpoint, so a resumed async run trains on the batch the uninterrupted one would."""
 
     version: int = 0
-    pending: Any = None  # (groups, RolloutStats) or None
+    pending: tuple[list[list[Sample]], RolloutStats] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "pending": self.pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version, self.pending = state["version"], state["pending"]
-
-
-class RankPort:
-    """One worker rank as a scheduler port (generator or reward): ``submit(*args)`` calls ``method`` on it."""
-
-    def __init__(self, rank_proxy: Any, method: str):
-        self._method = getattr(rank_proxy, method)
-
-    def submit(self, *args: Any) -> Any:
-        return self._method.submit(*args)
 
 
 def step_measures(times: dict[str, float]) -> dict[str, float]:
@@ -88,7 +88,8 @@ def generators_take_adapters(roles: dict[str, Any]) -> bool:
 
 class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     policy: PolicyCursor
-    checkpointer: Any
+    checkpointer: RunCheckpointer
+    residency: Residency | None = None
 
     def trains_once_per_batch(self) -> bool:
         """Whether the train role takes one optimizer step per batch (its ``mini_batches`` is 1): then a batch
@@ -103,8 +104,6 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         mode, routing = o.weight_sync, None
         plan_path = RunPaths(self.run_ctx.run_dir).plan
         if mode != "relay" and plan_path.exists():
-            from rollhpc.placement.device_mapping import WorldPlan
-
             # checked at load too (plan_world)
             routing = route_weights(WorldPlan.load(plan_path), mode)
         if mode == "auto":
@@ -119,8 +118,6 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
             adapters_only=self._syncs_adapters_only(),
         )
         if getattr(o, "offload", False) and self.run_ctx.config is not None:
-            from rollhpc.controller.colocation import Residency, colocation_of
-
             self.residency = Residency(
                 self.workers,
                 self.memory_stages,
@@ -142,7 +139,7 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         outcome = loop.run(self)
         if o.export_hf == "final" and outcome is not Outcome.STOPPED_FOR_REQUEUE:
             self.export_final()
-        return outcome  # rank.py acts on it (a requeue's exit status)
+        return outcome  # rank_runtime acts on it (a requeue's exit status)
 
     def export_final(self) -> None:
         """``export_hf: final``: the trainer's model of the checkpoint just saved (the ``latest`` pointer: the
@@ -150,8 +147,8 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         run resumed from its last step's checkpoint (``Outcome.ALREADY_DONE``: e.g. a node lost during the
         export) exports it again. Runs here, in the controller, once the workers' checkpoint is committed:
         the conversion forks worker processes of its own and needs no world."""
-        from rollhpc.conversion.convert import ConversionError
-        from rollhpc.conversion.export import ExportError, export_run, final_export_dir
+        # the conversion imports torch: the controller loads it only for this export
+        from rollhpc.conversion.checks import ConversionError
 
         run_dir = self.run_ctx.run_dir
         out = final_export_dir(run_dir)
@@ -170,8 +167,6 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
             report.seconds,
         )
 
-    residency: Any = None
-
     def stage(self, name: str) -> None:
         """Entering a stage of the step: colocated roles take their turn (offload on), else nothing."""
         if self.residency is not None:
@@ -189,8 +184,6 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     ) -> tuple[np.ndarray, ValueBatch]:
         """PPO's token advantages (whitened): the critic's values, GAE with the options' gamma and lam; and the
         critic's batch (its returns and the values it had) for ``train_critic``."""
-        from rollhpc.algo import advantages as adv_mod
-
         self.stage("values")
         t = time.perf_counter()
         values = self.workers["critic"].compute_values(Batch({"tokens": tokens}))["values"] * mask
@@ -204,7 +197,7 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         )
         return adv_mod.whiten(advantage, mask), critic
 
-    def train_critic(self, batch: ValueBatch | None) -> Any:
+    def train_critic(self, batch: ValueBatch | None) -> GroupFuture | None:
         """The critic's train step on ``batch`` (from ``ppo_advantages``), submitted: it runs beside the actor's.
         None without a critic batch (no PPO this step)."""
         if batch is None:
@@ -212,7 +205,9 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         return self.workers["critic"].train_step.submit(batch, self.options.value_clip)
 
     @staticmethod
-    def with_critic_stats(stats: list[dict[str, float]], critic: Any) -> list[dict[str, float]]:
+    def with_critic_stats(
+        stats: list[dict[str, float]], critic: GroupFuture
+    ) -> list[dict[str, float]]:
         """The actor's per-rank train stats with the critic's (``critic_`` prefixed), once its step is done."""
         return [
             {**a, **{f"critic_{k}": v for k, v in b.items()}}
@@ -224,7 +219,7 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         return self.weight_sync(self.policy.version)
 
     # ---- the pieces of a step both pipelines take
-    def skipped_step(self, rstats: Any) -> StepReport:
+    def skipped_step(self, rstats: RolloutStats) -> StepReport:
         """The report of a step with nothing to learn from (every group uniform): no update, no new version."""
         return StepReport(
             {
@@ -252,7 +247,11 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         return old
 
     def training_result(
-        self, training: Any, critic: Any, started: float, times: dict[str, float]
+        self,
+        training: GroupFuture,
+        critic: GroupFuture | None,
+        started: float,
+        times: dict[str, float],
     ) -> list[dict[str, float]]:
         """The train call's statistics (with the critic's, when it trained beside it), ``train_s`` since
         ``started``, and on-policy the train step's own distance from the generator's log-probs."""

@@ -5,13 +5,16 @@ what each stage of a step holds on the GPUs (``rollhpc plan``), and the load-tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from rollhpc.algo.kl_control import KlControlConfig
 from rollhpc.algo.objective import LossConfig
 from rollhpc.checkpoint.run_checkpoint import CheckpointConfig
 from rollhpc.protocol.spec import PipelineSpec
-from rollhpc.rollout.scheduler import SchedulerConfig
+from rollhpc.rollout.scheduler_config import SchedulerConfig
+
+if TYPE_CHECKING:
+    from rollhpc.models.lora_config import LoraConfig
 
 __all__ = [
     "TRAINER_PARTS",
@@ -82,7 +85,7 @@ class TrainingOptions:
             )
 
 
-def check_critic_role(options: Any, roles: dict[str, Any]) -> None:
+def check_critic_role(options: TrainingOptions, roles: dict[str, Any]) -> None:
     """Config-time: PPO's values come from a critic role."""
     if options.algorithm == "ppo" and "critic" not in roles:
         raise ValueError(
@@ -90,7 +93,7 @@ def check_critic_role(options: Any, roles: dict[str, Any]) -> None:
         )
 
 
-def train_lora(roles: dict[str, Any]) -> Any:
+def train_lora(roles: dict[str, Any]) -> LoraConfig | None:
     """The train role's LoRA settings (``roles.train.options.lora``), None without LoRA or a train role."""
     return getattr(getattr(roles.get("train"), "options", None), "lora", None)
 
@@ -111,6 +114,13 @@ def check_lora_serving(roles: dict[str, Any]) -> None:
             f"roles.generate.options.max_lora_rank={serving} is below the train role's "
             f"lora.rank={lora.rank}: vLLM would refuse the adapters"
         )
+
+
+class WarmStartOptions(Protocol):
+    """What ``prepared_paths`` reads of a training pipeline's options: each pipeline declares its own warm start."""
+
+    model_dir: str
+    warm_start: object | None
 
 
 class TrainingPipelineSpec(PipelineSpec):
@@ -137,7 +147,7 @@ class TrainingPipelineSpec(PipelineSpec):
     }
 
     @classmethod
-    def prepared_paths(cls, options: Any) -> list[str]:
+    def prepared_paths(cls, options: WarmStartOptions) -> list[str]:
         """What ``prepare`` builds (the warm start), so it need not exist before the run starts
         (``config.missing_inputs``)."""
         return [options.model_dir] if options.warm_start is not None else []

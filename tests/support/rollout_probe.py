@@ -12,7 +12,8 @@ from pathlib import Path
 def main(model_dir: str) -> None:
     from rollhpc.engines.vllm_engine import VllmGenerator
     from rollhpc.rollout.ports import Done
-    from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+    from rollhpc.rollout.scheduler import RolloutScheduler
+    from rollhpc.rollout.scheduler_config import SchedulerConfig
     from rollhpc.rollout.types import Prompt
     from rollhpc.workers.engine_loop import EngineLoop
 

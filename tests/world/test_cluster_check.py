@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from rollhpc.cli.experiment import load_experiment
-from rollhpc.pipelines import cluster_check as cc
+from rollhpc.pipelines import cluster_check_rows as cc
+from rollhpc.pipelines.cluster_check_spec import DIAGNOSTIC_WORKER, split_overrides
 from rollhpc.placement.device_mapping import plan_world, weight_sync_routing
 
 # toy_grpo's roles on 4 nodes, 6 ranks: the controller and two reward ranks (het group 0: an intra-node pair), the
@@ -115,7 +116,7 @@ def test_a_config_without_its_model_is_checked_model_free_on_its_layout():
     )
     real = load_experiment("qwen2.5-7b_grpo", ["cluster.partition=gpu"])
     assert "no model directory" in cfg.pipeline.options.skip_step
-    assert {r.worker for r in cfg.roles.values()} == {cc.DIAGNOSTIC_WORKER}
+    assert {r.worker for r in cfg.roles.values()} == {DIAGNOSTIC_WORKER}
     assert (
         cfg.cluster == dataclasses.replace(real.cluster, time_limit="0:30:00")
         and cfg.run.name == "cluster_check"
@@ -126,7 +127,7 @@ def test_a_config_without_its_model_is_checked_model_free_on_its_layout():
     assert limited.cluster.time_limit == "2:00:00"  # the command line's limit, not the check's
     # the same ranks on the same nodes and GPUs
     assert plan_world(cfg).ranks == plan_world(real).ranks
-    assert cc.split_overrides(
+    assert split_overrides(
         ["check.iters=2", "run.name=x", "cluster.nodes=2", "+roles.a.procs=1"]
     ) == (["check.iters=2", "run.name=x"], ["cluster.nodes=2", "+roles.a.procs=1"])
 

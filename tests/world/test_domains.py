@@ -17,7 +17,8 @@ from rollhpc.pipelines.domains import (
     sample_metrics,
 )
 from rollhpc.rollout.ports import Done, GenerationReply
-from rollhpc.rollout.scheduler import RolloutScheduler, SchedulerConfig
+from rollhpc.rollout.scheduler import RolloutScheduler
+from rollhpc.rollout.scheduler_config import SchedulerConfig
 from rollhpc.rollout.scoring import DomainScoring, combine
 from rollhpc.rollout.types import Prompt
 

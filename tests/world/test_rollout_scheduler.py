@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rollhpc.rollout.scheduler import SchedulerConfig
+from rollhpc.rollout.scheduler_config import SchedulerConfig
 
 PROBE = Path(__file__).parents[1] / "support" / "rollout_probe.py"
 
@@ -79,7 +79,8 @@ def test_held_generators_take_work_only_once_released(release_at):
     the others fill the batch meanwhile, and alone when the release never comes (scripted generators: the
     engine path is the probe's)."""
     from rollhpc.rollout.ports import Done
-    from rollhpc.rollout.scheduler import HeldGenerators, RolloutScheduler
+    from rollhpc.rollout.collect import HeldGenerators
+    from rollhpc.rollout.scheduler import RolloutScheduler
     from rollhpc.rollout.types import Prompt
     from tests.unit.test_agentic_scheduler import ScriptedGenerator
 
