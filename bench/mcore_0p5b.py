@@ -107,7 +107,8 @@ def shape_of(args: argparse.Namespace) -> dict[str, int]:
 
 def build_model(model_dir: str, shape: dict, seed: int) -> None:
     """In its own process (the bench's stays small): tokenizer padded to the vocabulary, random bf16 weights."""
-    from rollhpc.warm_start.tiny import QWEN2_5_0_5B, build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny import build_tokenizer, create_tiny_model
+    from rollhpc.warm_start.tiny_config import QWEN2_5_0_5B
     from rollhpc.tasks import arithmetic
 
     spec = replace(

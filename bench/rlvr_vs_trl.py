@@ -145,7 +145,7 @@ def splits(s: Settings) -> tuple[list, list]:
 
 
 def heldout_accuracy(model, tokenizer, s: Settings) -> float:
-    from rollhpc.warm_start.policy_prep import evaluate_greedy
+    from rollhpc.warm_start.policy_build import evaluate_greedy
     from rollhpc.tasks import task_module
 
     return evaluate_greedy(

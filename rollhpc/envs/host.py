@@ -50,17 +50,17 @@ class _Invalid(Exception):
     """An environment returned something that breaks the protocol; the message says what."""
 
 
-def _is_bool(x: Any) -> bool:
+def _is_bool(x: object) -> bool:
     return isinstance(x, bool) or (
         type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool")
     )
 
 
-def is_finite(x: Any) -> bool:
+def is_finite(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _info_fields(info: Any) -> dict[str, Any]:
+def _info_fields(info: object) -> dict[str, Any]:
     """The ``info`` keys rollhpc reads, checked and turned into plain types."""
     if not isinstance(info, dict):
         raise _Invalid(f"info is {type(info).__name__}, not dict")
@@ -89,7 +89,7 @@ def _info_fields(info: Any) -> dict[str, Any]:
     }
 
 
-def _check_reset(out: Any) -> dict[str, Any]:
+def _check_reset(out: object) -> dict[str, Any]:
     if not isinstance(out, tuple) or len(out) != 2:
         raise _Invalid(f"reset returned {type(out).__name__}, not a 2-tuple (observation, info)")
     obs, info = out
@@ -107,7 +107,7 @@ def _check_reset(out: Any) -> dict[str, Any]:
     }
 
 
-def _check_step(out: Any) -> dict[str, Any]:
+def _check_step(out: object) -> dict[str, Any]:
     if not isinstance(out, tuple) or len(out) != 5:
         what = f"a {len(out)}-tuple" if isinstance(out, tuple) else type(out).__name__
         raise _Invalid(
@@ -136,7 +136,7 @@ def _check_step(out: Any) -> dict[str, Any]:
 _HEADER = struct.Struct("!Q")
 
 
-def _frame(obj: Any) -> bytes:
+def _frame(obj: object) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(data)) + data
 
@@ -151,7 +151,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> Any:
+def _recv_frame(sock: socket.socket) -> tuple[str, object]:
+    """The next command from the rank: (kind, argument)."""
     (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     return pickle.loads(_recv_exact(sock, n))
 
@@ -164,7 +165,7 @@ class EpisodeConnection:
         self.buf = bytearray()
         sock.setblocking(False)
 
-    def send(self, obj: Any, timeout_s: float) -> None:
+    def send(self, obj: object, timeout_s: float) -> None:
         # a command is small: this only waits if the child is gone strange
         self.sock.settimeout(timeout_s)
         try:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
+from rollhpc.envs.base import TextEnv
 from rollhpc.rollout.turns import PlainTextTurns, TurnFormatter
 from rollhpc.tasks.arithmetic import randint
 
@@ -80,7 +81,7 @@ class RandomPolicy:
 class ExpertPolicy:
     """The environment's own ``expert_action()``."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: TextEnv) -> None:
         if not callable(getattr(env, "expert_action", None)):
             raise ValueError(f"{type(env).__name__} has no expert (no expert_action method)")
         self.env = env
@@ -101,6 +102,8 @@ class ModelPolicy:
     def __init__(
         self, model_dir: str | Path, max_new_tokens: int = 32, turns: TurnFormatter | None = None
     ) -> None:
+        # torch and transformers imported here: the agentic warm start's spec imports this module
+        # when a config loads (rollhpc.pipelines.agentic_spec), where no heavy library may load
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,7 +162,7 @@ class ModelPolicy:
         return list(ids)
 
 
-def make_policy(spec: str, env: Any, max_new_tokens: int = 32) -> Policy:
+def make_policy(spec: str, env: TextEnv, max_new_tokens: int = 32) -> Policy:
     """``random``, ``expert`` or a model directory (with config.json) for ``env``; anything else raises."""
     if spec == "random":
         return RandomPolicy(tuple(getattr(env, "ACTIONS", ())))

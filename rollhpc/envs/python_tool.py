@@ -38,10 +38,11 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from rollhpc.sandbox import Sandbox, SandboxLimits
+from rollhpc.sandbox import Sandbox
 from rollhpc.tasks import task_module
 from rollhpc.tasks.arithmetic import ArithmeticExample
 from rollhpc.tasks.countdown import CountdownExample
+from rollhpc.tasks.pyfunc import sandbox_limits
 
 __all__ = ["PythonTool", "ENV", "solve_countdown"]
 
@@ -102,19 +103,13 @@ class PythonTool:
                 f"task {task!r} does not take task_options {sorted(self.task_options)}: {e}"
             ) from None
         self.max_turns, self.max_output_chars = max_turns, max_output_chars
-        limits = SandboxLimits(
-            wall_s=wall_s,
-            cpu_s=wall_s,
-            memory_mb=256,
-            nproc=8,
-            nofile=32,
-            fsize_mb=1,
-            output_bytes=4096,
-            tmpfs_mb=8,
-        )
+        # a tool call is a small program, limited like the pyfunc task's scoring programs
+        limits = sandbox_limits(wall_s=wall_s, cpu_s=wall_s)
         # raises SandboxUnavailable where it cannot isolate
         self.sandbox = Sandbox(limits, unsafe=unsafe)
-        self.example: Any = None
+        self.example: object = (
+            None  # the task's example of the running episode (its module reads it)
+        )
         self._turn, self._tool_calls, self._done = 0, 0, True
         self._last_output: str | None = None  # the last tool call's stdout when it succeeded
 

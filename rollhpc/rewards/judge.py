@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Protocol
 
 from rollhpc.rewards.judge_parse import JudgeMode, parse_verdict
 
@@ -77,7 +78,7 @@ def render_prompt(
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
 
 
-def judge_fields(example: Any, task: Any | None = None) -> tuple[str, str]:
+def judge_fields(example: object, task: ModuleType | None = None) -> tuple[str, str]:
     """``(question, reference)`` of an example.
 
     A mapping gives ``question`` and ``reference`` (a dataset row); a task example gives the task's

@@ -25,6 +25,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any, Literal
 
 __all__ = ["HttpJudge"]
@@ -89,8 +90,9 @@ class HttpJudge:
             log.warning("judge endpoint %s: /v1/models lists no model", self.base)
             return None
 
-    def _request(self, path: str, body: dict[str, Any] | None) -> Any:
-        """The JSON reply, or None once the attempts are spent (logged then; each attempt at debug level)."""
+    def _request(self, path: str, body: dict[str, Any] | None) -> object:
+        """The JSON reply (any JSON value: the callers index it under try), or None once the
+        attempts are spent (logged then; each attempt at debug level)."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(
             self.base + path, data=data, headers={"Content-Type": "application/json"}
@@ -126,7 +128,8 @@ def _detail(e: urllib.error.HTTPError) -> str:
         return ""
 
 
-def _choice(reply: Any, text: Any) -> str | None:
+def _choice(reply: object, text: Callable[[dict[str, Any]], object]) -> str | None:
+    """What ``text`` reads off the reply's first choice; None when that is not a string."""
     try:
         value = text(reply["choices"][0])
     except (KeyError, IndexError, TypeError):

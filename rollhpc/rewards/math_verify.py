@@ -72,6 +72,7 @@ def score_answers(
 
 def _score_inline(response: str, reference: str, number_only: bool, timeout_s: int) -> float:
     """In a main thread only (math-verify's alarms). Errors and timeouts in the response score 0.0."""
+    # imported here: math-verify loads sympy (~1 s), and tasks import this module at config load
     from math_verify import parse, verify
 
     gold = parse(reference, parsing_timeout=timeout_s)

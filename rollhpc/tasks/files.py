@@ -28,15 +28,18 @@ Parquet goes through Hugging Face ``datasets`` with no network access. Examples 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rollhpc.rewards.math_verify import score_answer
 
 VERIFIERS = ("exact", "numeric", "math")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -90,7 +93,7 @@ def corpus(examples: Iterable[FileExample]) -> Iterator[str]:
 
 
 # ---------------------------------------------------------------- reading
-def _rows(path: Path) -> Iterator[tuple[str, Any]]:
+def _rows(path: Path) -> Iterator[tuple[str, Mapping[str, object]]]:
     """(row label, row) of a JSONL or Parquet file; a line that is not a JSON object is a DataError."""
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson"):
@@ -128,7 +131,7 @@ def _rows(path: Path) -> Iterator[tuple[str, Any]]:
     )
 
 
-def _text(value: Any, where: str, field: str) -> str:
+def _text(value: object, where: str, field: str) -> str:
     if isinstance(value, bool) or value is None:
         raise DataError(f"{where}: field {field!r} is {value!r}, not text")
     if isinstance(value, (int, float)):
@@ -138,7 +141,7 @@ def _text(value: Any, where: str, field: str) -> str:
     return value
 
 
-def _messages(value: Any, where: str, field: str) -> tuple[tuple[str, str], ...]:
+def _messages(value: object, where: str, field: str) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(
             f"{where}: field {field!r} must be a non-empty list of {{role, content}} messages"
@@ -236,15 +239,7 @@ def make_splits(
     for v in [verifier, *(domain_verifiers or {}).values()]:
         check_verifier(v)
     if answer_regex:
-        try:
-            if re.compile(answer_regex).groups < 1:
-                raise DataError(
-                    f"task.options.answer_regex {answer_regex!r} needs a group: the answer is group 1"
-                )
-        except re.error as e:
-            raise DataError(
-                f"task.options.answer_regex {answer_regex!r} is not a regular expression: {e}"
-            ) from None
+        _check_answer_regex(answer_regex)
     read = dict(
         prompt_field=prompt_field,
         messages_field=messages_field,
@@ -261,26 +256,45 @@ def make_splits(
         held = load_examples(heldout, **read)
         random.Random(seed + 1).shuffle(held)
     else:
-        if not 0 < heldout_fraction < 1:
-            raise DataError(
-                f"task.options.heldout_fraction must be in (0, 1) without a heldout file, "
-                f"got {heldout_fraction}"
-            )
-        cut = max(1, round(len(rows) * heldout_fraction))
-        if cut >= len(rows):
-            raise DataError(
-                f"{train}: {len(rows)} row(s) leave nothing to train on after holding out {cut}"
-            )
-        held, rows = rows[:cut], rows[cut:]
+        held, rows = _hold_out(rows, heldout_fraction, train)
     return rows[: n_train or None], held[: n_heldout or None]
+
+
+def _check_answer_regex(answer_regex: str) -> None:
+    """DataError unless ``answer_regex`` compiles with a group (the answer is group 1)."""
+    try:
+        groups = re.compile(answer_regex).groups
+    except re.error as e:
+        raise DataError(
+            f"task.options.answer_regex {answer_regex!r} is not a regular expression: {e}"
+        ) from None
+    if groups < 1:
+        raise DataError(
+            f"task.options.answer_regex {answer_regex!r} needs a group: the answer is group 1"
+        )
+
+
+def _hold_out(
+    rows: list[FileExample], heldout_fraction: float, train: str
+) -> tuple[list[FileExample], list[FileExample]]:
+    """(held-out, train) of the shuffled ``rows``: ``heldout_fraction`` of them (at least one)."""
+    if not 0 < heldout_fraction < 1:
+        raise DataError(
+            f"task.options.heldout_fraction must be in (0, 1) without a heldout file, "
+            f"got {heldout_fraction}"
+        )
+    cut = max(1, round(len(rows) * heldout_fraction))
+    if cut >= len(rows):
+        raise DataError(
+            f"{train}: {len(rows)} row(s) leave nothing to train on after holding out {cut}"
+        )
+    return rows[:cut], rows[cut:]
 
 
 def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Called when the config is loaded (``TaskConfig``): the file paths made absolute (the ranks may run
     elsewhere than the launching shell's directory) and every row read once, so a bad file fails before any
     rank starts. Returns the options to keep."""
-    import inspect
-
     known = set(inspect.signature(make_splits).parameters) - {"seed", "n_train", "n_heldout"}
     unknown = sorted(set(options) - known)
     if unknown:
@@ -354,8 +368,6 @@ def score(example: FileExample, response_text: str) -> float:
             and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
         )
     if example.verifier == "math":
-        from rollhpc.rewards.math_verify import score_answer
-
         return score_answer(answer, example.answer)
     fn = check_verifier(example.verifier)
     return float(fn(answer, example.answer))

@@ -26,7 +26,7 @@ from rollhpc.tasks import task_module
 class DomainExample:
     domain: str  # the name the pipeline's domains use
     task: str  # the task module that made ``inner`` (and scores it)
-    inner: Any  # the task's own example
+    inner: object  # the task's own example (only its task module reads it)
 
     @property
     def prompt(self) -> str:
@@ -111,7 +111,7 @@ def score(example: DomainExample, text: str) -> float:
 
 
 def corpus(examples: Iterable[DomainExample]) -> Iterator[str]:
-    by_task: dict[str, list[Any]] = {}
+    by_task: dict[str, list[object]] = {}
     for e in examples:
         by_task.setdefault(e.task, []).append(e.inner)
     for task, inner in by_task.items():

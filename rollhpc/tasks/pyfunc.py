@@ -34,18 +34,16 @@ fraction alone (what the SFT evaluation averages).
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import random
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxResult, SandboxUnavailable
 from rollhpc.tasks.arithmetic import randint, unique_stream
-
-if TYPE_CHECKING:
-    from rollhpc.sandbox import Sandbox, SandboxLimits, SandboxPool, SandboxResult
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -436,8 +434,6 @@ _sandbox_lock = threading.Lock()
 
 def sandbox_limits(**overrides: float) -> SandboxLimits:
     """Limits of one scoring program: a few seconds, 256 MB, 8 processes, small output (``overrides`` win)."""
-    from rollhpc.sandbox import SandboxLimits
-
     base = dict(
         wall_s=5.0,
         cpu_s=5.0,
@@ -455,8 +451,6 @@ def sandbox() -> Sandbox:
     """The module's sandbox for ``score`` (created on first use, with ``sandbox_limits()``). Fails closed:
     without working bubblewrap it raises SandboxUnavailable saying so; nothing runs outside a sandbox."""
     global _sandbox
-    from rollhpc.sandbox import Sandbox, SandboxUnavailable
-
     with _sandbox_lock:
         if _sandbox is None:
             try:
@@ -484,8 +478,6 @@ def score_components_batch(
     """``{"tests": fraction passed, "format": 0 or -format_penalty}`` per (example, response text), and the
     results of the programs that ran (for counters). ``runner``: a SandboxPool runs the programs concurrently,
     a Sandbox one after another; None: the module's sandbox."""
-    from rollhpc.sandbox import SandboxPool
-
     if len(examples) != len(texts):
         raise ValueError(f"{len(examples)} examples but {len(texts)} responses")
     runner = runner if runner is not None else sandbox()
@@ -531,7 +523,5 @@ def score(example: PyfuncExample, response_text: str) -> float:
 
 def score_batch(examples: Sequence[PyfuncExample], texts: Sequence[str]) -> list[float]:
     """``score`` of many responses, their programs run concurrently (one per CPU of this process)."""
-    from rollhpc.sandbox import SandboxPool
-
     with SandboxPool(sandbox()) as pool:
         return [c["tests"] for c in score_components_batch(examples, texts, pool)[0]]

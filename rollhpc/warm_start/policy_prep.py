@@ -6,6 +6,9 @@ with ``sft_report.json`` beside the weights. The directory appears whole or not 
 in a temp dir beside it, renamed into place). It doubles as a cache: asked again with the same
 settings it is returned untouched; asked with other settings it is refused, never overwritten.
 
+The building itself (torch, transformers) is ``rollhpc.warm_start.policy_build``, imported only when
+a directory is built: this module is read when a config loads.
+
 The held-out split is the task's own (``make_splits`` with the recorded seed and sizes), so the
 RL pipeline can measure improvement on exactly the examples the report measured: ``policy_splits``.
 """
@@ -18,19 +21,15 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rollhpc import file_modes
 from rollhpc.tasks import task_module
-from rollhpc.warm_start.sft import SftConfig, greedy_responses, train_sft
-from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from rollhpc.warm_start.sft_config import SftConfig
+from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 log = logging.getLogger("rollhpc.sft")
 # Chosen by experiment: with the default SftConfig, 2-digit addition stops after 470-1240 steps
@@ -94,44 +93,6 @@ def read_report(model_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(model_dir) / REPORT).read_text())
 
 
-def evaluate_greedy(
-    model: PreTrainedModel | str | Path,
-    examples: Sequence[Any],
-    task: Any,
-    *,
-    tokenizer: PreTrainedTokenizerBase | None = None,
-    max_new_tokens: int = 24,
-    batch_size: int = 64,
-) -> float:
-    """Fraction of ``examples`` whose greedy response the task's verifier scores 1.
-
-    ``model`` is a model directory (its tokenizer is loaded from it) or a loaded model with
-    ``tokenizer``; ``task`` is a task module (``format_prompt``, ``score``) or its name.
-    """
-    if isinstance(task, str):
-        task = task_module(task)
-    if isinstance(model, (str, Path)):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        model = AutoModelForCausalLM.from_pretrained(model)
-    elif tokenizer is None:
-        raise ValueError("pass the tokenizer along with a loaded model (or pass a model directory)")
-    if not examples:
-        raise ValueError("no examples to evaluate")
-    was_training = model.training
-    model.eval()
-    responses = greedy_responses(
-        model,
-        tokenizer,
-        [task.format_prompt(e) for e in examples],
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-    )
-    model.train(was_training)
-    return sum(task.score(e, r) for e, r in zip(examples, responses)) / len(examples)
-
-
 def policy_settings(
     task: str,
     options: dict[str, Any],
@@ -178,9 +139,7 @@ def prepare_policy(
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
     report = build_once(
-        out_dir,
-        settings,
-        lambda work: _fine_tune(work, task, options, spec, sft, seed, vocab_size, progress),
+        out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress)
     )
     if report is None:
         return out_dir
@@ -212,8 +171,7 @@ def build_once(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(file_modes.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        with no_transformers_bars():
-            staged, report = build(tmp)
+        staged, report = build(tmp)
         report = {
             "settings_hash": key,
             "settings": settings,
@@ -234,87 +192,26 @@ def build_once(
 
 
 def _fine_tune(
-    work_dir: Path,
-    task: str,
-    options: dict[str, Any],
-    spec: TinyModelConfig,
-    sft: SftConfig,
-    seed: int,
-    vocab_size: int,
-    progress: bool,
+    work_dir: Path, settings: dict[str, Any], spec: TinyModelConfig, sft: SftConfig, progress: bool
 ) -> tuple[Path, dict[str, Any]]:
-    """Tokenizer, initial model, SFT and evaluation inside ``work_dir``; returns (model dir, report)."""
-    from transformers import AutoModelForCausalLM
+    """The task's splits, then tokenizer, initial model, SFT and evaluation inside ``work_dir``;
+    returns (model dir, report)."""
+    # imported here: the RLVR spec imports this module when a config loads, where torch may not load
+    from rollhpc.warm_start.policy_build import fine_tune_on_task
 
-    module = task_module(task)
-    train, heldout = task_splits(task, options, seed, sft.train_examples, sft.eval_examples)
-    tokenizer = build_tokenizer(module.corpus(train), vocab_size)
-    model = AutoModelForCausalLM.from_pretrained(
-        create_tiny_model(work_dir / "init", spec, tokenizer, seed)
-    )
-    log.info(
-        "sft: %s %s, %d train examples, %d parameters, at most %d steps",
-        task,
-        options,
-        len(train),
-        model.num_parameters(),
-        sft.steps,
-    )
-    pairs = [(module.format_prompt(e), module.completion(e)) for e in train]
-    # Early stopping watches training examples, so the held-out accuracy is not selected on.
-    result = train_sft(
-        model,
-        tokenizer,
-        pairs,
+    task, options, seed = settings["task"], settings["task_options"], settings["seed"]
+    splits = task_splits(task, options, seed, sft.train_examples, sft.eval_examples)
+    return fine_tune_on_task(
+        work_dir,
+        task_module(task),
+        splits,
+        spec,
         sft,
         seed=seed,
+        vocab_size=settings["vocab_size"],
         progress=progress,
-        monitor_pairs=pairs[: sft.eval_examples],
+        label=f"{task} {options}",
     )
-    if sft.target_accuracy is not None and not result.reached_target:
-        log.warning(
-            "sft: the target accuracy %.3f was not reached in %d steps",
-            sft.target_accuracy,
-            sft.steps,
-        )
-    eval_start = time.perf_counter()
-
-    def evaluate(examples: list) -> float:
-        return evaluate_greedy(
-            model, examples, module, tokenizer=tokenizer, max_new_tokens=sft.max_new_tokens
-        )
-
-    report = {
-        "parameters": model.num_parameters(),
-        "steps": result.steps,
-        "reached_target": result.reached_target,
-        "heldout_accuracy": evaluate(heldout),
-        "train_accuracy": evaluate(train[: sft.eval_examples]),
-        "loss_first": result.loss_first,
-        "loss_final": result.loss_final,
-        "loss_curve": result.loss_curve,
-        "accuracy_curve": result.accuracy_curve,
-        "train_s": round(result.wall_s, 2),
-        "eval_s": round(time.perf_counter() - eval_start, 2),
-        "torch_threads": torch_threads(),
-    }
-    model.save_pretrained(work_dir / "policy")
-    tokenizer.save_pretrained(work_dir / "policy")
-    return work_dir / "policy", report
-
-
-@contextmanager
-def no_transformers_bars() -> Iterator[None]:
-    """Hide transformers' "Loading weights" / "Writing model shards" bars (noise for a 2 MB model)."""
-    from transformers.utils import logging as hf_logging
-
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            hf_logging.enable_progress_bar()
 
 
 def reuse_prepared(out_dir: Path, settings: dict[str, Any], key: str) -> bool:
@@ -347,9 +244,3 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()

@@ -1,14 +1,15 @@
 """Supervised fine-tuning of a causal LM on (prompt, completion) pairs, and greedy decoding.
 
-The warm start of the RL pipelines: the tiny policy learns the task's answer format and part of
-the skill from reference completions, so that RL starts from a model that sometimes succeeds.
-Prompt and completion are tokenized separately and concatenated, exactly as the generator sees
-them (a prompt's ids, then sampled ids), and the loss covers the completion and its EOS only.
-``train_sft`` takes text pairs and stops on greedy exact match (RLVR); ``train_sft_ids`` takes
-pairs already encoded (multi-turn rows, built by concatenating ids) and stops on whatever a
-caller's monitor measures (episode success for agentic warm starts, ``rollhpc.warm_start.agentic_prep``).
-Left out: packing, gradient accumulation, mixed precision and multi-process data parallelism
-(the tiny model trains in minutes on one CPU process).
+The warm start of the RL pipelines: the tiny policy learns the task's answer format and part of the
+skill from reference completions, so that RL starts from a model that sometimes succeeds. Prompt and
+completion are tokenized separately and concatenated, exactly as the generator sees them (a prompt's
+ids, then sampled ids), and the loss covers the completion and its EOS only. ``train_sft`` takes
+text pairs and stops on greedy exact match (RLVR); ``train_sft_ids`` takes pairs already encoded
+(multi-turn rows, built by concatenating ids) and stops on whatever a caller's monitor measures
+(episode success for agentic warm starts, ``rollhpc.warm_start.agentic_build``). What training runs
+with is ``SftConfig`` (``rollhpc.warm_start.sft_config``, light: configs name it). Left out:
+packing, gradient accumulation, mixed precision and multi-process data parallelism (the tiny model
+trains in minutes on one CPU process).
 """
 
 from __future__ import annotations
@@ -18,72 +19,23 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from rollhpc.warm_start.sft_config import SftConfig
+
+try:  # optional: a progress bar (else train_sft_ids logs every log_every steps)
+    from tqdm.auto import tqdm
+except ImportError:
+    tqdm = None
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("rollhpc.sft")
 IGNORE_INDEX = -100  # label of prompt and padding positions: no loss there
-
-
-@dataclass(kw_only=True)
-class SftConfig:
-    """Everything that changes the trained weights (and so the cache key of a prepared policy)."""
-
-    steps: int = 3000  # at most; the target accuracy usually stops training far sooner
-    batch_size: int = 32
-    lr: float = 1e-3
-    warmup: int = 30  # linear warmup steps (at most steps), then cosine decay to min_lr_ratio * lr
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    max_len: int = (
-        64  # prompt + completion + EOS tokens; longer examples are an error, not truncated
-    )
-    train_examples: int = 4000
-    eval_examples: int = (
-        400  # held-out examples for the report's accuracy (and as many monitored train examples)
-    )
-    max_new_tokens: int = 32  # generation budget of the greedy evaluation
-    # Stop once the greedy accuracy on monitored training examples reaches this: the RL start should
-    # sometimes succeed, not master the task. None trains all ``steps``.
-    target_accuracy: float | None = 0.2
-    check_every: int = (
-        5  # steps between accuracy checks (one forward pass over the monitored examples)
-    )
-
-    def __post_init__(self) -> None:
-        for name in (
-            "steps",
-            "batch_size",
-            "max_len",
-            "train_examples",
-            "eval_examples",
-            "max_new_tokens",
-            "check_every",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"SftConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"SftConfig.warmup must be an int >= 0, got {self.warmup!r}")
-        if (
-            self.lr <= 0
-            or not 0 <= self.min_lr_ratio <= 1
-            or self.weight_decay < 0
-            or self.grad_clip <= 0
-        ):
-            raise ValueError(
-                f"need lr > 0, 0 <= min_lr_ratio <= 1, weight_decay >= 0, grad_clip > 0; got lr={self.lr},"
-                f" min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}, "
-                f"grad_clip={self.grad_clip}"
-            )
-        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
-            raise ValueError(
-                f"SftConfig.target_accuracy must be in (0, 1] or None, got {self.target_accuracy}"
-            )
 
 
 @dataclass
@@ -117,8 +69,6 @@ def encode_pairs(
 
 def collate(encoded: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and labels [B, T]; labels are IGNORE_INDEX outside completions."""
-    import torch
-
     width = max(len(p) + len(c) for p, c in encoded)
     ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(encoded), width), dtype=torch.long)
@@ -145,8 +95,6 @@ def lr_factor(step: int, options: SftConfig) -> float:
 
 def completion_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean next-token cross-entropy over the completion tokens of the batch."""
-    import torch.nn.functional as F
-
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
     ).logits  # [B, T, V]
@@ -166,8 +114,6 @@ def exact_match(
     """Fraction of examples whose every completion token (EOS included) is the argmax given the
     reference prefix: exactly the examples that greedy decoding reproduces, at the cost of one
     forward pass instead of a generation loop."""
-    import torch
-
     was_training, hits = model.training, 0
     model.eval()
     with torch.no_grad():
@@ -202,12 +148,9 @@ def train_sft(
     """
     encoded = encode_pairs(tokenizer, pairs, options.max_len)
     monitored = encode_pairs(tokenizer, monitor_pairs, options.max_len)
-    if len(encoded) < options.batch_size:
-        raise ValueError(
-            f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}"
-        )
-    if options.target_accuracy is not None and not monitored:
-        raise ValueError("SftConfig.target_accuracy needs monitor_pairs to measure the accuracy on")
+    _check_inputs(
+        len(encoded), options, bool(monitored), "monitor_pairs to measure the accuracy on"
+    )
     pad_id = tokenizer.pad_token_id
 
     def monitor(m: PreTrainedModel) -> float:
@@ -250,15 +193,49 @@ def train_sft_ids(
     without gradients) gives the value recorded in ``accuracy_curve``; training stops once it reaches
     ``options.target_accuracy``. ``metric`` names that value in the log (e.g. "success rate").
     """
-    import torch
-
-    if len(encoded) < options.batch_size:
-        raise ValueError(
-            f"{len(encoded)} training examples are fewer than batch_size={options.batch_size}"
-        )
-    if options.target_accuracy is not None and monitor is None:
-        raise ValueError(f"SftConfig.target_accuracy needs a monitor to measure the {metric} with")
+    _check_inputs(
+        len(encoded), options, monitor is not None, f"a monitor to measure the {metric} with"
+    )
     generator = torch.Generator().manual_seed(seed)
+    optimizer, scheduler = _optimizer(model, options)
+    report = _Report(options, metric, progress, log_every)
+    recent: list[float] = []
+    order: list[int] = []
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, options.steps + 1):
+        if len(order) < options.batch_size:
+            order = torch.randperm(len(encoded), generator=generator).tolist()
+        batch_idx, order = order[: options.batch_size], order[options.batch_size :]
+        batch = collate([encoded[i] for i in batch_idx], pad_id)
+        value = _step(model, optimizer, scheduler, batch, options.grad_clip)
+        recent = [*recent[-9:], value]
+        if monitor is not None and step % options.check_every == 0:
+            report.checked(step, _measure(model, monitor))
+        report.stepped(step, value, scheduler.get_last_lr()[0])
+        if report.result.reached_target:
+            break
+    report.close()
+    model.eval()
+    report.result.loss_final = sum(recent) / len(recent)
+    report.result.wall_s = time.perf_counter() - start
+    return report.result
+
+
+def _check_inputs(examples: int, options: SftConfig, monitored: bool, monitor: str) -> None:
+    """ValueError for fewer examples than a batch, or a target accuracy with nothing to measure."""
+    if examples < options.batch_size:
+        raise ValueError(
+            f"{examples} training examples are fewer than batch_size={options.batch_size}"
+        )
+    if options.target_accuracy is not None and not monitored:
+        raise ValueError(f"SftConfig.target_accuracy needs {monitor}")
+
+
+def _optimizer(
+    model: PreTrainedModel, options: SftConfig
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay on norms and biases) and its warmup-cosine schedule, ``lr_factor``."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay
     optimizer = torch.optim.AdamW(
@@ -270,76 +247,92 @@ def train_sft_ids(
         betas=(0.9, 0.95),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, options))
-    bar = _progress_bar(options.steps) if progress else None
-    result = SftResult(
-        steps=0, reached_target=False, loss_first=float("nan"), loss_final=float("nan")
-    )
-    recent: list[float] = []
-    order: list[int] = []
-    accuracy = float("nan")
+    return optimizer, scheduler
+
+
+def _step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    batch: dict[str, torch.Tensor],
+    grad_clip: float,
+) -> float:
+    """One optimizer step on ``batch``; returns its loss."""
+    loss = completion_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return loss.item()
+
+
+def _measure(model: PreTrainedModel, monitor: Callable[[PreTrainedModel], float]) -> float:
+    """``monitor(model)`` in eval mode without gradients; the model is back in train mode after."""
+    model.eval()
+    with torch.no_grad():
+        value = float(monitor(model))
     model.train()
-    start = time.perf_counter()
-    for step in range(1, options.steps + 1):
-        if len(order) < options.batch_size:
-            order = torch.randperm(len(encoded), generator=generator).tolist()
-        batch_idx, order = order[: options.batch_size], order[options.batch_size :]
-        loss = completion_loss(model, collate([encoded[i] for i in batch_idx], pad_id))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), options.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        value = loss.item()
-        recent = [*recent[-9:], value]
+    return value
+
+
+class _Report:
+    """What a run records as it goes (the ``SftResult``'s curves and early stop) and shows (a
+    progress bar, else a log line every ``log_every`` steps)."""
+
+    def __init__(self, options: SftConfig, metric: str, progress: bool, log_every: int) -> None:
+        self.options, self.metric = options, metric
+        self.progress, self.log_every = progress, log_every
+        self.bar = _progress_bar(options.steps) if progress else None
+        self.result = SftResult(
+            steps=0, reached_target=False, loss_first=float("nan"), loss_final=float("nan")
+        )
+        self.accuracy = float("nan")
+
+    def checked(self, step: int, accuracy: float) -> None:
+        """The monitor's value at ``step``; reaching the target stops training."""
+        target = self.options.target_accuracy
+        self.accuracy = accuracy
+        self.result.accuracy_curve.append((step, accuracy))
+        self.result.reached_target = target is not None and accuracy >= target
+
+    def stepped(self, step: int, loss: float, lr: float) -> None:
+        result, options = self.result, self.options
         result.steps = step
         if step == 1:
-            result.loss_first = value
-        if monitor is not None and step % options.check_every == 0:
-            model.eval()
-            with torch.no_grad():
-                accuracy = float(monitor(model))
-            model.train()
-            result.accuracy_curve.append((step, accuracy))
-            result.reached_target = (
-                options.target_accuracy is not None and accuracy >= options.target_accuracy
-            )
-        if step % log_every == 0 or step == options.steps or result.reached_target:
-            result.loss_curve.append((step, round(value, 5)))
-            if bar is None and progress:
+            result.loss_first = loss
+        if step % self.log_every == 0 or step == options.steps or result.reached_target:
+            result.loss_curve.append((step, round(loss, 5)))
+            if self.bar is None and self.progress:
                 log.info(
                     "sft step %d/%d: loss %.4f, monitored %s %.3f, lr %.2e",
                     step,
                     options.steps,
-                    value,
-                    metric,
-                    accuracy,
-                    scheduler.get_last_lr()[0],
+                    loss,
+                    self.metric,
+                    self.accuracy,
+                    lr,
                 )
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{value:.4f}", acc=f"{accuracy:.3f}", refresh=False)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", acc=f"{self.accuracy:.3f}", refresh=False)
         if result.reached_target:
             log.info(
                 "sft: monitored %s %.3f reached the target %.3f at step %d",
-                metric,
-                accuracy,
+                self.metric,
+                self.accuracy,
                 options.target_accuracy,
                 step,
             )
-            break
-    if bar is not None:
-        bar.close()
-    model.eval()
-    result.loss_final = sum(recent) / len(recent)
-    result.wall_s = time.perf_counter() - start
-    return result
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
-def _progress_bar(total: int) -> Any:
+def _progress_bar(total: int) -> tqdm | None:
     """A tqdm bar when tqdm is installed, else None (train_sft then logs every log_every steps)."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
+    if tqdm is None:
         return None
     return tqdm(total=total, desc="sft", unit="step", dynamic_ncols=True)
 
@@ -353,8 +346,6 @@ def greedy_responses(
     batch_size: int = 64,
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (special tokens removed), batched with left padding."""
-    import torch
-
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     out: list[str] = []
     with torch.no_grad():

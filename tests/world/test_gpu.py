@@ -207,7 +207,7 @@ def test_megatron_offload_frees_the_role_memory_and_reload_restores_it(cuda):
     parameters): megatron's own RL offload through MegatronStateOffloader frees the role's memory, and after the
     reload the parameters, main parameters and moments are bit-identical and training goes on."""
     from rollhpc.checkpoint.mcore import single_process_world
-    from rollhpc.workers.offload import MegatronStateOffloader
+    from rollhpc.workers.megatron_offload import MegatronStateOffloader
 
     with single_process_world("nccl"):  # megatron's DDP runs its collectives on the GPU tensors
         torch.cuda.empty_cache()
@@ -394,7 +394,9 @@ def _megatron(model_dir: Path, dtype: "torch.dtype", device: "torch.device"):
         warnings.simplefilter("ignore")
         from safetensors.torch import load_file
 
-        from rollhpc.models.megatron_gpt import _hf_dict, build_gpt_model, load_hf_weights
+        from rollhpc.models.hf_weight_map import _hf_dict
+        from rollhpc.models.megatron_gpt import build_gpt_model
+        from rollhpc.models.megatron_hf import load_hf_weights
 
     model = build_gpt_model(_hf_dict(model_dir), params_dtype=dtype, parallel_output=False)
     load_hf_weights(model, load_file(str(model_dir / "model.safetensors")), 0, 1)
@@ -477,7 +479,7 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
     from rollhpc.models.vocab_parallel import token_logprobs
     from rollhpc.parallel import ParallelLayout
     from rollhpc.placement.memory_plan import ModelShape
-    from rollhpc.warm_start.tiny import QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB
+    from rollhpc.warm_start.tiny_config import QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB
     from rollhpc.workers.megatron_policy import MegatronTrainWorker
 
     rows, seq = 4, 512

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollhpc.warm_start.policy_build import evaluate_greedy
 from rollhpc.warm_start.policy_prep import (
     REPORT,
-    evaluate_greedy,
     policy_splits,
     prepare_policy,
     read_report,
@@ -108,7 +108,7 @@ def test_existing_policy_with_the_same_settings_is_reused_without_training(
     policy, monkeypatch, caplog
 ):
     monkeypatch.setattr(
-        "rollhpc.warm_start.policy_prep.train_sft", lambda *a, **k: pytest.fail("retrained")
+        "rollhpc.warm_start.policy_build.train_sft", lambda *a, **k: pytest.fail("retrained")
     )
     before = (policy / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()

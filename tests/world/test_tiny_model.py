@@ -20,12 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rollhpc.tasks import arithmetic, countdown
 from rollhpc.warm_start.tiny import (
     EOS_TOKEN,
-    QWEN2_5_0_5B,
-    QWEN2_5_0_5B_VOCAB,
     TinyModelConfig,
     build_tokenizer,
     create_tiny_model,
 )
+from rollhpc.warm_start.tiny_config import QWEN2_5_0_5B, QWEN2_5_0_5B_VOCAB
 
 SAMPLES = [
     "123 + 456 = 579",
