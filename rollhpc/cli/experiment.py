@@ -1,12 +1,15 @@
 """Reading an experiment: hydra composes configs/EXP.yaml (or a YAML path) with ``key=value`` overrides; the
 result is handed to rollhpc.config as a plain dict and validated there, so the library never sees hydra (this is
-the only module that imports it). Also what train, plan and submit share: the run directory and the inputs."""
+the only module that imports it). Also what train, plan and submit share: loading the experiment (or printing it), the run directory and the
+inputs, and how a run's end is reported."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 from rollhpc import config as config_mod
 from rollhpc import experiments
 from rollhpc.config import ConfigError, ExperimentConfig
+from rollhpc.launch.local import failure_summary
 from rollhpc.pipelines.cluster_check_spec import split_overrides, wrap_experiment
 from rollhpc.placement.device_mapping import WorldPlan
 from rollhpc.rundir import RunPaths, atomic_write_bytes, atomic_write_text
@@ -39,6 +43,57 @@ def experiment_args(sp: argparse.ArgumentParser) -> None:
         "with the overrides applied and every default filled in, as the run's config.yaml will "
         "hold it) and exit",
     )
+
+
+def reads_experiment(
+    run: Callable[[ExperimentConfig, argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """The ``cmd_*`` of a command that takes ``experiment_args``: ``run(cfg, args)`` with the experiment loaded,
+    or, given --print-config, only that printed."""
+
+    @functools.wraps(run)
+    def cmd(args: argparse.Namespace) -> int:
+        cfg = load_experiment(args.experiment, args.overrides)
+        if args.print_config:
+            return print_config(cfg)
+        return run(cfg, args)
+
+    return cmd
+
+
+def run_dir_args(sp: argparse.ArgumentParser, resume_help: str) -> None:
+    """--overwrite and --resume, what ``start_run`` does with an existing run directory."""
+    sp.add_argument(
+        "--overwrite", action="store_true", help="delete an existing run directory of the same name"
+    )
+    sp.add_argument("--resume", action="store_true", help=resume_help)
+
+
+def start_run(
+    cfg: ExperimentConfig,
+    plan: WorldPlan,
+    args: argparse.Namespace,
+    on_resume: Callable[[Path], None] | None = None,
+) -> Path:
+    """What train and submit do before the world starts: the inputs prepared and the run directory made, or
+    checked for --resume (after ``on_resume(run_dir)``, when given); returns the run directory."""
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if args.resume and on_resume is not None:
+        on_resume(cfg.run.run_dir.resolve())
+    prepare_inputs(cfg)
+    return prepare_run_dir(cfg, plan, args.overwrite, args.resume)
+
+
+def report_end(run_dir: Path, ended_ok: bool, rc: int, failed: str, finished: str) -> int:
+    """The line train and submit --wait print once the run has ended, and their exit status: ``rollhpc: FAILED:
+    why`` and 1 if it did not end well or wrote error.json (``rc``, its exit status, goes into the why), else
+    ``rollhpc: FINISHED; metrics in ...`` and 0."""
+    if not ended_ok or RunPaths(run_dir).error.exists():
+        print(f"rollhpc: {failed}: {failure_summary(run_dir, rc)}", file=sys.stderr)
+        return 1
+    print(f"rollhpc: {finished}; metrics in {RunPaths(run_dir).metrics}", file=sys.stderr)
+    return 0
 
 
 def compose(experiment: str, overrides: list[str]) -> dict[str, Any]:

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-from rollhpc.cli.experiment import (
-    check_inputs,
-    experiment_args,
-    load_experiment,
-    print_config,
-)
+from rollhpc.cli.experiment import check_inputs, experiment_args, reads_experiment
+from rollhpc.config import ExperimentConfig
 from rollhpc.launch.plan_report import render
 from rollhpc.placement.device_mapping import plan_world
 from rollhpc.placement.memory_plan import estimate
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    cfg = load_experiment(args.experiment, args.overrides)
-    if args.print_config:
-        return print_config(cfg)
+@reads_experiment
+def cmd_plan(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     plan = plan_world(cfg)
     check_inputs(cfg, refuse=False)
     memory = estimate(cfg, plan) if plan.gpus_total else None

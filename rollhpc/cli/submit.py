@@ -10,13 +10,12 @@ from pathlib import Path
 from rollhpc.cli.experiment import (
     check_inputs,
     experiment_args,
-    load_experiment,
-    prepare_inputs,
-    prepare_run_dir,
-    print_config,
+    reads_experiment,
+    report_end,
+    run_dir_args,
+    start_run,
 )
-from rollhpc.config import ConfigError
-from rollhpc.launch.local import failure_summary
+from rollhpc.config import ConfigError, ExperimentConfig
 from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
 from rollhpc.launch.slurm_cli import TERMINAL, component_states
 from rollhpc.placement.device_mapping import plan_world
@@ -24,10 +23,8 @@ from rollhpc.placement.memory_plan import estimate
 from rollhpc.rundir import RunPaths
 
 
-def cmd_submit(args: argparse.Namespace) -> int:
-    cfg = load_experiment(args.experiment, args.overrides)
-    if args.print_config:
-        return print_config(cfg)
+@reads_experiment
+def cmd_submit(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     plan = plan_world(cfg)  # an impossible mapping fails here, before anything reaches Slurm
     if plan.gpus_total:
         estimate(cfg, plan).check()  # so does one that cannot fit in cluster.gpu_memory_gb
@@ -43,12 +40,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    if args.resume:
-        _refuse_if_job_active(cfg.run.run_dir.resolve())
-    prepare_inputs(cfg)
-    run_dir = prepare_run_dir(cfg, plan, args.overwrite, args.resume)
+    run_dir = start_run(cfg, plan, args, on_resume=_refuse_if_job_active)
     job = submit(cfg, plan, run_dir)  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
     print(
         f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
@@ -58,17 +50,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     state = wait_for_job(job.job_id, release_held=cfg.cluster.release_held, run_dir=run_dir)
-    if state != "COMPLETED" or RunPaths(run_dir).error.exists():
-        print(
-            f"rollhpc: job {job.job_id} ended {state}: {failure_summary(run_dir, 1)}",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        f"rollhpc: job {job.job_id} completed; metrics in {RunPaths(run_dir).metrics}",
-        file=sys.stderr,
+    return report_end(
+        run_dir,
+        state == "COMPLETED",
+        1,
+        f"job {job.job_id} ended {state}",
+        f"job {job.job_id} completed",
     )
-    return 0
 
 
 def _refuse_if_job_active(run_dir: Path) -> None:
@@ -103,14 +91,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="wait for the job to end; exit 0 only if the run succeeded",
     )
-    sb.add_argument(
-        "--overwrite", action="store_true", help="delete an existing run directory of the same name"
-    )
-    sb.add_argument(
-        "--resume",
-        action="store_true",
-        help="submit a new job for an existing run directory (same configuration; its last job must have "
-        "ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
+    run_dir_args(
+        sb,
+        resume_help="submit a new job for an existing run directory (same configuration; its last job must "
+        "have ended) that continues from the newest good checkpoint. Not needed after a time limit or a "
         "node failure: the job requeues itself (cluster.requeue, cluster.max_restarts)",
     )
     sb.set_defaults(func=cmd_submit)

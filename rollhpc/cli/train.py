@@ -9,22 +9,19 @@ from rollhpc import config as config_mod
 from rollhpc.cli.experiment import (
     check_inputs,
     experiment_args,
-    load_experiment,
-    prepare_inputs,
-    prepare_run_dir,
-    print_config,
+    reads_experiment,
+    report_end,
+    run_dir_args,
+    start_run,
 )
-from rollhpc.config import ConfigError
-from rollhpc.launch.local import build_command, failure_summary, local_plan, run_local
+from rollhpc.config import ConfigError, ExperimentConfig
+from rollhpc.launch.local import build_command, local_plan, run_local
 from rollhpc.launch.requeue import EXIT_REQUEUE
 from rollhpc.placement.device_mapping import plan_world
-from rollhpc.rundir import RunPaths
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    cfg = load_experiment(args.experiment, args.overrides)
-    if args.print_config:
-        return print_config(cfg)
+@reads_experiment
+def cmd_train(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     try:
         plan = local_plan(cfg)
     except ConfigError as e:
@@ -47,10 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if lines is not None:
             print("\n".join(lines))
         return 0
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    prepare_inputs(cfg)
-    run_dir = prepare_run_dir(cfg, plan, args.overwrite, args.resume)
+    run_dir = start_run(cfg, plan, args)
     print(
         f"rollhpc: run {cfg.run.name}: {cfg.world_size()} MPI ranks, output in {run_dir}",
         file=sys.stderr,
@@ -63,14 +57,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_REQUEUE
-    if rc != 0 or RunPaths(run_dir).error.exists():
-        print(f"rollhpc: run failed: {failure_summary(run_dir, rc)}", file=sys.stderr)
-        return 1
-    print(
-        f"rollhpc: run {cfg.run.name} finished; metrics in {RunPaths(run_dir).metrics}",
-        file=sys.stderr,
-    )
-    return 0
+    return report_end(run_dir, rc == 0, rc, "run failed", f"run {cfg.run.name} finished")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,13 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="print the mpiexec command and the first prompts as the "
         "policy will see them (chat template or plain text), then exit",
     )
-    t.add_argument(
-        "--overwrite", action="store_true", help="delete an existing run directory of the same name"
-    )
-    t.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue an existing run directory (same configuration) from its newest good checkpoint; "
+    run_dir_args(
+        t,
+        resume_help="continue an existing run directory (same configuration) from its newest good checkpoint; "
         "SIGUSR1 to this command makes the run checkpoint after its current step and stop (exit 75)",
     )
     t.set_defaults(func=cmd_train)
