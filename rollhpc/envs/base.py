@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["TextEnv", "ExpertEnv", "Step", "HELDOUT_SEED_BASE"]
+__all__ = ["TextEnv", "ExpertEnv", "Step", "HELDOUT_SEED_BASE", "check_episode_running"]
 
 # Reset seeds from here on are held out: training episodes and SFT warm starts draw theirs below it, so a
 # held-out success rate is measured on maps / levels / questions the policy never trained on.
@@ -67,3 +67,9 @@ class Step:
     @property
     def done(self) -> bool:
         return self.terminated or self.truncated
+
+
+def check_episode_running(over: bool) -> None:
+    """RuntimeError when ``step`` is called while no episode runs (``over``: before ``reset`` or after the end)."""
+    if over:
+        raise RuntimeError("the episode is over: call reset(seed) first")

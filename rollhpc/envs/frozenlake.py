@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv, generate_random_map
 
-from rollhpc.envs.grid import DIRECTIONS, OFFSETS, invalid_text, parse_direction
+from rollhpc.envs.base import check_episode_running
+from rollhpc.envs.grid import DIRECTIONS, OFFSETS, invalid_text, parse_direction, reset_info
 
 __all__ = ["FrozenLake", "ENV"]
 
@@ -97,15 +98,10 @@ class FrozenLake:
         )
         self._gym.reset(seed=seed)
         self._turn, self._done, self._values = 0, False, None
-        return self._render(), {
-            "instruction": INSTRUCTION,
-            "state_key": self._state_key(),
-            "success": False,
-        }
+        return self._render(), reset_info(INSTRUCTION, self._state_key())
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._done or self._gym is None:
-            raise RuntimeError("the episode is over: call reset(seed) first")
+        check_episode_running(self._done or self._gym is None)
         self._turn += 1
         direction = parse_direction(action)
         reward, terminated = 0.0, False

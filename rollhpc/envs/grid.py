@@ -17,8 +17,10 @@ so a rambling turn is invalid and pays the environment's format penalty.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
+from typing import Any
 
-__all__ = ["DIRECTIONS", "OFFSETS", "parse_direction", "invalid_text"]
+__all__ = ["DIRECTIONS", "OFFSETS", "parse_direction", "invalid_text", "reset_info"]
 
 # gymnasium FrozenLake's order: LEFT=0, DOWN=1, RIGHT=2, UP=3
 DIRECTIONS = (
@@ -54,3 +56,8 @@ def invalid_text() -> str:
     """The observation after text that names no direction: short (it costs tokens in the row) and says what
     would have been valid."""
     return "Invalid action: answer left, down, right or up."
+
+
+def reset_info(instruction: str, state_key: Hashable) -> dict[str, Any]:
+    """The info a grid environment's ``reset`` returns: the instruction, the first state's key, no success yet."""
+    return {"instruction": instruction, "state_key": state_key, "success": False}

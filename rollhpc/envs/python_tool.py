@@ -38,6 +38,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from rollhpc.envs.base import check_episode_running
 from rollhpc.sandbox import Sandbox
 from rollhpc.tasks import task_module
 from rollhpc.tasks.arithmetic import ArithmeticExample
@@ -123,8 +124,7 @@ class PythonTool:
         }
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._done:
-            raise RuntimeError("the episode is over: call reset(seed) first")
+        check_episode_running(self._done)
         self._turn += 1
         found = _ACTION.match(action)
         kind, text = (found.group(1).lower(), found.group(2).strip()) if found else ("invalid", "")

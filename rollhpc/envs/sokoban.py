@@ -43,7 +43,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollhpc.envs.grid import DIRECTIONS, invalid_text, parse_direction
+from rollhpc.envs.base import check_episode_running
+from rollhpc.envs.grid import DIRECTIONS, invalid_text, parse_direction, reset_info
 from rollhpc.envs.sokoban_levels import BLOCKED, Level, dead_end, generate, move, solve
 
 __all__ = ["Sokoban", "ENV", "STEP_REWARD", "BOX_ON_REWARD", "BOX_OFF_REWARD", "SOLVED_REWARD"]
@@ -113,15 +114,10 @@ class Sokoban:
         self._player, self._boxes = self._level.player, self._level.boxes
         self._turn, self._done = 0, False
         self._plan = self._plan_states(list(self._level.plan))
-        return self._render(), {
-            "instruction": INSTRUCTION,
-            "state_key": self._state_key(),
-            "success": False,
-        }
+        return self._render(), reset_info(INSTRUCTION, self._state_key())
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-        if self._done or self._level is None:
-            raise RuntimeError("the episode is over: call reset(seed) first")
+        check_episode_running(self._done or self._level is None)
         self._turn += 1
         direction = parse_direction(action, strict=self.strict_format)
         reward = STEP_REWARD

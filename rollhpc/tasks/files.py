@@ -166,46 +166,72 @@ def _messages(value: object, where: str, field: str) -> tuple[tuple[str, str], .
     return tuple(out)
 
 
-def load_examples(
-    path: str | Path,
-    *,
-    prompt_field: str = "prompt",
-    messages_field: str = "",
-    answer_field: str = "answer",
-    domain_field: str = "",
-    system: str = "",
-    verifier: str = "numeric",
-    domain_verifiers: dict[str, str] | None = None,
-    answer_regex: str = "",
-) -> list[FileExample]:
-    """Every row of one file as a ``FileExample``; DataError for the first bad row, the file or a field."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise DataError(f"{path}: no such dataset file")
-    domain_verifiers = dict(domain_verifiers or {})
-    out = []
-    for label, row in _rows(path):
-        where = f"{path}: {label}"
-        for field in filter(None, (messages_field or prompt_field, answer_field, domain_field)):
+@dataclass(frozen=True)
+class RowFormat:
+    """How the rows of a dataset file read (``make_splits``' options of the same names): which fields hold
+    the prompt or messages, the answer and the domain, and what each example gets (system prompt, verifier,
+    answer regex). Checked when made: a bad verifier or answer regex is refused before any file is read."""
+
+    prompt_field: str = "prompt"
+    messages_field: str = ""
+    answer_field: str = "answer"
+    domain_field: str = ""
+    system: str = ""
+    verifier: str = "numeric"
+    domain_verifiers: Mapping[str, str] | None = None
+    answer_regex: str = ""
+
+    def __post_init__(self) -> None:
+        if self.prompt_field and self.messages_field and self.prompt_field != "prompt":
+            raise DataError("task.options: give prompt_field or messages_field, not both")
+        for v in [self.verifier, *(self.domain_verifiers or {}).values()]:
+            check_verifier(v)
+        if self.answer_regex:
+            _check_answer_regex(self.answer_regex)
+
+    def example(self, row: Mapping[str, object], where: str, source: str) -> FileExample:
+        """One row as a ``FileExample``; DataError naming ``where`` for a missing or bad field."""
+        for field in filter(
+            None, (self.messages_field or self.prompt_field, self.answer_field, self.domain_field)
+        ):
             if field not in row:
                 raise DataError(
                     f"{where}: no field {field!r} (fields: {', '.join(sorted(row)) or 'none'})"
                 )
-        messages = _messages(row[messages_field], where, messages_field) if messages_field else ()
-        prompt = messages[-1][1] if messages else _text(row[prompt_field], where, prompt_field)
-        domain = _text(row[domain_field], where, domain_field) if domain_field else ""
-        out.append(
-            FileExample(
-                prompt=prompt,
-                answer=_text(row[answer_field], where, answer_field),
-                messages=messages,
-                system=system,
-                domain=domain,
-                verifier=domain_verifiers.get(domain, verifier),
-                answer_regex=answer_regex,
-                source=f"{path.name}:{label.split()[-1]}",
-            )
+        messages = (
+            _messages(row[self.messages_field], where, self.messages_field)
+            if self.messages_field
+            else ()
         )
+        prompt = (
+            messages[-1][1] if messages else _text(row[self.prompt_field], where, self.prompt_field)
+        )
+        domain = (
+            _text(row[self.domain_field], where, self.domain_field) if self.domain_field else ""
+        )
+        return FileExample(
+            prompt=prompt,
+            answer=_text(row[self.answer_field], where, self.answer_field),
+            messages=messages,
+            system=self.system,
+            domain=domain,
+            verifier=(self.domain_verifiers or {}).get(domain, self.verifier),
+            answer_regex=self.answer_regex,
+            source=source,
+        )
+
+
+def load_examples(path: str | Path, fmt: RowFormat | None = None) -> list[FileExample]:
+    """Every row of one file as a ``FileExample`` (rows read as ``fmt`` says, by default ``RowFormat()``);
+    DataError for the first bad row, the file or a field."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise DataError(f"{path}: no such dataset file")
+    fmt = fmt or RowFormat()
+    out = [
+        fmt.example(row, f"{path}: {label}", f"{path.name}:{label.split()[-1]}")
+        for label, row in _rows(path)
+    ]
     if not out:
         raise DataError(f"{path}: no rows (an empty dataset file)")
     return out
@@ -234,13 +260,7 @@ def make_splits(
         raise DataError(
             "task.options.train: the training file is required (a .jsonl or .parquet path)"
         )
-    if prompt_field and messages_field and prompt_field != "prompt":
-        raise DataError("task.options: give prompt_field or messages_field, not both")
-    for v in [verifier, *(domain_verifiers or {}).values()]:
-        check_verifier(v)
-    if answer_regex:
-        _check_answer_regex(answer_regex)
-    read = dict(
+    fmt = RowFormat(
         prompt_field=prompt_field,
         messages_field=messages_field,
         answer_field=answer_field,
@@ -250,10 +270,10 @@ def make_splits(
         domain_verifiers=domain_verifiers,
         answer_regex=answer_regex,
     )
-    rows = load_examples(train, **read)
+    rows = load_examples(train, fmt)
     random.Random(seed).shuffle(rows)
     if heldout:
-        held = load_examples(heldout, **read)
+        held = load_examples(heldout, fmt)
         random.Random(seed + 1).shuffle(held)
     else:
         held, rows = _hold_out(rows, heldout_fraction, train)

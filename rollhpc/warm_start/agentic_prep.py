@@ -33,7 +33,6 @@ it, other settings are refused (FileExistsError), never overwritten.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
@@ -41,13 +40,12 @@ from typing import Any, Literal
 from rollhpc.envs import make_env
 from rollhpc.envs.base import HELDOUT_SEED_BASE
 from rollhpc.warm_start.agentic_episodes import MAX_TURNS
-from rollhpc.warm_start.policy_prep import build_once
+from rollhpc.warm_start.policy_prep import build_and_log
 from rollhpc.warm_start.sft_config import SftConfig
 from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 __all__ = ["agentic_settings", "prepare_agentic_policy", "MONITOR_EPISODES"]
 
-log = logging.getLogger("rollhpc.sft")
 FORMAT_VERSION = (
     1  # bump when a code change alters what the same settings produce (invalidates caches)
 )
@@ -135,21 +133,13 @@ def prepare_agentic_policy(
     settings = agentic_settings(
         env, env_options, spec, sft, seed, vocab_size, episodes, train_seeds, stop_on, unmerged
     )
-    report = build_once(
-        out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress)
-    )
-    if report is None:
-        return out_dir
-    log.info(
-        "sft: wrote %s in %.0f s (%d steps): held-out greedy success %.3f (expert %.3f, train %.3f)",
+    return build_and_log(
         out_dir,
-        report["wall_s"],
-        report["steps"],
-        report["heldout_success_rate"],
-        report["expert_success_rate"],
-        report["train_success_rate"],
+        settings,
+        lambda work: _fine_tune(work, settings, spec, sft, progress),
+        "sft: wrote {out_dir} in {wall_s:.0f} s ({steps} steps): held-out greedy success "
+        "{heldout_success_rate:.3f} (expert {expert_success_rate:.3f}, train {train_success_rate:.3f})",
     )
-    return out_dir
 
 
 def _check_seed_counts(episodes: int, train_seeds: int) -> None:

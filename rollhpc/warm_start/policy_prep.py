@@ -138,21 +138,26 @@ def prepare_policy(
     spec, sft = spec or TinyModelConfig(), sft or SftConfig()
     options = resolve_task_options(task, task_options)
     settings = policy_settings(task, options, spec, sft, seed, vocab_size)
-    report = build_once(
-        out_dir, settings, lambda work: _fine_tune(work, settings, spec, sft, progress)
-    )
-    if report is None:
-        return out_dir
-    log.info(
-        "sft: wrote %s in %.0f s (%d steps): held-out greedy accuracy %.3f (train %.3f), loss %.4f -> %.4f",
+    return build_and_log(
         out_dir,
-        report["wall_s"],
-        report["steps"],
-        report["heldout_accuracy"],
-        report["train_accuracy"],
-        report["loss_first"],
-        report["loss_final"],
+        settings,
+        lambda work: _fine_tune(work, settings, spec, sft, progress),
+        "sft: wrote {out_dir} in {wall_s:.0f} s ({steps} steps): held-out greedy accuracy "
+        "{heldout_accuracy:.3f} (train {train_accuracy:.3f}), loss {loss_first:.4f} -> {loss_final:.4f}",
     )
+
+
+def build_and_log(
+    out_dir: Path,
+    settings: dict[str, Any],
+    build: Callable[[Path], tuple[Path, dict[str, Any]]],
+    summary: str,
+) -> Path:
+    """``build_once``, then, when it built, one log line: ``summary`` formatted with the report's fields and
+    ``out_dir``. Returns ``out_dir``."""
+    report = build_once(out_dir, settings, build)
+    if report is not None:
+        log.info("%s", summary.format(out_dir=out_dir, **report))
     return out_dir
 
 
