@@ -151,12 +151,7 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
 
     # ------------------------------------------------------------------ the run loop's hooks
     def state_objects(self) -> dict[str, Stateful]:
-        return {
-            "policy": self.policy,
-            "seeds": self.seeds,
-            "scheduler": self.scheduler,
-            "kl_control": self.kl_control,
-        }
+        return {**super().state_objects(), "seeds": self.seeds}
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"episode_groups_drawn": self.seeds.drawn}

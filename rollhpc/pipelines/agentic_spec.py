@@ -125,12 +125,9 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
                 )
 
     @classmethod
-    def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
-        """Before any rank starts: the expert-SFT warm start, when asked for."""
-        w = options.warm_start
-        if w is None:
-            return
-        env_name, env_options = _env_of(roles or {})
+    def build_warm_start(cls, options: Options, w: AgenticWarmStart, roles: dict[str, Any]) -> None:
+        """The expert-SFT warm start."""
+        env_name, env_options = _env_of(roles)
         prepare_agentic_policy(
             options.model_dir,
             env=env_name,

@@ -147,7 +147,7 @@ class ClusterCheck(ClusterCheckSpec, Pipeline):
         """The slowest rank's seconds per op for each size, and the backend used."""
         futures = [
             self._proxy(plan, r).collective_bandwidth.submit(
-                address, tag, i, len(ranks), op, sizes, self.options.iters
+                probes.CollectiveProbe(address, tag, i, len(ranks), op, sizes, self.options.iters)
             )
             for i, r in enumerate(ranks)
         ]

@@ -219,13 +219,7 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
 
     # the run loop's hooks (rollhpc.controller.run_loop.TrainingSteps)
     def state_objects(self) -> dict[str, Stateful]:
-        return {
-            "policy": self.policy,
-            "prompts": self.prompts,
-            "scheduler": self.scheduler,
-            "kl_control": self.kl_control,
-            "reward_norm": self.reward_norm,
-        }
+        return {**super().state_objects(), "prompts": self.prompts, "reward_norm": self.reward_norm}
 
     def checkpoint_summary(self) -> dict[str, Any]:
         return {"prompts_drawn": self.prompts.drawn}

@@ -257,11 +257,8 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
                 )
 
     @classmethod
-    def prepare(cls, options: Options, seed: int, roles: dict[str, Any] | None = None) -> None:
-        """Before any rank starts: build and SFT the starting policy when ``warm_start`` asks for it."""
-        w = options.warm_start
-        if w is None:
-            return
+    def build_warm_start(cls, options: Options, w: WarmStart, roles: dict[str, Any]) -> None:
+        """Build and SFT the starting policy the warm start ``w`` asks for."""
         prepare_policy(
             options.model_dir,
             task=options.task_name,

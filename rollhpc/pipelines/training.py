@@ -2,8 +2,9 @@
 checkpoint, and the hooks that are the same for both (weights to the generators before the first step, the
 weights digest at the end).
 
-A subclass builds its rollout side in ``run``, sets ``self.policy``, then returns ``self.run_loop()``; it
-implements ``step``, ``evaluate``, ``state_objects`` and ``checkpoint_summary`` (``run_loop.TrainingSteps``).
+A subclass builds its rollout side in ``run``, sets ``self.policy``, ``self.scheduler`` and ``self.kl_control``,
+then returns ``self.run_loop()``; it implements ``step``, ``evaluate`` and ``checkpoint_summary``, and adds its own
+state to ``state_objects`` (``run_loop.TrainingSteps``).
 Its ``Options`` derive from ``TrainingOptions``: what both pipelines take (the policy, steps, the algorithm and
 loss, the rollout, evaluation and logging cadence, weight sync, time limits, offload, checkpoints and the final
 export) is declared once there.
@@ -22,7 +23,7 @@ from rollhpc.algo import advantages as adv_mod
 from rollhpc.batch import Batch, ValueBatch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.controller.colocation import Residency, colocation_of
-from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, StepReport
+from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, Stateful, StepReport
 from rollhpc.conversion.export import ExportError, export_run, final_export_dir
 from rollhpc.pipelines.training_spec import (
     TrainingOptions,
@@ -41,7 +42,9 @@ from rollhpc.weight_sync.routing import route_weights
 if (
     TYPE_CHECKING
 ):  # the worker groups' module imports mpi4py; this one is on the cluster check's login path
+    from rollhpc.algo.kl_control import KlController
     from rollhpc.controller.worker_group import GroupFuture
+    from rollhpc.rollout.scheduler import RolloutScheduler
 
 __all__ = [
     "PolicyCursor",
@@ -88,6 +91,8 @@ def generators_take_adapters(roles: dict[str, Any]) -> bool:
 
 class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     policy: PolicyCursor
+    scheduler: RolloutScheduler
+    kl_control: KlController
     checkpointer: RunCheckpointer
     residency: Residency | None = None
 
@@ -275,6 +280,11 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     def _syncs_adapters_only(self) -> bool:
         """A LoRA trainer sends only its adapters to generators that serve or merge them (generators_take_adapters)."""
         return generators_take_adapters(getattr(self.run_ctx.config, "roles", None) or {})
+
+    def state_objects(self) -> dict[str, Stateful]:
+        """What a run checkpoint saves of the controller's side: the policy cursor, the rollout scheduler's
+        buffer and the KL controller; a pipeline adds its own (its prompt or seed stream, ...)."""
+        return {"policy": self.policy, "scheduler": self.scheduler, "kl_control": self.kl_control}
 
     def begin(self, resumed: bool) -> None:
         self.sync_weights()  # the generators start from exactly the trainer's weights

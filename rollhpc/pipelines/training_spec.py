@@ -117,7 +117,8 @@ def check_lora_serving(roles: dict[str, Any]) -> None:
 
 
 class WarmStartOptions(Protocol):
-    """What ``prepared_paths`` reads of a training pipeline's options: each pipeline declares its own warm start."""
+    """What ``prepare`` and ``prepared_paths`` read of a training pipeline's options: each pipeline declares its
+    own warm start."""
 
     model_dir: str
     warm_start: object | None
@@ -145,6 +146,19 @@ class TrainingPipelineSpec(PipelineSpec):
             "critic": ("parameters", "gradients", "optimizer"),
         },
     }
+
+    @classmethod
+    def prepare(
+        cls, options: WarmStartOptions, seed: int, roles: dict[str, Any] | None = None
+    ) -> None:
+        """Before any rank starts: the pipeline's warm start (``build_warm_start``), when its options ask for one."""
+        if options.warm_start is not None:
+            cls.build_warm_start(options, options.warm_start, roles or {})
+
+    @classmethod
+    def build_warm_start(cls, options: WarmStartOptions, w: object, roles: dict[str, Any]) -> None:
+        """Build the starting policy ``w`` (the options' warm start) describes into ``options.model_dir``."""
+        raise NotImplementedError
 
     @classmethod
     def prepared_paths(cls, options: WarmStartOptions) -> list[str]:

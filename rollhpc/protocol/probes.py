@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -90,23 +91,39 @@ def placement(gpus: bool = True) -> dict[str, Any]:
     }
 
 
-def _group(
-    address: tuple[str, int], tag: str, rank: int, world: int, timeout_s: float
-) -> tuple[dist.ProcessGroup, torch.device]:
-    """A process group of ``world`` ranks for this one measurement (NCCL where CUDA is, else gloo), meeting at
-    the controller's store under ``tag``; and the device its tensors live on."""
+@dataclass(frozen=True)
+class CollectiveProbe:
+    """One rank's part in a bandwidth measurement the controller chose (the cluster check): ``op`` (all_reduce,
+    or broadcast from rank 0) among ``world`` ranks, this one ``rank`` of them, in a process group of their own
+    that meets at the controller's store ``address`` under ``tag``; each of ``sizes`` (bytes) timed over
+    ``iters`` calls after one warm-up."""
+
+    address: tuple[str, int]
+    tag: str
+    rank: int
+    world: int
+    op: str
+    sizes: list[int]
+    iters: int
+    timeout_s: float = 120.0
+
+
+def _group(probe: CollectiveProbe) -> tuple[dist.ProcessGroup, torch.device]:
+    """A process group of ``probe.world`` ranks for this one measurement (NCCL where CUDA is, else gloo),
+    meeting at the controller's store under ``probe.tag``; and the device its tensors live on."""
     import torch
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=probe.timeout_s)
+    host, port = probe.address
     store = dist.PrefixStore(
-        f"rollhpc-probe-{tag}", dist.TCPStore(address[0], address[1], None, False, timeout=timeout)
+        f"rollhpc-probe-{probe.tag}", dist.TCPStore(host, port, None, False, timeout=timeout)
     )
     if torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
         opts = dist.ProcessGroupNCCL.Options()
-        return dist.ProcessGroupNCCL(store, rank, world, opts), device
-    return dist.ProcessGroupGloo(store, rank, world, timeout), torch.device("cpu")
+        return dist.ProcessGroupNCCL(store, probe.rank, probe.world, opts), device
+    return dist.ProcessGroupGloo(store, probe.rank, probe.world, timeout), torch.device("cpu")
 
 
 def _run_op(group: dist.ProcessGroup, op: str, t: torch.Tensor) -> None:
@@ -121,37 +138,29 @@ def _run_op(group: dist.ProcessGroup, op: str, t: torch.Tensor) -> None:
         group.broadcast([t], opts).wait()
 
 
-def collective_bandwidth(
-    address: tuple[str, int],
-    tag: str,
-    rank: int,
-    world: int,
-    op: str,
-    sizes: list[int],
-    iters: int,
-    timeout_s: float = 120.0,
-) -> dict[str, Any]:
-    """Seconds per ``op`` (all_reduce, or broadcast from rank 0) of each size in bytes, averaged over ``iters``
-    after one warm-up (NCCL builds its communicator at the first call). The caller takes the slowest rank's
-    time, as a collective ends for everyone when the last rank is done."""
+def collective_bandwidth(probe: CollectiveProbe) -> dict[str, Any]:
+    """Seconds per ``probe.op`` (all_reduce, or broadcast from rank 0) of each size in bytes, averaged over
+    ``probe.iters`` after one warm-up (NCCL builds its communicator at the first call). The caller takes the
+    slowest rank's time, as a collective ends for everyone when the last rank is done."""
     import torch
 
+    op = probe.op
     if op not in ("all_reduce", "broadcast"):
         raise ValueError(f"op: all_reduce or broadcast, not {op!r}")
-    group, device = _group(address, tag, rank, world, timeout_s)
+    group, device = _group(probe)
     times = []
     try:
-        for size in sizes:
+        for size in probe.sizes:
             t = torch.ones(max(1, size // 4), dtype=torch.float32, device=device)
             _run_op(group, op, t)  # warm-up
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            for _ in range(iters):
+            for _ in range(probe.iters):
                 _run_op(group, op, t)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            times.append((time.perf_counter() - start) / iters)
+            times.append((time.perf_counter() - start) / probe.iters)
             del t
     finally:
         shutdown = getattr(group, "shutdown", None)

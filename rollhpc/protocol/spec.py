@@ -48,20 +48,11 @@ class WorkerSpec:
         raise NotImplementedError
 
     @register(Dispatch.ONE_TO_ALL)
-    def collective_bandwidth(
-        self,
-        address: tuple[str, int],
-        tag: str,
-        rank: int,
-        world: int,
-        op: str,
-        sizes: list[int],
-        iters: int,
-    ) -> dict[str, Any]:
-        """Time ``op`` (all_reduce or broadcast) among ranks the controller chose, in a process group of their
-        own that meets at ``address`` (the cluster check; protocol.probes): the role's own groups are left alone.
-        Implemented here: it needs nothing of the rank's state, and torch only when it runs."""
-        return probes.collective_bandwidth(address, tag, rank, world, op, sizes, iters)
+    def collective_bandwidth(self, probe: probes.CollectiveProbe) -> dict[str, Any]:
+        """Time ``probe.op`` (all_reduce or broadcast) among ranks the controller chose, in a process group of
+        their own that meets at ``probe.address`` (the cluster check; protocol.probes): the role's own groups are
+        left alone. Implemented here: it needs nothing of the rank's state, and torch only when it runs."""
+        return probes.collective_bandwidth(probe)
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
