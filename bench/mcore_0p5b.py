@@ -193,7 +193,7 @@ def experiment(args: argparse.Namespace, work: Path, model_dir: Path) -> dict:
 
 def plan_estimate(config_path: Path) -> dict:
     """Per rank of the train and generate roles: the parts the memory plan's hooks give, in bytes."""
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.config import import_object
     from rollhpc.placement.memory_plan import ModelShape, seq_len_of
 

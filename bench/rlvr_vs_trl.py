@@ -103,7 +103,7 @@ class Settings:
 def load_settings(size: dict, setting: dict, wall_s: float | None) -> tuple[Settings, list[str]]:
     """The shared settings and the `rollhpc train` overrides of this size and setting; builds the size's warm
     start (cached in its model_dir) so that neither side's clock pays for it."""
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.pipelines.rlvr import RlvrPipeline
 
     overrides = [*size["overrides"], *setting.get("rollhpc", [])]

@@ -6,26 +6,29 @@ and the only module that imports hydra.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from rollhpc.cli import (
-    ckpt,
-    configs,
-    convert,
-    env,
-    plan,
-    report,
-    sandbox,
-    sft,
-    status,
-    submit,
-    train,
-)
-from rollhpc.cli.experiment import compose, load_experiment
-from rollhpc.config import ConfigError
+__all__ = ["build_parser", "main"]
 
-__all__ = ["build_parser", "compose", "load_experiment", "main"]
+# (command, its module in this package, the function that adds its parser), in the order `rollhpc --help`
+# lists them. A command line that names one loads only that command's module: each imports what it runs
+# (hydra, the config, the launchers, ...), which the others need not pay for.
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("configs", "configs", "add_parser"),
+    ("train", "train", "add_parser"),
+    ("plan", "plan", "add_parser"),
+    ("submit", "submit", "add_parser"),
+    ("status", "status", "add_parser"),
+    ("report", "report", "add_parser"),
+    ("sft", "sft", "add_parser"),
+    ("convert", "convert", "add_convert_parser"),
+    ("export", "convert", "add_export_parser"),
+    ("ckpt", "ckpt", "add_parser"),
+    ("sandbox", "sandbox", "add_parser"),
+    ("env", "env", "add_parser"),
+)
 
 
 def _version() -> str:
@@ -35,7 +38,9 @@ def _version() -> str:
         return "(not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or, when ``argv`` names a command, the parser with that command alone (its
+    usage, arguments and errors are the same either way)."""
     p = argparse.ArgumentParser(
         prog="rollhpc",
         description="RL post-training of language models on Slurm/HPC: a single controller drives worker "
@@ -47,27 +52,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rollhpc {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p.subcommands = sub.choices  # type: ignore[attr-defined]  # name -> its parser, for main's errors
-    # the order `rollhpc --help` lists them in
-    for add in (
-        configs.add_parser,
-        train.add_parser,
-        plan.add_parser,
-        submit.add_parser,
-        status.add_parser,
-        report.add_parser,
-        sft.add_parser,
-        convert.add_convert_parser,
-        convert.add_export_parser,
-        ckpt.add_parser,
-        sandbox.add_parser,
-        env.add_parser,
-    ):
-        add(sub)
+    named = _named_command(argv) if argv is not None else None
+    for name, module, add in COMMANDS:
+        if named in (None, name):
+            getattr(importlib.import_module(f"{__name__}.{module}"), add)(sub)
     return p
 
 
+def _named_command(argv: list[str]) -> str | None:
+    """The command an argument list names (its first word that is not an option), if it is one of ours."""
+    words = [a for a in argv if not a.startswith("-")]
+    names = {name for name, _, _ in COMMANDS}
+    return words[0] if words and words[0] in names else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args, extra = parser.parse_known_args(argv)
     # overrides may come after flags (`train quickstart --overwrite a.b=1`): collect them too
     stray = [
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if hasattr(args, "overrides"):
         args.overrides = [*args.overrides, *extra]
+    # loaded with the command that reads a config (rollhpc.config imports numpy): `rollhpc --help` stays light
+    from rollhpc.config import ConfigError
+
     try:
         return args.func(args)
     except ConfigError as e:

@@ -1,6 +1,6 @@
-"""The quickstart's roles around a tiny torch policy: trainer (data-parallel over MPI), generator,
-rule-based reward. Same contracts as the Megatron/vLLM roles, a model small enough for 2 CPU cores. Their
-options and remote methods are their specs' (toy_policy_spec).
+"""The toy demo's roles around a tiny torch policy: trainer (data-parallel over MPI) and generator (the
+rule-based reward is workers/modsum_reward.py, without torch). Same contracts as the Megatron/vLLM roles,
+a model small enough for 2 CPU cores. Their options and remote methods are their specs' (toy_policy_spec).
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ from mpi4py import MPI
 from rollhpc.algo.losses import clipped_pg_loss
 from rollhpc.batch import Batch
 from rollhpc.protocol.worker import Worker, WorkerContext
-from rollhpc.tasks.modsum import reward
 from rollhpc.workers.toy_policy_spec import (
-    ModSumRewardWorkerSpec,
     PolicyOptions,
     ToyGenerateWorkerSpec,
     ToyTrainWorkerSpec,
@@ -127,14 +125,3 @@ class ToyGenerateWorker(ToyGenerateWorkerSpec, Worker):
                 .argmax(-1)
                 .tolist()
             )
-
-
-class ModSumRewardWorker(ModSumRewardWorkerSpec, Worker):
-    def score(self, batch: Batch) -> Batch:
-        return Batch(
-            {
-                **batch.data,
-                "reward": reward(batch["prompt"], batch["answer"], self.options.modulus),
-            },
-            batch.meta,
-        )

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from rollhpc.batch import Batch
 
-__all__ = ["ModSumRewardWorkerSpec", "PolicyOptions", "ToyGenerateWorkerSpec", "ToyTrainWorkerSpec"]
+__all__ = ["PolicyOptions", "ToyGenerateWorkerSpec", "ToyTrainWorkerSpec"]
 
 
 @dataclass(kw_only=True)
@@ -61,17 +61,4 @@ class ToyGenerateWorkerSpec(WorkerSpec):
     @register(Dispatch.DP_SPLIT)
     def greedy(self, prompts: list) -> list[int]:
         """The most likely answer to each prompt."""
-        raise NotImplementedError
-
-
-class ModSumRewardWorkerSpec(WorkerSpec):
-    """The rule-based reward: whether the answer is (a + b) mod ``modulus``."""
-
-    @dataclass(kw_only=True)
-    class Options:
-        modulus: int = 10
-
-    @register(Dispatch.DP_SPLIT)
-    def score(self, batch: Batch) -> Batch:
-        """The batch with its ``reward`` column."""
         raise NotImplementedError

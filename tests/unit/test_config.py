@@ -1,7 +1,7 @@
 import pytest
 
 from rollhpc import config
-from rollhpc.cli import compose, load_experiment
+from rollhpc.cli.experiment import compose, load_experiment
 from rollhpc.config import ConfigError
 from rollhpc.config.cluster import parse_slurm_time
 

@@ -97,7 +97,7 @@ def test_startup_builds_generators_first_beside_what_earlier_roles_keep():
     """Roles build in turns (controller.startup's order: vLLM, which measures the free memory, first, then the
     config's order): the engine with its whole budget; the trainer then loads beside what the sleeping engine keeps;
     the reference after the trainer offloaded. Activations are not held at start."""
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.controller.startup import startup_turns
 
     cfg = load_experiment("qwen2.5-7b_grpo", [])
@@ -123,7 +123,7 @@ def test_plan_counts_weight_sync_buckets_and_the_startup_stage(tmp_path):
     slots, each the largest tensor (the 1 GiB embedding, above the 512 MiB buckets), the tensor being packed and
     generator 0's copy over CUDA IPC; each NCCL receiver's first GPU two buckets; every colocated GPU has a
     start-up stage; the shipped config fits its 80 GB GPUs."""
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.placement.device_mapping import plan_world
 
     cfg = load_experiment("qwen2.5-7b_grpo", [])

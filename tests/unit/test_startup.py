@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollhpc.cli import load_experiment
+from rollhpc.cli.experiment import load_experiment
 from rollhpc.controller.startup import startup_turns
 
 

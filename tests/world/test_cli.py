@@ -110,7 +110,7 @@ def test_existing_run_directory_is_not_overwritten_by_accident(tmp_path):
 def test_resume_refuses_a_changed_configuration(tmp_path):
     import yaml
 
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.config import to_dict
 
     run_dir = tmp_path / "runs" / "toy_grpo"
@@ -308,7 +308,7 @@ def test_a_gpu_config_dry_run_without_gpus_plans_on_its_cluster(tmp_path, monkey
     assert "rollhpc.rank" in out and "prompts: not shown" in out
     # without --dry-run, nothing starts
     with pytest.raises(Exception, match="cannot run on this machine"):
-        from rollhpc.cli import load_experiment
+        from rollhpc.cli.experiment import load_experiment
         from rollhpc.launch.local import local_plan
 
         local_plan(load_experiment("qwen2.5-7b_grpo", []))
@@ -318,7 +318,8 @@ def test_experiments_are_found_in_project_config_path_and_shipped(tmp_path, monk
     """./configs first, then ROLLHPC_CONFIG_PATH, then the shipped configs (a source checkout's, or the copy a
     wheel installs under PREFIX/share/rollhpc/configs); `rollhpc configs` lists what a name finds."""
     from rollhpc import experiments
-    from rollhpc.cli import compose, main
+    from rollhpc.cli import main
+    from rollhpc.cli.experiment import compose
 
     shipped = (REPO / "configs" / "toy_grpo.yaml").read_text()
     group = tmp_path / "group"

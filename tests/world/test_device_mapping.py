@@ -105,7 +105,7 @@ def test_colocation_moves_only_the_ranks_whose_devices_another_role_uses():
 
 
 def test_async_generation_with_offload_needs_generator_ranks_of_their_own(tmp_path):
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
 
     args = [
         f"pipeline.options.model_dir={tmp_path}",
@@ -237,7 +237,7 @@ def test_4096_gpu_plan_is_complete():
 
 
 def test_local_plan_keeps_everything_on_this_machine():
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.launch.local import local_plan
 
     plan = local_plan(load_experiment("toy_grpo", []))

@@ -223,7 +223,7 @@ def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "test_convert.py"), str(spec), str(result)],
+        [sys.executable, str(REPO / "tests" / "world" / "test_convert.py"), str(spec), str(result)],
         env=env,
         capture_output=True,
         text=True,

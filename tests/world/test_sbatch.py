@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollhpc.cli import load_experiment
+from rollhpc.cli.experiment import load_experiment
 from rollhpc.config import ConfigError
 from rollhpc.config.container import ContainerConfig
 from rollhpc.launch.slurm import container_mounts, render_rescue, render_sbatch

@@ -224,7 +224,7 @@ def test_each_generator_gets_ipc_on_the_trainers_gpu_else_the_broadcast():
     ids=["7b", "30b", "0.5b", "moe4096", "partial-overlap"],
 )
 def test_shipped_layouts_route_each_generator_once_one_rank_per_gpu(name, overrides, ipc):
-    from rollhpc.cli import load_experiment
+    from rollhpc.cli.experiment import load_experiment
     from rollhpc.placement.device_mapping import plan_world, weight_sync_routing
 
     from rollhpc.weight_sync.routing import route_weights
