@@ -114,7 +114,7 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
     if world is None:
         return 1  # a rank was misplaced: every rank has stopped, rank 0 said why
     if rank == 0:
-        # the run loop and the checkpoints (torch): loaded by the controller alone
+        # the controller's modules (run loop, pipelines, run checkpoints): loaded by rank 0 alone
         from rollhpc import rank_controller
 
         return rank_controller.run_controller(world, guard)
@@ -122,8 +122,9 @@ def run_rank(run_dir: Path, expected_role: str | None = None) -> int:
 
 
 def _start_guard(run_dir: Path, raw: dict, expected_role: str | None) -> MpiInitGuard:
-    """The guard comes first: loading the config imports the worker classes, and with them mpi4py (MPI_Init);
-    its limit is read from the controller section alone, which imports nothing."""
+    """The guard comes first: loading the config imports the workers' specs (a worker without one, its class),
+    which may import mpi4py (MPI_Init); its limit is read from the controller section alone, which imports
+    nothing."""
     controller = config_mod.from_dict(
         config_mod.ControllerConfig, raw.get("controller"), "config.controller"
     )

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from rollhpc.launch.slurm_cli import TERMINAL
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "local-cluster.sh"
 
@@ -35,20 +37,6 @@ NODES = 4
 CPUS_PER_NODE = 8
 GPUS_PER_NODE = 4
 
-# JobState values after which a job will not run again by itself
-TERMINAL_STATES = frozenset(
-    {
-        "COMPLETED",
-        "FAILED",
-        "CANCELLED",
-        "TIMEOUT",
-        "NODE_FAIL",
-        "PREEMPTED",
-        "BOOT_FAIL",
-        "DEADLINE",
-        "OUT_OF_MEMORY",
-    }
-)
 # variables that would make sbatch/srun/scontrol talk about another cluster's job or change their options
 _FOREIGN_ENV = re.compile(r"^(SLURM_|SBATCH_|SRUN_|SALLOC_|SQUEUE_|SINFO_|SCONTROL_)")
 
@@ -109,7 +97,7 @@ class SlurmCluster:
         records: list[dict[str, str]] = []
         while time.monotonic() < deadline:
             records = self.job_records(job_id)
-            if records and all(r.get("JobState") in TERMINAL_STATES for r in records):
+            if records and all(r.get("JobState") in TERMINAL for r in records):
                 return records[0]["JobState"]
             time.sleep(0.2)
         self.run(["scancel", str(job_id)], check=False)

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from rollhpc.launch.resubmit import rescue_jobs
+from rollhpc.launch.slurm_cli import TERMINAL
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths, records
 from rollhpc.rundir.records import read_events
 from rollhpc.testing.fault_injection import CHECKPOINT_DELAY as DELAY_ENV
 from rollhpc.testing.fault_injection import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
-from tests.support.slurm_cluster import TERMINAL_STATES
 from tests.support.processes import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
 STEPS = 8
@@ -937,11 +937,11 @@ def wait_job_done(slurm_cluster, job_id: str, run_dir: Path, timeout: float) -> 
         # a job that ended on its own: its rescue decides what follows
         rescue = rescue_jobs(run_dir).get(current)
         rescuing = rescue and any(
-            r.get("JobState") not in TERMINAL_STATES for r in slurm_cluster.job_records(rescue)
+            r.get("JobState") not in TERMINAL for r in slurm_cluster.job_records(rescue)
         )
         if (
             records
-            and all(r.get("JobState") in TERMINAL_STATES for r in records)
+            and all(r.get("JobState") in TERMINAL for r in records)
             and not rescuing
             and (run_dir / "slurm" / "job_id").read_text().strip() == current
         ):
@@ -1164,7 +1164,7 @@ def test_chaos_node_lost_in_sync_batch_node_meanwhile_then_while_forming(
     waiting = {
         r: st
         for r in rescue_jobs(run_dir).values()
-        if (st := slurm_cluster.job_state(r)) not in TERMINAL_STATES
+        if (st := slurm_cluster.job_state(r)) not in TERMINAL
     }
     assert not waiting, f"rescue jobs left in the queue: {waiting}"
 
