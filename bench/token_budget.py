@@ -83,9 +83,8 @@ class TrainStepBench(Pipeline):
             positions = np.arange(width - 1)[None, :]
             ends = o.prompt - 1 + lengths  # the last response token's position as a target
             mask = ((positions >= o.prompt - 1) & (positions < ends[:, None])).astype(np.float32)
-            tokens[np.arange(width)[None, :] > ends[:, None]] = (
-                0  # right padding, as RLVR's batches
-            )
+            # right padding, as RLVR's batches
+            tokens[np.arange(width)[None, :] > ends[:, None]] = 0
             batch = TrainingBatch(tokens, mask, rng.standard_normal(o.rows).astype(np.float32))
             stats = train.train_step(batch, LossConfig(kl_coef=0.0))[0]
             if step:  # the first step warms up (allocations, megatron's first-call setup)

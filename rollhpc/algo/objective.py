@@ -18,15 +18,13 @@ AGGREGATIONS = (
 class LossConfig:
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
     clip_high: float = 0.28  # > clip_low: "clip-higher" (DAPO) keeps exploration alive
-    dual_clip: float | None = (
-        None  # cap on the loss of negative-advantage tokens (dual-clip PPO), e.g. 3.0
-    )
+    # cap on the loss of negative-advantage tokens (dual-clip PPO), e.g. 3.0
+    dual_clip: float | None = None
     agg: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
-    kl_coef: float = (
-        0.0  # KL to the reference in the loss (0: off; set kl_in_reward in the pipeline instead)
-    )
+    # KL to the reference in the loss (0: off; set kl_in_reward in the pipeline instead)
+    kl_coef: float = 0.0
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
 

@@ -42,13 +42,11 @@ SUMMARY_FILE = "state.json"
 class CheckpointConfig:
     every: int = 0  # save every this many steps (0: only at the end and when asked to stop)
     keep_last: int = 2  # committed checkpoints kept (older ones are deleted after a commit)
-    resume: bool = (
-        True  # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
-    )
+    # start from the newest good checkpoint in RUN_DIR/checkpoints when there is one
+    resume: bool = True
     at_end: bool = True  # save after the last step
-    verify: Literal["sha256", "sizes"] = (
-        "sha256"  # how a checkpoint is checked before a resume uses it
-    )
+    # how a checkpoint is checked before a resume uses it
+    verify: Literal["sha256", "sizes"] = "sha256"
 
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep_last < 1:

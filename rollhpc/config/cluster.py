@@ -23,9 +23,8 @@ class CpuComponentConfig:
     account: str = ""  # empty: cluster.account
     qos: str = ""  # empty: cluster.qos
     mem_per_node: str = ""  # sbatch --mem of its nodes, e.g. 64G
-    cpus_per_node: int = (
-        0  # CPUs of one of its nodes (how many ranks share one); 0: cluster.cpus_per_node
-    )
+    # CPUs of one of its nodes (how many ranks share one); 0: cluster.cpus_per_node
+    cpus_per_node: int = 0
     nodes: int = 0  # at most this many nodes; 0: cluster.nodes
     exclusive: bool = False  # whole nodes of its own (--exclusive)
 
@@ -78,14 +77,12 @@ class ClusterConfig:
     # script submits the next job, and a rescue job waiting on each job (--dependency=afterany) does when the
     # batch script could not (its node lost); each resumes from the newest good checkpoint. false: the run ends
     requeue: bool = True
-    max_restarts: int = (
-        5  # restarts after failures (lost workers, peers, batch nodes) before the run gives up
-    )
+    # restarts after failures (lost workers, peers, batch nodes) before the run gives up
+    max_restarts: int = 5
     # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: the CPU component's
     rescue_partition: str = ""
-    stop_before_limit_s: int = (
-        300  # time-limit warning: checkpoint and requeue this long before the end (0: off)
-    )
+    # time-limit warning: checkpoint and requeue this long before the end (0: off)
+    stop_before_limit_s: int = 300
     # a held job (a person's or the site's hold: the run's own jobs are --no-requeue, so Slurm never leaves them
     # "launch failed requeued held"): `rollhpc submit --wait` releases it, once per attempt, when true;
     # otherwise it says which command releases it

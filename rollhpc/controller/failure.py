@@ -188,9 +188,8 @@ class _Surfaced:
     method: str = ""
     err_type: str = ""
     message: str = ""
-    comm: bool = (
-        False  # a communication error (gloo / NCCL / MPI / torch.distributed network errors)
-    )
+    # a communication error (gloo / NCCL / MPI / torch.distributed network errors)
+    comm: bool = False
     # the controller's own wait ran past its limit; it watched the workers all along: a short look finds a
     # late death
     timeout: bool = False

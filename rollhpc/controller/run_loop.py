@@ -39,9 +39,8 @@ log = logging.getLogger("rollhpc.run")
 class Outcome(enum.Enum):
     FINISHED = "finished"  # the last step was taken
     ALREADY_DONE = "already_done"  # resumed from the checkpoint of the last step: nothing to do
-    STOPPED_FOR_REQUEUE = (
-        "stopped_for_requeue"  # a stop request: checkpointed, the next start resumes
-    )
+    # a stop request: checkpointed, the next start resumes
+    STOPPED_FOR_REQUEUE = "stopped_for_requeue"
     WALL_LIMIT = "wall_limit"  # max_wall_s or max_train_s passed
 
 

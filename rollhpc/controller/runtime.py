@@ -35,9 +35,8 @@ from rollhpc.transport.sideband import ControllerSideband, format_all_stacks
 log = logging.getLogger("rollhpc.controller")
 
 _LIVENESS_CHECK_S = 0.02
-_BYE_GRACE_S = (
-    2.0  # how long a worker whose connection closed during shutdown may take to deliver its bye
-)
+# how long a worker whose connection closed during shutdown may take to deliver its bye
+_BYE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)

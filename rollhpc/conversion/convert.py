@@ -83,9 +83,8 @@ class Report:
     seconds: float = 0.0
     tensors: int = 0  # HF tensors converted
     peak_rss_bytes: int = 0  # largest worker's peak resident memory above its baseline
-    baseline_rss_bytes: int = (
-        0  # that worker's resident memory before the conversion (imports, world)
-    )
+    # that worker's resident memory before the conversion (imports, world)
+    baseline_rss_bytes: int = 0
     largest_shard_bytes: int = 0
     largest_shard: str = ""
     verify: dict[str, Any] | None = None

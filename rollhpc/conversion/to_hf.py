@@ -34,9 +34,8 @@ from rollhpc.models.hf_weight_map import (
 from rollhpc.models.lora import adapter_of, peft_config, peft_tensors
 from rollhpc.rundir import replace_dir
 
-ADAPTER_DIR = (
-    "adapter"  # a LoRA checkpoint's converted directory: its adapters in PEFT's format, here
-)
+# a LoRA checkpoint's converted directory: its adapters in PEFT's format, here
+ADAPTER_DIR = "adapter"
 
 
 def convert_rank(rank: int, job: Mapping[str, Any]) -> dict[str, int]:

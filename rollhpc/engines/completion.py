@@ -57,9 +57,8 @@ class StepEngine(Generic[R]):
 
     asleep: bool = False  # no generation until the KV cache is back
     weights_asleep: bool = False  # no weight update until the weights are back
-    sleep_supported: bool = (
-        False  # whether sleep() frees memory (else it only marks the engine asleep)
-    )
+    # whether sleep() frees memory (else it only marks the engine asleep)
+    sleep_supported: bool = False
     version: int = 0  # the weights version live now
     _live: dict[str, R]  # step-API requests in flight, by caller id, in add order
 

@@ -43,9 +43,8 @@ from vllm.plugins import load_general_plugins
 log = logging.getLogger(__name__)
 
 SHM_BACKEND = "rollhpc_shm"
-ALIGN = (
-    64  # byte alignment of each tensor in a chunk: any dtype can be viewed at any tensor's offset
-)
+# byte alignment of each tensor in a chunk: any dtype can be viewed at any tensor's offset
+ALIGN = 64
 
 
 # -- both sides: a chunk as the workers get it (their engine: vllm_shm_receiver) ------------------

@@ -83,9 +83,8 @@ class FrozenLake:
         self._gym: FrozenLakeEnv | None = None
         self._turn = 0
         self._done = True
-        self._values: np.ndarray | None = (
-            None  # [turns left, state, action] success probabilities (slippery expert)
-        )
+        # [turns left, state, action] success probabilities (slippery expert)
+        self._values: np.ndarray | None = None
 
     # ------------------------------------------------------------------ the TextEnv protocol
     def reset(self, seed: int) -> tuple[str, dict[str, Any]]:

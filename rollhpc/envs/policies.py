@@ -35,9 +35,8 @@ class Action:
     text: str  # what the environment is given
     # a model policy's generated ids, as generated (EOS included)
     ids: list[int] = field(default_factory=list)
-    finish_reason: str = (
-        ""  # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
-    )
+    # a model policy's: "stop" (it ended its turn) or "length" (its budget ran out)
+    finish_reason: str = ""
 
 
 class Policy(Protocol):

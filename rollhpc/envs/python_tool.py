@@ -108,9 +108,8 @@ class PythonTool:
         limits = sandbox_limits(wall_s=wall_s, cpu_s=wall_s)
         # raises SandboxUnavailable where it cannot isolate
         self.sandbox = Sandbox(limits, unsafe=unsafe)
-        self.example: object = (
-            None  # the task's example of the running episode (its module reads it)
-        )
+        # the task's example of the running episode (its module reads it)
+        self.example: object = None
         self._turn, self._tool_calls, self._done = 0, 0, True
         self._last_output: str | None = None  # the last tool call's stdout when it succeeded
 

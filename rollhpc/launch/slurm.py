@@ -520,9 +520,8 @@ class HoldWatch:
 
     def __init__(self, job_id: str, release: bool, run_dir: Path | None, grace_s: float):
         self.job_id, self.release, self.run_dir, self.grace_s = job_id, release, run_dir, grace_s
-        self._held_since: tuple[int, float] | None = (
-            None  # (attempt, monotonic time) of the first held poll
-        )
+        # (attempt, monotonic time) of the first held poll
+        self._held_since: tuple[int, float] | None = None
         self._handled: set[int] = set()  # attempts already reported (and released)
 
     def poll(self) -> None:

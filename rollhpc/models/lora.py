@@ -205,9 +205,8 @@ def attach_lora(
     transformer layers adapters on ``config.target``; returns the adapter parameters' element count on this
     rank. Layers are keyed by their global number, so a pipeline stage draws the A its layers have at pp=1."""
     model.requires_grad_(False)
-    model.lora_config = (
-        config  # what a checkpoint of it records (rollhpc.checkpoint.mcore), to read it back
-    )
+    # what a checkpoint of it records (rollhpc.checkpoint.mcore), to read it back
+    model.lora_config = config
     count = 0
     for layer in model.decoder.layers:
         adapters = LoraLayer()

@@ -58,9 +58,8 @@ class RolloutRecord:
     response_text: Sequence[str] | None = None  # n
     domain: Sequence[str] | None = None  # n
     components: dict[str, np.ndarray] | None = None  # name -> [n]
-    response_mask: Sequence[np.ndarray] | None = (
-        None  # n x [response_len_i]: 1 generated, 0 observation
-    )
+    # n x [response_len_i]: 1 generated, 0 observation
+    response_mask: Sequence[np.ndarray] | None = None
     turn_ends: Sequence[np.ndarray] | None = None  # n x [turns_i]
     turn_rewards: Sequence[np.ndarray] | None = None  # n x [turns_i]
     finish: Sequence[str] | None = None  # n

@@ -68,9 +68,8 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
         step_advantage: StepAdvantage = field(default_factory=StepAdvantage)
         train_seeds: int = 100_000  # training episodes draw reset seeds from [0, train_seeds)
         n_heldout: int = 64  # held-out episodes (seeds from HELDOUT_SEED_BASE on)
-        eval_max_turns: int = (
-            32  # a held-out episode is cut after this many turns (the env's own limit first)
-        )
+        # a held-out episode is cut after this many turns (the env's own limit first)
+        eval_max_turns: int = 32
         # held-out episodes act as in training (sampled at the generators' temperature, seeded, so the same
         # weights give the same result) or greedily; a tiny greedy policy often walks in circles forever
         eval_greedy: bool = False

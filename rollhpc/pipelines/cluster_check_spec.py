@@ -100,20 +100,17 @@ class ClusterCheckSpec(PipelineSpec):
         pipeline: dict[str, Any] = field(default_factory=dict)
         allreduce_mib: list[float] = field(default_factory=lambda: [1.0, 16.0, 64.0])
         iters: int = 5  # timed collectives per size (after one warm-up)
-        expected_intra_node_gbps: float = (
-            0.0  # the fabric's bus bandwidth within a node (0: measure only)
-        )
+        # the fabric's bus bandwidth within a node (0: measure only)
+        expected_intra_node_gbps: float = 0.0
         expected_inter_node_gbps: float = 0.0  # ... and between nodes
         expected_weight_sync_gbps: float = 0.0  # trainer -> generators
         bandwidth_floor: float = 0.5  # a measurement below this share of the expected one fails
         weight_sync_mib: float = 256.0  # the trainer -> generators broadcast's size
-        rl_step: bool = (
-            True  # take one step of the checked pipeline (timed, with its real weight sync)
-        )
+        # take one step of the checked pipeline (timed, with its real weight sync)
+        rl_step: bool = True
         skip_step: str = ""  # set by the loader: why the step cannot run here (the model is absent)
-        fail_on_mismatch: bool = (
-            True  # a failed row ends the run with an error (after the table is written)
-        )
+        # a failed row ends the run with an error (after the table is written)
+        fail_on_mismatch: bool = True
 
         def __post_init__(self) -> None:
             if self.iters < 1 or not self.allreduce_mib or min(self.allreduce_mib) <= 0:

@@ -55,9 +55,8 @@ class TaskConfig:
 class WarmStart:
     """A tiny policy built and fine-tuned here (``rollhpc.warm_start.policy_prep``), cached in model_dir."""
 
-    seed: int = (
-        0  # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
-    )
+    # also the seed of the task splits: RL then trains and evaluates on the SFT's splits
+    seed: int = 0
     vocab_size: int = 512
     spec: dict[str, Any] = field(default_factory=dict)  # TinyModelConfig fields
     sft: dict[str, Any] = field(default_factory=dict)  # SftConfig fields
@@ -75,13 +74,11 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
         task: TaskConfig = field(default_factory=TaskConfig)
         # multi-domain RLVR (rollhpc.pipelines.domains): name -> task, share, reward roles, weights
         domains: dict[str, DomainConfig] = field(default_factory=dict)
-        warm_start: WarmStart | None = (
-            None  # build the tiny model + SFT into model_dir when it is absent
-        )
+        # build the tiny model + SFT into model_dir when it is absent
+        warm_start: WarmStart | None = None
         prompts_per_step: int = 16  # groups per batch
-        kl_in_reward: float = (
-            0.0  # coefficient of KL(policy || reference) subtracted from token rewards
-        )
+        # coefficient of KL(policy || reference) subtracted from token rewards
+        kl_in_reward: float = 0.0
         # running mean/std of rewards
         reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)
         # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.

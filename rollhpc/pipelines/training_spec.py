@@ -55,9 +55,8 @@ class TrainingOptions:
     weight_sync: Literal["auto", "broadcast", "relay", "ipc"] = "auto"
     weight_sync_bucket_mb: float = 64.0
     rollout_every: int = 1  # write rollouts/step_N.h5 every this many steps (0: never)
-    max_wall_s: float = (
-        0.0  # stop after the step that passes this many seconds, evaluations included (0: off)
-    )
+    # stop after the step that passes this many seconds, evaluations included (0: off)
+    max_wall_s: float = 0.0
     max_train_s: float = 0.0  # the same, counting training time only (evaluations left out)
     # colocated roles take turns on their devices: each stage offloads what it does not use
     # (rollhpc.controller.colocation); off: they stay resident together

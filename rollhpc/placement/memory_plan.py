@@ -265,9 +265,8 @@ class GpuGroup:
     roles: list[str] = field(default_factory=list)
     stages: dict[str, float] = field(default_factory=dict)  # stage -> bytes with offload on
     resident: float = 0.0  # bytes with offload off (every part of every role at once)
-    sync_buckets: float = (
-        0.0  # a weight sync's buckets on each of these GPUs (in weight_sync and resident)
-    )
+    # a weight sync's buckets on each of these GPUs (in weight_sync and resident)
+    sync_buckets: float = 0.0
 
     @property
     def peak_on(self) -> float:

@@ -25,9 +25,8 @@ from rollhpc.proc.attempt import restart_number
 
 log = logging.getLogger("rollhpc.proc.mpi_shm")
 
-ATTEMPT_STARTED = (
-    "ROLLHPC_ATTEMPT_STARTED"  # seconds since the epoch, set by the batch script before srun
-)
+# seconds since the epoch, set by the batch script before srun
+ATTEMPT_STARTED = "ROLLHPC_ATTEMPT_STARTED"
 SHM_DIR = Path("/dev/shm")
 # the controller's one-to-all payload files (rollhpc.transport.mpi_channel), + its pid and a counter; named here,
 # where the clean-ups look for them, because this module must not import MPI
@@ -56,9 +55,8 @@ def mapped_paths(uid: int) -> dict[str, list[int]]:
     return found
 
 
-MIN_AGE_S = (
-    120.0  # a segment younger than this may be another world's that its ranks have not mapped yet
-)
+# a segment younger than this may be another world's that its ranks have not mapped yet
+MIN_AGE_S = 120.0
 
 
 def stale_segments(

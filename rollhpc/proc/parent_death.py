@@ -32,9 +32,8 @@ def die_with_parent(parent_pid: int | None = None, signal_number: int = signal.S
         os._exit(0)
 
 
-_forking_pid = (
-    0  # the process that is forking, noted just before each fork (0: from another thread than main)
-)
+# the process that is forking, noted just before each fork (0: from another thread than main)
+_forking_pid = 0
 
 
 def _note_forking_process() -> None:

@@ -18,9 +18,8 @@ from rollhpc.parallel import RankCoords
 
 class Dispatch(enum.Enum):
     ONE_TO_ALL = "one_to_all"  # every rank gets the same arguments
-    DP_SPLIT = (
-        "dp_split"  # Batch/RowArrays/list arguments cut into dp_size chunks; rank gets its dp chunk
-    )
+    # Batch/RowArrays/list arguments cut into dp_size chunks; rank gets its dp chunk
+    DP_SPLIT = "dp_split"
     RANK_ZERO = "rank_zero"  # only group rank 0 is called
 
 

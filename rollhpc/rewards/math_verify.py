@@ -29,9 +29,8 @@ from collections.abc import Sequence
 
 __all__ = ["MAX_RESPONSE_CHARS", "score_answer", "score_answers", "shutdown_pool"]
 
-MAX_RESPONSE_CHARS = (
-    4096  # longer responses are cut to their last 4096 characters (the answer is at the end)
-)
+# longer responses are cut to their last 4096 characters (the answer is at the end)
+MAX_RESPONSE_CHARS = 4096
 POOL_WORKERS = 2
 # A number as written: 7, -0.875, .5, 7/8, 7 / 8, \frac{7}{8}, -\dfrac{3}{4}, 1\frac{1}{4} (mixed number).
 _NUMBER = re.compile(

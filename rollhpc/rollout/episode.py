@@ -44,14 +44,12 @@ class Turn:
     observation: list[int] = field(default_factory=list)
     #   next observation); empty for the last turn, unless that observation overflowed the row
     reward: float = 0.0  # the env reward of this turn's action
-    state_key: Hashable | None = (
-        None  # the state the policy acted from (the observation it answered); turns of
-    )
+    # the state the policy acted from (the observation it answered); turns of
+    state_key: Hashable | None = None
     #   one group with equal keys are GiGPO's anchor states. None: matches nothing
     finish_reason: str = ""  # the generator's: "stop" (EOS) or "length" (hit the turn budget)
-    action: str = (
-        ""  # the text the environment was given (formatter.action of the decoded response)
-    )
+    # the text the environment was given (formatter.action of the decoded response)
+    action: str = ""
     observation_text: str = ""  # the environment's answer to it
 
     def __post_init__(self) -> None:
@@ -69,9 +67,8 @@ class Episode:
     prompt: list[int] = field(default_factory=list)
     #   observation); empty when the policy reads text
     turns: list[Turn] = field(default_factory=list)
-    group: int = (
-        0  # episodes of one group share the reset seed (the group baseline of GRPO and GiGPO)
-    )
+    # episodes of one group share the reset seed (the group baseline of GRPO and GiGPO)
+    group: int = 0
     index: int = 0  # position in its group, 0 .. group_size-1
     seed: int = 0  # the environment's reset seed
     finish: str = ""  # FINISHES or "error: ..."; "" while the episode is running

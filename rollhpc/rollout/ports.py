@@ -128,9 +128,8 @@ class ResetReply:
 class StepRequest:
     episode: str
     response_ids: list[int]  # [R] the turn's generated ids, as generated
-    stopped: bool | None = (
-        None  # whether the response ended its turn (None: it ends with the stop token)
-    )
+    # whether the response ended its turn (None: it ends with the stop token)
+    stopped: bool | None = None
 
 
 @dataclass
@@ -143,9 +142,8 @@ class StepReply:
     # [O] the formatted next observation; empty once it is over
     obs_ids: list[int] = field(default_factory=list)
     observation: str = ""  # the next observation's text
-    action: str = (
-        ""  # the text the environment was given (the turn formatter's reading of the response)
-    )
+    # the text the environment was given (the turn formatter's reading of the response)
+    action: str = ""
     reward: float = 0.0
     terminated: bool = False
     truncated: bool = True

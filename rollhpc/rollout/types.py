@@ -20,12 +20,10 @@ class Prompt:
     uid: int  # unique over the run: identifies the group of samples drawn from this prompt
     tokens: tuple[int, ...]  # [P] prompt token ids
     example: object  # the task example (ground truth for the reward), passed on to the reward roles
-    max_tokens: int | None = (
-        None  # response budget of this prompt (None: the scheduler's max_tokens)
-    )
-    domain: str = (
-        "default"  # which reward roles score it, and its share of a batch (multi-domain RLVR)
-    )
+    # response budget of this prompt (None: the scheduler's max_tokens)
+    max_tokens: int | None = None
+    # which reward roles score it, and its share of a batch (multi-domain RLVR)
+    domain: str = "default"
 
 
 @dataclass
@@ -43,9 +41,8 @@ class Sample:
     # what the reward was made of (rule, judge, ...)
     components: dict[str, float] = field(default_factory=dict)
     resumes: int = 0  # times it was aborted and continued (partial rollout)
-    episode: EpisodeState | None = (
-        None  # multi-turn: the environment's side (None: a single-turn sample)
-    )
+    # multi-turn: the environment's side (None: a single-turn sample)
+    episode: EpisodeState | None = None
 
     @property
     def request_id(self) -> str:
@@ -140,34 +137,28 @@ class RolloutStats:
     groups_from_buffer: int = 0
     samples_aborted: int = 0
     samples_resumed: int = 0
-    tokens_generated: int = (
-        0  # tokens of finished samples (aborted partials not counted until they finish)
-    )
+    # tokens of finished samples (aborted partials not counted until they finish)
+    tokens_generated: int = 0
     tokens_discarded: int = 0  # tokens of aborted samples thrown away (no partial rollout)
-    samples_aborted_redundant: int = (
-        0  # redundancy: samples stopped because their group was already full
-    )
+    # redundancy: samples stopped because their group was already full
+    samples_aborted_redundant: int = 0
     episodes_started: int = 0
-    episodes_finished: int = (
-        0  # ended by the env, the turn limit or a full row (not aborted or abandoned)
-    )
+    # ended by the env, the turn limit or a full row (not aborted or abandoned)
+    episodes_finished: int = 0
     episodes_succeeded: int = 0  # of those, the ones the env called a success
-    episodes_failed: int = (
-        0  # ended by the env role (error, timeout, invalid return) or a failed reset
-    )
+    # ended by the env role (error, timeout, invalid return) or a failed reset
+    episodes_failed: int = 0
     episodes_abandoned: int = 0  # the watchdog gave up on them
     groups_dropped_abandoned: int = 0  # too few samples left to fill the group after abandons
-    resets_failed: int = (
-        0  # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
-    )
+    # episodes whose env reset failed (dropped like abandoned ones: no turn to learn from)
+    resets_failed: int = 0
     # failed episodes by reason (its first word)
     failure_reasons: dict[str, int] = field(default_factory=dict)
     first_failure: str = ""  # the first failure's whole reason, for messages
     # per domain: groups started/dropped, tokens
     domains: dict[str, dict[str, int]] = field(default_factory=dict)
-    generators_held_s: float = (
-        0.0  # partial overlap: how long the generators sharing the trainer's GPUs waited
-    )
+    # partial overlap: how long the generators sharing the trainer's GPUs waited
+    generators_held_s: float = 0.0
 
     def count_reason(self, reason: str) -> None:
         key = reason.split(":")[0].split()[0] if reason.strip() else "unknown"

@@ -32,9 +32,8 @@ from rollhpc import file_modes
 class RunPaths:
     """The files and folders of one run directory (what submitit's ``JobPaths`` is for one job)."""
 
-    CONFIG = (
-        "config.yaml"  # the resolved config (cli, at the start; read by every rank and by requeue)
-    )
+    # the resolved config (cli, at the start; read by every rank and by requeue)
+    CONFIG = "config.yaml"
     PLAN = "plan.json"  # the world plan (cli / placement.device_mapping)
     WORLD = "world.json"  # every rank's host and pid, written by the controller once the world has formed (rank)
     LAUNCH = "launch.json"  # the local launcher's command and shared memory (launch.local)
@@ -42,9 +41,8 @@ class RunPaths:
     METRICS = "metrics.jsonl"  # one line per step (observability.metrics)
     RESTARTS = "restarts.jsonl"  # starts, requeues, ends and failures of the run's attempts (launch.requeue)
     FAILED_NODES = "failed-nodes.json"  # nodes the run lost, with why (launch.requeue)
-    CONTROLLER_EXIT = (
-        "controller-exit.json"  # the controller's exit status in this attempt (launch.requeue)
-    )
+    # the controller's exit status in this attempt (launch.requeue)
+    CONTROLLER_EXIT = "controller-exit.json"
     STARTUP_FAILED = "startup-failed.json"  # this attempt's world did not form (launch.requeue)
     STOP_REQUEST = "stop-request"  # checkpoint after this step and stop (controller.stop)
     STARTUP = "startup.json"  # the workers' start-up turns and each rank's build times (controller.startup)

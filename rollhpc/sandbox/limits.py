@@ -21,21 +21,17 @@ MB = 1 << 20
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxLimits:
-    wall_s: float = (
-        10.0  # wall-clock deadline: everything in the sandbox is killed after it (outside)
-    )
+    # wall-clock deadline: everything in the sandbox is killed after it (outside)
+    wall_s: float = 10.0
     cpu_s: float = 10.0  # CPU seconds per process (RLIMIT_CPU: SIGXCPU, SIGKILL a second later)
     memory_mb: int = 512  # address space per process (RLIMIT_AS): MemoryError in Python
-    nproc: int = (
-        32  # processes + threads of the sandbox's uid in its own user namespace (RLIMIT_NPROC)
-    )
+    # processes + threads of the sandbox's uid in its own user namespace (RLIMIT_NPROC)
+    nproc: int = 32
     nofile: int = 64  # open file descriptors per process (RLIMIT_NOFILE)
-    fsize_mb: int = (
-        16  # largest file a process may write (RLIMIT_FSIZE: EFBIG in Python, else SIGXFSZ)
-    )
-    output_bytes: int = (
-        64_000  # stdout and stderr each; more ends the program (status output_limit)
-    )
+    # largest file a process may write (RLIMIT_FSIZE: EFBIG in Python, else SIGXFSZ)
+    fsize_mb: int = 16
+    # stdout and stderr each; more ends the program (status output_limit)
+    output_bytes: int = 64_000
     tmpfs_mb: int = 64  # size of the private /tmp, the only writable place (memory, not disk)
 
     def __post_init__(self) -> None:

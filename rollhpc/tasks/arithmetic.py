@@ -28,9 +28,8 @@ class ArithmeticExample:
     op: str  # one of "+", "-", "*"
     b: int
     answer: str  # ground truth, the decimal result
-    work: bool = (
-        False  # the reference completion shows the column sums before the answer (``show_work``)
-    )
+    # the reference completion shows the column sums before the answer (``show_work``)
+    work: bool = False
 
     @property
     def prompt(self) -> str:

@@ -69,15 +69,13 @@ __all__ = [
 ]
 
 MARKER = "| def f(x): return"
-MAX_EXPRESSION_CHARS = (
-    200  # a longer first line is not an answer (bounds parsing and the program's size)
-)
+# a longer first line is not an answer (bounds parsing and the program's size)
+MAX_EXPRESSION_CHARS = 200
 RESULT_PREFIX = "RESULT "
 PER_INPUT_S = 0.5  # each hidden input's own timer inside the sandbox
 FORMAT_PENALTY = 0.1
-HELDOUT_FUNCTION_FRACTION = (
-    0.25  # disjoint="functions": the share of functions kept for held-out only
-)
+# disjoint="functions": the share of functions kept for held-out only
+HELDOUT_FUNCTION_FRACTION = 0.25
 _INT_BOUND = 10**18  # results beyond it are not compared (no expected value is anywhere near)
 
 

@@ -17,12 +17,10 @@ class Kind:
 
     # the controller to a worker (TAG_CALL)
     BUILD: Final = "build"  # construct the role's worker now (roles sharing GPUs build in turns); answered READY
-    TREE: Final = (
-        "tree"  # this rank's place (parent, children) in a reply tree that later calls name
-    )
-    CALL: Final = (
-        "call"  # run ``method`` on the payload's (args, kwargs); answered RESULT, or along the tree
-    )
+    # this rank's place (parent, children) in a reply tree that later calls name
+    TREE: Final = "tree"
+    # run ``method`` on the payload's (args, kwargs); answered RESULT, or along the tree
+    CALL: Final = "call"
     SHUTDOWN: Final = "shutdown"  # close the worker and leave (built or not yet); answered BYE
     # a worker to the controller (TAG_REPLY), or to its relay in a reply tree (TAG_RELAY)
     READY: Final = "ready"  # built (with its construction times), or the constructor's error

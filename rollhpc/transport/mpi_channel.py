@@ -82,9 +82,8 @@ class MpiChannel:
         self.comm = comm
         # the controller's: role -> (controller + the role's ranks), controller first
         self.fanout = fanout or {}
-        self.my_fanout = (
-            my_fanout  # a worker's: the one of its role, where broadcast buffers arrive
-        )
+        # a worker's: the one of its role, where broadcast buffers arrive
+        self.my_fanout = my_fanout
         self.fanout_ranks = {
             role: sorted(_world_ranks(c, comm)[1:]) for role, c in self.fanout.items()
         }

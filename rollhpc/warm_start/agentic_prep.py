@@ -46,12 +46,10 @@ from rollhpc.warm_start.tiny_config import TinyModelConfig
 
 __all__ = ["agentic_settings", "prepare_agentic_policy", "MONITOR_EPISODES"]
 
-FORMAT_VERSION = (
-    1  # bump when a code change alters what the same settings produce (invalidates caches)
-)
-MONITOR_EPISODES = (
-    64  # training seeds the early stop plays every check_every steps (at most eval_examples)
-)
+# bump when a code change alters what the same settings produce (invalidates caches)
+FORMAT_VERSION = 1
+# training seeds the early stop plays every check_every steps (at most eval_examples)
+MONITOR_EPISODES = 64
 
 
 def agentic_settings(

@@ -40,9 +40,8 @@ DEFAULT_TASK_OPTIONS: dict[str, dict[str, Any]] = {
     "arithmetic": {"digits": 2, "ops": ["+"]},
 }
 REPORT = "sft_report.json"
-FORMAT_VERSION = (
-    1  # bump when a code change alters what the same settings produce (invalidates caches)
-)
+# bump when a code change alters what the same settings produce (invalidates caches)
+FORMAT_VERSION = 1
 
 
 def resolve_task_options(task: str, options: dict[str, Any] | None = None) -> dict[str, Any]:

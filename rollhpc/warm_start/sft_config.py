@@ -19,20 +19,17 @@ class SftConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    max_len: int = (
-        64  # prompt + completion + EOS tokens; longer examples are an error, not truncated
-    )
+    # prompt + completion + EOS tokens; longer examples are an error, not truncated
+    max_len: int = 64
     train_examples: int = 4000
-    eval_examples: int = (
-        400  # held-out examples for the report's accuracy (and as many monitored train examples)
-    )
+    # held-out examples for the report's accuracy (and as many monitored train examples)
+    eval_examples: int = 400
     max_new_tokens: int = 32  # generation budget of the greedy evaluation
     # Stop once the greedy accuracy on monitored training examples reaches this: the RL start should
     # sometimes succeed, not master the task. None trains all ``steps``.
     target_accuracy: float | None = 0.2
-    check_every: int = (
-        5  # steps between accuracy checks (one forward pass over the monitored examples)
-    )
+    # steps between accuracy checks (one forward pass over the monitored examples)
+    check_every: int = 5
 
     def __post_init__(self) -> None:
         for name in (

@@ -70,14 +70,12 @@ class WeightSync:
         self.train, self.generate, self.mode, self.bucket_mb = train, generate, mode, bucket_mb
         self.adapters_only = adapters_only
         self.last_bytes: int | None = None  # what the last sync sent (None: not measured)
-        self.last_stats: dict[str, Any] | None = (
-            None  # the last IPC sync's SyncStats (slots, peak extra memory)
-        )
+        # the last IPC sync's SyncStats (slots, peak extra memory)
+        self.last_stats: dict[str, Any] | None = None
         self._address: tuple[str, int] | None = None  # the trainer's store (open_weight_channel)
         self.routing = routing
-        self.verify_every = (
-            verify_every  # 0: never; else the first sync and every verify_every-th after it
-        )
+        # 0: never; else the first sync and every verify_every-th after it
+        self.verify_every = verify_every
         self.syncs = 0
         self._channel_open = False
 

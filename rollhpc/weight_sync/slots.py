@@ -60,9 +60,8 @@ __all__ = [
     "unpack_entries",
 ]
 
-ALIGN = (
-    64  # bytes: every tensor starts at a multiple, so a byte slot can be viewed as any dtype there
-)
+# bytes: every tensor starts at a multiple, so a byte slot can be viewed as any dtype there
+ALIGN = 64
 
 
 class WeightSyncAborted(RuntimeError):
@@ -147,9 +146,8 @@ class SlotHeader:
     nbytes: int
     entries: list[Entry]
     checksums: list[int] | None = None
-    kind: str = (
-        ""  # the slots' memory: "cuda_ipc" or "shared_memory" (a receiver maps them accordingly)
-    )
+    # the slots' memory: "cuda_ipc" or "shared_memory" (a receiver maps them accordingly)
+    kind: str = ""
 
 
 class StoreControl:
@@ -252,12 +250,10 @@ class SyncStats:
     buckets: int = 0
     receivers: int = 0
     slot_bytes: int = 0  # the configured slot size (bucket_mb)
-    peak_slot_bytes: int = (
-        0  # the most bytes of slots alive at once: at most IN_FLIGHT_BUCKETS slots
-    )
-    peak_extra_bytes: int | None = (
-        None  # measured (PeakMeter): what the sync cost the sender at its peak
-    )
+    # the most bytes of slots alive at once: at most IN_FLIGHT_BUCKETS slots
+    peak_slot_bytes: int = 0
+    # measured (PeakMeter): what the sync cost the sender at its peak
+    peak_extra_bytes: int | None = None
     transport: str = ""
 
     def as_dict(self) -> dict[str, Any]:

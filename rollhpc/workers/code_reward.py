@@ -62,9 +62,8 @@ class CodeRewardWorker(Worker):
     @dataclass(kw_only=True)
     class Options:
         model_dir: str  # where the tokenizer is (the policy checkpoint)
-        task: str = (
-            "pyfunc"  # a code task: a task module with sandbox_limits and score_components_batch
-        )
+        # a code task: a task module with sandbox_limits and score_components_batch
+        task: str = "pyfunc"
         wall_s: float = 5.0  # per program (all of a response's tests): killed after it
         cpu_s: float = 5.0  # per process of a program
         memory_mb: int = 256  # address space per process
@@ -72,9 +71,8 @@ class CodeRewardWorker(Worker):
         output_bytes: int = 4096  # stdout/stderr per program
         workers: int | None = None  # programs at once; None: the CPUs this rank may use
         unsafe: bool = False  # run WITHOUT isolation (limits only): never for untrusted code
-        format_penalty: float = (
-            0.1  # the "format" component is -format_penalty for a malformed response
-        )
+        # the "format" component is -format_penalty for a malformed response
+        format_penalty: float = 0.1
 
         def __post_init__(self) -> None:
             module = task_module(self.task)

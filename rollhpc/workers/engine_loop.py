@@ -40,9 +40,8 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._adds: list[GenerationRequest] = []
         self._aborts: list[str] = []
-        self._abort_ticket = (
-            0  # abort batches handed over, and the last one the loop has carried out
-        )
+        # abort batches handed over, and the last one the loop has carried out
+        self._abort_ticket = 0
         self._aborts_done = 0
         self._finished: list[tuple[str, Completion]] = []
         self._aborted: list[tuple[str, Completion]] = []

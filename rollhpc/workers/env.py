@@ -133,16 +133,13 @@ class EnvWorker(Worker):
         model_dir: str  # where the tokenizer is (the policy checkpoint)
         # the environment's constructor keywords
         env_options: dict[str, Any] = field(default_factory=dict)
-        turns: str = (
-            "plain"  # turn formatter: "plain" (PlainTextTurns) or "chat" (ChatTemplateTurns)
-        )
+        # turn formatter: "plain" (PlainTextTurns) or "chat" (ChatTemplateTurns)
+        turns: str = "plain"
         system: str | None = None  # the system prompt of chat turns
-        eos_token: str | None = (
-            None  # chat turns: the token that ends an assistant turn (None: the tokenizer's)
-        )
-        step_timeout_s: float = (
-            10.0  # per env step (and per env close): past it the episode ends "timeout"
-        )
+        # chat turns: the token that ends an assistant turn (None: the tokenizer's)
+        eos_token: str | None = None
+        # per env step (and per env close): past it the episode ends "timeout"
+        step_timeout_s: float = 10.0
         reset_timeout_s: float = 30.0  # per reset, building the environment included
         workers: int | None = None  # env calls at once; None: the CPUs this rank may use
 

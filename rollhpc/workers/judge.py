@@ -51,27 +51,21 @@ class JudgeWorker(Worker):
     @dataclass(kw_only=True)
     class Options(EngineConfig):  # engine fields apply to the in-process judge only
         policy_model_dir: str  # the policy's tokenizer: decodes the responses being judged
-        judge_model_dir: str | None = (
-            None  # in-process judge: its HF directory (weights and tokenizer)
-        )
+        # in-process judge: its HF directory (weights and tokenizer)
+        judge_model_dir: str | None = None
         endpoint: str | None = None  # or: an OpenAI-compatible server's base URL (http://host:port)
-        endpoint_model: str | None = (
-            None  # the served model's name (None: the first of GET /v1/models)
-        )
-        api: Literal["completions", "chat"] = (
-            "completions"  # endpoint only; "chat": the server's chat template
-        )
-        template: str | None = (
-            None  # fields {question} {response} {reference} {max_score}; None: the mode's default
-        )
-        mode: JudgeMode = (
-            "yes_no"  # "yes_no": YES -> 1, NO -> 0; "score": "Score: N" -> N / max_score
-        )
+        # the served model's name (None: the first of GET /v1/models)
+        endpoint_model: str | None = None
+        # endpoint only; "chat": the server's chat template
+        api: Literal["completions", "chat"] = "completions"
+        # fields {question} {response} {reference} {max_score}; None: the mode's default
+        template: str | None = None
+        # "yes_no": YES -> 1, NO -> 0; "score": "Score: N" -> N / max_score
+        mode: JudgeMode = "yes_no"
         max_score: int = 10
         max_tokens: int = 16  # a verdict is short; a longer output is unparsed anyway
-        task: str | None = (
-            None  # task module that formats examples' questions (rollhpc.tasks.task_module)
-        )
+        # task module that formats examples' questions (rollhpc.tasks.task_module)
+        task: str | None = None
         timeout_s: float = 30.0  # endpoint: per attempt (connect, each read)
         retries: int = 2  # endpoint: more attempts after a refused connection, timeout or 429/5xx
         concurrency: int = 8  # endpoint: requests in flight

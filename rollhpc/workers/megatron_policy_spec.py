@@ -53,9 +53,8 @@ class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
         # forward's activations stay bounded. Losses and gradients are the fixed-size ones (the loss divides by
         # the batch's global token count, whatever the split)
         max_tokens_per_micro_batch: int = 0
-        dtype: Literal["float32", "bfloat16"] = (
-            "float32"  # of the parameters, gradients and optimizer state
-        )
+        # of the parameters, gradients and optimizer state
+        dtype: Literal["float32", "bfloat16"] = "float32"
         # bf16: forward and backward matmuls in bfloat16 under torch.autocast over float32 parameters (which are
         # then their own main parameters: no fp32 copy), log-probs and the loss in float32. dtype=bfloat16 instead
         # keeps the weights themselves in bf16 (half the memory) beside the optimizer's fp32 main copy. On CPUs
@@ -170,9 +169,8 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         weight_decay: float = 0.0
         betas: tuple[float, float] = (0.9, 0.999)
         grad_clip: float = 1.0  # global gradient norm cap (0: off)
-        mini_batches: int = (
-            1  # optimizer steps per train_step (PPO-style updates within one rollout batch)
-        )
+        # optimizer steps per train_step (PPO-style updates within one rollout batch)
+        mini_batches: int = 1
         warmup_steps: int = 0  # linear learning-rate warm-up over this many optimizer steps
         # after the warm-up: lr throughout, or a decay to min_lr over lr_decay_steps optimizer steps (rollhpc.algo.
         # lr_schedule; a run's optimizer steps are its steps x mini_batches)
@@ -182,9 +180,8 @@ class MegatronTrainWorkerSpec(MegatronPolicyWorkerSpec):
         # activation recomputation in the backward (megatron's TransformerConfig): "selective" recomputes attention's
         # score matrices, "full" each layer from its input; the memory plan counts what each keeps
         recompute: Literal["none", "selective", "full"] = "none"
-        distributed_optimizer: bool = (
-            True  # main parameters and moments sharded over the DP group (ZeRO-1)
-        )
+        # main parameters and moments sharded over the DP group (ZeRO-1)
+        distributed_optimizer: bool = True
         # how checkpoints hold the distributed optimizer's state (rollhpc.checkpoint.trainer_state): "sharded", each
         # rank its own shard (no gather, no extra memory; resumes at another DP size, same TP/PP/EP), or
         # "reshardable", gathered per parameter on each DP group's rank 0 (which then holds the role's whole

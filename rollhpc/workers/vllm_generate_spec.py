@@ -40,12 +40,10 @@ VLLM_CUDA_GRAPH_BYTES = 0.5 * 2**30
 class VllmGenerateWorkerSpec(OffloadingWorkerSpec):
     """One engine per rank, vLLM (or the torch engine for tiny models)."""
 
-    offloads_whole = (
-        True  # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
-    )
-    measures_free_memory = (
-        True  # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
-    )
+    # vLLM's sleep takes weights and KV cache together (rollhpc.controller.colocation)
+    offloads_whole = True
+    # sizes its KV cache from the GPU's free memory: builds first (controller.startup)
+    measures_free_memory = True
 
     @dataclass(kw_only=True)
     # + max_model_len, cpu_kv_cache_mb, gpu_memory_utilization, tp size, dtype, threads

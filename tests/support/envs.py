@@ -26,9 +26,8 @@ class CountingEnv:
     def __init__(self, max_steps: int = 3, marker_dir: str | None = None, reward: str = "go"):
         self.max_steps = max_steps
         self.marker_dir = marker_dir
-        self.reward = (
-            reward  # "go": 1 for the action "go"; "parity": 1 for an action of odd length (a
-        )
+        # "go": 1 for the action "go"; "parity": 1 for an action of odd length (a
+        self.reward = reward
         #   random policy earns it half the time: the agentic pipeline's tests need returns that differ)
         self.seed = -1
         self.n = 0
@@ -157,9 +156,8 @@ class MixedEnv:
         kinds: list[str] | None = None,
     ):
         self.options = {"max_steps": max_steps, "marker_dir": marker_dir, "reward": reward}
-        self.kinds = (
-            kinds  # behaviours by name, chosen by seed % len(kinds) instead of the seed's hundreds
-        )
+        # behaviours by name, chosen by seed % len(kinds) instead of the seed's hundreds
+        self.kinds = kinds
         self.inner: CountingEnv | None = None
 
     @classmethod

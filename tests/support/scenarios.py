@@ -159,9 +159,8 @@ class FailScenario(Pipeline):
         how: str  # raise | crash | hang | mpi_stall
         rank: int = 1
         timeout_s: float = 3.0
-        others_sleep_s: float = (
-            0.0  # how: raise: the other ranks sleep this long in the failing call
-        )
+        # how: raise: the other ranks sleep this long in the failing call
+        others_sleep_s: float = 0.0
 
     def run(self) -> None:
         g = self.workers["probe"]
@@ -223,14 +222,12 @@ class TrainerLayoutScenario(Pipeline):
         rows: int = 6
         length: int = 12
         steps: int = 2
-        save_after: int = (
-            0  # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
-        )
+        # checkpoint the train role into RUN_DIR/ckpt after this step (0: never)
+        save_after: int = 0
         resume_from: str = ""  # a train role dir an earlier run saved: load it, then run the steps after save_after
         on_policy: bool = False  # train without old_logprob (the step's own forward gives them)
-        zero_advantage_rows: int = (
-            0  # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
-        )
+        # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
+        zero_advantage_rows: int = 0
         entropy_coef: float = 0.01
 
     def run(self) -> None:
@@ -259,9 +256,8 @@ class TrainerLayoutScenario(Pipeline):
             ends[0] = o.length - 1
             positions = np.arange(o.length - 1)[None, :]
             mask = ((positions >= starts[:, None]) & (positions < ends[:, None])).astype(np.float32)
-            tokens[np.arange(o.length)[None, :] > ends[:, None]] = (
-                0  # padding after each row's response
-            )
+            # padding after each row's response
+            tokens[np.arange(o.length)[None, :] > ends[:, None]] = 0
             advantage = rng.standard_normal(o.rows).astype(np.float32)
             advantage[rng.permutation(o.rows)[: o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:

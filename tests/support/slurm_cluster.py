@@ -46,14 +46,12 @@ class SlurmCluster:
     dir: Path
     # os.environ (less foreign SLURM_*/SBATCH_*/SRUN_* variables) + SLURM_CONF + shim PATH
     env: dict[str, str]
-    up_seconds: float = (
-        0.0  # how long `local-cluster.sh up` took (includes a first apt-get install)
-    )
+    # how long `local-cluster.sh up` took (includes a first apt-get install)
+    up_seconds: float = 0.0
     nodes: int = NODES
     cpus_per_node: int = CPUS_PER_NODE
-    gpus_per_node: int = (
-        GPUS_PER_NODE  # fake GPUs (character devices), enough for CUDA_VISIBLE_DEVICES
-    )
+    # fake GPUs (character devices), enough for CUDA_VISIBLE_DEVICES
+    gpus_per_node: int = GPUS_PER_NODE
 
     def run(
         self, cmd: str | list[str], *, check: bool = True, timeout: float = 60, **kw

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import os
 
-os.environ["HF_HUB_OFFLINE"] = (
-    "1"  # nothing may come from the hub: every file must be in the directory
-)
+# nothing may come from the hub: every file must be in the directory
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
 from pathlib import Path
