@@ -17,7 +17,7 @@ from rollhpc.models.hf_weight_map import (
     Arch,
     HfConfigSource,
     _hf_dict,
-    arch_weight_map,
+    weight_map,
     check_hf_config,
 )
 
@@ -39,7 +39,7 @@ def expected_hf_shapes(hf_config: HfConfigSource) -> dict[str, tuple[int, ...]]:
         "shared_expert": cfg.get("shared_expert_intermediate_size"),
     }
     shapes = {}
-    for w in arch_weight_map(arch):
+    for w in weight_map(arch):
         for name in w.hf:
             if name in ("model.embed_tokens.weight", "lm_head.weight"):
                 shapes[name] = (v, h)

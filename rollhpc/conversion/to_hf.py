@@ -27,7 +27,7 @@ from rollhpc.conversion.meters import Progress, reset_peak_rss, rss_bytes, worke
 from rollhpc.models.hf_weight_map import (
     LORA_ATTRIBUTE,
     WeightMapping,
-    arch_weight_map,
+    weight_map,
     hf_arch,
     unshard_to_hf,
 )
@@ -46,7 +46,7 @@ def convert_rank(rank: int, job: Mapping[str, Any]) -> dict[str, int]:
         baseline = rss_bytes()
         reset_peak_rss()
         reader = McoreReader(src, checksums=job["checksums"])
-        table = arch_weight_map(hf_arch(reader.hf_config))
+        table = weight_map(hf_arch(reader.hf_config))
         plan = _planned_tensors(reader, table)
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(file_modes.mkdtemp(prefix=f".{dst.name}.partial-", dir=dst.parent))

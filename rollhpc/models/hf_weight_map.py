@@ -133,24 +133,19 @@ def hf_arch(hf_config: HfConfigSource) -> Arch:
 
 
 def weight_map(
-    num_layers: int,
-    tie_word_embeddings: bool,
+    arch: Arch,
     *,
-    qkv_bias: bool = True,
-    qk_norm: bool = False,
-    num_experts: int = 0,
-    shared_expert: bool = False,
     layers: Sequence[int] | None = None,
     experts: Sequence[int] | None = None,
     embedding: bool = True,
     output: bool = True,
 ) -> list[WeightMapping]:
-    """Every megatron GPTModel parameter and where it comes from in HF. By default the whole model; a
+    """Every megatron GPTModel parameter of ``arch`` and where it comes from in HF. By default the whole model; a
     pipeline stage / expert-parallel rank holds global ``layers`` (named ``decoder.layers.{position}``),
     global ``experts`` (named ``local_experts.{position}``), the word embeddings when ``embedding``
     (first stage) and the final norm (+ output layer) when ``output`` (last stage)."""
-    layers = range(num_layers) if layers is None else layers
-    experts = range(num_experts) if experts is None else experts
+    layers = range(arch.num_layers) if layers is None else layers
+    experts = range(arch.num_experts) if experts is None else experts
     m = []
     if embedding:
         m.append(
@@ -160,13 +155,13 @@ def weight_map(
         )
     for local, i in enumerate(layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{local}."
-        m += _attention_weights(hf, mc, qkv_bias=qkv_bias, qk_norm=qk_norm)
-        if num_experts:
-            m += _moe_weights(hf + "mlp.", mc + "mlp.", experts, shared_expert=shared_expert)
+        m += _attention_weights(hf, mc, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm)
+        if arch.num_experts:
+            m += _moe_weights(hf + "mlp.", mc + "mlp.", experts, shared_expert=arch.shared_expert)
         else:
             m += _mlp_weights(hf + "mlp.", mc + "mlp.")
     if output:
-        m += _output_weights(tie_word_embeddings, embedding)
+        m += _output_weights(arch.tie_word_embeddings, embedding)
     return m
 
 
@@ -249,29 +244,6 @@ def _output_weights(tie_word_embeddings: bool, embedding: bool) -> list[WeightMa
     elif not embedding:
         m.append(WeightMapping("output_layer.weight", ("model.embed_tokens.weight",), "vocab"))
     return m
-
-
-def arch_weight_map(
-    arch: Arch,
-    *,
-    layers: Sequence[int] | None = None,
-    experts: Sequence[int] | None = None,
-    embedding: bool = True,
-    output: bool = True,
-) -> list[WeightMapping]:
-    """``weight_map`` of an ``Arch``; the part (layers, experts, embedding, output) as in ``weight_map``."""
-    return weight_map(
-        arch.num_layers,
-        arch.tie_word_embeddings,
-        qkv_bias=arch.qkv_bias,
-        qk_norm=arch.qk_norm,
-        num_experts=arch.num_experts,
-        shared_expert=arch.shared_expert,
-        layers=layers,
-        experts=experts,
-        embedding=embedding,
-        output=output,
-    )
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

@@ -46,6 +46,21 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 
+# The local layer spec runs plain PyTorch ops: every fused kernel that TransformerConfig would ask of
+# Apex or Transformer Engine is switched off.
+LOCAL_SPEC_FUSIONS_OFF: dict[str, bool] = dict.fromkeys(
+    (
+        "bias_activation_fusion",
+        "bias_dropout_fusion",
+        "masked_softmax_fusion",
+        "apply_rope_fusion",
+        "gradient_accumulation_fusion",
+        "persist_layer_norm",
+    ),
+    False,
+)
+
+
 def transformer_config_from_hf(
     hf_config: HfConfigSource,
     tp: int = 1,
@@ -79,13 +94,7 @@ def transformer_config_from_hf(
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
-        # The local spec runs plain PyTorch ops: every fused kernel off.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **LOCAL_SPEC_FUSIONS_OFF,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
     if arch.num_experts:

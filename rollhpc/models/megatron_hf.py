@@ -24,7 +24,7 @@ from rollhpc.models.hf_weight_map import (
     Arch,
     WeightMapping,
     _split_expert_name,
-    arch_weight_map,
+    weight_map,
     shard_hf_weight,
     unshard_to_hf,
 )
@@ -78,14 +78,14 @@ def model_weight_map(model: torch.nn.Module) -> tuple[list[WeightMapping], list[
     if arch.num_experts:
         moe = next((layer.mlp for layer in model.decoder.layers), None)
         experts = list(moe.local_expert_indices) if moe is not None else []
-    local = arch_weight_map(
+    local = weight_map(
         arch,
         layers=layers,
         experts=experts,
         embedding=bool(model.pre_process),
         output=bool(model.post_process),
     )
-    return local, arch_weight_map(arch)
+    return local, weight_map(arch)
 
 
 def _default_tp_group(tp_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:

@@ -27,8 +27,8 @@ Parquet goes through Hugging Face ``datasets`` with no network access. Examples 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import inspect
 import json
 import math
 import os
@@ -245,31 +245,16 @@ def make_splits(
     train: str = "",
     heldout: str = "",
     heldout_fraction: float = 0.1,
-    prompt_field: str = "prompt",
-    messages_field: str = "",
-    answer_field: str = "answer",
-    domain_field: str = "",
-    system: str = "",
-    verifier: str = "numeric",
-    domain_verifiers: dict[str, str] | None = None,
-    answer_regex: str = "",
+    **row_format: str | Mapping[str, str] | None,
 ) -> tuple[list[FileExample], list[FileExample]]:
     """(train, held-out) examples from the files: at most ``n_train`` / ``n_heldout`` of each (0: all),
-    in a seed-fixed order. Without a held-out file, ``heldout_fraction`` of the shuffled rows (at least one)."""
+    in a seed-fixed order. Without a held-out file, ``heldout_fraction`` of the shuffled rows (at least one).
+    ``row_format``: ``RowFormat``'s fields (how the rows read)."""
     if not train:
         raise DataError(
             "task.options.train: the training file is required (a .jsonl or .parquet path)"
         )
-    fmt = RowFormat(
-        prompt_field=prompt_field,
-        messages_field=messages_field,
-        answer_field=answer_field,
-        domain_field=domain_field,
-        system=system,
-        verifier=verifier,
-        domain_verifiers=domain_verifiers,
-        answer_regex=answer_regex,
-    )
+    fmt = RowFormat(**row_format)
     rows = load_examples(train, fmt)
     random.Random(seed).shuffle(rows)
     if heldout:
@@ -315,7 +300,9 @@ def check_options(options: dict[str, Any]) -> dict[str, Any]:
     """Called when the config is loaded (``TaskConfig``): the file paths made absolute (the ranks may run
     elsewhere than the launching shell's directory) and every row read once, so a bad file fails before any
     rank starts. Returns the options to keep."""
-    known = set(inspect.signature(make_splits).parameters) - {"seed", "n_train", "n_heldout"}
+    known = {"train", "heldout", "heldout_fraction"} | {
+        f.name for f in dataclasses.fields(RowFormat)
+    }
     unknown = sorted(set(options) - known)
     if unknown:
         raise DataError(

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rollhpc.models.hf_weight_map import (  # noqa: E402
+    Arch,
     padded_vocab_size,
     shard_hf_weight,
     unshard_to_hf,
@@ -42,7 +43,7 @@ def _hf_state(
 @pytest.mark.parametrize("kv_heads,tps", [(4, (1, 2, 4)), (2, (1, 2))], ids=["mha", "gqa"])
 def test_unshard_inverts_shard_bitwise(tied: bool, kv_heads: int, tps: tuple[int, ...]) -> None:
     state, config = _hf_state(tied, kv_heads)
-    table = weight_map(config.num_hidden_layers, tied)
+    table = weight_map(Arch(config.num_hidden_layers, tied))
     expected_names = set(state) - ({"lm_head.weight"} if tied else set())
     assert {
         n for w in table for n in w.hf

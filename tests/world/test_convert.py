@@ -37,7 +37,7 @@ from rollhpc.conversion.convert import (  # noqa: E402
     mcore_to_hf,
     parse_size,
 )
-from rollhpc.models.hf_weight_map import hf_arch, weight_map  # noqa: E402
+from rollhpc.models.hf_weight_map import Arch, hf_arch, weight_map  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42]]
@@ -409,7 +409,10 @@ def test_expected_shapes_match_tiny_checkpoints(models) -> None:
     )
     # expert-parallel rank 1 of 2 on the second pipeline stage: global experts 2, 3 as local 0, 1
     part = weight_map(
-        2, False, num_experts=4, shared_expert=True, layers=[1], experts=[2, 3], embedding=False
+        Arch(2, False, num_experts=4, shared_expert=True),
+        layers=[1],
+        experts=[2, 3],
+        embedding=False,
     )
     names = {w.megatron: w.hf for w in part}
     assert names["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"] == (

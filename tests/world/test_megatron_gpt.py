@@ -21,7 +21,12 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed" and the like
     pytest.importorskip("megatron.core")
 
-from rollhpc.models.hf_weight_map import padded_vocab_size, shard_hf_weight, weight_map  # noqa: E402
+from rollhpc.models.hf_weight_map import (  # noqa: E402
+    Arch,
+    padded_vocab_size,
+    shard_hf_weight,
+    weight_map,
+)
 
 VOCAB = 100
 WORLD = 2
@@ -196,6 +201,6 @@ def test_qkv_and_gate_up_layouts() -> None:
     with pytest.raises(ValueError, match="multiple of tp"):
         shard_hf_weight("qkv", [q, k, v], 0, 4, num_query_groups=ng)
 
-    table = weight_map(num_layers=2, tie_word_embeddings=True)
+    table = weight_map(Arch(num_layers=2, tie_word_embeddings=True))
     assert len(table) == 2 + 7 * 2 and "output_layer.weight" not in {w.megatron for w in table}
-    assert weight_map(2, False)[-1].hf == ("lm_head.weight",)
+    assert weight_map(Arch(2, False))[-1].hf == ("lm_head.weight",)
