@@ -130,6 +130,9 @@ class TrainingBatch(RowArrays):
     ref_logprob: np.ndarray | None = None
     # [B, W-1] float32, 0 where the mask is 0; given on-policy, where the train step measures logprob_abs_diff
     gen_logprob: np.ndarray | None = None
+    # [B, W-1] float32, the mismatch correction's weight of each token's policy-gradient term (rollhpc.algo.correction);
+    # None: no correction
+    is_weight: np.ndarray | None = None
 
 
 @dataclass(eq=False)  # numpy fields: no elementwise ==

@@ -104,16 +104,78 @@ def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> float:
     return (x[valid].float().mean().item()) if valid.any() else 0.0
 
 
+def sequence_log_ratio(
+    logprob: torch.Tensor, old_logprob: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Each row's mean of log(pi / pi_old) over its valid tokens, [B, 1] (0 for a row without any)."""
+    valid = mask.bool()
+    diff = torch.where(valid, logprob - old_logprob, torch.zeros_like(logprob))
+    return diff.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True).clamp(min=1)
+
+
+def pg_terms(
+    objective: str,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-token policy-gradient loss, the ratio it used, where the clip acted), all [B, T]; ``advantage`` [B, T].
+    With r_t = exp(logp_t - old_t), s = exp(mean_t(logp_t - old_t)) over a row's tokens and sg the stop-gradient:
+
+    - ppo: -min(r_t A_t, clip(r_t, 1 - clip_low, 1 + clip_high) A_t) (``clipped_pg_loss``, dual clip included).
+    - gspo (Zheng et al. 2025): -min(s A_t, clip(s, ...) A_t): one ratio and one clip per sequence, whose gradient
+      reaches every token of the row through the mean.
+    - gspo-token: the same with s_t = sg(s) exp(logp_t - sg(logp_t)): s's value, each token's own gradient, so
+      advantages may differ per token; with one advantage per row and ``seq-mean-token-mean`` it equals gspo.
+    - cispo (MiniMax-M1): -sg(clip(r_t, ...)) A_t logp_t: the clipped ratio only weighs the token's log-prob
+      gradient, so a clipped token still learns (PPO's clip zeroes it).
+    """
+    if objective == "ppo":
+        ratio = torch.exp(logprob - old_logprob)
+        loss = clipped_pg_loss(logprob, old_logprob, advantage, clip_low, clip_high, dual_clip)
+        return loss, ratio, _clip_acted(ratio, advantage, clip_low, clip_high)
+    if objective in ("gspo", "gspo-token"):
+        log_s = sequence_log_ratio(logprob, old_logprob, mask)
+        if objective == "gspo-token":
+            ratio = torch.exp(log_s.detach() + logprob - logprob.detach())
+        else:
+            ratio = torch.exp(log_s).expand_as(logprob)
+        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        loss = -torch.minimum(ratio * advantage, clipped * advantage)
+        return loss, ratio, _clip_acted(ratio, advantage, clip_low, clip_high)
+    if objective == "cispo":
+        ratio = torch.exp(logprob - old_logprob)
+        weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+        acted = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+        return -weight * advantage * logprob, ratio, acted
+    raise ValueError(f"unknown objective {objective!r}")
+
+
+def _clip_acted(
+    ratio: torch.Tensor, advantage: torch.Tensor, clip_low: float, clip_high: float
+) -> torch.Tensor:
+    """Where a min-of-clipped surrogate takes the clipped branch (its gradient is then 0)."""
+    return ((advantage > 0) & (ratio > 1.0 + clip_high)) | (
+        (advantage < 0) & (ratio < 1.0 - clip_low)
+    )
+
+
 def policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
     advantage: torch.Tensor,
     mask: torch.Tensor,
     *,
+    objective: str = "ppo",
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = None,
     agg: str = "token-mean",
+    is_weight: torch.Tensor | None = None,
     ref_logprob: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_kind: str = "k3",
@@ -122,9 +184,11 @@ def policy_loss(
     global_tokens: float | None = None,
     global_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Actor loss = agg(clipped pg) + kl_coef * agg(KL to ref) - entropy_coef * agg(entropy).
+    """Actor loss = agg(is_weight * pg) + kl_coef * agg(KL to ref) - entropy_coef * agg(entropy), with pg the
+    ``objective``'s per-token term (``pg_terms``).
 
     All inputs [B, T]; ``advantage`` may be [B] (one value per sequence, broadcast over its tokens).
+    ``is_weight``: the mismatch correction's weights (rollhpc.algo.correction), detached; None: 1.
     Leave ``ref_logprob`` out when the KL is already in the rewards (PPO, REINFORCE++); pass it for
     GRPO-style "KL in loss". Metrics: "pg_loss", "kl", "entropy" are the aggregated terms (local
     shares when global counts are given); "clip_frac" and "ratio_mean" are over local valid tokens.
@@ -136,7 +200,12 @@ def policy_loss(
     def agg_(x: torch.Tensor) -> torch.Tensor:
         return aggregate(x, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
 
-    pg = agg_(clipped_pg_loss(logprob, old_logprob, advantage, clip_low, clip_high, dual_clip))
+    per_token, ratio, clip_acted = pg_terms(
+        objective, logprob, old_logprob, advantage, mask, clip_low, clip_high, dual_clip
+    )
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    pg = agg_(per_token)
     total = pg
     metrics = {"pg_loss": pg.item()}
     if ref_logprob is not None:
@@ -149,12 +218,8 @@ def policy_loss(
         metrics["entropy"] = ent.item()
     with torch.no_grad():
         valid = mask.bool()
-        ratio = torch.exp(logprob - old_logprob)
-        clipped = ((advantage > 0) & (ratio > 1.0 + clip_high)) | (
-            (advantage < 0) & (ratio < 1.0 - clip_low)
-        )
-        metrics["clip_frac"] = _masked_mean(clipped, valid)
-        metrics["ratio_mean"] = _masked_mean(ratio, valid)
+        metrics["clip_frac"] = _masked_mean(clip_acted, valid)
+        metrics["ratio_mean"] = _masked_mean(ratio.detach(), valid)
         if dual_clip is not None:
             metrics["dual_clip_frac"] = _masked_mean((advantage < 0) & (ratio > dual_clip), valid)
     return total, metrics
@@ -180,7 +245,7 @@ class PolicyLoss:
     """The actor's loss on one micro-batch, as ``LossConfig`` says: ``policy_loss`` with its metrics.
 
     Reads the micro-batch's ``loss_mask``, ``advantage`` and, when given, ``old_logprob`` (absent: on-policy, the
-    ratio is exactly 1), ``ref_logprob`` (a KL term) and ``gen_logprob`` (``logprob_abs_diff``, how far the
+    ratio is exactly 1), ``is_weight`` (the mismatch correction), ``ref_logprob`` (a KL term) and ``gen_logprob`` (``logprob_abs_diff``, how far the
     trainer's log-probs are from the generator's, per trained token). A new objective is a new class like this.
     """
 
@@ -211,10 +276,12 @@ class PolicyLoss:
             old,
             micro["advantage"].float(),
             micro["loss_mask"].float(),
+            objective=c.objective,
             clip_low=c.clip_low,
             clip_high=c.clip_high,
             dual_clip=c.dual_clip,
             agg=c.agg,
+            is_weight=micro["is_weight"].float() if "is_weight" in micro else None,
             ref_logprob=micro["ref_logprob"].float() if "ref_logprob" in micro else None,
             kl_coef=c.kl_coef,
             kl_kind=c.kl_kind,

@@ -57,6 +57,19 @@ TRAINING_PANELS = (
     ("train/kl", "KL to the reference policy", "nats per token"),
 )
 # learning.png's panels, row by row, and throughput.png's: (key, against wall time, title, y-axis label, smoothed)
+# the trainer against the generator (rollhpc.algo.correction), with what a loss.correction did
+MISMATCH_PANELS = (
+    ("mismatch_kl", "trainer-generator KL (k3 per token)", "nats per token"),
+    ("logprob_abs_diff", "|trainer - generator| log-prob", "nats per token"),
+    ("mismatch_ratio_p95", "ratio pi_old / mu: 95th percentile", "ratio"),
+    ("mismatch_ratio_p05", "ratio pi_old / mu: 5th percentile", "ratio"),
+    ("mismatch_ratio_max", "ratio pi_old / mu: largest", "ratio"),
+    ("mismatch_seq_ratio_p95", "sequence ratio (geometric mean): 95th pct", "ratio"),
+    ("correction_masked_frac", "tokens rejected by the correction", "fraction"),
+    ("correction_masked_seq_frac", "sequences with a rejected token", "fraction"),
+    ("correction_truncated_frac", "tokens whose weight was truncated", "fraction"),
+    ("correction_ess", "effective sample size of the weights", "fraction of tokens"),
+)
 LEARNING_PANELS = (
     ("reward_mean", False, "reward (mean over samples)", "reward", True),
     ("accuracy", False, "held-out accuracy", "accuracy", False),
@@ -338,9 +351,11 @@ def summarize(run: RunSeries) -> list[str]:
     ]
 
 
-def training_panels(runs: list[RunSeries]) -> list[tuple[str, str, str]]:
-    """training.png's panels: those of TRAINING_PANELS that some run logged."""
-    return [panel for panel in TRAINING_PANELS if any(run.column(panel[0])[0] for run in runs)]
+def logged_panels(
+    runs: list[RunSeries], panels: tuple[tuple[str, str, str], ...] = TRAINING_PANELS
+) -> list[tuple[str, str, str]]:
+    """Those of ``panels`` (training.png's by default) that some run logged."""
+    return [panel for panel in panels if any(run.column(panel[0])[0] for run in runs)]
 
 
 PanelSpec = tuple[
@@ -364,10 +379,12 @@ def _panels_png(
     return _save(fig, path)
 
 
-def _training_png(runs: list[RunSeries], path: Path, suptitle: str) -> Path | None:
-    """training.png, a panel per quantity some run logged; none (and an earlier report's removed) when
-    no run logged any."""
-    logged = training_panels(runs)
+def _logged_png(
+    runs: list[RunSeries], panels: tuple[tuple[str, str, str], ...], path: Path, suptitle: str
+) -> Path | None:
+    """A figure of a panel per quantity of ``panels`` some run logged (training.png, mismatch.png); none (and an
+    earlier report's removed) when no run logged any."""
+    logged = logged_panels(runs, panels)
     if not logged:
         path.unlink(missing_ok=True)  # an earlier report's, of other runs
         return None
@@ -409,8 +426,9 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> list[Path]:
             f"{title}: throughput",
         ),
     ]
-    if training := _training_png(runs, out_dir / "training.png", f"{title}: training"):
-        written.append(training)
+    for name, panels in (("training", TRAINING_PANELS), ("mismatch", MISMATCH_PANELS)):
+        if png := _logged_png(runs, panels, out_dir / f"{name}.png", f"{title}: {name}"):
+            written.append(png)
     written.append(_stages_png(runs, out_dir / "stages.png"))
     text = "\n".join(line for run in runs for line in summarize(run)) + "\n"
     atomic_write_bytes(out_dir / "summary.txt", text.encode())

@@ -225,11 +225,16 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
             data, advantage = self._turn_advantages(episodes)
         tokens, mask = data["tokens"], data["loss_mask"]
         advantage = np.asarray(advantage, dtype=np.float32)
-        if self.options.skip_on_policy_logprobs and self.trains_once_per_batch():
+        if (
+            self.options.skip_on_policy_logprobs
+            and self.trains_once_per_batch()
+            and not self.options.loss.correction.enabled
+        ):
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return TrainingBatch(tokens, mask, advantage, gen_logprob=data["gen_logprob"]), critic
         old = self.old_logprobs_from_trainer(tokens, mask, data["gen_logprob"], times)
-        return TrainingBatch(tokens, mask, advantage, old_logprob=old), critic
+        batch = TrainingBatch(tokens, mask, advantage, old_logprob=old)
+        return self.corrected(batch, data["gen_logprob"], times), critic
 
     def _episode_advantages(
         self, episodes: list[list[Episode]], times: dict[str, float]

@@ -82,8 +82,9 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
         # running mean/std of rewards
         reward_norm: RewardNormConfig = field(default_factory=RewardNormConfig)
         # the behaviour policy's log-probs in the PPO ratio: recomputed by the trainer, or the generator's own.
-        # Async (max_staleness >= 1) wants "generator": the trainer's are those of the weights being trained, so a
-        # one-step update has ratio 1 and its clip never bounds the step away from the policy that sampled
+        # Async (max_staleness >= 1) wants "generator", or "trainer" with a loss.correction (decoupled PPO): alone,
+        # the trainer's are those of the weights being trained, so a one-step update has ratio 1 and its clip never
+        # bounds the step away from the policy that sampled
         old_logprob_source: Literal["trainer", "generator"] = "trainer"
         eval_max_tokens: int = 16
         # prompts in the model's chat template when its tokenizer has one (auto), always (on: an error
@@ -95,11 +96,20 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
             if self.steps < 1 or self.prompts_per_step < 1 or self.eval_every < 0:
                 raise ValueError("steps and prompts_per_step must be >= 1, eval_every >= 0")
             self._check_group_size()
-            if self.rollout.max_staleness >= 1 and self.old_logprob_source == "trainer":
+            if self.loss.correction.enabled and self.old_logprob_source == "generator":
+                raise ValueError(
+                    "loss.correction weighs the trainer's old log-probs against the generator's: it needs "
+                    "old_logprob_source=trainer (with generator both are the generator's and every weight is 1)"
+                )
+            if (
+                self.rollout.max_staleness >= 1
+                and self.old_logprob_source == "trainer"
+                and not self.loss.correction.enabled
+            ):
                 log.warning(
-                    "rollout.max_staleness=%d with old_logprob_source=trainer: the PPO clip does not bound "
-                    "updates on samples of older weights; old_logprob_source=generator does (README, "
-                    "'How a run is built')",
+                    "rollout.max_staleness=%d with old_logprob_source=trainer and no loss.correction: the PPO "
+                    "clip does not bound updates on samples of older weights; old_logprob_source=generator "
+                    "does, and so does a loss.correction (decoupled PPO) (README, 'How a run is built')",
                     self.rollout.max_staleness,
                 )
             if (

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rollhpc.algo import advantages as adv_mod
-from rollhpc.batch import Batch, ValueBatch
+from rollhpc.algo.correction import correct, mismatch_metrics
+from rollhpc.batch import Batch, TrainingBatch, ValueBatch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.controller.colocation import Residency, colocation_of
 from rollhpc.controller.run_loop import LoopConfig, Outcome, RunLoop, Stateful, StepReport
@@ -241,7 +242,7 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
     ) -> np.ndarray:
         """The trainer's log-probs of ``tokens`` under the weights the batch was generated with, and how far the
         generator's were from them (``logprob_abs_diff``, per generated token: the weight sync and both engines'
-        numerics)."""
+        numerics; ``mismatch_*``: rollhpc.algo.correction.mismatch_metrics)."""
         self.stage("old_logprob")
         t = time.perf_counter()
         old = self.workers["train"].compute_logprobs(Batch({"tokens": tokens}))["logprob"]
@@ -249,7 +250,22 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         times["logprob_abs_diff"] = float(
             (np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1)
         )
+        times.update(mismatch_metrics(old, gen_logprob, mask))
         return old
+
+    def corrected(
+        self, batch: TrainingBatch, gen_logprob: np.ndarray, times: dict[str, float]
+    ) -> TrainingBatch:
+        """``batch`` with the mismatch correction of ``loss.correction`` (rollhpc.algo.correction): its rejected
+        tokens out of the loss mask and its weights in ``is_weight``; the batch itself without one."""
+        config = self.options.loss.correction
+        if not config.enabled:
+            return batch
+        if batch.old_logprob is None:
+            raise ValueError("a mismatch correction needs the trainer's old log-probs")
+        done = correct(config, batch.old_logprob, gen_logprob, batch.loss_mask)
+        times.update(done.metrics)
+        return replace(batch, loss_mask=done.loss_mask, is_weight=done.is_weight)
 
     def training_result(
         self,

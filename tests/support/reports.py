@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from rollhpc.observability.report import load_run, training_panels
+from rollhpc.observability.report import load_run, logged_panels
 from tests.support.processes import rollhpc
 
 
@@ -23,7 +23,7 @@ def assert_report(run_dir: Path, cwd: Path) -> str:
     of axes (recorded in the PNG's Description chunk); returns summary.txt."""
     res = rollhpc("report", str(run_dir), cwd=cwd, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
-    panels = len(training_panels([load_run(run_dir)]))
+    panels = len(logged_panels([load_run(run_dir)]))
     assert panels >= 2, "a training run logs at least its loss and response length"
     for name, axes in {**REPORT_AXES, "training.png": panels}.items():
         with Image.open(run_dir / "report" / name) as img:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from rollhpc.observability.report import _labels, _smoothed, load_run, training_panels, write_report
+from rollhpc.observability.report import _labels, _smoothed, load_run, logged_panels, write_report
 
 
 def write_run(run_dir: Path, steps: int, keys: tuple[str, ...]) -> Path:
@@ -46,7 +46,7 @@ def test_training_panels_are_those_logged_and_same_named_runs_differ(tmp_path):
     b = write_run(tmp_path / "b" / "x", 30, ("train/loss", "train/entropy"))
     runs = [load_run(a), load_run(b)]
     # the clip fraction: nobody
-    assert [p[0] for p in training_panels(runs)] == [
+    assert [p[0] for p in logged_panels(runs)] == [
         "train/loss",
         "train/grad_norm",
         "response_len_mean",
@@ -72,6 +72,12 @@ def test_training_panels_are_those_logged_and_same_named_runs_differ(tmp_path):
     (bare / "report" / "training.png").write_bytes(b"an earlier report's")
     assert "training.png" not in {p.name for p in write_report([bare], bare / "report")}
     assert not (bare / "report" / "training.png").exists()
+
+
+def test_a_run_with_both_log_probs_gets_the_mismatch_figure(tmp_path):
+    run = write_run(tmp_path / "m", 10, ("train/loss", "mismatch_kl", "correction_masked_frac"))
+    written = {p.name for p in write_report([run], run / "report")}
+    assert "mismatch.png" in written and axes_of(run / "report" / "mismatch.png") == 2
 
 
 def test_the_smoothed_line_follows_the_trend_not_the_noise():

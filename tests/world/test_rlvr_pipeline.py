@@ -89,11 +89,20 @@ def assert_three_steps_in_sync(res, tmp_path) -> Path:
     return run_dir
 
 
+def assert_nothing_to_correct(run_dir: Path) -> None:
+    """Engines in sync (float32 both, weights synced exactly): a loss.correction finds the policies equal, so it
+    rejects nothing and weighs every token 1, and the mismatch metrics say so."""
+    for x in [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]:
+        assert x["mismatch_kl"] < 1e-6 and abs(x["mismatch_ratio_max"] - 1) < 1e-3, x
+        assert x["correction_masked_frac"] == 0 and abs(x["correction_weight_mean"] - 1) < 1e-4, x
+
+
 @pytest.mark.slow
 def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path, tiny_model):
     """The quickstart on a trainer of two pipeline stages (each holding one layer; the tied embedding on
     both): weights streamed from both stages reach vLLM exactly, the trainer's log-probs equal the
-    generator's after every sync."""
+    generator's after every sync. The objective is CISPO with IcePop's correction (token weights, token
+    rejection), through the pipeline schedule."""
     res = rollhpc(
         "train",
         "quickstart",
@@ -104,12 +113,15 @@ def test_rlvr_with_a_pipeline_parallel_trainer_stays_in_sync_with_vllm(tmp_path,
         "pipeline.options.prompts_per_step=4",
         "pipeline.options.rollout.dynamic_sampling=false",
         "pipeline.options.loss.entropy_coef=0.01",
+        "pipeline.options.loss.objective=cispo",
+        "pipeline.options.loss.correction={weight: token, cap: 5, mask: token, mask_high: 5}",
         "roles.train.procs=2",
         "roles.train.parallel.pp=2",
         cwd=tmp_path,
         timeout=600,
     )
     run_dir = assert_three_steps_in_sync(res, tmp_path)
+    assert_nothing_to_correct(run_dir)
     summary = assert_report(run_dir, tmp_path)  # the figures of a finished quickstart run
     assert "steps: 3 logged, 3 trained" in summary and "restarts: none" in summary
     assert "load per step (mean): controller " in summary and " train busy " in summary
@@ -190,7 +202,8 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     """A Qwen2-MoE policy (routed experts + shared expert, untied head) trained with EP=2: after every
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught
     vLLM's CPU MoE kernel keeping unpacked experts after a reload (rollhpc.engines.vllm_cpu_moe_repack):
-    mean |diff| 0.05 without the repack."""
+    mean |diff| 0.05 without the repack. The objective is GSPO's token variant with NeMo-RL's sequence-mask
+    TIS (token weights, whole rows rejected), split over the expert-parallel ranks."""
     from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
@@ -210,12 +223,14 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
         "pipeline.options.prompts_per_step=4",
         "pipeline.options.rollout.dynamic_sampling=false",
         "pipeline.options.loss.entropy_coef=0.05",
+        "pipeline.options.loss={objective: gspo-token, clip_low: 3.0e-4, clip_high: 4.0e-4}",
+        "pipeline.options.loss.correction={weight: token, mask: sequence}",
         "roles.train.procs=2",
         "roles.train.parallel.ep=2",
         cwd=tmp_path,
         timeout=600,
     )
-    assert_three_steps_in_sync(res, tmp_path)
+    assert_nothing_to_correct(assert_three_steps_in_sync(res, tmp_path))
 
 
 @pytest.mark.slow
@@ -223,7 +238,8 @@ def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_mod
     """LoRA on the train role with a KL term and no reference role: vLLM serves the adapters with its own LoRA
     (max_lora_rank), each sync moves them alone (a small share of the model's bytes), after every sync the
     generator's log-probs equal the trainer's (base + adapters), and the KL is measured against the frozen base.
-    (The torch engine's merge of synced adapters: tests/unit/test_torch_engine.py.)"""
+    (The torch engine's merge of synced adapters: tests/unit/test_torch_engine.py.) The objective is GSPO with
+    masked importance sampling (sequence weights, whole rows rejected)."""
     res = rollhpc(
         "train",
         "quickstart",
@@ -236,12 +252,15 @@ def test_rlvr_with_lora_syncs_adapters_only_and_stays_in_sync(tmp_path, tiny_mod
         "pipeline.options.loss.kl_coef=0.05",
         "pipeline.options.loss.entropy_coef=0.01",  # a gradient every step, whatever the rewards
         "roles.train.options.lr=1e-2",
+        "pipeline.options.loss.objective=gspo",
+        "pipeline.options.loss.correction={weight: sequence, mask: sequence}",
         "roles.train.options.lora={rank: 4, alpha: 8}",
         "roles.generate.options.max_lora_rank=8",
         cwd=tmp_path,
         timeout=600,
     )
     run_dir = assert_three_steps_in_sync(res, tmp_path)
+    assert_nothing_to_correct(run_dir)
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
     model_mb = sum(f.stat().st_size for f in Path(tiny_model).glob("*.safetensors")) / (1 << 20)
     for x in steps:
