@@ -133,6 +133,9 @@ class TrainingBatch(RowArrays):
     # [B, W-1] float32, the mismatch correction's weight of each token's policy-gradient term (rollhpc.algo.correction);
     # None: no correction
     is_weight: np.ndarray | None = None
+    # [B, W, moe_layers, top_k] int16, the experts each position's token was routed to by the generator (routing
+    # replay r3: rollhpc.workers.router_replay); None: the trainer routes itself
+    routes: np.ndarray | None = None
 
 
 @dataclass(eq=False)  # numpy fields: no elementwise ==

@@ -137,6 +137,12 @@ class EngineConfig:
             **common,
         )
 
+    def returns_routes(self) -> bool:
+        """Whether this engine returns the experts each token was routed to (routing replay r3). Not yet:
+        vLLM records them only in its GPU model runner (``enable_return_routed_experts``), which rollhpc does
+        not request yet, and the torch engine runs dense models."""
+        return False
+
     def takes_adapters(self) -> bool:
         """Whether this engine takes a LoRA trainer's adapters alone (and serves or merges them itself)."""
         return self.engine == "torch" or self.max_lora_rank > 0

@@ -13,6 +13,7 @@ from rollhpc.pipelines.training_spec import (
     TrainingPipelineSpec,
     check_critic_role,
     check_lora_serving,
+    check_route_source,
 )
 from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
 from rollhpc.warm_start.sft_config import SftConfig
@@ -146,6 +147,7 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
         _env_of(roles)
         check_critic_role(options, roles)
         check_lora_serving(roles)
+        check_route_source(roles)
 
 
 def _env_of(roles: dict[str, Any]) -> tuple[str, dict[str, Any]]:

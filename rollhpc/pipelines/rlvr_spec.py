@@ -21,6 +21,7 @@ from rollhpc.pipelines.training_spec import (
     TrainingPipelineSpec,
     check_critic_role,
     check_lora_serving,
+    check_route_source,
     train_lora,
 )
 from rollhpc.rollout.prompts import PromptRenderer, check_prompt_budget
@@ -239,6 +240,7 @@ class RlvrPipelineSpec(TrainingPipelineSpec):
             )
         check_critic_role(options, roles)
         check_lora_serving(roles)
+        check_route_source(roles)
         lora = train_lora(roles)
         if lora is not None and "reference" in roles:
             raise ValueError(

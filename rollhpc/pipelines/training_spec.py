@@ -22,6 +22,7 @@ __all__ = [
     "TrainingPipelineSpec",
     "check_critic_role",
     "check_lora_serving",
+    "check_route_source",
     "train_lora",
 ]
 
@@ -112,6 +113,18 @@ def check_lora_serving(roles: dict[str, Any]) -> None:
         raise ValueError(
             f"roles.generate.options.max_lora_rank={serving} is below the train role's "
             f"lora.rank={lora.rank}: vLLM would refuse the adapters"
+        )
+
+
+def check_route_source(roles: dict[str, Any]) -> None:
+    """Config-time: routing replay r3 replays the generator's routes, so the generate role's engine returns them."""
+    replay = getattr(getattr(roles.get("train"), "options", None), "router_replay", "none")
+    engine = getattr(roles.get("generate"), "options", None)
+    if replay == "r3" and not getattr(engine, "returns_routes", lambda: False)():
+        raise ValueError(
+            "roles.train.options.router_replay=r3 replays the generator's routes, and the generate role's "
+            "engine does not return them yet: use router_replay: r2 (the trainer's own routes, recorded in its "
+            "old-log-prob forward)"
         )
 
 

@@ -132,6 +132,10 @@ def loss_ends(batch: Batch) -> np.ndarray:
     return np.where(mask.any(1), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1), 0) + 1
 
 
+# what a forward reads besides the loss's inputs: the tokens, and the experts to replay (rollhpc.workers.router_replay)
+FORWARD_INPUTS = ("tokens", "routes")
+
+
 def micro_batch_tensors(
     batch: Batch,
     rows: np.ndarray,
@@ -142,17 +146,21 @@ def micro_batch_tensors(
     device: torch.device,
 ) -> dict[str, torch.Tensor]:
     """One micro-batch's arrays (the batch's ``rows``, cut to ``width`` columns) as tensors on ``device``; rows
-    not in ``keep`` (padding) get a zero loss mask. Without the mask (forward only): the tokens alone."""
+    not in ``keep`` (padding) get a zero loss mask. Without the mask (forward only): the ``FORWARD_INPUTS`` alone.
+    ``rows``: each micro-batch row's row of the batch."""
     full = batch["tokens"].shape[1]
     part = {
         k: torch.as_tensor(cut_columns(np.asarray(v)[rows], width, full), device=device)
         for k, v in batch.data.items()
-        if with_mask or k == "tokens"
+        if with_mask or k in FORWARD_INPUTS
     }
     if with_mask and not keep.all():
         part["loss_mask"] = part["loss_mask"] * torch.as_tensor(keep[:, None], device=device)
     part["tokens"] = part["tokens"].long()
     part["keep"] = torch.as_tensor(keep, device=device)
+    part["rows"] = torch.as_tensor(
+        rows, device=device
+    )  # the batch's row of each (routing replay's record)
     return part
 
 

@@ -108,9 +108,11 @@ def build_chunks(
     *,
     dtype: str,
     recompute: str,
+    routing_replay: bool = False,
 ) -> list[GPTModel]:
     """This rank's model chunks, one per virtual pipeline stage (one without vpp; at pp=1 the whole model),
-    with the checkpoint's weights for this rank's shard, on the GPU where there is one."""
+    with the checkpoint's weights for this rank's shard, on the GPU where there is one. ``routing_replay``:
+    each MoE router with megatron's ``RouterReplay`` (rollhpc.workers.router_replay)."""
     try:
         pipeline_stage_layers(int(hf_config["num_hidden_layers"]), layout.pp, layout.vpp)
     except ValueError as e:
@@ -122,6 +124,7 @@ def build_chunks(
             params_dtype=DTYPES[dtype],
             vp_stage=v if layout.vpp else None,
             **recompute_overrides(recompute),
+            **({"moe_enable_routing_replay": True} if routing_replay else {}),
         )
         for v in range(layout.vpp or 1)
     ]

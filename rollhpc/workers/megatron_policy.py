@@ -31,7 +31,7 @@ user's config; the machinery they call lives beside them: building the model and
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,10 +53,7 @@ from rollhpc.models.megatron_pipeline import export_pipeline_hf_weights, run_sch
 from rollhpc.models.vocab_parallel import token_logprobs
 from rollhpc.protocol.worker import Worker, WorkerContext
 from rollhpc.testing import fault_injection
-from rollhpc.transport.rendezvous import rendezvous_host
-from rollhpc.weight_sync.broadcast import WeightBroadcast, open_store
 from rollhpc.weight_sync.buckets import pack_buckets, stamp
-from rollhpc.weight_sync.slots import SlotSender, StoreControl, slot_memory
 from rollhpc.workers import megatron_batches
 from rollhpc.workers.megatron_build import (
     attach_adapters,
@@ -72,6 +69,8 @@ from rollhpc.workers.megatron_policy_spec import (
     MegatronTrainWorkerSpec,
 )
 from rollhpc.workers.megatron_offload import MegatronStateOffloader
+from rollhpc.workers.router_replay import Forward, RouteReplayer
+from rollhpc.workers.megatron_weight_channel import WeightChannelMixin
 from rollhpc.workers.offload import StateOffloader, gpu_memory
 
 import_megatron()  # megatron-core's first import: on CPU without torch.compile's imports (megatron_cpu)
@@ -116,7 +115,9 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
             layout,
             dtype=options.dtype,
             recompute=getattr(options, "recompute", "none"),
+            routing_replay=options.router_replay != "none",
         )
+        self.replayer = RouteReplayer.of(self.chunks, options.router_replay, ctx.role)
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
@@ -194,12 +195,17 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         all its rows at the batch's width (skipping zero-advantage rows and cutting padding are off)."""
         return self.ctx.layout.ep == 1
 
-    @staticmethod
-    def _call_chunk(chunk: torch.nn.Module, part: MicroBatch) -> torch.Tensor:
-        """One chunk's forward on a micro-batch (later stages take their input from the schedule)."""
+    def _call_chunk(self, chunk: torch.nn.Module, part: MicroBatch) -> torch.Tensor:
+        """One chunk's forward on a micro-batch (later stages take their input from the schedule), its MoE
+        routes replayed or recorded as ``self.replayer`` was started."""
         tokens = part["tokens"]
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return chunk(tokens, positions, None)  # last stage: logits [b, L, V_padded / tp]
+        if self.replayer is not None:
+            self.replayer.before(chunk, part)
+        out = chunk(tokens, positions, None)  # last stage: logits [b, L, V_padded / tp]
+        if self.replayer is not None:
+            self.replayer.after(chunk, part)
+        return out
 
     def _logprobs(
         self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool = False
@@ -251,89 +257,22 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
     def compute_logprobs(self, batch: Batch) -> Batch | None:
         """log p(token) of every next token under the current weights: ``{"logprob": [b, L-1] float32}``
         (from the last pipeline stage; None from the others, which are not DP leaders)."""
+        return self._logprob_forward(batch, "old_logprob")
+
+    def _logprob_forward(self, batch: Batch, forward: Forward) -> Batch | None:
+        """``compute_logprobs`` as the ``forward`` of a step (which routes it replays or records)."""
+        if self.replayer is not None:
+            batch = self.replayer.prepare(batch, forward)
         return self._forward_only(
             batch, lambda part, logits: self._logprobs(logits, part["tokens"])[0], "logprob"
         )
-
-
-class _WeightChannelMixin:
-    """The sending end of ``weight_sync.broadcast``: trainer rank 0 hosts the rendezvous and broadcasts."""
-
-    def _exported_on_rank_zero(
-        self, adapters_only: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]] | None:
-        """Collective: the full weights in Hugging Face names, gathered over TP within the first data-parallel
-        replica (with EP its expert shards span several DP ranks), as a lazy iterator on group rank 0; None on
-        every other rank, which has taken part in the gathers (or, in another replica, had none to join).
-        ``adapters_only``: a LoRA policy's adapters alone, for generators that merge them (engine: torch)."""
-        if adapters_only and getattr(self.options, "lora", None) is None:
-            raise RuntimeError(
-                f"role {self.ctx.role!r}: adapters-only weight sync without LoRA adapters"
-            )
-        if self.ctx.coords.edp_rank != 0:
-            return None
-        named = export_pipeline_hf_weights(
-            self.chunks, self.vocab_size, self.tp_group, adapters_only
-        )
-        if self.ctx.group_rank == 0:
-            return named
-        for _ in named:  # the other TP ranks take part in the gathers only
-            pass
-        return None
-
-    def open_weight_channel(self) -> tuple[str, int]:
-        """The rendezvous store's address (opened on the first call): the broadcast group forms through it and the
-        streamed IPC / shared-memory sync passes its headers and acknowledgements through it."""
-        if getattr(self, "_store", None) is None:
-            self._store = open_store()
-        return rendezvous_host(), int(self._store.port)
-
-    def join_weight_channel(self, world: int) -> None:
-        self._channel = WeightBroadcast(0, world, "", 0, store=self._store, device=self.device)
-
-    def broadcast_weights(
-        self, bucket_mb: float = 64.0, verify: bool = False, adapters_only: bool = False
-    ) -> int | None:
-        """Gather the weights over TP (first DP replica) and broadcast them from rank 0; returns bytes sent.
-        ``verify``: with a checksum per tensor (``weight_sync.buckets.stamp``); ``adapters_only``: LoRA's adapters."""
-        named = self._exported_on_rank_zero(adapters_only)
-        return (
-            None if named is None else self._channel.send(named, int(bucket_mb * (1 << 20)), verify)
-        )
-
-    def share_weights(
-        self,
-        receivers: int,
-        tag: str,
-        bucket_mb: float = 512.0,
-        verify: bool = False,
-        adapters_only: bool = False,
-    ) -> dict[str, Any] | None:
-        """Stream the weights to ``receivers`` generators on rank 0's GPU (CUDA IPC) or host (shared memory, on CPU)
-        through ``IN_FLIGHT_BUCKETS`` reused slots of ``bucket_mb`` (``weight_sync.slots``), the headers and
-        acknowledgements through the store of ``open_weight_channel`` under ``tag``; returns rank 0's
-        ``SyncStats`` (bytes, slots' peak, measured peak extra memory). Returns once every receiver has copied
-        every bucket: the slots are freed then."""
-        named = self._exported_on_rank_zero(adapters_only)
-        if named is None:
-            return None
-        self._shared_syncs = getattr(self, "_shared_syncs", 0) + 1
-        sender = SlotSender(
-            slot_memory(self.device),
-            StoreControl(self._store, tag),
-            receivers,
-            int(bucket_mb * (1 << 20)),
-            verify=verify,
-            sync=self._shared_syncs,
-        )
-        return sender.send(named).as_dict()
 
 
 class MegatronReferenceWorker(MegatronReferenceWorkerSpec, MegatronPolicyWorker):
     """The frozen initial policy: log-probabilities for the KL term."""
 
 
-class MegatronTrainWorker(_WeightChannelMixin, MegatronTrainWorkerSpec, MegatronPolicyWorker):
+class MegatronTrainWorker(WeightChannelMixin, MegatronTrainWorkerSpec, MegatronPolicyWorker):
     # under overlap_grad_reduce a bucket is reduced once each of its parameters' gradients is ready; a parameter the
     # loss never reaches would hold its bucket back (megatron asserts at finalize): no overlap then
     every_parameter_gets_a_gradient = True
@@ -365,7 +304,7 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronTrainWorkerSpec, Megatron
                 f"role {self.ctx.role!r} has no LoRA adapters: its reference is a 'reference' role"
             )
         with adapters_disabled(*self.chunks):
-            return self.compute_logprobs(batch)
+            return self._logprob_forward(batch, "reference")
 
     def _zero_grad(self) -> None:
         for chunk in self.model_chunks:
@@ -425,9 +364,10 @@ class MegatronTrainWorker(_WeightChannelMixin, MegatronTrainWorkerSpec, Megatron
             if skip
             else None
         )
-        out, skipped, micro_batches = self._train_mini_batches(
-            batch.as_batch(), loss, rows_with_gradient
-        )
+        rows = batch.as_batch()
+        if self.replayer is not None:
+            rows = self.replayer.prepare(rows, "train")
+        out, skipped, micro_batches = self._train_mini_batches(rows, loss, rows_with_gradient)
         # this rank's (its replica's), over the mini-batches
         out.update(
             n_tokens=float(np.asarray(batch.loss_mask).sum()),

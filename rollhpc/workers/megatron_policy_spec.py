@@ -61,6 +61,10 @@ class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
         # with bf16 units (AVX512-BF16, AMX) a matmul runs ~3x faster
         mixed_precision: Literal["off", "bf16"] = "off"
         threads: int = 0  # torch intra-op threads on CPU (0: leave torch's default)
+        # MoE routing replay (rollhpc.workers.router_replay): each token's experts fixed to those of the policy
+        # that sampled. r3: the generator's, given with the batch (old-log-prob, reference and training
+        # forwards); r2: the train role's own, recorded in its old-log-prob forward and replayed in training
+        router_replay: Literal["none", "r2", "r3"] = "none"
 
         def __post_init__(self) -> None:
             if self.micro_batch_size < 1 or self.max_tokens_per_micro_batch < 0:
@@ -141,6 +145,22 @@ class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
                 problems.append(str(e))
         if layout.ep > 1 and (not experts or experts % layout.ep):
             problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
+        if experts and layout.tp > 1 and cls.trainable:
+            problems.append(
+                f"tp={layout.tp} on a MoE model: megatron-core's MoE layers train at tp > 1 only with "
+                "sequence parallelism, which this trainer does not run yet; use tp 1 with ep (attention "
+                "replicated over DP; a reference role may keep tp)"
+            )
+        replay = getattr(options, "router_replay", "none")
+        if replay != "none" and not experts:
+            problems.append(
+                f"router_replay={replay} replays the experts of MoE layers, and this model has none "
+                "(a dense model routes nothing: router_replay: none)"
+            )
+        if replay == "r2" and not cls.trainable:
+            problems.append(
+                "router_replay=r2 replays a trainer's own routes: a train role's option"
+            )
         if problems:
             raise ValueError(f"{'; '.join(problems)} ({path})")
 

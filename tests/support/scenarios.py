@@ -229,6 +229,11 @@ class TrainerLayoutScenario(Pipeline):
         # this many rows of each batch get advantage 0 (a GRPO group that scored alike)
         zero_advantage_rows: int = 0
         entropy_coef: float = 0.01
+        # > 0: random routes [rows, length, moe_layers, route_top_k] of route_experts experts go with every batch
+        # (the train role's router_replay: r3 replays them)
+        route_layers: int = 0
+        route_experts: int = 4
+        route_top_k: int = 2
 
     def run(self) -> None:
         import torch
@@ -238,6 +243,7 @@ class TrainerLayoutScenario(Pipeline):
 
         o, train = self.options, self.workers["train"]
         rng = np.random.default_rng(0)
+        route_rng = np.random.default_rng(1)  # the batches' tokens as without routes
         out: dict = {
             "loss": [],
             "grad_norm": [],
@@ -262,11 +268,17 @@ class TrainerLayoutScenario(Pipeline):
             advantage[rng.permutation(o.rows)[: o.zero_advantage_rows]] = 0.0
             if o.resume_from and step <= o.save_after:
                 continue  # the resumed run's batches are the ones after its checkpoint
-            batch = TrainingBatch(tokens, mask, advantage)
+            routes = None
+            if o.route_layers:
+                shape = (o.rows, o.length, o.route_layers, o.route_experts)
+                routes = np.argsort(route_rng.random(shape), -1)[..., : o.route_top_k]
+                routes = routes.astype(np.int16)  # distinct experts per token, as a top-k
+            batch = TrainingBatch(tokens, mask, advantage, routes=routes)
             if not o.on_policy:
-                batch.old_logprob = logp = train.compute_logprobs(Batch({"tokens": tokens}))[
-                    "logprob"
-                ]
+                inputs = (
+                    {"tokens": tokens} if routes is None else {"tokens": tokens, "routes": routes}
+                )
+                batch.old_logprob = logp = train.compute_logprobs(Batch(inputs))["logprob"]
                 out["logprob"].append(torch.as_tensor(logp))
             stats = train.train_step(batch, LossConfig(kl_coef=0.0, entropy_coef=o.entropy_coef))
             out["loss"].append(stats[0]["loss"])

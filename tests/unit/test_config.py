@@ -486,6 +486,22 @@ def _shape_mistakes(model: str) -> list[tuple[list[str], str]]:
             "roles.train.parallel: ep=2 does not divide the model's 0 experts",
         ),
         (
+            [*m, "roles.train.options.router_replay=r2"],
+            "roles.train.parallel: router_replay=r2 replays the experts of MoE layers, and this model has none",
+        ),
+        (
+            [
+                *m,
+                "pipeline.options.old_logprob_source=generator",
+                "pipeline.options.loss.correction.weight=token",
+            ],
+            "pipeline.options: loss.correction weighs the trainer's old log-probs against the generator's",
+        ),
+        (
+            [*m, "pipeline.options.loss.objective=cispo", "pipeline.options.loss.dual_clip=3.0"],
+            "pipeline.options.loss: dual_clip is PPO-clip's: it needs objective ppo",
+        ),
+        (
             [
                 *m,
                 "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",

@@ -173,6 +173,64 @@ def test_moe_policy_with_pipeline_and_expert_parallel(
         )
 
 
+# random routes of the MoE model's 2 layers, 4 experts, top 2 with every batch (the scenario's route_* options)
+ROUTES = {"route_layers": 2, "route_experts": 4, "route_top_k": 2}
+
+
+@pytest.fixture(scope="module")
+def replayed_one_stage(models, tmp_path_factory) -> dict:
+    """The MoE model on one rank replaying the batches' random routes (router_replay: r3)."""
+    from tests.support.experiments import experiment_writer
+
+    tmp = tmp_path_factory.mktemp("r3_pp1")
+    return _run(
+        experiment_writer(tmp),
+        tmp,
+        "r3_pp1",
+        models["moe"],
+        1,
+        {},
+        train_options={"router_replay": "r3"},
+        **ROUTES,
+    )
+
+
+@pytest.mark.slow
+def test_r2_replays_the_trainers_own_routes_as_it_recorded_them(
+    models, one_stage, experiment, tmp_path
+):
+    """router_replay r2: routes recorded in the old-log-prob forward (micro-batches of rows in batch order, full
+    width) and replayed in training (longest rows first, each micro-batch cut to its own width): a token given
+    another token's experts, or another layer's, would change the loss; it trains exactly as routing itself."""
+    got = _run(
+        experiment, tmp_path, "r2", models["moe"], 1, {}, train_options={"router_replay": "r2"}
+    )
+    assert_same_training(got, one_stage["moe"])
+
+
+@pytest.mark.slow
+def test_r3_replays_the_given_routes_across_stages_and_expert_ranks(
+    models, one_stage, replayed_one_stage, experiment, tmp_path
+):
+    """router_replay r3 with random routes in every batch: on 4 ranks (each pipeline stage holds one MoE layer,
+    whose experts span two expert-parallel ranks) the trainer computes what one rank computes with the same
+    routes, and not what it computes routing itself. (A MoE model trains at tp 1: megatron-core's MoE layers
+    refuse tp > 1 in training without sequence parallelism.)"""
+    got = _run(
+        experiment,
+        tmp_path,
+        "r3",
+        models["moe"],
+        4,
+        {"pp": 2, "ep": 2},
+        train_options={"router_replay": "r3"},
+        **ROUTES,
+    )
+    assert_same_training(got, replayed_one_stage)
+    own, replayed = one_stage["moe"]["logprob"][0], replayed_one_stage["logprob"][0]
+    assert (own - replayed).abs().max() > 1e-3  # the given routes are not the ones it would take
+
+
 @pytest.mark.slow
 def test_pp2_checkpoint_resumes_at_dp2_and_dp1_and_converts_for_vllm(
     models, one_stage, pp2, experiment, tmp_path

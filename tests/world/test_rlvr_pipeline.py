@@ -203,7 +203,8 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught
     vLLM's CPU MoE kernel keeping unpacked experts after a reload (rollhpc.engines.vllm_cpu_moe_repack):
     mean |diff| 0.05 without the repack. The objective is GSPO's token variant with NeMo-RL's sequence-mask
-    TIS (token weights, whole rows rejected), split over the expert-parallel ranks."""
+    TIS (token weights, whole rows rejected), split over the expert-parallel ranks, and the trainer replays the
+    routes of its old-log-prob forward in training (router_replay: r2)."""
     from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
     from rollhpc.tasks import arithmetic
 
@@ -227,6 +228,7 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
         "pipeline.options.loss.correction={weight: token, mask: sequence}",
         "roles.train.procs=2",
         "roles.train.parallel.ep=2",
+        "roles.train.options.router_replay=r2",
         cwd=tmp_path,
         timeout=600,
     )
