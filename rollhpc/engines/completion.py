@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,11 +30,17 @@ class Completion:
     logprobs: list[float]  # [T] log p(token_ids[t]) under the sampling distribution
     finish_reason: str  # "stop" (EOS / stop token), "length" (max_tokens) or "abort" (a partial)
     version: int = field(default=-1)  # weights version that generated it
+    # MoE routing (routing replay r3: rollhpc.workers.router_replay): int16 [fed, moe_layers, top_k], the experts
+    # each token fed to the model (the prompt's and every sampled one but the last: fed = prompt + T - 1) was
+    # routed to in each MoE layer, as global expert ids; None: a dense model, or an engine that records none
+    routes: np.ndarray | None = None
 
     @classmethod
     def of(cls, request: InFlight, finish_reason: str) -> Completion:
-        """A request's tokens so far as a completion, under the weights version it was added with."""
-        return cls(request.token_ids, request.logprobs, finish_reason, request.version)
+        """A request's tokens so far as a completion, under the weights version it was added with (and the routes
+        of its tokens when the engine keeps them: ``routes`` on the request)."""
+        routes = getattr(request, "routes", None)
+        return cls(request.token_ids, request.logprobs, finish_reason, request.version, routes)
 
 
 @dataclass(frozen=True)

@@ -209,21 +209,27 @@ def test_r2_replays_the_trainers_own_routes_as_it_recorded_them(
 
 
 @pytest.mark.slow
-def test_r3_replays_the_given_routes_across_stages_and_expert_ranks(
-    models, one_stage, replayed_one_stage, experiment, tmp_path
+@pytest.mark.parametrize(
+    "procs, parallel, recompute",
+    [(4, {"pp": 2, "ep": 2}, "none"), (1, {}, "full")],
+    ids=["pp2-ep2", "full-recompute"],
+)
+def test_r3_replays_the_given_routes_across_stages_and_recompute(
+    models, one_stage, replayed_one_stage, experiment, tmp_path, procs, parallel, recompute
 ):
     """router_replay r3 with random routes in every batch: on 4 ranks (each pipeline stage holds one MoE layer,
-    whose experts span two expert-parallel ranks) the trainer computes what one rank computes with the same
-    routes, and not what it computes routing itself. (A MoE model trains at tp 1: megatron-core's MoE layers
-    refuse tp > 1 in training without sequence parallelism.)"""
+    whose experts span two expert-parallel ranks), and on one rank under full recompute (each layer's forward
+    run again in the backward, which must take the routes of the forward it repeats), the trainer computes
+    what one rank computes with the same routes, and not what it computes routing itself. (A MoE model trains
+    at tp 1: megatron-core's MoE layers refuse tp > 1 in training without sequence parallelism.)"""
     got = _run(
         experiment,
         tmp_path,
         "r3",
         models["moe"],
-        4,
-        {"pp": 2, "ep": 2},
-        train_options={"router_replay": "r3"},
+        procs,
+        parallel,
+        train_options={"router_replay": "r3", "recompute": recompute},
         **ROUTES,
     )
     assert_same_training(got, replayed_one_stage)
