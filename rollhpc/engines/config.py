@@ -138,10 +138,10 @@ class EngineConfig:
         )
 
     def returns_routes(self) -> bool:
-        """Whether this engine returns the experts each token was routed to (routing replay r3). Not yet:
-        vLLM records them only in its GPU model runner (``enable_return_routed_experts``), which rollhpc does
-        not request yet, and the torch engine runs dense models."""
-        return False
+        """Whether this engine returns the experts each token was routed to (routing replay r3): the torch engine
+        does for its MoE models (``Completion.routes``). vLLM records them only in its GPU model runner
+        (``enable_return_routed_experts``), which rollhpc does not request yet."""
+        return self.engine == "torch"
 
     def takes_adapters(self) -> bool:
         """Whether this engine takes a LoRA trainer's adapters alone (and serves or merges them itself)."""

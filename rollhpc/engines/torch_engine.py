@@ -17,8 +17,10 @@ and top-p), ``update_weights`` takes Hugging Face-named tensors and records a ve
 from a stream of its own (prompt ``i`` of ``generate`` gets ``seed + i * n + j`` for its ``j``-th sample).
 The streams are torch's, not vLLM's: the same seed gives other samples than vLLM does.
 
-Models: Qwen2 and Llama-style dense decoders (``model_type`` qwen2 or llama, default RoPE, no sliding
-window); anything else is refused when the engine starts.
+Models (``rollhpc.engines.torch_model``, the weights and the forward): Qwen2 and Llama-style dense decoders and
+Qwen2-MoE (``model_type`` qwen2, llama or qwen2_moe, default RoPE, no sliding window); anything else is refused
+when the engine starts. For a MoE model each completion carries its routes (routing replay r3): the top-k experts
+of every token fed to the model in each MoE layer, the prompt's from its prefill and one per decode step.
 """
 
 from __future__ import annotations
@@ -26,21 +28,20 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from rollhpc.engines.completion import Completion, Sampling, StepEngine
+from rollhpc.engines.torch_model import DecoderModel
 
 __all__ = ["TorchGenerator"]
 
 log = logging.getLogger(__name__)
-
-SUPPORTED = ("qwen2", "llama")
 
 
 @dataclass
@@ -54,228 +55,24 @@ class _Request:
     cached: int = 0  # tokens whose keys and values are in the slot
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # MoE models: (MoE layers, top-k) of a position's routes, and the routes of the tokens fed so far, in
+    # chunks (int16 [positions, layers, k]: the prompt's, then one per decode step); None: a dense model
+    route_shape: tuple[int, int] | None = None
+    route_chunks: list[np.ndarray] = field(default_factory=list)
 
-
-class _Model:
-    """The decoder's weights (q/k/v and gate/up fused for fewer, larger matmuls) and its forward."""
-
-    def __init__(self, config: dict, dtype: torch.dtype, device: torch.device, max_len: int):
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED:
-            raise ValueError(
-                f"engine=torch runs {', '.join(SUPPORTED)} decoders, not model_type={model_type!r}: "
-                "use engine=vllm"
-            )
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(
-                f"engine=torch supports default RoPE only, the checkpoint has {rope}: use engine=vllm"
-            )
-        if config.get("use_sliding_window"):
-            raise ValueError("engine=torch has no sliding-window attention: use engine=vllm")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"engine=torch supports silu MLPs, not {config.get('hidden_act')!r}: use engine=vllm"
-            )
-        self.layers = int(config["num_hidden_layers"])
-        self.heads = int(config["num_attention_heads"])
-        self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
-        self.hidden = int(config["hidden_size"])
-        self.head_dim = int(config.get("head_dim") or self.hidden // self.heads)
-        self.eps = float(config.get("rms_norm_eps", 1e-6))
-        self.tied = bool(config.get("tie_word_embeddings", False))
-        self.bias = model_type == "qwen2" or bool(config.get("attention_bias", False))
-        self.dtype, self.device = dtype, device
-        theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-        inv = 1.0 / theta ** (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim
-        )
-        angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.cos = angles.cos().to(device=device, dtype=dtype)  # [max_len, head_dim]
-        self.sin = angles.sin().to(device=device, dtype=dtype)
-        self.raw: dict[str, torch.Tensor] = {}  # Hugging Face name -> tensor, as loaded
-        # LoRA (a trainer's rollhpc.models.lora, synced adapters only): HF module name -> (A [r, in], B [out, r] with
-        # alpha/r in it); the served weights are raw + B A, merged when they arrive, raw left as the base
-        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.w: dict[str, torch.Tensor] = {}  # embed, norm, head
-        self.layer_w: list[_LayerWeights] = []
-
-    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        n = 0
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in named:
-            # MODULE.lora_A.weight / MODULE.lora_B.weight
-            if ".lora_A." in name or ".lora_B." in name:
-                module, _, rest = name.partition(".lora_")
-                pending.setdefault(module, {})[rest[0]] = tensor.detach().to(
-                    device=self.device, dtype=torch.float32
-                )
-                n += 1
-            elif name.startswith("model.") or name == "lm_head.weight":
-                self.raw[name] = tensor.detach().to(device=self.device, dtype=self.dtype).clone()
-                n += 1
-        for module, ab in pending.items():
-            if set(ab) != {"A", "B"} or f"{module}.weight" not in self.raw:
-                raise ValueError(
-                    f"engine=torch: adapter {module} needs lora_A and lora_B of a module the model has "
-                    f"(got {sorted(ab)})"
-                )
-            self.adapters[module] = (ab["A"], ab["B"])
-        self._fuse()
-        return n
-
-    def _fuse(self) -> None:
-        get = self._served
-        self.layer_w = [
-            _LayerWeights.fused(get, f"model.layers.{i}.", self.bias) for i in range(self.layers)
-        ]
-        embed = get("model.embed_tokens.weight")
-        head = self.raw.get("lm_head.weight", embed) if self.tied else get("lm_head.weight")
-        self.w = {"embed": embed, "norm": get("model.norm.weight"), "head": head}
-
-    def _served(self, name: str) -> torch.Tensor:
-        """The tensor the model runs with: as loaded, plus B A where a LoRA adapter covers it."""
-        if name not in self.raw:
-            raise ValueError(f"engine=torch: the checkpoint has no {name}")
-        adapter = self.adapters.get(name[: -len(".weight")]) if name.endswith(".weight") else None
-        if adapter is None:
-            return self.raw[name]
-        a, b = adapter
-        return (self.raw[name].float() + b @ a).to(self.dtype)
-
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * weight
-
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slots: torch.Tensor | None,
-        lengths: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Logits [m, V] (float32) of the last position of each row.
-
-        Prefill (``lengths`` given): ``tokens`` [m, P] right-padded prompts, ``positions`` [P]; keys and
-        values of positions 0..P-1 go to each row's slot (padding writes positions the row's later tokens
-        overwrite before they are attended to). Decode (``lengths`` None): ``tokens`` [m, 1] at per-row
-        ``positions`` [m]; each row attends to its slot's positions 0..position.
-        """
-        m, t = tokens.shape
-        nh, nkv, hd = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]
-        if lengths is not None:  # prefill: one position per column
-            cos, sin = cos[None, :, None], sin[None, :, None]
-        else:  # decode: one position per row, which sees its slot's positions 0..position
-            cos, sin = cos[:, None, None], sin[:, None, None]
-            span = torch.arange(int(positions.max()) + 1, device=tokens.device)
-            visible = (span[None, :] <= positions[:, None])[:, None, None]
-        x = F.embedding(tokens, self.w["embed"])  # [m, t, H]
-        for li, lw in enumerate(self.layer_w):
-            qkv = F.linear(self._norm(x, lw.ln1), lw.qkv, lw.qkv_b)
-            q, k, v = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = self._rope(q.view(m, t, nh, hd), cos, sin)
-            k = self._rope(k.view(m, t, nkv, hd), cos, sin)
-            v = v.view(m, t, nkv, hd)
-            if lengths is not None:
-                out = _attend_prefill(q, k, v, k_cache[li], v_cache[li], slots)
-            else:
-                out = _attend_decode(q, k, v, k_cache[li], v_cache[li], positions, visible)
-            x = x + F.linear(out.to(x.dtype).reshape(m, t, nh * hd), lw.o)
-            gate, up = F.linear(self._norm(x, lw.ln2), lw.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
-        last = x[torch.arange(m, device=x.device), lengths - 1] if lengths is not None else x[:, 0]
-        return F.linear(self._norm(last, self.w["norm"]), self.w["head"]).float()
-
-
-@dataclass
-class _LayerWeights:
-    """One decoder layer's weights as the forward uses them: q/k/v and gate/up fused."""
-
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    qkv: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
-
-    @classmethod
-    def fused(cls, get: Callable[[str], torch.Tensor], prefix: str, bias: bool) -> _LayerWeights:
-        """The layer under ``prefix`` ("model.layers.3."), each tensor read with ``get``."""
-        qkv = [f"{prefix}self_attn.{x}_proj" for x in "qkv"]
-        mlp = f"{prefix}mlp."
-        return cls(
-            ln1=get(f"{prefix}input_layernorm.weight"),
-            ln2=get(f"{prefix}post_attention_layernorm.weight"),
-            qkv=torch.cat([get(f"{x}.weight") for x in qkv]),
-            qkv_b=torch.cat([get(f"{x}.bias") for x in qkv]) if bias else None,
-            o=get(f"{prefix}self_attn.o_proj.weight"),
-            gate_up=torch.cat([get(f"{mlp}gate_proj.weight"), get(f"{mlp}up_proj.weight")]),
-            down=get(f"{mlp}down_proj.weight"),
-        )
-
-
-def _attend_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slots: torch.Tensor | None,
-) -> torch.Tensor:
-    """Causal attention over the prompts ``q``, ``k``, ``v`` [m, t, heads, hd]; their keys and values are
-    written to positions 0..t-1 of each row's slot (``slots`` [m]) of one layer's cache. Returns [m, t, nh, hd]."""
-    t = q.shape[1]
-    k_cache[slots, :, :t] = k.transpose(1, 2).to(k_cache.dtype)
-    v_cache[slots, :, :t] = v.transpose(1, 2).to(v_cache.dtype)
-    out = F.scaled_dot_product_attention(  # [m, nh, t, hd]
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        is_causal=True,
-        enable_gqa=k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
-
-
-def _attend_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    visible: torch.Tensor,
-) -> torch.Tensor:
-    """One new token per row (``q``, ``k``, ``v`` [m, 1, heads, hd]) at ``positions`` [m]: its key and value
-    go to the row's slot of one layer's cache, and it attends to the slot's positions where ``visible``
-    [m, 1, 1, span]. The running requests hold slots 0..m-1 in order (TorchGenerator keeps them packed).
-    Returns [m, nkv, nh // nkv, hd]: the query heads in order."""
-    m, _, nh, hd = q.shape
-    nkv = k.shape[2]
-    span = visible.shape[-1]
-    rows = torch.arange(m, device=q.device)
-    k_cache[rows, :, positions] = k[:, 0].to(k_cache.dtype)
-    v_cache[rows, :, positions] = v[:, 0].to(v_cache.dtype)
-    keys, values = k_cache[:m, :, :span], v_cache[:m, :, :span]  # views [m, nkv, span, hd]
-    # the heads sharing a key/value head act as that head's queries: no copy of the cache per head.
-    # Plain matmuls: torch's CPU SDPA with a mask takes ~2x longer at these shapes
-    scores = torch.matmul(q.view(m, nkv, nh // nkv, hd).float(), keys.transpose(-1, -2))
-    probs = (scores * hd**-0.5).masked_fill_(~visible, -math.inf).softmax(-1)
-    return torch.matmul(probs, values)
+    @property
+    def routes(self) -> np.ndarray | None:
+        """int16 [fed, MoE layers, top_k]: the experts of every token fed so far (the prompt and every sampled
+        token but the last: ``Completion.routes``); None for a dense model."""
+        if self.route_shape is None:
+            return None
+        if not self.route_chunks:
+            return np.zeros((0, *self.route_shape), dtype=np.int16)
+        return np.concatenate(self.route_chunks)
 
 
 class TorchGenerator(StepEngine[_Request]):
-    """``VllmGenerator``'s interface on ``_Model``: continuous batching over fixed KV cache slots.
+    """``VllmGenerator``'s interface on ``DecoderModel``: continuous batching over fixed KV cache slots.
 
     Args:
         model_dir: Hugging Face checkpoint directory (config.json + safetensors).
@@ -313,7 +110,7 @@ class TorchGenerator(StepEngine[_Request]):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.on_cpu = self.device.type == "cpu"
         self.max_model_len = max_model_len
-        self.model = _Model(config, getattr(torch, dtype), self.device, max_model_len)
+        self.model = DecoderModel(config, getattr(torch, dtype), self.device, max_model_len)
         self.model.load(_checkpoint_tensors(model_dir))
         self._allocate_kv_cache(int(cpu_kv_cache_bytes), max_num_seqs)
         self.stop_token_ids = list(stop_token_ids)
@@ -365,7 +162,14 @@ class TorchGenerator(StepEngine[_Request]):
             raise ValueError("need max_tokens >= 1, temperature >= 0 and top_p in (0, 1]")
         seed = sampling.seed
         gen = None if seed is None else torch.Generator(device=self.device).manual_seed(int(seed))
-        return _Request(request_id, prompt_token_ids, sampling, self.version, gen)
+        return _Request(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            self.version,
+            gen,
+            route_shape=self.model.route_shape,
+        )
 
     def step(self) -> list[tuple[str, Completion]]:
         """Start waiting requests that fit in free slots (prefill: each samples its first token), give every
@@ -409,7 +213,7 @@ class TorchGenerator(StepEngine[_Request]):
 
     def _prefill(self, reqs: list[_Request]) -> torch.Tensor:
         """Logits after each request's prompt. Requests with the same prompt (a GRPO group's samples) share one
-        forward: the first one's keys and values are copied into the others' slots."""
+        forward: the first one's keys and values (and its prompt's routes) are copied into the others'."""
         row: dict[tuple[int, ...], int] = {}  # prompt -> its row among the distinct prompts
         index = [row.setdefault(tuple(r.prompt), len(row)) for r in reqs]
         if len(row) == len(reqs):
@@ -426,10 +230,12 @@ class TorchGenerator(StepEngine[_Request]):
                 self.k_cache[:, r.slot, :, :k] = self.k_cache[:, leader.slot, :, :k]
                 self.v_cache[:, r.slot, :, :k] = self.v_cache[:, leader.slot, :, :k]
                 r.cached = k
+                r.route_chunks = list(leader.route_chunks)
         return logits[torch.tensor(index, device=logits.device)]
 
     def _prefill_unique(self, reqs: list[_Request]) -> torch.Tensor:
-        """Logits after each request's prompt, prefilled in chunks of at most ~8k padded tokens."""
+        """Logits after each request's prompt, prefilled in chunks of at most ~8k padded tokens; a MoE model's
+        routes of each prompt's positions go to its request."""
         out = []
         i = 0
         while i < len(reqs):
@@ -445,26 +251,36 @@ class TorchGenerator(StepEngine[_Request]):
                 r.cached = len(r.prompt)
             lengths = torch.tensor([len(r.prompt) for r in chunk], device=self.device)
             slots = torch.tensor([r.slot for r in chunk], device=self.device)
-            out.append(
-                self.model.forward(
-                    tokens,
-                    torch.arange(width, device=self.device),
-                    self.k_cache,
-                    self.v_cache,
-                    slots,
-                    lengths,
-                )
+            logits, routes = self.model.forward(
+                tokens,
+                torch.arange(width, device=self.device),
+                self.k_cache,
+                self.v_cache,
+                slots,
+                lengths,
             )
+            out.append(logits)
+            if routes is not None:
+                rows = routes.to(device="cpu", dtype=torch.int16).numpy()
+                for row, r in enumerate(chunk):
+                    r.route_chunks.append(rows[row, : len(r.prompt)])
             i = j
         return torch.cat(out)
 
     def _decode(self, running: list[_Request]) -> torch.Tensor:
-        """Logits after each running request's last token, which goes into its slot's cache."""
+        """Logits after each running request's last token, which goes into its slot's cache (and, for a MoE
+        model, whose routes go to its request)."""
         tokens = torch.tensor([[r.token_ids[-1]] for r in running], device=self.device)
         positions = torch.tensor([r.cached for r in running], device=self.device)
-        logits = self.model.forward(tokens, positions, self.k_cache, self.v_cache, None, None)
+        logits, routes = self.model.forward(
+            tokens, positions, self.k_cache, self.v_cache, None, None
+        )
         for r in running:
             r.cached += 1
+        if routes is not None:
+            rows = routes.to(device="cpu", dtype=torch.int16).numpy()  # [m, 1, layers, k]
+            for r, row in zip(running, rows):
+                r.route_chunks.append(row)
         return logits
 
     def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:

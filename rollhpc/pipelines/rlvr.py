@@ -59,6 +59,7 @@ from rollhpc.pipelines.training import (
     step_measures,
     train_lora,
 )
+from rollhpc.pipelines.training_spec import replayed_routes
 from rollhpc.protocol.dispatch import remote_methods
 from rollhpc.rewards.components import combine
 from rollhpc.rollout import rows as rows_mod
@@ -379,13 +380,14 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             self.pad_id,
         )
         tokens, mask = padded["tokens"], padded["loss_mask"]
-        old_logprob, gen_logprob = self._old_logprobs(tokens, mask, padded["gen_logprob"], times)
+        inputs = self._forward_inputs(samples, tokens)
+        old_logprob, gen_logprob = self._old_logprobs(inputs, mask, padded["gen_logprob"], times)
         ref_logprob = None
         if ref is not None and (o.loss.kl_coef > 0 or o.kl_in_reward > 0):
             # a LoRA policy's reference is the train role's own base: the stage that holds its parameters for a forward
             self.stage("reference" if "reference" in self.workers else "old_logprob")
             t = time.perf_counter()
-            ref_logprob = ref(Batch({"tokens": tokens}))["logprob"]
+            ref_logprob = ref(inputs)["logprob"]
             times["reference_s"] = time.perf_counter() - t
         rewards = (
             self.reward_norm(groups)
@@ -417,11 +419,25 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             old_logprob=old_logprob,
             ref_logprob=ref_logprob if o.loss.kl_coef != 0 else None,  # else in the reward only
             gen_logprob=gen_logprob,
+            routes=inputs.data.get("routes"),
         )
         return self.corrected(batch, padded["gen_logprob"], times), critic, kl_ref
 
+    def _forward_inputs(self, samples: list[Sample], tokens: np.ndarray) -> Batch:
+        """What the trainer's and reference's forwards read: the rows' tokens, and with routing replay r3 the
+        generator's routes of every row (``rows.pad_routes``)."""
+        roles = getattr(self.run_ctx.config, "roles", None) or {}
+        if replayed_routes(roles) != "r3":
+            return Batch({"tokens": tokens})
+        routes = rows_mod.pad_routes([s.routes for s in samples], tokens.shape[1])
+        if routes is None:
+            raise RuntimeError(
+                "router_replay=r3: a sample came back from the generator without its routes"
+            )
+        return Batch({"tokens": tokens, "routes": routes})
+
     def _old_logprobs(
-        self, tokens: np.ndarray, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
+        self, inputs: Batch, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
     ) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The batch's ``old_logprob`` and ``gen_logprob``: on-policy none, and the generator's for the train step to
         measure ``logprob_abs_diff`` against; else the trainer's (``old_logprob_source: trainer``) or the
@@ -430,7 +446,7 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
             times["old_logprob_s"] = 0.0
             return None, gen_logprob
         if self.options.old_logprob_source == "trainer":
-            return self.old_logprobs_from_trainer(tokens, mask, gen_logprob, times), None
+            return self.old_logprobs_from_trainer(inputs, mask, gen_logprob, times), None
         times["old_logprob_s"] = 0.0
         return gen_logprob, None
 

@@ -23,6 +23,7 @@ __all__ = [
     "check_critic_role",
     "check_lora_serving",
     "check_route_source",
+    "replayed_routes",
     "train_lora",
 ]
 
@@ -116,15 +117,20 @@ def check_lora_serving(roles: dict[str, Any]) -> None:
         )
 
 
+def replayed_routes(roles: dict[str, Any]) -> str:
+    """The train role's ``router_replay`` (none, r2 or r3)."""
+    return getattr(getattr(roles.get("train"), "options", None), "router_replay", "none")
+
+
 def check_route_source(roles: dict[str, Any]) -> None:
     """Config-time: routing replay r3 replays the generator's routes, so the generate role's engine returns them."""
-    replay = getattr(getattr(roles.get("train"), "options", None), "router_replay", "none")
+    replay = replayed_routes(roles)
     engine = getattr(roles.get("generate"), "options", None)
     if replay == "r3" and not getattr(engine, "returns_routes", lambda: False)():
         raise ValueError(
             "roles.train.options.router_replay=r3 replays the generator's routes, and the generate role's "
-            "engine does not return them yet: use router_replay: r2 (the trainer's own routes, recorded in its "
-            "old-log-prob forward)"
+            "engine does not return them: use roles.generate.options.engine=torch (which does), or "
+            "router_replay: r2 (the trainer's own routes, recorded in its old-log-prob forward)"
         )
 
 

@@ -35,7 +35,15 @@ import numpy as np
 
 from rollhpc.rollout.episode import Episode, Turn
 
-__all__ = ["TrainingRow", "turn_budget", "response_row", "trajectory_row", "step_rows", "pad_rows"]
+__all__ = [
+    "TrainingRow",
+    "turn_budget",
+    "response_row",
+    "trajectory_row",
+    "step_rows",
+    "pad_rows",
+    "pad_routes",
+]
 
 
 @dataclass(frozen=True)
@@ -171,4 +179,23 @@ def pad_rows(rows: Sequence[TrainingRow], pad_id: int) -> dict[str, np.ndarray]:
         out["gen_logprob"][i, : t - 1] = r.gen_logprob
         out["token_rewards"][i, : t - 1] = r.token_rewards
         out["turn_ids"][i, : t - 1] = r.turn_ids
+    return out
+
+
+def pad_routes(routes: Sequence[np.ndarray | None], width: int) -> np.ndarray | None:
+    """The rows' generator routes as one ``[B, W, moe_layers, top_k]`` int16 array (``TrainingBatch.routes``), or
+    None unless every row has them. Row ``i``'s routes cover the tokens the generator fed (all but the row's last);
+    the positions after them (its last token, whose output predicts nothing, and the padding) hold -1: the trainer
+    gives them any experts, nothing reads their outputs."""
+    if not routes or any(r is None for r in routes):
+        return None
+    layers, top_k = routes[0].shape[1:]
+    out = np.full((len(routes), width, layers, top_k), -1, dtype=np.int16)
+    for i, r in enumerate(routes):
+        if r.shape[1:] != (layers, top_k) or len(r) > width:
+            raise ValueError(
+                f"row {i}: routes of shape {r.shape} do not fit rows of width {width} with "
+                f"{layers} MoE layers of top-{top_k} (the generator's model is not the trainer's?)"
+            )
+        out[i, : len(r)] = r
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from rollhpc.engines.completion import Completion
 
 
@@ -43,6 +45,9 @@ class Sample:
     resumes: int = 0  # times it was aborted and continued (partial rollout)
     # multi-turn: the environment's side (None: a single-turn sample)
     episode: EpisodeState | None = None
+    # int16 [fed, moe_layers, top_k]: the generator's routes of every token it fed, prompt included (its last
+    # segment's: a resumed partial is prefilled again whole); None: none returned (routing replay r3 needs them)
+    routes: np.ndarray | None = None
 
     @property
     def request_id(self) -> str:
@@ -56,6 +61,8 @@ class Sample:
         self.response += list(comp.token_ids)
         self.logprobs += list(comp.logprobs)
         self.finish_reason = comp.finish_reason
+        if comp.routes is not None:
+            self.routes = comp.routes
         return self
 
     @property

@@ -368,6 +368,12 @@ class MegatronTrainWorker(WeightChannelMixin, MegatronTrainWorkerSpec, MegatronP
         if self.replayer is not None:
             rows = self.replayer.prepare(rows, "train")
         out, skipped, micro_batches = self._train_mini_batches(rows, loss, rows_with_gradient)
+        if self.replayer is not None:
+            # over the role's ranks: each layer's routes once per TP rank, so the share is exact
+            replayed, differing = self._all_reduce(
+                list(self.replayer.take_counts()), dist.ReduceOp.SUM, None
+            )
+            out["route_replay_differ_frac"] = differing / max(replayed, 1.0)
         # this rank's (its replica's), over the mini-batches
         out.update(
             n_tokens=float(np.asarray(batch.loss_mask).sum()),

@@ -97,10 +97,16 @@ class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
         forward = forward_activation_bytes(
             shape, layout.tp, rows, seq_len, size, ep=layout.ep, etp=layout.etp
         )
-        frozen = {"parameters": float(params * size), "activations": float(forward)}
+        # routing replay's routes ride with each forward's activations
+        routes = 0
+        if getattr(options, "router_replay", "none") != "none" and shape.experts:
+            routes = _route_bytes(shape, layout, rows, seq_len)
+        frozen = {"parameters": float(params * size), "activations": float(forward + routes)}
         if not cls.trainable:
             return frozen
-        return _with_training_memory(frozen, options, layout, shape, seq_len)
+        memory = _with_training_memory(frozen, options, layout, shape, seq_len)
+        memory["activations"] += float(routes)
+        return memory
 
     @classmethod
     def check_layout(cls, layout: ParallelLayout) -> None:
@@ -308,6 +314,14 @@ class MegatronCriticWorkerSpec(MegatronTrainWorkerSpec):
     ) -> list[dict[str, float]]:
         """One dict of the value loss's metrics per DP leader."""
         raise NotImplementedError
+
+
+def _route_bytes(shape: ModelShape, layout: ParallelLayout, rows: int, seq_len: int) -> int:
+    """Routing replay's GPU bytes: a micro-batch's routes (int16, every MoE layer) and each local layer's int64
+    targets, kept until the backward, for up to pp micro-batches in flight (1F1B's warm-up)."""
+    tokens = rows * seq_len * shape.topk
+    local_layers = -(-shape.layers // layout.pp)
+    return layout.pp * tokens * (2 * shape.layers + 8 * local_layers)
 
 
 def _micro_batch_rows(options: MegatronPolicyWorkerSpec.Options, seq_len: int) -> int:

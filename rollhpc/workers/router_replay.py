@@ -51,11 +51,28 @@ class ReplayRouter(RouterReplay):
     def __init__(self) -> None:
         super().__init__()
         self.used: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None  # [tokens] bool: the targets that are real routes
+        # (token, layer) routes replayed, and of those the ones whose experts the router would not have chosen
+        self.replayed = 0
+        self.differing = 0
+        self.counting = True  # off in a reference's forward: its router is another network's
 
-    def set_target_indices(self, topk_indices: torch.Tensor) -> None:
+    def set_target_indices(
+        self, topk_indices: torch.Tensor, valid: torch.Tensor | None = None
+    ) -> None:
         self.target_topk_idx = topk_indices
+        self.valid = valid
         if torch.is_grad_enabled():  # a forward-only pass has no backward to pop them
             self.replay_backward_list.append(topk_indices)
+
+    def _count(self, scores: torch.Tensor, topk: int, compute: TopK, *groups: int | None) -> None:
+        """Compare the replayed experts with the ones the router's own top-k takes on these scores."""
+        own = compute(scores, topk, *groups)[1]
+        target = self.target_topk_idx.to(own.device)
+        same = (own.sort(-1).values == target.sort(-1).values).all(-1)
+        valid = torch.ones_like(same) if self.valid is None else self.valid.to(same.device)
+        self.replayed += int(valid.sum())
+        self.differing += int((valid & ~same).sum())
 
     def get_replay_topk(
         self,
@@ -80,6 +97,10 @@ class ReplayRouter(RouterReplay):
             )
         if not in_backward:
             self.used = out[1]
+            if self.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self.counting:
+                assert default_compute_topk is not None
+                with torch.no_grad():
+                    self._count(scores, topk, default_compute_topk, num_groups, group_topk)
         return out
 
 
@@ -145,6 +166,10 @@ class RouteReplayer:
         batch they run on, with the ``routes`` they replay. r3: the batch's own (the generator's); r2: recorded in
         the old-log-prob forward (which records) and replayed in training (a reference forward routes itself)."""
         tokens = np.asarray(batch["tokens"])
+        if forward == "old_logprob":
+            self.take_counts()  # a new step: its forwards' counts start here
+        for replay in self._all():
+            replay.counting = forward != "reference"
         if self.source == "r3":
             if "routes" not in batch.data:
                 raise RuntimeError(
@@ -202,11 +227,16 @@ class RouteReplayer:
         """Set each of the chunk's routers' targets from the micro-batch's ``routes`` (replay)."""
         if self.mode != "replay":
             return
-        routes = part["routes"]  # [b, s, moe_layers, top_k]
+        # [b, s, moe_layers, top_k]; -1 where no route was recorded (a row's last token, padding): experts
+        # 0..k-1 there, whose outputs nothing reads, left out of the comparison
+        routes = part["routes"].to(torch.int64)
+        known = (routes[..., 0, 0] >= 0) & part["keep"][:, None]
+        routes = torch.where(routes >= 0, routes, torch.arange(self.top_k, device=routes.device))
+        valid = known.transpose(0, 1).reshape(-1)
         for k, replay in self._of(chunk):
             # s-major, as megatron flattens its [s, b] tokens
             layer = routes[:, :, k, :].transpose(0, 1).reshape(-1, self.top_k)
-            replay.set_target_indices(layer.to(torch.int64))
+            replay.set_target_indices(layer, valid)
 
     def after(self, chunk: torch.nn.Module, part: Mapping[str, torch.Tensor]) -> None:
         """Keep what each of the chunk's routers chose for the micro-batch's rows (record)."""
@@ -220,6 +250,16 @@ class RouteReplayer:
             assert replay.used is not None
             used = replay.used.reshape(s, b, self.top_k).transpose(0, 1).cpu().numpy()
             self.recorded[rows, :s, k, :] = used[keep].astype(ROUTE_DTYPE)
+
+    def take_counts(self) -> tuple[float, float]:
+        """(routes replayed, routes whose experts the router's own top-k would not have taken) since the last
+        call (a step's old-log-prob and training forwards), over this rank's layers and tokens; the counters start
+        again at 0."""
+        replayed = sum(r.replayed for r in self._all())
+        differing = sum(r.differing for r in self._all())
+        for r in self._all():
+            r.replayed = r.differing = 0
+        return float(replayed), float(differing)
 
     def _of(self, chunk: torch.nn.Module) -> list[tuple[int, ReplayRouter]]:
         """The routers of a chunk, or of the chunk a wrapper holds (megatron's DDP and Float16Module keep the

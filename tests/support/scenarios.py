@@ -285,6 +285,8 @@ class TrainerLayoutScenario(Pipeline):
             out["rows_skipped"].append(stats[0]["rows_skipped"])
             out["grad_norm"].append(stats[0]["grad_norm"])
             out["micro_batches"].append(stats[0]["micro_batches"])
+            if "route_replay_differ_frac" in stats[0]:
+                out.setdefault("route_differ", []).append(stats[0]["route_replay_differ_frac"])
             if step == o.save_after:
                 train.save_checkpoint(str(self.run_ctx.run_dir / "ckpt"))
                 out["saved_weights"] = {

@@ -76,6 +76,28 @@ def test_a_forward_only_role_counts_its_whole_logits():
     assert fwd == pytest.approx(layer + am.head_bytes(QWEN25_7B, tp, rows, seq, 2))
 
 
+def test_routing_replay_counts_its_routes_beside_each_forward():
+    """r2/r3 keep a micro-batch's routes (int16, every MoE layer) and each local layer's int64 targets until the
+    backward: at pp 2 and one row of 8192 tokens, 2 x 8192 x 8 x (2 x 48 + 8 x 24) bytes, ~38 MB."""
+    from rollhpc.parallel import ParallelLayout
+    from rollhpc.workers.megatron_policy_spec import MegatronTrainWorkerSpec
+
+    layout = ParallelLayout(world=16, tp=1, pp=2, ep=8)
+    memory = {
+        replay: MegatronTrainWorkerSpec.gpu_memory(
+            MegatronTrainWorkerSpec.Options(model_dir="", micro_batch_size=1, router_replay=replay),
+            layout,
+            QWEN3_30B,
+            seq_len=8192,
+            gpu_bytes=80e9,
+        )
+        for replay in ("none", "r3")
+    }
+    routes = 2 * 8192 * 8 * (2 * 48 + 8 * 24)
+    for part in ("activations", "forward_activations"):
+        assert memory["r3"][part] - memory["none"][part] == routes
+
+
 def test_vllm_keeps_its_tp_buffers_and_cuda_graphs_asleep():
     """At TP > 1 the engine's communication buffers, and with CUDA graphs their pool, are parts of their own that the
     plan keeps in every stage (sleep frees only weights and KV cache); the awake engine still fills its share."""

@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 
 from rollhpc.rollout.episode import Episode, Turn
-from rollhpc.rollout.rows import pad_rows, response_row, step_rows, trajectory_row, turn_budget
+from rollhpc.rollout.rows import (
+    pad_routes,
+    pad_rows,
+    response_row,
+    step_rows,
+    trajectory_row,
+    turn_budget,
+)
 from rollhpc.rollout.turns import ChatTemplateTurns, PlainTextTurns
 
 
@@ -312,3 +319,21 @@ def test_a_response_row_pads_like_an_episode_row():
     np.testing.assert_array_equal(batch["tokens"], [[7, 8, 9, 4, 5], [7, 8, 0, 0, 0]])
     np.testing.assert_array_equal(batch["loss_mask"], [[0, 0, 1, 1], [0, 0, 0, 0]])
     np.testing.assert_array_equal(batch["gen_logprob"], [[0, 0, -0.5, -0.25], [0, 0, 0, 0]])
+
+
+def test_pad_routes_keeps_each_fed_tokens_experts_and_marks_the_rest():
+    from rollhpc.engines.completion import Completion
+    from rollhpc.rollout.types import Prompt, Sample
+
+    # a 3-token prompt and a 2-token response: 4 tokens fed, in 2 MoE layers of top-2
+    fed = np.arange(16, dtype=np.int16).reshape(4, 2, 2)
+    sample = Sample(Prompt(uid=0, tokens=(5, 6, 7), example=None), 0)
+    sample.add_segment(Completion([8, 9], [-0.1, -0.2], "stop", 0, routes=fed))
+    other = np.zeros((2, 2, 2), dtype=np.int16)  # a 2-token prompt, one token: 2 fed
+    out = pad_routes([sample.routes, other], width=5)
+    assert out.shape == (2, 5, 2, 2) and out.dtype == np.int16
+    np.testing.assert_array_equal(out[0, :4], fed)
+    assert (out[0, 4] == -1).all() and (out[1, 2:] == -1).all() and (out[1, :2] == 0).all()
+    assert pad_routes([fed, None], 5) is None  # a row without routes: nothing to replay
+    with pytest.raises(ValueError, match="do not fit"):
+        pad_routes([fed, np.zeros((3, 3, 2), np.int16)], 5)  # three layers where the rows have two

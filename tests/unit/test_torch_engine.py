@@ -1,8 +1,9 @@
 """TorchGenerator (``engine: torch``) against the transformers model with the same weights, in process.
 
-Two tiny random checkpoints: a Qwen2 (q/k/v biases, grouped-query attention, untied head, EOS in its
-generation_config.json) and a Llama (no biases, tied embeddings). Greedy tokens and log-probabilities must
-be transformers' own; sampled log-probabilities must be those of the distribution after temperature and
+Tiny random checkpoints: a Qwen2 (q/k/v biases, grouped-query attention, untied head, EOS in its
+generation_config.json), a Llama (no biases, tied embeddings) and a Qwen2-MoE (TinyModelConfig(moe=True): 4
+experts, top 2, renormalised, a shared expert). Greedy tokens and log-probabilities must be transformers' own,
+and a MoE completion's routes transformers' own routing of the tokens it fed; sampled log-probabilities must be those of the distribution after temperature and
 top-p; the step API must give what ``generate`` gives when requests wait for KV cache slots, finish out of
 order (the running ones are moved to stay packed) and are aborted and resumed.
 """
@@ -13,12 +14,14 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from rollhpc.engines.torch_engine import TorchGenerator  # noqa: E402
+from rollhpc.warm_start.tiny_config import TinyModelConfig  # noqa: E402
 
 VOCAB = 300
 PROMPTS = [[5, 17, 42, 99, 3], [250, 1, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [77]]
@@ -69,6 +72,12 @@ def models(tmp_path_factory) -> dict:
     )
     model = transformers.LlamaForCausalLM(config).eval()
     out["llama"] = (model, _save(model, root / "llama"))
+    torch.manual_seed(3)
+    spec = TinyModelConfig(moe=True, tie_word_embeddings=False, initializer_range=0.1)
+    model = transformers.Qwen2MoeForCausalLM(spec.hf_config(VOCAB, VOCAB - 1, VOCAB - 2)).eval()
+    # as qwen_a: its EOS is the third token of its greedy answer to the first prompt
+    out["moe_eos"] = eos = hf_greedy(model, PROMPTS[0], 3)[0][2]
+    out["moe"] = (model, _save(model, root / "moe", eos=eos))
     return out
 
 
@@ -93,7 +102,23 @@ def hf_greedy(
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("name", ["qwen_a", "llama"])
+@torch.no_grad()
+def hf_routes(model, ids: list[int]) -> np.ndarray:
+    """Transformers' routing of ``ids``: the top-k experts of every position in each MoE layer [len, layers, k]."""
+    out = model(torch.tensor([ids]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([r.topk(k, dim=-1).indices for r in out.router_logits], dim=1).numpy()
+
+
+def assert_routes(model, prompt: list[int], c) -> None:
+    """``c.routes`` is transformers' routing of every token fed: the prompt and every sampled one but the last."""
+    fed = prompt + c.token_ids[:-1]
+    assert c.routes.dtype == np.int16
+    assert c.routes.shape == (len(fed), model.config.num_hidden_layers, 2)
+    np.testing.assert_array_equal(c.routes, hf_routes(model, fed))
+
+
+@pytest.mark.parametrize("name", ["qwen_a", "llama", "moe"])
 def test_greedy_equals_transformers_and_stops_at_eos(models, name):
     model, path = models[name]
     engine = TorchGenerator(path, max_model_len=64)
@@ -105,8 +130,9 @@ def test_greedy_equals_transformers_and_stops_at_eos(models, name):
         assert c.logprobs == pytest.approx(logprobs, abs=1e-4)
         assert c.finish_reason == ("stop" if tokens[-1] == eos else "length")
         assert c.version == 0
+        assert (c.routes is None) == (name != "moe")  # a dense model records no routes
     # the random model must really hit its EOS somewhere, or "stop" went untested
-    if name == "qwen_a":
+    if name != "llama":
         assert any(c.finish_reason == "stop" for (c,) in out)
 
 
@@ -257,3 +283,39 @@ def test_adapters_are_served_merged_and_replace_the_last(models):
     engine.update_weights(list(zero.items()), version=2)
     ((c,),) = engine.generate([PROMPTS[0]], temperature=0.0, max_tokens=6)
     assert c.token_ids == hf_greedy(model, PROMPTS[0], 6)[0]
+
+
+def test_moe_routes_are_transformers_routing(models):
+    """A Qwen2-MoE completion's routes are transformers' routing (top-k of each layer's router logits) of every
+    token it fed, position by position: greedy and sampled completions, two samples sharing their prompt's
+    prefill (the leader's prompt routes copied), and partials aborted while running (prompt + T - 1 rows) or
+    still waiting for a slot (none)."""
+    model, path = models["moe"]
+    engine = TorchGenerator(path, max_model_len=64)
+    greedy = engine.generate(PROMPTS, temperature=0.0, max_tokens=8)
+    sampled = engine.generate(PROMPTS[:2], n=2, temperature=1.0, max_tokens=8, seed=5)
+    assert any(row[0].token_ids != row[1].token_ids for row in sampled)
+    for prompt, row in zip(PROMPTS, greedy):
+        assert_routes(model, prompt, row[0])
+    for prompt, row in zip(PROMPTS, sampled):
+        for c in row:
+            assert_routes(model, prompt, c)
+
+    one_slot = TorchGenerator(path, max_model_len=64, cpu_kv_cache_bytes=2 * 2 * 2 * 64 * 32 * 4)
+    assert one_slot.slots == 1
+    one_slot.add_request("runs", PROMPTS[2], max_tokens=9, seed=1, ignore_eos=True)
+    one_slot.add_request("waits", PROMPTS[0], max_tokens=9)
+    one_slot.step(), one_slot.step(), one_slot.step()
+    partials = dict(one_slot.abort(["runs", "waits"]))
+    assert len(partials["runs"].token_ids) == 3
+    assert_routes(model, PROMPTS[2], partials["runs"])
+    assert partials["waits"].token_ids == [] and partials["waits"].routes.shape == (0, 2, 2)
+
+    # MoE blocks on some layers only: refused, as the trainer's weight map is
+    config = json.loads((path / "config.json").read_text())
+    for key, value in (("mlp_only_layers", [1]), ("decoder_sparse_step", 2)):
+        other = path.parent / f"moe_{key}"
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=f"{key}.*engine=vllm"):
+            TorchGenerator(other)

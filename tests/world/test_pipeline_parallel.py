@@ -206,6 +206,7 @@ def test_r2_replays_the_trainers_own_routes_as_it_recorded_them(
         experiment, tmp_path, "r2", models["moe"], 1, {}, train_options={"router_replay": "r2"}
     )
     assert_same_training(got, one_stage["moe"])
+    assert got["route_differ"] == [0.0, 0.0]  # at the weights that recorded them, its own choices
 
 
 @pytest.mark.slow
@@ -233,6 +234,10 @@ def test_r3_replays_the_given_routes_across_stages_and_recompute(
         **ROUTES,
     )
     assert_same_training(got, replayed_one_stage)
+    # random pairs of 4 experts are the router's own pair about 1 time in 6 (the share differs a little with
+    # the micro-batches' widths: the scenario's routes cover its padding too)
+    assert got["route_differ"] == pytest.approx(replayed_one_stage["route_differ"], abs=0.02)
+    assert all(0.6 < x < 0.95 for x in got["route_differ"]), got["route_differ"]
     own, replayed = one_stage["moe"]["logprob"][0], replayed_one_stage["logprob"][0]
     assert (own - replayed).abs().max() > 1e-3  # the given routes are not the ones it would take
 
