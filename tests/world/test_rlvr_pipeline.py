@@ -197,27 +197,59 @@ def test_ppo_with_critic_async_partial_rollout(tmp_path, tiny_model):
     assert_no_orphans(run_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> Path:
+    """A tiny Qwen2-MoE policy (4 routed experts, top 2, a shared expert, an untied head) for the arithmetic task."""
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
+    from rollhpc.tasks import arithmetic
+
+    train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
+    return create_tiny_model(
+        tmp_path_factory.mktemp("moe") / "tiny_moe",
+        TinyModelConfig(moe=True, tie_word_embeddings=False),
+        build_tokenizer(list(arithmetic.corpus(train)), 300),
+    )
+
+
 @pytest.mark.slow
-def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_path):
+def test_moe_routes_of_the_torch_engine_are_replayed_by_the_trainer(tmp_path, tiny_moe):
+    """Routing replay r3: the torch engine returns the experts of every token it fed, they travel with the samples
+    into the batch, and the expert-parallel trainer (EP=2) replays them in its training forwards. Engines in sync
+    (float32 both): the generator's experts are the ones the trainer's own router takes, every one of them."""
+    res = rollhpc(
+        "train",
+        "quickstart",
+        f"pipeline.options.model_dir={tiny_moe}",
+        "pipeline.options.warm_start=null",
+        "pipeline.options.steps=3",
+        "pipeline.options.eval_every=0",
+        "pipeline.options.prompts_per_step=4",
+        "pipeline.options.rollout.dynamic_sampling=false",
+        "pipeline.options.loss.entropy_coef=0.05",
+        "roles.generate.options.engine=torch",
+        "roles.train.procs=2",
+        "roles.train.parallel.ep=2",
+        "roles.train.options.router_replay=r3",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    run_dir = assert_three_steps_in_sync(res, tmp_path)
+    for x in [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]:
+        assert x["train/route_replay_differ_frac"] == 0.0, x
+
+
+@pytest.mark.slow
+def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_path, tiny_moe):
     """A Qwen2-MoE policy (routed experts + shared expert, untied head) trained with EP=2: after every
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught
     vLLM's CPU MoE kernel keeping unpacked experts after a reload (rollhpc.engines.vllm_cpu_moe_repack):
     mean |diff| 0.05 without the repack. The objective is GSPO's token variant with NeMo-RL's sequence-mask
     TIS (token weights, whole rows rejected), split over the expert-parallel ranks, and the trainer replays the
     routes of its old-log-prob forward in training (router_replay: r2)."""
-    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
-    from rollhpc.tasks import arithmetic
-
-    train, _ = arithmetic.make_splits(0, 500, 10, digits=2, ops=("+",))
-    model = create_tiny_model(
-        tmp_path / "tiny_moe",
-        TinyModelConfig(moe=True, tie_word_embeddings=False),
-        build_tokenizer(list(arithmetic.corpus(train)), 300),
-    )
     res = rollhpc(
         "train",
         "quickstart",
-        f"pipeline.options.model_dir={model}",
+        f"pipeline.options.model_dir={tiny_moe}",
         "pipeline.options.warm_start=null",
         "pipeline.options.steps=3",
         "pipeline.options.eval_every=0",
