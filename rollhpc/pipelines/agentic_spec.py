@@ -14,6 +14,7 @@ from rollhpc.pipelines.training_spec import (
     check_critic_role,
     check_lora_serving,
     check_route_source,
+    replayed_routes,
 )
 from rollhpc.warm_start.agentic_prep import prepare_agentic_policy
 from rollhpc.warm_start.sft_config import SftConfig
@@ -148,6 +149,11 @@ class AgenticPipelineSpec(TrainingPipelineSpec):
         check_critic_role(options, roles)
         check_lora_serving(roles)
         check_route_source(roles)
+        if replayed_routes(roles) == "r3":
+            raise ValueError(
+                "roles.train.options.router_replay=r3: an agentic row joins several turns' generations and "
+                "the environment's observations, whose routes are not assembled into rows yet; use r2"
+            )
 
 
 def _env_of(roles: dict[str, Any]) -> tuple[str, dict[str, Any]]:
