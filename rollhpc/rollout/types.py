@@ -61,8 +61,9 @@ class Sample:
         self.response += list(comp.token_ids)
         self.logprobs += list(comp.logprobs)
         self.finish_reason = comp.finish_reason
-        if comp.routes is not None:
-            self.routes = comp.routes
+        routes = getattr(comp, "routes", None)  # (a scripted generator's completions may carry none)
+        if routes is not None:
+            self.routes = routes
         return self
 
     @property
