@@ -54,6 +54,9 @@ class EngineConfig:
     # engine sets VLLM_ALLOW_INSECURE_SERIALIZATION=1 for its own child). "same": in this process (weights handed
     # over as live tensors). auto: same on CPU, separate on GPU
     engine_process: EngineProcess = "auto"
+    # vllm: every completion carries its tokens' routed experts (routing replay r3): a MoE model on a GPU (vLLM's
+    # enable_return_routed_experts, prefix caching on). engine=torch returns them for MoE models anyway
+    return_routes: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -134,14 +137,14 @@ class EngineConfig:
             enforce_eager=self.enforce_eager,
             seeded_sampling=self.seeded_sampling,
             engine_process=self.engine_process,
+            return_routes=self.return_routes,
             **common,
         )
 
     def returns_routes(self) -> bool:
         """Whether this engine returns the experts each token was routed to (routing replay r3): the torch engine
-        does for its MoE models (``Completion.routes``). vLLM records them only in its GPU model runner
-        (``enable_return_routed_experts``), which rollhpc does not request yet."""
-        return self.engine == "torch"
+        does for its MoE models (``Completion.routes``), vLLM with ``return_routes`` (on a GPU)."""
+        return self.engine == "torch" or self.return_routes
 
     def takes_adapters(self) -> bool:
         """Whether this engine takes a LoRA trainer's adapters alone (and serves or merges them itself)."""

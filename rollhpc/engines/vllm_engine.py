@@ -48,6 +48,7 @@ from pathlib import Path
 # own handlers.
 os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.logprobs import SampleLogprobs  # noqa: E402
@@ -91,6 +92,8 @@ class _Live:
     version: int  # weights version live when it was added
     token_ids: list[int] = field(default_factory=list)  # generated so far
     logprobs: list[float] = field(default_factory=list)
+    # int16 [fed, moe_layers, top_k] with return_routes, set when it finishes (vLLM hands routes over then)
+    routes: np.ndarray | None = None
 
 
 class VllmGenerator(StepEngine[_Live]):
@@ -116,6 +119,9 @@ class VllmGenerator(StepEngine[_Live]):
             "auto": on CPU only.
         engine_process: "same" / "separate": vLLM's engine core in this process or in one of its own (one value
             per process: vLLM caches its environment once an engine core runs here); "auto": separate on GPU.
+        return_routes: each completion carries the experts every token it fed was routed to (``Completion.routes``,
+            routing replay r3), through vLLM's ``enable_return_routed_experts``: a MoE model on a GPU (vLLM collects
+            them in its Model Runner V2 only, with prefix caching, which this turns on; not with vLLM's PP).
     """
 
     def __init__(
@@ -134,9 +140,21 @@ class VllmGenerator(StepEngine[_Live]):
         max_lora_rank: int = 0,
         seeded_sampling: AutoBool = "auto",
         engine_process: EngineProcess = "auto",
+        return_routes: bool = False,
         **engine_kwargs: object,
     ) -> None:
         self.on_cpu = current_platform.is_cpu()
+        if return_routes:
+            if self.on_cpu:
+                raise ValueError(
+                    "return_routes: vLLM collects routed experts in its GPU model runner (V2) only; on CPU use "
+                    "engine=torch, which returns them"
+                )
+            engine_kwargs = {
+                **engine_kwargs,
+                "enable_return_routed_experts": True,
+                "enable_prefix_caching": True,
+            }
         self.choices: VllmChoices = resolve_vllm_choices(
             self.on_cpu, enforce_eager, seeded_sampling, engine_process
         )
@@ -260,7 +278,11 @@ class VllmGenerator(StepEngine[_Live]):
     def _completion(self, out: CompletionOutput) -> Completion:
         token_ids = list(out.token_ids)
         return Completion(
-            token_ids, self._logprobs(token_ids, out.logprobs), str(out.finish_reason), self.version
+            token_ids,
+            self._logprobs(token_ids, out.logprobs),
+            str(out.finish_reason),
+            self.version,
+            _routes(out.routed_experts),
         )
 
     @staticmethod
@@ -303,6 +325,7 @@ class VllmGenerator(StepEngine[_Live]):
             live.token_ids += new_tokens
             live.logprobs += self._logprobs(new_tokens, delta.logprobs)
             if out.finished:
+                live.routes = _routes(delta.routed_experts)
                 del self._live[out.request_id]
                 finished.append((out.request_id, Completion.of(live, str(delta.finish_reason))))
         return finished
@@ -421,3 +444,8 @@ def _with_tied_head(
         yield name, tensor
     if embedding is not None and not head_seen:
         yield "lm_head.weight", embedding
+
+
+def _routes(routed_experts: np.ndarray | None) -> np.ndarray | None:
+    """vLLM's routed experts of a finished request ([fed tokens, MoE layers, top k]) as ``Completion.routes``."""
+    return None if routed_experts is None else np.asarray(routed_experts, dtype=np.int16)

@@ -129,8 +129,9 @@ def check_route_source(roles: dict[str, Any]) -> None:
     if replay == "r3" and not getattr(engine, "returns_routes", lambda: False)():
         raise ValueError(
             "roles.train.options.router_replay=r3 replays the generator's routes, and the generate role's "
-            "engine does not return them: use roles.generate.options.engine=torch (which does), or "
-            "router_replay: r2 (the trainer's own routes, recorded in its old-log-prob forward)"
+            "engine does not return them: set roles.generate.options.return_routes=true (vLLM on GPUs) or "
+            "engine=torch, or use router_replay: r2 (the trainer's own routes, recorded in its old-log-prob "
+            "forward)"
         )
 
 

@@ -639,3 +639,77 @@ if __name__ == "__main__":
         update_weights_s=res["update_weights_s"],
         tokens_per_s=res["tokens_per_s"],
     )
+
+
+def test_vllm_returns_the_routes_transformers_takes(cuda, tmp_path):
+    """Routing replay r3 on vLLM (``return_routes``: its ``enable_return_routed_experts``, Model Runner V2, prefix
+    caching): every completion of a tiny Qwen2-MoE carries the top-k experts of each token it fed, and they are
+    transformers' own top-k of the router logits on the same tokens (bf16 both: a near-tie may flip, so 98%).
+    Skips without vLLM's CUDA build, as on the lent GPU machines."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
+    import subprocess
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    model = transformers.Qwen2MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "model")
+    script = """
+import json, sys
+if __name__ == "__main__":
+    from rollhpc.engines.vllm_engine import VllmGenerator
+    engine = VllmGenerator(sys.argv[1], dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3,
+                           return_routes=True)
+    out = engine.generate([[5, 17, 42, 99, 3], [250, 1, 7]], temperature=0.0, max_tokens=12, ignore_eos=True)
+    json.dump([{"tokens": c[0].token_ids, "routes": c[0].routes.tolist()} for c in out], open(sys.argv[2], "w"))
+"""
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
+        cwd=repo,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    prompts = [[5, 17, 42, 99, 3], [250, 1, 7]]
+    model = model.to(cuda)
+    same = total = 0
+    for prompt, got in zip(prompts, json.loads((tmp_path / "out.json").read_text())):
+        fed = prompt + got["tokens"][:-1]
+        routes = torch.tensor(got["routes"])
+        assert routes.shape == (len(fed), 2, 2), routes.shape
+        with torch.no_grad():
+            logits = model(
+                torch.tensor([fed], device=cuda), output_router_logits=True
+            ).router_logits
+        for layer, z in enumerate(logits):
+            own = z.float().topk(2, dim=-1).indices.sort(-1).values.cpu()
+            same += int((own == routes[:, layer].sort(-1).values).all(-1).sum())
+            total += len(fed)
+    assert same / total >= 0.98, (same, total)
+    report("vllm_routes", agreement=same / total)
