@@ -144,17 +144,6 @@ class VllmGenerator(StepEngine[_Live]):
         **engine_kwargs: object,
     ) -> None:
         self.on_cpu = current_platform.is_cpu()
-        if return_routes:
-            if self.on_cpu:
-                raise ValueError(
-                    "return_routes: vLLM collects routed experts in its GPU model runner (V2) only; on CPU use "
-                    "engine=torch, which returns them"
-                )
-            engine_kwargs = {
-                **engine_kwargs,
-                "enable_return_routed_experts": True,
-                "enable_prefix_caching": True,
-            }
         self.choices: VllmChoices = resolve_vllm_choices(
             self.on_cpu, enforce_eager, seeded_sampling, engine_process
         )
@@ -188,7 +177,7 @@ class VllmGenerator(StepEngine[_Live]):
             logprobs_mode="processed_logprobs",
             enable_sleep_mode=self.sleep_supported,
             **self._memory_args(gpu_memory_utilization, cpu_kv_cache_bytes),
-            **self._engine_args(engine_kwargs, max_model_len, max_lora_rank),
+            **self._engine_args(engine_kwargs, max_model_len, max_lora_rank, return_routes),
         )
         if self.weight_transfer:
             self.llm.collective_rpc(
@@ -205,6 +194,17 @@ class VllmGenerator(StepEngine[_Live]):
             let_engine_core_unpickle(why)
         return backend
 
+    def _route_args(self, return_routes: bool) -> dict[str, bool]:
+        """vLLM's arguments for returning routed experts (none without ``return_routes``); refused on CPU."""
+        if not return_routes:
+            return {}
+        if self.on_cpu:
+            raise ValueError(
+                "return_routes: vLLM collects routed experts in its GPU model runner (V2) only; on CPU use "
+                "engine=torch, which returns them"
+            )
+        return {"enable_return_routed_experts": True, "enable_prefix_caching": True}
+
     def _memory_args(
         self, gpu_memory_utilization: float, cpu_kv_cache_bytes: int
     ) -> dict[str, float | int]:
@@ -214,10 +214,15 @@ class VllmGenerator(StepEngine[_Live]):
         return {"gpu_memory_utilization": gpu_memory_utilization}
 
     def _engine_args(
-        self, engine_kwargs: dict[str, object], max_model_len: int, max_lora_rank: int
+        self,
+        engine_kwargs: dict[str, object],
+        max_model_len: int,
+        max_lora_rank: int,
+        return_routes: bool = False,
     ) -> dict[str, object]:
-        """The caller's other engine arguments, with this engine's defaults and its LoRA serving added."""
-        args = dict(engine_kwargs)
+        """The caller's other engine arguments, with this engine's defaults, its LoRA serving and its returned
+        routes added."""
+        args = {**engine_kwargs, **self._route_args(return_routes)}
         if self.on_cpu:
             # No chunked prefill on CPU: a prefill split over two engine steps discards the token sampled after
             # its first part and rewinds that request's seeded generator (``gen.set_offset``), which a CPU
