@@ -878,6 +878,48 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(
     assert_no_orphans(run_dir)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_routing_replay_r3_resumes_exactly_with_samples_in_flight(tmp_path):
+    """The async run on a tiny MoE policy whose trainer replays the generator's routes (router_replay: r3): asked to
+    stop after step 3 it checkpoints with the next batch already generated (its samples carry their routes), and
+    --resume ends bit-identical to the same run left alone."""
+    from rollhpc.tasks import arithmetic
+    from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
+
+    train, _ = arithmetic.make_splits(0, 300, 0, digits=2, ops=("+",))
+    model = create_tiny_model(
+        tmp_path / "tiny_moe",
+        TinyModelConfig(moe=True, tie_word_embeddings=False),
+        build_tokenizer(list(arithmetic.corpus(train)), 300),
+    )
+    args = ["train", "quickstart", *run_args(model), "roles.train.options.router_replay=r3"]
+    (tmp_path / "alone").mkdir()
+    alone = rollhpc(*args, cwd=tmp_path / "alone", timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    reference = read_metrics(tmp_path / "alone" / "runs" / "quickstart" / "metrics.jsonl")
+    assert all("train/route_replay_differ_frac" in m for m in reference[1:])
+
+    run_dir = tmp_path / "runs" / "quickstart"
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollhpc.cli", *args],
+            cwd=tmp_path,
+            env=cli_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for("step 3", lambda: last_step(run_dir) >= 3, 300, proc, log)
+        proc.send_signal(signal.SIGUSR1)
+        assert proc.wait(timeout=300) == EXIT_REQUEUE, log.read_text()[-3000:]
+    assert last_step(run_dir) < STEPS
+    res = rollhpc(args[0], "--resume", *args[1:], cwd=tmp_path, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert_same_as_uninterrupted(run_dir, reference)
+    assert_no_orphans(run_dir)
+
+
 # -- on the real local Slurm cluster --------------------------------------------------------------------
 
 
