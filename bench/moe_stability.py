@@ -9,7 +9,8 @@ sampled by the torch engine (the engine that returns its routes). Settings:
 - mismatched: the generator in bfloat16 and async with ``rollout.max_staleness: 2`` (the behaviour log-probs the
   generator's, ``old_logprob_source: generator``): the sampling policy differs from the trained one in precision,
   in routing and in age.
-- +r3: the trainer replays the generator's routes (``router_replay: r3``).
+- +r3: the trainer replays the generator's routes (``router_replay: r3``); +r2: its own, recorded in its
+  old-log-prob forward (``router_replay: r2``; it needs the trainer's old log-probs, so it runs with +tis).
 - +tis: decoupled PPO with truncated importance weights (``old_logprob_source: trainer``,
   ``loss.correction: {weight: token}``).
 - +gspo / +cispo: the objective (GSPO with its own clips, CISPO) on top of r3 + tis.
@@ -50,6 +51,7 @@ SETTINGS: dict[str, list[str]] = {
     "mismatched": MISMATCHED,
     "mismatched+r3": [*MISMATCHED, *R3],
     "mismatched+tis": [*MISMATCHED, *TIS],
+    "mismatched+r2+tis": [*MISMATCHED, "roles.train.options.router_replay=r2", *TIS],
     "mismatched+r3+tis": [*MISMATCHED, *R3, *TIS],
     "mismatched+r3+tis+gspo": [
         *MISMATCHED,

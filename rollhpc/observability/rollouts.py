@@ -15,6 +15,9 @@ response_tokens[response_offsets[i]:response_offsets[i + 1]]):
     domain            vlen str [n]                        optional: the prompt's domain (multi-domain RLVR)
     components/NAME   float32 [n]                         optional: each reward component (the reward is their
                                                           weighted sum; a sample without NAME has NaN)
+    routes            int16   [sum of fed lengths, L, k]  optional (MoE, routing replay): the experts each token the
+                                                          generator fed was routed to in each of its L MoE layers
+    route_offsets     int64   [n + 1]                     sample i's fed tokens: prompt + response minus its last
   multi-turn episodes (agentic runs), all optional:
     response_mask     int8    [sum of response lengths]   1 on generated tokens, 0 on observation tokens
     turn_ends         int32   [sum of turns]              index in the response of each turn's last generated token
@@ -64,6 +67,8 @@ class RolloutRecord:
     turn_rewards: Sequence[np.ndarray] | None = None  # n x [turns_i]
     finish: Sequence[str] | None = None  # n
     success: np.ndarray | None = None  # [n]
+    # n x [fed_i, moe_layers, top_k] int16: the generator's routes (Sample.routes)
+    routes: Sequence[np.ndarray] | None = None
 
 
 def _flatten(
@@ -164,6 +169,11 @@ def write_rollouts(path: Path, step: int, record: RolloutRecord) -> Path:
             f.create_dataset(f"components/{k}", data=v)
         for k, v in episode.items():
             f.create_dataset(k, data=v)
+        if record.routes is not None:
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum([len(r) for r in record.routes], out=offsets[1:])
+            f.create_dataset("routes", data=np.concatenate(record.routes).astype(np.int16))
+            f.create_dataset("route_offsets", data=offsets)
     return path
 
 
@@ -227,6 +237,7 @@ def read_rollouts(path: Path) -> dict[str, Any]:
         else:
             out["turn_ends"] = out["turn_rewards"] = None
         out["success"] = f["success"][()].astype(bool) if "success" in f else None
+        out["routes"] = _split(f["routes"][()], f["route_offsets"][()]) if "routes" in f else None
     return out
 
 

@@ -497,6 +497,11 @@ class RlvrPipeline(RlvrPipelineSpec, TrainingPipeline):
                 [s.response for s in samples], skip_special_tokens=True
             ),
             domain=[s.prompt.domain for s in samples] if self.options.domains else None,
+            routes=(
+                [s.routes for s in samples]
+                if samples and all(s.routes is not None for s in samples)
+                else None
+            ),
             components={
                 c: np.array([s.components.get(c, np.nan) for s in samples], dtype=np.float32)
                 for c in sorted({c for s in samples for c in s.components})

@@ -68,7 +68,16 @@ def test_rollouts_fixed_width_arrays_and_no_text(tmp_path):
     got = read_rollouts(write_rollouts(tmp_path / "r.h5", 1, rec))
     assert [p.tolist() for p in got["prompt_tokens"]] == prompts.tolist()
     assert [r.tolist() for r in got["response_tokens"]] == [[0], [1], [2], [3]]
-    assert got["prompt_text"] is None and got["response_text"] is None
+    assert got["prompt_text"] is None and got["response_text"] is None and got["routes"] is None
+    # a MoE run's routes: each sample's fed tokens (2-token prompt + 1-token response: 2) x 3 layers x top 2
+    rec.routes = [np.full((2, 3, 2), i, dtype=np.int16) for i in range(4)]
+    routes = read_rollouts(write_rollouts(tmp_path / "moe.h5", 1, rec))["routes"]
+    assert [r.shape for r in routes] == [(2, 3, 2)] * 4 and [int(r[0, 0, 0]) for r in routes] == [
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
 def test_rollouts_refuse_mismatched_fields(tmp_path):

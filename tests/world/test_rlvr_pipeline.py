@@ -236,6 +236,13 @@ def test_moe_routes_of_the_torch_engine_are_replayed_by_the_trainer(tmp_path, ti
     run_dir = assert_three_steps_in_sync(res, tmp_path)
     for x in [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]:
         assert x["train/route_replay_differ_frac"] == 0.0, x
+    # the rollouts keep them: each sample's prompt and response but its last token, 2 layers x top 2
+    from rollhpc.observability.rollouts import read_rollouts
+
+    got = read_rollouts(run_dir / "rollouts" / "step_000001.h5")
+    assert [r.shape for r in got["routes"]] == [
+        (len(p) + len(t) - 1, 2, 2) for p, t in zip(got["prompt_tokens"], got["response_tokens"])
+    ]
 
 
 @pytest.mark.slow
