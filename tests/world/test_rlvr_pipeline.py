@@ -211,6 +211,19 @@ def tiny_moe(tmp_path_factory) -> Path:
     )
 
 
+def moe_run(model: Path) -> list[str]:
+    """The quickstart for three steps on the tiny MoE policy, an entropy bonus giving every step a gradient."""
+    return [
+        f"pipeline.options.model_dir={model}",
+        "pipeline.options.warm_start=null",
+        "pipeline.options.steps=3",
+        "pipeline.options.eval_every=0",
+        "pipeline.options.prompts_per_step=4",
+        "pipeline.options.rollout.dynamic_sampling=false",
+        "pipeline.options.loss.entropy_coef=0.05",
+    ]
+
+
 @pytest.mark.slow
 def test_moe_routes_of_the_torch_engine_are_replayed_by_the_trainer(tmp_path, tiny_moe):
     """Routing replay r3: the torch engine returns the experts of every token it fed, they travel with the samples
@@ -219,13 +232,7 @@ def test_moe_routes_of_the_torch_engine_are_replayed_by_the_trainer(tmp_path, ti
     res = rollhpc(
         "train",
         "quickstart",
-        f"pipeline.options.model_dir={tiny_moe}",
-        "pipeline.options.warm_start=null",
-        "pipeline.options.steps=3",
-        "pipeline.options.eval_every=0",
-        "pipeline.options.prompts_per_step=4",
-        "pipeline.options.rollout.dynamic_sampling=false",
-        "pipeline.options.loss.entropy_coef=0.05",
+        *moe_run(tiny_moe),
         "roles.generate.options.engine=torch",
         "roles.train.procs=2",
         "roles.train.parallel.ep=2",
@@ -256,13 +263,7 @@ def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_pat
     res = rollhpc(
         "train",
         "quickstart",
-        f"pipeline.options.model_dir={tiny_moe}",
-        "pipeline.options.warm_start=null",
-        "pipeline.options.steps=3",
-        "pipeline.options.eval_every=0",
-        "pipeline.options.prompts_per_step=4",
-        "pipeline.options.rollout.dynamic_sampling=false",
-        "pipeline.options.loss.entropy_coef=0.05",
+        *moe_run(tiny_moe),
         "pipeline.options.loss={objective: gspo-token, clip_low: 3.0e-4, clip_high: 4.0e-4}",
         "pipeline.options.loss.correction={weight: token, mask: sequence}",
         "roles.train.procs=2",
