@@ -61,7 +61,8 @@ class Sample:
         self.response += list(comp.token_ids)
         self.logprobs += list(comp.logprobs)
         self.finish_reason = comp.finish_reason
-        routes = getattr(comp, "routes", None)  # (a scripted generator's completions may carry none)
+        # (a scripted generator's completions may carry none)
+        routes = getattr(comp, "routes", None)
         if routes is not None:
             self.routes = routes
         return self
