@@ -40,7 +40,7 @@ import numpy as np
 from rollhpc.algo import advantages as adv_mod
 from rollhpc.algo import agentic as agentic_adv
 from rollhpc.algo.kl_control import KlController
-from rollhpc.batch import TrainingBatch, ValueBatch
+from rollhpc.batch import Batch, TrainingBatch, ValueBatch
 from rollhpc.checkpoint.run_checkpoint import RunCheckpointer
 from rollhpc.protocol.pipeline import RunContext
 from rollhpc.controller.run_loop import Outcome, Stateful, StepReport
@@ -232,7 +232,9 @@ class AgenticPipeline(AgenticPipelineSpec, TrainingPipeline):
         ):
             # on-policy: the train step reports its distance from the generator's log-probs (logprob_abs_diff)
             return TrainingBatch(tokens, mask, advantage, gen_logprob=data["gen_logprob"]), critic
-        old = self.old_logprobs_from_trainer(tokens, mask, data["gen_logprob"], times)
+        old = self.old_logprobs_from_trainer(
+            Batch({"tokens": tokens}), mask, data["gen_logprob"], times
+        )
         batch = TrainingBatch(tokens, mask, advantage, old_logprob=old)
         return self.corrected(batch, data["gen_logprob"], times), critic
 

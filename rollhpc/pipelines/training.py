@@ -238,20 +238,15 @@ class TrainingPipeline(TrainingPipelineSpec, Pipeline):
         )
 
     def old_logprobs_from_trainer(
-        self,
-        inputs: np.ndarray | Batch,
-        mask: np.ndarray,
-        gen_logprob: np.ndarray,
-        times: dict[str, float],
+        self, inputs: Batch, mask: np.ndarray, gen_logprob: np.ndarray, times: dict[str, float]
     ) -> np.ndarray:
-        """The trainer's log-probs of the rows (``inputs``: their tokens, or a batch of them with the routes to
-        replay) under the weights the batch was generated with, and how far the
-        generator's were from them (``logprob_abs_diff``, per generated token: the weight sync and both engines'
-        numerics; ``mismatch_*``: rollhpc.algo.correction.mismatch_metrics)."""
+        """The trainer's log-probs of the rows (``inputs``: their tokens, and with routing replay r3 the routes to
+        replay) under the weights the batch was generated with, and how far the generator's were from them
+        (``logprob_abs_diff``, per generated token: the weight sync and both engines' numerics; ``mismatch_*``:
+        rollhpc.algo.correction.mismatch_metrics)."""
         self.stage("old_logprob")
         t = time.perf_counter()
-        batch = inputs if isinstance(inputs, Batch) else Batch({"tokens": inputs})
-        old = self.workers["train"].compute_logprobs(batch)["logprob"]
+        old = self.workers["train"].compute_logprobs(inputs)["logprob"]
         times["old_logprob_s"] = time.perf_counter() - t
         times["logprob_abs_diff"] = float(
             (np.abs(old - gen_logprob) * mask).sum() / max(mask.sum(), 1)

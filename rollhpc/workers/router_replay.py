@@ -120,7 +120,8 @@ class RouteReplayer:
     ``record`` (their own routing, kept per row and position in ``recorded``: r2), ``replay`` (the micro-batch's
     ``routes``). ``before``/``after`` wrap each chunk's forward on a micro-batch."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module]):
+    def __init__(self, chunks: Sequence[torch.nn.Module], source: str):
+        self.source = source  # r2: the routes recorded in the old-log-prob forward; r3: the batch's
         config = chunks[0].config
         index = moe_layer_index(config.num_layers, config.moe_layer_freq)
         self.top_k = int(config.moe_router_topk)
@@ -141,7 +142,6 @@ class RouteReplayer:
             r for rs in self.routers.values() for _, r in rs
         ]
         self.mode: RouteMode = "off"
-        self.source = "r3"  # where replayed routes come from (``of``)
         self.recorded: np.ndarray | None = (
             None  # [B, W, moe_layers, top_k], this rank's layers filled
         )
@@ -157,9 +157,7 @@ class RouteReplayer:
                 f"role {role!r}: router_replay={source} replays the routes of MoE layers, and this model "
                 "has none (a dense model routes nothing: set router_replay: none)"
             )
-        replayer = cls(chunks)
-        replayer.source = source
-        return replayer
+        return cls(chunks, source)
 
     def prepare(self, batch: Batch, forward: Forward) -> Batch:
         """Start the mode of the next forwards (``forward`` of a step, as this role's source wants) and return the

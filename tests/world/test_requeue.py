@@ -32,36 +32,42 @@ STEPS = 8
 EXIT_REQUEUE = 75
 
 
-def run_args(model: Path) -> list[str]:
-    """A short async GRPO run with a checkpoint every 2 steps, a reference role, the KL in the reward under
-    the adaptive controller and running reward normalisation. A random policy's verifier rewards are all 0, so
-    the KL term and the entropy bonus drive the updates: each step depends on the sampled tokens, the
-    optimizer moments, the KL coefficient, the reward moments and every RNG, which is what an exact resume
-    must restore."""
+def async_run(model: Path, steps: int) -> list[str]:
+    """A short async GRPO run on the torch engine with a checkpoint every 2 steps: the next batch is generated while
+    the trainer works, so a checkpoint also holds that batch. The entropy bonus gives every step a gradient."""
     return [
         f"pipeline.options.model_dir={model}",
         "pipeline.options.warm_start=null",
-        f"pipeline.options.steps={STEPS}",
+        f"pipeline.options.steps={steps}",
         "pipeline.options.eval_every=0",
         "pipeline.options.prompts_per_step=4",
         "pipeline.options.rollout.dynamic_sampling=false",
         "pipeline.options.rollout.oversample=0",
         "pipeline.options.checkpoint.every=2",
         "pipeline.options.loss.entropy_coef=0.05",
-        "pipeline.options.kl_in_reward=0.1",
-        "pipeline.options.kl_control.kind=adaptive",
-        "pipeline.options.kl_control.target=1e-4",
-        "pipeline.options.kl_control.horizon=100",
-        "pipeline.options.reward_norm.kind=running",
         "roles.train.options.lr=1e-3",
-        "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
-        f"+roles.reference.options.model_dir={model}",
-        # async: the next batch is generated while the trainer works, so a checkpoint also holds that batch
         "pipeline.options.rollout.max_staleness=1",
         "pipeline.options.old_logprob_source=generator",
         # the torch engine starts in a second where vLLM takes ~20 s, and every attempt of these runs starts
         # one; vLLM's own syncs and resumes are tested in tests/world/test_rlvr_pipeline.py and tests/world/test_cli.py
         "roles.generate.options.engine=torch",
+    ]
+
+
+def run_args(model: Path) -> list[str]:
+    """``async_run`` of STEPS steps with a reference role, the KL in the reward under the adaptive controller and
+    running reward normalisation. A random policy's verifier rewards are all 0, so the KL term and the entropy
+    bonus drive the updates: each step depends on the sampled tokens, the optimizer moments, the KL coefficient,
+    the reward moments and every RNG, which is what an exact resume must restore."""
+    return [
+        *async_run(model, STEPS),
+        "pipeline.options.kl_in_reward=0.1",
+        "pipeline.options.kl_control.kind=adaptive",
+        "pipeline.options.kl_control.target=1e-4",
+        "pipeline.options.kl_control.horizon=100",
+        "pipeline.options.reward_norm.kind=running",
+        "+roles.reference.worker=rollhpc.workers.megatron_policy:MegatronReferenceWorker",
+        f"+roles.reference.options.model_dir={model}",
     ]
 
 
@@ -884,7 +890,7 @@ def test_routing_replay_r3_resumes_exactly_with_samples_in_flight(tmp_path):
     """An async run (the next batch generated while the trainer works) on a tiny MoE policy whose trainer replays
     the generator's routes (router_replay: r3): asked to stop after step 2 it checkpoints with that batch in
     hand, its samples carrying their routes, and --resume ends bit-identical to the same run left alone (losses
-    of every step, final weights). Lighter than run_args: no reference role, five steps."""
+    of every step, final weights). ``async_run`` alone: no reference role, five steps."""
     from rollhpc.tasks import arithmetic
     from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
@@ -895,24 +901,7 @@ def test_routing_replay_r3_resumes_exactly_with_samples_in_flight(tmp_path):
         build_tokenizer(list(arithmetic.corpus(train)), 300),
     )
     steps = 5
-    args = [
-        "train",
-        "quickstart",
-        f"pipeline.options.model_dir={model}",
-        "pipeline.options.warm_start=null",
-        f"pipeline.options.steps={steps}",
-        "pipeline.options.eval_every=0",
-        "pipeline.options.prompts_per_step=4",
-        "pipeline.options.rollout.dynamic_sampling=false",
-        "pipeline.options.rollout.oversample=0",
-        "pipeline.options.checkpoint.every=2",
-        "pipeline.options.loss.entropy_coef=0.05",
-        "roles.train.options.lr=1e-3",
-        "pipeline.options.rollout.max_staleness=1",
-        "pipeline.options.old_logprob_source=generator",
-        "roles.generate.options.engine=torch",
-        "roles.train.options.router_replay=r3",
-    ]
+    args = ["train", "quickstart", *async_run(model, steps), "roles.train.options.router_replay=r3"]
     (tmp_path / "alone").mkdir()
     alone = rollhpc(*args, cwd=tmp_path / "alone", timeout=600)
     assert alone.returncode == 0, alone.stderr[-3000:]
