@@ -4,7 +4,10 @@
   grouped-query attention (``num_query_groups``), bias on q/k/v only (``add_qkv_bias``, no other linear
   bias), RMSNorm, SwiGLU MLP (``gated_linear_unit`` + silu), no dropout, unfused kernels (local spec);
   for MoE: top-k softmax router (renormalised over the chosen experts when ``norm_topk_prob``), no
-  auxiliary loss, the "allgather" token dispatcher (the "alltoall" one needs CUDA streams).
+  auxiliary loss, the "allgather" token dispatcher (the "alltoall" one needs CUDA streams), and sequence
+  parallelism at tp > 1 (megatron-core's MoE layer refuses to train at tp > 1 without it: each TP rank then holds
+  1/tp of the sequence outside attention and the MLP's inner widths, and its forward needs a sequence length
+  that tp divides).
 * ``build_gpt_model(hf_config, ...)``: the ``GPTModel`` on megatron's local (non-Transformer-Engine)
   layer spec, rotary embeddings with the checkpoint's ``rope_theta``, tied or untied embeddings, vocab
   padded like megatron pads it (``padded_vocab_size``); pipeline/expert parallel sizes from the
@@ -16,11 +19,12 @@ Its weights come from and go back to Hugging Face names through ``models.megatro
 HF model and must be left out of comparisons and, for exact HF log-probs, out of the softmax.
 
 Not supported: MoE models mixing dense and MoE layers (``mlp_only_layers``, ``decoder_sparse_step`` > 1),
-sliding-window attention, rope scaling (rope_type other than "default"), sequence parallelism.
+sliding-window attention, rope scaling (rope_type other than "default"), sequence parallelism on dense models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -42,7 +46,12 @@ import_megatron()  # megatron-core's first import: on CPU without torch.compile'
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer import ModuleSpec, TransformerConfig  # noqa: E402
+from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
+from megatron.core.transformer.transformer_block import (  # noqa: E402
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 
@@ -99,6 +108,7 @@ def transformer_config_from_hf(
     )
     if arch.num_experts:
         kw.update(_moe_settings(cfg, arch))
+        kw["sequence_parallel"] = tp > 1
     kw.update(overrides)
     if kw.get("pipeline_model_parallel_size", 1) > 1:
         kw.setdefault("pipeline_dtype", params_dtype)
@@ -191,11 +201,19 @@ def build_gpt_model(
         raise ValueError(
             f"padded vocab {vocab} must be >= vocab_size {cfg['vocab_size']} and a multiple of tp={tp}"
         )
+    spec: ModuleSpec | TransformerBlockSubmodules = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None, normalization="RMSNorm", qk_layernorm=arch.qk_norm
+    )
+    if config.sequence_parallel:
+        # the block's layers and its final norm, every norm one that runs on a sequence split over TP
+        spec = TransformerBlockSubmodules(
+            layer_specs=[_norms_replaced(spec, SequenceParallelRMSNorm)]
+            * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=SequenceParallelRMSNorm,
+        )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=arch.num_experts or None, normalization="RMSNorm", qk_layernorm=arch.qk_norm
-        ),
+        transformer_layer_spec=spec,
         vocab_size=vocab,
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         pre_process=pp == 1
@@ -208,6 +226,40 @@ def build_gpt_model(
         rotary_base=_rope_theta(cfg),
         vp_stage=vp_stage,
     )
+
+
+class SequenceParallelRMSNorm:
+    """torch's RMSNorm as megatron's local spec builds it (``WrappedTorchNorm``), for a model that runs sequence
+    parallelism. megatron's wrapper refuses that because torch's norm does not mark its weight: there each TP rank
+    normalizes 1/tp of the tokens, so the weight's gradient is a partial sum, which ``finalize_model_grads``
+    all-reduces over the TP group for parameters marked ``sequence_parallel`` (as megatron's fused and Transformer
+    Engine norms mark theirs)."""
+
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: object
+    ) -> torch.nn.RMSNorm:
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _norms_replaced(spec: object, norm: type) -> object:
+    """A layer spec (megatron's ``ModuleSpec`` tree) with ``norm`` built wherever it builds ``WrappedTorchNorm``."""
+    if spec is WrappedTorchNorm:
+        return norm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, submodules=_norms_replaced(spec.submodules, norm))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(
+            spec,
+            **{
+                f.name: _norms_replaced(getattr(spec, f.name), norm)
+                for f in dataclasses.fields(spec)
+                if f.init
+            },
+        )
+    return spec
 
 
 def _check_vp_stage(vp_stage: int | None, vpp: int | None) -> None:

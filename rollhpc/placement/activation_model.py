@@ -10,9 +10,11 @@ activation_bytes.json: within 1.1% at 256-4096 tokens for the Qwen2.5-0.5B and 7
 GELU, GQA and full multi-head attention, each recompute mode, and Qwen3-30B-A3B's MoE layer).
 
 Notation: T = s·b tokens of a micro-batch, e the activation dtype's bytes, q = heads·head_dim (the query
-width), kv = kv_heads·head_dim, tp the tensor-parallel size. Without sequence parallelism (the trainer does not
-turn it on) the norms and the inputs of the column-parallel linears are whole on every TP rank; everything
-between a column- and a row-parallel linear is split by tp.
+width), kv = kv_heads·head_dim, tp the tensor-parallel size. Everything between a column- and a row-parallel
+linear is split by tp. A dense model runs without sequence parallelism: the norms and the inputs of the
+column-parallel linears are whole on every TP rank. A MoE model at tp > 1 runs with it (megatron-core's MoE
+layers need it, rollhpc.models.megatron_gpt): those, the router, the dispatcher's inputs and a full-recompute
+checkpoint hold T/tp tokens (``sequence_split``); the logits are whole sequences again.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ class LayerShape(Protocol):
     shared_intermediate: int
 
 
+def sequence_split(shape: LayerShape, tp: int) -> int:
+    """The parts a TP rank's sequences are split into outside attention and the MLP: tp for a MoE model (which
+    runs sequence parallelism at tp > 1), 1 for a dense one."""
+    return tp if shape.experts else 1
+
+
 def _kv_local(shape: LayerShape, tp: int) -> int:
     """KV width on one TP rank: megatron replicates KV heads when tp exceeds them."""
     return max(shape.kv_heads, tp) * shape.head_dim // tp
@@ -56,7 +64,7 @@ def _mlp_bytes(
     per_f = 5 if shape.gated else 2
     if not shape.experts:
         return {"mlp": float(per_f * e * tokens * shape.intermediate // tp)}
-    out = moe_bytes(shape, tokens, e, ep, etp)
+    out = moe_bytes(shape, -(-tokens // sequence_split(shape, tp)), e, ep, etp)
     if shape.shared_intermediate:
         # + its gate
         out["mlp"] = float(per_f * e * tokens * shape.shared_intermediate // tp + e * tokens)
@@ -114,13 +122,16 @@ def layer_bytes(
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     t = rows * seq
+    local = -(-t // sequence_split(shape, tp))  # tokens outside attention and the MLP
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, _kv_local(shape, tp) * tp
     # the checkpoint keeps the layer's input and the float32 rotary frequencies
     if recompute == "full":
-        return {"layer_input": float(e * t * h + 4 * seq * shape.head_dim)}
+        return {"layer_input": float(e * local * h + 4 * seq * shape.head_dim)}
     out = {
-        "norms": float(2 * (NORM_FP32_COPIES * t * h + 4 * t)),
-        "linear_inputs": float(2 * e * t * h),  # qkv's input and fc1's (or the router's)
+        "norms": float(2 * (NORM_FP32_COPIES * local * h + 4 * local)),
+        # qkv's input and fc1's (or the router's); under sequence parallelism the rank's part, gathered again in
+        # the backward
+        "linear_inputs": float(2 * e * local * h),
         "rope": float(4 * e * seq * shape.head_dim),
     }  # cos and sin for q and k, one row's worth
     if shape.qk_norm:  # Qwen3: per-head RMSNorm of q and k, the same float32 copies
@@ -157,10 +168,11 @@ def head_bytes(shape: LayerShape, tp: int, rows: int, seq: int, e: int) -> float
     then the loss head's float32 copy, reused in place for the gradient: rollhpc.models.vocab_parallel), the
     vocabulary split over TP."""
     t = rows * seq
+    local = -(-t // sequence_split(shape, tp))
     return float(
-        NORM_FP32_COPIES * t * shape.hidden
-        + 4 * t
-        + e * t * shape.hidden
+        NORM_FP32_COPIES * local * shape.hidden
+        + 4 * local
+        + e * local * shape.hidden
         + LOGITS_BYTES * t * -(-shape.vocab // tp)
     )
 
@@ -178,7 +190,7 @@ def transient_bytes(
 ) -> float:
     """What a backward re-materializes one layer at a time beyond what is kept: "full" recomputes a whole layer,
     "selective" its core attention; plus the MoE dispatcher's buffers."""
-    extra = dispatch_buffer_bytes(shape, rows * seq, e, ep, etp)
+    extra = dispatch_buffer_bytes(shape, -(-rows * seq // sequence_split(shape, tp)), e, ep, etp)
     if recompute == "full":
         extra += sum(layer_bytes(shape, tp, rows, seq, e, "none", ep=ep, etp=etp).values())
     elif recompute == "selective":

@@ -77,6 +77,8 @@ import_megatron()  # megatron-core's first import: on CPU without torch.compile'
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model  # noqa: E402
 
 # a micro-batch's loss on the last stage's output, given its mini-batch's counts: (loss, metrics)
 MicroBatchLoss = Callable[
@@ -124,6 +126,8 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
         self._grad_syncs = 0  # gradient reductions so far (a test hook counts them: rollhpc.testing.fault_injection)
         self.last_stage = parallel_state.is_pipeline_last_stage()
+        # under sequence parallelism (a MoE model at tp > 1) each TP rank holds 1/tp of every sequence
+        self.sequence_split = layout.tp if self.chunks[0].config.sequence_parallel else 1
         self.device = next(self.chunks[0].parameters()).device
         for chunk in self.chunks:
             if not self.trainable:
@@ -199,12 +203,20 @@ class MegatronPolicyWorker(MegatronPolicyWorkerSpec, Worker):
         """One chunk's forward on a micro-batch (later stages take their input from the schedule), its MoE
         routes replayed or recorded as ``self.replayer`` was started."""
         tokens = part["tokens"]
+        length = tokens.shape[1]
+        # a sequence split over TP ranks needs a length tp divides: padding after the row's last token changes
+        # none of its (causal) outputs, and the padded positions' logits are cut off again
+        pad = -length % self.sequence_split
+        if pad:
+            tokens = torch.nn.functional.pad(tokens, (0, pad))
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         if self.replayer is not None:
-            self.replayer.before(chunk, part)
+            self.replayer.before(chunk, part, tokens.shape[1])
         out = chunk(tokens, positions, None)  # last stage: logits [b, L, V_padded / tp]
         if self.replayer is not None:
             self.replayer.after(chunk, part)
+        if pad and get_attr_wrapped_model(chunk, "post_process"):
+            out = out[:, :length]
         return out
 
     def _logprobs(
@@ -509,19 +521,27 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
             lambda m, i, out: setattr(self, "_hidden", out)
         )
 
-    def _values(self) -> torch.Tensor:
-        """V(prefix up to t) for t < L-1: ``[b, L-1]``, aligned with the policy's log-prob positions, from
-        the hidden states the last stage's forward just left in ``_hidden``."""
-        hidden = self._hidden.transpose(0, 1)  # [s, b, h] -> [b, s, h]
+    def _values(self, length: int) -> torch.Tensor:
+        """V(prefix up to t) for t < L-1: ``[b, L-1]`` (``length`` = L, the micro-batch's token columns), aligned
+        with the policy's log-prob positions, from the hidden states the last stage's forward just left in
+        ``_hidden``."""
+        hidden = self._hidden
+        if self.sequence_split > 1:
+            # each TP rank holds 1/tp of the sequence; the head is replicated, so each rank computes every value
+            # and its gradient goes back to the rank's own part alone (split, not summed)
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        hidden = hidden.transpose(0, 1)  # [s, b, h] -> [b, s, h]
         return (
-            self.value_head(hidden[:, :-1].float().to(self.value_head.weight.dtype))
+            self.value_head(hidden[:, : length - 1].float().to(self.value_head.weight.dtype))
             .squeeze(-1)
             .float()
         )
 
     def compute_values(self, batch: Batch) -> Batch | None:
         """``{"values": [b, L-1] float32}`` from the last pipeline stage (None from the others)."""
-        return self._forward_only(batch, lambda part, logits: self._values(), "values")
+        return self._forward_only(
+            batch, lambda part, logits: self._values(part["tokens"].shape[1]), "values"
+        )
 
     def train_step(
         self, batch: ValueBatch, value_clip: float | None = 0.2
@@ -535,7 +555,7 @@ class MegatronCriticWorker(MegatronCriticWorkerSpec, MegatronTrainWorker):
             micro: MicroBatch, output: torch.Tensor, counts: TokenCounts
         ) -> tuple[torch.Tensor, dict[str, float]]:
             # the values of the hidden states this forward left
-            return value_loss(self._values(), micro, counts)
+            return value_loss(self._values(micro["tokens"].shape[1]), micro, counts)
 
         out, _, _ = self._train_mini_batches(batch.as_batch(), loss)
         out["train_time_s"] = time.perf_counter() - t0

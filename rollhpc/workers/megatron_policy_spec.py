@@ -151,11 +151,10 @@ class MegatronPolicyWorkerSpec(OffloadingWorkerSpec):
                 problems.append(str(e))
         if layout.ep > 1 and (not experts or experts % layout.ep):
             problems.append(f"ep={layout.ep} does not divide the model's {experts} experts")
-        if experts and layout.tp > 1 and cls.trainable:
+        if experts and layout.tp > 1 and getattr(options, "lora", None) is not None:
             problems.append(
-                f"tp={layout.tp} on a MoE model: megatron-core's MoE layers train at tp > 1 only with "
-                "sequence parallelism, which this trainer does not run yet; use tp 1 with ep (attention "
-                "replicated over DP; a reference role may keep tp)"
+                f"LoRA on a MoE model at tp={layout.tp}: the model runs sequence parallelism there (megatron's "
+                "MoE layers need it at tp > 1), which the adapters do not follow yet; use tp 1 with ep"
             )
         replay = getattr(options, "router_replay", "none")
         if replay != "none" and not experts:

@@ -15,6 +15,8 @@ Routes are rows x positions on our side and megatron's routers see ``[s, b]`` fl
 MoE layer of a chunk: ``RouteReplayer`` maps between the two per micro-batch (its ``rows``), per chunk (its
 layers, by their global number: pipeline stages and virtual stages hold different ones). Under full recompute the
 backward re-runs each layer's forward: those take the routes queued by the matching forward (``ReplayRouter``).
+Under sequence parallelism (a MoE model at tp > 1) a TP rank's routers see its 1/tp of the sequence: it replays
+that part of the routes, and what it records is gathered over the TP group (every rank keeps whole rows).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from rollhpc.models.megatron_cpu import import_megatron
 
 import_megatron()  # megatron-core's first import: on CPU without torch.compile's imports (megatron_cpu)
 
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # noqa: E402
 from megatron.core.transformer.moe.router_replay import (  # noqa: E402
     RouterReplay,
     RouterReplayAction,
@@ -125,6 +129,12 @@ class RouteReplayer:
         config = chunks[0].config
         index = moe_layer_index(config.num_layers, config.moe_layer_freq)
         self.top_k = int(config.moe_router_topk)
+        # sequence parallelism: (this rank's part, parts) of each sequence its routers see
+        self.split = (
+            (parallel_state.get_tensor_model_parallel_rank(), config.tensor_model_parallel_size)
+            if config.sequence_parallel
+            else (0, 1)
+        )
         self.moe_layers = len(index)
         self.routers: dict[int, list[tuple[int, ReplayRouter]]] = {}
         for chunk in chunks:
@@ -221,19 +231,25 @@ class RouteReplayer:
             )
         return self.recorded
 
-    def before(self, chunk: torch.nn.Module, part: Mapping[str, torch.Tensor]) -> None:
-        """Set each of the chunk's routers' targets from the micro-batch's ``routes`` (replay)."""
+    def before(self, chunk: torch.nn.Module, part: Mapping[str, torch.Tensor], length: int) -> None:
+        """Set each of the chunk's routers' targets from the micro-batch's ``routes`` (replay); ``length``: the
+        sequence length the forward runs at (the micro-batch's, padded to a multiple of the sequence split)."""
         if self.mode != "replay":
             return
         # [b, s, moe_layers, top_k]; -1 where no route was recorded (a row's last token, padding): experts
         # 0..k-1 there, whose outputs nothing reads, left out of the comparison
         routes = part["routes"].to(torch.int64)
+        routes = torch.nn.functional.pad(
+            routes, (0, 0, 0, 0, 0, length - routes.shape[1]), value=-1
+        )
         known = (routes[..., 0, 0] >= 0) & part["keep"][:, None]
         routes = torch.where(routes >= 0, routes, torch.arange(self.top_k, device=routes.device))
-        valid = known.transpose(0, 1).reshape(-1)
+        # s-major, as megatron flattens its [s, b] tokens; this rank's part of the sequence
+        rank, parts = self.split
+        mine = slice(rank * length // parts, (rank + 1) * length // parts)
+        valid = known.transpose(0, 1)[mine].reshape(-1)
         for k, replay in self._of(chunk):
-            # s-major, as megatron flattens its [s, b] tokens
-            layer = routes[:, :, k, :].transpose(0, 1).reshape(-1, self.top_k)
+            layer = routes[:, :, k, :].transpose(0, 1)[mine].reshape(-1, self.top_k)
             replay.set_target_indices(layer, valid)
 
     def after(self, chunk: torch.nn.Module, part: Mapping[str, torch.Tensor]) -> None:
@@ -246,7 +262,12 @@ class RouteReplayer:
         rows = part["rows"].cpu().numpy()[keep]
         for k, replay in self._of(chunk):
             assert replay.used is not None
-            used = replay.used.reshape(s, b, self.top_k).transpose(0, 1).cpu().numpy()
+            used = replay.used
+            if (
+                self.split[1] > 1
+            ):  # this rank's part of the sequence: the whole, as every TP rank keeps it
+                used = gather_from_sequence_parallel_region(used, tensor_parallel_output_grad=False)
+            used = used.reshape(-1, b, self.top_k)[:s].transpose(0, 1).cpu().numpy()
             self.recorded[rows, :s, k, :] = used[keep].astype(ROUTE_DTYPE)
 
     def take_counts(self) -> tuple[float, float]:

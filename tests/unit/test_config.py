@@ -578,3 +578,32 @@ def test_export_hf_final_is_an_option_of_both_training_pipelines():
                 name,
                 ["pipeline.options.export_hf=final", "pipeline.options.checkpoint.at_end=false"],
             )
+
+
+def test_lora_on_a_moe_model_at_tp2_is_refused_and_tp2_alone_is_not(tmp_path):
+    """A MoE model at tp > 1 runs sequence parallelism, which the LoRA adapters do not follow: refused at load
+    (the model's config.json alone is read); the same model at tp 2 without LoRA, or with LoRA at tp 1, loads."""
+    import json
+
+    from rollhpc.models.lora_config import LoraConfig
+    from rollhpc.parallel import ParallelLayout
+    from rollhpc.workers.megatron_policy_spec import MegatronTrainWorkerSpec as Spec
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "intermediate_size": 64,
+                "num_experts": 4,
+            }
+        )
+    )
+    lora = LoraConfig(target=["qkv", "proj"])
+    with pytest.raises(ValueError, match="LoRA on a MoE model at tp=2: the model runs sequence"):
+        Spec.check_model(
+            ParallelLayout(world=2, tp=2), Spec.Options(model_dir=str(tmp_path), lora=lora)
+        )
+    Spec.check_model(ParallelLayout(world=2, tp=2), Spec.Options(model_dir=str(tmp_path)))
+    Spec.check_model(ParallelLayout(world=1), Spec.Options(model_dir=str(tmp_path), lora=lora))

@@ -65,6 +65,28 @@ def test_moe_layers_count_routed_tokens_and_the_all_gather_dispatcher():
     assert "experts" not in am.layer_bytes(QWEN25_7B, 1, 1, t, e)
 
 
+def test_a_moe_model_at_tp2_holds_half_the_sequence_outside_attention_and_the_mlp():
+    """Sequence parallelism (a MoE model at tp > 1): the norms, the linears' inputs, the router, the dispatcher's
+    gathered tokens and a full-recompute checkpoint are per token of the rank's half; the attention between the
+    column- and row-parallel linears is split by heads as without it; the logits are whole sequences. A dense
+    model at tp 2 keeps its norms whole."""
+    t, e = 4096, 2
+    one = am.layer_bytes(QWEN3_30B, 1, 1, t, e, ep=8, etp=1)
+    two = am.layer_bytes(QWEN3_30B, 2, 1, t, e, ep=8, etp=2)
+    for key in ("norms", "linear_inputs", "router"):
+        assert two[key] == one[key] / 2, key
+    # T/2 tokens gathered over twice the ranks: T·k routed tokens as at tp 1, their FFN width split by etp
+    assert two["experts"] == t * 8 * (8 + 2 + e * 2048 + 6 * e * 768 // 2)
+    assert two["scores"] == one["scores"] / 2  # heads split
+    full = am.layer_bytes(QWEN3_30B, 2, 1, t, e, "full")["layer_input"]
+    assert full == e * t // 2 * 2048 + 4 * t * 128
+    head1, head2 = am.head_bytes(QWEN3_30B, 1, 1, t, e), am.head_bytes(QWEN3_30B, 2, 1, t, e)
+    logits = 6 * t * QWEN3_30B.vocab
+    assert head2 == pytest.approx((head1 - logits) / 2 + logits / 2)
+    dense = am.layer_bytes(QWEN25_7B, 2, 1, t, e)
+    assert dense["norms"] == am.layer_bytes(QWEN25_7B, 1, 1, t, e)["norms"]
+
+
 def test_a_forward_only_role_counts_its_whole_logits():
     """The reference's forward holds one layer at a time but the whole head: the 7B at tp 2, 8 rows of 4096 tokens
     has ~14 GiB of logits (16-bit and the float32 copy over 152064 / 2 columns), not a layer's share of them."""

@@ -231,8 +231,8 @@ def test_bad_domain_configs_are_refused_at_load():
 def test_a_two_domain_run_scores_and_reports_each_domain_by_its_roles(
     tmp_path, tmp_path_factory, tiny_model
 ):
-    """A real world (Megatron trainer, vLLM generator, two rule reward roles and a judge with a vLLM engine of
-    its own): additions scored by `reward`; countdown by `reward_count` plus the judge's verdict at weight 0.5;
+    """A real world (Megatron trainer, the torch engine's generator, two rule reward roles and a judge with a vLLM
+    engine of its own): additions scored by `reward`; countdown by `reward_count` plus the judge's verdict at weight 0.5;
     metrics, held-out accuracy and the rollouts file per domain; the judge's counters in the metrics; the plan
     lists every reward role."""
     import json
@@ -269,6 +269,9 @@ def test_a_two_domain_run_scores_and_reports_each_domain_by_its_roles(
     for role in roles.values():
         role["options"]["model_dir"] = str(tiny_model)
     roles["reward"]["options"]["task"] = "arithmetic"
+    # the domains are the scheduler's and the reward roles': the generator's engine plays no part (the torch
+    # engine starts in a second where vLLM takes ~20 s; the judge keeps a vLLM engine)
+    roles["generate"]["options"]["engine"] = "torch"
     roles["reward_count"] = {
         "worker": "rollhpc.workers.math_reward:MathRewardWorker",
         "procs": 1,

@@ -138,31 +138,25 @@ def test_pipeline_stages_train_like_one_stage(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_moe_policy_with_pipeline_and_expert_parallel(
-    models, one_stage, experiment, tmp_path, dtype
+def test_moe_policy_with_pipeline_and_expert_parallel_in_bf16(
+    models, one_stage, experiment, tmp_path
 ):
     """At PP2 x EP2 the routed experts' gradients are reduced over the expert-data-parallel group (DDP's expert
-    buffers; the experts' fp32 main parameters sharded over that group). In fp32 its micro-batches follow a token
-    budget (their count agreed over the EP ranks by a collective): the same training as fixed rows. In bf16 (the model cast whole to bf16 as
-    megatron's Float16Module does, its checkpoint saved after step 1) the run is the fp32 one within bf16's
-    precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR."""
-    # fp32 under a token budget of 3 full rows: one micro-batch per DP rank (3 rows) where the pp=1 run took 3
-    options = {"dtype": "bfloat16"} if dtype == "bfloat16" else {"max_tokens_per_micro_batch": 36}
+    buffers; the experts' fp32 main parameters sharded over that group). In bf16 (the model cast whole to bf16 as
+    megatron's Float16Module does, its checkpoint saved after step 1) the run is the one-rank fp32 one within
+    bf16's precision: losses and grad norms within 5%, weights within bf16 rounding plus 4.5 LR. (The same layout
+    in fp32, exactly as one rank, under a token budget: test_r3_replays_the_given_routes_across_stages_and_recompute,
+    whose routes are given.)"""
     got = _run(
         experiment,
         tmp_path,
-        f"moe_{dtype}",
+        "moe_bf16",
         models["moe"],
         4,
         {"pp": 2, "ep": 2},
-        train_options=options,
+        train_options={"dtype": "bfloat16"},
     )
     want = one_stage["moe"]
-    if dtype == "float32":
-        assert got["micro_batches"] == [1, 1] and want["micro_batches"] == [3, 3]
-        assert_same_training(got, want)
-        return
     assert got["loss"] == pytest.approx(want["loss"], rel=5e-2, abs=1e-3)
     assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=5e-2)
     assert sorted(got["weights"]) == sorted(want["weights"])
@@ -199,11 +193,19 @@ def replayed_one_stage(models, tmp_path_factory) -> dict:
 def test_r2_replays_the_trainers_own_routes_as_it_recorded_them(
     models, one_stage, experiment, tmp_path
 ):
-    """router_replay r2: routes recorded in the old-log-prob forward (micro-batches of rows in batch order, full
-    width) and replayed in training (longest rows first, each micro-batch cut to its own width): a token given
-    another token's experts, or another layer's, would change the loss; it trains exactly as routing itself."""
+    """router_replay r2 at TP2 (sequence parallelism: each TP rank's routers see half of a micro-batch's tokens,
+    and what they record is gathered): routes recorded in the old-log-prob forward (micro-batches of rows in
+    batch order, full width) and replayed in training (longest rows first, each micro-batch cut to its own width,
+    so a rank's half is another part of the row): a token given another token's experts, or another layer's,
+    would change the loss; it trains exactly as one rank routing itself."""
     got = _run(
-        experiment, tmp_path, "r2", models["moe"], 1, {}, train_options={"router_replay": "r2"}
+        experiment,
+        tmp_path,
+        "r2",
+        models["moe"],
+        2,
+        {"tp": 2},
+        train_options={"router_replay": "r2"},
     )
     assert_same_training(got, one_stage["moe"])
     assert got["route_differ"] == [0.0, 0.0]  # at the weights that recorded them, its own choices
@@ -211,18 +213,24 @@ def test_r2_replays_the_trainers_own_routes_as_it_recorded_them(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "procs, parallel, recompute",
-    [(4, {"pp": 2, "ep": 2}, "none"), (1, {}, "full")],
-    ids=["pp2-ep2", "full-recompute"],
+    "procs, parallel, options",
+    [
+        # a token budget of 3 full rows: one micro-batch per DP rank where the one-rank run takes 3
+        (4, {"pp": 2, "ep": 2}, {"max_tokens_per_micro_batch": 36}),
+        (4, {"tp": 2, "pp": 2}, {}),
+        (1, {}, {"recompute": "full"}),
+    ],
+    ids=["pp2-ep2-token-budget", "tp2-pp2", "full-recompute"],
 )
 def test_r3_replays_the_given_routes_across_stages_and_recompute(
-    models, one_stage, replayed_one_stage, experiment, tmp_path, procs, parallel, recompute
+    models, one_stage, replayed_one_stage, experiment, tmp_path, procs, parallel, options
 ):
     """router_replay r3 with random routes in every batch: on 4 ranks (each pipeline stage holds one MoE layer,
-    whose experts span two expert-parallel ranks), and on one rank under full recompute (each layer's forward
-    run again in the backward, which must take the routes of the forward it repeats), the trainer computes
-    what one rank computes with the same routes, and not what it computes routing itself. (A MoE model trains
-    at tp 1: megatron-core's MoE layers refuse tp > 1 in training without sequence parallelism.)"""
+    whose experts span two expert-parallel ranks, its micro-batches cut by a token budget whose count a collective
+    agrees over the EP ranks; or TP2 x PP2, where sequence parallelism gives each TP rank's routers half of every
+    micro-batch's tokens, its length padded to an even one), and on one rank under full recompute (each layer's
+    forward run again in the backward, which must take the routes of the forward it repeats), the trainer computes
+    what one rank computes with the same routes, and not what it computes routing itself."""
     got = _run(
         experiment,
         tmp_path,
@@ -230,9 +238,11 @@ def test_r3_replays_the_given_routes_across_stages_and_recompute(
         models["moe"],
         procs,
         parallel,
-        train_options={"router_replay": "r3", "recompute": recompute},
+        train_options={"router_replay": "r3", **options},
         **ROUTES,
     )
+    if "max_tokens_per_micro_batch" in options:
+        assert got["micro_batches"] == [1, 1] and replayed_one_stage["micro_batches"] == [3, 3]
     assert_same_training(got, replayed_one_stage)
     # random pairs of 4 experts are the router's own pair about 1 time in 6 (the share differs a little with
     # the micro-batches' widths: the scenario's routes cover its padding too)
