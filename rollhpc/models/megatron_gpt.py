@@ -201,19 +201,9 @@ def build_gpt_model(
         raise ValueError(
             f"padded vocab {vocab} must be >= vocab_size {cfg['vocab_size']} and a multiple of tp={tp}"
         )
-    spec: ModuleSpec | TransformerBlockSubmodules = get_gpt_layer_local_spec(
-        num_experts=arch.num_experts or None, normalization="RMSNorm", qk_layernorm=arch.qk_norm
-    )
-    if config.sequence_parallel:
-        # the block's layers and its final norm, every norm one that runs on a sequence split over TP
-        spec = TransformerBlockSubmodules(
-            layer_specs=[_norms_replaced(spec, SequenceParallelRMSNorm)]
-            * get_num_layers_to_build(config, vp_stage=vp_stage),
-            layer_norm=SequenceParallelRMSNorm,
-        )
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=_local_spec(arch, config, vp_stage),
         vocab_size=vocab,
         max_sequence_length=cfg.get("max_position_embeddings", 4096),
         pre_process=pp == 1
@@ -225,6 +215,23 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=_rope_theta(cfg),
         vp_stage=vp_stage,
+    )
+
+
+def _local_spec(
+    arch: Arch, config: TransformerConfig, vp_stage: int | None
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """megatron's local layer spec; under sequence parallelism, the block's layers and its final norm with every
+    norm one that runs on a sequence split over TP."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=arch.num_experts or None, normalization="RMSNorm", qk_layernorm=arch.qk_norm
+    )
+    if not config.sequence_parallel:
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[_norms_replaced(spec, SequenceParallelRMSNorm)]
+        * get_num_layers_to_build(config, vp_stage=vp_stage),
+        layer_norm=SequenceParallelRMSNorm,
     )
 
 
