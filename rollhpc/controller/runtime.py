@@ -389,7 +389,7 @@ class Controller:
         """Block until every key has its reply; returns {rank: payload}."""
         limit = self.call_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + limit
-        backoff = Backoff()
+        backoff = Backoff(hot_s=0.002, max_sleep_s=0.001)
         done = 0  # keys[:done] have their replies (a reply stays in the inbox until this wait takes it)
         while (done := first_missing(keys, self._inbox, done)) < len(keys):
             if self.pump():

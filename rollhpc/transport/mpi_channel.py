@@ -405,25 +405,22 @@ def _world_ranks(sub: MPI.Comm, world: MPI.Comm) -> list[int]:
 
 class Backoff:
     """Polling pace: right after activity, poll hot but yield the core to others (low latency for
-    back-to-back calls); once idle for ``hot_s``, sleep a share (``fraction``) of the time idle so far, from
-    20 us up to ``max_sleep_s``. A message is then taken at most that share of its wait later than it arrived
-    (5%: a reply to a 100 ms call within 5 ms), while a rank idle for seconds wakes max_sleep_s apart, not every
-    millisecond: each wake-up costs a Python loop and an MPI probe (0.2-0.5 ms on the controller), and idle
-    ranks polling every millisecond took most of a core from the busy ones beside them (py-spy on the
-    quickstart's five ranks, 2 cores: the controller ~50% of a core, each idle worker 10-20%)."""
+    back-to-back calls); once idle for ``hot_s``, sleep longer and longer up to ``max_sleep_s``
+    (an idle role must not steal CPU from a busy one on the same cores)."""
 
-    def __init__(self, hot_s: float = 0.002, max_sleep_s: float = 0.01, fraction: float = 0.05):
+    def __init__(self, hot_s: float = 0.002, max_sleep_s: float = 0.002):
         self.hot_s = hot_s
         self.max_sleep_s = max_sleep_s
-        self.fraction = fraction
         self._since = time.monotonic()
+        self._sleep = 0.0
 
     def reset(self) -> None:
         self._since = time.monotonic()
+        self._sleep = 0.0
 
     def wait(self) -> None:
-        idle = time.monotonic() - self._since
-        if idle < self.hot_s:
+        if time.monotonic() - self._since < self.hot_s:
             os.sched_yield()
             return
-        time.sleep(min(self.max_sleep_s, max(2e-5, idle * self.fraction)))
+        self._sleep = min(self.max_sleep_s, self._sleep * 2 if self._sleep else 2e-5)
+        time.sleep(self._sleep)

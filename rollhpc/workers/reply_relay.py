@@ -65,7 +65,7 @@ class ReplyRouter:
     def _collect(self, child: int, call_id: int) -> Bundle:
         """``child``'s bundle for ``call_id``, waiting for it; bundles of other calls (or other children) that
         arrive first are held until they are wanted."""
-        backoff = Backoff()
+        backoff = Backoff(hot_s=0.002, max_sleep_s=0.001)
         key = (child, call_id)
         while key not in self._held:
             msg = self.channel.poll(TAG_RELAY)

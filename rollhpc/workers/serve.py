@@ -140,7 +140,6 @@ def _serve_next(
     # a shared-memory payload nothing else holds is unmapped now, and said so in the reply
     del msg, args, kwargs
     _send_result(channel, replies, ctx, env, reply, result)
-    backoff.reset()  # idle from here: the controller's next call often follows at once
     return True
 
 
