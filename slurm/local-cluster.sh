@@ -438,6 +438,8 @@ node_stepds() {  # slurmstepd's of NODE: they inherit an fd on log/slurmd-NODE.l
       [ "$(readlink "$fd" 2>/dev/null)" = "$logf" ] && { echo "${p#/proc/}"; break; }
     done
   done
+  # not the last test's status: a slurmstepd of another node, scanned last, would fail the caller (pipefail)
+  return 0
 }
 descendants() {  # all descendants of the given pids
   [ $# -gt 0 ] || return 0

@@ -16,7 +16,7 @@ from rollhpc.cli.experiment import (
     start_run,
 )
 from rollhpc.config import ConfigError, ExperimentConfig
-from rollhpc.launch.slurm import render_sbatch, submit, wait_for_job
+from rollhpc.launch.slurm import SubmissionRefused, render_sbatch, submit, wait_for_job
 from rollhpc.launch.slurm_cli import TERMINAL, component_states
 from rollhpc.placement.device_mapping import plan_world
 from rollhpc.placement.memory_plan import estimate
@@ -40,8 +40,18 @@ def cmd_submit(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    new_run = args.overwrite or not cfg.run.run_dir.exists()
     run_dir = start_run(cfg, plan, args, on_resume=_refuse_if_job_active)
-    job = submit(cfg, plan, run_dir)  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
+    try:
+        job = submit(
+            cfg, plan, run_dir
+        )  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
+    except SubmissionRefused as e:
+        if new_run:  # nothing was queued: a retry starts as this one did, without --overwrite
+            shutil.rmtree(run_dir, ignore_errors=True)
+        kept = "" if new_run else f" ({run_dir} is as it was, but for its slurm/batch.sh)"
+        print(f"rollhpc submit: sbatch refused the job: {e}{kept}", file=sys.stderr)
+        return 2
     print(
         f"rollhpc: submitted job {job.job_id}: {plan.world_size} ranks in {len(plan.components)} het group(s); "
         f"output in {run_dir}",

@@ -77,8 +77,12 @@ class ClusterConfig:
     # script submits the next job, and a rescue job waiting on each job (--dependency=afterany) does when the
     # batch script could not (its node lost); each resumes from the newest good checkpoint. false: the run ends
     requeue: bool = True
-    # restarts after failures (lost workers, peers, batch nodes) before the run gives up
+    # restarts after failures (lost workers, peers or nodes, a world that did not form, a job Slurm ended) before
+    # the run gives up; continuations after a time limit do not count (a four-week run of 48-hour jobs has 13)
     max_restarts: int = 5
+    # continuations after a time limit before the run ends (its checkpoint kept; slurm/resume.sh continues it):
+    # a site's bound on a run's jobs; null (the default): none
+    max_continuations: int | None = None
     # the partition of the rescue jobs (one CPU for seconds, only after a job ended); empty: the CPU component's
     rescue_partition: str = ""
     # time-limit warning: checkpoint and requeue this long before the end (0: off)
@@ -95,12 +99,14 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if (
             self.max_restarts < 0
+            or (self.max_continuations is not None and self.max_continuations < 0)
             or self.stop_before_limit_s < 0
             or self.end_grace_s < 0
             or self.gpu_memory_gb < 0
         ):
             raise ValueError(
-                "cluster.max_restarts, cluster.stop_before_limit_s, cluster.end_grace_s and "
+                "cluster.max_restarts, cluster.max_continuations, cluster.stop_before_limit_s, "
+                "cluster.end_grace_s and "
                 "cluster.gpu_memory_gb must be >= 0"
             )
         # YAML reads an unquoted 4:00:00 as 14400: never guess what was meant

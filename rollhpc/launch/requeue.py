@@ -2,7 +2,8 @@
 
     python -m rollhpc.launch.requeue start RUN_DIR                      before srun
     python -m rollhpc.launch.requeue watch RUN_DIR SRUN_PID --grace S    beside srun
-    python -m rollhpc.launch.requeue after RUN_DIR STATUS --max-restarts N   after srun, with its status
+    python -m rollhpc.launch.requeue after RUN_DIR STATUS --max-restarts N [--max-continuations M]
+                                                                         after srun, with its status
 
 ``start`` records the attempt (job id, Slurm's restart count, every het group's nodes) in
 RUN_DIR/restarts.jsonl. A run that has already finished (its controller ended cleanly, or its newest
@@ -24,10 +25,14 @@ srun's: srun reports the worst status of all tasks, and a killed worker's 137 wo
 76. srun's status counts only when the controller died without a word.
 
 * ``EXIT_REQUEUE`` (75): the run saved a checkpoint because the time-limit warning came
-  (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): restart.
+  (``#SBATCH --signal=B:USR1@N`` -> the batch shell's trap -> RUN_DIR/stop-request): continue, without
+  using up ``--max-restarts`` (a four-week run of 48-hour jobs continues 13 times); ``--max-continuations``,
+  where given, bounds these.
 * ``EXIT_WORKER_LOST`` (76): a worker process vanished (its node died, it was killed): the controller
   wrote the node to RUN_DIR/failed-nodes.json; restart with those nodes excluded, up to ``--max-restarts``
-  restarts (counted across jobs: ``rollhpc.proc.attempt``). The requeue fallback goes
+  restarts after failures (counted across jobs from RUN_DIR/restarts.jsonl, each requeue event with its cause:
+  ``rollhpc.rundir.records.restarts_by_cause``, which the rescue job and ``rollhpc status`` read too). The
+  requeue fallback goes
   ``scontrol requeuehold`` -> ``update ExcNodeList`` -> ``release`` (a running job's excluded nodes cannot
   be changed, a held one's can), once the lost node's step has ended.
 * the world never formed: a rank's MPI_Init or first collectives timed out, or the controller gave up on
@@ -36,28 +41,26 @@ srun's: srun reports the worst status of all tasks, and a killed worker's 137 wo
   rank crashed in start-up, e.g. inside the MPI library): restart like a lost worker, nodes unchanged.
 * anything else (0, a Python error in a worker, a bad config): no restart; the job ends with it.
 
-When the node that dies is the batch host itself, this script dies with it: Slurm then requeues the job
-on its own (``--requeue``, node failure) and the dead node stays DOWN, so the next start avoids it. Should
-that happen to a job that had just submitted its successor, ``start`` sees the live successor and prints
-``superseded``: two jobs never run one run. Either way the next start resumes from the newest good
+When the node that dies is the batch host itself, this script dies with it: the job (``--no-requeue``) ends
+NODE_FAIL and its rescue job (``rollhpc.launch.rescue``) continues the run, a failure like a lost worker.
+Should a job that had just submitted its successor be started again, ``start`` sees the live successor and
+prints ``superseded``: two jobs never run one run. Either way the next start resumes from the newest good
 checkpoint (``pipelines.rlvr``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import yaml
 
-from rollhpc.checkpoint.storage import CheckpointStore
+from rollhpc.launch.finished import finished_run
 from rollhpc.launch.resubmit import cancel_rescue, current_job, ensure_rescue, resubmit
 from rollhpc.launch.slurm_cli import (
     down_nodes,
@@ -79,11 +82,14 @@ from rollhpc.proc.mpi_shm import ATTEMPT_STARTED
 from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import (
+    CONTINUATION,
+    FAILURE,
     controller_exit,
     controller_failure,
     failed_nodes,
     log_event,
     read_events,
+    restarts_by_cause,
     startup_failure,
 )
 
@@ -144,15 +150,18 @@ def _log_requeue(
     reason: str,
     exclude: set[str],
     failure: dict[str, Any] | None,
+    cause: str,
     **fields: object,
 ) -> None:
-    """The run's requeue event: why, which nodes it leaves out from now on, and the verdict behind it."""
+    """The run's requeue event: why (and whether a failure: ``cause``), which nodes it leaves out from now on,
+    and the verdict behind it."""
     log_event(
         run_dir,
         {
             "event": "requeue",
             "job_id": job_id,
             **fields,
+            "cause": cause,
             "reason": reason,
             "exclude": sorted(exclude),
             "restart": restart_number() + 1,
@@ -168,17 +177,19 @@ def restart(
     reason: str,
     exclude: set[str],
     failure: dict[str, Any] | None = None,
+    cause: str = FAILURE,
 ) -> int:
     """Continue the run in a new job (``rollhpc.launch.resubmit``: no wait for a lost node to be declared
     DOWN, nor for Slurm's credential expiry), excluding ``exclude`` and whatever this job excluded; where
-    sbatch cannot be used from the batch host, requeue this job instead."""
+    sbatch cannot be used from the batch host, requeue this job instead. ``cause``: a failure, or a
+    continuation (rollhpc.rundir.records)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a kill now would lose the run's continuation
     excluded = set(exclude)
     for comp in job_components(job_id):
         excluded |= excluded_nodes(comp)
     new_job, why = resubmit(run_dir, excluded, restart_number() + 1)
     if new_job is not None:
-        _log_requeue(run_dir, job_id, reason, exclude, failure, new_job_id=new_job)
+        _log_requeue(run_dir, job_id, reason, exclude, failure, cause, new_job_id=new_job)
         return 0
     print(
         f"rollhpc requeue: cannot continue in a new job ({why}): requeueing job {job_id}",
@@ -186,7 +197,7 @@ def restart(
     )
     if exclude:
         wait_for_steps_to_end(run_dir, job_id, exclude)
-    return requeue(run_dir, job_id, reason, exclude, failure=failure)
+    return requeue(run_dir, job_id, reason, exclude, failure=failure, cause=cause)
 
 
 def requeue(
@@ -196,6 +207,7 @@ def requeue(
     exclude: set[str],
     per_group: dict[int, set[str]] | None = None,
     failure: dict[str, Any] | None = None,
+    cause: str = FAILURE,
 ) -> int:
     """Requeue this job (it is killed and starts again later), excluding ``exclude`` from then on, and
     ``per_group[i]`` from het group i only."""
@@ -209,6 +221,7 @@ def requeue(
         reason,
         exclude,
         failure,
+        cause,
         **({"exclude_per_group": by_group} if by_group else {}),
     )
     # the run's jobs are --no-requeue (a rescue job continues them):
@@ -245,39 +258,6 @@ def _failed(res: subprocess.CompletedProcess[str], what: str) -> int:
         file=sys.stderr,
     )
     return 1
-
-
-def finished_run(run_dir: Path) -> str | None:
-    """Why the run has nothing left to do, or None: its controller ended cleanly (any attempt), or its
-    newest good checkpoint is at the configured last step (``pipeline.options.steps``)."""
-    run_dir = Path(run_dir)
-    try:
-        record = json.loads(RunPaths(run_dir).controller_exit.read_text())
-    except (FileNotFoundError, ValueError):
-        record = {}
-    if record.get("status") == 0:
-        return (
-            f"its controller ended cleanly (job {record.get('job_id')}, restart "
-            f"{record.get('restart', record.get('restart_count'))})"
-        )
-    steps = configured_steps(run_dir)
-    if steps is None:
-        return None
-    newest = CheckpointStore(RunPaths(run_dir).checkpoints).latest_good(deep=False)
-    if newest is not None and newest.step >= steps:
-        return f"its newest checkpoint, {newest.path.name}, is its last step (steps={steps})"
-    return None
-
-
-def configured_steps(run_dir: Path) -> int | None:
-    """The run's ``pipeline.options.steps`` from RUN_DIR/config.yaml, or None (no such option, no file)."""
-    try:
-        steps = (yaml.safe_load(RunPaths(run_dir).config.read_text()) or {})["pipeline"]["options"][
-            "steps"
-        ]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return None
-    return steps if isinstance(steps, int) and not isinstance(steps, bool) else None
 
 
 def _take_over(run_dir: Path, job_id: str, successor: str | None) -> None:
@@ -372,19 +352,34 @@ def previous_failure(run_dir: Path) -> dict[str, Any]:
 
 
 def cmd_after(
-    run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool = True
+    run_dir: Path,
+    srun_status: int,
+    max_restarts: int,
+    allow_requeue: bool = True,
+    max_continuations: int | None = None,
 ) -> int:
     """After srun: restart the run, or end it, from the controller's exit status (srun's, when the
-    controller said nothing); the batch script exits with what this returns."""
+    controller said nothing); the batch script exits with what this returns. ``max_restarts`` bounds the
+    restarts after failures, ``max_continuations`` (None: no bound) those after a time limit."""
     job_id = os.environ.get("SLURM_JOB_ID", "")
     try:
-        return _after(run_dir, srun_status, max_restarts, allow_requeue, job_id)
+        return _after(
+            run_dir, srun_status, Bounds(max_restarts, max_continuations), allow_requeue, job_id
+        )
     finally:
         # this batch script continued the run in a new job or ended it: its rescue job (rollhpc.launch.rescue)
         # has nothing left to do. A job requeued in place keeps its rescue for its next attempt.
         events = read_events(run_dir)
         if job_id and (current_job(run_dir) != job_id or (events and events[-1].get("final"))):
             cancel_rescue(run_dir, job_id)
+
+
+class Bounds(NamedTuple):
+    """How often a run may go on in a new job: after failures (``cluster.max_restarts``) and after time limits
+    (``cluster.max_continuations``, None: no bound)."""
+
+    restarts: int
+    continuations: int | None = None
 
 
 def _end(run_dir: Path, status: int, **fields: object) -> int:
@@ -439,14 +434,16 @@ def _after_lost_worker(
     kind = FailureKind.of(failure.get("kind", FailureKind.LOST_WORKER))
     said_kind = kind if kind is not None and kind.restartable else FailureKind.LOST_WORKER
     what = said_kind.requeue_says(failure.get("summary", ""))
-    restarts = restart_number()
-    if restarts >= max_restarts:
+    counts = restarts_by_cause(read_events(run_dir))
+    if counts[FAILURE] >= max_restarts:
         return _end(
             run_dir,
             status,
             failure=failure or None,
-            reason=f"{what} and the run already restarted {restarts} times (max_restarts={max_restarts}): "
-            "giving up",
+            bound="max_restarts",
+            reason=f"{what} and the run already restarted {counts[FAILURE]} times after failures "
+            f"(max_restarts={max_restarts}; its {counts[CONTINUATION]} continuation(s) after a time limit "
+            "do not count): giving up",
         )
     if _same_failure_again(run_dir, kind, failure):
         return _end(
@@ -470,6 +467,26 @@ def _after_lost_worker(
     )
 
 
+def _continue_after_time_limit(
+    run_dir: Path, job_id: str, status: int, max_continuations: int | None
+) -> int:
+    """The run checkpointed at the time-limit warning (or was asked to stop): continue it in a new job, unless a
+    site's bound on continuations is reached."""
+    done = restarts_by_cause(read_events(run_dir))[CONTINUATION]
+    if max_continuations is not None and done >= max_continuations:
+        return _end(
+            run_dir,
+            status,
+            bound="max_continuations",
+            reason=f"the run stopped at a time limit and already continued {done} times after one "
+            f"(max_continuations={max_continuations}): ending here, its checkpoint saved; continue it with "
+            f"slurm/resume.sh {run_dir}",
+        )
+    return restart(
+        run_dir, job_id, "checkpoint saved at the time-limit warning", set(), cause=CONTINUATION
+    )
+
+
 def _final_fields(said: int | None, srun_status: int, failure: dict[str, Any]) -> dict[str, object]:
     """What the final end records beside its status: srun's own status where it differs from the
     controller's, the failure verdict, and why a failure of the run's own ends it without a restart."""
@@ -486,7 +503,7 @@ def _final_fields(said: int | None, srun_status: int, failure: dict[str, Any]) -
 
 
 def _after(
-    run_dir: Path, srun_status: int, max_restarts: int, allow_requeue: bool, job_id: str
+    run_dir: Path, srun_status: int, bounds: Bounds, allow_requeue: bool, job_id: str
 ) -> int:
     said = controller_exit(run_dir)
     status = srun_status if said is None else said
@@ -516,9 +533,9 @@ def _after(
             reason=f"cluster.requeue is off: continue the run with slurm/resume.sh {run_dir}",
         )
     if status == EXIT_REQUEUE and job_id:
-        return restart(run_dir, job_id, "checkpoint saved at the time-limit warning", set())
+        return _continue_after_time_limit(run_dir, job_id, status, bounds.continuations)
     if status == EXIT_WORKER_LOST and job_id:
-        return _after_lost_worker(run_dir, job_id, status, failure, max_restarts)
+        return _after_lost_worker(run_dir, job_id, status, failure, bounds.restarts)
     return _end(run_dir, status, **_final_fields(said, srun_status, failure))
 
 
@@ -542,7 +559,16 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("run_dir", type=Path)
     a.add_argument("status", type=int)
     a.add_argument(
-        "--max-restarts", type=int, default=5, help="requeues after a lost worker, at most"
+        "--max-restarts",
+        type=int,
+        default=5,
+        help="restarts after failures (lost workers, peers or nodes), at most",
+    )
+    a.add_argument(
+        "--max-continuations",
+        type=int,
+        default=None,
+        help="continuations after a time limit, at most (default: no bound)",
     )
     a.add_argument(
         "--no-requeue", action="store_true", help="never requeue (cluster.requeue=false): just end"
@@ -553,7 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "watch":
         return cmd_watch(args.run_dir, args.srun_pid, args.grace, args.world_timeout)
     return cmd_after(
-        args.run_dir, args.status, args.max_restarts, allow_requeue=not args.no_requeue
+        args.run_dir,
+        args.status,
+        args.max_restarts,
+        allow_requeue=not args.no_requeue,
+        max_continuations=args.max_continuations,
     )
 
 

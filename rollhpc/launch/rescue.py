@@ -20,6 +20,8 @@ running), restart a finished run (its last step's checkpoint, or a clean end), u
 last event is a final end: an error of its own, out of restarts, requeue off), override a person (a job
 cancelled with scancel stays cancelled), or go beyond ``cluster.max_restarts`` (which also bounds jobs that
 keep ending before they start the run, a broken environment: their batch hosts are excluded as they fail).
+Every continuation it makes is a failure's (a job that reached its time limit without the run stopping at the
+warning counts as one: a hung run would otherwise go on for ever).
 Each decision is a line in RUN_DIR/restarts.jsonl, which ``rollhpc status`` shows.
 """
 
@@ -32,13 +34,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rollhpc.launch.requeue import finished_run
+from rollhpc.launch.finished import finished_run
 from rollhpc.launch.resubmit import current_job, resubmit
 from rollhpc.launch.slurm_cli import ENDED as ENDED_STATES
 from rollhpc.launch.slurm_cli import hostnames, job_alive, jobs_named
 from rollhpc.launch.slurm_cli import job_records as _job_records
 from rollhpc.rundir import RunPaths
-from rollhpc.rundir.records import failed_nodes, log_event, read_events
+from rollhpc.rundir.records import (
+    FAILURE,
+    failed_nodes,
+    log_event,
+    read_events,
+    restarts_by_cause,
+)
 
 RESCUED = "rescued"  # what the rescue prints when it continued the run in a new job
 NOTHING = "nothing to do"  # ... when the run needs nothing from it
@@ -102,7 +110,7 @@ def _say(job_id: str, word: str, why: str) -> int:
     return 0
 
 
-def _end_run(run_dir: Path, job_id: str, reason: str) -> None:
+def _end_run(run_dir: Path, job_id: str, reason: str, **fields: object) -> None:
     """The rescue ends the run for good (its event says so: a later rescue leaves it ended)."""
     log_event(
         run_dir,
@@ -113,6 +121,7 @@ def _end_run(run_dir: Path, job_id: str, reason: str) -> None:
             "final": True,
             "by": "rescue",
             "reason": reason,
+            **fields,
         },
     )
 
@@ -189,6 +198,7 @@ def _continue(
             "job_id": job_id,
             "new_job_id": new_job,
             "by": "rescue",
+            "cause": FAILURE,
             "reason": reason,
             "exclude": sorted(exclude),
             "restart": restarts + 1,
@@ -222,13 +232,14 @@ def cmd_rescue(run_dir: Path, job_id: str, max_restarts: int) -> int:
             f"slurm/resume.sh {run_dir}",
         )
         return _say(job_id, ENDED, "cancelled by a person: left cancelled")
-    restarts = restarts_so_far(events)
-    if restarts >= max_restarts:
+    failures = restarts_by_cause(events)[FAILURE]
+    if failures >= max_restarts:
         _end_run(
             run_dir,
             job_id,
             f"job {job_id} ended {how} without continuing the run, and the run already "
-            f"restarted {restarts} times (max_restarts={max_restarts}): giving up",
+            f"restarted {failures} times after failures (max_restarts={max_restarts}): giving up",
+            bound="max_restarts",
         )
         return _say(job_id, ENDED, "out of restarts")
     return _continue(run_dir, job_id, events, records, how)

@@ -8,6 +8,8 @@ directly and finds its role, node and GPUs in RUN_DIR/plan.json.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import posixpath
 import shlex
 import sys
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import submitit
+from submitit.core.utils import FailedJobError, FailedSubmissionError
 
 from rollhpc.config import ExperimentConfig
 from rollhpc.config.cluster import ClusterConfig
@@ -366,6 +369,7 @@ def _srun_lines(
         'while :; do wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null || break; done',
         'kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null',
         f'exec {helper} -m rollhpc.launch.requeue after "$run_dir" "$status" --max-restarts {c.max_restarts}'
+        + ("" if c.max_continuations is None else f" --max-continuations {c.max_continuations}")
         + ("" if c.requeue else " --no-requeue"),
         "",
     ]
@@ -428,6 +432,17 @@ def render_rescue(cfg: ExperimentConfig, run_dir: Path, python: str | None = Non
     return "\n".join(lines)
 
 
+class SubmissionRefused(RuntimeError):
+    """sbatch refused the job (an unknown account, partition or QOS, a limit): its own reason, one line."""
+
+
+def _sbatch_reason(text: str) -> str:
+    """sbatch's reason from its output: its last error line (``sbatch: error: ...``), else its last line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or ["no output"])[-1]
+
+
 class HetJobExecutor(submitit.SlurmExecutor):
     """submitit's Slurm executor with the batch text of a heterogeneous MPMD job."""
 
@@ -457,7 +472,12 @@ def submit(cfg: ExperimentConfig, plan: WorldPlan, run_dir: Path) -> submitit.Jo
     else:
         rescue_script.unlink(missing_ok=True)
     executor = HetJobExecutor(folder, batch_text, plan.world_size)
-    job = executor._submit_command("rollhpc.rank")  # the command is in the batch text
+    said = io.StringIO()  # submitit prints sbatch's errors before raising them: said once, below
+    try:
+        with contextlib.redirect_stderr(said):
+            job = executor._submit_command("rollhpc.rank")  # the command is in the batch text
+    except (FailedJobError, FailedSubmissionError) as e:
+        raise SubmissionRefused(_sbatch_reason(str(e) or said.getvalue())) from None
     atomic_write_text(paths.job_id, job.job_id + "\n")
     rescue, why = submit_rescue(run_dir, job.job_id)
     if why:

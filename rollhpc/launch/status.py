@@ -24,7 +24,7 @@ from typing import Any
 
 from rollhpc.checkpoint.report import resume_choice
 from rollhpc.checkpoint.storage import CheckpointStore
-from rollhpc.launch.requeue import configured_steps, finished_run
+from rollhpc.launch.finished import configured_steps, finished_run
 from rollhpc.launch.slurm_cli import (
     TERMINAL,
     component_states,
@@ -35,7 +35,7 @@ from rollhpc.launch.slurm_cli import (
 from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths
 from rollhpc.rundir.failure_kind import FailureKind
-from rollhpc.rundir.records import read_events
+from rollhpc.rundir.records import CONTINUATION, FAILURE, read_events, restarts_by_cause
 
 # Restarts: what sacct and squeue call RestartCnt (the job's attempt number)
 SCONTROL_FIELDS = (
@@ -208,6 +208,7 @@ def build_report(
     events = read_events(run_dir)
     starts = sum(e.get("event") == "start" for e in events)
     requeues = sum(e.get("event") == "requeue" for e in events)
+    causes = restarts_by_cause(events)
     report: dict[str, Any] = {
         "run_dir": str(run_dir),
         "job_id": job_id,
@@ -221,6 +222,9 @@ def build_report(
             "restarts": max(starts - 1, requeues),
             "attempts": starts,
             "requeues": requeues,
+            # the requeues by cause: failures use up cluster.max_restarts, continuations after a time limit do not
+            "failures": causes[FAILURE],
+            "continuations": causes[CONTINUATION],
             "events": len(events),
             "last": events[-LAST_EVENTS:],
         },
@@ -300,8 +304,16 @@ def _decided_end(report: Mapping[str, Any], last: Mapping[str, Any]) -> Verdict 
     if last.get("event") != "end":
         return None
     reason = str(last.get("reason", ""))
-    if "giving up" in reason:
-        return "gave_up", [f"out of restarts: {last['reason']}", *_resume_advice(report)]
+    if last.get("bound") == "max_continuations":
+        return "gave_up", [
+            f"out of continuations (cluster.max_continuations): {reason}",
+            *_resume_advice(report),
+        ]
+    if last.get("bound") == "max_restarts" or "giving up" in reason:
+        return "gave_up", [
+            f"out of restarts after failures (cluster.max_restarts): {reason}",
+            *_resume_advice(report),
+        ]
     if "the same failure twice in a row" in reason:
         return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
     if (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
@@ -388,7 +400,8 @@ def render(report: Mapping[str, Any]) -> list[str]:
     )
     r = report["restarts"]
     lines.append(
-        f"restarts       {r['restarts']} ({r['attempts']} attempt(s) started, {r['requeues']} requeue(s))"
+        f"restarts       {r['restarts']} ({r['attempts']} attempt(s) started, {r['requeues']} requeue(s): "
+        f"{r['failures']} after failures, {r['continuations']} after a time limit)"
         + (f"; the last {len(r['last'])} of {r['events']} events:" if r["last"] else "")
     )
     lines += [f"  {_event_line(e)}" for e in r["last"]]

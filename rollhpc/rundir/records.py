@@ -41,6 +41,35 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
     return read_jsonl(RunPaths(run_dir).restarts)  # a line torn by a kill is skipped
 
 
+# Why a run went on in a new job (a requeue event's "cause"). A failure (a lost worker, peer or node, a world that
+# did not form, a job Slurm ended before the run could continue itself) uses up cluster.max_restarts; a
+# continuation (the checkpoint at the time-limit warning, or a stop the run was asked for) is how a run longer than
+# one job's time limit goes on, and only cluster.max_continuations (unbounded by default) bounds it.
+FAILURE = "failure"
+CONTINUATION = "continuation"
+_CONTINUATION_REASON = "checkpoint saved at the time-limit warning"
+
+
+def restart_cause(event: dict[str, Any]) -> str:
+    """A requeue event's cause; an event written before causes were recorded, by its reason."""
+    cause = event.get("cause")
+    if cause in (FAILURE, CONTINUATION):
+        return cause
+    return (
+        CONTINUATION if str(event.get("reason", "")).startswith(_CONTINUATION_REASON) else FAILURE
+    )
+
+
+def restarts_by_cause(events: list[dict[str, Any]]) -> dict[str, int]:
+    """How often the run went on in a new job so far, by cause: ``{"failure": n, "continuation": m}``. The one
+    count the batch script, the rescue job and ``rollhpc status`` all read."""
+    counts = {FAILURE: 0, CONTINUATION: 0}
+    for event in events:
+        if event.get("event") == "requeue":
+            counts[restart_cause(event)] += 1
+    return counts
+
+
 def failed_nodes(run_dir: Path) -> dict[str, str]:
     """{node: why} of the nodes the run lost workers on so far (RUN_DIR/failed-nodes.json; {} when none)."""
     try:

@@ -15,10 +15,11 @@ A requeued Slurm job inherits its environment, so each hook says on which attemp
                                                     (deaf: a rank blocked in C whose handler never runs).
                                                     Only on a Slurm job's first attempt.
 
-    ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC=N:SECONDS       hold the sender of the N-th broadcast weight sync of this
+    ROLLHPC_TEST_HOLD_IN_WEIGHT_SYNC=N:SECONDS[:A]   hold the sender of the N-th broadcast weight sync of this
                                                     process half-way (its first header sent, the receivers
                                                     blocked in the collective): a node can die mid-sync.
-                                                    Only before the run's first restart.
+                                                    Only in the run's attempt A (default 0: before its first
+                                                    restart).
     ROLLHPC_TEST_HOLD_IN_GRAD_SYNC=N:SECONDS         hold the trainer's last data-parallel rank before its
                                                     gradient all-reduce of its N-th train call (the others
                                                     wait inside theirs). Only before the run's first restart.
@@ -116,8 +117,9 @@ def mpi_stall(where: str) -> None:
 
 
 def _hold_in_collective(variable: str, nth: int, what: str) -> None:
-    at, _, seconds = os.environ.get(variable, "").partition(":")
-    if not at or int(at) != nth or restart_number() != 0:
+    at, _, rest = os.environ.get(variable, "").partition(":")
+    seconds, _, attempt = rest.partition(":")
+    if not at or int(at) != nth or restart_number() != int(attempt or 0):
         return
     # tests wait for it
     print(f"{variable}: holding {what} {nth} for {seconds} s", file=sys.stderr, flush=True)

@@ -25,7 +25,11 @@ from rollhpc.observability.metrics import read_metrics
 from rollhpc.rundir import RunPaths, records
 from rollhpc.rundir.records import read_events
 from rollhpc.testing.fault_injection import CHECKPOINT_DELAY as DELAY_ENV
-from rollhpc.testing.fault_injection import HOLD_AFTER_CHECKPOINT, STALL_MPI_INIT
+from rollhpc.testing.fault_injection import (
+    HOLD_AFTER_CHECKPOINT,
+    HOLD_IN_WEIGHT_SYNC,
+    STALL_MPI_INIT,
+)
 from tests.support.processes import REPO, assert_no_orphans, cli_env, rank_processes, rollhpc
 
 STEPS = 8
@@ -170,9 +174,11 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     # outside a Slurm job nothing can be requeued: the status passes through and the end is logged
     assert requeue.main(["after", str(tmp_path), "75"]) == 75
     assert requeue.main(["after", str(tmp_path), "0"]) == 0
-    # a lost worker after max_restarts restarts: give up (no scontrol is called)
+    # a lost worker after max_restarts restarts after failures: give up (no scontrol is called)
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    for _ in range(2):
+        records.log_event(tmp_path, {"event": "requeue", "cause": "failure", "reason": "lost"})
     assert (
         requeue.main(["after", str(tmp_path), str(requeue.EXIT_WORKER_LOST), "--max-restarts", "2"])
         == 76
@@ -193,6 +199,54 @@ def test_requeue_log_and_decisions_without_slurm(tmp_path, monkeypatch, capsys):
     ]
     assert "slurm/resume.sh" in ends[-1]["reason"]
     assert all(line.strip() for line in (tmp_path / RunPaths.RESTARTS).read_text().splitlines())
+
+
+def test_continuations_after_time_limits_do_not_use_up_max_restarts(tmp_path, monkeypatch, capsys):
+    """A run's restarts are counted by cause from its events (restarts.jsonl): thirteen continuations after a
+    time limit (a four-week run of 48-hour jobs; one of them recorded before causes were, known by its reason)
+    leave max_restarts=1 whole, so the first lost node restarts the run; the second failure ends it. A site's
+    max_continuations ends a run at its next time limit once reached. ``rollhpc status`` names the bound."""
+    from rollhpc.launch import requeue, status
+
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("ROLLHPC_RESTART_BASE", "13")  # this is the run's 14th job
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    (tmp_path / "world.json").write_text("[]")  # every attempt below formed its world
+    continued = {"event": "requeue", "reason": "checkpoint saved at the time-limit warning"}
+    records.log_event(tmp_path, continued)  # no cause: an event of an older rollhpc
+    for _ in range(12):
+        records.log_event(tmp_path, {**continued, "cause": "continuation"})
+    restarts: list[tuple[str, str]] = []
+
+    def restart(run_dir, job_id, reason, exclude, failure=None, cause="failure"):
+        restarts.append((reason, cause))
+        records.log_event(run_dir, {"event": "requeue", "cause": cause, "reason": reason})
+        return 0
+
+    monkeypatch.setattr(requeue, "restart", restart)
+    lost = ["after", str(tmp_path), str(requeue.EXIT_WORKER_LOST), "--max-restarts", "1"]
+    assert requeue.main(lost) == 0 and restarts[-1][1] == "failure"
+    assert records.restarts_by_cause(read_events(tmp_path)) == {
+        "failure": 1,
+        "continuation": 13,
+    }
+    assert requeue.main(lost) == requeue.EXIT_WORKER_LOST  # the second failure: out of restarts
+    end = read_events(tmp_path)[-1]
+    assert end["bound"] == "max_restarts" and "restarted 1 times after failures" in end["reason"]
+    assert "its 13 continuation(s) after a time limit do not count" in end["reason"]
+    report = status.build_report(tmp_path, None, None)
+    assert report["state"] == "gave_up" and report["advice"][0].startswith(
+        "out of restarts after failures (cluster.max_restarts)"
+    )
+    assert (report["restarts"]["failures"], report["restarts"]["continuations"]) == (1, 13)
+    # a time limit: continued without a bound, ended at a site's
+    at_limit = ["after", str(tmp_path), str(requeue.EXIT_REQUEUE)]
+    assert requeue.main(at_limit) == 0 and restarts[-1][1] == "continuation"
+    assert requeue.main([*at_limit, "--max-continuations", "14"]) == requeue.EXIT_REQUEUE
+    end = read_events(tmp_path)[-1]
+    assert end["bound"] == "max_continuations" and "slurm/resume.sh" in end["reason"]
+    report = status.build_report(tmp_path, None, None)
+    assert report["advice"][0].startswith("out of continuations (cluster.max_continuations)")
 
 
 def test_a_lost_peer_restarts_until_it_repeats_and_an_own_error_ends_it(tmp_path, monkeypatch):
@@ -355,6 +409,8 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
 
     monkeypatch.setenv("SLURM_JOB_ID", "123")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "5")
+    for _ in range(5):  # five restarts after failures so far
+        records.log_event(tmp_path, {"event": "requeue", "cause": "failure", "reason": "lost"})
     records.record_startup_failure(
         tmp_path, "node3", "MPI_Init did not finish within 5 s (pid 7 on node3)"
     )
@@ -385,7 +441,7 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     records.record_startup_failure(tmp_path, "node2", "a later rank's timeout")
     records.record_controller_exit(tmp_path, requeue.EXIT_WORKER_LOST)
     assert (
-        requeue.main(["after", str(tmp_path), "1", "--max-restarts", "7"])
+        requeue.main(["after", str(tmp_path), "1", "--max-restarts", "5"])
         == requeue.EXIT_WORKER_LOST
     )
     end = [e for e in read_events(tmp_path) if e["event"] == "end"][-1]
@@ -399,7 +455,7 @@ def test_a_world_that_never_formed_is_requeued_without_excluding_nodes(tmp_path,
     # srun failed and no world formed in this attempt (a rank crashed in start-up): a restart is worth it too
     monkeypatch.setenv("SLURM_RESTART_COUNT", "8")
     assert (
-        requeue.main(["after", str(tmp_path), "134", "--max-restarts", "8"])
+        requeue.main(["after", str(tmp_path), "134", "--max-restarts", "5"])
         == requeue.EXIT_WORKER_LOST
     )
     end = [e for e in read_events(tmp_path) if e["event"] == "end"][-1]
@@ -887,10 +943,12 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_routing_replay_r3_resumes_exactly_with_samples_in_flight(tmp_path):
-    """An async run (the next batch generated while the trainer works) on a tiny MoE policy whose trainer replays
-    the generator's routes (router_replay: r3): asked to stop after step 2 it checkpoints with that batch in
-    hand, its samples carrying their routes, and --resume ends bit-identical to the same run left alone (losses
-    of every step, final weights). ``async_run`` alone: no reference role, five steps."""
+    """An async run (the next batch generated while the trainer works) on a tiny MoE policy whose expert-parallel
+    trainer (EP=2) replays the generator's routes (router_replay: r3): the torch engine returns the experts of
+    every token it fed, they travel with the samples into the batch and the rollouts file, and the trainer
+    replays them. Asked to stop after step 2 it checkpoints with that batch in hand, its samples carrying their
+    routes, and --resume ends bit-identical to the same run left alone (losses of every step, final weights).
+    ``async_run`` alone: no reference role, five steps."""
     from rollhpc.tasks import arithmetic
     from rollhpc.warm_start.tiny import TinyModelConfig, build_tokenizer, create_tiny_model
 
@@ -901,12 +959,29 @@ def test_routing_replay_r3_resumes_exactly_with_samples_in_flight(tmp_path):
         build_tokenizer(list(arithmetic.corpus(train)), 300),
     )
     steps = 5
-    args = ["train", "quickstart", *async_run(model, steps), "roles.train.options.router_replay=r3"]
+    args = [
+        "train",
+        "quickstart",
+        *async_run(model, steps),
+        "roles.train.options.router_replay=r3",
+        "roles.train.procs=2",
+        "roles.train.parallel.ep=2",
+    ]
     (tmp_path / "alone").mkdir()
     alone = rollhpc(*args, cwd=tmp_path / "alone", timeout=600)
     assert alone.returncode == 0, alone.stderr[-3000:]
     reference = read_metrics(tmp_path / "alone" / "runs" / "quickstart" / "metrics.jsonl")
     assert all("train/route_replay_differ_frac" in m for m in reference[1:])
+    # step 1 trains on the weights that generated its batch (float32 both): the generator's experts are the ones
+    # the trainer's own router takes, every one of them
+    assert reference[1]["train/route_replay_differ_frac"] == 0.0, reference[1]
+    # the rollouts keep them: each sample's prompt and response but its last token, 2 layers x top 2
+    from rollhpc.observability.rollouts import read_rollouts
+
+    got = read_rollouts(tmp_path / "alone" / "runs" / "quickstart" / "rollouts" / "step_000001.h5")
+    assert [r.shape for r in got["routes"]] == [
+        (len(p) + len(t) - 1, 2, 2) for p, t in zip(got["prompt_tokens"], got["response_tokens"])
+    ]
 
     run_dir = tmp_path / "runs" / "quickstart"
     log = tmp_path / "first.log"
@@ -1028,8 +1103,11 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(
 ):
     """Acceptance (2): Slurm's own time-limit warning (--signal=B:USR1@N, N=120 s before a 3 min limit)
     reaches the batch shell, the controller checkpoints after its current step and leaves with 75, the batch
-    script requeues the job, and the next start resumes and finishes. The test hook holds checkpoint 6 of
-    the first attempt until the warning has come, so the warning always finds the run mid-way."""
+    script continues the run in a new job, and the next start resumes. The test hook holds checkpoint 6 of
+    the first attempt until the warning has come, so the warning always finds the run mid-way. In the continued
+    job the trainer's node dies inside the first weight sync (another hook holds it there): with
+    max_restarts=1 the continuation did not use the one restart up, so the run restarts once more and
+    finishes."""
     run_dir = tmp_path / "runs" / "rq"
     job_id = submit(
         slurm_cluster,
@@ -1037,23 +1115,44 @@ def test_time_limit_warning_checkpoints_requeues_and_finishes(
         tiny_model,
         "cluster.time_limit=00:03:00",
         "cluster.stop_before_limit_s=120",
-        env={DELAY_ENV: "6:170"},
+        "cluster.max_restarts=1",
+        env={DELAY_ENV: "6:170", HOLD_IN_WEIGHT_SYNC: "1:120:1"},
     )
-    requeued = wait_for(
-        "the requeue",
-        lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"],
+
+    def requeues(n: int) -> list[dict]:
+        """The run's first n requeue events, once there are n; each new job given room (the warning would
+        otherwise come again a minute after its start)."""
+        found = wait_for(
+            f"requeue {n}",
+            lambda: [e for e in read_events(run_dir) if e["event"] == "requeue"][n - 1 :],
+            300,
+            run_dir=run_dir,
+        )
+        for comp in [r["JobId"] for r in slurm_cluster.job_records(found[0]["new_job_id"])]:
+            slurm_cluster.run(
+                ["scontrol", "update", f"JobId={comp}", "TimeLimit=00:10:00"], check=False
+            )
+        return [e for e in read_events(run_dir) if e["event"] == "requeue"][:n]
+
+    requeued = requeues(1)
+    assert requeued[0]["new_job_id"] != job_id, requeued
+    wait_for(
+        "the continued job's first weight sync, held",
+        lambda: holding(run_dir, "holding the weight sync 1 "),
         300,
         run_dir=run_dir,
     )
-    # give the next job room: the warning would otherwise come again a minute after its start
-    assert requeued[0]["new_job_id"] != job_id, requeued
-    for comp in [r["JobId"] for r in slurm_cluster.job_records(requeued[0]["new_job_id"])]:
-        slurm_cluster.run(
-            ["scontrol", "update", f"JobId={comp}", "TimeLimit=00:10:00"], check=False
-        )
+    lost = train_host(run_dir)
+    try:
+        node(slurm_cluster, "node-crash", lost)
+        time.sleep(8)  # past SlurmdTimeout (5 s)
+    finally:
+        node(slurm_cluster, "node-start", lost)
+    requeued = requeues(2)
     state = wait_job_done(slurm_cluster, job_id, run_dir, timeout=400)
     assert state == "COMPLETED", f"{state}\n{run_story(run_dir)}"
     assert requeued[0]["reason"].startswith("checkpoint saved at the time-limit warning"), requeued
+    assert [e["cause"] for e in requeued] == ["continuation", "failure"], requeued
     assert re.search(
         r"stopping after step \d+ for a requeue \(stop-request: time-limit warning",
         job_output(run_dir, None),

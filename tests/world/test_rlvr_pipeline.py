@@ -225,34 +225,6 @@ def moe_run(model: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_moe_routes_of_the_torch_engine_are_replayed_by_the_trainer(tmp_path, tiny_moe):
-    """Routing replay r3: the torch engine returns the experts of every token it fed, they travel with the samples
-    into the batch, and the expert-parallel trainer (EP=2) replays them in its training forwards. Engines in sync
-    (float32 both): the generator's experts are the ones the trainer's own router takes, every one of them."""
-    res = rollhpc(
-        "train",
-        "quickstart",
-        *moe_run(tiny_moe),
-        "roles.generate.options.engine=torch",
-        "roles.train.procs=2",
-        "roles.train.parallel.ep=2",
-        "roles.train.options.router_replay=r3",
-        cwd=tmp_path,
-        timeout=600,
-    )
-    run_dir = assert_three_steps_in_sync(res, tmp_path)
-    for x in [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]:
-        assert x["train/route_replay_differ_frac"] == 0.0, x
-    # the rollouts keep them: each sample's prompt and response but its last token, 2 layers x top 2
-    from rollhpc.observability.rollouts import read_rollouts
-
-    got = read_rollouts(run_dir / "rollouts" / "step_000001.h5")
-    assert [r.shape for r in got["routes"]] == [
-        (len(p) + len(t) - 1, 2, 2) for p, t in zip(got["prompt_tokens"], got["response_tokens"])
-    ]
-
-
-@pytest.mark.slow
 def test_moe_policy_with_expert_parallel_trainer_stays_in_sync_with_vllm(tmp_path, tiny_moe):
     """A Qwen2-MoE policy (routed experts + shared expert, untied head) trained with EP=2: after every
     weight sync the generator's log-probs equal the trainer's on the same tokens. This is what caught

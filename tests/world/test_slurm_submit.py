@@ -118,6 +118,29 @@ def test_failing_worker_on_slurm_is_reported_and_the_job_ends(slurm_cluster, tmp
     assert "raised ValueError in '__init__'" in last and "role 'train'" in last
 
 
+def test_a_job_sbatch_refuses_exits_2_with_its_reason_and_leaves_no_run_directory(
+    slurm_cluster, tmp_path
+):
+    """An unknown partition: sbatch's own reason in one line, exit 2, and no run directory left behind, so the
+    corrected command needs no --overwrite."""
+    res = submit(
+        slurm_cluster,
+        tmp_path,
+        "run.name=refused",
+        "cluster.partition=nosuchpartition",
+        f"cluster.nodes={slurm_cluster.nodes}",
+        f"cluster.cpus_per_node={slurm_cluster.cpus_per_node}",
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.count("\n") == 1, res.stderr  # one line, no traceback
+    assert res.stderr.startswith("rollhpc submit: sbatch refused the job: sbatch: error:"), (
+        res.stderr
+    )
+    assert "partition" in res.stderr.lower(), res.stderr
+    assert not (tmp_path / "runs" / "refused").exists()
+
+
 def test_agentic_run_on_slurm_puts_the_env_role_in_the_cpu_component(
     slurm_cluster, tmp_path, tiny_model
 ):

@@ -149,7 +149,9 @@ def test_job_out_of_restarts_is_told_to_resume(tmp_path):
     report = report_for(run, sacct={f"{JOB}+0": "COMPLETED", f"{JOB}+1": "COMPLETED"})
     assert report["state"] == "gave_up"
     assert (
-        report["advice"][0].startswith("out of restarts: a worker was lost")
+        report["advice"][0].startswith(
+            "out of restarts after failures (cluster.max_restarts): a worker was lost"
+        )
         and "giving up" in report["advice"][0]
     )
     assert (
@@ -157,6 +159,7 @@ def test_job_out_of_restarts_is_told_to_resume(tmp_path):
         in report["advice"]
     )
     assert report["restarts"]["restarts"] == 1 and len(report["restarts"]["last"]) == 4
+    assert report["restarts"]["failures"] == 1 and report["restarts"]["continuations"] == 0
 
 
 def test_finished_run_and_running_job(tmp_path):
