@@ -22,6 +22,8 @@ from typing import NoReturn
 from mpi4py import MPI
 
 from rollhpc import config as config_mod
+from rollhpc.checkpoint.disk_space import OutOfSpace, is_disk_full, out_of_space
+from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.config import CONTROLLER_ROLE
 from rollhpc.controller.colocation import colocation_of, offload_after_startup
 from rollhpc.controller.errors import WorkerDied, WorldNotFormed
@@ -216,7 +218,7 @@ class _FailureReport:
             if not isinstance(e, WorkerDied):
                 return e, Failure(FailureKind.INTERRUPTED, str(e), step=_last_step(run_dir))
         others = sorted({m.host for m in self.everyone} - {self.everyone[0].host})
-        return classify(
+        e, verdict = classify(
             e,
             ctl.dead_worker,
             lambda: unresponsive_nodes(others),
@@ -224,6 +226,7 @@ class _FailureReport:
             settle_s=self.cfg.controller.peer_loss_settle_s,
             step=_last_step(run_dir),
         )
+        return _disk_full(e, verdict, run_dir)
 
     def _record(self, e: BaseException, verdict: Failure) -> int:
         """The verdict in the run directory for the batch script's decision; the exit status that says it."""
@@ -244,6 +247,22 @@ class _FailureReport:
             record_startup_failure(self.run_dir, self.everyone[0].host, verdict.summary)
         record_controller_exit(self.run_dir, status, verdict.record())
         return status
+
+
+def _disk_full(e: BaseException, verdict: Failure, run_dir: Path) -> tuple[BaseException, Failure]:
+    """An error of the run's own that is a write out of space or quota (a checkpoint's, or any other in the run
+    directory, by a worker or the controller): told as that, with the filesystem's state and what continues the run
+    (rollhpc.checkpoint.disk_space); any other verdict as it is."""
+    if verdict.kind != FailureKind.ERROR:
+        return e, verdict
+    if not isinstance(e, OutOfSpace):
+        if not is_disk_full(
+            getattr(e, "err_type", type(e).__name__), getattr(e, "message", str(e))
+        ):
+            return e, verdict
+        store = CheckpointStore(RunPaths(run_dir).checkpoints)
+        e = out_of_space(store, run_dir, "a write in the run directory")
+    return e, Failure(FailureKind.DISK_FULL, e.summary, step=verdict.step)
 
 
 def _start_workers(

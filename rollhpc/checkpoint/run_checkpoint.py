@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from rollhpc.checkpoint.disk_space import check_room, is_disk_full, out_of_space
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.rundir import RunPaths
 from rollhpc.testing import fault_injection
@@ -80,6 +81,8 @@ class RunCheckpointer:
         and ``summary`` (JSON, also the manifest's meta). Nothing is visible until the commit."""
         if self.before_save is not None:
             self.before_save()
+        run_dir = self.store.root.parent
+        check_room(self.store, run_dir, step)  # a save that cannot fit is not started
         t0 = time.perf_counter()
         pending = self.store.begin(step)
         try:
@@ -97,8 +100,12 @@ class RunCheckpointer:
                 step, summary.get("restarts", 0), stop_file, self._watch_workers
             )
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
-        except BaseException:
+        except BaseException as e:
             self.store.abort(pending)
+            if is_disk_full(
+                getattr(e, "err_type", type(e).__name__), getattr(e, "message", str(e))
+            ):
+                raise out_of_space(self.store, run_dir, f"checkpoint {step}") from e
             raise
         fault_injection.checkpoint_committed(step, stop_file, self._watch_workers)
         seconds = time.perf_counter() - t0

@@ -316,6 +316,8 @@ def _decided_end(report: Mapping[str, Any], last: Mapping[str, Any]) -> Verdict 
         ]
     if "the same failure twice in a row" in reason:
         return "failed", [f"not restarted again: {last['reason']}", *_resume_advice(report)]
+    if (last.get("failure") or {}).get("kind") == FailureKind.DISK_FULL:
+        return "failed", [last["failure"].get("summary", reason), *_resume_advice(report)]
     if (last.get("failure") or {}).get("kind") == FailureKind.ERROR:
         return "failed", [
             "an error of the run's own code or data ended it (a restart would meet it again): fix "

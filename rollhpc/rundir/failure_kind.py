@@ -37,6 +37,11 @@ class FailureKind(StrEnum):
         "an error in the run's own code or data, not a lost node or peer: not restarted (a restart would meet "
         "it again): {summary}",
     )
+    DISK_FULL = (
+        "disk_full",
+        "the run's filesystem full or over quota",
+        "out of disk space: not restarted (a restart would meet it again until space is freed): {summary}",
+    )
     INTERRUPTED = ("interrupted", "a signal (scancel, Ctrl-C)", "")
     PLACEMENT = (
         "placement",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -864,23 +865,46 @@ def test_a_trainer_lost_in_the_gradient_all_reduce_is_a_lost_worker(tmp_path, ti
     assert_no_orphans(run_dir)
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A tmpfs of its own (256 MiB) for a run's output, unmounted afterwards; skipped where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(
-    tmp_path, tiny_model, uninterrupted
+def test_killed_run_resumes_exactly_past_a_damaged_checkpoint_and_a_full_disk(
+    small_filesystem, tmp_path, tiny_model, uninterrupted
 ):
-    """The run (async: its checkpoints hold the batch generated ahead) is SIGKILLed as a whole local world
-    after step 7; the newest checkpoint (step 6) is then damaged (a truncated optimizer shard): --resume must
-    notice and fall back to step 4. That session is asked to stop (SIGUSR1 to `rollhpc train`) after step 5:
-    it checkpoints step 5 and exits 75; a second --resume finishes, bit-identical to the run left alone."""
-    run_dir = tmp_path / "runs" / "quickstart"
+    """The run (async: its checkpoints hold the batch generated ahead), its output on a filesystem of its own, is
+    SIGKILLed as a whole local world after step 7; the newest checkpoint (step 6) is then damaged (a truncated
+    optimizer shard): --resume must notice and fall back to step 4. Meanwhile the filesystem has filled (as a
+    quota does) to less than a checkpoint's size: that session's checkpoint 6 is not started, and the run ends
+    with one line that names the filesystem, its free space, what a checkpoint takes, the newest good checkpoint
+    and the command that continues; error.json, the verdict and `rollhpc status` say the same, and that checkpoint
+    verifies deep. Once space is freed a second --resume finishes, bit-identical to the run left alone."""
+    out = small_filesystem / "runs"
+    run_dir = out / "quickstart"
+    args = ["train", "quickstart", *run_args(tiny_model), f"run.output_dir={out}"]
     log = tmp_path / "first.log"
-    with open(log, "w") as out:
+    with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rollhpc.cli", "train", "quickstart", *run_args(tiny_model)],
+            [sys.executable, "-m", "rollhpc.cli", *args],
             cwd=tmp_path,
             env=cli_env(),
-            stdout=out,
+            stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -900,43 +924,40 @@ def test_killed_run_resumes_exactly_and_skips_a_damaged_newest_checkpoint(
     verify = rollhpc("ckpt", "verify", str(run_dir), cwd=tmp_path)
     assert verify.returncode == 1 and "step_000006" in verify.stdout + verify.stderr
 
-    resume_cmd = [
-        sys.executable,
-        "-m",
-        "rollhpc.cli",
-        "train",
-        "--resume",
-        "quickstart",
-        *run_args(tiny_model),
-    ]
-    log = tmp_path / "second.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            resume_cmd, cwd=tmp_path, env=cli_env(), stdout=out, stderr=subprocess.STDOUT
-        )
-        wait_for(
-            "step 5 of the resumed session",
-            lambda: any(  # its first record says restarts=1
-                m["step"] == 5 and m.get("restarts") == 1
-                for m in read_metrics(run_dir / "metrics.jsonl")
-            ),
-            300,
-            proc,
-            log,
-        )
-        proc.send_signal(signal.SIGUSR1)
-        assert proc.wait(timeout=300) == EXIT_REQUEUE, log.read_text()[-3000:]
-    second = log.read_text()
-    assert "step_000006" in second and "stopped after saving a checkpoint" in second
-    stopped = last_step(run_dir)  # the step during which the request came (5, or 6 if it was quick)
-    assert stopped < STEPS and (run_dir / "checkpoints" / f"step_{stopped:06d}").is_dir()
+    # the filesystem fills to half a checkpoint's room
+    size = sum(p.stat().st_size for p in (run_dir / "checkpoints" / "step_000004").rglob("*"))
+    filler = small_filesystem / "filler"
+    with open(filler, "wb") as fill:
+        os.posix_fallocate(fill.fileno(), 0, shutil.disk_usage(small_filesystem).free - size // 2)
+    res = rollhpc(args[0], "--resume", *args[1:], cwd=tmp_path, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "step_000006" in res.stderr  # the damaged checkpoint, skipped
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "rollhpc: run failed: out of disk space: checkpoint 6 was not started, it would not fit: "
+        f"{small_filesystem} has"
+    ), last
+    assert "the newest good checkpoint, step_000004 (step 4), is intact" in last, last
+    assert f"slurm/resume.sh {run_dir}" in last and "--resume" in last, last
+    err = json.loads((run_dir / "error.json").read_text())
+    assert err["type"] == "OutOfSpace" and err["summary"] in last
+    verdict = json.loads((run_dir / "controller-exit.json").read_text())
+    assert verdict["status"] == 1 and verdict["failure"]["kind"] == "disk_full", verdict
+    status = rollhpc("status", str(run_dir), cwd=tmp_path)
+    assert "out of disk space: checkpoint 6 was not started" in status.stdout, status.stdout
+    deep = rollhpc(
+        "ckpt", "verify", "--deep", str(run_dir / "checkpoints" / "step_000004"), cwd=tmp_path
+    )
+    assert deep.returncode == 0, deep.stdout + deep.stderr
 
-    res = rollhpc(*resume_cmd[3:], cwd=tmp_path, timeout=600)
+    filler.unlink()
+    res = rollhpc(args[0], "--resume", *args[1:], cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     resumes = [e for e in read_events(run_dir) if e["event"] == "resume"]
-    assert [(e["step"], e["restarts"]) for e in resumes] == [(4, 1), (stopped, 2)]
+    # both from step 4, saved before any restart: each the run's first restart from there
+    assert [(e["step"], e["restarts"]) for e in resumes] == [(4, 1), (4, 1)]
     metrics = assert_same_as_uninterrupted(run_dir, uninterrupted)
-    assert metrics[5]["restarts"] == 1 and metrics[stopped + 1]["restarts"] == 2
+    assert metrics[5]["restarts"] == 1
     assert_no_orphans(run_dir)
 
 
