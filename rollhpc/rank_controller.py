@@ -22,7 +22,7 @@ from typing import NoReturn
 from mpi4py import MPI
 
 from rollhpc import config as config_mod
-from rollhpc.checkpoint.disk_space import OutOfSpace, is_disk_full, out_of_space
+from rollhpc.checkpoint.disk_space import OutOfSpace, out_of_space, raised_out_of_space
 from rollhpc.checkpoint.storage import CheckpointStore
 from rollhpc.config import CONTROLLER_ROLE
 from rollhpc.controller.colocation import colocation_of, offload_after_startup
@@ -256,9 +256,7 @@ def _disk_full(e: BaseException, verdict: Failure, run_dir: Path) -> tuple[BaseE
     if verdict.kind != FailureKind.ERROR:
         return e, verdict
     if not isinstance(e, OutOfSpace):
-        if not is_disk_full(
-            getattr(e, "err_type", type(e).__name__), getattr(e, "message", str(e))
-        ):
+        if not raised_out_of_space(e):
             return e, verdict
         store = CheckpointStore(RunPaths(run_dir).checkpoints)
         e = out_of_space(store, run_dir, "a write in the run directory")

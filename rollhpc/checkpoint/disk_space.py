@@ -52,6 +52,12 @@ def is_disk_full(err_type: str, message: str) -> bool:
     return bool(_DISK_FULL.search(f"{err_type}: {message}"))
 
 
+def raised_out_of_space(e: BaseException) -> bool:
+    """``is_disk_full`` of an exception: a worker's error by the type and message it reported, any other by its
+    own."""
+    return is_disk_full(getattr(e, "err_type", type(e).__name__), getattr(e, "message", str(e)))
+
+
 def mount_point(path: Path) -> Path:
     """The mount point of the filesystem that holds ``path`` (an existing ancestor's, if it does not exist)."""
     p = Path(path).resolve()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-from rollhpc.checkpoint.disk_space import check_room, is_disk_full, out_of_space
+from rollhpc.checkpoint.disk_space import check_room, out_of_space, raised_out_of_space
 from rollhpc.checkpoint.storage import Checkpoint, CheckpointStore, human_bytes
 from rollhpc.rundir import RunPaths
 from rollhpc.testing import fault_injection
@@ -102,9 +102,7 @@ class RunCheckpointer:
             checkpoint = self.store.commit(pending, {**summary, "roles": self.roles})
         except BaseException as e:
             self.store.abort(pending)
-            if is_disk_full(
-                getattr(e, "err_type", type(e).__name__), getattr(e, "message", str(e))
-            ):
+            if raised_out_of_space(e):
                 raise out_of_space(self.store, run_dir, f"checkpoint {step}") from e
             raise
         fault_injection.checkpoint_committed(step, stop_file, self._watch_workers)

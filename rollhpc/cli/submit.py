@@ -43,9 +43,8 @@ def cmd_submit(cfg: ExperimentConfig, args: argparse.Namespace) -> int:
     new_run = args.overwrite or not cfg.run.run_dir.exists()
     run_dir = start_run(cfg, plan, args, on_resume=_refuse_if_job_active)
     try:
-        job = submit(
-            cfg, plan, run_dir
-        )  # writes RUN_DIR/slurm/job_id and queues the job's rescue job
+        # writes RUN_DIR/slurm/job_id and queues the job's rescue job
+        job = submit(cfg, plan, run_dir)
     except SubmissionRefused as e:
         if new_run:  # nothing was queued: a retry starts as this one did, without --overwrite
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -83,6 +83,7 @@ from rollhpc.rundir import RunPaths, atomic_write_text
 from rollhpc.rundir.failure_kind import FailureKind
 from rollhpc.rundir.records import (
     CONTINUATION,
+    CONTINUATION_REASON,
     FAILURE,
     controller_exit,
     controller_failure,
@@ -482,9 +483,7 @@ def _continue_after_time_limit(
             f"(max_continuations={max_continuations}): ending here, its checkpoint saved; continue it with "
             f"slurm/resume.sh {run_dir}",
         )
-    return restart(
-        run_dir, job_id, "checkpoint saved at the time-limit warning", set(), cause=CONTINUATION
-    )
+    return restart(run_dir, job_id, CONTINUATION_REASON, set(), cause=CONTINUATION)
 
 
 def _final_fields(said: int | None, srun_status: int, failure: dict[str, Any]) -> dict[str, object]:

@@ -14,7 +14,7 @@ width), kv = kv_heads·head_dim, tp the tensor-parallel size. Everything between
 linear is split by tp. A dense model runs without sequence parallelism: the norms and the inputs of the
 column-parallel linears are whole on every TP rank. A MoE model at tp > 1 runs with it (megatron-core's MoE
 layers need it, rollhpc.models.megatron_gpt): those, the router, the dispatcher's inputs and a full-recompute
-checkpoint hold T/tp tokens (``sequence_split``); the logits are whole sequences again.
+checkpoint hold T/tp tokens (``local_tokens``); the logits are whole sequences again.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ class LayerShape(Protocol):
     shared_intermediate: int
 
 
-def sequence_split(shape: LayerShape, tp: int) -> int:
-    """The parts a TP rank's sequences are split into outside attention and the MLP: tp for a MoE model (which
-    runs sequence parallelism at tp > 1), 1 for a dense one."""
-    return tp if shape.experts else 1
+def local_tokens(shape: LayerShape, tp: int, tokens: int) -> int:
+    """A TP rank's share of ``tokens`` outside attention and the MLP: 1/tp of them for a MoE model (which runs
+    sequence parallelism at tp > 1), all of them for a dense one."""
+    return -(-tokens // tp) if shape.experts else tokens
 
 
 def _kv_local(shape: LayerShape, tp: int) -> int:
@@ -64,7 +64,7 @@ def _mlp_bytes(
     per_f = 5 if shape.gated else 2
     if not shape.experts:
         return {"mlp": float(per_f * e * tokens * shape.intermediate // tp)}
-    out = moe_bytes(shape, -(-tokens // sequence_split(shape, tp)), e, ep, etp)
+    out = moe_bytes(shape, local_tokens(shape, tp, tokens), e, ep, etp)
     if shape.shared_intermediate:
         # + its gate
         out["mlp"] = float(per_f * e * tokens * shape.shared_intermediate // tp + e * tokens)
@@ -122,7 +122,7 @@ def layer_bytes(
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     t = rows * seq
-    local = -(-t // sequence_split(shape, tp))  # tokens outside attention and the MLP
+    local = local_tokens(shape, tp, t)  # tokens outside attention and the MLP
     h, q, kv = shape.hidden, shape.heads * shape.head_dim, _kv_local(shape, tp) * tp
     # the checkpoint keeps the layer's input and the float32 rotary frequencies
     if recompute == "full":
@@ -168,7 +168,7 @@ def head_bytes(shape: LayerShape, tp: int, rows: int, seq: int, e: int) -> float
     then the loss head's float32 copy, reused in place for the gradient: rollhpc.models.vocab_parallel), the
     vocabulary split over TP."""
     t = rows * seq
-    local = -(-t // sequence_split(shape, tp))
+    local = local_tokens(shape, tp, t)
     return float(
         NORM_FP32_COPIES * local * shape.hidden
         + 4 * local
@@ -190,7 +190,7 @@ def transient_bytes(
 ) -> float:
     """What a backward re-materializes one layer at a time beyond what is kept: "full" recomputes a whole layer,
     "selective" its core attention; plus the MoE dispatcher's buffers."""
-    extra = dispatch_buffer_bytes(shape, -(-rows * seq // sequence_split(shape, tp)), e, ep, etp)
+    extra = dispatch_buffer_bytes(shape, local_tokens(shape, tp, rows * seq), e, ep, etp)
     if recompute == "full":
         extra += sum(layer_bytes(shape, tp, rows, seq, e, "none", ep=ep, etp=etp).values())
     elif recompute == "selective":

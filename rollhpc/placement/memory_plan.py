@@ -250,7 +250,7 @@ def forward_activation_bytes(
     return int(
         layer
         + am.dispatch_buffer_bytes(
-            shape, -(-micro_batch * seq_len // am.sequence_split(shape, tp)), dtype, ep, etp
+            shape, am.local_tokens(shape, tp, micro_batch * seq_len), dtype, ep, etp
         )
         + am.head_bytes(shape, tp, micro_batch, seq_len, dtype)
     )

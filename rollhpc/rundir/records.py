@@ -47,7 +47,9 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
 # one job's time limit goes on, and only cluster.max_continuations (unbounded by default) bounds it.
 FAILURE = "failure"
 CONTINUATION = "continuation"
-_CONTINUATION_REASON = "checkpoint saved at the time-limit warning"
+CONTINUATION_REASON = (
+    "checkpoint saved at the time-limit warning"  # the batch script's words for one
+)
 
 
 def restart_cause(event: dict[str, Any]) -> str:
@@ -55,9 +57,7 @@ def restart_cause(event: dict[str, Any]) -> str:
     cause = event.get("cause")
     if cause in (FAILURE, CONTINUATION):
         return cause
-    return (
-        CONTINUATION if str(event.get("reason", "")).startswith(_CONTINUATION_REASON) else FAILURE
-    )
+    return CONTINUATION if str(event.get("reason", "")).startswith(CONTINUATION_REASON) else FAILURE
 
 
 def restarts_by_cause(events: list[dict[str, Any]]) -> dict[str, int]:

@@ -263,9 +263,8 @@ class RouteReplayer:
         for k, replay in self._of(chunk):
             assert replay.used is not None
             used = replay.used
-            if (
-                self.split[1] > 1
-            ):  # this rank's part of the sequence: the whole, as every TP rank keeps it
+            # this rank's part of the sequence: gathered whole, as every TP rank keeps it
+            if self.split[1] > 1:
                 used = gather_from_sequence_parallel_region(used, tensor_parallel_output_grad=False)
             used = used.reshape(-1, b, self.top_k)[:s].transpose(0, 1).cpu().numpy()
             self.recorded[rows, :s, k, :] = used[keep].astype(ROUTE_DTYPE)
